@@ -1,0 +1,140 @@
+"""The small ASGI toolkit the hub, the node and the sim server share, and how they serve.
+
+Theory of operation: each of our servers is a plain ASGI callable dispatching on
+(method, path) by hand -- no framework, because the hot path is one dict lookup and a
+byte copy. This module owns reading a bounded request body, writing JSON and streamed
+responses, and `serve`, which binds through hypercorn's trio worker, prints the one
+`appliance <role> listening on http://HOST:PORT` line the contract promises, and hands
+the bound (host, port) to `task_status.started` only once the socket listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import sys
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve as hyper_serve
+
+from appliance.config import parse_listen
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+_json = msgspec.json.Encoder()
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of a request header (name in lower case), or None."""
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+def bearer(scope: Scope) -> str | None:
+    """The key from `Authorization: Bearer KEY`, else `x-api-key`."""
+    auth = header(scope, b"authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return header(scope, b"x-api-key")
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body; raises BodyTooLarge past `limit` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise trio.BrokenResourceError("client went away")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(size)
+        parts.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(parts)
+
+
+async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = obj if isinstance(obj, bytes) else _json.encode(obj)
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_text(send: Send, status: int, text: str | bytes, content_type: bytes = b"text/plain; charset=utf-8") -> None:
+    body = text.encode() if isinstance(text, str) else text
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone away (used to cancel upstream work)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def ssl_server_context(cert: str, key: str, ca: str = "") -> ssl.SSLContext | None:
+    if not cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    if ca:
+        ctx.load_verify_locations(ca)
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+    return ctx
+
+
+async def serve(
+    app: Callable,
+    listen: str,
+    role: str,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
+    drain_seconds: float = 5.0,
+    certfile: str = "",
+    keyfile: str = "",
+    ca_certs: str = "",
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `app` on `listen` until `shutdown_trigger` returns, then drain.
+
+    Prints the `listening on` line and reports the bound (host, port) to
+    `task_status.started` once the socket listens.
+    """
+    host, port = parse_listen(listen)
+    cfg = HyperConfig()
+    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    cfg.graceful_timeout = drain_seconds
+    cfg.accesslog = None
+    cfg.errorlog = logging.getLogger(f"appliance.{role}.http")
+    cfg.keep_alive_timeout = 75
+    if certfile:
+        cfg.certfile = certfile
+        cfg.keyfile = keyfile
+        if ca_certs:
+            cfg.ca_certs = ca_certs
+            cfg.verify_mode = ssl.CERT_OPTIONAL
+
+    async def _serve(*, task_status=trio.TASK_STATUS_IGNORED):
+        await hyper_serve(app, cfg, shutdown_trigger=shutdown_trigger, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(_serve)
+        scheme, _, addr = binds[0].partition("://")
+        h, _, p = addr.rpartition(":")
+        print(f"appliance {role} listening on {scheme}://{addr}", file=sys.stderr, flush=True)
+        task_status.started((h.strip("[]"), int(p)))

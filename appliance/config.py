@@ -1,0 +1,398 @@
+"""Environment variables -> typed configuration.
+
+Theory of operation: every setting is a `Section__Key` (or `Section__N__Key` for lists,
+`Section__Key__N__Sub` for a list inside a section, `Profiles__NAME__Args` for named
+profiles), matched case-insensitively, optionally behind an `APPLIANCE_` prefix -- the
+names InferHub uses, so its env files keep working. An env file given with `--env-file`
+is read first and the process environment overrides it.
+
+This module never does I/O beyond reading the env file, never starts anything, and makes
+one decision: is this configuration valid? A bad value or an unknown key under a known
+section raises `ConfigError` whose message is one line naming the variable, the value
+and what is allowed ("did you mean"). Variables of unknown sections are ignored: the
+process environment is full of PATH and friends.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import socket
+import typing
+from typing import Annotated, ClassVar, Literal
+
+import msgspec
+
+ENV_PREFIX = "APPLIANCE_"
+MiB = 1024 * 1024
+
+NonNeg = Annotated[float, msgspec.Meta(ge=0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+PriorityClass = Literal["essential", "normal", "background"]
+EngineKind = Literal["ollama", "llamacpp", "openai", "sim"]
+
+
+class ConfigError(Exception):
+    """One line naming the variable, the value and what is allowed."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, rename="pascal"):
+    pass
+
+
+class HubConfig(_Section):
+    listen: str = "0.0.0.0:8080"
+    # The hub a node announces itself to; empty: the node waits to be dialled.
+    url: str = ""
+    # 32 MiB: a long chat history with a few images fits; a runaway upload does not.
+    max_body_bytes: PosInt = 32 * MiB
+    drain_seconds: NonNeg = 30.0
+    # Cap of the jittered reconnect backoff of a node supervisor.
+    reconnect_max_seconds: PosFloat = 30.0
+    # Longest silence between two chunks from a node before the request is failed.
+    upstream_read_seconds: PosFloat = 600.0
+    # How often the control loop looks at the fleet (placement, idle unload).
+    control_interval_seconds: PosFloat = 1.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+
+class MetricsConfig(_Section):
+    # None: the role's default (0.0.0.0:9464 hub, 0.0.0.0:9465 node); "": no server.
+    listen: str | None = None
+
+
+class ClientConfig(_Section):
+    name: str = ""
+    key: str = ""
+    priority: PriorityClass = "normal"
+    # Globs of the models this client may use; empty: all.
+    models: list[str] = []
+
+
+class AuthConfig(_Section):
+    node_token: str = ""
+    require_keys: bool = False
+    admin_key: str = ""
+    clients: list[ClientConfig] = []
+
+
+class NodeRef(_Section):
+    name: str = ""
+    url: str = ""
+
+
+class NodeConfig(_Section):
+    name: str = ""
+    listen: str = "0.0.0.0:9090"
+    advertise_url: str = ""
+    max_concurrency: PosInt | None = None
+    model_slots: PosInt = 1
+    memory_mb: NonNegInt | None = None
+    heartbeat_seconds: PosFloat = 2.0
+    # How often a node repeats its announcement to Hub__Url.
+    announce_seconds: PosFloat = 15.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+
+class EngineConfig(_Section):
+    kind: EngineKind = "ollama"
+    url: str = "http://127.0.0.1:11434"
+    command: str = "llama-server -m {model} --port {port} {args}"
+    start_timeout_seconds: PosFloat = 120.0
+
+
+class SimModel(_Section):
+    name: str = ""
+    size_mb: NonNegInt = 500
+    load_seconds: NonNeg = 0.0
+    fail_load: str = ""
+
+
+class SimConfig(_Section):
+    listen: str = "127.0.0.1:11435"
+    models: list[SimModel] = []
+    tokens_per_second: NonNeg = 200.0
+    parallel: PosInt = 4
+
+    def effective_models(self) -> list[SimModel]:
+        return self.models or [SimModel(name="sim-small", size_mb=500)]
+
+
+class RouterConfig(_Section):
+    activation_wait_seconds: NonNeg = 45.0
+
+
+class QueueConfig(_Section):
+    max_wait_seconds: NonNeg = 30.0
+    max_depth: NonNegInt = 64
+    slot_wait_seconds: NonNeg = 0.0
+
+
+class PriorityConfig(_Section):
+    enabled: bool = False
+    reserve_slots: NonNegInt = 1
+    background_max_wait_seconds: NonNeg = 600.0
+
+
+class ModelDef(_Section):
+    name: str = ""
+    source: str = ""
+    profile: str = ""
+    memory_mb: NonNegInt | None = None
+    # Always-on replica count; 0 means on demand.
+    replicas: NonNegInt = 0
+    idle_unload_seconds: NonNeg = 300.0
+
+
+class ModelsConfig(_Section):
+    INDEXED: ClassVar[str] = "items"
+    items: list[ModelDef] = []
+    park_after_failures: PosInt = 5
+    # Cap of the backoff between two start attempts of one model.
+    retry_backoff_max_seconds: PosFloat = 300.0
+    # The placement warning repeats at most this often while its reason is unchanged.
+    warning_interval_seconds: PosFloat = 600.0
+
+
+class Profile(_Section):
+    args: str = ""
+
+
+class AuditConfig(_Section):
+    path: str = ""
+    # Rotated by size: 100 MiB a file, 5 old files kept.
+    max_bytes: PosInt = 100 * MiB
+    backups: NonNegInt = 5
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, rename="pascal"):
+    hub: HubConfig = msgspec.field(default_factory=HubConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    nodes: list[NodeRef] = []
+    node: NodeConfig = msgspec.field(default_factory=NodeConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    sim: SimConfig = msgspec.field(default_factory=SimConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
+    priority: PriorityConfig = msgspec.field(default_factory=PriorityConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    profiles: dict[str, Profile] = {}
+    audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
+
+    def node_name(self) -> str:
+        return self.node.name or socket.gethostname()
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+_INDEX = re.compile(r"^\d+$")
+
+
+def _pascal_fields(cls: type) -> dict[str, tuple[str, typing.Any]]:
+    """lower-case pascal name -> (pascal name, type) for a Struct class."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = {}
+    for f in msgspec.structs.fields(cls):
+        out[f.encode_name.lower()] = (f.encode_name, hints[f.name])
+    return out
+
+
+def _strip(tp: typing.Any) -> typing.Any:
+    """Annotated[X, ...] -> X; X | None -> X."""
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType")):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return _strip(args[0])
+    return tp
+
+
+def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=1)
+    if not close:
+        return ""
+    by_lower = {c.lower(): c for c in choices}
+    return f' (did you mean "{by_lower[close[0]]}"?)'
+
+
+def _place(tree: dict, cls: type, segs: list[str], value: str, var: str, path: list) -> None:
+    """Put `value` at `segs` under the Struct `cls` into `tree`, canonicalising names."""
+    fields = _pascal_fields(cls)
+    head = segs[0]
+    if _INDEX.match(head) and getattr(cls, "INDEXED", None):
+        name, tp = fields[cls.INDEXED.lower()]
+        segs = [name.lower(), *segs]
+        head = segs[0]
+    if head.lower() not in fields:
+        raise ConfigError(
+            f"{var}: unknown key {head!r} under {'__'.join(path) or 'root'}"
+            f"{_did_you_mean(head, [n for n, _ in fields.values()])}"
+        )
+    name, tp = fields[head.lower()]
+    _place_typed(tree, name, _strip(tp), segs[1:], value, var, [*path, name])
+
+
+def _place_typed(tree: dict, name: str, tp: typing.Any, rest: list[str], value: str, var: str, path: list) -> None:
+    origin = typing.get_origin(tp)
+    if not rest:
+        if origin is list:
+            item = _strip(typing.get_args(tp)[0])
+            if isinstance(item, type) and issubclass(item, msgspec.Struct):
+                raise ConfigError(f"{var}: {'__'.join(path)} is a list; set {'__'.join(path)}__0__<Key>")
+            tree[name] = [v.strip() for v in value.split(",") if v.strip()]
+        else:
+            tree[name] = value
+        return
+    if origin is list:
+        if not _INDEX.match(rest[0]):
+            raise ConfigError(f"{var}: expected an index after {'__'.join(path)}, got {rest[0]!r}")
+        item = _strip(typing.get_args(tp)[0])
+        slot = tree.setdefault(name, {}).setdefault(int(rest[0]), {} if len(rest) > 1 else None)
+        if len(rest) == 1:
+            tree[name][int(rest[0])] = value
+        else:
+            _place(slot, item, rest[1:], value, var, [*path, rest[0]])
+        return
+    if origin is dict:
+        item = _strip(typing.get_args(tp)[1])
+        sub = tree.setdefault(name, {}).setdefault(rest[0], {})
+        if len(rest) < 2:
+            raise ConfigError(f"{var}: expected {'__'.join(path)}__NAME__<Key>")
+        _place(sub, item, rest[1:], value, var, [*path, rest[0]])
+        return
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        _place(tree.setdefault(name, {}), tp, rest, value, var, path)
+        return
+    raise ConfigError(f"{var}: {'__'.join(path)} takes no sub-keys")
+
+
+def _lists(node: typing.Any) -> typing.Any:
+    """Turn {index: ...} maps into lists, ordered by index."""
+    if isinstance(node, dict):
+        if node and all(isinstance(k, int) for k in node):
+            return [_lists(node[k]) for k in sorted(node)]
+        return {k: _lists(v) for k, v in node.items()}
+    return node
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """KEY=VALUE lines; blank lines and # comments skipped; optional quotes removed."""
+    out: dict[str, str] = {}
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise ConfigError(f"--env-file {path}: {e.strerror}") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[7:].lstrip()
+        if "=" not in line:
+            raise ConfigError(f"{path}:{n}: expected KEY=VALUE, got {line!r}")
+        k, v = line.split("=", 1)
+        v = v.strip()
+        if len(v) >= 2 and v[0] == v[-1] and v[0] in "\"'":
+            v = v[1:-1]
+        out[k.strip()] = v
+    return out
+
+
+def _path_to_var(path: str) -> str:
+    """msgspec's `$.Auth.Clients[0].Priority` -> `Auth__Clients__0__Priority`."""
+    p = path.removeprefix("$").lstrip(".")
+    p = re.sub(r"\[(\d+)\]", r".\1", p)
+    p = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", p)
+    return "__".join(s for s in p.split(".") if s)
+
+
+def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None = None) -> Config:
+    """Parse the env (and env file) into a Config, or raise ConfigError."""
+    environ = os.environ if environ is None else environ
+    merged: dict[str, str] = {}
+    if env_file:
+        merged.update(read_env_file(env_file))
+    merged.update(environ)
+    sections = _pascal_fields(Config)
+    tree: dict = {}
+    originals: dict[str, str] = {}
+    for raw, value in merged.items():
+        var = raw[len(ENV_PREFIX):] if raw.upper().startswith(ENV_PREFIX) else raw
+        segs = var.split("__")
+        if len(segs) < 2 or segs[0].lower() not in sections or any(s == "" for s in segs):
+            continue
+        _place(tree, Config, segs, value, raw, [])
+        originals["__".join(segs).lower()] = raw
+    tree = _lists(tree)
+    try:
+        cfg = msgspec.convert(tree, Config, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = re.search(r" - at `([^`]+)`$", msg)
+        var = _path_to_var(m.group(1)) if m else ""
+        reason = msg[: m.start()] if m else msg
+        shown = originals.get(var.lower(), var)
+        value = merged.get(shown, "")
+        allowed = ""
+        em = re.search(r"Invalid enum value '([^']*)'", reason)
+        if em:
+            allowed = _enum_hint(var, em.group(1))
+        raise ConfigError(f"{shown}={value!r}: {reason}{allowed}") from None
+    _check(cfg)
+    return cfg
+
+
+def _enum_hint(var: str, got: str) -> str:
+    choices = {
+        "priority": typing.get_args(PriorityClass),
+        "kind": typing.get_args(EngineKind),
+    }.get(var.rsplit("__", 1)[-1].lower(), ())
+    if not choices:
+        return ""
+    return f"; allowed: {', '.join(choices)}{_did_you_mean(got, choices)}"
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field rules msgspec cannot express."""
+    for i, c in enumerate(cfg.auth.clients):
+        if not c.key:
+            raise ConfigError(f"Auth__Clients__{i}__Key is empty: every client needs a key")
+        if not c.name:
+            c.name = f"client-{i}"
+    for i, n in enumerate(cfg.nodes):
+        if not n.url.startswith(("http://", "https://")):
+            raise ConfigError(f"Nodes__{i}__Url={n.url!r}: expected an http:// or https:// URL")
+        if not n.name:
+            raise ConfigError(f"Nodes__{i}__Name is empty: every static node needs a name")
+    for i, m in enumerate(cfg.models.items):
+        if not m.name:
+            raise ConfigError(f"Models__{i}__Name is empty: every model needs a name")
+        if m.profile and m.profile not in cfg.profiles:
+            raise ConfigError(
+                f"Models__{i}__Profile={m.profile!r}: no such profile"
+                f"{_did_you_mean(m.profile, cfg.profiles)}; define Profiles__{m.profile}__Args"
+            )
+    for i, m in enumerate(cfg.sim.models):
+        if not m.name:
+            raise ConfigError(f"Sim__Models__{i}__Name is empty: every simulated model needs a name")
+    for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen), ("Sim__Listen", cfg.sim.listen)):
+        parse_listen(listen, var)
+    if cfg.metrics.listen:
+        parse_listen(cfg.metrics.listen, "Metrics__Listen")
+
+
+def parse_listen(listen: str, var: str = "listen") -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port); port 0 picks a free one."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host or int(port) > 65535:
+        raise ConfigError(f"{var}={listen!r}: expected HOST:PORT (port 0 picks a free one)")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,67 @@
+"""What a node needs from an engine, whatever its kind.
+
+Theory of operation: an engine adapter owns the engine's processes or connection and
+knows which models exist, which are loaded, and where each loaded model is served (a
+base URL on loopback or the upstream). It never counts requests or enforces limits --
+the node does that -- and it never proxies bytes: the node streams to `upstream(model)`.
+It tells the node about every change through the `on_change` callback it was given, so
+the node can publish a new `NodeState` on its watch stream.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable
+
+import trio
+
+from appliance.wire import EngineInstall, ModelState
+
+
+class EngineError(Exception):
+    """A load or unload the engine refused; the message is the engine's own words."""
+
+
+class Engine(abc.ABC):
+    kind: str = ""
+
+    def __init__(self) -> None:
+        self.on_change: Callable[[], None] = lambda: None
+
+    @abc.abstractmethod
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Long-lived: start or connect to the engine, keep the model list fresh.
+
+        Calls `task_status.started()` once the engine answers (or is known absent,
+        with that said in `installs()`/`models()`), then runs until cancelled.
+        Engine processes it started die with it (and with the node, even on SIGKILL).
+        """
+
+    @abc.abstractmethod
+    def installs(self) -> list[EngineInstall]:
+        """The engines installed here (kind, version) for NodeState.engines."""
+
+    @abc.abstractmethod
+    def models(self) -> list[ModelState]:
+        """Every model this engine knows: name, size_mb, state, last_error."""
+
+    @abc.abstractmethod
+    async def load(self, model: str, source: str = "", args: str = "") -> None:
+        """Load `model` and return once it serves; raise EngineError with the engine's words.
+
+        `source` is the catalog's Models__N__Source (a file path for llama.cpp, a tag for
+        Ollama; empty: the model name), `args` the profile's engine arguments. No timeout
+        here: the node wraps the call in `Engine__StartTimeoutSeconds`.
+        """
+
+    @abc.abstractmethod
+    async def unload(self, model: str) -> None:
+        """Unload `model` (a no-op for a model that is not loaded)."""
+
+    @abc.abstractmethod
+    def upstream(self, model: str) -> str | None:
+        """Base URL (no trailing slash) that serves `model`'s /v1 and /api paths, or None."""
+
+    def memory_used_mb(self) -> int:
+        """MiB the loaded models take, by the engine's own account."""
+        return sum(m.size_mb for m in self.models() if m.state in ("ready", "loading"))

@@ -1,0 +1,88 @@
+"""Types that cross the wire between hub and node, shared by both.
+
+Theory of operation: a node describes itself as one `NodeState`; the hub never asks a
+node for parts of it. The watch stream (`GET /node/v1/watch`) is NDJSON, one
+`WatchEvent` per line: a full `StateEvent` first, another on every change, and a
+`Heartbeat` at least every `Node__HeartbeatSeconds`. Peers may be newer than us, so the
+decoders are lenient (unknown fields ignored); what we send is what these Structs say.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from appliance import __version__
+
+ModelStatus = Literal["available", "loading", "ready", "failed"]
+
+
+class EngineInstall(msgspec.Struct):
+    kind: str
+    version: str = ""
+
+
+class ModelState(msgspec.Struct):
+    name: str
+    size_mb: int = 0
+    state: ModelStatus = "available"
+    last_error: str = ""
+    in_flight: int = 0
+
+
+class NodeState(msgspec.Struct):
+    name: str
+    version: str = __version__
+    engines: list[EngineInstall] = []
+    memory_total_mb: int | None = None
+    memory_used_mb: int | None = None
+    max_concurrency: int | None = None
+    # Per-model parallel slots (Ollama's OLLAMA_NUM_PARALLEL); None: not declared.
+    slots: int | None = None
+    in_flight: int = 0
+    paused: bool = False
+    left: bool = False
+    over_limits: bool = False
+    over_limits_reason: str = ""
+    models: list[ModelState] = []
+
+    def model(self, name: str) -> ModelState | None:
+        for m in self.models:
+            if m.name == name:
+                return m
+        return None
+
+
+class StateEvent(msgspec.Struct, tag="state"):
+    state: NodeState
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    ts: float = 0.0
+
+
+WatchEvent = StateEvent | Heartbeat
+
+
+class Announce(msgspec.Struct):
+    """`POST /api/nodes/announce` body; the node token is the bearer."""
+
+    name: str
+    url: str
+
+
+class ErrorBody(msgspec.Struct):
+    """What a node answers on a failed control call: `{"error": "..."}`."""
+
+    error: str
+
+
+watch_encoder = msgspec.json.Encoder()
+watch_decoder = msgspec.json.Decoder(WatchEvent)
+announce_decoder = msgspec.json.Decoder(Announce)
+state_decoder = msgspec.json.Decoder(NodeState)
+
+
+def encode_event(ev: StateEvent | Heartbeat) -> bytes:
+    return watch_encoder.encode(ev) + b"\n"
