@@ -86,3 +86,14 @@ state_decoder = msgspec.json.Decoder(NodeState)
 
 def encode_event(ev: StateEvent | Heartbeat) -> bytes:
     return watch_encoder.encode(ev) + b"\n"
+
+
+class LoadRequest(msgspec.Struct):
+    """`POST /node/v1/models/{model}/load` body (may be empty): the catalog's source and
+    the profile's engine arguments."""
+
+    source: str = ""
+    args: str = ""
+
+
+load_request_decoder = msgspec.json.Decoder(LoadRequest)
