@@ -138,3 +138,14 @@ async def serve(
         h, _, p = addr.rpartition(":")
         print(f"appliance {role} listening on {scheme}://{addr}", file=sys.stderr, flush=True)
         task_status.started((h.strip("[]"), int(p)))
+
+
+async def handle_lifespan(receive: Receive, send: Send) -> None:
+    """Answer hypercorn's lifespan messages; our apps do their setup in the nursery."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -13,7 +13,7 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from appliance.asgi import send_text
+from appliance.asgi import handle_lifespan, send_text
 
 
 def render(registry: CollectorRegistry, before_scrape: list[Callable[[], None]] = ()) -> bytes:
@@ -27,13 +27,8 @@ def metrics_app(registry: CollectorRegistry, before_scrape: list[Callable[[], No
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await handle_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         if scope["path"] != "/metrics":
