@@ -1,0 +1,247 @@
+"""The hub's view of its fleet: one handle per node, and the supervisor loop that keeps it.
+
+Theory of operation: a node is known statically (`Nodes__N__*`) or by announcing itself;
+either way it gets a `NodeHandle` and one supervisor task in the hub's nursery. The
+supervisor is a small explicit loop: follow the node's watch stream, take every
+`NodeState` it sends as the truth, mark the node lost when the stream ends or stays
+silent for 3 x heartbeat, back off (capped, jittered), reconnect. It never catches
+`Cancelled`.
+
+The handle's decisions (status, routable, free places) are plain synchronous code. The
+hub counts its own in-flight requests per node and model, because the node's count
+arrives a heartbeat late and admission must not hand one place out twice. Every change
+calls the registry's listeners (admission wakes its waiters, status is recomputed) --
+no one polls the registry except the activation waiter, on purpose.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Callable
+
+import httpx
+import msgspec
+import trio
+
+from appliance.wire import Heartbeat, NodeState, StateEvent, watch_decoder
+
+log = logging.getLogger("appliance.hub.nodes")
+
+# A node is lost after this many heartbeats pass without a line (DESIGN 2).
+MISSED_HEARTBEATS = 3
+# First reconnect delay; doubles per failure up to Hub__ReconnectMaxSeconds.
+BACKOFF_START = 0.5
+
+
+class NodeHandle:
+    def __init__(self, name: str, url: str, static: bool) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self.static = static
+        self.state: NodeState | None = None
+        self.connected = False
+        self.lost_reason = "not connected yet"
+        self.last_line = 0.0
+        self.cordoned = False
+        self.removed = False
+        self.in_flight: dict[str, int] = {}
+        self.in_flight_total = 0
+        self.url_changed = trio.Event()
+
+    # --- decisions ---------------------------------------------------------------------
+
+    def status(self) -> str:
+        """One of up, lost, paused, cordoned, over_limits, left (DESIGN 9)."""
+        st = self.state
+        if not self.connected or st is None:
+            return "lost"
+        if st.left:
+            return "left"
+        if st.paused:
+            return "paused"
+        if self.cordoned:
+            return "cordoned"
+        if st.over_limits:
+            return "over_limits"
+        return "up"
+
+    def routable(self) -> bool:
+        return self.status() == "up"
+
+    def ready(self, model: str) -> bool:
+        if not self.routable():
+            return False
+        m = self.state.model(model)
+        return m is not None and m.state == "ready"
+
+    def free_places(self, model: str) -> int | None:
+        """What is left of max_concurrency and of the model's slots, the lesser; None: unbounded."""
+        st = self.state
+        left: list[int] = []
+        if st.max_concurrency is not None:
+            left.append(st.max_concurrency - self.in_flight_total)
+        if st.slots is not None:
+            left.append(st.slots - self.in_flight.get(model, 0))
+        if not left:
+            return None
+        return max(0, min(left))
+
+    def has_concurrency(self) -> bool:
+        st = self.state
+        return st is None or st.max_concurrency is None or self.in_flight_total < st.max_concurrency
+
+    def memory_free_mb(self) -> int | None:
+        st = self.state
+        if st is None or st.memory_total_mb is None:
+            return None
+        return st.memory_total_mb - (st.memory_used_mb or 0)
+
+
+class Registry:
+    """All known nodes, their in-flight counts, and who to tell when anything changes."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeHandle] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._changed = trio.Event()
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    def changed(self) -> None:
+        for fn in self._listeners:
+            fn()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def upsert(self, name: str, url: str, static: bool) -> tuple[NodeHandle, bool]:
+        """The handle for `name`; True when it is new (a supervisor must be started)."""
+        h = self.nodes.get(name)
+        if h is None:
+            h = self.nodes[name] = NodeHandle(name, url, static)
+            self.changed()
+            return h, True
+        if h.url != url.rstrip("/"):
+            h.url = url.rstrip("/")
+            h.url_changed.set()
+            h.url_changed = trio.Event()
+        return h, False
+
+    def ready_nodes(self, model: str) -> list[NodeHandle]:
+        return [h for h in self.nodes.values() if h.ready(model)]
+
+    def free_places(self, model: str) -> int | None:
+        """Free places for `model` over the nodes it can be routed to now (DESIGN 5).
+
+        None when some such node declares neither a concurrency cap nor slots: it gives
+        nothing to count, so nothing is held.
+        """
+        total = 0
+        for h in self.ready_nodes(model):
+            free = h.free_places(model)
+            if free is None:
+                return None
+            total += free
+        return total
+
+    def pick(self, model: str, exclude: set[str] = frozenset()) -> NodeHandle | None:
+        """The routable node with the most free places for `model` (unbounded counts most)."""
+        best, best_free = None, -1
+        for h in self.nodes.values():
+            if h.name in exclude or not h.ready(model) or not h.has_concurrency():
+                continue
+            free = h.free_places(model)
+            score = 1 << 30 if free is None else free
+            score -= h.in_flight.get(model, 0) if free is None else 0
+            if score > best_free:
+                best, best_free = h, score
+        return best
+
+    def known_models(self) -> set[str]:
+        out: set[str] = set()
+        for h in self.nodes.values():
+            if h.state is not None:
+                out.update(m.name for m in h.state.models)
+        return out
+
+    def start(self, h: NodeHandle, model: str) -> None:
+        h.in_flight[model] = h.in_flight.get(model, 0) + 1
+        h.in_flight_total += 1
+
+    def finish(self, h: NodeHandle, model: str) -> None:
+        h.in_flight[model] = max(0, h.in_flight.get(model, 0) - 1)
+        h.in_flight_total = max(0, h.in_flight_total - 1)
+        self.changed()
+
+    def apply_state(self, h: NodeHandle, state: NodeState) -> None:
+        h.state = state
+        h.connected = True
+        h.lost_reason = ""
+        self.changed()
+
+    def mark_lost(self, h: NodeHandle, reason: str) -> None:
+        was = h.connected
+        h.connected = False
+        h.lost_reason = reason
+        if was:
+            log.warning("node %s lost: %s", h.name, reason)
+        self.changed()
+
+
+# --- the supervisor (trio shell) ----------------------------------------------------------
+
+
+async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, heartbeat: float,
+                      on_event: Callable[[str, NodeHandle, str], None]) -> None:
+    """Follow one watch stream until it ends; raise on transport errors and silences."""
+    silence = MISSED_HEARTBEATS * heartbeat
+    async with client.stream("GET", f"{h.url}/node/v1/watch") as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread())[:200].decode(errors="replace")
+            raise httpx.HTTPStatusError(f"watch answered {resp.status_code}: {body}", request=resp.request, response=resp)
+        lines = resp.aiter_lines().__aiter__()
+        while True:
+            with trio.fail_after(silence):
+                try:
+                    line = await lines.__anext__()
+                except StopAsyncIteration:
+                    return
+            h.last_line = trio.current_time()
+            if not line.strip():
+                continue
+            ev = watch_decoder.decode(line)
+            if isinstance(ev, StateEvent):
+                first = not h.connected
+                registry.apply_state(h, ev.state)
+                if first:
+                    on_event("node_up", h, "")
+            elif isinstance(ev, Heartbeat):
+                pass
+
+
+async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *, heartbeat: float,
+                    backoff_max: float, on_event: Callable[[str, NodeHandle, str], None]) -> None:
+    """Connect, follow, mark lost, back off (capped, jittered), reconnect -- until removed."""
+    backoff = BACKOFF_START
+    while not h.removed:
+        try:
+            await follow_once(client, h, registry, heartbeat, on_event)
+            reason = "watch stream ended"
+        except trio.TooSlowError:
+            reason = f"no heartbeat for {MISSED_HEARTBEATS * heartbeat:g} s"
+        except (httpx.TransportError, httpx.HTTPStatusError, httpx.StreamError) as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            reason = f"bad watch line: {e}"
+        if h.connected:
+            on_event("node_lost", h, reason)
+            backoff = BACKOFF_START
+        registry.mark_lost(h, reason)
+        delay = backoff * random.uniform(0.5, 1.0)
+        backoff = min(backoff * 2, backoff_max)
+        with trio.move_on_after(delay):
+            await h.url_changed.wait()
