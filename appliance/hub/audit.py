@@ -1,0 +1,70 @@
+"""The audit trail: one JSON line per request and per node, model or admin event.
+
+Theory of operation: a line is written (and flushed) before the response ends, so a
+client that saw an answer can find its line. Lines go to `Audit__Path` or, when empty,
+to stdout. The file is rotated by size (`Audit__MaxBytes`, `Audit__Backups` kept as
+PATH.1 ... PATH.N). Never the key itself: the client's name. Writes are small and
+synchronous -- a local append is faster than handing it to a thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import msgspec
+
+_enc = msgspec.json.Encoder()
+
+
+class AuditLog:
+    def __init__(self, path: str = "", max_bytes: int = 100 * 1024 * 1024, backups: int = 5) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self._fh: TextIO | None = None
+        self._size = 0
+
+    def _open(self):
+        if not self.path:
+            return sys.stdout.buffer
+        if self._fh is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._fh = open(self.path, "ab")
+            self._size = self._fh.tell()
+        return self._fh
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        self._fh = None
+        for i in range(self.backups - 1, 0, -1):
+            src = f"{self.path}.{i}"
+            if os.path.exists(src):
+                os.replace(src, f"{self.path}.{i + 1}")
+        if self.backups > 0:
+            os.replace(self.path, f"{self.path}.1")
+        else:
+            os.unlink(self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = _enc.encode(record) + b"\n"
+        fh = self._open()
+        fh.write(line)
+        fh.flush()
+        if self.path:
+            self._size += len(line)
+            if self._size >= self.max_bytes:
+                self._rotate()
+
+    def request(self, **fields: Any) -> None:
+        self.write({"ts": round(time.time(), 3), "kind": "request", **fields})
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.write({"ts": round(time.time(), 3), "kind": kind, **fields})
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
