@@ -26,6 +26,10 @@ class Admission:
     def __init__(self, cfg: Config, registry, metrics_registry) -> None:
         self.cfg = cfg
         self.registry = registry
+        self.enabled = cfg.priority.enabled
+
+    def effective_class(self, client_cls: str, headers) -> str:
+        return client_cls if self.enabled else "normal"
 
     async def admit(self, model: str, cls: str, client: str) -> Ticket:
         return Ticket(model, cls, client)
