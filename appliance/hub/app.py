@@ -1,0 +1,160 @@
+"""The hub's HTTP surface: one ASGI callable dispatching by method and path.
+
+Theory of operation: a dict lookup picks the handler; anything unknown is answered in the
+shape of the API its path belongs to (/v1 -> OpenAI, else Ollama's `{"error"}`), 404 for
+an unknown route and 405 for a known route with the wrong method. Inference goes to the
+router; the information routes are derived from live state by status.py; /admin/ goes to
+admin.py once the admin key is checked. Nothing here blocks or holds state of its own.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from urllib.parse import urlsplit
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from appliance import __version__
+from appliance.asgi import BodyTooLarge, bearer, handle_lifespan, read_body, send_json, send_text
+from appliance.hub import status
+from appliance.hub.errors import RouteError, error_body
+from appliance.hub.router import allowed, authenticate, handle_inference
+from appliance.metricsapp import render
+from appliance.wire import announce_decoder
+
+log = logging.getLogger("appliance.hub.app")
+
+INFERENCE = {
+    "/v1/chat/completions": "openai",
+    "/v1/completions": "openai",
+    "/v1/embeddings": "openai",
+    "/api/chat": "ollama",
+    "/api/generate": "ollama",
+    "/api/embed": "ollama",
+    "/api/embeddings": "ollama",
+}
+GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps", "/api/version"}
+# Announcements are tiny; anything bigger is not a node.
+ANNOUNCE_MAX_BYTES = 64 * 1024
+
+
+def _api(path: str) -> str:
+    return "openai" if path.startswith("/v1/") else "ollama"
+
+
+async def _error(send, path: str, status: int, code: str, message: str, headers=()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send({"type": "http.response.body", "body": error_body(_api(path), status, code, message)})
+
+
+def make_app(hub):
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            await handle_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        method = scope["method"]
+        api = INFERENCE.get(path)
+        if api is not None:
+            if method != "POST":
+                await _error(send, path, 405, "method_not_allowed", f"{path} takes POST")
+                return
+            await handle_inference(hub, scope, receive, send, api)
+            return
+        if path in GETS:
+            if method not in ("GET", "HEAD"):
+                await _error(send, path, 405, "method_not_allowed", f"{path} takes GET")
+                return
+            await _get(hub, scope, send, path)
+            return
+        if path == "/api/nodes/announce":
+            if method != "POST":
+                await _error(send, path, 405, "method_not_allowed", f"{path} takes POST")
+                return
+            await _announce(hub, scope, receive, send)
+            return
+        if path.startswith("/admin/"):
+            if not _admin_ok(hub, scope):
+                await _error(send, "/v1/", 401, "invalid_api_key", "the admin key is required")
+                return
+            from appliance.hub import admin
+
+            await admin.handle(hub, scope, receive, send)
+            return
+        await _error(send, path, 404, "not_found", f"no route {method} {path}")
+
+    return app
+
+
+def _admin_ok(hub, scope) -> bool:
+    key = hub.cfg.auth.admin_key
+    if not key:
+        return True
+    given = bearer(scope) or ""
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+async def _get(hub, scope, send, path: str) -> None:
+    if path == "/health":
+        await send_json(send, 200, {"status": "ok", "version": __version__})
+        return
+    if path in ("/api/status", "/metrics"):
+        if not _admin_ok(hub, scope):
+            await _error(send, "/v1/", 401, "invalid_api_key", "the admin key is required")
+            return
+        if path == "/metrics":
+            await send_text(send, 200, render(hub.metrics_registry, hub.before_scrape), CONTENT_TYPE_LATEST.encode())
+        else:
+            await send_json(send, 200, status.status_payload(hub))
+        return
+    if path == "/api/version":
+        await send_json(send, 200, {"version": __version__})
+        return
+    try:
+        client = authenticate(hub, bearer(scope))
+    except RouteError as e:
+        await _error(send, path, e.status, e.code, e.message)
+        return
+
+    def may(model: str) -> bool:
+        return allowed(client, model)
+
+    if path == "/v1/models":
+        await send_json(send, 200, status.openai_models(hub, may))
+    elif path == "/api/tags":
+        await send_json(send, 200, status.ollama_tags(hub, may))
+    else:
+        await send_json(send, 200, status.ollama_ps(hub, may))
+
+
+async def _announce(hub, scope, receive, send) -> None:
+    path = scope["path"]
+    token = hub.cfg.auth.node_token
+    if token and not hmac.compare_digest((bearer(scope) or "").encode(), token.encode()):
+        await _error(send, path, 401, "invalid_node_token", "the node token does not match")
+        return
+    try:
+        body = await read_body(receive, ANNOUNCE_MAX_BYTES)
+        ann = announce_decoder.decode(body)
+    except BodyTooLarge:
+        await _error(send, path, 413, "body_too_large", "announcement too large")
+        return
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        await _error(send, path, 400, "invalid_request", f"bad announcement: {e}")
+        return
+    u = urlsplit(ann.url)
+    if u.scheme not in ("http", "https") or not u.hostname or not ann.name:
+        await _error(send, path, 400, "invalid_request", f"bad announcement: url {ann.url!r} is not http(s)://HOST:PORT, or no name")
+        return
+    try:
+        u.port
+    except ValueError:
+        await _error(send, path, 400, "invalid_request", f"bad announcement: url {ann.url!r} has a bad port")
+        return
+    hub.add_node(ann.name, ann.url, static=False)
+    await send_json(send, 200, {"ok": True, "name": ann.name})

@@ -1,0 +1,267 @@
+"""Routing one inference request: authenticate, resolve, activate, admit, proxy, audit.
+
+Theory of operation (DESIGN 3): the hub decodes only `model` (and `stream`) from the
+body and forwards the bytes it received. Everything that refuses a request raises
+RouteError and is answered in the API's own shape. The response is streamed byte for
+byte: the hub waits for the node's first body chunk before it answers, so a node that
+fails before the first byte is retried once on another node; after that a failure ends
+the stream with an error event (`node_lost`). A client that hangs up cancels everything
+it was waiting on (activation, a queue, the upstream request) and frees its place at
+once. The audit line is written before the last byte goes out.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import logging
+import time
+
+import httpx
+import msgspec
+import trio
+
+from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
+from appliance.config import ClientConfig
+from appliance.hub.errors import RouteError, error_body
+
+log = logging.getLogger("appliance.hub.router")
+
+ANONYMOUS = ClientConfig(name="anonymous", key="", priority="normal", models=[])
+# Headers a client sends that the node should see too; the rest (keys) stay here.
+FORWARD_HEADERS = (b"content-type", b"accept", b"x-request-id", b"user-agent")
+# Retry-After for "no node can serve it now": about one heartbeat round of a fleet.
+NO_CAPACITY_RETRY_AFTER = 5.0
+
+
+class _Req(msgspec.Struct):
+    model: str
+    stream: bool | None = None
+
+
+_req_decoder = msgspec.json.Decoder(_Req)
+
+
+def authenticate(hub, key: str | None) -> ClientConfig:
+    """The client for `key`: a configured one, the anonymous one, or RouteError 401."""
+    if key:
+        found = None
+        for c in hub.cfg.auth.clients:
+            if hmac.compare_digest(c.key.encode(), key.encode()):
+                found = c
+        if found is not None:
+            return found
+    if hub.cfg.auth.require_keys:
+        raise RouteError(401, "invalid_api_key", "missing API key" if not key else "unknown API key")
+    return ANONYMOUS
+
+
+def allowed(client: ClientConfig, model: str) -> bool:
+    return not client.models or any(fnmatch.fnmatchcase(model, g) for g in client.models)
+
+
+def decode_request(body: bytes) -> _Req:
+    try:
+        return _req_decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise RouteError(400, "invalid_request", f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise RouteError(400, "invalid_json", f"body is not valid JSON: {e}") from None
+
+
+class Outcome:
+    """What the audit line and the metrics say about one request."""
+
+    __slots__ = ("t0", "client", "cls", "model", "path", "status", "node", "ttfb", "error", "done", "tried")
+
+    def __init__(self, path: str) -> None:
+        self.t0 = time.perf_counter()
+        self.client = "anonymous"
+        self.cls = "normal"
+        self.model = ""
+        self.path = path
+        self.status = 0
+        self.node = ""
+        self.ttfb: float | None = None
+        self.error = ""
+        self.done = False
+        self.tried: list[str] = []
+
+
+def record(hub, out: Outcome) -> None:
+    """Audit line and metrics for a finished request; once."""
+    if out.done:
+        return
+    out.done = True
+    elapsed = time.perf_counter() - out.t0
+    fields = {"client": out.client, "model": out.model, "path": out.path, "status": out.status,
+              "node": out.node, "ms": round(elapsed * 1000, 2)}
+    if out.ttfb is not None:
+        fields["ttfb_ms"] = round(out.ttfb * 1000, 2)
+    if out.error:
+        fields["error"] = out.error
+    if hub.admission.enabled:
+        fields["priority"] = out.cls
+    hub.audit.request(**fields)
+    m = hub.metrics
+    m.requests.labels(out.client, out.model, str(out.status)).inc()
+    if out.model:
+        m.latency.labels(out.model).observe(elapsed)
+        if out.ttfb is not None:
+            m.ttfb.labels(out.model).observe(out.ttfb)
+
+
+async def send_error(hub, send, api: str, out: Outcome, e: RouteError) -> None:
+    out.status = e.status
+    out.error = e.code
+    record(hub, out)
+    headers = [(b"content-type", b"application/json"), *e.headers()]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": e.body(api)})
+
+
+async def handle_inference(hub, scope, receive, send, api: str) -> None:
+    """One POST to an inference route (`api` is "openai" or "ollama")."""
+    out = Outcome(scope["path"])
+    try:
+        client = authenticate(hub, _key(scope))
+        out.client = client.name
+        try:
+            body = await read_body(receive, hub.cfg.hub.max_body_bytes)
+        except BodyTooLarge:
+            raise RouteError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
+        req = decode_request(body)
+        out.model = req.model
+        out.cls = hub.admission.effective_class(client.priority, scope["headers"])
+        if not allowed(client, req.model) or not hub.control.known(req.model):
+            raise RouteError(404, "model_not_found", f"model {req.model!r} not found")
+    except RouteError as e:
+        await send_error(hub, send, api, out, e)
+        return
+    except trio.BrokenResourceError:
+        return  # the client went away while sending its body
+
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            await wait_disconnect(receive)
+            out.error = out.error or "client_disconnected"
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            await _route(hub, scope, send, api, out, req, body)
+        except RouteError as e:
+            await send_error(hub, send, api, out, e)
+        finally:
+            nursery.cancel_scope.cancel()
+            if not out.done:
+                out.status = out.status or 499
+                with trio.CancelScope(shield=True):
+                    record(hub, out)
+
+
+def _key(scope) -> str | None:
+    auth = None
+    xkey = None
+    for k, v in scope["headers"]:
+        if k == b"authorization":
+            auth = v.decode("latin-1")
+        elif k == b"x-api-key":
+            xkey = v.decode("latin-1")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return xkey
+
+
+async def _route(hub, scope, send, api: str, out: Outcome, req: _Req, body: bytes) -> None:
+    model = req.model
+    err = hub.control.unservable(model)
+    if err is not None:
+        raise err
+    if not hub.registry.ready_nodes(model):
+        await hub.control.activate(model)
+    hub.control.touch(model)
+    ticket = await hub.admission.admit(model, out.cls, out.client)
+    try:
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS]
+        await _proxy(hub, send, api, out, model, scope["path"], body, headers)
+    finally:
+        hub.admission.release(ticket)
+
+
+async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: bytes, headers) -> None:
+    """Send to the best node; once more on another if it fails before the first byte."""
+    registry = hub.registry
+    tried: set[str] = set()
+    last = "no node has the model ready"
+    for _attempt in range(2):
+        node = registry.pick(model, exclude=tried)
+        if node is None:
+            break
+        tried.add(node.name)
+        out.tried.append(node.name)
+        registry.start(node, model)
+        hub.metrics.in_flight.labels(model).inc()
+        try:
+            await hub.admission.wait_slot(node, model, out.cls)
+            ok, last = await _stream_from(hub, send, api, out, node, path, body, headers)
+            if ok:
+                return
+        finally:
+            hub.metrics.in_flight.labels(model).dec()
+            registry.finish(node, model)
+        log.info("request for %s failed on %s before the first byte: %s", model, node.name, last)
+    raise RouteError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
+
+
+async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) -> tuple[bool, str]:
+    """(True, "") once the response went out; (False, why) when it failed before the first byte."""
+    client: httpx.AsyncClient = hub.node_client
+    request = client.build_request("POST", node.url + path, content=body, headers=headers)
+    try:
+        resp = await client.send(request, stream=True)
+    except httpx.TransportError as e:
+        return False, f"{type(e).__name__}: {e}"
+    try:
+        if resp.status_code == 503:
+            # The node (paused, full) or its engine (still loading) refused: try another.
+            return False, f"{node.name} answered 503: {(await resp.aread())[:200].decode(errors='replace')}"
+        chunks = resp.aiter_raw()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except httpx.TransportError as e:
+            return False, f"{type(e).__name__}: {e}"
+        out.node = node.name
+        out.status = resp.status_code
+        out.ttfb = time.perf_counter() - out.t0
+        ctype = resp.headers.get("content-type", "application/json")
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": [(b"content-type", ctype.encode())]})
+        if first:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.TransportError as e:
+            out.error = "node_lost"
+            msg = f"node {node.name} lost mid-stream: {type(e).__name__}"
+            log.warning("%s (model %s)", msg, out.model)
+            record(hub, out)
+            await send({"type": "http.response.body", "body": _stream_error(ctype, api, msg), "more_body": False})
+            return True, ""
+        record(hub, out)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True, ""
+    finally:
+        with trio.move_on_after(1, shield=True):
+            await resp.aclose()
+
+
+def _stream_error(ctype: str, api: str, msg: str) -> bytes:
+    """The error event that ends a stream whose node was lost, in the stream's own framing."""
+    body = error_body(api, 503, "node_lost", msg)
+    if "event-stream" in ctype:
+        return b"data: " + body + b"\n\n"
+    return b"\n" + body + b"\n"

@@ -1,0 +1,187 @@
+"""The hub process: one nursery holding every long-lived part.
+
+Theory of operation (DESIGN 1): `run_hub` opens the node client, the registry, the
+control plane and admission, then starts with `nursery.start` the API server, the
+metrics server, the control loop and one supervisor per static node; announced nodes
+get theirs as they arrive. `task_status.started` hands back the bound API address only
+once all of it listens. A stop (SIGTERM/SIGINT, or the caller's `stop` event) makes the
+API server stop accepting and drain for `Hub__DrainSeconds`, then cancels the rest; the
+exit code is 0. SIGHUP re-reads the env file; a bad one is refused with one log line and
+the old configuration stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import ssl
+from functools import partial
+
+import httpx
+import trio
+from prometheus_client import CollectorRegistry
+
+from appliance import config as config_mod
+from appliance.asgi import serve
+from appliance.config import Config
+from appliance.hub.admission import Admission
+from appliance.hub.app import make_app
+from appliance.hub.audit import AuditLog
+from appliance.hub.control import Control
+from appliance.hub.metrics import HubMetrics
+from appliance.hub.nodes import Registry, supervise
+
+log = logging.getLogger("appliance.hub")
+
+HUB_METRICS_DEFAULT = "0.0.0.0:9464"
+
+
+class Hub:
+    """Everything a request handler needs, in one place."""
+
+    def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
+        self.cfg = cfg
+        self.node_client = node_client
+        self.nursery = nursery
+        self.registry = Registry()
+        self.metrics_registry = CollectorRegistry()
+        self.metrics = HubMetrics(self.metrics_registry, self.registry)
+        self.before_scrape = [self.metrics.refresh]
+        self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
+        self.admission = Admission(cfg, self.registry, self.metrics_registry)
+        self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
+        hook = getattr(self.control, "before_scrape", None)
+        if hook is not None:
+            self.before_scrape.append(hook)
+        self.alive_at = 0.0
+
+    def add_node(self, name: str, url: str, static: bool) -> None:
+        h, new = self.registry.upsert(name, url, static)
+        if new:
+            self.audit.event("node_added", node=name, url=url, static=static)
+            self.nursery.start_soon(partial(
+                supervise, self.node_client, h, self.registry,
+                heartbeat=self.cfg.node.heartbeat_seconds,
+                backoff_max=self.cfg.hub.reconnect_max_seconds,
+                on_event=self._node_event,
+            ))
+
+    def _node_event(self, kind: str, h, reason: str) -> None:
+        self.audit.event(kind, node=h.name, url=h.url, reason=reason)
+
+    def reload(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.admission.cfg = cfg
+        if hasattr(self.admission, "reload"):
+            self.admission.reload(cfg)
+        if hasattr(self.control, "reload"):
+            self.control.reload(cfg)
+        for n in cfg.nodes:
+            self.add_node(n.name, n.url, static=True)
+
+
+def node_client(cfg: Config) -> httpx.AsyncClient:
+    """One client for every node: the node token, an explicit timeout, TLS per Hub__TlsCa."""
+    headers = {"authorization": f"Bearer {cfg.auth.node_token}"} if cfg.auth.node_token else {}
+    verify: ssl.SSLContext | bool = True
+    if cfg.hub.tls_ca:
+        verify = ssl.create_default_context(cafile=cfg.hub.tls_ca)
+        if cfg.hub.tls_cert:
+            verify.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key)
+    return httpx.AsyncClient(
+        headers=headers,
+        verify=verify,
+        # Connect fast or fail over; reads may wait a long time between tokens.
+        timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0, pool=10.0),
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=60),
+    )
+
+
+async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async with node_client(cfg) as client, trio.open_nursery() as nursery:
+        hub = Hub(cfg, client, nursery)
+        await nursery.start(hub.control.run)
+        api_done = trio.Event()
+
+        async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
+            try:
+                await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
+                            drain_seconds=cfg.hub.drain_seconds, certfile=cfg.hub.tls_cert,
+                            keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca, task_status=task_status)
+            finally:
+                api_done.set()
+
+        addr = await nursery.start(api_server)
+        metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
+        if metrics_listen:
+            from appliance.metricsapp import metrics_app
+
+            await nursery.start(partial(serve, metrics_app(hub.metrics_registry, hub.before_scrape),
+                                        metrics_listen, "metrics", shutdown_trigger=stop.wait, drain_seconds=1))
+        for n in cfg.nodes:
+            hub.add_node(n.name, n.url, static=True)
+        task_status.started((hub, addr))
+        await api_done.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def _beat(heartbeat, interval: float) -> None:
+    """Proves the trio loop turns: the watchdog is fed only while this runs on time."""
+    while True:
+        heartbeat.beat()
+        await trio.sleep(interval)
+
+
+async def handle_signals(stop: trio.Event, notifier, on_reload, what: str) -> None:
+    """SIGHUP: `on_reload()` between RELOADING=1 and READY=1; SIGTERM/SIGINT: STOPPING=1, stop."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for sig in signals:
+            if sig == signal.SIGHUP:
+                notifier.reloading()
+                on_reload()
+                notifier.ready()
+                continue
+            log.info("%s stopping: draining in-flight work", what)
+            notifier.stopping()
+            stop.set()
+            return
+
+
+def reload_hub(hub: Hub, env_file: str | None) -> None:
+    try:
+        new = config_mod.load(env_file=env_file)
+    except config_mod.ConfigError as e:
+        log.error("reload refused, keeping the old configuration: %s", e)
+        return
+    hub.reload(new)
+    hub.audit.event("config_reloaded", env_file=env_file or "")
+    log.info("configuration reloaded from %s", env_file or "the environment")
+
+
+async def _main(cfg: Config, env_file: str | None) -> None:
+    from appliance import sdnotify
+
+    notifier = sdnotify.Notifier.from_env()
+    heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.hub.control_interval_seconds)
+    stop = trio.Event()
+    hub_done = trio.Event()
+
+    async def hub_task(*, task_status=trio.TASK_STATUS_IGNORED):
+        try:
+            await run_hub(cfg, stop, task_status=task_status)
+        finally:
+            hub_done.set()
+
+    async with trio.open_nursery() as nursery:
+        hub, _addr = await nursery.start(hub_task)
+        notifier.ready()
+        nursery.start_soon(_beat, heartbeat, cfg.hub.control_interval_seconds)
+        nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
+        nursery.start_soon(handle_signals, stop, notifier, partial(reload_hub, hub, env_file), "hub")
+        await hub_done.wait()
+        nursery.cancel_scope.cancel()
+
+
+def main(cfg: Config, env_file: str | None = None) -> int:
+    trio.run(_main, cfg, env_file)
+    return 0
