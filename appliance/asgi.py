@@ -120,7 +120,10 @@ async def serve(
     cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     cfg.graceful_timeout = drain_seconds
     cfg.accesslog = None
-    cfg.errorlog = logging.getLogger(f"appliance.{role}.http")
+    # hypercorn's own "Running on" line duplicates ours; keep its warnings and errors.
+    errorlog = logging.getLogger(f"appliance.{role}.http")
+    errorlog.setLevel(logging.WARNING)
+    cfg.errorlog = errorlog
     cfg.keep_alive_timeout = 75
     if certfile:
         cfg.certfile = certfile
