@@ -1,0 +1,439 @@
+"""The built-in simulated engine's HTTP server, and `appliance sim`.
+
+Theory of operation: `SimApp` is a plain ASGI app around a `SimState`
+(`appliance.simstate`: models, load state, slots, deterministic output) that speaks what
+the real engines speak, dispatching (method, path) by hand:
+
+- Ollama: POST /api/chat, /api/generate (NDJSON stream unless `"stream": false`),
+  /api/embed, /api/embeddings, /api/show; GET /api/tags, /api/ps, /api/version, /.
+- OpenAI: POST /v1/chat/completions, /v1/completions (SSE `data: {...}` ending with
+  `data: [DONE]` when `"stream": true`), /v1/embeddings; GET /v1/models.
+
+Loading follows Ollama: a generate/chat with no prompt (no messages) loads the model, with
+`keep_alive: 0` unloads it, and any other request to an unloaded model loads it first. A
+failing load (`Sim__Models__N__FailLoad`) is a 500 before the response starts:
+`{"error": TEXT}` on /api, code `model_load_failed` on /v1. Refusals keep each API's shape
+(400 `invalid_json`/`invalid_request`, 404 `model_not_found`, 413 `body_too_large`).
+
+Generation: `max_tokens` / `max_completion_tokens` / `options.num_predict` tokens (default
+16, finish "stop"; when given, finish "length"; capped at 4096). With
+`Sim__TokensPerSecond` > 0 token i goes out at start + i/tps (`trio.sleep_until`, no
+drift); 0 sends as fast as the socket takes them. At most `Sim__Parallel` requests
+generate at once per model, the rest wait for a slot; a client that goes away cancels its
+request and frees its slot. Each token costs one bytes join: the request's chunk prefix
+and suffix are built once, the words' JSON at import.
+
+It says it is simulated: every response carries the header `x-appliance-engine: sim`;
+OpenAI bodies carry `"system_fingerprint": "appliance-sim"` (and /v1/models
+`"owned_by": "appliance-sim"`); Ollama model metadata (tags, ps, show) carries
+`details.family` and `details.format` `"sim"`, the last object of every Ollama answer
+`"x_simulated": true`, and /api/version `<appliance version>-sim`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+import signal
+import struct
+import time
+from typing import Any, Callable
+
+import msgspec
+import trio
+
+from appliance import __version__
+from appliance.asgi import BodyTooLarge, handle_lifespan, read_body, serve, wait_disconnect
+from appliance.config import MiB, ConfigError, SimConfig
+from appliance.config import load as load_config
+from appliance.hub.errors import error_body
+from appliance.simstate import (EMBED_DIM, Req, SimError, SimModelState, SimState, embedding,
+                                is_zero_keep_alive, req_decoder, tokens)
+
+log = logging.getLogger("appliance.sim")
+
+VERSION = f"{__version__}-sim"
+FINGERPRINT = "appliance-sim"
+# Neither API bounds an answer by default; a short fixed one keeps tests and demos quick.
+DEFAULT_TOKENS = 16
+# The longest answer one request gets: the usual context window of small models.
+MAX_TOKENS = 4096
+# Bodies past 32 MiB are refused, as by the hub's default Hub__MaxBodyBytes.
+MAX_BODY = 32 * MiB
+# SIGTERM lets in-flight generations finish this long before they are cut.
+DRAIN_SECONDS = 5.0
+SIM_HEADER = (b"x-appliance-engine", b"sim")
+_JSON = [(b"content-type", b"application/json"), SIM_HEADER]
+_NDJSON = [(b"content-type", b"application/x-ndjson"), SIM_HEADER]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), SIM_HEADER]
+_DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
+            "parameter_size": "sim", "quantization_level": "none"}
+_enc = msgspec.json.Encoder()
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class _Frame:
+    """How one API frames one generation: stream chunks and the whole answer."""
+
+    headers: list
+    head: bytes = b""
+    prefix: bytes
+    suffix: bytes
+    tail: Callable[[dict], bytes]  # stats -> the stream's last bytes
+    whole: Callable[[str, dict], Any]  # (text, stats) -> the non-streamed answer
+
+
+def _ollama_frame(model: str, chat: bool) -> _Frame:
+    f = _Frame()
+    created = _iso(time.time())
+    start = b'{"model":' + _enc.encode(model) + b',"created_at":' + _enc.encode(created)
+    if chat:
+        f.prefix, f.suffix = start + b',"message":{"role":"assistant","content":', b'},"done":false}\n'
+    else:
+        f.prefix, f.suffix = start + b',"response":', b',"done":false}\n'
+
+    def whole(text: str, st: dict) -> dict:
+        out: dict[str, Any] = {"model": model, "created_at": created}
+        if chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        out.update(done=True, done_reason=st["finish"], total_duration=st["total_ns"],
+                   load_duration=st["load_ns"], prompt_eval_count=st["prompt"], prompt_eval_duration=0,
+                   eval_count=st["completion"], eval_duration=st["eval_ns"], x_simulated=True)
+        return out
+
+    f.headers = _NDJSON
+    f.whole = whole
+    f.tail = lambda st: _enc.encode(whole("", st)) + b"\n"
+    return f
+
+
+def _openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> _Frame:
+    f = _Frame()
+    created = int(time.time())
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-sim{ident}"
+    obj = "chat.completion" if chat else "text_completion"
+    meta = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model,
+            "system_fingerprint": FINGERPRINT}
+    base = b"data: " + _enc.encode(meta)[:-1] + b',"choices":[{"index":0,'
+    end = b',"logprobs":null,"finish_reason":null}]}\n\n'
+    if chat:
+        f.head = base + b'"delta":{"role":"assistant","content":""}' + end
+        f.prefix, f.suffix = base + b'"delta":{"content":', b"}" + end
+    else:
+        f.prefix, f.suffix = base + b'"text":', end
+
+    def usage(st: dict) -> dict:
+        return {"prompt_tokens": st["prompt"], "completion_tokens": st["completion"],
+                "total_tokens": st["prompt"] + st["completion"]}
+
+    def tail(st: dict) -> bytes:
+        last = base + (b'"delta":{}' if chat else b'"text":""')
+        out = last + b',"logprobs":null,"finish_reason":' + _enc.encode(st["finish"]) + b"}]}\n\n"
+        if include_usage:
+            out += b"data: " + _enc.encode({**meta, "choices": [], "usage": usage(st)}) + b"\n\n"
+        return out + b"data: [DONE]\n\n"
+
+    def whole(text: str, st: dict) -> dict:
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=st["finish"])
+        return {**meta, "object": obj, "choices": [choice], "usage": usage(st)}
+
+    f.headers, f.tail, f.whole = _SSE, tail, whole
+    return f
+
+
+def _count(req: Req) -> tuple[int, str]:
+    """How many tokens to answer, and the finish reason."""
+    n = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if n is None and req.options is not None:
+        n = req.options.num_predict
+    if n is None:
+        return DEFAULT_TOKENS, "stop"
+    return (MAX_TOKENS if n < 0 else min(n, MAX_TOKENS)), "length"
+
+
+async def _send_json(send, status: int, obj: Any) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": _JSON})
+    await send({"type": "http.response.body", "body": obj if isinstance(obj, bytes) else _enc.encode(obj)})
+
+
+class SimApp:
+    """The ASGI app; `state` is its SimState."""
+
+    def __init__(self, state: SimState) -> None:
+        self.state = state
+        self.routes: dict[tuple[str, str], Callable] = {
+            ("POST", "/api/generate"): self.ollama_generate,
+            ("POST", "/api/chat"): self.ollama_generate,
+            ("POST", "/api/embed"): self.ollama_embed,
+            ("POST", "/api/embeddings"): self.ollama_embed,
+            ("POST", "/api/show"): self.ollama_show,
+            ("GET", "/api/tags"): self.ollama_tags,
+            ("GET", "/api/ps"): self.ollama_ps,
+            ("GET", "/api/version"): self.ollama_version,
+            ("GET", "/"): self.root,
+            ("HEAD", "/"): self.root,
+            ("POST", "/v1/chat/completions"): self.openai_generate,
+            ("POST", "/v1/completions"): self.openai_generate,
+            ("POST", "/v1/embeddings"): self.openai_embed,
+            ("GET", "/v1/models"): self.openai_models,
+        }
+        self._paths = {p for _, p in self.routes}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await handle_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        api = "openai" if path.startswith("/v1/") else "ollama"
+        handler = self.routes.get((scope["method"], path))
+        try:
+            if handler is None:
+                if path in self._paths:
+                    raise SimError(405, "method_not_allowed", f"method {scope['method']} not allowed on {path}")
+                raise SimError(404, "not_found", f"no such path {path} on the simulated engine")
+            await handler(scope, receive, send, path)
+        except SimError as e:  # raised only before a response starts
+            await _send_json(send, e.status, error_body(api, e.status, e.code, e.message))
+
+    # --- shared ------------------------------------------------------------------------
+
+    async def _request(self, receive) -> Req:
+        try:
+            body = await read_body(receive, MAX_BODY)
+        except BodyTooLarge:
+            raise SimError(413, "body_too_large", f"request body over {MAX_BODY} bytes") from None
+        try:
+            return req_decoder.decode(body)
+        except msgspec.ValidationError as e:
+            raise SimError(400, "invalid_request", f"invalid request: {e}") from None
+        except msgspec.DecodeError as e:
+            raise SimError(400, "invalid_json", f"invalid JSON: {e}") from None
+
+    def _model(self, req: Req, api: str) -> SimModelState:
+        name = req.model or req.name
+        if not name:
+            raise SimError(400, "invalid_request", "model is required")
+        m = self.state.lookup(name)
+        if m is None:
+            msg = (f'model "{name}" not found, try pulling it first' if api == "ollama"
+                   else f"The model `{name}` does not exist or you do not have access to it.")
+            raise SimError(404, "model_not_found", msg)
+        return m
+
+    async def _generate(self, receive, send, m: SimModelState, req: Req, seed: bytes, frame: _Frame,
+                        stream: bool) -> None:
+        """Load, wait for a slot, answer; cancelled as soon as the client goes away."""
+        n, finish = _count(req)
+        t_load = trio.current_time()
+        await self.state.ensure_loaded(m)  # SimError from here is still a clean refusal
+        load_ns = int((trio.current_time() - t_load) * 1e9)
+        toks = tokens(seed, n)
+        st = {"finish": finish, "prompt": max(1, len(seed) // 4), "completion": n, "load_ns": load_ns}
+        tps = self.state.tokens_per_second
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            async with m.slots:
+                start = trio.current_time()
+                if stream:
+                    await send({"type": "http.response.start", "status": 200, "headers": frame.headers})
+                    if frame.head:
+                        await send({"type": "http.response.body", "body": frame.head, "more_body": True})
+                    prefix, suffix = frame.prefix, frame.suffix
+                    for i, (_, tok) in enumerate(toks):
+                        if tps > 0:
+                            await trio.sleep_until(start + (i + 1) / tps)
+                        await send({"type": "http.response.body", "body": b"".join((prefix, tok, suffix)),
+                                    "more_body": True})
+                    st["eval_ns"] = int((trio.current_time() - start) * 1e9)
+                    st["total_ns"] = st["eval_ns"] + load_ns
+                    await send({"type": "http.response.body", "body": frame.tail(st)})
+                else:
+                    if tps > 0:
+                        await trio.sleep_until(start + n / tps)
+                    st["eval_ns"] = int((trio.current_time() - start) * 1e9)
+                    st["total_ns"] = st["eval_ns"] + load_ns
+                    text = "".join(t for t, _ in toks)
+                    await _send_json(send, 200, frame.whole(text, st))
+            nursery.cancel_scope.cancel()
+
+    # --- Ollama ------------------------------------------------------------------------
+
+    async def ollama_generate(self, scope, receive, send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "ollama")
+        chat = path == "/api/chat"
+        frame = _ollama_frame(req.model or m.spec.name, chat)
+        if not (req.messages if chat else req.prompt):
+            # No prompt: Ollama's load (or, with keep_alive 0, unload) request.
+            if is_zero_keep_alive(req.keep_alive):
+                self.state.unload(m)
+                reason = "unload"
+            else:
+                await self.state.ensure_loaded(m)
+                reason = "load"
+            out = frame.whole("", {"finish": reason, "total_ns": 0, "load_ns": 0, "prompt": 0,
+                                   "completion": 0, "eval_ns": 0})
+            await _send_json(send, 200, out)
+            return
+        body = req.messages if chat else [req.system, req.prompt]
+        seed = _enc.encode([m.spec.name, body])
+        await self._generate(receive, send, m, req, seed, frame, req.stream is not False)
+        if is_zero_keep_alive(req.keep_alive):
+            self.state.unload(m)
+
+    async def ollama_embed(self, scope, receive, send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "ollama")
+        legacy = path == "/api/embeddings"
+        inputs = req.prompt if legacy else req.input
+        items = [] if inputs in (None, "") else [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise SimError(400, "invalid_request", "input must be a string or a list of strings")
+        await self.state.ensure_loaded(m)
+        vecs = [embedding(_enc.encode([m.spec.name, i])) for i in items]
+        if legacy:
+            await _send_json(send, 200, {"embedding": vecs[0] if vecs else [], "x_simulated": True})
+            return
+        await _send_json(send, 200, {"model": req.model, "embeddings": vecs, "total_duration": 0,
+                                     "load_duration": 0, "prompt_eval_count": sum(len(i) // 4 + 1 for i in items),
+                                     "x_simulated": True})
+
+    def _tag(self, m: SimModelState) -> dict[str, Any]:
+        size = m.spec.size_mb * MiB
+        return {"name": m.spec.name, "model": m.spec.name, "modified_at": _iso(self.state.started_at),
+                "size": size, "digest": m.digest, "details": _DETAILS}
+
+    async def ollama_tags(self, scope, receive, send, path: str) -> None:
+        await _send_json(send, 200, {"models": [self._tag(m) for m in self.state.models.values()]})
+
+    async def ollama_ps(self, scope, receive, send, path: str) -> None:
+        # Loaded models stay loaded until keep_alive 0: Ollama shows that as a far expiry.
+        forever = "2318-01-01T00:00:00Z"
+        out = [{**self._tag(m), "expires_at": forever, "size_vram": m.spec.size_mb * MiB,
+                "context_length": MAX_TOKENS} for m in self.state.models.values() if m.loaded]
+        await _send_json(send, 200, {"models": out})
+
+    async def ollama_version(self, scope, receive, send, path: str) -> None:
+        await _send_json(send, 200, {"version": VERSION})
+
+    async def ollama_show(self, scope, receive, send, path: str) -> None:
+        m = self._model(await self._request(receive), "ollama")
+        await _send_json(send, 200, {
+            "license": "", "modelfile": f"# simulated by appliance {__version__}\nFROM {m.spec.name}\n",
+            "parameters": "", "template": "{{ .Prompt }}", "details": _DETAILS,
+            "model_info": {"general.architecture": "sim", "general.parameter_count": 0,
+                           "sim.context_length": MAX_TOKENS, "sim.embedding_length": EMBED_DIM},
+            "capabilities": ["completion", "embedding"], "modified_at": _iso(self.state.started_at),
+            "x_simulated": True})
+
+    async def root(self, scope, receive, send, path: str) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8"), SIM_HEADER]})
+        await send({"type": "http.response.body", "body": b"Ollama is running (simulated by appliance)"})
+
+    # --- OpenAI ------------------------------------------------------------------------
+
+    async def openai_generate(self, scope, receive, send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "openai")
+        chat = path == "/v1/chat/completions"
+        if chat and not req.messages:
+            raise SimError(400, "invalid_request", "'messages' is required and must not be empty")
+        seed = _enc.encode([m.spec.name, req.messages if chat else ["", req.prompt or ""]])
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        frame = _openai_frame(req.model, chat, self.state.next_id(), usage)
+        await self._generate(receive, send, m, req, seed, frame, bool(req.stream))
+
+    async def openai_embed(self, scope, receive, send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "openai")
+        x = req.input
+        if isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(i, int) for i in x)):
+            x = [x]
+        if not isinstance(x, list) or not x:
+            raise SimError(400, "invalid_request", "'input' must be a string, an array of strings or of tokens")
+        await self.state.ensure_loaded(m)
+        data = []
+        for i, item in enumerate(x):
+            vec = embedding(_enc.encode([m.spec.name, item]))
+            if req.encoding_format == "base64":
+                vec = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        n = sum(len(_enc.encode(item)) // 4 + 1 for item in x)
+        await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
+                                     "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    async def openai_models(self, scope, receive, send, path: str) -> None:
+        created = int(self.state.started_at)
+        await _send_json(send, 200, {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": FINGERPRINT}
+            for name in self.state.models]})
+
+
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
+    await wait_disconnect(receive)
+    scope.cancel()
+
+
+def make_sim_app(sim_cfg: SimConfig) -> SimApp:
+    """The ASGI app; its SimState is `app.state`."""
+    return SimApp(SimState(sim_cfg))
+
+
+async def serve_sim(
+    sim: SimConfig | SimApp,
+    listen: str,
+    *,
+    shutdown_trigger=None,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the sim on `listen` until cancelled (or until `shutdown_trigger` returns, then drain).
+
+    `sim` is a SimConfig, or a SimApp from `make_sim_app` when the caller wants its state.
+    Prints `appliance sim listening on ...` and reports the bound (host, port).
+    """
+    app = sim if isinstance(sim, SimApp) else make_sim_app(sim)
+    await serve(app, listen, "sim", shutdown_trigger=shutdown_trigger, drain_seconds=DRAIN_SECONDS,
+                task_status=task_status)
+
+
+async def _signals(stop: trio.Event, app: SimApp, env_file: str | None) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for sig in signals:
+            if sig != signal.SIGHUP:
+                log.info("sim: %s, draining", signal.Signals(sig).name)
+                stop.set()
+                return
+            try:
+                app.state.reconfigure(load_config(env_file=env_file).sim)
+                log.info("sim: configuration reloaded")
+            except ConfigError as e:
+                log.error("sim: reload refused, the running configuration stays: %s", e)
+
+
+async def _main(cfg, env_file: str | None) -> None:
+    app = make_sim_app(cfg.sim)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_signals, stop, app, env_file)
+        await nursery.start(serve_sim, app, cfg.sim.listen, shutdown_trigger=stop.wait)
+        log.warning("simulated engine (not a real model): %s", ", ".join(app.state.models))
+
+
+def main(cfg, env_file: str | None = None) -> int:
+    """`appliance sim`: serve on Sim__Listen until SIGTERM/SIGINT, then drain and exit 0."""
+    trio.run(_main, cfg, env_file)
+    return 0
