@@ -106,6 +106,9 @@ class EngineConfig(_Section):
     url: str = "http://127.0.0.1:11434"
     command: str = "llama-server -m {model} --port {port} {args}"
     start_timeout_seconds: PosFloat = 120.0
+    # How often the ollama/sim/openai adapters re-read the engine's model list (/api/tags,
+    # /api/ps, /v1/models): models pulled or unloaded behind the node's back show within 5 s.
+    poll_seconds: PosFloat = 5.0
 
 
 class SimModel(_Section):
