@@ -1,0 +1,154 @@
+"""The hub's node registry decisions and its supervisor loop, under trio's MockClock."""
+
+import httpx
+import trio
+
+from appliance.hub.nodes import BACKOFF_START, NodeHandle, Registry, supervise
+from appliance.wire import Heartbeat, ModelState, NodeState, StateEvent, encode_event
+
+
+def _node(name, *, models=("m",), max_conc=None, slots=None, paused=False, state="ready"):
+    h = NodeHandle(name, f"http://{name}:1", static=True)
+    h.connected = True
+    h.state = NodeState(name=name, max_concurrency=max_conc, slots=slots, paused=paused,
+                        models=[ModelState(name=m, state=state) for m in models])
+    return h
+
+
+def _registry(*handles):
+    r = Registry()
+    for h in handles:
+        r.nodes[h.name] = h
+    return r
+
+
+def test_status_order_and_routable():
+    h = _node("a")
+    assert h.status() == "up" and h.routable()
+    h.cordoned = True
+    assert h.status() == "cordoned" and not h.ready("m")
+    h.state.paused = True
+    assert h.status() == "paused"
+    h.state.left = True
+    assert h.status() == "left"
+    h.connected = False
+    assert h.status() == "lost"
+
+
+def test_free_places_is_lesser_of_concurrency_and_slots():
+    a = _node("a", max_conc=4, slots=2)
+    b = _node("b", slots=1)
+    r = _registry(a, b)
+    assert r.free_places("m") == 3
+    r.start(a, "m")
+    r.start(a, "m")
+    assert a.free_places("m") == 0
+    assert r.free_places("m") == 1
+    r.finish(a, "m")
+    assert r.free_places("m") == 2
+    # An unbounded node gives nothing to count: nothing is held.
+    r.nodes["c"] = _node("c")
+    assert r.free_places("m") is None
+    # Not ready, paused, lost: out of the count.
+    r.nodes["c"].state.paused = True
+    assert r.free_places("m") == 2
+
+
+def test_pick_prefers_most_free_and_skips_excluded():
+    a = _node("a", slots=1)
+    b = _node("b", slots=3)
+    r = _registry(a, b)
+    assert r.pick("m").name == "b"
+    assert r.pick("m", exclude={"b"}).name == "a"
+    r.start(b, "m"); r.start(b, "m"); r.start(b, "m")
+    assert r.pick("m").name == "a"
+    assert r.pick("other") is None
+
+
+def test_pick_respects_max_concurrency():
+    a = _node("a", max_conc=1)
+    r = _registry(a)
+    r.start(a, "m")
+    assert r.pick("m") is None
+
+
+def _watch_transport(script):
+    """An httpx transport whose /node/v1/watch yields `script` lines with virtual pauses."""
+
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for delay, item in script:
+                await trio.sleep(delay)
+                if item is None:
+                    return
+                yield item
+
+    served = []
+
+    async def handler(request):
+        if served:
+            raise httpx.ConnectError("refused")
+        served.append(1)
+        return httpx.Response(200, stream=Stream())
+
+    return httpx.MockTransport(handler)
+
+
+async def test_lost_after_three_missed_heartbeats(autojump_clock):
+    state = NodeState(name="a", models=[ModelState(name="m", state="ready")])
+    script = [(0, encode_event(StateEvent(state=state))), (1, encode_event(Heartbeat())), (100, None)]
+    reg = Registry()
+    h, _ = reg.upsert("a", "http://a:1", static=True)
+    events = []
+    async with httpx.AsyncClient(transport=_watch_transport(script)) as client:
+        async with trio.open_nursery() as nursery:
+            start = trio.current_time()
+            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30,
+                                                 on_event=lambda k, n, r: events.append((k, trio.current_time() - start, r))))
+            await trio.sleep(0.5)
+            assert h.connected and h.ready("m")
+            await trio.sleep(7.0)  # heartbeat at 1 s; silence from then on: lost at 1 + 3 x 2 = 7 s
+            assert not h.connected and h.status() == "lost"
+            nursery.cancel_scope.cancel()
+    assert events[0][0] == "node_up"
+    kind, at, reason = events[1]
+    assert kind == "node_lost" and at == 7.0 and "no heartbeat for 6 s" in reason
+
+
+async def test_backoff_is_capped_and_reconnects(autojump_clock):
+    attempts = []
+
+    async def handler(request):
+        attempts.append(trio.current_time())
+        raise httpx.ConnectError("refused")
+
+    reg = Registry()
+    h, _ = reg.upsert("a", "http://a:1", static=True)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        with trio.move_on_after(200):
+            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0, on_event=lambda *a: None)
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert gaps[0] <= BACKOFF_START
+    assert max(gaps) <= 8.0 and max(gaps) >= 4.0  # jittered in [cap/2, cap]
+    assert len(attempts) > 20  # it kept trying
+    assert "ConnectError" in h.lost_reason
+
+
+async def test_announced_url_change_reconnects_at_once(autojump_clock):
+    calls = []
+
+    async def handler(request):
+        calls.append((str(request.url), trio.current_time()))
+        raise httpx.ConnectError("refused")
+
+    reg = Registry()
+    h, _ = reg.upsert("a", "http://a:1", static=False)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=600, on_event=lambda *a: None))
+            await trio.sleep(100)
+            t = trio.current_time()
+            reg.upsert("a", "http://a2:1", static=False)
+            await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert calls[-1][0].startswith("http://a2:1/") and calls[-1][1] == t
