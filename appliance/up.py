@@ -1,0 +1,80 @@
+"""`appliance up`: a hub and one local node in one process, for a single box or a first look.
+
+Theory of operation: ask 127.0.0.1:11434 whether an Ollama answers (bounded by
+PROBE_SECONDS); if it does, the node fronts it, otherwise the node runs the built-in
+simulated engine -- and says so loudly, because an operator must never mistake the
+simulator for a real model. The hub listens on 127.0.0.1:8080 unless Hub__Listen says
+otherwise, and knows the node statically. Both run in one trio nursery: one SIGTERM
+drains both and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from functools import partial
+
+import httpx
+import msgspec
+import trio
+
+from appliance.config import Config, NodeRef
+from appliance.hub.run import handle_signals, reload_hub, run_hub
+
+log = logging.getLogger("appliance.up")
+
+OLLAMA_URL = "http://127.0.0.1:11434"
+# An Ollama on loopback answers /api/version in milliseconds; a second is plenty.
+PROBE_SECONDS = 1.0
+UP_HUB_LISTEN = "127.0.0.1:8080"
+
+
+async def ollama_answers(url: str = OLLAMA_URL) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(PROBE_SECONDS)) as c:
+            r = await c.get(url + "/api/version")
+            return r.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def up_config(cfg: Config, use_ollama: bool) -> Config:
+    """The single-box configuration: loopback hub, a local node on a free port."""
+    hub = cfg.hub if cfg.hub.listen != "0.0.0.0:8080" else msgspec.structs.replace(cfg.hub, listen=UP_HUB_LISTEN)
+    node = msgspec.structs.replace(cfg.node, listen="127.0.0.1:0", name=cfg.node.name or "local")
+    engine = msgspec.structs.replace(cfg.engine, kind="ollama" if use_ollama else "sim",
+                                     url=OLLAMA_URL if use_ollama else cfg.engine.url)
+    metrics = cfg.metrics if cfg.metrics.listen is not None else msgspec.structs.replace(cfg.metrics, listen="")
+    return msgspec.structs.replace(cfg, hub=hub, node=node, engine=engine, metrics=metrics)
+
+
+async def _main(cfg: Config, env_file: str | None) -> None:
+    from appliance import sdnotify
+    from appliance.node.run import run_node
+
+    use_ollama = cfg.engine.kind == "ollama" and await ollama_answers()
+    cfg = up_config(cfg, use_ollama)
+    if use_ollama:
+        print(f"appliance up: using the local Ollama at {OLLAMA_URL}", file=sys.stderr, flush=True)
+    else:
+        print("appliance up: NO OLLAMA at 127.0.0.1:11434 -- using the built-in SIMULATED engine "
+              f"(models: {', '.join(m.name for m in cfg.sim.effective_models())}); answers are not from a real model",
+              file=sys.stderr, flush=True)
+    notifier = sdnotify.Notifier.from_env()
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        node_host, node_port = await nursery.start(partial(run_node, cfg, stop))
+        node_cfg = msgspec.structs.replace(cfg, nodes=[*cfg.nodes, NodeRef(name=cfg.node.name, url=f"http://{node_host}:{node_port}")])
+
+        async def hub_task(*, task_status=trio.TASK_STATUS_IGNORED):
+            await run_hub(node_cfg, stop, task_status=task_status)
+
+        hub, _addr = await nursery.start(hub_task)
+        notifier.ready()
+        nursery.start_soon(handle_signals, stop, notifier, partial(reload_hub, hub, env_file), "up")
+        # The hub and the node drain on the same stop event and return; so does this.
+
+
+def main(cfg: Config, env_file: str | None = None) -> int:
+    trio.run(_main, cfg, env_file)
+    return 0
