@@ -1,0 +1,381 @@
+"""The node's HTTP face: the node API under /node/v1/ and the engine's client paths.
+
+Theory of operation: a plain ASGI callable dispatching on (method, path) by hand. It owns
+no state of its own -- the `NodeStateKeeper` decides and counts, the `Engine` loads and
+names upstreams -- and makes no decision beyond which handler runs. Every path but
+`/health` needs `Authorization: Bearer <Auth__NodeToken>` (constant-time compared; an
+empty token accepts all, with one warning at start): the proxied /v1 and /api paths too,
+or anyone on the network could walk past the hub's keys and priorities.
+
+- `GET /node/v1/watch` streams NDJSON: the full state first, a new state on every change
+  (woken by the keeper, never polled), a heartbeat whenever `Node__HeartbeatSeconds`
+  pass without a line. It ends when the client goes away or the node drains.
+- `POST /node/v1/models/{model}/load|unload`: the model is percent-encoded (it holds ':'
+  and '/'), so it is cut out of the raw path. Loads run inside
+  `Engine__StartTimeoutSeconds`; the outcome is published as the model's state.
+- The proxy reads the body (bounded by `Hub__MaxBodyBytes`), decodes only `model`, asks
+  the keeper for a place and streams the same bytes to the engine and the engine's bytes
+  back, chunk by chunk. The copy races the client's disconnect in one nursery: whichever
+  ends first cancels the other, so a client that goes away frees its place at once.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+import msgspec
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from appliance import __version__
+from appliance.asgi import (BodyTooLarge, Receive, Scope, Send, bearer, handle_lifespan, read_body,
+                            send_json, send_text, wait_disconnect)
+from appliance.config import Config
+from appliance.hub.errors import error_body
+from appliance.metricsapp import render
+from appliance.node.engines.base import Engine, EngineError
+from appliance.node.metrics import NodeMetrics
+from appliance.node.state import NodeStateKeeper
+from appliance.wire import Heartbeat, LoadRequest, StateEvent, encode_event, load_request_decoder
+
+log = logging.getLogger("appliance.node.app")
+
+# A load/unload body is two short strings; 64 KiB is generous.
+CONTROL_BODY_LIMIT = 64 * 1024
+# Bound on closing an upstream response after the client went away (STYLE 6).
+CLEANUP_SECONDS = 5.0
+# Request headers the engine needs; everything else (our bearer above all) stays here.
+FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding")
+# Response headers the client needs to read the bytes as the engine meant them.
+FORWARD_RESPONSE = ("content-type", "content-encoding", "retry-after")
+NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
+
+
+def engine_client(cfg: Config) -> httpx.AsyncClient:
+    """The one client for the engine's upstreams. No pool cap: admission is the node's
+    (Node__MaxConcurrency); reads may be silent for Hub__UpstreamReadSeconds (prefill of
+    a long prompt), connecting to a loopback engine takes no longer than 10 s."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=10.0, read=cfg.hub.upstream_read_seconds, write=60.0, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+        trust_env=False,  # the engine is local or named outright: never via HTTP_PROXY
+    )
+
+
+class _ModelOnly(msgspec.Struct):
+    model: str
+
+
+_model_decoder = msgspec.json.Decoder(_ModelOnly)
+
+
+def _api_of(path: str) -> str:
+    return "ollama" if path.startswith("/api/") else "openai"
+
+
+class NodeApp:
+    """`NodeApp(cfg, keeper, engine, client, metrics)` is the ASGI app."""
+
+    def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine, client: httpx.AsyncClient,
+                 metrics: NodeMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.keeper = keeper
+        self.engine = engine
+        self.client = client
+        self.metrics = metrics
+        self.token = cfg.auth.node_token.encode()
+        if not self.token:
+            log.warning("Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach them")
+
+    # --- dispatch ----------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await handle_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health":
+            await send_json(send, 200, {"status": "ok", "name": self.keeper.name})
+            return
+        is_proxy = path.startswith(("/v1/", "/api/"))
+        api = _api_of(path) if is_proxy else "node"
+        if not self._authorized(scope):
+            await self._error(send, api, 401, "invalid_api_key", "missing or wrong node token (Auth__NodeToken)")
+            return
+        if path.startswith("/node/v1/"):
+            await self._node_api(scope, receive, send, path[len("/node/v1/"):], method)
+        elif is_proxy:
+            await self._client_api(scope, receive, send, path, method, api)
+        elif path == "/metrics" and self.metrics is not None:
+            await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]), CONTENT_TYPE_LATEST.encode())
+        else:
+            await self._error(send, "node", 404, "not_found", f"no route {method} {path}")
+
+    def _authorized(self, scope: Scope) -> bool:
+        if not self.token:
+            return True
+        got = (bearer(scope) or "").encode()
+        return hmac.compare_digest(got, self.token)
+
+    async def _error(self, send: Send, api: str, status: int, code: str, message: str,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        body = msgspec.json.encode({"error": message}) if api == "node" else error_body(api, status, code, message)
+        await send_json(send, status, body, headers)
+
+    # --- /node/v1/ -----------------------------------------------------------------------
+
+    async def _node_api(self, scope: Scope, receive: Receive, send: Send, rest: str, method: str) -> None:
+        k = self.keeper
+        simple = {"watch": "GET", "state": "GET", "pause": "POST", "resume": "POST", "leave": "POST", "join": "POST"}
+        if rest in simple:
+            if method != simple[rest]:
+                await self._error(send, "node", 405, "method_not_allowed", f"{rest} takes {simple[rest]}")
+            elif rest == "watch":
+                await self._watch(receive, send)
+            elif rest == "state":
+                await send_json(send, 200, k.snapshot())
+            else:
+                {"pause": lambda: k.set_paused(True), "resume": lambda: k.set_paused(False),
+                 "leave": lambda: k.set_left(True), "join": lambda: k.set_left(False)}[rest]()
+                log.info("node %s: %s by the owner", k.name, rest)
+                await send_json(send, 200, k.snapshot())
+            return
+        model, action = self._model_path(scope)
+        if model is None or action not in ("load", "unload"):
+            await self._error(send, "node", 404, "not_found", f"no route {method} /node/v1/{rest}")
+            return
+        if method != "POST":
+            await self._error(send, "node", 405, "method_not_allowed", f"{action} takes POST")
+            return
+        try:
+            body = await read_body(receive, CONTROL_BODY_LIMIT)
+            req = load_request_decoder.decode(body) if body.strip() else LoadRequest()
+        except BodyTooLarge:
+            await self._error(send, "node", 413, "body_too_large", f"body over {CONTROL_BODY_LIMIT} bytes")
+            return
+        except msgspec.DecodeError as e:
+            await self._error(send, "node", 400, "invalid_json", f"body is not a LoadRequest: {e}")
+            return
+        if action == "load":
+            await self._load(send, model, req)
+        else:
+            await self._unload(send, model)
+
+    @staticmethod
+    def _model_path(scope: Scope) -> tuple[str | None, str]:
+        """`/node/v1/models/{percent-encoded model}/{action}` from the raw path."""
+        raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        prefix = "/node/v1/models/"
+        if not raw.startswith(prefix):
+            return None, ""
+        enc, _, action = raw[len(prefix):].rpartition("/")
+        model = unquote(enc)
+        return (model or None), action
+
+    async def _load(self, send: Send, model: str, req: LoadRequest) -> None:
+        k, timeout = self.keeper, self.cfg.engine.start_timeout_seconds
+        k.load_started(model)
+        log.info("loading %s (source %r, args %r)", model, req.source, req.args)
+        try:
+            with trio.move_on_after(timeout) as cs:
+                await self.engine.load(model, req.source, req.args)
+        except (EngineError, httpx.HTTPError, OSError) as e:
+            error = str(e) or type(e).__name__
+            k.load_failed(model, error)
+            log.warning("load of %s failed: %s", model, error)
+            await self._error(send, "node", 502, "load_failed", error)
+            return
+        except BaseException:
+            k.load_failed(model, "load interrupted (node shutting down)")
+            raise
+        if cs.cancelled_caught:
+            error = f"health never came in {timeout:g} s"
+            k.load_failed(model, error)
+            log.warning("load of %s failed: %s", model, error)
+            with trio.move_on_after(CLEANUP_SECONDS, shield=True):
+                try:
+                    await self.engine.unload(model)
+                except (EngineError, httpx.HTTPError, OSError) as e:
+                    log.warning("unload of %s after its timeout failed: %s", model, e)
+            await self._error(send, "node", 504, "load_timeout", error)
+            return
+        k.load_done(model)
+        log.info("%s is ready", model)
+        await send_json(send, 200, {"model": model, "state": "ready"})
+
+    async def _unload(self, send: Send, model: str) -> None:
+        timeout = self.cfg.engine.start_timeout_seconds
+        try:
+            with trio.move_on_after(timeout) as cs:
+                await self.engine.unload(model)
+        except (EngineError, httpx.HTTPError, OSError) as e:
+            await self._error(send, "node", 502, "unload_failed", str(e) or type(e).__name__)
+            return
+        if cs.cancelled_caught:
+            await self._error(send, "node", 504, "unload_timeout", f"unload took over {timeout:g} s")
+            return
+        self.keeper.unloaded(model)
+        log.info("%s unloaded", model)
+        await send_json(send, 200, {"model": model, "state": "available"})
+
+    async def _watch(self, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
+        gone = False
+        async with trio.open_nursery() as nursery:
+
+            async def disconnected() -> None:
+                nonlocal gone
+                await wait_disconnect(receive)
+                gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(disconnected)
+            await self._watch_lines(send)
+            nursery.cancel_scope.cancel()
+        if not gone:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _watch_lines(self, send: Send) -> None:
+        k, every = self.keeper, self.cfg.node.heartbeat_seconds
+        last = b""
+        next_beat = trio.current_time() + every
+        while not k.draining:
+            seen = k.version
+            line = encode_event(StateEvent(k.snapshot()))
+            if line != last:
+                await send({"type": "http.response.body", "body": line, "more_body": True})
+                last = line
+                next_beat = trio.current_time() + every
+            with trio.move_on_at(next_beat):
+                await k.wait_changed(seen)
+            if trio.current_time() >= next_beat:
+                await send({"type": "http.response.body", "body": encode_event(Heartbeat(ts=time.time())),
+                            "more_body": True})
+                next_beat = trio.current_time() + every
+
+    # --- the engine's client paths -------------------------------------------------------
+
+    async def _client_api(self, scope: Scope, receive: Receive, send: Send, path: str, method: str, api: str) -> None:
+        if method == "GET":
+            listing = self._listing(path)
+            if listing is None:
+                await self._error(send, api, 405, "method_not_allowed",
+                                  f"GET serves /v1/models, /api/tags, /api/ps, /api/version; {path} takes POST")
+            else:
+                await send_json(send, 200, listing)
+            return
+        if method != "POST":
+            await self._error(send, api, 405, "method_not_allowed", f"{path} takes POST")
+            return
+        await self._proxy(scope, receive, send, api)
+
+    def _listing(self, path: str) -> Any:
+        """GET /v1/models, /api/tags, /api/ps, /api/version: answered from the node's state."""
+        models = self.keeper.snapshot().models
+        if path == "/v1/models":
+            return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0,
+                                                "owned_by": self.keeper.name} for m in models]}
+        if path in ("/api/tags", "/api/ps"):
+            shown = models if path == "/api/tags" else [m for m in models if m.state == "ready"]
+            return {"models": [{"name": m.name, "model": m.name, "size": m.size_mb * 1024 * 1024,
+                                "details": {}} for m in shown]}
+        if path == "/api/version":
+            return {"version": __version__}
+        return None
+
+    def _count(self, model: str, status: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request(model, status)
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
+        limit = self.cfg.hub.max_body_bytes
+        try:
+            body = await read_body(receive, limit)
+        except BodyTooLarge:
+            await self._error(send, api, 413, "body_too_large", f"request body is over Hub__MaxBodyBytes ({limit} bytes)")
+            return
+        except trio.BrokenResourceError:
+            return
+        try:
+            model = _model_decoder.decode(body).model
+        except msgspec.ValidationError:
+            await self._error(send, api, 400, "invalid_request", "body must be a JSON object with a string `model`")
+            return
+        except msgspec.DecodeError:
+            await self._error(send, api, 400, "invalid_json", "body is not JSON")
+            return
+        upstream = self.engine.upstream(model)
+        if upstream is None:
+            if any(m.name == model for m in self.engine.models()):
+                await self._error(send, api, 503, "no_capacity", f"model {model} is not loaded on node {self.keeper.name}",
+                                  [(b"retry-after", b"1")])
+                self._count(model, "503")
+            else:
+                await self._error(send, api, 404, "model_not_found", f"model {model} not found on node {self.keeper.name}")
+                self._count(model, "404")
+            return
+        refused = self.keeper.try_start(model)
+        if refused is not None:
+            await self._error(send, api, 503, "no_capacity", refused, [(b"retry-after", b"1")])
+            self._count(model, "503")
+            return
+        outcome: list[str] = []  # _forward appends the status once the last byte is out
+        gone = False
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def disconnected() -> None:
+                    nonlocal gone
+                    await wait_disconnect(receive)
+                    if not outcome:  # after the last byte a disconnect is just the end
+                        gone = True
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(disconnected)
+                await self._forward(scope, send, api, upstream, body, outcome)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.keeper.finish(model)
+            self._count(model, outcome[0] if outcome else ("client_gone" if gone else "cancelled"))
+
+    async def _forward(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
+                       outcome: list[str]) -> None:
+        """Stream `body` to the engine and its answer back; the status for metrics goes
+        into `outcome` just before the last byte goes out."""
+        raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        url = upstream + raw + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
+        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in FORWARD_REQUEST}
+        headers.setdefault("accept-encoding", "identity")
+        started = False
+        try:
+            async with self.client.stream(scope["method"], url, content=body, headers=headers) as resp:
+                out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE if k in resp.headers]
+                await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+                started = True
+                async for chunk in resp.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                outcome.append(str(resp.status_code))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.HTTPError as e:
+            why = f"engine at {upstream} failed: {type(e).__name__}: {e}".rstrip(": ")
+            log.warning("%s %s: %s", scope["method"], raw, why)
+            if not started:
+                outcome.append("502")
+                await self._error(send, api, 502, "engine_error", why)
+            else:
+                outcome.append("engine_error")
+                await send({"type": "http.response.body", "body": self._stream_error(resp, api, why), "more_body": False})
+
+    @staticmethod
+    def _stream_error(resp: httpx.Response, api: str, why: str) -> bytes:
+        """An error event in the stream's own framing, after the first byte went out."""
+        if resp.headers.get("content-type", "").startswith("text/event-stream"):
+            return b"data: " + error_body("openai", 502, "engine_error", why) + b"\n\n"
+        return msgspec.json.encode({"error": why}) + b"\n"
