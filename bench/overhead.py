@@ -1,0 +1,139 @@
+"""What the hub and the node add: the same requests direct, through a node, through hub + node.
+
+Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N]
+
+Starts three real processes on loopback -- `appliance sim` (no artificial delay), an
+`appliance node` fronting it (Engine__Kind=ollama at the sim's URL) and an `appliance hub`
+knowing that node -- then sends, side by side in one run, a short non-streaming chat and a
+streamed chat of 200 chunks to each of the three targets at concurrency 1 and 32. Prints
+p50/p99 latency, requests per second, the ratios to direct, and the CPU seconds each
+process spent per request and per streamed chunk, read from /proc (utime + stime), and
+the hub's RSS at idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import httpx
+import trio
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from procs import Procs  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+STREAM_CHUNKS = 200
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tuple[list[float], float, int]:
+    lat: list[float] = []
+    chunks = 0
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        todo = iter(range(n))
+
+        async def worker():
+            nonlocal chunks
+            for _ in todo:
+                t = time.perf_counter()
+                if stream:
+                    async with client.stream("POST", url, json=body) as r:
+                        assert r.status_code == 200, r.status_code
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: ") and line != "data: [DONE]":
+                                chunks += 1
+                else:
+                    r = await client.post(url, json=body)
+                    assert r.status_code == 200, (r.status_code, r.text[:200])
+                lat.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(conc):
+                nursery.start_soon(worker)
+        wall = time.perf_counter() - t0
+    return lat, wall, chunks
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=400, help="non-streaming requests per target and concurrency")
+    ap.add_argument("--stream-requests", type=int, default=64, help="streamed requests per target and concurrency")
+    args = ap.parse_args()
+    procs = Procs()
+    try:
+        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0", "Sim__Parallel": "64"})
+        node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                                    "Engine__Kind": "ollama", "Engine__Url": sim.url, "Node__ModelSlots": "64"})
+        hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": os.devnull,
+                                  "Nodes__0__Name": "bench", "Nodes__0__Url": node.url}, wait=("hub",))
+        # Warm the model through the hub (activation loads it on the node).
+        deadline = time.monotonic() + 60
+        while True:
+            r = httpx.post(hub.url + "/v1/chat/completions", timeout=60,
+                           json={"model": "sim-small", "messages": [{"role": "user", "content": "warm"}]})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        time.sleep(1.0)
+        idle_rss = {"hub": rss_mb(hub.pid), "node": rss_mb(node.pid), "engine": rss_mb(sim.pid)}
+        pids = {"hub": hub.pid, "node": node.pid, "engine": sim.pid}
+        targets = {"direct": sim.url, "node": node.url, "hub+node": hub.url}
+        short = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        streamed = {"model": "sim-small", "messages": [{"role": "user", "content": "tell"}], "max_tokens": STREAM_CHUNKS,
+                    "stream": True}
+        rows = []
+        for kind, body, n, stream in (("short", short, args.requests, False), ("stream200", streamed, args.stream_requests, True)):
+            for conc in (1, 32):
+                base = None
+                for tname, turl in targets.items():
+                    url = turl + "/v1/chat/completions"
+                    trio.run(run_load, url, body, max(conc, n // 10), conc, stream)  # warm-up
+                    before = {k: cpu_seconds(p) for k, p in pids.items()}
+                    lat, wall, chunks = trio.run(run_load, url, body, n, conc, stream)
+                    after = {k: cpu_seconds(p) for k, p in pids.items()}
+                    cpu = {k: after[k] - before[k] for k in pids}
+                    p50, p99 = statistics.median(lat), pct(lat, 0.99)
+                    rps = n / wall
+                    if base is None:
+                        base = (p50, p99, rps)
+                    rows.append((kind, conc, tname, p50, p99, rps, p50 - base[0], p50 / base[0], rps / base[2],
+                                 cpu["hub"] / n, cpu["node"] / n, cpu["engine"] / n,
+                                 (cpu["hub"] / chunks if chunks else None), (cpu["node"] / chunks if chunks else None)))
+        print(f"\nidle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
+        print(f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
+              f"{'p50 x':>7}{'rps x':>7}{'hub ms/req':>11}{'node ms/req':>12}{'eng ms/req':>11}{'hub us/chunk':>13}{'node us/chunk':>14}")
+        for (kind, conc, tname, p50, p99, rps, dp50, rp50, rrps, hcpu, ncpu, ecpu, hch, nch) in rows:
+            print(f"{kind:<10}{conc:>5} {tname:<9}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{rps:>9.0f}{dp50 * 1e3:>9.2f}"
+                  f"{rp50:>7.2f}{rrps:>7.2f}{hcpu * 1e3:>11.3f}{ncpu * 1e3:>12.3f}{ecpu * 1e3:>11.3f}"
+                  f"{(hch * 1e6 if hch is not None else 0):>13.1f}{(nch * 1e6 if nch is not None else 0):>14.1f}")
+    finally:
+        procs.close()
+
+
+if __name__ == "__main__":
+    main()
