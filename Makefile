@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv unit clean binary
+.PHONY: run test venv unit clean binary llamacpp-wheel
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
@@ -19,7 +19,17 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/appliance up
 
-test: $(STAMP)
+# Real llama.cpp for the `llamacpp` tests: llama-cpp-python[server], compiled once (minutes)
+# into ~/.cache/appliance/wheels, outside the clone, and installed from there (seconds).
+LLAMA_STAMP := $(VENV)/.llamacpp-0.3.36
+
+$(LLAMA_STAMP): $(STAMP) tests/llama_cache.py
+	$(BIN)/python tests/llama_cache.py
+	touch $(LLAMA_STAMP)
+
+llamacpp-wheel: $(LLAMA_STAMP)
+
+test: $(STAMP) $(LLAMA_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 unit: $(STAMP)
