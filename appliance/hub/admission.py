@@ -1,44 +1,213 @@
-"""Admission: may this request go now, or must it wait? (placeholder: everything goes)
+"""Admission: may this request go now, or must it wait? The trio shell of `priority.py`.
 
-Interface the router relies on (owner: the priority-classes work, issue 3):
-- `Admission(cfg, registry, metrics_registry)`
+Theory of operation: every decision is made by the synchronous core (`AdmissionCore`,
+`SlotQueues`); this file only waits. A request that must wait gets a `trio.Event`; the
+registry calls `_on_change` synchronously on every change (node state, node lost, a
+request finishing), the core says which waiters may go now, and their events are set --
+no polling. A waiter's bound comes from configuration and is applied here, at the call
+site (`trio.move_on_after`). A waiter whose client hangs up is cancelled: it leaves the
+queue at once, and a place it was already granted goes to the next waiter. Running work
+is never touched.
+
+Interface the router relies on:
+- `Admission(cfg, registry, metrics_registry)`; `enabled`; `effective_class(cls, headers)`
 - `await admit(model, cls, client) -> Ticket`: returns when the request may be sent;
   raises RouteError (queue_full, queue_timeout, priority_wait_timeout). The router picks a
   node and counts it in flight without a checkpoint after this returns.
 - `release(ticket)`: the request ended (any way).
 - `await wait_slot(node, model, cls)`: Queue__SlotWaitSeconds before sending.
 - `status_block() -> dict | None`: `priority` for /api/status (None while off).
+- `reload(cfg)`: new numbers for new waiters (SIGHUP).
+
+Metrics: `appliance_queue_{waiting,timeouts_total,rejected_total}{model}` always;
+`appliance_priority_reserve_slots` and `appliance_priority_*{class}` only while priority
+is on, so with it off the scrape is exactly what it was without the feature.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from appliance.config import Config
+from appliance.hub import priority
+from appliance.hub.priority import CLASSES, ESSENTIAL, AdmissionCore, SlotQueues, fleet_of
 
 
 class Ticket:
-    __slots__ = ("model", "cls", "client")
+    __slots__ = ("model", "cls", "client", "waited")
 
-    def __init__(self, model: str, cls: str, client: str) -> None:
-        self.model, self.cls, self.client = model, cls, client
+    def __init__(self, model: str, cls: str, client: str, waited: bool = False) -> None:
+        self.model, self.cls, self.client, self.waited = model, cls, client, waited
+
+
+def _settings(cfg: Config) -> dict:
+    return dict(enabled=cfg.priority.enabled, reserve=cfg.priority.reserve_slots,
+                max_depth=cfg.queue.max_depth, max_wait=cfg.queue.max_wait_seconds,
+                background_max_wait=cfg.priority.background_max_wait_seconds)
 
 
 class Admission:
-    def __init__(self, cfg: Config, registry, metrics_registry) -> None:
+    def __init__(self, cfg: Config, registry, metrics_registry: CollectorRegistry | None) -> None:
         self.cfg = cfg
         self.registry = registry
+        self.core = AdmissionCore(**_settings(cfg))
+        self.slots = SlotQueues()
         self.enabled = cfg.priority.enabled
+        self.slot_wait = cfg.queue.slot_wait_seconds
+        self._metrics = metrics_registry
+        self._priority_collector = PriorityCollector(self.core)
+        if metrics_registry is not None:
+            metrics_registry.register(QueueCollector(self.core))
+            if self.enabled:
+                metrics_registry.register(self._priority_collector)
+        registry.add_listener(self._on_change)
 
-    def effective_class(self, client_cls: str, headers) -> str:
-        return client_cls if self.enabled else "normal"
+    def reload(self, cfg: Config) -> None:
+        """New settings apply to new waiters; one that waits keeps its bound."""
+        self.cfg = cfg
+        was = self.enabled
+        self.core.configure(**_settings(cfg))
+        self.enabled = cfg.priority.enabled
+        self.slot_wait = cfg.queue.slot_wait_seconds
+        if self._metrics is not None and was != self.enabled:
+            if self.enabled:
+                self._metrics.register(self._priority_collector)
+            else:
+                self._metrics.unregister(self._priority_collector)
+        self._on_change()
+
+    def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes, bytes]]) -> str:
+        return priority.effective_class(self.enabled, client_cls, headers)
+
+    # --- the capacity queue and the reserve ----------------------------------------------
 
     async def admit(self, model: str, cls: str, client: str) -> Ticket:
-        return Ticket(model, cls, client)
+        core = self.core
+        w = core.arrive(model, cls, client, fleet_of(self.registry.nodes.values(), model))
+        if w is None:
+            return Ticket(model, cls, client)
+        w.event = trio.Event()
+        self._dispatch(model)
+        if not w.granted:
+            try:
+                with trio.move_on_after(core.wait_limit(w)):
+                    await w.event.wait()
+            except BaseException:
+                # Cancelled (the client hung up): out of the queue now, grant passed on.
+                if core.leave(w, timed_out=False):
+                    self._dispatch(model)
+                raise
+        if w.granted:
+            core.started(w)
+            return Ticket(model, w.cls, client, waited=True)
+        core.leave(w, timed_out=True)
+        raise core.timeout_error(w)
 
     def release(self, ticket: Ticket) -> None:
-        pass
+        """Nothing to give back: the registry's in-flight count (finish) is the place."""
+
+    def _dispatch(self, model: str) -> None:
+        for w in self.core.dispatch(model, fleet_of(self.registry.nodes.values(), model)):
+            w.event.set()
+
+    def _on_change(self) -> None:
+        for model in self.core.waiting_models():
+            self._dispatch(model)
+        for node, model in self.slots.keys():
+            self._dispatch_slots(node, model)
+
+    # --- slot waits ----------------------------------------------------------------------
 
     async def wait_slot(self, node, model: str, cls: str) -> None:
-        pass
+        """Hold a non-essential request while its node's slots for `model` are all sent."""
+        if self.slot_wait <= 0 or cls == ESSENTIAL or node.state is None:
+            return
+        w = self.slots.enter(node.name, model, cls, node.in_flight.get(model, 0), node.state.slots)
+        if w is None:
+            return
+        w.event = trio.Event()
+        self._dispatch_slots(node.name, model)
+        try:
+            with trio.move_on_after(self.slot_wait):
+                await w.event.wait()
+        finally:
+            if not w.granted:
+                self.slots.leave(node.name, w)  # ran out: sent anyway; or cancelled
+
+    def _dispatch_slots(self, name: str, model: str) -> None:
+        h = self.registry.nodes.get(name)
+        if h is None or h.state is None:
+            woken = self.slots.dispatch(name, model, 0, None, False)
+        else:
+            woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0), h.state.slots, h.routable())
+        for w in woken:
+            w.event.set()
+
+    # --- visibility ----------------------------------------------------------------------
 
     def status_block(self) -> dict | None:
-        return None
+        if not self.enabled:
+            return None
+        out: dict = {"reserve_slots": self.core.reserve,
+                     "background_max_wait_seconds": self.core.background_max_wait}
+        for c, s in self.core.classes.items():
+            out[c] = s.as_dict()
+        return out
+
+    def statistics(self) -> dict:
+        return self.core.statistics()
+
+
+class QueueCollector:
+    """`appliance_queue_*{model}`, read from the core at scrape time."""
+
+    def __init__(self, core: AdmissionCore) -> None:
+        self.core = core
+
+    def collect(self):
+        waiting = GaugeMetricFamily("appliance_queue_waiting", "Requests waiting for admission, by model.",
+                                    labels=["model"])
+        timeouts = CounterMetricFamily("appliance_queue_timeouts", "Waits that ran out (queue_timeout or "
+                                       "priority_wait_timeout), by model.", labels=["model"])
+        rejected = CounterMetricFamily("appliance_queue_rejected", "Requests refused at once because "
+                                       "Queue__MaxDepth requests already waited (queue_full), by model.",
+                                       labels=["model"])
+        for model, s in sorted(self.core.models.items()):
+            waiting.add_metric([model], s.waiting)
+            timeouts.add_metric([model], s.timeouts)
+            rejected.add_metric([model], s.full)
+        yield waiting
+        yield timeouts
+        yield rejected
+
+
+class PriorityCollector:
+    """`appliance_priority_*`, registered only while priority is on."""
+
+    def __init__(self, core: AdmissionCore) -> None:
+        self.core = core
+
+    def collect(self):
+        yield GaugeMetricFamily("appliance_priority_reserve_slots",
+                                "Free places background work may not take (Priority__ReserveSlots).",
+                                value=self.core.reserve)
+        waiting = GaugeMetricFamily("appliance_priority_waiting", "Requests waiting now, by class.", labels=["class"])
+        held = CounterMetricFamily("appliance_priority_held", "Requests that had to wait, by class.", labels=["class"])
+        released = CounterMetricFamily("appliance_priority_released", "Waiting requests that went, by class.",
+                                       labels=["class"])
+        timed_out = CounterMetricFamily("appliance_priority_timed_out", "Waits that ran out (503), by class.",
+                                        labels=["class"])
+        requests = CounterMetricFamily("appliance_priority_requests", "Requests admitted or refused, by class.",
+                                       labels=["class"])
+        for c in CLASSES:
+            s = self.core.classes[c]
+            waiting.add_metric([c], s.waiting)
+            held.add_metric([c], s.held)
+            released.add_metric([c], s.released)
+            timed_out.add_metric([c], s.timed_out)
+            requests.add_metric([c], s.requests)
+        yield from (waiting, held, released, timed_out, requests)

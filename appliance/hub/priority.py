@@ -1,0 +1,340 @@
+"""The admission decision: may this request go now, or must it wait -- and who goes next.
+
+Theory of operation (DESIGN 5). This module is plain synchronous code: no sockets, no
+trio, no clock. The trio shell (`admission.py`) hands it a `Fleet` snapshot of one model
+(`fleet_of`), asks it to decide, and waits on what it is told to wait on.
+
+Two numbers describe a model's fleet, both over the nodes it can be routed to now
+(connected, not paused, not cordoned, not over their limits, model ready):
+- `places`: per node the lesser of what is left of `max_concurrency` and of the model's
+  `slots`, summed. None when some node declares neither: it gives nothing to count, so
+  nothing is held for it.
+- `room`: what is left of `max_concurrency`, summed; None when some node has no cap. A
+  node whose slots are taken but that has concurrency left still takes work (its engine
+  queues it; `Queue__SlotWaitSeconds` may delay it): a full fleet is one with no room.
+
+Rules:
+- essential and normal go while there is room (`room > 0` or unbounded), else wait in the
+  capacity queue up to `Queue__MaxWaitSeconds` (503 `queue_timeout` + Retry-After).
+- background (priority on) goes only while `places > Priority__ReserveSlots`, else it is
+  held up to `Priority__BackgroundMaxWaitSeconds` (503 `priority_wait_timeout`, naming the
+  client). With priority off every request is normal.
+- Waiters for one model are released in class order, first in first out within a class.
+  A request never passes a waiting request of its own or a higher class; the release loop
+  stops at the first head that cannot go, so no lower class overtakes a higher one.
+- A waiter is refused at once (503 `queue_full` + Retry-After) when `Queue__MaxDepth`
+  requests of its class or higher already wait for the model: lower classes never push a
+  higher one out, and the queue's memory stays bounded (3 x MaxDepth per model).
+- A granted waiter has not yet been counted in flight by the router (its task still has
+  to wake), so grants are `pending` and subtracted from both numbers until `started`.
+
+Slot waits (`SlotQueues`) are the same idea per node and model: a non-essential request
+whose node has more requests sent for the model than slots waits for one to finish.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, NamedTuple
+
+from appliance.hub.errors import RouteError
+
+CLASSES = ("essential", "normal", "background")
+RANK = {c: i for i, c in enumerate(CLASSES)}
+ESSENTIAL, NORMAL, BACKGROUND = CLASSES
+# The request headers a client lowers its own class with (ASGI names are lower case).
+PRIORITY_HEADERS = (b"x-priority", b"x-inferhub-priority")
+# Retry-After on queue_full / queue_timeout: about one short answer's time, so a retry
+# lands after some running request has finished (InferHub answers the same 5 s).
+QUEUE_RETRY_AFTER = 5.0
+
+
+def effective_class(enabled: bool, client_cls: str | None, headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The request's class: the client's, lowered (never raised) by X-Priority headers."""
+    if not enabled:
+        return NORMAL
+    cls = client_cls if client_cls in RANK else NORMAL
+    for name, value in headers:
+        if name.lower() in PRIORITY_HEADERS:
+            asked = value.decode("latin-1").strip().lower()
+            if RANK.get(asked, -1) > RANK[cls]:
+                cls = asked
+    return cls
+
+
+class Fleet(NamedTuple):
+    places: int | None
+    room: int | None
+
+
+def fleet_of(nodes: Iterable, model: str) -> Fleet:
+    """`places` and `room` for `model` over the nodes it can be routed to now."""
+    places: int | None = 0
+    room: int | None = 0
+    for h in nodes:
+        if not h.ready(model):
+            continue
+        if places is not None:
+            free = h.free_places(model)
+            places = None if free is None else places + free
+        if room is not None:
+            cap = h.state.max_concurrency
+            room = None if cap is None else room + max(0, cap - h.in_flight_total)
+    return Fleet(places, room)
+
+
+class Waiter:
+    """One request waiting for admission. `event` belongs to the shell (a trio.Event)."""
+
+    __slots__ = ("model", "cls", "client", "granted", "event")
+
+    def __init__(self, model: str, cls: str, client: str) -> None:
+        self.model = model
+        self.cls = cls
+        self.client = client
+        self.granted = False
+        self.event = None
+
+
+class Lanes:
+    """Waiters of one key in class order; FIFO within a class; O(1) removal."""
+
+    __slots__ = ("lanes", "pending")
+
+    def __init__(self) -> None:
+        self.lanes: tuple[OrderedDict, ...] = (OrderedDict(), OrderedDict(), OrderedDict())
+        self.pending = 0
+
+    def __len__(self) -> int:
+        return len(self.lanes[0]) + len(self.lanes[1]) + len(self.lanes[2])
+
+    def at_or_above(self, cls: str) -> int:
+        """How many wait in `cls` or a higher class."""
+        return sum(len(self.lanes[r]) for r in range(RANK[cls] + 1))
+
+    def add(self, w: Waiter) -> None:
+        self.lanes[RANK[w.cls]][w] = None
+
+    def remove(self, w: Waiter) -> bool:
+        return self.lanes[RANK[w.cls]].pop(w, 0) is None
+
+    def head(self) -> Waiter | None:
+        for lane in self.lanes:
+            if lane:
+                return next(iter(lane))
+        return None
+
+    def pop_head(self) -> Waiter:
+        for lane in self.lanes:
+            if lane:
+                return lane.popitem(last=False)[0]
+        raise IndexError("no waiter")
+
+
+class ClassStats:
+    __slots__ = ("waiting", "held", "released", "timed_out", "requests")
+
+    def __init__(self) -> None:
+        self.waiting = self.held = self.released = self.timed_out = self.requests = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"waiting": self.waiting, "held": self.held, "released": self.released,
+                "timed_out": self.timed_out, "requests": self.requests}
+
+
+class ModelStats:
+    __slots__ = ("waiting", "timeouts", "full")
+
+    def __init__(self) -> None:
+        self.waiting = self.timeouts = self.full = 0
+
+
+class AdmissionCore:
+    def __init__(self, *, enabled: bool, reserve: int, max_depth: int, max_wait: float,
+                 background_max_wait: float) -> None:
+        self.configure(enabled=enabled, reserve=reserve, max_depth=max_depth, max_wait=max_wait,
+                       background_max_wait=background_max_wait)
+        self.queues: dict[str, Lanes] = {}
+        self.classes = {c: ClassStats() for c in CLASSES}
+        self.models: dict[str, ModelStats] = {}
+
+    def configure(self, *, enabled: bool, reserve: int, max_depth: int, max_wait: float,
+                  background_max_wait: float) -> None:
+        self.enabled = enabled
+        self.reserve = reserve
+        self.max_depth = max_depth
+        self.max_wait = max_wait
+        self.background_max_wait = background_max_wait
+
+    # --- the decision --------------------------------------------------------------------
+
+    def may_go(self, cls: str, fleet: Fleet, pending: int = 0) -> bool:
+        """May a request of `cls` take a place now, `pending` places already promised?"""
+        room = fleet.room
+        if room is not None and room - pending <= 0:
+            return False
+        if cls == BACKGROUND and self.enabled:
+            return fleet.places is None or fleet.places - pending > self.reserve
+        return True
+
+    def held_by_reserve(self, cls: str) -> bool:
+        return cls == BACKGROUND and self.enabled
+
+    def arrive(self, model: str, cls: str, client: str, fleet: Fleet) -> Waiter | None:
+        """None: go now. A Waiter: wait on it (then `dispatch`). Raises RouteError (queue_full)."""
+        if not self.enabled:
+            cls = NORMAL
+        self.classes[cls].requests += 1
+        q = self.queues.get(model)
+        ahead = q.at_or_above(cls) if q is not None else 0
+        if ahead == 0 and self.may_go(cls, fleet, q.pending if q is not None else 0):
+            return None
+        ms = self.models.get(model)
+        if ms is None:
+            ms = self.models[model] = ModelStats()
+        if ahead >= self.max_depth:
+            ms.full += 1
+            raise RouteError(503, "queue_full",
+                             f"the queue for model {model!r} is full ({ahead} waiting, Queue__MaxDepth={self.max_depth})",
+                             retry_after=QUEUE_RETRY_AFTER)
+        if q is None:
+            q = self.queues[model] = Lanes()
+        w = Waiter(model, cls, client)
+        q.add(w)
+        cs = self.classes[cls]
+        cs.waiting += 1
+        cs.held += 1
+        ms.waiting += 1
+        return w
+
+    def wait_limit(self, w: Waiter) -> float:
+        return self.background_max_wait if self.held_by_reserve(w.cls) else self.max_wait
+
+    def dispatch(self, model: str, fleet: Fleet) -> list[Waiter]:
+        """Grant places to waiters of `model` in class order; the ones to wake."""
+        q = self.queues.get(model)
+        if q is None:
+            return []
+        woken = []
+        while True:
+            w = q.head()
+            if w is None or not self.may_go(w.cls, fleet, q.pending):
+                break
+            q.pop_head()
+            self._dequeued(w)
+            w.granted = True
+            q.pending += 1
+            woken.append(w)
+        return woken
+
+    def started(self, w: Waiter) -> None:
+        """A granted waiter's task woke: the router counts it in flight now."""
+        self.classes[w.cls].released += 1
+        self._unpend(w)
+
+    def leave(self, w: Waiter, *, timed_out: bool) -> bool:
+        """The waiter gives up (its wait ran out, or its client hung up).
+
+        True when it gave back a granted place: dispatch the model again.
+        """
+        if w.granted:
+            self._unpend(w)
+            return True
+        q = self.queues.get(w.model)
+        if q is not None and q.remove(w):
+            self._dequeued(w)
+            if timed_out:
+                self.classes[w.cls].timed_out += 1
+                self.models[w.model].timeouts += 1
+            self._forget(w.model, q)
+        return False
+
+    def timeout_error(self, w: Waiter) -> RouteError:
+        if self.held_by_reserve(w.cls):
+            return RouteError(503, "priority_wait_timeout",
+                              f"background work of client {w.client!r} waited {self.background_max_wait:g} s "
+                              f"(Priority__BackgroundMaxWaitSeconds) for more than {self.reserve} free place(s) "
+                              f"for model {w.model!r}; retry later")
+        return RouteError(503, "queue_timeout",
+                          f"no free place for model {w.model!r} within {self.max_wait:g} s (Queue__MaxWaitSeconds)",
+                          retry_after=QUEUE_RETRY_AFTER)
+
+    def waiting_models(self) -> list[str]:
+        return [m for m, q in self.queues.items() if len(q)]
+
+    def statistics(self) -> dict:
+        return {"classes": {c: s.as_dict() for c, s in self.classes.items()},
+                "models": {m: {"waiting": s.waiting, "timeouts": s.timeouts, "full": s.full}
+                           for m, s in self.models.items()}}
+
+    # --- bookkeeping ---------------------------------------------------------------------
+
+    def _dequeued(self, w: Waiter) -> None:
+        self.classes[w.cls].waiting -= 1
+        self.models[w.model].waiting -= 1
+
+    def _unpend(self, w: Waiter) -> None:
+        w.granted = False
+        q = self.queues.get(w.model)
+        if q is not None:
+            q.pending -= 1
+            self._forget(w.model, q)
+
+    def _forget(self, model: str, q: Lanes) -> None:
+        if not q.pending and not len(q):
+            del self.queues[model]
+
+
+class SlotQueues:
+    """Requests sent to a node but held for one of its slots for the model (DESIGN 5).
+
+    `in_flight` is the hub's count for the node and model with this request counted; the
+    requests of that count not waiting here have been sent. A request waits while as many
+    as `slots` have been sent; a finished one lets the next in (class order, FIFO).
+    """
+
+    def __init__(self) -> None:
+        self.queues: dict[tuple[str, str], Lanes] = {}
+
+    def enter(self, node: str, model: str, cls: str, in_flight: int, slots: int | None) -> Waiter | None:
+        """None: send now. A Waiter: wait on it (essential never waits)."""
+        if cls == ESSENTIAL or slots is None:
+            return None
+        key = (node, model)
+        q = self.queues.get(key)
+        waiting = len(q) if q is not None else 0
+        if waiting == 0 and in_flight - 1 < slots:
+            return None
+        if q is None:
+            q = self.queues[key] = Lanes()
+        w = Waiter(model, cls, "")
+        q.add(w)
+        return w
+
+    def dispatch(self, node: str, model: str, in_flight: int, slots: int | None, routable: bool) -> list[Waiter]:
+        """The waiters that may be sent now: slots freed, or the node gone (sent anyway)."""
+        q = self.queues.get((node, model))
+        if q is None:
+            return []
+        woken = []
+        if slots is None or not routable:
+            free = len(q)
+        else:
+            free = slots - (in_flight - len(q))
+        while free > 0 and len(q):
+            w = q.pop_head()
+            w.granted = True
+            woken.append(w)
+            free -= 1
+        if not len(q):
+            del self.queues[(node, model)]
+        return woken
+
+    def leave(self, node: str, w: Waiter) -> None:
+        key = (node, w.model)
+        q = self.queues.get(key)
+        if q is not None and q.remove(w) and not len(q):
+            del self.queues[key]
+
+    def keys(self) -> list[tuple[str, str]]:
+        return list(self.queues)
