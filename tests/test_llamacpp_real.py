@@ -1,0 +1,131 @@
+"""The `llamacpp` engine with real llama.cpp (llama-cpp-python's server) and a real GGUF.
+
+Needs `make llamacpp-wheel` (run by `make test`): llama-cpp-python[server] in this venv,
+from the cached wheel. The model is tests/make_gguf.py's tiny llama (random weights,
+gibberish at thousands of tokens per second); its `kev` copy is refused by llama.cpp with
+its own error line, which must come out as the model's last error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import trio
+
+from appliance import config
+from appliance.node.engines.base import EngineError
+from appliance.node.engines.llamacpp import LlamaCppEngine
+import make_gguf
+from test_llamacpp_engine import alive, wait_gone
+
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                       reason="llama-cpp-python not installed: run `make llamacpp-wheel`"),
+]
+
+COMMAND = (f"{shlex.quote(sys.executable)} -m llama_cpp.server --model {{model}} --host 127.0.0.1 "
+           "--port {port} --n_ctx 256 {args}")
+KEV_LINE = "unknown model architecture: 'kev'"
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    return make_gguf.write_pair(tmp_path_factory.mktemp("gguf"), seed=7)
+
+
+def make_engine() -> LlamaCppEngine:
+    return LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": COMMAND}))
+
+
+async def test_real_load_chat_stream_unload(nursery, gguf_pair):
+    tiny, _ = gguf_pair
+    eng = make_engine()
+    await nursery.start(eng.run)
+    assert eng.installs()[0].version == "0.3.36"
+    t0 = time.monotonic()
+    with trio.fail_after(60):
+        await eng.load("tiny", str(tiny))
+    cold = time.monotonic() - t0
+    print(f"\nllamacpp real: cold start to ready {cold:.2f} s")
+    (m,) = eng.models()
+    assert (m.state, m.size_mb) == ("ready", 1)
+    client = openai.OpenAI(base_url=eng.upstream("tiny") + "/v1", api_key="none", timeout=30, max_retries=0)
+
+    def chat() -> tuple[str, float, int, float]:
+        t = time.monotonic()
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=16, seed=1)
+        full = time.monotonic() - t
+        t = time.monotonic()
+        first = None
+        pieces = []
+        for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=32, stream=True, seed=1):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.monotonic() - t
+                pieces.append(chunk.choices[0].delta.content)
+        return r.choices[0].message.content or "", full, len(pieces), first or 0.0
+
+    text, full, n_chunks, ttft = await trio.to_thread.run_sync(chat)
+    print(f"llamacpp real: chat 16 tokens {full * 1000:.0f} ms; stream {n_chunks} chunks, first token {ttft * 1000:.0f} ms")
+    assert text
+    assert n_chunks >= 2
+    pid = eng.pid("tiny")
+    with trio.fail_after(15):
+        await eng.unload("tiny")
+    assert not alive(pid)
+
+
+async def test_real_kev_fails_with_llamacpp_error(nursery, gguf_pair):
+    _, kev = gguf_pair
+    eng = make_engine()
+    await nursery.start(eng.run)
+    t0 = time.monotonic()
+    with trio.fail_after(60), pytest.raises(EngineError) as err:
+        await eng.load("kev", str(kev))
+    print(f"\nllamacpp real: kev refused in {time.monotonic() - t0:.2f} s: {err.value}")
+    assert KEV_LINE in str(err.value)
+    (m,) = eng.models()
+    assert m.state == "failed" and KEV_LINE in m.last_error and "Traceback" not in m.last_error
+
+
+PARENT = """
+import sys, trio
+from appliance import config
+from appliance.node.engines.llamacpp import LlamaCppEngine
+async def main():
+    eng = LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": sys.argv[1]}))
+    async with trio.open_nursery() as n:
+        await n.start(eng.run)
+        await eng.load("m", sys.argv[2])
+        print(eng.pid("m"), flush=True)
+        await trio.sleep_forever()
+trio.run(main)
+"""
+
+
+def test_real_sigkill_of_the_node_leaves_no_llama_server(gguf_pair):
+    tiny, _ = gguf_pair
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, COMMAND, str(tiny)], stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([parent.stdout], [], [], 60)
+        assert ready, "the node-like parent did not load its model in 60 s"
+        child = int(parent.stdout.readline())
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            assert b"llama_cpp.server" in f.read()
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        assert wait_gone(child), f"llama_cpp.server pid {child} outlived its node"
+    finally:
+        parent.kill()
+        parent.wait(10)
