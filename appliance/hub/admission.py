@@ -171,8 +171,8 @@ class QueueCollector:
     def collect(self):
         waiting = GaugeMetricFamily("appliance_queue_waiting", "Requests waiting for admission, by model.",
                                     labels=["model"])
-        timeouts = CounterMetricFamily("appliance_queue_timeouts", "Waits that ran out (queue_timeout or "
-                                       "priority_wait_timeout), by model.", labels=["model"])
+        timeouts = CounterMetricFamily("appliance_queue_timeouts", "Waits for admission that ran out (503), by model.",
+                                       labels=["model"])
         rejected = CounterMetricFamily("appliance_queue_rejected", "Requests refused at once because "
                                        "Queue__MaxDepth requests already waited (queue_full), by model.",
                                        labels=["model"])
