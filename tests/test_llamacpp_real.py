@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 import trio
@@ -129,3 +130,54 @@ def test_real_sigkill_of_the_node_leaves_no_llama_server(gguf_pair):
     finally:
         parent.kill()
         parent.wait(10)
+
+
+def engine_children(node_pid: int) -> list[int]:
+    """pids of the llama_cpp.server processes whose parent is `node_pid`."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == node_pid and b"llama_cpp.server" in cmd:
+            found.append(int(d))
+    return found
+
+
+@pytest.mark.e2e
+def test_real_node_process_loads_serves_refuses_kev_and_dies_clean(procs, gguf_pair):
+    """`appliance node` with Engine__Kind=llamacpp, as an operator runs it."""
+    tiny, kev = gguf_pair
+    token = "llama-node-secret"
+    node = procs.start("node", {
+        "Node__Name": "llama-e2e", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+        "Engine__Kind": "llamacpp", "Engine__Command": COMMAND, "Engine__StartTimeoutSeconds": "60",
+        "Auth__NodeToken": token, "Node__HeartbeatSeconds": "0.5",
+    })
+    with httpx.Client(base_url=node.url, headers={"authorization": f"Bearer {token}"}, timeout=60) as c:
+        assert c.get("/node/v1/state").json()["engines"] == [{"kind": "llamacpp", "version": "0.3.36"}]
+        t0 = time.monotonic()
+        r = c.post("/node/v1/models/tiny/load", json={"source": str(tiny)})
+        assert r.status_code == 200, r.text
+        print(f"\nllamacpp real: node load of a cold model {time.monotonic() - t0:.2f} s")
+        r = c.post("/node/v1/models/kev/load", json={"source": str(kev)})
+        assert r.status_code == 502 and KEV_LINE in r.text, r.text
+        models = {m["name"]: m for m in c.get("/node/v1/state").json()["models"]}
+        assert models["tiny"]["state"] == "ready"
+        assert models["kev"]["state"] == "failed" and KEV_LINE in models["kev"]["last_error"]
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key=token, timeout=30, max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert r.choices[0].message.content
+    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=True) if c.choices]
+    assert len([c for c in chunks if c]) >= 2
+    (engine,) = engine_children(node.pid)
+    node.signal(signal.SIGKILL)
+    node.wait_exit(10)
+    assert wait_gone(engine), f"llama_cpp.server pid {engine} outlived its node"
