@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv unit clean binary llamacpp-wheel
+.PHONY: run test venv unit clean binary llamacpp-wheel test-deps
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
@@ -29,11 +29,24 @@ $(LLAMA_STAMP): $(STAMP) tests/llama_cache.py
 
 llamacpp-wheel: $(LLAMA_STAMP)
 
-test: $(STAMP) $(LLAMA_STAMP)
+# systemd-analyze, for tests/test_systemd_units.py: Debian's systemd, only when missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+test-deps:
+	@command -v systemd-analyze >/dev/null || test -x /usr/bin/systemd-analyze || { \
+	  echo "installing Debian's systemd (for systemd-analyze)"; \
+	  $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends systemd; }
+
+test: $(STAMP) $(LLAMA_STAMP) test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e and not llamacpp and not binary"
+
+# dist/appliance, one executable for every role (packaging/build.sh; ~40 s here).
+binary:
+	packaging/build.sh dist
 
 clean:
 	rm -rf $(VENV) build dist
