@@ -1,50 +1,267 @@
-"""The control plane: what runs where (placeholder: discovered models only, no loading).
+"""The control plane: what runs where, as a thin trio shell around placement.Models.
 
-Interface the router and status rely on (owner: the models-on-demand work, issue 4):
-- `Control(cfg, registry, node_client, metrics_registry, audit)`
-- `async run(*, task_status)`: the control loop in the hub's nursery.
-- `known(model) -> bool`: in the catalog or discovered on a node.
-- `unservable(model) -> RouteError | None`: parked (model_parked) / unplaceable.
-- `await activate(model)`: ask first, wait for placement, poll for a ready replica;
-  returns when one is ready, raises RouteError otherwise.
-- `touch(model)`: a request used it (idle unload).
-- `models_status() -> list[dict]`: the `models` list of /api/status (DESIGN 9).
+Theory of operation: `Control.run` is the control loop in the hub's nursery. Each pass
+(every `Hub__ControlIntervalSeconds`, and at once when the fleet changes, a model is asked
+for or a load ends) hands the node handles and the time to the synchronous core, which
+answers with loads and unloads; the shell carries each out as its own task and reports the
+node's answer back. All node calls go through `NodeOps` (injectable: the unit tests use a
+fake, so they need no sockets), each with its bound at the call site: a load may take
+minutes, so it is bounded generously from `Engine__StartTimeoutSeconds` and the node's own
+answer (502/504 with the engine's words) is what normally ends it.
+
+Interface the router and status rely on:
+- `Control(cfg, registry, node_client, metrics_registry, audit)`, `await run(task_status=)`
+- `known(model)`: in the catalog or discovered on a node.
+- `unservable(model) -> RouteError | None`: parked, or unplaceable by a fresh attempt
+  (a stored unplaceable result is never trusted: the request asks again).
+- `await activate(model)`: the activation waiter (activation.py).
+- `touch(model)`: a request used it (idle unload counts from the last one).
+- `models_status()`: the `models` list of /api/status (DESIGN 9 keys exactly).
+- `reload(cfg)` (SIGHUP), `retry(model) -> bool` (`appliance ctl retry`).
 """
 
 from __future__ import annotations
 
+import logging
+import urllib.parse
+
+import httpx
+import msgspec
 import trio
 
 from appliance.config import Config
+from appliance.hub import activation
 from appliance.hub.errors import RouteError
+from appliance.hub.placement import Load, Models, Unload
+from appliance.wire import LoadRequest
+
+log = logging.getLogger("appliance.hub.control")
+
+# Connecting to a node on the LAN: a few seconds or it is not there.
+CONNECT_SECONDS = 10.0
+# An unload or a pause/resume is quick on any engine; a minute is already a sick node.
+UNLOAD_SECONDS = 60.0
+CONTROL_SECONDS = 10.0
+# Bound of one load: the node gives up after its Engine__StartTimeoutSeconds and answers
+# 504; we wait for that answer, plus a model download's worth of slack on top.
+LOAD_SLACK_SECONDS = 120.0
+
+_enc = msgspec.json.Encoder()
+
+
+def _error_of(resp: httpx.Response) -> str:
+    try:
+        err = resp.json().get("error")
+        if isinstance(err, dict):
+            err = err.get("message")
+        if err:
+            return str(err)
+    except (ValueError, AttributeError):
+        pass
+    return f"node answered {resp.status_code}: {resp.text[:300]}"
+
+
+class NodeOps:
+    """The node's control API over the hub's shared node client (node token included)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def load(self, h, model: str, req: LoadRequest, read_seconds: float) -> str | None:
+        """None when ready; else the engine's own words. Raises httpx.TransportError."""
+        resp = await self.client.post(
+            f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load", content=_enc.encode(req),
+            headers={"content-type": "application/json"}, timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
+        return None if resp.status_code == 200 else _error_of(resp)
+
+    async def unload(self, h, model: str) -> str | None:
+        resp = await self.client.post(f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
+                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
+        return None if resp.status_code == 200 else _error_of(resp)
+
+    async def control(self, h, action: str) -> tuple[int, str]:
+        """`pause`/`resume`/`leave`/`join`: (status, error text or "")."""
+        resp = await self.client.post(f"{h.url}/node/v1/{action}", timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
+        return resp.status_code, "" if resp.status_code == 200 else _error_of(resp)
 
 
 class Control:
-    def __init__(self, cfg: Config, registry, node_client, metrics_registry, audit) -> None:
+    def __init__(self, cfg: Config, registry, node_client, metrics_registry, audit, *, ops=None) -> None:
         self.cfg = cfg
         self.registry = registry
+        self.audit = audit
+        self.ops = ops if ops is not None else NodeOps(node_client)
+        self.core = Models(cfg)
+        self._nursery: trio.Nursery | None = None
+        self._backlog: list = []
+        self._wake = trio.Event()
+        self._decided = trio.Event()
+        self._unloading: set[tuple[str, str]] = set()
+        self._last_now = 0.0
+        registry.add_listener(self._wake_up)
+        if metrics_registry is not None:
+            from appliance.hub.model_metrics import ControlCollector
+
+            metrics_registry.register(ControlCollector(self))
+
+    # --- the loop ----------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            backlog, self._backlog = self._backlog, []
+            self._carry_out(backlog)
+            task_status.started()
+            while True:
+                self._carry_out(self.core.plan(self._nodes(), self.now()))
+                with trio.move_on_after(self.cfg.hub.control_interval_seconds):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    def now(self) -> float:
+        """trio's clock; outside a trio run (a scrape from another thread) the last reading."""
+        try:
+            self._last_now = trio.current_time()
+        except RuntimeError:
+            pass
+        return self._last_now
+
+    def _wake_up(self) -> None:
+        self._wake.set()
+
+    def _nodes(self) -> list:
+        return [h for h in self.registry.nodes.values() if not h.removed]
+
+    def _carry_out(self, actions: list) -> None:
+        self._audit_events()
+        if self._nursery is None:
+            self._backlog += actions
+            return
+        for act in actions:
+            if isinstance(act, Load):
+                self._nursery.start_soon(self._load, act)
+            elif isinstance(act, Unload) and (act.node, act.model) not in self._unloading:
+                self._unloading.add((act.node, act.model))
+                self._nursery.start_soon(self._idle_unload, act)
+
+    def _audit_events(self) -> None:
+        events, self.core.events = self.core.events, []
+        if self.audit is not None:
+            for kind, fields in events:
+                self.audit.event(kind, **fields)
+
+    async def _load(self, act: Load) -> None:
+        h = self.registry.nodes.get(act.node)
+        bound = 2 * self.cfg.engine.start_timeout_seconds + LOAD_SLACK_SECONDS
+        try:
+            if h is None:
+                raise httpx.ConnectError(f"node {act.node} is gone")
+            for victim in act.victims:
+                if h.in_flight.get(victim, 0):
+                    raise httpx.ConnectError(f"{victim} on {act.node} took work while room was being made")
+                log.info("unloading idle %s from %s to make room for %s", victim, act.node, act.model)
+                if self.audit is not None:
+                    self.audit.event("model_unload", model=victim, node=act.node, why=f"room for {act.model}")
+                await self.ops.unload(h, victim)
+            with trio.move_on_after(bound) as scope:
+                error = await self.ops.load(h, act.model, act.request, bound)
+            if scope.cancelled_caught:
+                error = f"node {act.node} did not answer the load within {bound:g} s"
+        except httpx.TransportError as e:
+            self.core.load_lost(act.model, act.node, f"{type(e).__name__}: {e}", self.now())
+        else:
+            self.core.load_done(act.model, act.node, error, self.now())
+        self._audit_events()
+        self._wake_up()
+
+    async def _idle_unload(self, act: Unload) -> None:
+        h = self.registry.nodes.get(act.node)
+        try:
+            if h is not None:
+                log.info("unloading %s from %s: %s", act.model, act.node, act.why)
+                if self.audit is not None:
+                    self.audit.event("model_unload", model=act.model, node=act.node, why=act.why)
+                err = await self.ops.unload(h, act.model)
+                if err:
+                    log.warning("unload of %s on %s refused: %s", act.model, act.node, err)
+        except httpx.TransportError as e:
+            log.warning("unload of %s on %s not answered: %s", act.model, act.node, e)
+        finally:
+            self._unloading.discard((act.node, act.model))
+
+    # --- what the router calls ---------------------------------------------------------
 
     def known(self, model: str) -> bool:
-        return model in self.registry.known_models()
+        return model in self.core.specs or model in self.registry.known_models()
 
-    def unservable(self, model: str) -> RouteError | None:
+    def ask(self, model: str) -> int:
+        gen, actions = self.core.ask(model, self._nodes(), self.now())
+        self._carry_out(actions)
+        self._decided.set()
+        self._decided = trio.Event()
+        self._wake_up()
+        return gen
+
+    async def wait_decided(self, model: str, generation: int) -> None:
+        while self.core._h(model).decided_gen < generation:
+            await self._decided.wait()
+
+    def has_ready(self, model: str) -> bool:
+        return bool(self.registry.ready_nodes(model))
+
+    def why_unservable(self, model: str) -> RouteError | None:
+        if self.has_ready(model):
+            return None
+        h = self.core.health.get(model)
+        if h is None:
+            return None
+        if h.parked:
+            return RouteError(503, "model_parked",
+                              f"model {model!r} is parked after {h.failures} failed starts in a row; last error: "
+                              f"{h.last_error}; fix it, then `appliance ctl retry {model}`")
+        if h.unplaceable:
+            return RouteError(503, "model_unplaceable", f"model {model!r} fits on no node: {h.unplaceable}")
         return None
 
+    def unservable(self, model: str) -> RouteError | None:
+        err = self.why_unservable(model)
+        if err is not None and err.code == "model_unplaceable":
+            self.ask(model)  # never refuse on a stale answer: decide afresh
+            err = self.why_unservable(model)
+        return err
+
     async def activate(self, model: str) -> None:
-        raise RouteError(503, "no_capacity", f"no node can serve {model!r} now", retry_after=5)
+        await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
 
     def touch(self, model: str) -> None:
-        pass
+        self.core.touch(model, self.now())
+
+    # --- operators ---------------------------------------------------------------------
+
+    def retry(self, model: str) -> bool:
+        ok = self.core.retry(model, self.now())
+        if ok:
+            log.warning("model %s: retry asked by an operator", model)
+            self._audit_events()
+            self._wake_up()
+        return ok
+
+    def reload(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.core.reconfigure(cfg)
+        self._audit_events()
+        self._wake_up()
 
     def models_status(self) -> list[dict]:
+        nodes, now = self._nodes(), self.now()
+        return [self.core.status(n, nodes, now) for n in self.core.names(nodes)]
+
+    def model_details(self) -> list[dict]:
+        """models_status plus what the admin API and ctl show: definition and satisfaction."""
         out = []
-        for name in sorted(self.registry.known_models()):
-            ready = [h.name for h in self.registry.ready_nodes(name)]
-            out.append({"name": name, "desired": 0, "ready": len(ready), "loading": 0, "parked": False,
-                        "unplaceable": False, "reason": "", "last_error": "", "consecutive_start_failures": 0,
-                        "nodes": ready})
+        for st in self.models_status():
+            spec = self.core.spec(st["name"])
+            out.append({**st, "on_demand": spec.replicas == 0, "configured": spec.configured, "source": spec.source,
+                        "profile": spec.profile, "memory_mb": spec.memory_mb,
+                        "satisfied": st["ready"] >= st["desired"] and not st["parked"]})
         return out

@@ -1,0 +1,61 @@
+"""The activation waiter: a request for a model that is not ready anywhere.
+
+Theory of operation (the seed's `activate`, DESIGN 3 step 4): refusing such a request
+makes on-demand loading useless, because the first request for every model would fail;
+waiting without a bound turns a request into a job. So the waiter asks, waits briefly, and
+then says what is happening.
+
+1. Ask first, always. Asking clears the previous placement result and makes a fresh
+   attempt, so a model that fitted nowhere an hour ago is placed now that room was made.
+2. Wait for *that* attempt's placement decision (its generation), not the whole window.
+   Found nowhere, or parked: answer at once with why, no Retry-After.
+3. Poll every 250 ms for a ready replica -- polled rather than notified on purpose: a load
+   takes tens of seconds at best, so a poll's latency is noise against it -- until
+   `Router__ActivationWaitSeconds` run out, stopping early when the model becomes
+   unservable (the fifth failed start parks it mid-wait).
+4. Timed out: 503 `model_loading` "loading; retry shortly" with Retry-After.
+
+The waiter owns no state; `source` is the control plane (see `Source`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import trio
+
+from appliance.hub.errors import RouteError
+
+# The seed's poll period: a load takes tens of seconds, so 250 ms is noise against it.
+POLL_SECONDS = 0.25
+# Retry-After of a timed-out wait: a client should come back soon, not hold a socket.
+RETRY_AFTER_SECONDS = 5
+
+
+class Source(Protocol):
+    def ask(self, model: str) -> int:
+        """Clear the previous result, start a fresh attempt; its generation."""
+
+    async def wait_decided(self, model: str, generation: int) -> None:
+        """Returns once the attempt of `generation` (or a later one) has decided."""
+
+    def has_ready(self, model: str) -> bool: ...
+
+    def why_unservable(self, model: str) -> RouteError | None:
+        """Parked or unplaceable now (no fresh attempt)."""
+
+
+async def activate(source: Source, model: str, wait_seconds: float) -> None:
+    """Returns once a replica of `model` is ready; raises RouteError otherwise."""
+    generation = source.ask(model)
+    with trio.move_on_after(wait_seconds):
+        await source.wait_decided(model, generation)
+        while True:
+            if source.has_ready(model):
+                return
+            err = source.why_unservable(model)
+            if err is not None:
+                raise err
+            await trio.sleep(POLL_SECONDS)
+    raise RouteError(503, "model_loading", f"model {model!r} is loading; retry shortly",
+                     retry_after=RETRY_AFTER_SECONDS)
