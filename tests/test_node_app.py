@@ -326,3 +326,80 @@ async def test_listings_from_state():
         tags = (await n.http.get("/api/tags")).json()["models"]
         assert {m["name"] for m in tags} >= {"sim-small", "qwen2.5:0.5b"}
         assert "version" in (await n.http.get("/api/version")).json()
+
+
+# --- the process's parts: announcer, advertise URL, reloads -------------------------------
+
+async def test_announce_repeats_and_logs_once_per_outage(autojump_clock, caplog):
+    from appliance.node.announce import announce_loop
+    from appliance.wire import Announce
+
+    calls, hub_up = [], [False]
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append((trio.current_time(), str(req.url), req.headers["authorization"], json.loads(req.content)))
+        if not hub_up[0]:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(204)
+
+    caplog.set_level("INFO", logger="appliance.node.announce")
+    start = trio.current_time()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        async with trio.open_nursery() as n:
+            await n.start(announce_loop, c, "http://hub:8080/", "tok", Announce("gpu-a", "http://gpu-a:9090"), 15.0)
+            await trio.sleep(31)
+            hub_up[0] = True
+            await trio.sleep(15)
+            n.cancel_scope.cancel()
+    assert [t - start for t, *_ in calls] == [0, 15, 30, 45]
+    assert calls[0][1:] == ("http://hub:8080/api/nodes/announce", "Bearer tok",
+                            {"name": "gpu-a", "url": "http://gpu-a:9090"})
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "connection refused" in warned[0].getMessage()
+    assert sum("announced gpu-a" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_advertise_url():
+    from appliance.node.run import advertise_url
+    import socket
+
+    assert advertise_url(load({}), "0.0.0.0", 9090) == f"http://{socket.gethostname()}:9090"
+    assert advertise_url(load({}), "127.0.0.1", 5) == "http://127.0.0.1:5"
+    assert advertise_url(load({}), "::1", 5) == "http://[::1]:5"
+    assert advertise_url(load({"Node__AdvertiseUrl": "https://gpu-a.lan:9090/"}), "0.0.0.0", 1) == "https://gpu-a.lan:9090"
+
+
+async def test_reload_applies_limits_and_publishes():
+    from appliance.node.run import apply_reloads
+
+    async with running_node(Node__MaxConcurrency="2") as n:
+        send, recv = trio.open_memory_channel(1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(apply_reloads, n.keeper, n.engine, recv)
+            await send.send(load({"Node__MaxConcurrency": "1", "Node__MemoryMb": "8000"}))
+            await n.wait_until(lambda: n.keeper.max_concurrency == 1)
+            st = (await n.http.get("/node/v1/state")).json()
+            assert st["max_concurrency"] == 1 and st["memory_total_mb"] == 8000
+            await send.aclose()
+
+
+async def test_run_node_in_process_sim_then_stop_drains():
+    """run_node as `appliance up` uses it: started with the bound address, stopped by an
+    event (no signals), the watch stream ends at once, the call returns."""
+    from appliance.node.run import run_node
+
+    cfg = load({"Engine__Kind": "sim", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                "Node__Name": "local", "Auth__NodeToken": TOKEN, "Hub__DrainSeconds": "5"})
+    stop = trio.Event()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(run_node, cfg, stop)
+            async with httpx.AsyncClient(base_url=f"http://{host}:{port}", headers=AUTH, timeout=10) as c:
+                assert (await c.get("/node/v1/state")).json()["name"] == "local"
+                async with c.stream("GET", "/node/v1/watch") as w:
+                    lines = w.aiter_lines()
+                    first = watch_decoder.decode(await lines.__anext__())
+                    assert first.state.engines[0].kind == "sim"
+                    stop.set()
+                    async for _ in lines:
+                        pass

@@ -1,0 +1,224 @@
+"""The node process: one nursery holding every long-lived part (DESIGN 1).
+
+Theory of operation: `run_node` builds the engine adapter (`make_engine`), the state
+keeper and the app, then starts with `nursery.start` the engine supervisor, the GPU
+memory reader, the node API server, the metrics server (`Metrics__Listen`, default
+0.0.0.0:9465, empty: none) and the announcer (when `Hub__Url` is set). It hands the
+bound API address to `task_status.started` only once all of it listens.
+
+`run_node` installs no signal handlers, so `appliance up` can run it beside the hub in
+one `trio.run`: a stop is the caller's `stop` event, a reload a new Config sent on the
+caller's `reloads` channel. On stop the keeper drains (new requests get 503, watch
+streams end, so the hub stops routing here), the API server stops accepting and lets
+in-flight work finish for `Hub__DrainSeconds` (the hub's drain bound serves the node
+too), then everything else is cancelled. `main` owns the signals: SIGTERM/SIGINT stop,
+SIGHUP re-reads the env file -- the node's limits (Node__MaxConcurrency, ModelSlots,
+MemoryMb) apply at once, anything else at the next start -- and the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+from functools import partial
+
+import trio
+from prometheus_client import CollectorRegistry
+
+from appliance import config as config_mod
+from appliance import sdnotify
+from appliance.asgi import serve
+from appliance.config import Config
+from appliance.metricsapp import metrics_app
+from appliance.node.announce import announce_loop, hub_client
+from appliance.node.app import NodeApp, engine_client
+from appliance.node.engines import make_engine
+from appliance.node.metrics import NodeMetrics
+from appliance.node.state import NVIDIA_SMI, NodeStateKeeper, parse_nvidia_smi
+from appliance.wire import Announce
+
+log = logging.getLogger("appliance.node")
+
+# DESIGN 9: the node's metrics listener unless Metrics__Listen says otherwise.
+NODE_METRICS_DEFAULT = "0.0.0.0:9465"
+# nvidia-smi costs ~50 ms of CPU; every 5 s shows an owner's game within one hub heartbeat
+# window or two, without flooding the watch stream with jitter in `used`.
+GPU_POLL_SECONDS = 5.0
+# A wedged driver can make nvidia-smi hang; past this the reading is skipped.
+NVIDIA_SMI_TIMEOUT = 10.0
+
+
+def advertise_url(cfg: Config, host: str, port: int) -> str:
+    """Node__AdvertiseUrl, else the bound address with the host name in place of 0.0.0.0."""
+    if cfg.node.advertise_url:
+        return cfg.node.advertise_url.rstrip("/")
+    scheme = "https" if cfg.node.tls_cert else "http"
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
+def _read_nvidia_smi(exe: str) -> str:
+    """Blocking; runs in a worker thread."""
+    out = subprocess.run([exe, *NVIDIA_SMI[1:]], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT)
+    if out.returncode != 0:
+        raise OSError(f"exit {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}")
+    return out.stdout
+
+
+async def poll_gpu_memory(keeper: NodeStateKeeper, every: float,
+                          *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Feed the keeper nvidia-smi's numbers; the first reading is in before `started`."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        log.info("no nvidia-smi: memory is Node__MemoryMb and the engine's own account")
+        task_status.started()
+        return
+    problem: str | None = None
+    while True:
+        try:
+            text = await trio.to_thread.run_sync(_read_nvidia_smi, exe, abandon_on_cancel=True)
+            reading = parse_nvidia_smi(text)
+            now = None if reading is not None else f"unreadable output {text.strip()[:200]!r}"
+        except (OSError, subprocess.SubprocessError) as e:
+            reading, now = None, str(e)
+        if now and now != problem:
+            log.warning("nvidia-smi: %s (memory falls back to Node__MemoryMb)", now)
+        problem = now
+        keeper.set_gpu_memory(reading)
+        task_status.started()
+        task_status = trio.TASK_STATUS_IGNORED
+        await trio.sleep(every)
+
+
+async def apply_reloads(keeper: NodeStateKeeper, engine, reloads: trio.MemoryReceiveChannel) -> None:
+    """Apply each reloaded Config: the node's limits, and the engine's own settings where
+    the adapter takes them (`reconfigure`, e.g. the sim's model list)."""
+    async with reloads:
+        async for new in reloads:
+            reconfigure = getattr(engine, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(new)
+            changes = keeper.apply_limits(new.node)
+            if changes:
+                log.info("configuration reloaded: %s", "; ".join(changes))
+            else:
+                log.info("configuration reloaded: no node limit changed (Node__MaxConcurrency, ModelSlots "
+                         "and MemoryMb apply at once; other settings at the next start)")
+
+
+async def run_node(cfg: Config, stop: trio.Event | None = None, *,
+                   reloads: trio.MemoryReceiveChannel | None = None,
+                   registry: CollectorRegistry | None = None,
+                   task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a node until `stop` is set, then drain and return. Reports the bound
+    (host, port) of the node API once every listener is bound."""
+    stop = stop if stop is not None else trio.Event()
+    name = cfg.node_name()
+    engine = make_engine(cfg)
+    keeper = NodeStateKeeper(name, cfg.node, engine)
+    engine.on_change = keeper.changed
+    metrics = NodeMetrics(registry if registry is not None else CollectorRegistry(), keeper)
+    async with engine_client(cfg) as eclient, hub_client(cfg) as hclient, trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        await nursery.start(poll_gpu_memory, keeper, GPU_POLL_SECONDS)
+        app = NodeApp(cfg, keeper, engine, eclient, metrics)
+        api_stop, api_done = trio.Event(), trio.Event()
+
+        async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
+            try:
+                await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait,
+                            drain_seconds=cfg.hub.drain_seconds, certfile=cfg.node.tls_cert,
+                            keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca, task_status=task_status)
+            finally:
+                api_done.set()
+
+        host, port = await nursery.start(api_server)
+        metrics_listen = NODE_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
+        if metrics_listen:
+            await nursery.start(partial(serve, metrics_app(metrics.registry, [metrics.refresh]), metrics_listen,
+                                        "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1))
+        url = advertise_url(cfg, host, port)
+        if cfg.hub.url:
+            await nursery.start(announce_loop, hclient, cfg.hub.url, cfg.auth.node_token,
+                                Announce(name=name, url=url), cfg.node.announce_seconds)
+        if reloads is not None:
+            nursery.start_soon(apply_reloads, keeper, engine, reloads)
+        log.info("node %s up: engine %s, reachable at %s%s", name, cfg.engine.kind, url,
+                 f", announcing to {cfg.hub.url}" if cfg.hub.url else ", waiting to be dialled")
+        task_status.started((host, port))
+
+        await stop.wait()
+        log.info("node %s draining: %d request(s) in flight, up to %g s", name, keeper.in_flight_total,
+                 cfg.hub.drain_seconds)
+        keeper.drain()
+        api_stop.set()
+        await api_done.wait()
+        nursery.cancel_scope.cancel()
+
+
+# --- the process: signals, systemd, exit code ----------------------------------------------
+
+
+async def _beat(heartbeat: sdnotify.Heartbeat, interval: float) -> None:
+    """Proves the trio loop turns: the watchdog is fed only while this runs on time."""
+    while True:
+        heartbeat.beat()
+        await trio.sleep(interval)
+
+
+async def _signals(stop: trio.Event, notifier: sdnotify.Notifier, env_file: str | None,
+                   reload_send: trio.MemorySendChannel) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for sig in signals:
+            if sig == signal.SIGHUP:
+                notifier.reloading()
+                log.info("SIGHUP: re-reading %s", env_file or "the environment")
+                try:
+                    reload_send.send_nowait(config_mod.load(env_file=env_file))
+                except config_mod.ConfigError as e:
+                    log.error("reload refused, keeping the old configuration: %s", e)
+                except trio.WouldBlock:
+                    log.warning("a reload is already pending; this SIGHUP is folded into it")
+                notifier.ready()
+                continue
+            log.info("%s: stopping", signal.Signals(sig).name)
+            notifier.stopping()
+            stop.set()
+            return
+
+
+async def _main(cfg: Config, env_file: str | None) -> None:
+    notifier = sdnotify.Notifier.from_env()
+    heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.node.heartbeat_seconds)
+    stop, node_done = trio.Event(), trio.Event()
+    # One pending reload is enough: a second SIGHUP before it is applied reads the same file.
+    reload_send, reload_recv = trio.open_memory_channel[Config](1)
+
+    async def node_task(*, task_status=trio.TASK_STATUS_IGNORED):
+        try:
+            await run_node(cfg, stop, reloads=reload_recv, task_status=task_status)
+        finally:
+            node_done.set()
+
+    async with reload_send, trio.open_nursery() as nursery:
+        # Signals first: a SIGTERM while the engine starts must still drain, not kill.
+        nursery.start_soon(_signals, stop, notifier, env_file, reload_send)
+        await nursery.start(node_task)
+        notifier.ready()
+        nursery.start_soon(_beat, heartbeat, cfg.node.heartbeat_seconds)
+        nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
+        await node_done.wait()
+        nursery.cancel_scope.cancel()
+
+
+def main(cfg: Config, env_file: str | None = None) -> int:
+    # httpx logs every request at INFO; the engine adapters poll, so that is noise.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    trio.run(_main, cfg, env_file)
+    return 0
