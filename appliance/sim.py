@@ -38,6 +38,7 @@ import logging
 import signal
 import struct
 import time
+from functools import partial
 from typing import Any, Callable
 
 import msgspec
@@ -234,8 +235,9 @@ class SimApp:
         return m
 
     async def _generate(self, receive, send, m: SimModelState, req: Req, seed: bytes, frame: _Frame,
-                        stream: bool) -> None:
-        """Load, wait for a slot, answer; cancelled as soon as the client goes away."""
+                        stream: bool, unload_after: bool = False) -> None:
+        """Load, wait for a slot, answer (unloading before the last byte when asked);
+        cancelled as soon as the client goes away."""
         n, finish = _count(req)
         t_load = trio.current_time()
         await self.state.ensure_loaded(m)  # SimError from here is still a clean refusal
@@ -259,6 +261,8 @@ class SimApp:
                                     "more_body": True})
                     st["eval_ns"] = int((trio.current_time() - start) * 1e9)
                     st["total_ns"] = st["eval_ns"] + load_ns
+                    if unload_after:
+                        self.state.unload(m)
                     await send({"type": "http.response.body", "body": frame.tail(st)})
                 else:
                     if tps > 0:
@@ -266,6 +270,8 @@ class SimApp:
                     st["eval_ns"] = int((trio.current_time() - start) * 1e9)
                     st["total_ns"] = st["eval_ns"] + load_ns
                     text = "".join(t for t, _ in toks)
+                    if unload_after:
+                        self.state.unload(m)
                     await _send_json(send, 200, frame.whole(text, st))
             nursery.cancel_scope.cancel()
 
@@ -290,9 +296,8 @@ class SimApp:
             return
         body = req.messages if chat else [req.system, req.prompt]
         seed = _enc.encode([m.spec.name, body])
-        await self._generate(receive, send, m, req, seed, frame, req.stream is not False)
-        if is_zero_keep_alive(req.keep_alive):
-            self.state.unload(m)
+        await self._generate(receive, send, m, req, seed, frame, req.stream is not False,
+                             unload_after=is_zero_keep_alive(req.keep_alive))
 
     async def ollama_embed(self, scope, receive, send, path: str) -> None:
         req = await self._request(receive)
@@ -429,7 +434,7 @@ async def _main(cfg, env_file: str | None) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_signals, stop, app, env_file)
-        await nursery.start(serve_sim, app, cfg.sim.listen, shutdown_trigger=stop.wait)
+        await nursery.start(partial(serve_sim, app, cfg.sim.listen, shutdown_trigger=stop.wait))
         log.warning("simulated engine (not a real model): %s", ", ".join(app.state.models))
 
 
