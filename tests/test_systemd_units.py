@@ -199,3 +199,28 @@ def test_env_example_parses_as_shipped_and_uncommented(path, tmp_path):
     uncommented = tmp_path / "all.env"
     uncommented.write_text("\n".join(f"{k}={v}" for k, v in example_settings(path).items()) + "\n")
     config.load({}, str(uncommented))
+
+
+# --- install.sh -----------------------------------------------------------------------
+
+def test_install_sh_stages_files_and_keeps_operator_settings(tmp_path):
+    stage = tmp_path / "root"
+    exe = tmp_path / "appliance"
+    exe.write_text("#!/bin/sh\necho 'appliance 0.1.0 (test)'\n")
+    exe.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "DESTDIR": str(stage)}
+    run = lambda: subprocess.run([str(ROOT / "packaging" / "install.sh"), str(exe)], env=env,
+                                 capture_output=True, text=True, timeout=60)
+    r = run()
+    assert r.returncode == 0, r.stderr
+    assert (stage / "usr/local/bin/appliance").stat().st_mode & 0o777 == 0o755
+    for unit in UNITS:
+        assert (stage / "etc/systemd/system" / unit).read_text() == (ROOT / "systemd" / unit).read_text()
+    hub_env = stage / "etc/appliance/hub.env"
+    assert hub_env.stat().st_mode & 0o777 == 0o640  # it holds keys
+    assert (stage / "etc/appliance/node.env.example").exists()
+    hub_env.write_text("Hub__Listen=10.0.0.1:8080\n")
+    r = run()
+    assert r.returncode == 0, r.stderr
+    assert hub_env.read_text() == "Hub__Listen=10.0.0.1:8080\n"
+    assert "keeping" in r.stdout
