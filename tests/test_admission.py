@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
 from admission_fleet import MODEL, handle, registry, set_state
@@ -163,8 +164,10 @@ async def test_a_client_that_hangs_up_leaves_the_queue_at_once(autojump_clock):
         n.start_soon(go, adm, r, MODEL, "normal", "stays", log)
         await trio.sleep(1)
         assert metrics.get_sample_value("appliance_queue_waiting", {"model": MODEL}) == 2
+        t = trio.current_time()
         gone.cancel()
-        await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert trio.current_time() == t
         assert metrics.get_sample_value("appliance_queue_waiting", {"model": MODEL}) == 1
         assert adm.status_block()["essential"]["waiting"] == 0
         r.finish(a, MODEL)
