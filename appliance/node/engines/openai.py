@@ -1,0 +1,117 @@
+"""The node's adapter for a fixed OpenAI-compatible upstream (`Engine__Kind=openai`: vLLM,
+TGI, a llama.cpp server started elsewhere, ...).
+
+Theory of operation: such an upstream serves the models it was started with, all the
+time; the node cannot load or unload anything. So `models()` is `GET /v1/models` (polled
+every `Engine__PollSeconds` with the Ollama adapter's loop), every one `ready`; `load()`
+succeeds for a model it lists and raises EngineError naming what it does serve
+otherwise; `unload()` does nothing. `Engine__Url` may be given with or without `/v1`.
+The version is read once from vLLM's `GET /version` where there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import msgspec
+import trio
+
+from appliance.config import Config
+from appliance.node.engines.base import Engine, EngineError
+from appliance.node.engines.ollama import CLIENT_TIMEOUT, POLL_ERRORS, POLL_TIMEOUT_SECONDS, poll_engine
+from appliance.wire import EngineInstall, ModelState
+
+log = logging.getLogger("appliance.node.engine")
+
+
+class _Model(msgspec.Struct):
+    id: str = ""
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model] | None = None
+
+
+_models_decoder = msgspec.json.Decoder(_Models)
+
+
+class OpenAIEngine(Engine):
+    kind = "openai"
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        url = cfg.engine.url.rstrip("/")
+        self.url = url.removesuffix("/v1")
+        self.poll_seconds = cfg.engine.poll_seconds
+        self._client: httpx.AsyncClient | None = None
+        self._up = False
+        self._version = ""
+        self._models: list[str] = []
+        self._last: object = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=CLIENT_TIMEOUT) as client:
+            self._client = client
+            try:
+                await poll_engine(self.refresh, self.poll_seconds, self._away, task_status=task_status)
+            finally:
+                self._client = None
+
+    async def refresh(self) -> None:
+        if self._client is None:
+            raise EngineError("openai adapter is not running")
+        r = await self._client.get("/v1/models")
+        r.raise_for_status()
+        models = [m.id for m in _models_decoder.decode(r.content).data or [] if m.id]
+        if not self._up:
+            self._version = await self._read_version(self._client)
+            log.info("openai upstream at %s answers, serving %s", self.url, ", ".join(models) or "nothing")
+        self._up, self._models = True, models
+        self._notify()
+
+    @staticmethod
+    async def _read_version(client: httpx.AsyncClient) -> str:
+        try:
+            r = await client.get("/version")
+            v = msgspec.json.decode(r.content).get("version", "") if r.status_code == 200 else ""
+            return v if isinstance(v, str) else ""
+        except (*POLL_ERRORS, AttributeError):
+            return ""
+
+    def _away(self, e: Exception) -> None:
+        if self._up or self._last is None:
+            log.warning("openai upstream at %s does not answer (%s: %s); retrying with backoff",
+                        self.url, type(e).__name__, e)
+        self._up, self._models = False, []
+        self._notify()
+
+    def _notify(self) -> None:
+        now = (self.installs(), self.models())
+        if now != self._last:
+            self._last = now
+            self.on_change()
+
+    def installs(self) -> list[EngineInstall]:
+        return [EngineInstall("openai", self._version)] if self._up else []
+
+    def models(self) -> list[ModelState]:
+        return [ModelState(name=m, state="ready") for m in self._models]
+
+    def upstream(self, model: str) -> str | None:
+        return self.url if model in self._models else None
+
+    async def load(self, model: str, source: str = "", args: str = "") -> None:
+        name = source or model
+        if name not in self._models:
+            try:
+                with trio.fail_after(POLL_TIMEOUT_SECONDS):
+                    await self.refresh()
+            except (*POLL_ERRORS, EngineError) as e:
+                raise EngineError(f"openai upstream at {self.url} did not answer: {type(e).__name__}: {e}") from None
+        if name not in self._models:
+            raise EngineError(f"openai upstream at {self.url} does not serve {name!r}; "
+                              f"it serves: {', '.join(self._models) or 'nothing'}")
+
+    async def unload(self, model: str) -> None:
+        """A fixed upstream keeps its models; nothing to do."""
