@@ -30,6 +30,23 @@ def clean_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def wait_until(fn, timeout: float = 20.0, what: str = "condition", interval: float = 0.05):
+    """Readiness check on a running process: poll a cheap condition until a deadline.
+
+    For processes only (a port, a status field); logic with time in it is tested under
+    trio's MockClock instead.
+    """
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        pause.wait(interval)
+    raise AssertionError(f"timed out waiting for {what}; last={last!r}")
+
+
 class Proc:
     def __init__(self, role: str, env: dict[str, str], args: list[str] = (), cwd: str | None = None) -> None:
         self.role = role

@@ -6,28 +6,16 @@ the OS picks, and stopped by pid. Nodes announce themselves to the hub with the 
 
 import json
 import signal
-import time
 
 import httpx
 import ollama
 import openai
 import pytest
+from procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
 TOKEN = "node-secret"
-
-
-def wait_until(fn, timeout=20.0, what="condition"):
-    """Readiness check: poll a cheap condition with a deadline (processes, not logic)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}; last={last!r}")
 
 
 def status(hub):
