@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # httpx logs every request at INFO: one line per proxied request is noise (and CPU).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.cmd == "hub":
         from appliance.hub.run import main as role_main
     elif args.cmd == "node":
