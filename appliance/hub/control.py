@@ -113,8 +113,13 @@ class Control:
             self._carry_out(backlog)
             task_status.started()
             while True:
-                self._carry_out(self.core.plan(self._nodes(), self.now()))
-                with trio.move_on_after(self.cfg.hub.control_interval_seconds):
+                now = self.now()
+                self._carry_out(self.core.plan(self._nodes(), now))
+                wait = self.cfg.hub.control_interval_seconds
+                due = self.core.next_due(now)
+                if due is not None:
+                    wait = min(wait, due - now)
+                with trio.move_on_after(wait):
                     await self._wake.wait()
                 self._wake = trio.Event()
 
@@ -228,6 +233,8 @@ class Control:
         if err is not None and err.code == "model_unplaceable":
             self.ask(model)  # never refuse on a stale answer: decide afresh
             err = self.why_unservable(model)
+        if err is not None:
+            self.core.requested(model, self.now())  # still wanted: status keeps counting it
         return err
 
     async def activate(self, model: str) -> None:

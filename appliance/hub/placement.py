@@ -90,6 +90,7 @@ class Pending:
     node: str
     need: int
     settle_until: float | None = None
+    victims: tuple[str, ...] = ()
 
 
 @dataclass
@@ -216,7 +217,7 @@ class Models:
     def _victims(self, h, model: str) -> list[tuple[str, int]]:
         """Idle on-demand replicas on `h` that may be unloaded, least recently used first,
         with the MiB each frees."""
-        busy = {p.model for p in self.pending if p.node == h.name}
+        busy = {m for p in self.pending if p.node == h.name for m in (p.model, *p.victims)}
         out = []
         for m in h.state.models:
             if (m.name == model or m.state != "ready" or m.name in busy or self.spec(m.name).replicas
@@ -268,6 +269,8 @@ class Models:
                 plans.append((len(victims), -got, h.name, h, victims))
         if plans:
             _, _, _, h, victims = min(plans, key=lambda p: p[:3])
+            for victim in victims:  # its want goes with it, or the two would evict each other forever
+                self._h(victim).asked = False
             return self._reserve(Load(name, h.name, req, victims), h)
         h, need, free = max(short, key=lambda s: (s[2], s[0].name))
         reclaim = sum(f for _, f in self._victims(h, name))
@@ -278,7 +281,7 @@ class Models:
         return self.spec(name).replicas or 1
 
     def _reserve(self, load: Load, h) -> Load:
-        self.pending.append(Pending(load.model, load.node, self.need_on(load.model, h)))
+        self.pending.append(Pending(load.model, load.node, self.need_on(load.model, h), victims=tuple(load.victims)))
         return load
 
     def _place_needed(self, name: str, nodes: list, now: float) -> list[Action]:
@@ -313,6 +316,7 @@ class Models:
 
     def ask(self, name: str, nodes: list, now: float) -> tuple[int, list[Action]]:
         """A request wants `name`: clear the previous result and decide afresh, now."""
+        self._settle(nodes, now)
         h = self._h(name)
         h.asked, h.last_used = True, now
         h.asked_gen += 1
@@ -325,16 +329,19 @@ class Models:
         h = self._h(name)
         h.last_used = now
 
+    def requested(self, name: str, now: float) -> None:
+        """A request for `name` was refused (parked, unplaceable): it is still wanted."""
+        h = self._h(name)
+        h.asked, h.last_used = True, now
+
+    def next_due(self, now: float) -> float | None:
+        """The earliest end of a backoff still ahead (the loop wakes for it)."""
+        due = [h.next_attempt for h in self.health.values() if h.next_attempt > now and not h.parked]
+        return min(due) if due else None
+
     def plan(self, nodes: list, now: float) -> list[Action]:
         """One pass of the control loop: settle loads, place what is missing, unload idle."""
-        by_name = {h.name: h for h in nodes}
-        for p in list(self.pending):
-            if p.settle_until is None:
-                continue
-            h = by_name.get(p.node)
-            m = h.state.model(p.model) if h is not None and h.state is not None else None
-            if now >= p.settle_until or (m is not None and m.state in ("ready", "failed")):
-                self.pending.remove(p)
+        self._settle(nodes, now)
         acts: list[Action] = []
         for name in self.names(nodes):
             hl = self._h(name)
@@ -347,11 +354,25 @@ class Models:
                 acts += self._place_needed(name, nodes, now)
         return acts
 
+    def _settle(self, nodes: list, now: float) -> None:
+        """Loads the node answered stop counting once its state shows them (or after a while)."""
+        by_name = {h.name: h for h in nodes}
+        for p in list(self.pending):
+            if p.settle_until is None:
+                continue
+            h = by_name.get(p.node)
+            m = h.state.model(p.model) if h is not None and h.state is not None else None
+            if now >= p.settle_until or (m is not None and m.state in ("ready", "failed")):
+                self.pending.remove(p)
+
     def _idle_unloads(self, name: str, nodes: list, now: float) -> list[Action]:
         spec = self.spec(name)
         if spec.replicas or spec.idle_unload_seconds == 0:
             return []
-        if any(p.model == name for p in self.pending):
+        if any(p.model == name or name in p.victims for p in self.pending):
+            return []
+        last = self._h(name).last_used
+        if last is not None and now - last < spec.idle_unload_seconds:
             return []
         out: list[Action] = []
         for h in nodes:
