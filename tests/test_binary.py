@@ -276,7 +276,8 @@ def _elf_wants_exec_stack(data: bytes) -> bool:
     return phnum > 0  # no PT_GNU_STACK at all: the x86_64 loader assumes an executable stack
 
 
-def test_hub_runs_without_write_execute_memory(binary, tmp_path, running):
+@pytest.mark.parametrize("role", ["hub", "node"])
+def test_runs_without_write_execute_memory(binary, tmp_path, running, role):
     # First: does this kernel refuse W+X after the switch (and keep it across exec)?
     probe = subprocess.run(
         ["/bin/sh", "-c", 'exec "$0" -c "import mmap; mmap.mmap(-1, 4096, prot=7)"', shutil.which("python3") or "/usr/bin/python3"],
@@ -287,10 +288,11 @@ def test_hub_runs_without_write_execute_memory(binary, tmp_path, running):
 
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    env = bare_env(tmpdir, Hub__Listen="127.0.0.1:0", Metrics__Listen="127.0.0.1:0", Hub__DrainSeconds=DRAIN_SECONDS)
-    p = running([str(binary), "hub"], env, preexec_fn=_deny_write_execute)
-    urls = p.wait_listening("hub", "metrics")
-    assert httpx.get(f"{urls['hub']}/health", timeout=10).status_code == 200
+    env = bare_env(tmpdir, **{**ROLE_ENV[role], "Metrics__Listen": "127.0.0.1:0"})
+    p = running([str(binary), role], env, preexec_fn=_deny_write_execute)
+    urls = p.wait_listening(role, "metrics")
+    if role == "hub":
+        assert httpx.get(f"{urls['hub']}/health", timeout=10).status_code == 200
     assert httpx.get(f"{urls['metrics']}/metrics", timeout=10).status_code == 200
     # Every shared object the binary carries: none asks for an executable stack, which
     # glibc would have to mprotect(PROT_EXEC) -- refused by MemoryDenyWriteExecute=.
