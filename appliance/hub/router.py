@@ -17,13 +17,13 @@ import hmac
 import logging
 import time
 
-import httpx
 import msgspec
 import trio
 
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
 from appliance.config import ClientConfig
 from appliance.hub.errors import RouteError, error_body
+from appliance.hub.upstream import UpstreamError
 
 log = logging.getLogger("appliance.hub.router")
 
@@ -216,23 +216,22 @@ async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: byte
 
 async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first byte."""
-    client: httpx.AsyncClient = hub.node_client
-    request = client.build_request("POST", node.url + path, content=body, headers=headers)
     try:
-        resp = await client.send(request, stream=True)
-    except httpx.TransportError as e:
-        return False, f"{type(e).__name__}: {e}"
+        resp = await hub.upstream.request("POST", node.url + path, headers, body, hub.cfg.hub.upstream_read_seconds)
+    except UpstreamError as e:
+        return False, str(e)
+    chunks = resp.chunks()
     try:
         if resp.status_code == 503:
             # The node (paused, full) or its engine (still loading) refused: try another.
-            return False, f"{node.name} answered 503: {(await resp.aread())[:200].decode(errors='replace')}"
-        chunks = resp.aiter_raw()
+            why = (await resp.read())[:200].decode(errors="replace")
+            return False, f"{node.name} answered 503: {why}"
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = b""
-        except httpx.TransportError as e:
-            return False, f"{type(e).__name__}: {e}"
+        except UpstreamError as e:
+            return False, str(e)
         out.node = node.name
         out.status = resp.status_code
         out.ttfb = time.perf_counter() - out.t0
@@ -244,9 +243,9 @@ async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) 
         try:
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.TransportError as e:
+        except UpstreamError as e:
             out.error = "node_lost"
-            msg = f"node {node.name} lost mid-stream: {type(e).__name__}"
+            msg = f"node {node.name} lost mid-stream: {e}"
             log.warning("%s (model %s)", msg, out.model)
             record(hub, out)
             await send({"type": "http.response.body", "body": _stream_error(ctype, api, msg), "more_body": False})
@@ -256,6 +255,7 @@ async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) 
         return True, ""
     finally:
         with trio.move_on_after(1, shield=True):
+            await chunks.aclose()
             await resp.aclose()
 
 

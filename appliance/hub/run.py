@@ -30,6 +30,7 @@ from appliance.hub.audit import AuditLog
 from appliance.hub.control import Control
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
+from appliance.hub.upstream import Pool
 
 log = logging.getLogger("appliance.hub")
 
@@ -42,6 +43,9 @@ class Hub:
     def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
         self.cfg = cfg
         self.node_client = node_client
+        # The request path's own lean client (same token, same TLS) -- see upstream.py.
+        self.upstream = Pool(headers=_auth_headers(cfg),
+                             ssl_context=_client_ssl(cfg) or None)
         self.nursery = nursery
         self.registry = Registry()
         self.metrics_registry = CollectorRegistry()
@@ -80,17 +84,25 @@ class Hub:
             self.add_node(n.name, n.url, static=True)
 
 
+def _auth_headers(cfg: Config) -> dict[str, str]:
+    return {"authorization": f"Bearer {cfg.auth.node_token}"} if cfg.auth.node_token else {}
+
+
+def _client_ssl(cfg: Config) -> ssl.SSLContext | None:
+    """Verify nodes with Hub__TlsCa and present our certificate; None: system defaults."""
+    if not cfg.hub.tls_ca:
+        return None
+    ctx = ssl.create_default_context(cafile=cfg.hub.tls_ca)
+    if cfg.hub.tls_cert:
+        ctx.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key)
+    return ctx
+
+
 def node_client(cfg: Config) -> httpx.AsyncClient:
-    """One client for every node: the node token, an explicit timeout, TLS per Hub__TlsCa."""
-    headers = {"authorization": f"Bearer {cfg.auth.node_token}"} if cfg.auth.node_token else {}
-    verify: ssl.SSLContext | bool = True
-    if cfg.hub.tls_ca:
-        verify = ssl.create_default_context(cafile=cfg.hub.tls_ca)
-        if cfg.hub.tls_cert:
-            verify.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key)
+    """One client for every node's control calls: the node token, an explicit timeout, TLS."""
     return httpx.AsyncClient(
-        headers=headers,
-        verify=verify,
+        headers=_auth_headers(cfg),
+        verify=_client_ssl(cfg) or True,
         # Connect fast or fail over; reads may wait a long time between tokens.
         timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0, pool=10.0),
         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=60),
@@ -123,6 +135,8 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         task_status.started((hub, addr))
         await api_done.wait()
         nursery.cancel_scope.cancel()
+        with trio.move_on_after(2, shield=True):
+            await hub.upstream.aclose()
 
 
 async def _beat(heartbeat, interval: float) -> None:

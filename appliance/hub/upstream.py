@@ -1,0 +1,207 @@
+"""The hub's HTTP/1.1 client for proxying to nodes: h11 over trio streams, pooled.
+
+Theory of operation: the request path is the one place where the hub's CPU per request
+matters (DESIGN 3: bytes in, bytes out), and a general client spends most of its time on
+features a proxy to a known peer never uses (redirects, cookies, auth flows, decoding).
+This module sends one request on a kept-alive connection and yields the response body
+as raw chunks as they arrive -- nothing is buffered or decoded. It owns the connection
+pool and one decision: may a connection be reused? Only when both sides finished the
+exchange cleanly. A pooled connection the node closed while idle fails before any byte
+of a response: that (and only that) is retried once on a fresh connection.
+
+Timeouts belong to the caller's configuration: connecting is bounded by
+CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from typing import AsyncIterator
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+# Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
+CONNECT_SECONDS = 5.0
+# Idle connections are dropped before the node's keep-alive (75 s, appliance.asgi) does.
+IDLE_SECONDS = 60.0
+# Idle connections kept per node; more concurrent requests open more and drop the extra.
+MAX_IDLE_PER_PEER = 64
+READ_BYTES = 65536
+
+
+class UpstreamError(Exception):
+    """The node could not be reached, or the connection broke; `before_response` says when."""
+
+    def __init__(self, message: str, before_response: bool = True) -> None:
+        super().__init__(message)
+        self.before_response = before_response
+
+
+class _Conn:
+    __slots__ = ("stream", "h11", "idle_since")
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
+        self.idle_since = 0.0
+
+
+class Response:
+    """Status and headers of a node's answer; `chunks()` yields the body as it arrives."""
+
+    def __init__(self, pool: "Pool", key, conn: _Conn, ev: h11.Response, read_timeout: float) -> None:
+        self._pool = pool
+        self._key = key
+        self._conn: _Conn | None = conn
+        self.status_code = ev.status_code
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
+        self._read_timeout = read_timeout
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        if conn is None:
+            return
+        while True:
+            ev = conn.h11.next_event()
+            if ev is h11.NEED_DATA:
+                try:
+                    with trio.fail_after(self._read_timeout):
+                        data = await conn.stream.receive_some(READ_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError) as e:
+                    await self._discard()
+                    raise UpstreamError(f"{type(e).__name__}: {e}", before_response=False) from None
+                conn.h11.receive_data(data)
+                continue
+            if isinstance(ev, h11.Data):
+                yield bytes(ev.data)
+            elif isinstance(ev, h11.EndOfMessage):
+                self._release()
+                return
+            elif isinstance(ev, h11.ConnectionClosed):
+                await self._discard()
+                raise UpstreamError("node closed the connection mid-body", before_response=False)
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+    def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._pool._put(self._key, conn)
+
+    async def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+
+    async def aclose(self) -> None:
+        """Done with it: a finished exchange goes back to the pool, anything else is closed."""
+        conn = self._conn
+        if conn is None:
+            return
+        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
+            self._release()
+        else:
+            await self._discard()
+
+
+class Pool:
+    def __init__(self, headers: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._idle: dict[tuple, list[_Conn]] = {}
+        self._headers = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        self._ssl = ssl_context
+
+    def _put(self, key, conn: _Conn) -> None:
+        try:
+            conn.h11.start_next_cycle()
+        except h11.LocalProtocolError:
+            return
+        conn.idle_since = time.monotonic()
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < MAX_IDLE_PER_PEER:
+            idle.append(conn)
+
+    def _get(self, key) -> _Conn | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if now - conn.idle_since < IDLE_SECONDS:
+                return conn
+        return None
+
+    async def _connect(self, key) -> _Conn:
+        scheme, host, port = key
+        try:
+            with trio.fail_after(CONNECT_SECONDS):
+                if scheme == "https":
+                    ctx = self._ssl or ssl.create_default_context()
+                    stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=ctx)
+                else:
+                    stream = await trio.open_tcp_stream(host, port)
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
+            raise UpstreamError(f"connect to {host}:{port} failed: {type(e).__name__}: {e}") from None
+        return _Conn(stream)
+
+    async def request(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes,
+                      read_timeout: float) -> Response:
+        """Send the request; return once the response's status and headers are in."""
+        u = urlsplit(url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        key = (u.scheme, u.hostname, port)
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *self._headers, *headers,
+                (b"content-length", str(len(body)).encode())]
+        for attempt in (0, 1):
+            conn = self._get(key) if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(key)
+            try:
+                return await self._exchange(key, conn, method, target, hdrs, body, read_timeout)
+            except UpstreamError:
+                if reused:
+                    continue  # the node closed it while idle; once more on a fresh one
+                raise
+        raise AssertionError("unreachable")
+
+    async def _exchange(self, key, conn: _Conn, method, target, hdrs, body, read_timeout) -> Response:
+        c = conn.h11
+        out = c.send(h11.Request(method=method, target=target, headers=hdrs))
+        if body:
+            out += c.send(h11.Data(data=body))
+        out += c.send(h11.EndOfMessage())
+        try:
+            await conn.stream.send_all(out)
+            while True:
+                ev = c.next_event()
+                if ev is h11.NEED_DATA:
+                    with trio.fail_after(read_timeout):
+                        data = await conn.stream.receive_some(READ_BYTES)
+                    c.receive_data(data)
+                    continue
+                if isinstance(ev, h11.InformationalResponse):
+                    continue
+                if isinstance(ev, h11.Response):
+                    return Response(self, key, conn, ev, read_timeout)
+                raise UpstreamError(f"node closed the connection before answering ({type(ev).__name__})")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError,
+                h11.RemoteProtocolError) as e:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+            raise UpstreamError(f"{type(e).__name__}: {e}") from None
+        except BaseException:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                with trio.move_on_after(1, shield=True):
+                    await conn.stream.aclose()
