@@ -1,7 +1,7 @@
 """The built-in simulated engine's HTTP server, and `appliance sim`.
 
 Theory of operation: `SimApp` is a plain ASGI app around a `SimState`
-(`appliance.simstate`: models, load state, slots, deterministic output) that speaks what
+(`appliance.simcore`: models, load state, slots, deterministic output and its framing) that speaks what
 the real engines speak, dispatching (method, path) by hand:
 
 - Ollama: POST /api/chat, /api/generate (NDJSON stream unless `"stream": false`),
@@ -33,11 +33,9 @@ OpenAI bodies carry `"system_fingerprint": "appliance-sim"` (and /v1/models
 from __future__ import annotations
 
 import base64
-import datetime
 import logging
 import signal
 import struct
-import time
 from functools import partial
 from typing import Any, Callable
 
@@ -49,118 +47,20 @@ from appliance.asgi import BodyTooLarge, handle_lifespan, read_body, serve, wait
 from appliance.config import MiB, ConfigError, SimConfig
 from appliance.config import load as load_config
 from appliance.hub.errors import error_body
-from appliance.simstate import (EMBED_DIM, Req, SimError, SimModelState, SimState, embedding,
-                                is_zero_keep_alive, req_decoder, tokens)
+from appliance.simcore import (EMBED_DIM, FINGERPRINT, MAX_TOKENS, SIM_HEADER, VERSION, Frame, Req, SimError,
+                               SimModelState, SimState, count, embedding, is_zero_keep_alive, iso, ollama_frame,
+                               openai_frame, req_decoder, tokens)
 
 log = logging.getLogger("appliance.sim")
 
-VERSION = f"{__version__}-sim"
-FINGERPRINT = "appliance-sim"
-# Neither API bounds an answer by default; a short fixed one keeps tests and demos quick.
-DEFAULT_TOKENS = 16
-# The longest answer one request gets: the usual context window of small models.
-MAX_TOKENS = 4096
 # Bodies past 32 MiB are refused, as by the hub's default Hub__MaxBodyBytes.
 MAX_BODY = 32 * MiB
 # SIGTERM lets in-flight generations finish this long before they are cut.
 DRAIN_SECONDS = 5.0
-SIM_HEADER = (b"x-appliance-engine", b"sim")
 _JSON = [(b"content-type", b"application/json"), SIM_HEADER]
-_NDJSON = [(b"content-type", b"application/x-ndjson"), SIM_HEADER]
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), SIM_HEADER]
 _DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
             "parameter_size": "sim", "quantization_level": "none"}
 _enc = msgspec.json.Encoder()
-
-
-def _iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-class _Frame:
-    """How one API frames one generation: stream chunks and the whole answer."""
-
-    headers: list
-    head: bytes = b""
-    prefix: bytes
-    suffix: bytes
-    tail: Callable[[dict], bytes]  # stats -> the stream's last bytes
-    whole: Callable[[str, dict], Any]  # (text, stats) -> the non-streamed answer
-
-
-def _ollama_frame(model: str, chat: bool) -> _Frame:
-    f = _Frame()
-    created = _iso(time.time())
-    start = b'{"model":' + _enc.encode(model) + b',"created_at":' + _enc.encode(created)
-    if chat:
-        f.prefix, f.suffix = start + b',"message":{"role":"assistant","content":', b'},"done":false}\n'
-    else:
-        f.prefix, f.suffix = start + b',"response":', b',"done":false}\n'
-
-    def whole(text: str, st: dict) -> dict:
-        out: dict[str, Any] = {"model": model, "created_at": created}
-        if chat:
-            out["message"] = {"role": "assistant", "content": text}
-        else:
-            out["response"] = text
-        out.update(done=True, done_reason=st["finish"], total_duration=st["total_ns"],
-                   load_duration=st["load_ns"], prompt_eval_count=st["prompt"], prompt_eval_duration=0,
-                   eval_count=st["completion"], eval_duration=st["eval_ns"], x_simulated=True)
-        return out
-
-    f.headers = _NDJSON
-    f.whole = whole
-    f.tail = lambda st: _enc.encode(whole("", st)) + b"\n"
-    return f
-
-
-def _openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> _Frame:
-    f = _Frame()
-    created = int(time.time())
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-sim{ident}"
-    obj = "chat.completion" if chat else "text_completion"
-    meta = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model,
-            "system_fingerprint": FINGERPRINT}
-    base = b"data: " + _enc.encode(meta)[:-1] + b',"choices":[{"index":0,'
-    end = b',"logprobs":null,"finish_reason":null}]}\n\n'
-    if chat:
-        f.head = base + b'"delta":{"role":"assistant","content":""}' + end
-        f.prefix, f.suffix = base + b'"delta":{"content":', b"}" + end
-    else:
-        f.prefix, f.suffix = base + b'"text":', end
-
-    def usage(st: dict) -> dict:
-        return {"prompt_tokens": st["prompt"], "completion_tokens": st["completion"],
-                "total_tokens": st["prompt"] + st["completion"]}
-
-    def tail(st: dict) -> bytes:
-        last = base + (b'"delta":{}' if chat else b'"text":""')
-        out = last + b',"logprobs":null,"finish_reason":' + _enc.encode(st["finish"]) + b"}]}\n\n"
-        if include_usage:
-            out += b"data: " + _enc.encode({**meta, "choices": [], "usage": usage(st)}) + b"\n\n"
-        return out + b"data: [DONE]\n\n"
-
-    def whole(text: str, st: dict) -> dict:
-        choice: dict[str, Any] = {"index": 0}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=st["finish"])
-        return {**meta, "object": obj, "choices": [choice], "usage": usage(st)}
-
-    f.headers, f.tail, f.whole = _SSE, tail, whole
-    return f
-
-
-def _count(req: Req) -> tuple[int, str]:
-    """How many tokens to answer, and the finish reason."""
-    n = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if n is None and req.options is not None:
-        n = req.options.num_predict
-    if n is None:
-        return DEFAULT_TOKENS, "stop"
-    return (MAX_TOKENS if n < 0 else min(n, MAX_TOKENS)), "length"
 
 
 async def _send_json(send, status: int, obj: Any) -> None:
@@ -234,11 +134,11 @@ class SimApp:
             raise SimError(404, "model_not_found", msg)
         return m
 
-    async def _generate(self, receive, send, m: SimModelState, req: Req, seed: bytes, frame: _Frame,
+    async def _generate(self, receive, send, m: SimModelState, req: Req, seed: bytes, frame: Frame,
                         stream: bool, unload_after: bool = False) -> None:
         """Load, wait for a slot, answer (unloading before the last byte when asked);
         cancelled as soon as the client goes away."""
-        n, finish = _count(req)
+        n, finish = count(req)
         t_load = trio.current_time()
         await self.state.ensure_loaded(m)  # SimError from here is still a clean refusal
         load_ns = int((trio.current_time() - t_load) * 1e9)
@@ -281,7 +181,7 @@ class SimApp:
         req = await self._request(receive)
         m = self._model(req, "ollama")
         chat = path == "/api/chat"
-        frame = _ollama_frame(req.model or m.spec.name, chat)
+        frame = ollama_frame(req.model or m.spec.name, chat)
         if not (req.messages if chat else req.prompt):
             # No prompt: Ollama's load (or, with keep_alive 0, unload) request.
             if is_zero_keep_alive(req.keep_alive):
@@ -318,7 +218,7 @@ class SimApp:
 
     def _tag(self, m: SimModelState) -> dict[str, Any]:
         size = m.spec.size_mb * MiB
-        return {"name": m.spec.name, "model": m.spec.name, "modified_at": _iso(self.state.started_at),
+        return {"name": m.spec.name, "model": m.spec.name, "modified_at": iso(self.state.started_at),
                 "size": size, "digest": m.digest, "details": _DETAILS}
 
     async def ollama_tags(self, scope, receive, send, path: str) -> None:
@@ -341,7 +241,7 @@ class SimApp:
             "parameters": "", "template": "{{ .Prompt }}", "details": _DETAILS,
             "model_info": {"general.architecture": "sim", "general.parameter_count": 0,
                            "sim.context_length": MAX_TOKENS, "sim.embedding_length": EMBED_DIM},
-            "capabilities": ["completion", "embedding"], "modified_at": _iso(self.state.started_at),
+            "capabilities": ["completion", "embedding"], "modified_at": iso(self.state.started_at),
             "x_simulated": True})
 
     async def root(self, scope, receive, send, path: str) -> None:
@@ -359,7 +259,7 @@ class SimApp:
             raise SimError(400, "invalid_request", "'messages' is required and must not be empty")
         seed = _enc.encode([m.spec.name, req.messages if chat else ["", req.prompt or ""]])
         usage = req.stream_options is not None and req.stream_options.include_usage
-        frame = _openai_frame(req.model, chat, self.state.next_id(), usage)
+        frame = openai_frame(req.model, chat, self.state.next_id(), usage)
         await self._generate(receive, send, m, req, seed, frame, bool(req.stream))
 
     async def openai_embed(self, scope, receive, send, path: str) -> None:

@@ -15,7 +15,7 @@ import trio
 
 from appliance.config import SimConfig, SimModel
 from appliance.sim import FINGERPRINT, VERSION, make_sim_app, serve_sim
-from appliance.simstate import is_zero_keep_alive
+from appliance.simcore import is_zero_keep_alive
 
 CHAT = {"model": "sim-small", "messages": [{"role": "user", "content": "why is the sky blue"}]}
 FAIL = "error loading model: unknown model architecture: 'kev'"

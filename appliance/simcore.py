@@ -1,4 +1,5 @@
-"""The simulated engine's core: its models, their load state, and deterministic output.
+"""The simulated engine's core: its models, their load state, deterministic output, and
+how each API frames an answer.
 
 Theory of operation: `SimState` holds the configured models (`Sim__Models__N__*`, default
 one `sim-small` of 500 MiB), whether each is loaded, and one `trio.Semaphore(Sim__Parallel)`
@@ -9,22 +10,25 @@ does not know. Loaded models stay loaded until unloaded (no keep-alive expiry).
 
 Output is a pure function of a seed (the model and the prompt or messages): `tokens`
 picks words with a PRNG seeded by it, `embedding` hashes it. The JSON of every word is
-encoded once at import, so streaming a token costs one bytes join in `appliance.sim`.
-No HTTP here; `appliance.sim` is the server around it.
+encoded once at import, and a `Frame` builds each request's chunk prefix and suffix once
+(Ollama NDJSON, OpenAI SSE), so streaming a token costs one bytes join. No HTTP here;
+`appliance.sim` is the server around it.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import random
 import struct
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import trio
 
+from appliance import __version__
 from appliance.config import SimConfig, SimModel
 
 log = logging.getLogger("appliance.sim")
@@ -40,6 +44,16 @@ _enc = msgspec.json.Encoder()
 # (text, JSON) of each token: the first word of an answer bare, every later one spaced.
 _FIRST = tuple((w, _enc.encode(w)) for w in _VOCAB)
 _LATER = tuple((" " + w, _enc.encode(" " + w)) for w in _VOCAB)
+
+VERSION = f"{__version__}-sim"
+FINGERPRINT = "appliance-sim"
+# Neither API bounds an answer by default; a short fixed one keeps tests and demos quick.
+DEFAULT_TOKENS = 16
+# The longest answer one request gets: the usual context window of small models.
+MAX_TOKENS = 4096
+SIM_HEADER = (b"x-appliance-engine", b"sim")
+NDJSON = [(b"content-type", b"application/x-ndjson"), SIM_HEADER]
+SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), SIM_HEADER]
 
 
 class SimError(Exception):
@@ -182,3 +196,96 @@ class SimState:
                    "waiting": m.slots.statistics().tasks_waiting}
             for name, m in self.models.items()
         }
+
+
+# --- how each API frames an answer ----------------------------------------------------
+
+
+def iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Frame:
+    """How one API frames one generation: stream chunks and the whole answer."""
+
+    headers: list
+    head: bytes = b""
+    prefix: bytes
+    suffix: bytes
+    tail: Callable[[dict], bytes]  # stats -> the stream's last bytes
+    whole: Callable[[str, dict], Any]  # (text, stats) -> the non-streamed answer
+
+
+def ollama_frame(model: str, chat: bool) -> Frame:
+    f = Frame()
+    created = iso(time.time())
+    start = b'{"model":' + _enc.encode(model) + b',"created_at":' + _enc.encode(created)
+    if chat:
+        f.prefix, f.suffix = start + b',"message":{"role":"assistant","content":', b'},"done":false}\n'
+    else:
+        f.prefix, f.suffix = start + b',"response":', b',"done":false}\n'
+
+    def whole(text: str, st: dict) -> dict:
+        out: dict[str, Any] = {"model": model, "created_at": created}
+        if chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        out.update(done=True, done_reason=st["finish"], total_duration=st["total_ns"],
+                   load_duration=st["load_ns"], prompt_eval_count=st["prompt"], prompt_eval_duration=0,
+                   eval_count=st["completion"], eval_duration=st["eval_ns"], x_simulated=True)
+        return out
+
+    f.headers = NDJSON
+    f.whole = whole
+    f.tail = lambda st: _enc.encode(whole("", st)) + b"\n"
+    return f
+
+
+def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Frame:
+    f = Frame()
+    created = int(time.time())
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-sim{ident}"
+    obj = "chat.completion" if chat else "text_completion"
+    meta = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model,
+            "system_fingerprint": FINGERPRINT}
+    base = b"data: " + _enc.encode(meta)[:-1] + b',"choices":[{"index":0,'
+    end = b',"logprobs":null,"finish_reason":null}]}\n\n'
+    if chat:
+        f.head = base + b'"delta":{"role":"assistant","content":""}' + end
+        f.prefix, f.suffix = base + b'"delta":{"content":', b"}" + end
+    else:
+        f.prefix, f.suffix = base + b'"text":', end
+
+    def usage(st: dict) -> dict:
+        return {"prompt_tokens": st["prompt"], "completion_tokens": st["completion"],
+                "total_tokens": st["prompt"] + st["completion"]}
+
+    def tail(st: dict) -> bytes:
+        last = base + (b'"delta":{}' if chat else b'"text":""')
+        out = last + b',"logprobs":null,"finish_reason":' + _enc.encode(st["finish"]) + b"}]}\n\n"
+        if include_usage:
+            out += b"data: " + _enc.encode({**meta, "choices": [], "usage": usage(st)}) + b"\n\n"
+        return out + b"data: [DONE]\n\n"
+
+    def whole(text: str, st: dict) -> dict:
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=st["finish"])
+        return {**meta, "object": obj, "choices": [choice], "usage": usage(st)}
+
+    f.headers, f.tail, f.whole = SSE, tail, whole
+    return f
+
+
+def count(req: Req) -> tuple[int, str]:
+    """How many tokens to answer, and the finish reason."""
+    n = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if n is None and req.options is not None:
+        n = req.options.num_predict
+    if n is None:
+        return DEFAULT_TOKENS, "stop"
+    return (MAX_TOKENS if n < 0 else min(n, MAX_TOKENS)), "length"
