@@ -1,8 +1,8 @@
 """The built-in simulated engine's HTTP server, and `appliance sim`.
 
-Theory of operation: `SimApp` is a plain ASGI app around a `SimState`
-(`appliance.simcore`: models, load state, slots, deterministic output and its framing) that speaks what
-the real engines speak, dispatching (method, path) by hand:
+Theory of operation: `SimApp` is a plain ASGI app around a `SimState` (`appliance.simcore`:
+models, load state, slots, deterministic output and its framing) that speaks what the real
+engines speak, dispatching (method, path) by hand:
 
 - Ollama: POST /api/chat, /api/generate (NDJSON stream unless `"stream": false`),
   /api/embed, /api/embeddings, /api/show; GET /api/tags, /api/ps, /api/version, /.
