@@ -1,0 +1,139 @@
+"""`appliance ctl`: operate a running hub through its admin API.
+
+Theory of operation: one request per command to `APPLIANCE_HUB_URL` (default
+http://127.0.0.1:8080) with `APPLIANCE_ADMIN_KEY` as the bearer; a readable table by
+default, the hub's JSON with `--json` for scripts. `status` is a deploy gate: its exit code
+is 0 only while the fleet is satisfied (every model has what it should have now, nothing
+parked, no node lost), 1 otherwise. Exit codes: 0 done / satisfied, 1 not satisfied or the
+hub refused the command, 2 usage error or the hub could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.parse
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+# The admin API answers from memory; pause/resume wait on a node (10 s there) -- 30 s is ample.
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="appliance ctl", description="Operate a running hub (admin API).")
+    p.add_argument("--json", action="store_true", help="print the hub's JSON instead of a table")
+    p.add_argument("--url", default=os.environ.get("APPLIANCE_HUB_URL", DEFAULT_URL),
+                   help="the hub (APPLIANCE_HUB_URL, default %(default)s)")
+    p.add_argument("--key", default=os.environ.get("APPLIANCE_ADMIN_KEY", ""), help="admin key (APPLIANCE_ADMIN_KEY)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("status", help="models against what they should have now, and nodes; exit 1 if not satisfied")
+    sub.add_parser("models", help="every model's health")
+    sub.add_parser("nodes", help="every node")
+    sp = sub.add_parser("retry", help="unpark a model and try it again")
+    sp.add_argument("model")
+    for action, text in (("cordon", "stop routing to a node"), ("uncordon", "route to a node again"),
+                         ("pause", "the node refuses new work (its owner's switch)"), ("resume", "undo pause")):
+        sub.add_parser(action, help=text).add_argument("node")
+    return p
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _model_state(m: dict) -> str:
+    if m["parked"]:
+        return "PARKED"
+    if m["unplaceable"]:
+        return "UNPLACEABLE"
+    if m["ready"] >= m["desired"]:
+        return "ok" if m["ready"] or m["desired"] else "idle"
+    return "loading" if m["loading"] else "NOT READY"
+
+
+def models_table(models: list[dict]) -> str:
+    rows = [["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE", "NODES", "WHY"]]
+    for m in models:
+        why = m["reason"]
+        if m["last_error"] and (m["parked"] or m["consecutive_start_failures"]):
+            why = f"{why}; last error: {m['last_error']}" if why else f"last error: {m['last_error']}"
+        rows.append([m["name"], str(m["desired"]), str(m["ready"]), str(m["loading"]),
+                     str(m["consecutive_start_failures"]), _model_state(m), ",".join(m["nodes"]) or "-", why or ""])
+    return _table(rows)
+
+
+def nodes_table(nodes: list[dict]) -> str:
+    rows = [["NODE", "STATUS", "ENGINES", "MEMORY MiB", "IN-FLIGHT", "READY", "URL"]]
+    for n in nodes:
+        mem = "-" if n["memory_total_mb"] is None else f"{n['memory_used_mb'] or 0}/{n['memory_total_mb']}"
+        engines = ",".join(f"{e['kind']} {e['version']}".strip() for e in n["engines"]) or "-"
+        status = n["status"] + (f" ({n['lost_reason']})" if n["status"] == "lost" and n["lost_reason"] else "")
+        rows.append([n["name"], status, engines, mem, str(n["in_flight"]), ",".join(n["models"]["ready"]) or "-", n["url"]])
+    return _table(rows)
+
+
+def render(cmd: str, body: dict) -> str:
+    if cmd == "status":
+        head = "fleet: satisfied" if body["satisfied"] else f"fleet: NOT SATISFIED ({len(body['problems'])} problems)"
+        parts = [head, *(f"  - {p}" for p in body["problems"]), "", models_table(body["models"]) if body["models"]
+                 else "no models", "", nodes_table(body["nodes"]) if body["nodes"] else "no nodes"]
+        return "\n".join(parts)
+    if cmd == "models":
+        return models_table(body["models"]) if body["models"] else "no models"
+    if cmd == "nodes":
+        return nodes_table(body["nodes"]) if body["nodes"] else "no nodes"
+    if cmd == "retry":
+        return f"{body['model']}: {'unparked, ' if body.get('was_parked') else ''}trying again"
+    return f"{body['node']}: {body['action']} done (status now {body['status']})"
+
+
+def request(args, client: httpx.Client) -> httpx.Response:
+    q = lambda s: urllib.parse.quote(s, safe="")  # noqa: E731
+    if args.cmd in ("status", "models", "nodes"):
+        return client.get(f"/admin/{args.cmd}")
+    if args.cmd == "retry":
+        return client.post(f"/admin/models/{q(args.model)}/retry")
+    return client.post(f"/admin/nodes/{q(args.node)}/{args.cmd}")
+
+
+def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    own = client is None
+    if own:
+        headers = {"authorization": f"Bearer {args.key}"} if args.key else {}
+        client = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=TIMEOUT)
+    try:
+        resp = request(args, client)
+    except httpx.HTTPError as e:
+        print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}", file=err)
+        return 2
+    finally:
+        if own:
+            client.close()
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"error": resp.text[:300]}
+    if resp.status_code != 200:
+        msg = body.get("error") if isinstance(body, dict) else body
+        if isinstance(msg, dict):
+            msg = msg.get("message")
+        print(f"appliance ctl {args.cmd}: the hub answered {resp.status_code}: {msg}", file=err)
+        return 1
+    print(json.dumps(body, indent=2) if args.json else render(args.cmd, body), file=out)
+    if args.cmd == "status" and not body.get("satisfied", False):
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    return run(argv)

@@ -1,0 +1,172 @@
+"""The admin API against a real Control (fake node calls), and `appliance ctl` over it."""
+
+from __future__ import annotations
+
+import io
+import json
+import types
+import urllib.parse
+
+import httpx
+import pytest
+import trio
+
+from appliance import ctl
+from appliance.hub import admin
+from appliance.hub.errors import RouteError
+from test_control import KEV_ERROR, make
+
+
+async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": method, "path": urllib.parse.unquote(raw_path),
+             "raw_path": raw_path.encode(), "headers": []}
+    await admin.handle(hub, scope, receive, send)
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+async def fleet(nursery):
+    control, registry, ops, audit, metrics = make(
+        [{"Name": "qwen/small:1b"}, {"Name": "kev-0.5b"}, {"Name": "phi-4", "MemoryMb": 9800}],
+        {"gpu-a": (8000, {"qwen/small:1b": 500, "kev-0.5b": 300, "phi-4": 100}),
+         "gpu-b": (4000, {"qwen/small:1b": 500, "kev-0.5b": 300, "phi-4": 100})},
+        Models__ParkAfterFailures=2)
+    ops.fail["kev-0.5b"] = KEV_ERROR
+    await nursery.start(control.run)
+    hub = types.SimpleNamespace(cfg=control.cfg, registry=registry, control=control, audit=audit, node_client=None,
+                                metrics_registry=metrics, admission=None)
+    return hub, ops
+
+
+async def test_status_counts_what_each_model_should_have_now(nursery, autojump_clock):
+    hub, ops = await fleet(nursery)
+    code, body = await call(hub, "GET", "/admin/status")
+    assert code == 200 and body["satisfied"] and body["problems"] == []  # nothing asked for yet
+    await hub.control.activate("qwen/small:1b")
+    for model in ("kev-0.5b", "phi-4"):
+        with pytest.raises(RouteError):
+            await hub.control.activate(model)
+    code, body = await call(hub, "GET", "/admin/status")
+    assert not body["satisfied"]
+    by = {m["name"]: m for m in body["models"]}
+    assert by["qwen/small:1b"]["satisfied"] and by["qwen/small:1b"]["ready"] == 1
+    assert by["kev-0.5b"]["parked"] and by["kev-0.5b"]["last_error"] == KEV_ERROR and not by["kev-0.5b"]["satisfied"]
+    # Asked for and fitted nowhere: unsatisfied, not "0 of 0".
+    assert by["phi-4"]["desired"] == 1 and by["phi-4"]["unplaceable"] and not by["phi-4"]["satisfied"]
+    assert len(body["problems"]) == 2
+    assert any("needs 9800 MiB; the most free is" in p for p in body["problems"])
+    assert any(KEV_ERROR in p and "ctl retry kev-0.5b" in p for p in body["problems"])
+    assert [n["name"] for n in body["nodes"]] == ["gpu-a", "gpu-b"]
+    assert body["nodes"][0]["engines"] == [{"kind": "sim", "version": "0.1"}]
+    _, models = await call(hub, "GET", "/admin/models")
+    assert [m["name"] for m in models["models"]] == ["kev-0.5b", "phi-4", "qwen/small:1b"]
+    _, nodes = await call(hub, "GET", "/admin/nodes")
+    assert nodes["nodes"][0]["models"]["ready"] == ["qwen/small:1b"] or nodes["nodes"][1]["models"]["ready"]
+
+
+async def test_retry_cordon_pause_and_errors(nursery, autojump_clock):
+    hub, ops = await fleet(nursery)
+    with pytest.raises(RouteError):
+        await hub.control.activate("kev-0.5b")
+    code, body = await call(hub, "POST", "/admin/models/kev-0.5b/retry")
+    assert code == 200 and body == {"model": "kev-0.5b", "retried": True, "was_parked": True}
+    assert ("admin", {"action": "retry", "model": "kev-0.5b", "was_parked": True}) in hub.audit.events
+    code, body = await call(hub, "POST", "/admin/models/qwen%2Fsmall%3A1b/retry")
+    assert code == 200 and body["model"] == "qwen/small:1b"
+    code, _ = await call(hub, "POST", "/admin/models/qwen/small:1b/retry")  # unencoded slash tolerated
+    assert code == 200
+    assert (await call(hub, "POST", "/admin/models/nope/retry"))[0] == 404
+    assert (await call(hub, "GET", "/admin/models/kev-0.5b/retry"))[0] == 405
+    code, body = await call(hub, "POST", "/admin/nodes/gpu-a/cordon")
+    assert code == 200 and body["status"] == "cordoned" and hub.registry.nodes["gpu-a"].cordoned
+    code, body = await call(hub, "POST", "/admin/nodes/gpu-a/uncordon")
+    assert body["status"] == "up"
+    code, body = await call(hub, "POST", "/admin/nodes/gpu-b/pause")
+    assert code == 200 and ops.controls == [("gpu-b", "pause")] and body["status"] == "paused"
+    await call(hub, "POST", "/admin/nodes/gpu-b/resume")
+    assert ops.controls[-1] == ("gpu-b", "resume")
+    assert (await call(hub, "POST", "/admin/nodes/gpu-x/pause"))[0] == 404
+    assert (await call(hub, "GET", "/admin/nope"))[0] == 404
+    assert (await call(hub, "POST", "/admin/status"))[0] == 405
+
+
+def _client(routes: dict[tuple[str, str], tuple[int, dict]], seen: list) -> httpx.Client:
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append((req.method, req.url.raw_path.decode(), req.headers.get("authorization")))
+        code, body = routes[(req.method, req.url.raw_path.decode())]
+        return httpx.Response(code, json=body)
+
+    return httpx.Client(base_url="http://hub", transport=httpx.MockTransport(handler))
+
+
+async def test_ctl_table_json_and_exit_codes(nursery, autojump_clock):
+    hub, _ = await fleet(nursery)
+    await hub.control.activate("qwen/small:1b")
+    ok = admin.status(hub)
+    for model in ("kev-0.5b", "phi-4"):
+        with pytest.raises(RouteError):
+            await hub.control.activate(model)
+    bad = admin.status(hub)
+    seen: list = []
+
+    def run(argv, body):
+        out, err = io.StringIO(), io.StringIO()
+        code = ctl.run(argv, _client({("GET", "/admin/status"): (200, body),
+                                      ("GET", "/admin/models"): (200, {"models": body["models"]}),
+                                      ("GET", "/admin/nodes"): (200, {"nodes": body["nodes"]}),
+                                      ("POST", "/admin/models/qwen%2Fsmall%3A1b/retry"):
+                                          (200, {"model": "qwen/small:1b", "retried": True, "was_parked": False}),
+                                      ("POST", "/admin/nodes/gpu-z/cordon"): (404, {"error": "node 'gpu-z' not found"})},
+                                     seen), out, err)
+        return code, out.getvalue(), err.getvalue()
+
+    code, text, _ = run(["status"], ok)
+    assert code == 0 and text.startswith("fleet: satisfied")
+    code, text, _ = run(["status"], bad)
+    assert code == 1 and text.startswith("fleet: NOT SATISFIED (2 problems)")
+    lines = {line.split()[0]: line for line in text.splitlines() if line and not line.startswith((" ", "fleet"))}
+    assert lines["MODEL"].split() == ["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE", "NODES", "WHY"]
+    assert lines["kev-0.5b"].split()[1:6] == ["1", "0", "0", "2", "PARKED"] and KEV_ERROR in lines["kev-0.5b"]
+    assert lines["phi-4"].split()[1:6] == ["1", "0", "0", "0", "UNPLACEABLE"]
+    assert "needs 9800 MiB; the most free is" in lines["phi-4"]
+    assert lines["qwen/small:1b"].split()[1:4] == ["1", "1", "0"] and " ok " in lines["qwen/small:1b"]
+    assert lines["NODE"].split()[:3] == ["NODE", "STATUS", "ENGINES"] and "sim 0.1" in lines["gpu-a"]
+    code, text, _ = run(["--json", "status"], bad)
+    assert code == 1 and json.loads(text) == bad
+    code, text, _ = run(["models"], bad)
+    assert code == 0 and "PARKED" in text
+    code, text, _ = run(["--json", "nodes"], bad)
+    assert code == 0 and [n["name"] for n in json.loads(text)["nodes"]] == ["gpu-a", "gpu-b"]
+    code, text, _ = run(["retry", "qwen/small:1b"], bad)
+    assert code == 0 and text.strip() == "qwen/small:1b: trying again"
+    code, _, err = run(["cordon", "gpu-z"], bad)
+    assert code == 1 and "404" in err and "gpu-z" in err
+    assert run(["frobnicate"], bad)[0] == 2
+
+
+def test_ctl_unreachable_hub_is_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv("APPLIANCE_HUB_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("APPLIANCE_ADMIN_KEY", "k")
+    assert ctl.main(["status"]) == 2
+    assert "cannot reach the hub at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_ctl_sends_the_admin_key(monkeypatch):
+    seen: list = []
+    monkeypatch.setenv("APPLIANCE_ADMIN_KEY", "s3cret")
+    real = httpx.Client
+
+    def fake_client(**kw):
+        return real(transport=httpx.MockTransport(
+            lambda req: (seen.append(req.headers.get("authorization")), httpx.Response(200, json={
+                "satisfied": True, "problems": [], "models": [], "nodes": []}))[1]), **kw)
+
+    monkeypatch.setattr(ctl.httpx, "Client", fake_client)
+    assert ctl.main(["status"]) == 0 and seen == ["Bearer s3cret"]
