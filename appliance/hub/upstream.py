@@ -65,7 +65,11 @@ class Response:
         if conn is None:
             return
         while True:
-            ev = conn.h11.next_event()
+            try:
+                ev = conn.h11.next_event()
+            except h11.RemoteProtocolError as e:
+                await self._discard()
+                raise UpstreamError(f"node broke the response: {e}", before_response=False) from None
             if ev is h11.NEED_DATA:
                 try:
                     with trio.fail_after(self._read_timeout):
