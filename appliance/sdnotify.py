@@ -198,3 +198,10 @@ async def watchdog_loop(notifier: Notifier, alive: Callable[[], bool]) -> None:
             log.error("main loop stalled: withholding WATCHDOG=1 so systemd restarts us")
         was_alive = ok
         await trio.sleep(interval)
+
+
+async def beat_loop(heartbeat: Heartbeat, interval: float) -> None:
+    """Proves the trio loop turns: the watchdog is fed only while this runs on time."""
+    while True:
+        heartbeat.beat()
+        await trio.sleep(interval)

@@ -19,7 +19,7 @@ import msgspec
 import trio
 
 from appliance.config import Config, NodeRef
-from appliance.hub.run import handle_signals, reload_hub, run_hub
+from appliance.hub.run import SIGNALS, handle_signals, reload_hub, run_hub
 
 log = logging.getLogger("appliance.up")
 
@@ -62,6 +62,13 @@ async def _main(cfg: Config, env_file: str | None) -> None:
               file=sys.stderr, flush=True)
     notifier = sdnotify.Notifier.from_env()
     stop = trio.Event()
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        await _run(cfg, env_file, notifier, stop, signals)
+
+
+async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> None:
+    from appliance.node.run import run_node
+
     async with trio.open_nursery() as nursery:
         node_host, node_port = await nursery.start(partial(run_node, cfg, stop))
         node_cfg = msgspec.structs.replace(cfg, nodes=[*cfg.nodes, NodeRef(name=cfg.node.name, url=f"http://{node_host}:{node_port}")])
@@ -71,7 +78,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
         hub, _addr = await nursery.start(hub_task)
         notifier.ready()
-        nursery.start_soon(handle_signals, stop, notifier, partial(reload_hub, hub, env_file), "up")
+        nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file), "up")
         # The hub and the node drain on the same stop event and return; so does this.
 
 

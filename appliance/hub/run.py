@@ -139,26 +139,25 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
             await hub.upstream.aclose()
 
 
-async def _beat(heartbeat, interval: float) -> None:
-    """Proves the trio loop turns: the watchdog is fed only while this runs on time."""
-    while True:
-        heartbeat.beat()
-        await trio.sleep(interval)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-async def handle_signals(stop: trio.Event, notifier, on_reload, what: str) -> None:
-    """SIGHUP: `on_reload()` between RELOADING=1 and READY=1; SIGTERM/SIGINT: STOPPING=1, stop."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for sig in signals:
-            if sig == signal.SIGHUP:
-                notifier.reloading()
-                on_reload()
-                notifier.ready()
-                continue
-            log.info("%s stopping: draining in-flight work", what)
-            notifier.stopping()
-            stop.set()
-            return
+async def handle_signals(signals, stop: trio.Event, notifier, on_reload, what: str) -> None:
+    """SIGHUP: `on_reload()` between RELOADING=1 and READY=1; SIGTERM/SIGINT: STOPPING=1, stop.
+
+    `signals` comes from `trio.open_signal_receiver(*SIGNALS)`, opened before anything
+    listens: a SIGTERM that arrives during start-up must drain too, not kill.
+    """
+    async for sig in signals:
+        if sig == signal.SIGHUP:
+            notifier.reloading()
+            on_reload()
+            notifier.ready()
+            continue
+        log.info("%s stopping: draining in-flight work", what)
+        notifier.stopping()
+        stop.set()
+        return
 
 
 def reload_hub(hub: Hub, env_file: str | None) -> None:
@@ -186,14 +185,15 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         finally:
             hub_done.set()
 
-    async with trio.open_nursery() as nursery:
-        hub, _addr = await nursery.start(hub_task)
-        notifier.ready()
-        nursery.start_soon(_beat, heartbeat, cfg.hub.control_interval_seconds)
-        nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
-        nursery.start_soon(handle_signals, stop, notifier, partial(reload_hub, hub, env_file), "hub")
-        await hub_done.wait()
-        nursery.cancel_scope.cancel()
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        async with trio.open_nursery() as nursery:
+            hub, _addr = await nursery.start(hub_task)
+            notifier.ready()
+            nursery.start_soon(sdnotify.beat_loop, heartbeat, cfg.hub.control_interval_seconds)
+            nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
+            nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file), "hub")
+            await hub_done.wait()
+            nursery.cancel_scope.cancel()
 
 
 def main(cfg: Config, env_file: str | None = None) -> int:

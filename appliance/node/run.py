@@ -165,13 +165,6 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
 # --- the process: signals, systemd, exit code ----------------------------------------------
 
 
-async def _beat(heartbeat: sdnotify.Heartbeat, interval: float) -> None:
-    """Proves the trio loop turns: the watchdog is fed only while this runs on time."""
-    while True:
-        heartbeat.beat()
-        await trio.sleep(interval)
-
-
 async def _signals(stop: trio.Event, notifier: sdnotify.Notifier, env_file: str | None,
                    reload_send: trio.MemorySendChannel) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -211,7 +204,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         nursery.start_soon(_signals, stop, notifier, env_file, reload_send)
         await nursery.start(node_task)
         notifier.ready()
-        nursery.start_soon(_beat, heartbeat, cfg.node.heartbeat_seconds)
+        nursery.start_soon(sdnotify.beat_loop, heartbeat, cfg.node.heartbeat_seconds)
         nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
         await node_done.wait()
         nursery.cancel_scope.cancel()
