@@ -29,7 +29,8 @@ $(LLAMA_STAMP): $(STAMP) tests/llama_cache.py
 
 llamacpp-wheel: $(LLAMA_STAMP)
 
-# systemd-analyze, for tests/test_systemd_units.py: Debian's systemd, only when missing.
+# systemd-analyze (tests/test_systemd_units.py) and promtool (tests/test_alerts.py): Debian's
+# systemd and prometheus packages, only when missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 test-deps:
@@ -37,6 +38,10 @@ test-deps:
 	  echo "installing Debian's systemd (for systemd-analyze)"; \
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends systemd; }
+	@command -v promtool >/dev/null || { \
+	  echo "installing Debian's prometheus (for promtool: tests/test_alerts.py)"; \
+	  $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 
 test: $(STAMP) $(LLAMA_STAMP) test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider
