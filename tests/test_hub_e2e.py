@@ -206,3 +206,13 @@ def test_sigterm_drains_and_exits_0(procs):
     hub = procs.hub(metrics=False)
     hub.signal(signal.SIGTERM)
     assert hub.wait_exit(15) == 0
+
+
+def test_up_serves_a_chat_with_the_simulator_and_says_so(procs):
+    up = procs.start("up", {"Hub__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0"}, wait=("hub",))
+    assert any("SIMULATED" in line for line in up.stderr_lines)
+    oc = openai.OpenAI(base_url=up.urls["hub"] + "/v1", api_key="none", max_retries=0)
+    r = oc.chat.completions.create(model="sim-small", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content and r.system_fingerprint == "appliance-sim"
+    up.signal(signal.SIGTERM)
+    assert up.wait_exit(20) == 0
