@@ -197,6 +197,22 @@ def test_version_prints_version_and_commit(binary, tmp_path):
     print(f"\nbinary {binary}: {binary.stat().st_size / 1e6:.1f} MB, --version: {r.stdout.strip()}")
 
 
+def test_binary_carries_every_role_and_no_test_tooling(binary):
+    viewer = ROOT / "build" / "venv-binary" / "bin" / "pyi-archive_viewer"
+    if not viewer.exists():
+        pytest.skip("no build venv (binary taken from the cache)")
+    r = subprocess.run([str(viewer), "--list", "--recursive", str(binary)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    names = set(re.findall(r"'([\w.]+)'", r.stdout))
+    roles = {"appliance.hub.run", "appliance.node.run", "appliance.up", "appliance.sim", "appliance.ctl",
+             "appliance.sdnotify", "appliance.tlsinfo"}
+    roles |= {f"appliance.node.engines.{p.stem}" for p in (ROOT / "appliance/node/engines").glob("*.py")
+              if p.stem != "__init__"}
+    assert roles - names == set()
+    assert {n for n in names if n.split(".")[0] in ("pytest", "_pytest", "hypothesis", "openai", "ollama")} == set()
+
+
 def test_units_verify_with_the_built_binary(binary, tmp_path):
     from test_systemd_units import systemd_analyze, units_pointing_at, verify
 
