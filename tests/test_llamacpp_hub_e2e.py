@@ -1,0 +1,196 @@
+"""End to end with real llama.cpp: a hub and two `Engine__Kind=llamacpp` nodes.
+
+One fleet for the module (each real process costs a second or two of this machine's two
+cores): gpu-a (2000 MiB) and gpu-b (1000 MiB), both starting `python -m llama_cpp.server`
+from the cached build, and a catalog of three on-demand models -- `tiny` (the seeded GGUF
+of tests/make_gguf.py, unloaded after 3 idle seconds), `kev` (its copy that llama.cpp
+refuses) and `huge` (the same file declared at 50000 MiB, above every node). Requests go
+through the hub with the official `openai` client; status comes from `/api/status`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+import make_gguf
+from procs import Procs, clean_env
+from test_llamacpp_engine import alive
+from test_llamacpp_real import KEV_LINE, engine_children
+
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.e2e,
+    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                       reason="llama-cpp-python not installed: run `make llamacpp-wheel`"),
+]
+
+TOKEN = "llama-fleet-secret"
+COMMAND = (f"{shlex.quote(sys.executable)} -m llama_cpp.server --model {{model}} --host 127.0.0.1 "
+           "--port {port} --n_ctx 256 {args}")
+IDLE_UNLOAD = 3
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def wait_until(pred, timeout: float = 30, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+
+
+class Fleet:
+    def __init__(self, tiny: str, kev: str) -> None:
+        self.procs = Procs()
+        node_env = {"Engine__Kind": "llamacpp", "Engine__Command": COMMAND, "Auth__NodeToken": TOKEN,
+                    "Engine__StartTimeoutSeconds": "60"}
+        self.a = self.procs.node("gpu-a", {**node_env, "Node__MemoryMb": "2000"})
+        self.b = self.procs.node("gpu-b", {**node_env, "Node__MemoryMb": "1000"})
+        self.hub = self.procs.hub({
+            "Auth__NodeToken": TOKEN, "Hub__ControlIntervalSeconds": "0.2",
+            "Nodes__0__Name": "gpu-a", "Nodes__0__Url": self.a.url,
+            "Nodes__1__Name": "gpu-b", "Nodes__1__Url": self.b.url,
+            "Models__0__Name": "tiny", "Models__0__Source": tiny, "Models__0__IdleUnloadSeconds": str(IDLE_UNLOAD),
+            "Models__1__Name": "kev", "Models__1__Source": kev,
+            "Models__2__Name": "huge", "Models__2__Source": tiny, "Models__2__MemoryMb": "50000",
+            # Keep five real failures quick: the backoff between attempts is capped at 0.5 s.
+            "Models__RetryBackoffMaxSeconds": "0.5",
+        }, metrics=False)
+        self.client = openai.OpenAI(base_url=self.hub.url + "/v1", api_key="anyone", timeout=60, max_retries=0)
+        wait_until(lambda: all(n["status"] == "up" for n in self.status()["nodes"]) and len(self.status()["nodes"]) == 2,
+                   what="both nodes up")
+
+    def status(self) -> dict:
+        return httpx.get(self.hub.url + "/api/status", timeout=10).json()
+
+    def model(self, name: str) -> dict:
+        return next(m for m in self.status()["models"] if m["name"] == name)
+
+    def node_proc(self, name: str):
+        return {"gpu-a": self.a, "gpu-b": self.b}[name]
+
+    def loads_of(self, model: str) -> int:
+        rx = re.compile(rf"loading {re.escape(model)} \(source")
+        return sum(1 for p in (self.a, self.b) for line in list(p.stderr_lines) if rx.search(line))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tiny, kev = make_gguf.write_pair(tmp_path_factory.mktemp("gguf"), seed=11)
+    f = Fleet(str(tiny), str(kev))
+    try:
+        yield f
+    finally:
+        f.procs.close()
+
+
+def test_cold_model_streams_through_the_hub_then_idles_out(fleet):
+    t0 = time.monotonic()
+    first = None
+    pieces = []
+    for chunk in fleet.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.monotonic() - t0
+            pieces.append(chunk.choices[0].delta.content)
+    assert len(pieces) >= 2
+    r = fleet.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
+    assert r.choices[0].message.content
+    (where,) = fleet.model("tiny")["nodes"]
+    node = fleet.node_proc(where)
+    (engine,) = engine_children(node.pid)
+    start = _engine_start_seconds(node, "tiny")
+    print(f"\nllamacpp fleet: cold request -> first token {first:.2f} s (engine start {start:.2f} s on {where})")
+    _measure_overhead(fleet, node)
+    # Idle for IdleUnloadSeconds: the hub unloads it and the process is gone.
+    wait_until(lambda: fleet.model("tiny")["ready"] == 0, IDLE_UNLOAD + 15, "tiny unloaded when idle")
+    wait_until(lambda: not alive(engine), 15, f"engine pid {engine} stopped")
+    assert engine_children(node.pid) == []
+
+
+def test_too_large_is_answered_at_once_with_its_numbers(fleet):
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        fleet.client.chat.completions.create(model="huge", messages=MESSAGES, max_tokens=4)
+    assert time.monotonic() - t0 < 3
+    assert err.value.status_code == 503
+    assert "50000 MiB" in str(err.value) and "gpu-a" in str(err.value)
+    m = fleet.model("huge")
+    assert m["unplaceable"] and "50000 MiB" in m["reason"] and not m["parked"]
+    assert fleet.loads_of("huge") == 0
+
+
+def test_kev_is_parked_after_five_real_failures(fleet):
+    with pytest.raises(openai.APIStatusError) as err:
+        fleet.client.chat.completions.create(model="kev", messages=MESSAGES, max_tokens=4)
+    assert err.value.status_code == 503
+    wait_until(lambda: fleet.model("kev")["parked"], 60, "kev parked")
+    m = fleet.model("kev")
+    assert m["consecutive_start_failures"] == 5
+    assert KEV_LINE in m["last_error"] and "Traceback" not in m["last_error"]
+    assert fleet.loads_of("kev") == 5
+    # Parked: answered at once, with llama.cpp's own words, no Retry-After, no sixth start.
+    t0 = time.monotonic()
+    r = httpx.post(fleet.hub.url + "/v1/chat/completions", timeout=10,
+                   json={"model": "kev", "messages": MESSAGES, "max_tokens": 4})
+    assert time.monotonic() - t0 < 2
+    assert r.status_code == 503 and "retry-after" not in r.headers
+    assert r.json()["error"]["code"] == "model_parked" and KEV_LINE in r.json()["error"]["message"]
+    assert fleet.loads_of("kev") == 5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("appliance.ctl") is None, reason="appliance ctl not built yet")
+def test_ctl_retry_tries_kev_again(fleet):
+    wait_until(lambda: fleet.model("kev")["parked"], 60, "kev parked")
+    before = fleet.loads_of("kev")
+    done = subprocess.run([sys.executable, "-m", "appliance", "ctl", "retry", "kev"], capture_output=True, text=True,
+                          timeout=30, env=clean_env({"APPLIANCE_HUB_URL": fleet.hub.url}))
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(openai.APIStatusError):
+        fleet.client.chat.completions.create(model="kev", messages=MESSAGES, max_tokens=4)
+    wait_until(lambda: fleet.loads_of("kev") > before, 30, "kev tried again after ctl retry")
+
+
+def _engine_start_seconds(node, model: str) -> float:
+    """From the node's log: `loading MODEL` to `MODEL is ready`."""
+    def ts(line: str) -> float:
+        return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+
+    lines = list(node.stderr_lines)
+    start = next(ln for ln in lines if f"loading {model} (source" in ln)
+    ready = next(ln for ln in lines if f"{model} is ready" in ln)
+    return ts(ready) - ts(start)
+
+
+def _measure_overhead(fleet, node) -> None:
+    """Per streamed token: through hub and node, against the engine alone (printed)."""
+    port = next(re.search(r"on port (\d+)", ln).group(1) for ln in reversed(list(node.stderr_lines))
+                if "serves tiny on port" in ln)
+    # 60 tokens: a stream takes ~0.5 s here, so the hub's requests in between keep the model
+    # from idling out (IDLE_UNLOAD) while the engine is asked directly.
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 60, "stream": True, "seed": 3}
+
+    def per_token(url: str) -> tuple[float, int]:
+        n, t0 = 0, time.monotonic()
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+        return (time.monotonic() - t0) / max(n, 1), n
+
+    runs = [(per_token(fleet.hub.url + "/v1/chat/completions"), per_token(f"http://127.0.0.1:{port}/v1/chat/completions"))
+            for _ in range(3)]
+    hub, direct = min(h for h, _ in runs), min(d for _, d in runs)
+    print(f"llamacpp fleet: per streamed event: engine alone {direct[0] * 1e3:.2f} ms ({direct[1]} events), "
+          f"through hub+node {hub[0] * 1e3:.2f} ms ({hub[1]} events): +{(hub[0] - direct[0]) * 1e3:.2f} ms")
