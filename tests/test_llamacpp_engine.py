@@ -105,7 +105,7 @@ async def test_load_ready_completion_unload(nursery, model_file):
     (m,) = eng.models()
     assert (m.name, m.state, m.size_mb) == ("tiny", "ready", 4)
     assert ("tiny", "loading") in changes[0] and changes[-1] == [("tiny", "ready")]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(10)) as c:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10), trust_env=False) as c:
         r = await c.post(base + "/v1/chat/completions", json={"model": "tiny", "messages": [], "max_tokens": 3})
         assert r.json()["choices"][0]["message"]["content"] == "the quick brown"
     pid = eng.pid("tiny")

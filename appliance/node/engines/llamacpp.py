@@ -156,7 +156,8 @@ class LlamaCppEngine(Engine):
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._installs = await self._probe_install()
-        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT) as client:
+        # trust_env=False: loopback health checks must not go through an HTTP(S)_PROXY.
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT, trust_env=False) as client:
             self._client = client
             try:
                 async with trio.open_nursery() as nursery:
