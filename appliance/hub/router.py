@@ -144,7 +144,11 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
     async with trio.open_nursery() as nursery:
         async def watch() -> None:
             await wait_disconnect(receive)
-            out.error = out.error or "client_disconnected"
+            if out.done:
+                # hypercorn says "disconnect" as the last byte goes out; cancelling now would
+                # interrupt its recycling of the connection (then it never reads as idle).
+                return
+            out.error = "client_disconnected"
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
