@@ -235,3 +235,27 @@ def test_admission_core_properties(enabled, reserve, max_depth, immediate, nodes
     stats = sim.core.classes
     assert sum(s.held for s in stats.values()) == len(waited)
     assert sum(s.timed_out for s in stats.values()) == sum(q.state == "timed_out" for q in sim.reqs)
+
+
+fleet_node = st.tuples(st.sampled_from([None, 1, 2, 3]), st.sampled_from([None, 1, 2, 4]), st.integers(0, 4),
+                       st.integers(0, 3), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=st.lists(fleet_node, max_size=6), reserve=st.integers(0, 3), pending=st.integers(0, 3),
+       cls=st.sampled_from(CLASSES))
+def test_fast_count_equals_the_reference_and_its_early_stop_decides_the_same(nodes, reserve, pending, cls):
+    from appliance.hub.priority import count, ready_nodes
+    handles = []
+    for i, (slots, cap, mine, others, ready) in enumerate(nodes):
+        h = handle(f"n{i}", slots=slots, max_concurrency=cap, models=("m1", "m2"),
+                   model_state="ready" if ready else "loading")
+        h.in_flight = {"m1": mine, "m2": others}
+        h.in_flight_total = mine + others
+        handles.append(h)
+    full = fleet_of(handles, "m1")
+    ready = ready_nodes(handles, "m1")
+    assert count(ready, "m1") == full
+    core = AdmissionCore(enabled=True, reserve=reserve, max_depth=10, max_wait=1, background_max_wait=1)
+    need = reserve + pending if cls == "background" else -1
+    assert core.may_go(cls, count(ready, "m1", need, pending), pending) == core.may_go(cls, full, pending)

@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from appliance.config import Config
 from appliance.hub import priority
-from appliance.hub.priority import CLASSES, ESSENTIAL, AdmissionCore, SlotQueues, fleet_of
+from appliance.hub.priority import CLASSES, ESSENTIAL, AdmissionCore, Fleet, SlotQueues, count, ready_nodes
 
 
 class Ticket:
@@ -59,6 +59,10 @@ class Admission:
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
         self._metrics = metrics_registry
+        # The ready nodes per model, kept until the fleet's shape (a node's state, its
+        # connection, its cordon) changes -- not on every finished request.
+        self._ready: dict[str, list] = {}
+        self._shape: list = []
         self._priority_collector = PriorityCollector(self.core)
         if metrics_registry is not None:
             metrics_registry.register(QueueCollector(self.core))
@@ -87,7 +91,8 @@ class Admission:
 
     async def admit(self, model: str, cls: str, client: str) -> Ticket:
         core = self.core
-        w = core.arrive(model, cls, client, fleet_of(self.registry.nodes.values(), model))
+        ready = self._ready_nodes(model)
+        w = core.arrive(model, cls, client, lambda places_need, room_need: count(ready, model, places_need, room_need))
         if w is None:
             return Ticket(model, cls, client)
         w.event = trio.Event()
@@ -110,11 +115,24 @@ class Admission:
     def release(self, ticket: Ticket) -> None:
         """Nothing to give back: the registry's in-flight count (finish) is the place."""
 
+    def _ready_nodes(self, model: str) -> list:
+        ready = self._ready.get(model)
+        if ready is None:
+            ready = self._ready[model] = ready_nodes(self.registry.nodes.values(), model)
+        return ready
+
+    def fleet(self, model: str) -> Fleet:
+        return count(self._ready_nodes(model), model)
+
     def _dispatch(self, model: str) -> None:
-        for w in self.core.dispatch(model, fleet_of(self.registry.nodes.values(), model)):
+        for w in self.core.dispatch(model, self.fleet(model)):
             w.event.set()
 
     def _on_change(self) -> None:
+        shape = [(h, h.state, h.connected, h.cordoned) for h in self.registry.nodes.values()]
+        if shape != self._shape:
+            self._shape = shape
+            self._ready.clear()
         for model in self.core.waiting_models():
             self._dispatch(model)
         for node, model in self.slots.keys():

@@ -35,7 +35,7 @@ whose node has more requests sent for the model than slots waits for one to fini
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from appliance.hub.errors import RouteError
 
@@ -68,7 +68,11 @@ class Fleet(NamedTuple):
 
 
 def fleet_of(nodes: Iterable, model: str) -> Fleet:
-    """`places` and `room` for `model` over the nodes it can be routed to now."""
+    """`places` and `room` for `model` over the nodes it can be routed to now.
+
+    The reference definition, in terms of `NodeHandle.free_places`; `count` is the fast
+    one the hub uses (the two are tested equal).
+    """
     places: int | None = 0
     room: int | None = 0
     for h in nodes:
@@ -81,6 +85,49 @@ def fleet_of(nodes: Iterable, model: str) -> Fleet:
             cap = h.state.max_concurrency
             room = None if cap is None else room + max(0, cap - h.in_flight_total)
     return Fleet(places, room)
+
+
+def ready_nodes(nodes: Iterable, model: str) -> list:
+    """The nodes `model` can be routed to now (what `count` walks)."""
+    return [h for h in nodes if h.ready(model)]
+
+
+def count(ready: Iterable, model: str, places_need: int | None = None, room_need: int | None = None) -> Fleet:
+    """`fleet_of` over nodes already known ready, in plain arithmetic.
+
+    With `places_need`/`room_need` it stops as soon as both are exceeded (or unbounded):
+    the numbers are then lower bounds, enough to compare against those needs. This is
+    what keeps one request's decision cheap on a large fleet with room to spare.
+    """
+    places: int | None = 0
+    room: int | None = 0
+    for h in ready:
+        st = h.state
+        cap = st.max_concurrency
+        slots = st.slots
+        if cap is None:
+            room = None
+            if slots is None:
+                return Fleet(None, None)
+            if places is not None:
+                free = slots - h.in_flight.get(model, 0)
+                places += free if free > 0 else 0
+        else:
+            left = cap - h.in_flight_total
+            if room is not None:
+                room += left if left > 0 else 0
+            if places is not None:
+                if slots is not None:
+                    free = slots - h.in_flight.get(model, 0)
+                    left = free if free < left else left
+                places += left if left > 0 else 0
+        if (places_need is not None and (room is None or room > room_need)
+                and (places is None or places > places_need)):
+            break
+    return Fleet(places, room)
+
+
+Measure = Callable[[int, int], Fleet]
 
 
 class Waiter:
@@ -180,15 +227,23 @@ class AdmissionCore:
     def held_by_reserve(self, cls: str) -> bool:
         return cls == BACKGROUND and self.enabled
 
-    def arrive(self, model: str, cls: str, client: str, fleet: Fleet) -> Waiter | None:
-        """None: go now. A Waiter: wait on it (then `dispatch`). Raises RouteError (queue_full)."""
+    def arrive(self, model: str, cls: str, client: str, fleet: Fleet | Measure) -> Waiter | None:
+        """None: go now. A Waiter: wait on it (then `dispatch`). Raises RouteError (queue_full).
+
+        `fleet` is a Fleet, or a function `(places_need, room_need) -> Fleet` (`count`
+        over the ready nodes), called only when no one waits ahead of this request.
+        """
         if not self.enabled:
             cls = NORMAL
         self.classes[cls].requests += 1
         q = self.queues.get(model)
         ahead = q.at_or_above(cls) if q is not None else 0
-        if ahead == 0 and self.may_go(cls, fleet, q.pending if q is not None else 0):
-            return None
+        if ahead == 0:
+            pending = q.pending if q is not None else 0
+            if not isinstance(fleet, Fleet):
+                fleet = fleet(self.reserve + pending if self.held_by_reserve(cls) else -1, pending)
+            if self.may_go(cls, fleet, pending):
+                return None
         ms = self.models.get(model)
         if ms is None:
             ms = self.models[model] = ModelStats()
