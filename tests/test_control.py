@@ -269,3 +269,19 @@ async def test_models_status_keys_are_the_contract(nursery, autojump_clock):
                           "consecutive_start_failures", "nodes"}
     await control.activate("discovered")
     assert control.models_status()[0]["nodes"] == ["a"]
+
+
+async def test_the_loop_warns_twice_for_1000_failed_placements_in_ten_minutes(nursery, autojump_clock, caplog):
+    control, registry, ops, audit, _ = make([{"Name": "phi-4", "MemoryMb": 9800, "Replicas": 1}],
+                                            {"gpu-a": (8000, {"phi-4": 100})}, Hub__ControlIntervalSeconds=0.6)
+    attempts = []
+    place = control.core.place
+    control.core.place = lambda *a: (attempts.append(trio.current_time()), place(*a))[1]
+    caplog.set_level("WARNING", logger="appliance.hub.placement")
+    start = trio.current_time()
+    await nursery.start(control.run)
+    await trio.sleep(600.5)
+    assert 1000 <= len(attempts) <= 1002 and attempts[-1] - start <= 600.5
+    warned = [r for r in caplog.records if "no placement" in r.getMessage()]
+    assert len(warned) == 2
+    assert audit.kinds().count("model_unplaceable") == 2

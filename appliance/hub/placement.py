@@ -10,13 +10,10 @@ The rules (DESIGN 4):
   on demand. Always-on models want `Replicas`; an on-demand model wants one replica from
   the moment it is asked for until `IdleUnloadSeconds` pass without a request, and then its
   idle replicas are unloaded.
-- Placement puts a replica on a routable node that lists the model (or any routable node
-  when the catalog gives a Source to load from) with enough free memory: the declared
-  `MemoryMb`, else the node's size x 1.2. Loads in progress reserve their memory. To make
-  room it unloads idle on-demand replicas, least recently used first; never an always-on
-  one, never one with work in flight. No node fits: the model is unplaceable, with a reason
-  that names the numbers; the warning is logged when the reason changes or every
-  `Models__WarningIntervalSeconds`, never once per attempt.
+- Placement of one replica is fit.py's decision (memory, making room from idle on-demand
+  replicas, the reason with its numbers). No node fits: the model is unplaceable; the
+  warning is logged when the reason changes or every `Models__WarningIntervalSeconds`,
+  never once per attempt.
 - A start failure (the node's answer, or none in time) counts; the next attempt waits a
   doubling backoff capped at `Models__RetryBackoffMaxSeconds`; `Models__ParkAfterFailures`
   in a row park the model: never placed again until its definition (Source, Profile or the
@@ -33,14 +30,13 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from appliance.config import Config, ModelDef
+from appliance.hub import fit
 from appliance.wire import LoadRequest
 
 log = logging.getLogger("appliance.hub.placement")
 
 # First pause after a start failure; doubles per failure up to Models__RetryBackoffMaxSeconds.
 BACKOFF_START = 1.0
-# Headroom over a model's size on disk when no MemoryMb is declared (DESIGN 4).
-SIZE_FACTOR = 1.2
 # How long a load the node answered 200 counts as a replica before the node's own state
 # shows it: a few heartbeats (DESIGN 2 default 2 s).
 SETTLE_SECONDS = 10.0
@@ -194,95 +190,21 @@ class Models:
                 loading.append(p.node)
         return ready, loading
 
-    def need_on(self, name: str, h) -> int:
-        """MiB `name` needs on node `h`: declared, else the node's size x 1.2."""
-        spec = self.spec(name)
-        if spec.memory_mb is not None:
-            return spec.memory_mb
-        m = h.state.model(name) if h.state is not None else None
-        return math.ceil(m.size_mb * SIZE_FACTOR) if m is not None and m.size_mb else 0
-
-    def free_on(self, h) -> int | None:
-        """Free MiB on `h` less what loads in progress reserve; None: the node declares none."""
-        free = h.memory_free_mb()
-        if free is None:
-            return None
-        for p in self.pending:
-            if p.node == h.name:
-                m = h.state.model(p.model)
-                if m is None or m.state not in ("ready", "loading"):
-                    free -= p.need
-        return free
-
-    def _victims(self, h, model: str) -> list[tuple[str, int]]:
-        """Idle on-demand replicas on `h` that may be unloaded, least recently used first,
-        with the MiB each frees."""
-        busy = {m for p in self.pending if p.node == h.name for m in (p.model, *p.victims)}
-        out = []
-        for m in h.state.models:
-            if (m.name == model or m.state != "ready" or m.name in busy or self.spec(m.name).replicas
-                    or m.in_flight or h.in_flight.get(m.name, 0)):
-                continue
-            freed = m.size_mb or self.spec(m.name).memory_mb or 0
-            used = self.health.get(m.name)
-            out.append((m.name, freed, used.last_used if used and used.last_used is not None else -math.inf))
-        out.sort(key=lambda v: v[2])
-        return [(n, f) for n, f, _ in out]
-
     # --- placement ---------------------------------------------------------------------
 
     def place(self, name: str, nodes: list) -> Load | str:
-        """One replica of `name`: a Load, or the reason it fits nowhere (with numbers)."""
+        """One replica of `name`: a Load (reserving its memory), or why it fits nowhere."""
         spec = self.spec(name)
         ready, loading = self.replicas(name, nodes)
-        holding = set(ready) | set(loading)
-        up = [h for h in nodes if h.routable()]
-        if not up:
-            known = ", ".join(f"{h.name} {h.status()}" for h in nodes) or "none known"
-            return f"no node is up ({known})"
-        cands = [h for h in up if h.name not in holding and (spec.source or h.state.model(name) is not None)]
-        if not cands:
-            if holding:
-                return f"needs {self.desired_or(name)} replicas; every node that can hold it has one ({len(holding)})"
-            return "no node that is up has it (and the catalog gives no Source to load it from)"
-        req = LoadRequest(source=spec.source, args=spec.args)
-        best, best_free, short = None, None, []
-        for h in cands:
-            need, free = self.need_on(name, h), self.free_on(h)
-            if free is None or free >= need:
-                if best is None or (free if free is not None else math.inf) > (best_free if best_free is not None else math.inf):
-                    best, best_free = h, free
-            else:
-                short.append((h, need, free))
-        if best is not None:
-            return self._reserve(Load(name, best.name, req), best)
-        # Nothing fits as it is: make room with the fewest idle on-demand unloads.
-        plans = []
-        for h, need, free in short:
-            got, victims = free, []
-            for victim, freed in self._victims(h, name):
-                if got >= need:
-                    break
-                got += freed
-                victims.append(victim)
-            if got >= need:
-                plans.append((len(victims), -got, h.name, h, victims))
-        if plans:
-            _, _, _, h, victims = min(plans, key=lambda p: p[:3])
-            for victim in victims:  # its want goes with it, or the two would evict each other forever
-                self._h(victim).asked = False
-            return self._reserve(Load(name, h.name, req, victims), h)
-        h, need, free = max(short, key=lambda s: (s[2], s[0].name))
-        reclaim = sum(f for _, f in self._victims(h, name))
-        extra = f" ({free + reclaim} MiB with its idle models unloaded)" if reclaim else ""
-        return f"needs {need} MiB; the most free is {free} MiB on {h.name}{extra}"
-
-    def desired_or(self, name: str) -> int:
-        return self.spec(name).replicas or 1
-
-    def _reserve(self, load: Load, h) -> Load:
-        self.pending.append(Pending(load.model, load.node, self.need_on(load.model, h), victims=tuple(load.victims)))
-        return load
+        got = fit.choose(spec, nodes, set(ready) | set(loading), self.pending, self.spec,
+                         lambda m: self.health[m].last_used if m in self.health else None)
+        if isinstance(got, str):
+            return got
+        h, victims = got
+        for victim in victims:  # its want goes with it, or the two would evict each other forever
+            self._h(victim).asked = False
+        self.pending.append(Pending(name, h.name, fit.need_on(spec, h), victims=tuple(victims)))
+        return Load(name, h.name, LoadRequest(source=spec.source, args=spec.args), victims)
 
     def _place_needed(self, name: str, nodes: list, now: float) -> list[Action]:
         """Place replicas up to what `name` should have now; record the decision."""

@@ -1,0 +1,96 @@
+"""Where one more replica of a model fits: memory, making room, and the reason when nowhere.
+
+Theory of operation: a pure function of the node handles and the loads in progress, used by
+placement.py; it never changes anything. DESIGN 4: a replica goes to a routable node that
+lists the model (or any routable node when the catalog gives a Source to load from) with
+enough free memory -- the declared `MemoryMb`, else the node's size x 1.2 -- and loads in
+progress reserve theirs. Among nodes that fit, the most free wins. When none fits as it is,
+room may be made by unloading idle on-demand replicas, least recently used first, choosing
+the node that needs the fewest unloads; never an always-on replica, never one with work in
+flight. When that fails too, the answer is a reason that names the numbers an operator needs
+("needs 9800 MiB; the most free is 7900 MiB on gpu-a").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+# Headroom over a model's size when no MemoryMb is declared (DESIGN 4).
+SIZE_FACTOR = 1.2
+
+
+def need_on(spec, h) -> int:
+    """MiB the model of `spec` needs on node `h`: declared, else the node's size x 1.2."""
+    if spec.memory_mb is not None:
+        return spec.memory_mb
+    m = h.state.model(spec.name) if h.state is not None else None
+    return math.ceil(m.size_mb * SIZE_FACTOR) if m is not None and m.size_mb else 0
+
+
+def free_on(h, pending: list) -> int | None:
+    """Free MiB on `h` less what loads in progress reserve; None: the node declares none."""
+    free = h.memory_free_mb()
+    if free is None:
+        return None
+    for p in pending:
+        if p.node == h.name:
+            m = h.state.model(p.model)
+            if m is None or m.state not in ("ready", "loading"):  # the node counts those itself
+                free -= p.need
+    return free
+
+
+def victims(h, model: str, spec_of: Callable, last_used_of: Callable, pending: list) -> list[tuple[str, int]]:
+    """Idle on-demand replicas on `h` that may be unloaded for `model`, least recently used
+    first, with the MiB each frees."""
+    busy = {m for p in pending if p.node == h.name for m in (p.model, *p.victims)}
+    out = []
+    for m in h.state.models:
+        if (m.name == model or m.state != "ready" or m.name in busy or spec_of(m.name).replicas
+                or m.in_flight or h.in_flight.get(m.name, 0)):
+            continue
+        last = last_used_of(m.name)
+        out.append((m.name, m.size_mb or spec_of(m.name).memory_mb or 0, -math.inf if last is None else last))
+    out.sort(key=lambda v: v[2])
+    return [(n, f) for n, f, _ in out]
+
+
+def choose(spec, nodes: list, holding: set[str], pending: list, spec_of: Callable,
+           last_used_of: Callable) -> tuple[object, list[str]] | str:
+    """(node handle, models to unload from it first) for one more replica, or why none fits."""
+    name = spec.name
+    up = [h for h in nodes if h.routable()]
+    if not up:
+        known = ", ".join(f"{h.name} {h.status()}" for h in nodes) or "none known"
+        return f"no node is up ({known})"
+    cands = [h for h in up if h.name not in holding and (spec.source or h.state.model(name) is not None)]
+    if not cands:
+        if holding:
+            return f"needs {spec.replicas or 1} replicas; every node that can hold it has one ({len(holding)})"
+        return "no node that is up has it (and the catalog gives no Source to load it from)"
+    fits, short = [], []
+    for h in cands:
+        need, free = need_on(spec, h), free_on(h, pending)
+        if free is None or free >= need:
+            fits.append((math.inf if free is None else free, h.name, h))
+        else:
+            short.append((h, need, free))
+    if fits:
+        return max(fits, key=lambda f: (f[0], f[1]))[2], []
+    plans = []
+    for h, need, free in short:
+        got, chosen = free, []
+        for victim, freed in victims(h, name, spec_of, last_used_of, pending):
+            if got >= need:
+                break
+            got += freed
+            chosen.append(victim)
+        if got >= need:
+            plans.append((len(chosen), -got, h.name, h, chosen))
+    if plans:
+        return min(plans, key=lambda p: p[:3])[3:]
+    h, need, free = max(short, key=lambda s: (s[2], s[0].name))
+    reclaim = sum(f for _, f in victims(h, name, spec_of, last_used_of, pending))
+    extra = f" ({free + reclaim} MiB with its idle models unloaded)" if reclaim else ""
+    return f"needs {need} MiB; the most free is {free} MiB on {h.name}{extra}"
