@@ -23,7 +23,7 @@ import trio
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
 from appliance.config import ClientConfig
 from appliance.hub.errors import RouteError, error_body
-from appliance.hub.upstream import UpstreamError
+from appliance.upstream import UpstreamError
 
 log = logging.getLogger("appliance.hub.router")
 

@@ -30,7 +30,7 @@ from appliance.hub.audit import AuditLog
 from appliance.hub.control import Control
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
-from appliance.hub.upstream import Pool
+from appliance.upstream import Pool
 
 log = logging.getLogger("appliance.hub")
 

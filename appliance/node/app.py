@@ -41,6 +41,7 @@ from appliance.metricsapp import render
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
+from appliance.upstream import Pool, UpstreamError
 from appliance.wire import Heartbeat, LoadRequest, StateEvent, encode_event, load_request_decoder
 
 log = logging.getLogger("appliance.node.app")
@@ -87,6 +88,8 @@ class NodeApp:
         self.keeper = keeper
         self.engine = engine
         self.client = client
+        # The proxy path's own lean client to the engine (appliance/upstream.py).
+        self.pool = Pool()
         self.metrics = metrics
         self.token = cfg.auth.node_token.encode()
         if not self.token:
@@ -351,20 +354,25 @@ class NodeApp:
         into `outcome` just before the last byte goes out."""
         raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         url = upstream + raw + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
-        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in FORWARD_REQUEST}
-        headers.setdefault("accept-encoding", "identity")
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_REQUEST]
         started = False
+        resp = None
         try:
-            async with self.client.stream(scope["method"], url, content=body, headers=headers) as resp:
-                out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE if k in resp.headers]
-                await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
-                started = True
-                async for chunk in resp.aiter_raw():
+            resp = await self.pool.request(scope["method"], url, headers, body, self.cfg.hub.upstream_read_seconds)
+            out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE if k in resp.headers]
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+            started = True
+            chunks = resp.chunks()
+            try:
+                async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                outcome.append(str(resp.status_code))
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.HTTPError as e:
-            why = f"engine at {upstream} failed: {type(e).__name__}: {e}".rstrip(": ")
+            finally:
+                with trio.move_on_after(1, shield=True):
+                    await chunks.aclose()
+            outcome.append(str(resp.status_code))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except UpstreamError as e:
+            why = f"engine at {upstream} failed: {e}"
             log.warning("%s %s: %s", scope["method"], raw, why)
             if not started:
                 outcome.append("502")
@@ -372,9 +380,13 @@ class NodeApp:
             else:
                 outcome.append("engine_error")
                 await send({"type": "http.response.body", "body": self._stream_error(resp, api, why), "more_body": False})
+        finally:
+            if resp is not None:
+                with trio.move_on_after(1, shield=True):
+                    await resp.aclose()
 
     @staticmethod
-    def _stream_error(resp: httpx.Response, api: str, why: str) -> bytes:
+    def _stream_error(resp, api: str, why: str) -> bytes:
         """An error event in the stream's own framing, after the first byte went out."""
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             return b"data: " + error_body("openai", 502, "engine_error", why) + b"\n\n"

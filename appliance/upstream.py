@@ -1,7 +1,7 @@
-"""The hub's HTTP/1.1 client for proxying to nodes: h11 over trio streams, pooled.
+"""The proxy's HTTP/1.1 client (hub -> node, node -> engine): h11 over trio streams, pooled.
 
-Theory of operation: the request path is the one place where the hub's CPU per request
-matters (DESIGN 3: bytes in, bytes out), and a general client spends most of its time on
+Theory of operation: the request path is the one place where CPU per request matters
+(DESIGN 3: bytes in, bytes out), and a general client spends most of its time on
 features a proxy to a known peer never uses (redirects, cookies, auth flows, decoding).
 This module sends one request on a kept-alive connection and yields the response body
 as raw chunks as they arrive -- nothing is buffered or decoded. It owns the connection
@@ -11,6 +11,7 @@ of a response: that (and only that) is retried once on a fresh connection.
 
 Timeouts belong to the caller's configuration: connecting is bounded by
 CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
+httpx stays for everything else (control calls, polling), where its features pay.
 """
 
 from __future__ import annotations
@@ -61,15 +62,24 @@ class Response:
         self._read_timeout = read_timeout
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives. Everything one read brought is yielded as one chunk:
+        a node that is ahead of us costs one write to the client, not one per event."""
         conn = self._conn
         if conn is None:
             return
+        pending: list[bytes] = []
         while True:
             try:
                 ev = conn.h11.next_event()
             except h11.RemoteProtocolError as e:
                 await self._discard()
                 raise UpstreamError(f"node broke the response: {e}", before_response=False) from None
+            if isinstance(ev, h11.Data):
+                pending.append(ev.data)
+                continue
+            if pending and (ev is h11.NEED_DATA or isinstance(ev, h11.EndOfMessage)):
+                yield b"".join(pending)
+                pending.clear()
             if ev is h11.NEED_DATA:
                 try:
                     with trio.fail_after(self._read_timeout):
@@ -78,9 +88,6 @@ class Response:
                     await self._discard()
                     raise UpstreamError(f"{type(e).__name__}: {e}", before_response=False) from None
                 conn.h11.receive_data(data)
-                continue
-            if isinstance(ev, h11.Data):
-                yield bytes(ev.data)
             elif isinstance(ev, h11.EndOfMessage):
                 self._release()
                 return
