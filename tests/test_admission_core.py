@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from admission_fleet import MODEL, handle, registry
@@ -263,8 +265,8 @@ def test_validators_name_the_variable(env, var, monkeypatch, capsys):
     with pytest.raises(config.ConfigError) as e:
         config.load(env)
     assert var in str(e.value) and "\n" not in str(e.value)
-    for k in list(__import__("os").environ):
-        if "__" in k:
+    for k in list(os.environ):
+        if "__" in k or k.startswith("APPLIANCE_"):
             monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
