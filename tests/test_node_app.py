@@ -113,9 +113,12 @@ class Node:
         self.http = httpx.AsyncClient(base_url=url, headers=AUTH, timeout=10)
 
     async def wait_until(self, pred):
+        # In-flight counts change without a state change (they ride on heartbeats), so
+        # this looks again every few ms, bounded.
         with trio.fail_after(5):
             while not pred():
-                await self.keeper.wait_changed(self.keeper.version)
+                with trio.move_on_after(0.005):
+                    await self.keeper.wait_changed(self.keeper.version)
 
 
 @asynccontextmanager

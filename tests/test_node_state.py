@@ -91,14 +91,28 @@ def test_change_counter_bumps_only_on_change():
     assert k.try_start("m1") is not None  # refused: no change
     assert k.version == v + 1
     k.set_paused(False)
+    assert k.version == v + 2
+    # In-flight counts ride on the next heartbeat: no state line per request.
     k.try_start("m1")
     k.finish("m1")
-    assert k.version == v + 4
+    assert k.version == v + 2
     k.set_gpu_memory((1000, 10))
     k.set_gpu_memory((1000, 10))
-    assert k.version == v + 5
+    assert k.version == v + 3
     assert k.apply_limits(NodeConfig()) == []
-    assert k.version == v + 5
+    assert k.version == v + 3
+
+
+def test_in_flight_publishes_at_once_only_when_it_flips_over_limits():
+    k = keeper(max_concurrency=2)
+    k.try_start("m1")
+    k.try_start("m1")
+    v = k.version
+    k.apply_limits(NodeConfig(max_concurrency=1))  # a reload lowered the cap: over now
+    assert k.over_limits() and k.version > v
+    v = k.version
+    k.finish("m1")  # 1 in flight, cap 1: no longer over -> published
+    assert not k.over_limits() and k.version == v + 1
 
 
 async def test_wait_changed_wakes_without_polling(autojump_clock):

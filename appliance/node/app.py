@@ -259,8 +259,13 @@ class NodeApp:
             with trio.move_on_at(next_beat):
                 await k.wait_changed(seen)
             if trio.current_time() >= next_beat:
-                await send({"type": "http.response.body", "body": encode_event(Heartbeat(ts=time.time())),
-                            "more_body": True})
+                # A state that changed quietly (in-flight counts) goes out as the heartbeat.
+                line = encode_event(StateEvent(k.snapshot()))
+                if line == last:
+                    line = encode_event(Heartbeat(ts=time.time()))
+                else:
+                    last = line
+                await send({"type": "http.response.body", "body": line, "more_body": True})
                 next_beat = trio.current_time() + every
 
     # --- the engine's client paths -------------------------------------------------------

@@ -7,6 +7,7 @@ what the node counts itself (requests in flight, total and per model; loads it s
 and how they ended), and what the owner declared or the box measured (max concurrency,
 slots, memory, paused, left). Every change bumps `version` and wakes whoever waits in
 `wait_changed` by swapping a `trio.Event`, so the watch stream publishes without polling.
+In-flight counts are the exception: they ride on the next heartbeat (see `_counted`).
 
 It makes one decision: `try_start(model)` admits a request (and counts it) or says why
 not -- paused, left, draining, or at `Node__MaxConcurrency`. Slots (`Node__ModelSlots`)
@@ -159,9 +160,10 @@ class NodeStateKeeper:
         reason = self.refusal()
         if reason is not None:
             return reason
+        over = bool(self.over_limits())
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         self.in_flight_total += 1
-        self.changed()
+        self._counted(over)
         return None
 
     def finish(self, model: str) -> None:
@@ -171,8 +173,16 @@ class NodeStateKeeper:
             self.in_flight.pop(model, None)
         else:
             self.in_flight[model] = n - 1
+        over = bool(self.over_limits())
         self.in_flight_total = max(0, self.in_flight_total - 1)
-        self.changed()
+        self._counted(over)
+
+    def _counted(self, was_over: bool) -> None:
+        """In-flight counts change with every request; they are published with the next
+        heartbeat (the hub keeps its own counts), not as a state line per request. Only
+        a change of what they decide (over the limits or not) is published at once."""
+        if bool(self.over_limits()) != was_over:
+            self.changed()
 
     # --- loads the node drives -----------------------------------------------------------
 
