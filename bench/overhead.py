@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -124,7 +125,20 @@ def main() -> None:
                     rows.append((kind, conc, tname, p50, p99, rps, p50 - base[0], p50 / base[0], rps / base[2],
                                  cpu["hub"] / n, cpu["node"] / n, cpu["engine"] / n,
                                  (cpu["hub"] / chunks if chunks else None), (cpu["node"] / chunks if chunks else None)))
-        print(f"\nidle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
+        # The floor: hypercorn itself, answering two bytes (bench/floor_app.py).
+        floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "floor_app.py")],
+                                 stderr=subprocess.PIPE)
+        try:
+            floor_url = floor.stderr.readline().decode().split()[-1]
+            trio.run(run_load, floor_url + "/v1/chat/completions", short, 100, 1, False)
+            before = cpu_seconds(floor.pid)
+            lat, _wall, _ = trio.run(run_load, floor_url + "/v1/chat/completions", short, args.requests, 1, False)
+            floor_cpu = (cpu_seconds(floor.pid) - before) / args.requests
+        finally:
+            floor.kill()
+        print(f"\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: {floor_cpu * 1e3:.3f} ms CPU per request,"
+              f" p50 {statistics.median(lat) * 1e3:.2f} ms")
+        print(f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
         print(f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
               f"{'p50 x':>7}{'rps x':>7}{'hub ms/req':>11}{'node ms/req':>12}{'eng ms/req':>11}{'hub us/chunk':>13}{'node us/chunk':>14}")
         for (kind, conc, tname, p50, p99, rps, dp50, rp50, rrps, hcpu, ncpu, ecpu, hch, nch) in rows:

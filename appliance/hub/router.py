@@ -240,8 +240,17 @@ async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) 
         out.status = resp.status_code
         out.ttfb = time.perf_counter() - out.t0
         ctype = resp.headers.get("content-type", "application/json")
-        await send({"type": "http.response.start", "status": resp.status_code,
-                    "headers": [(b"content-type", ctype.encode())]})
+        start_headers = [(b"content-type", ctype.encode())]
+        clen = resp.headers.get("content-length")
+        if clen is not None and clen.isdigit() and int(clen) == len(first):
+            # A whole answer in the first read (every short, non-streamed one): one
+            # body message with its length, no chunked framing, fewer writes.
+            start_headers.append((b"content-length", clen.encode()))
+            record(hub, out)
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": start_headers})
+            await send({"type": "http.response.body", "body": first, "more_body": False})
+            return True, ""
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": start_headers})
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
         try:

@@ -53,7 +53,7 @@ CLEANUP_SECONDS = 5.0
 # Request headers the engine needs; everything else (our bearer above all) stays here.
 FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding")
 # Response headers the client needs to read the bytes as the engine meant them.
-FORWARD_RESPONSE = ("content-type", "content-encoding", "retry-after")
+FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry-after")
 NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
 
 
@@ -384,7 +384,9 @@ class NodeApp:
                 await self._error(send, api, 502, "engine_error", why)
             else:
                 outcome.append("engine_error")
-                await send({"type": "http.response.body", "body": self._stream_error(resp, api, why), "more_body": False})
+                if "content-length" not in resp.headers:  # a sized body cannot carry an error event
+                    await send({"type": "http.response.body", "body": self._stream_error(resp, api, why),
+                                "more_body": False})
         finally:
             if resp is not None:
                 with trio.move_on_after(1, shield=True):
