@@ -49,3 +49,5 @@ start=$(date +%s)
 "$VENV/bin/pyinstaller" --noconfirm --log-level WARN \
     --distpath "$DIST" --workpath "$WORK" packaging/appliance.spec
 echo "build.sh: $DIST/appliance ($commit, $(du -h "$DIST/appliance" | cut -f1), $(( $(date +%s) - start )) s)" >&2
+# What went in, beside the binary: tests check every role is inside and no test tooling is.
+"$VENV/bin/pyi-archive_viewer" --list --recursive "$DIST/appliance" > "$DIST/appliance.contents.txt"
