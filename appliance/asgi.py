@@ -108,10 +108,15 @@ async def serve(
     certfile: str = "",
     keyfile: str = "",
     ca_certs: str = "",
+    require_client_cert: bool = False,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on `listen` until `shutdown_trigger` returns, then drain.
 
+    With `certfile` it serves HTTPS (an empty `keyfile`: the key is in `certfile`). With
+    `ca_certs` too, a client certificate is verified against it: optional (a client
+    without one is served -- the hub's API, whose clients are ordinary OpenAI clients) or,
+    with `require_client_cert`, required at the handshake (the node, dialled by the hub).
     Prints the `listening on` line and reports the bound (host, port) to
     `task_status.started` once the socket listens.
     """
@@ -127,10 +132,10 @@ async def serve(
     cfg.keep_alive_timeout = 75
     if certfile:
         cfg.certfile = certfile
-        cfg.keyfile = keyfile
+        cfg.keyfile = keyfile or certfile
         if ca_certs:
             cfg.ca_certs = ca_certs
-            cfg.verify_mode = ssl.CERT_OPTIONAL
+            cfg.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
 
     async def _serve(*, task_status=trio.TASK_STATUS_IGNORED):
         await hyper_serve(app, cfg, shutdown_trigger=shutdown_trigger, task_status=task_status)

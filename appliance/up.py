@@ -50,7 +50,6 @@ def up_config(cfg: Config, use_ollama: bool) -> Config:
 
 async def _main(cfg: Config, env_file: str | None) -> None:
     from appliance import sdnotify
-    from appliance.node.run import run_node
 
     use_ollama = cfg.engine.kind == "ollama" and await ollama_answers()
     cfg = up_config(cfg, use_ollama)

@@ -244,7 +244,7 @@ def test_notify_protocol_from_root_in_a_bare_env(binary, tmp_path, running, role
     # `exec` keeps the shell's pid: WATCHDOG_PID is the bootloader's, as systemd sets it.
     p = running(["/bin/sh", "-c", f'WATCHDOG_PID=$$ exec "{binary}" {role} --env-file {env_file}'], env)
     try:
-        ready_at = notify.wait_for("READY=1", START_TIMEOUT)
+        notify.wait_for("READY=1", START_TIMEOUT)
         url = p.wait_listening(role)[role]
         assert [d.name for d in tmpdir.iterdir() if d.name.startswith("_MEI")], "not extracted under TMPDIR"
         first = notify.wait_for("WATCHDOG=1", 5)

@@ -9,7 +9,6 @@ import urllib.parse
 
 import httpx
 import pytest
-import trio
 
 from appliance import ctl
 from appliance.hub import admin

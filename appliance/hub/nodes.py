@@ -223,6 +223,17 @@ async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Regist
                 pass
 
 
+def describe(e: BaseException) -> str:
+    """`Type: message`, the message taken down the cause chain: httpx over trio raises an
+    empty ConnectError whose cause's cause is the SSL error that says why."""
+    x: BaseException | None = e
+    for _ in range(5):
+        if x is None or str(x):
+            break
+        x = x.__cause__ or x.__context__
+    return f"{type(e).__name__}: {x}" if x is not None and str(x) else type(e).__name__
+
+
 async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *, heartbeat: float,
                     backoff_max: float, on_event: Callable[[str, NodeHandle, str], None]) -> None:
     """Connect, follow, mark lost, back off (capped, jittered), reconnect -- until removed."""
@@ -234,7 +245,7 @@ async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry
         except trio.TooSlowError:
             reason = f"no heartbeat for {MISSED_HEARTBEATS * heartbeat:g} s"
         except (httpx.TransportError, httpx.HTTPStatusError, httpx.StreamError) as e:
-            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            reason = describe(e)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             reason = f"bad watch line: {e}"
         if h.connected:

@@ -94,7 +94,7 @@ def _client_ssl(cfg: Config) -> ssl.SSLContext | None:
         return None
     ctx = ssl.create_default_context(cafile=cfg.hub.tls_ca)
     if cfg.hub.tls_cert:
-        ctx.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key)
+        ctx.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key or None)
     return ctx
 
 

@@ -18,6 +18,7 @@ import msgspec
 import trio
 
 from appliance.config import Config
+from appliance.hub.nodes import describe
 from appliance.wire import Announce
 
 log = logging.getLogger("appliance.node.announce")
@@ -32,7 +33,7 @@ def hub_client(cfg: Config) -> httpx.AsyncClient:
     if cfg.node.tls_ca:
         verify = ssl.create_default_context(cafile=cfg.node.tls_ca)
         if cfg.node.tls_cert:
-            verify.load_cert_chain(cfg.node.tls_cert, cfg.node.tls_key)
+            verify.load_cert_chain(cfg.node.tls_cert, cfg.node.tls_key or None)
     return httpx.AsyncClient(verify=verify, timeout=httpx.Timeout(10.0))
 
 
@@ -44,7 +45,7 @@ async def announce_once(client: httpx.AsyncClient, hub_url: str, token: str, me:
     try:
         r = await client.post(f"{hub_url.rstrip('/')}/api/nodes/announce", content=_enc.encode(me), headers=headers)
     except httpx.HTTPError as e:
-        return f"{type(e).__name__}: {e}".rstrip(": ")
+        return describe(e)
     if r.status_code >= 300:
         return f"hub answered {r.status_code}: {r.text[:200]}"
     return None

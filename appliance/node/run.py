@@ -14,6 +14,10 @@ in-flight work finish for `Hub__DrainSeconds` (the hub's drain bound serves the 
 too), then everything else is cancelled. `main` owns the signals: SIGTERM/SIGINT stop,
 SIGHUP re-reads the env file -- the node's limits (Node__MaxConcurrency, ModelSlots,
 MemoryMb) apply at once, anything else at the next start -- and the exit code is 0.
+
+TLS: with Node__TlsCert the node API speaks HTTPS; with Node__TlsCa too, a client
+certificate signed by that CA is required at the handshake -- the hub shows Hub__TlsCert,
+and the owner's curl on the box needs `--cert` (the hub's certificate, or one of its own).
 """
 
 from __future__ import annotations
@@ -134,7 +138,8 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
             try:
                 await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait,
                             drain_seconds=cfg.hub.drain_seconds, certfile=cfg.node.tls_cert,
-                            keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca, task_status=task_status)
+                            keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca, require_client_cert=True,
+                            task_status=task_status)
             finally:
                 api_done.set()
 

@@ -110,24 +110,22 @@ def _tagged(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
 
 
-class OllamaEngine(Engine):
-    kind = "ollama"
+class PolledEngine(Engine):
+    """An engine reached over HTTP at `url`, re-read every `poll_seconds` by `refresh`.
 
-    def __init__(self, cfg: Config) -> None:
+    Owns the one httpx client, the polling loop and what happens when the engine stops
+    answering (`_away`: log once, forget what it said, tell the node); subclasses say
+    what to read (`refresh`) and what to forget (`_forget`).
+    """
+
+    def __init__(self, url: str, poll_seconds: float) -> None:
         super().__init__()
-        self.url = cfg.engine.url.rstrip("/")
-        self.poll_seconds = cfg.engine.poll_seconds
+        self.url = url
+        self.poll_seconds = poll_seconds
         self._client: httpx.AsyncClient | None = None
         self._up = False
         self._version = ""
-        self._tags: dict[str, int] = {}  # name -> size MiB, from /api/tags
-        self._ps: dict[str, int] = {}  # name -> MiB in memory, from /api/ps
-        self._loading: set[str] = set()
-        self._failed: dict[str, str] = {}  # name -> the engine's words
-        self._alias: dict[str, str] = {}  # name the hub asked for -> name Ollama lists
         self._last: object = None
-
-    # --- the long-lived part -------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=CLIENT_TIMEOUT) as client:
@@ -136,6 +134,45 @@ class OllamaEngine(Engine):
                 await poll_engine(self.refresh, self.poll_seconds, self._away, task_status=task_status)
             finally:
                 self._client = None
+
+    async def refresh(self) -> None:
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        """Drop what the engine said: it does not answer."""
+
+    def _away(self, e: Exception) -> None:
+        if self._up or self._last is None:
+            log.warning("%s at %s does not answer (%s: %s); retrying with backoff",
+                        self.kind, self.url, type(e).__name__, e)
+        self._up = False
+        self._forget()
+        self._notify()
+
+    def _notify(self) -> None:
+        now = (self.installs(), self.models(), self.memory_used_mb())
+        if now != self._last:
+            self._last = now
+            self.on_change()
+
+    def _require_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise EngineError(f"{self.kind} adapter is not running")
+        return self._client
+
+
+class OllamaEngine(PolledEngine):
+    kind = "ollama"
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg.engine.url.rstrip("/"), cfg.engine.poll_seconds)
+        self._tags: dict[str, int] = {}  # name -> size MiB, from /api/tags
+        self._ps: dict[str, int] = {}  # name -> MiB in memory, from /api/ps
+        self._loading: set[str] = set()
+        self._failed: dict[str, str] = {}  # name -> the engine's words
+        self._alias: dict[str, str] = {}  # name the hub asked for -> name Ollama lists
+
+    # --- the long-lived part -------------------------------------------------------------
 
     async def refresh(self) -> None:
         """Read tags, ps (and the version once per connection); tell the node if anything changed."""
@@ -160,24 +197,8 @@ class OllamaEngine(Engine):
         r.raise_for_status()
         return _tags_decoder.decode(r.content).models or []
 
-    def _away(self, e: Exception) -> None:
-        if self._up or self._last is None:
-            log.warning("%s at %s does not answer (%s: %s); retrying with backoff",
-                        self.kind, self.url, type(e).__name__, e)
-        self._up = False
+    def _forget(self) -> None:
         self._tags, self._ps = {}, {}
-        self._notify()
-
-    def _notify(self) -> None:
-        now = (self.installs(), self.models(), self.memory_used_mb())
-        if now != self._last:
-            self._last = now
-            self.on_change()
-
-    def _require_client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise EngineError(f"{self.kind} adapter is not running")
-        return self._client
 
     # --- what the node reads -----------------------------------------------------------
 

@@ -18,8 +18,8 @@ import msgspec
 import trio
 
 from appliance.config import Config
-from appliance.node.engines.base import Engine, EngineError
-from appliance.node.engines.ollama import CLIENT_TIMEOUT, POLL_ERRORS, POLL_TIMEOUT_SECONDS, poll_engine
+from appliance.node.engines.base import EngineError
+from appliance.node.engines.ollama import POLL_ERRORS, POLL_TIMEOUT_SECONDS, PolledEngine
 from appliance.wire import EngineInstall, ModelState
 
 log = logging.getLogger("appliance.node.engine")
@@ -36,36 +36,20 @@ class _Models(msgspec.Struct):
 _models_decoder = msgspec.json.Decoder(_Models)
 
 
-class OpenAIEngine(Engine):
+class OpenAIEngine(PolledEngine):
     kind = "openai"
 
     def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        url = cfg.engine.url.rstrip("/")
-        self.url = url.removesuffix("/v1")
-        self.poll_seconds = cfg.engine.poll_seconds
-        self._client: httpx.AsyncClient | None = None
-        self._up = False
-        self._version = ""
+        super().__init__(cfg.engine.url.rstrip("/").removesuffix("/v1"), cfg.engine.poll_seconds)
         self._models: list[str] = []
-        self._last: object = None
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=CLIENT_TIMEOUT) as client:
-            self._client = client
-            try:
-                await poll_engine(self.refresh, self.poll_seconds, self._away, task_status=task_status)
-            finally:
-                self._client = None
 
     async def refresh(self) -> None:
-        if self._client is None:
-            raise EngineError("openai adapter is not running")
-        r = await self._client.get("/v1/models")
+        client = self._require_client()
+        r = await client.get("/v1/models")
         r.raise_for_status()
         models = [m.id for m in _models_decoder.decode(r.content).data or [] if m.id]
         if not self._up:
-            self._version = await self._read_version(self._client)
+            self._version = await self._read_version(client)
             log.info("openai upstream at %s answers, serving %s", self.url, ", ".join(models) or "nothing")
         self._up, self._models = True, models
         self._notify()
@@ -79,18 +63,8 @@ class OpenAIEngine(Engine):
         except (*POLL_ERRORS, AttributeError):
             return ""
 
-    def _away(self, e: Exception) -> None:
-        if self._up or self._last is None:
-            log.warning("openai upstream at %s does not answer (%s: %s); retrying with backoff",
-                        self.url, type(e).__name__, e)
-        self._up, self._models = False, []
-        self._notify()
-
-    def _notify(self) -> None:
-        now = (self.installs(), self.models())
-        if now != self._last:
-            self._last = now
-            self.on_change()
+    def _forget(self) -> None:
+        self._models = []
 
     def installs(self) -> list[EngineInstall]:
         return [EngineInstall("openai", self._version)] if self._up else []
