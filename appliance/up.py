@@ -70,14 +70,20 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
 
     async with trio.open_nursery() as nursery:
         node_host, node_port = await nursery.start(partial(run_node, cfg, stop))
-        node_cfg = msgspec.structs.replace(cfg, nodes=[*cfg.nodes, NodeRef(name=cfg.node.name, url=f"http://{node_host}:{node_port}")])
+        local = NodeRef(name=cfg.node.name, url=f"http://{node_host}:{node_port}")
+        node_cfg = msgspec.structs.replace(cfg, nodes=[*cfg.nodes, local])
+
+        def adjust(new: Config) -> Config:
+            """A reloaded Config, made the single-box one as at the start."""
+            new = up_config(new, cfg.engine.kind == "ollama")
+            return msgspec.structs.replace(new, nodes=[*new.nodes, local])
 
         async def hub_task(*, task_status=trio.TASK_STATUS_IGNORED):
             await run_hub(node_cfg, stop, task_status=task_status)
 
         hub, _addr = await nursery.start(hub_task)
         notifier.ready()
-        nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file), "up")
+        nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file, adjust), "up")
         # The hub and the node drain on the same stop event and return; so does this.
 
 

@@ -16,6 +16,7 @@ import logging
 import signal
 import ssl
 from functools import partial
+from typing import Callable
 
 import httpx
 import trio
@@ -160,15 +161,35 @@ async def handle_signals(signals, stop: trio.Event, notifier, on_reload, what: s
         return
 
 
-def reload_hub(hub: Hub, env_file: str | None) -> None:
+# What a running hub cannot take: bound sockets and their TLS, the drain bound handed to
+# the server, the node clients' token, the open audit file. They apply at the next start.
+AT_NEXT_START = {
+    "Hub__Listen": lambda c: c.hub.listen, "Hub__TlsCert": lambda c: c.hub.tls_cert,
+    "Hub__TlsKey": lambda c: c.hub.tls_key, "Hub__TlsCa": lambda c: c.hub.tls_ca,
+    "Hub__DrainSeconds": lambda c: c.hub.drain_seconds, "Metrics__Listen": lambda c: c.metrics.listen,
+    "Auth__NodeToken": lambda c: c.auth.node_token, "Audit__Path": lambda c: c.audit.path,
+}
+
+
+def reload_hub(hub: Hub, env_file: str | None, adjust: Callable[[Config], Config] | None = None) -> None:
+    """One log line either way: refused (the old configuration stays), or reloaded --
+    naming any changed setting that only applies at the next start. `adjust` makes the
+    new Config what the caller made of the first one (`appliance up`)."""
     try:
         new = config_mod.load(env_file=env_file)
+        if adjust is not None:
+            new = adjust(new)
     except config_mod.ConfigError as e:
         log.error("reload refused, keeping the old configuration: %s", e)
         return
+    later = [var for var, get in AT_NEXT_START.items() if get(new) != get(hub.cfg)]
     hub.reload(new)
     hub.audit.event("config_reloaded", env_file=env_file or "")
-    log.info("configuration reloaded from %s", env_file or "the environment")
+    if later:
+        log.warning("configuration reloaded from %s; changed, applied only at the next start: %s",
+                    env_file or "the environment", ", ".join(later))
+    else:
+        log.info("configuration reloaded from %s", env_file or "the environment")
 
 
 async def _main(cfg: Config, env_file: str | None) -> None:
