@@ -285,3 +285,17 @@ async def test_the_loop_warns_twice_for_1000_failed_placements_in_ten_minutes(nu
     warned = [r for r in caplog.records if "no placement" in r.getMessage()]
     assert len(warned) == 2
     assert audit.kinds().count("model_unplaceable") == 2
+
+
+async def test_every_turn_of_the_loop_beats_for_the_watchdog(nursery, autojump_clock):
+    """systemd's watchdog is fed from the control loop: it turns at least every
+    Hub__ControlIntervalSeconds (1 s) even with nothing to do."""
+    control, _, _, _, _ = make([{"Name": "m"}], {"a": (8000, {"m": 500})})
+    beats: list[float] = []
+    control.beat = lambda: beats.append(trio.current_time())
+    start = trio.current_time()
+    await nursery.start(control.run)
+    await trio.sleep(10.5)
+    assert len(beats) >= 11
+    assert max(b - a for a, b in zip(beats, beats[1:])) <= 1.0
+    assert beats[0] == start

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
+from typing import Callable
 
 import httpx
 import msgspec
@@ -95,6 +96,9 @@ class Control:
         self._nursery: trio.Nursery | None = None
         self._backlog: list = []
         self._wake = trio.Event()
+        # Called once per turn of the loop: the hub feeds systemd's watchdog from here, so a
+        # control loop that hangs gets the service restarted.
+        self.beat: Callable[[], None] = lambda: None
         self._decided = trio.Event()
         self._unloading: set[tuple[str, str]] = set()
         self._last_now = 0.0
@@ -113,6 +117,7 @@ class Control:
             self._carry_out(backlog)
             task_status.started()
             while True:
+                self.beat()
                 now = self.now()
                 self._carry_out(self.core.plan(self._nodes(), now))
                 wait = self.cfg.hub.control_interval_seconds

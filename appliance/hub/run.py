@@ -210,7 +210,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         async with trio.open_nursery() as nursery:
             hub, _addr = await nursery.start(hub_task)
             notifier.ready()
-            nursery.start_soon(sdnotify.beat_loop, heartbeat, cfg.hub.control_interval_seconds)
+            hub.control.beat = heartbeat.beat  # the control loop's every turn feeds the watchdog
             nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
             nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file), "hub")
             await hub_done.wait()
