@@ -12,11 +12,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from procs import wait_until
 import trio
 
 from appliance import config
@@ -39,12 +39,12 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pid: int, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.02)
-    return False
+    """The OS takes a moment to reap a killed process: look again until a deadline."""
+    try:
+        wait_until(lambda: not alive(pid), timeout=seconds, what=f"pid {pid} gone", interval=0.02)
+    except AssertionError:
+        return False
+    return True
 
 
 def make_engine(command: str = FAKE_CMD) -> LlamaCppEngine:

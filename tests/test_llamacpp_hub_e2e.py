@@ -23,7 +23,7 @@ import openai
 import pytest
 
 import make_gguf
-from procs import Procs, clean_env
+from procs import Procs, clean_env, wait_until
 from test_llamacpp_engine import alive
 from test_llamacpp_real import KEV_LINE, engine_children
 
@@ -39,16 +39,6 @@ COMMAND = (f"{shlex.quote(sys.executable)} -m llama_cpp.server --model {{model}}
            "--port {port} --n_ctx 256 {args}")
 IDLE_UNLOAD = 3
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-def wait_until(pred, timeout: float = 30, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.1)
 
 
 class Fleet:
