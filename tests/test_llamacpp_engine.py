@@ -213,23 +213,11 @@ async def test_process_outlives_trio_worker_threads(nursery, model_file, monkeyp
     assert alive(eng.pid("t"))
 
 
-PARENT = """
-import sys, trio
-from appliance import config
-from appliance.node.engines.llamacpp import LlamaCppEngine
-async def main():
-    eng = LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": sys.argv[1]}))
-    async with trio.open_nursery() as n:
-        await n.start(eng.run)
-        await eng.load("m", sys.argv[2])
-        print(eng.pid("m"), flush=True)
-        await trio.sleep_forever()
-trio.run(main)
-"""
+PARENT = str(Path(__file__).with_name("llama_parent.py"))  # a node-like parent process
 
 
 def test_sigkill_of_the_node_leaves_no_engine(model_file):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, FAKE_CMD, model_file("m.gguf")],
+    parent = subprocess.Popen([sys.executable, PARENT, FAKE_CMD, model_file("m.gguf")],
                               stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 30)

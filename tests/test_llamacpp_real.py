@@ -19,6 +19,8 @@ import time
 
 import httpx
 import openai
+from pathlib import Path
+
 import pytest
 import trio
 
@@ -100,24 +102,12 @@ async def test_real_kev_fails_with_llamacpp_error(nursery, gguf_pair):
     assert m.state == "failed" and KEV_LINE in m.last_error and "Traceback" not in m.last_error
 
 
-PARENT = """
-import sys, trio
-from appliance import config
-from appliance.node.engines.llamacpp import LlamaCppEngine
-async def main():
-    eng = LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": sys.argv[1]}))
-    async with trio.open_nursery() as n:
-        await n.start(eng.run)
-        await eng.load("m", sys.argv[2])
-        print(eng.pid("m"), flush=True)
-        await trio.sleep_forever()
-trio.run(main)
-"""
+PARENT = str(Path(__file__).with_name("llama_parent.py"))  # a node-like parent process
 
 
 def test_real_sigkill_of_the_node_leaves_no_llama_server(gguf_pair):
     tiny, _ = gguf_pair
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, COMMAND, str(tiny)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, PARENT, COMMAND, str(tiny)], stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 60)
         assert ready, "the node-like parent did not load its model in 60 s"
