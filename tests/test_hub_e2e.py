@@ -176,7 +176,16 @@ def test_node_killed_paused_resumed(fleet):
     assert any(e["kind"] == "node_lost" and e["node"] == "gpu-b" for e in events)
     m = httpx.get(hub.urls["metrics"] + "/metrics", timeout=5).text
     assert 'appliance_node_up{node="gpu-b"} 0.0' in m
+    assert 'appliance_node_lost{node="gpu-b"} 1.0' in m
     assert 'appliance_node_up{node="gpu-a"} 1.0' in m
+    # Requests by client/model/status, latency and time to first byte, in flight.
+    assert 'appliance_requests_total{client="anonymous",model="sim-small",status="200"}' in m
+    assert 'appliance_request_duration_seconds_count{model="sim-small"}' in m
+    assert 'appliance_time_to_first_byte_seconds_count{model="sim-small"}' in m
+    assert 'appliance_in_flight{model="sim-small"} 0.0' in m
+    assert "appliance_node_paused" in m and "appliance_node_heartbeat_age_seconds" in m
+    # The API port serves the same scrape.
+    assert 'appliance_node_lost{node="gpu-b"} 1.0' in httpx.get(hub.url + "/metrics", timeout=5).text
 
 
 def test_node_dies_mid_stream_ends_with_error_event(procs, tmp_path):

@@ -152,3 +152,16 @@ async def test_announced_url_change_reconnects_at_once(autojump_clock):
             await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
     assert calls[-1][0].startswith("http://a2:1/") and calls[-1][1] == t
+
+
+async def test_a_node_never_reached_is_logged_once_per_reason(autojump_clock, caplog):
+    async def handler(request):
+        raise httpx.ConnectError("connection refused")
+
+    reg = Registry()
+    h, _ = reg.upsert("far", "http://far:1", static=True)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        with trio.move_on_after(300):
+            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0, on_event=lambda *a: None)
+    said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert said == ["node far at http://far:1 unreachable: ConnectError: connection refused (retrying with backoff)"]

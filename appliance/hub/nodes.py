@@ -184,11 +184,15 @@ class Registry:
         self.changed()
 
     def mark_lost(self, h: NodeHandle, reason: str) -> None:
-        was = h.connected
+        """Lost (or still not reached). Logged when it happens and when the reason changes
+        -- a node that never answers is said once, not once per reconnect attempt."""
+        was, before = h.connected, h.lost_reason
         h.connected = False
         h.lost_reason = reason
         if was:
             log.warning("node %s lost: %s", h.name, reason)
+        elif reason != before:
+            log.warning("node %s at %s unreachable: %s (retrying with backoff)", h.name, h.url, reason)
         self.changed()
 
 
