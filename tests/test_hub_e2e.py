@@ -225,3 +225,31 @@ def test_up_serves_a_chat_with_the_simulator_and_says_so(procs):
     assert r.choices[0].message.content and r.system_fingerprint == "appliance-sim"
     up.signal(signal.SIGTERM)
     assert up.wait_exit(20) == 0
+
+
+def test_sigterm_lets_in_flight_work_finish_then_exits_0(procs):
+    hub = procs.hub({"Auth__NodeToken": TOKEN, "Hub__DrainSeconds": "20"}, metrics=False)
+    a = procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+                             "Sim__TokensPerSecond": "40"})
+    wait_until(lambda: node_status(hub, "gpu-a") == "up", what="node up")
+    httpx.post(a.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    wait_until(lambda: status(hub)["models"] and status(hub)["models"][0]["nodes"], what="ready")
+    events = []
+    with httpx.stream("POST", hub.url + "/v1/chat/completions", timeout=30,
+                      json={"model": "sim-small", "stream": True, "max_tokens": 60,
+                            "messages": [{"role": "user", "content": "long"}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 3:
+                    hub.signal(signal.SIGTERM)  # ~1.4 s of tokens still to come
+                    hub.wait_stderr("stopping: draining", timeout=10)
+                    # Stopped accepting: a new connection is refused while this one drains.
+                    try:
+                        httpx.get(hub.url + "/health", timeout=2)
+                        refused = False
+                    except httpx.TransportError:
+                        refused = True
+    assert refused
+    assert events[-1] == "data: [DONE]" and len(events) >= 60
+    assert hub.wait_exit(20) == 0
