@@ -45,8 +45,7 @@ class Hub:
         self.cfg = cfg
         self.node_client = node_client
         # The request path's own lean client (same token, same TLS) -- see upstream.py.
-        self.upstream = Pool(headers=_auth_headers(cfg),
-                             ssl_context=_client_ssl(cfg) or None)
+        self.upstream = Pool(headers=_auth_headers(cfg), ssl_context=_client_ssl(cfg))
         self.nursery = nursery
         self.registry = Registry()
         self.metrics_registry = CollectorRegistry()
@@ -55,10 +54,6 @@ class Hub:
         self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
         self.admission = Admission(cfg, self.registry, self.metrics_registry)
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
-        hook = getattr(self.control, "before_scrape", None)
-        if hook is not None:
-            self.before_scrape.append(hook)
-        self.alive_at = 0.0
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         h, new = self.registry.upsert(name, url, static)
@@ -76,11 +71,8 @@ class Hub:
 
     def reload(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.admission.cfg = cfg
-        if hasattr(self.admission, "reload"):
-            self.admission.reload(cfg)
-        if hasattr(self.control, "reload"):
-            self.control.reload(cfg)
+        self.admission.reload(cfg)
+        self.control.reload(cfg)
         for n in cfg.nodes:
             self.add_node(n.name, n.url, static=True)
 
