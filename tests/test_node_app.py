@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.asgi import handle_lifespan, read_body, serve, wait_disconnect
 from appliance.config import load
-from appliance.node.app import NodeApp, engine_client
+from appliance.node.app import NodeApp
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
@@ -132,13 +132,13 @@ async def running_node(**env):
         keeper = NodeStateKeeper("gpu-a", cfg.node, engine)
         engine.on_change = keeper.changed
         metrics = NodeMetrics(CollectorRegistry(), keeper)
-        async with engine_client(cfg) as client:
-            app = NodeApp(cfg, keeper, engine, client, metrics)
-            host, port = await nursery.start(partial(serve, app, "127.0.0.1:0", "node"))
-            node = Node(f"http://{host}:{port}", keeper, engine, up, metrics)
-            async with node.http:
-                yield node
-            nursery.cancel_scope.cancel()
+        app = NodeApp(cfg, keeper, engine, metrics)
+        host, port = await nursery.start(partial(serve, app, "127.0.0.1:0", "node"))
+        node = Node(f"http://{host}:{port}", keeper, engine, up, metrics)
+        async with node.http:
+            yield node
+        await app.aclose()
+        nursery.cancel_scope.cancel()
 
 
 async def test_auth_required_everywhere_but_health():

@@ -57,17 +57,6 @@ FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry
 NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
 
 
-def engine_client(cfg: Config) -> httpx.AsyncClient:
-    """The one client for the engine's upstreams. No pool cap: admission is the node's
-    (Node__MaxConcurrency); reads may be silent for Hub__UpstreamReadSeconds (prefill of
-    a long prompt), connecting to a loopback engine takes no longer than 10 s."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=10.0, read=cfg.hub.upstream_read_seconds, write=60.0, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
-        trust_env=False,  # the engine is local or named outright: never via HTTP_PROXY
-    )
-
-
 class _ModelOnly(msgspec.Struct):
     model: str
 
@@ -80,15 +69,15 @@ def _api_of(path: str) -> str:
 
 
 class NodeApp:
-    """`NodeApp(cfg, keeper, engine, client, metrics)` is the ASGI app."""
+    """`NodeApp(cfg, keeper, engine, metrics)` is the ASGI app; `await app.aclose()` at the end."""
 
-    def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine, client: httpx.AsyncClient,
+    def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine,
                  metrics: NodeMetrics | None = None) -> None:
         self.cfg = cfg
         self.keeper = keeper
         self.engine = engine
-        self.client = client
-        # The proxy path's own lean client to the engine (appliance/upstream.py).
+        # The proxy's own lean client to the engine (appliance/upstream.py): no proxies
+        # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
         self.pool = Pool()
         self.metrics = metrics
         self.token = cfg.auth.node_token.encode()
@@ -96,6 +85,9 @@ class NodeApp:
             log.warning("Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach them")
 
     # --- dispatch ----------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

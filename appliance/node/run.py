@@ -38,7 +38,7 @@ from appliance.asgi import serve
 from appliance.config import Config
 from appliance.metricsapp import metrics_app
 from appliance.node.announce import announce_loop, hub_client
-from appliance.node.app import NodeApp, engine_client
+from appliance.node.app import NodeApp
 from appliance.node.engines import make_engine
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NVIDIA_SMI, NodeStateKeeper, parse_nvidia_smi
@@ -128,10 +128,10 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
     keeper = NodeStateKeeper(name, cfg.node, engine)
     engine.on_change = keeper.changed
     metrics = NodeMetrics(registry if registry is not None else CollectorRegistry(), keeper)
-    async with engine_client(cfg) as eclient, hub_client(cfg) as hclient, trio.open_nursery() as nursery:
+    async with hub_client(cfg) as hclient, trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         await nursery.start(poll_gpu_memory, keeper, GPU_POLL_SECONDS)
-        app = NodeApp(cfg, keeper, engine, eclient, metrics)
+        app = NodeApp(cfg, keeper, engine, metrics)
         api_stop, api_done = trio.Event(), trio.Event()
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
@@ -165,6 +165,8 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         api_stop.set()
         await api_done.wait()
         nursery.cancel_scope.cancel()
+        with trio.move_on_after(2, shield=True):
+            await app.aclose()
 
 
 # --- the process: signals, systemd, exit code ----------------------------------------------
