@@ -188,14 +188,19 @@ def test_node_killed_paused_resumed(fleet):
     assert 'appliance_node_lost{node="gpu-b"} 1.0' in httpx.get(hub.url + "/metrics", timeout=5).text
 
 
-def test_node_dies_mid_stream_ends_with_error_event(procs, tmp_path):
-    hub = procs.hub({"Auth__NodeToken": TOKEN}, metrics=False)
-    common = {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
-              "Sim__TokensPerSecond": "20"}
-    a = procs.node("gpu-a", common)
+def one_slow_node(procs, hub_env: dict, tokens_per_second: str):
+    """A hub and one announced sim node at a slow token rate, sim-small loaded and ready."""
+    hub = procs.hub({"Auth__NodeToken": TOKEN, **hub_env}, metrics=False)
+    a = procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+                             "Sim__TokensPerSecond": tokens_per_second})
     wait_until(lambda: node_status(hub, "gpu-a") == "up", what="node up")
     httpx.post(a.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
     wait_until(lambda: status(hub)["models"] and status(hub)["models"][0]["nodes"], what="ready")
+    return hub, a
+
+
+def test_node_dies_mid_stream_ends_with_error_event(procs, tmp_path):
+    hub, a = one_slow_node(procs, {}, "20")
     got = []
     with httpx.stream("POST", hub.url + "/v1/chat/completions", timeout=20,
                       json={"model": "sim-small", "stream": True, "max_tokens": 400,
@@ -228,12 +233,7 @@ def test_up_serves_a_chat_with_the_simulator_and_says_so(procs):
 
 
 def test_sigterm_lets_in_flight_work_finish_then_exits_0(procs):
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Hub__DrainSeconds": "20"}, metrics=False)
-    a = procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
-                             "Sim__TokensPerSecond": "40"})
-    wait_until(lambda: node_status(hub, "gpu-a") == "up", what="node up")
-    httpx.post(a.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
-    wait_until(lambda: status(hub)["models"] and status(hub)["models"][0]["nodes"], what="ready")
+    hub, _ = one_slow_node(procs, {"Hub__DrainSeconds": "20"}, "40")
     events = []
     with httpx.stream("POST", hub.url + "/v1/chat/completions", timeout=30,
                       json={"model": "sim-small", "stream": True, "max_tokens": 60,
