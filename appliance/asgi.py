@@ -138,7 +138,7 @@ async def serve(
             cfg.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
 
     async def _serve(*, task_status=trio.TASK_STATUS_IGNORED):
-        await hyper_serve(app, cfg, shutdown_trigger=shutdown_trigger, task_status=task_status)
+        await hyper_serve(http_only(app), cfg, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(_serve)
@@ -157,3 +157,16 @@ async def handle_lifespan(receive: Receive, send: Send) -> None:
         elif msg["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+def http_only(app: Callable) -> Callable:
+    """Our apps see only `http` scopes: lifespan is answered here (setup happens in the
+    nursery), anything else (websocket) is ignored."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await app(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await handle_lifespan(receive, send)
+
+    return wrapped

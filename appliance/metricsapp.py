@@ -13,7 +13,7 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from appliance.asgi import handle_lifespan, send_text
+from appliance.asgi import send_text
 
 
 def render(registry: CollectorRegistry, before_scrape: list[Callable[[], None]] = ()) -> bytes:
@@ -26,11 +26,6 @@ def metrics_app(registry: CollectorRegistry, before_scrape: list[Callable[[], No
     hooks = before_scrape if before_scrape is not None else []
 
     async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            await handle_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
         if scope["path"] != "/metrics":
             await send_text(send, 404, "not found; the scrape is at /metrics\n")
             return

@@ -43,7 +43,7 @@ import msgspec
 import trio
 
 from appliance import __version__
-from appliance.asgi import BodyTooLarge, handle_lifespan, read_body, serve, wait_disconnect
+from appliance.asgi import BodyTooLarge, read_body, serve, wait_disconnect
 from appliance.config import MiB, ConfigError, SimConfig
 from appliance.config import load as load_config
 from appliance.hub.errors import error_body
@@ -92,11 +92,6 @@ class SimApp:
         self._paths = {p for _, p in self.routes}
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            await handle_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
         path = scope["path"]
         api = "openai" if path.startswith("/v1/") else "ollama"
         handler = self.routes.get((scope["method"], path))

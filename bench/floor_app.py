@@ -4,13 +4,10 @@ so the hub's own share (routing, proxying, audit, metrics) can be read off in on
 
 import trio
 
-from appliance.asgi import handle_lifespan, read_body, serve
+from appliance.asgi import read_body, serve
 
 
 async def app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        await handle_lifespan(receive, send)
-        return
     await read_body(receive, 1 << 20)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})

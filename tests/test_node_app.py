@@ -13,7 +13,7 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from appliance.asgi import handle_lifespan, read_body, serve, wait_disconnect
+from appliance.asgi import read_body, serve, wait_disconnect
 from appliance.config import load
 from appliance.node.app import NodeApp
 from appliance.node.engines.base import Engine, EngineError
@@ -38,9 +38,6 @@ class Upstream:
         self.gone = 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            await handle_lifespan(receive, send)
-            return
         body = await read_body(receive, 1 << 20)
         self.seen.append((scope["path"], body, dict((k.decode(), v.decode()) for k, v in scope["headers"])))
         self.arrived.set()

@@ -9,7 +9,7 @@ from functools import partial
 import httpx
 import trio
 
-from appliance.asgi import handle_lifespan, read_body, serve, wait_disconnect
+from appliance.asgi import read_body, serve, wait_disconnect
 from appliance.config import load
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.router import allowed, authenticate, decode_request
@@ -29,9 +29,6 @@ class FakeNode:
         self.connections: set = set()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            await handle_lifespan(receive, send)
-            return
         body = await read_body(receive, 1 << 20)
         self.requests.append({"path": scope["path"], "body": body, "headers": dict(scope["headers"])})
         self.connections.add(scope["client"])

@@ -17,7 +17,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
-from appliance.asgi import BodyTooLarge, bearer, handle_lifespan, read_body, send_json, send_text
+from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
 from appliance.hub import status
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.router import allowed, authenticate, handle_inference
@@ -52,11 +52,6 @@ async def _error(send, path: str, status: int, code: str, message: str, headers=
 
 def make_app(hub):
     async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            await handle_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
         path = scope["path"]
         method = scope["method"]
         api = INFERENCE.get(path)

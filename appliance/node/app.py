@@ -33,7 +33,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
-from appliance.asgi import (BodyTooLarge, Receive, Scope, Send, bearer, handle_lifespan, read_body,
+from appliance.asgi import (BodyTooLarge, Receive, Scope, Send, bearer, read_body,
                             send_json, send_text, wait_disconnect)
 from appliance.config import Config
 from appliance.hub.errors import error_body
@@ -90,11 +90,6 @@ class NodeApp:
         await self.pool.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await handle_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
         path, method = scope["path"], scope["method"]
         if path == "/health":
             await send_json(send, 200, {"status": "ok", "name": self.keeper.name})
