@@ -96,12 +96,29 @@ async def handle(hub, scope, receive, send) -> None:
             return await send_json(send, 404, {"error": f"model {model!r} not found"})
         _event(hub, "retry", model=model, was_parked=parked)
         return await send_json(send, 200, {"model": model, "retried": True, "was_parked": parked})
+    if len(rest) == 2 and rest[0] == "nodes":
+        if method != "DELETE":
+            return await send_json(send, 405, {"error": f"{method} not allowed; use DELETE to forget the node"})
+        return await _forget(hub, rest[1], send)
     if len(rest) == 3 and rest[0] == "nodes" and rest[2] in NODE_ACTIONS:
         if method != "POST":
             return await send_json(send, 405, {"error": f"{method} not allowed; use POST"})
         return await _node_action(hub, rest[1], rest[2], send)
     await send_json(send, 404, {"error": "no such admin path; see GET /admin/status, /admin/models, /admin/nodes,"
-                                         " POST /admin/models/MODEL/retry, /admin/nodes/NODE/{cordon,uncordon,pause,resume}"})
+                                         " POST /admin/models/MODEL/retry, /admin/nodes/NODE/{cordon,uncordon,pause,resume},"
+                                         " DELETE /admin/nodes/NODE"})
+
+
+async def _forget(hub, name: str, send) -> None:
+    """Drop a node now (`ctl forget`): an announced one comes back only by announcing again,
+    a static one at the next reload or start."""
+    h = hub.registry.nodes.get(name)
+    if h is None or h.removed:
+        return await send_json(send, 404, {"error": f"node {name[:200]!r} not found"})
+    hub.registry.forget(h)
+    log.warning("node %s at %s forgotten by an operator", name, h.url)
+    _event(hub, "forget", node=name, url=h.url, static=h.static)
+    await send_json(send, 200, {"node": name, "action": "forget", "status": "forgotten"})
 
 
 async def _node_action(hub, name: str, action: str, send) -> None:

@@ -72,17 +72,17 @@ class NodeOps:
         """None when ready; else the engine's own words. Raises httpx.TransportError."""
         resp = await self.client.post(
             f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load", content=_enc.encode(req),
-            headers={"content-type": "application/json"}, timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
+            headers={"content-type": "application/json", **h.auth}, timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
         return None if resp.status_code == 200 else _error_of(resp)
 
     async def unload(self, h, model: str) -> str | None:
         resp = await self.client.post(f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
-                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
+                                      headers=h.auth, timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
         return None if resp.status_code == 200 else _error_of(resp)
 
     async def control(self, h, action: str) -> tuple[int, str]:
         """`pause`/`resume`/`leave`/`join`: (status, error text or "")."""
-        resp = await self.client.post(f"{h.url}/node/v1/{action}", timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
+        resp = await self.client.post(f"{h.url}/node/v1/{action}", headers=h.auth, timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
         return resp.status_code, "" if resp.status_code == 200 else _error_of(resp)
 
 

@@ -221,6 +221,8 @@ async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: byte
 async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first byte."""
     try:
+        if node.token:  # a per-node token replaces the shared one (Pool drops its default)
+            headers = [*headers, (b"authorization", f"Bearer {node.token}".encode())]
         resp = await hub.upstream.request("POST", node.url + path, headers, body, hub.cfg.hub.upstream_read_seconds)
     except UpstreamError as e:
         return False, str(e)

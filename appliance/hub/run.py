@@ -56,7 +56,8 @@ class Hub:
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
 
     def add_node(self, name: str, url: str, static: bool) -> None:
-        h, new = self.registry.upsert(name, url, static)
+        per_node = {c.name: c.token for c in self.cfg.auth.nodes}
+        h, new = self.registry.upsert(name, url, static, per_node.get(name, ""))
         if new:
             self.audit.event("node_added", node=name, url=url, static=static)
             self.nursery.start_soon(partial(
@@ -64,6 +65,7 @@ class Hub:
                 heartbeat=self.cfg.node.heartbeat_seconds,
                 backoff_max=self.cfg.hub.reconnect_max_seconds,
                 on_event=self._node_event,
+                forget_after=self.cfg.hub.forget_node_seconds,
             ))
 
     def _node_event(self, kind: str, h, reason: str) -> None:
@@ -105,6 +107,9 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
 async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
         hub = Hub(cfg, client, nursery)
+        if not cfg.auth.node_token and not cfg.auth.nodes:
+            log.warning("Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
+                        "only); set Auth__NodeToken on the hub and its nodes to let nodes announce themselves")
         await nursery.start(hub.control.run)
         api_done = trio.Event()
 

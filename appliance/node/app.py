@@ -80,7 +80,8 @@ class NodeApp:
         # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
         self.pool = Pool()
         self.metrics = metrics
-        self.token = cfg.auth.node_token.encode()
+        # Auth__Nodes__N__Token for this node's name, else the shared Auth__NodeToken.
+        self.token = cfg.auth.node_token_for(cfg.node_name()).encode()
         if not self.token:
             log.warning("Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach them")
 

@@ -150,7 +150,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
                                         "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1))
         url = advertise_url(cfg, host, port)
         if cfg.hub.url:
-            await nursery.start(announce_loop, hclient, cfg.hub.url, cfg.auth.node_token,
+            await nursery.start(announce_loop, hclient, cfg.hub.url, cfg.auth.node_token_for(name),
                                 Announce(name=name, url=url), cfg.node.announce_seconds)
         if reloads is not None:
             nursery.start_soon(apply_reloads, keeper, engine, reloads)
