@@ -26,17 +26,17 @@ import hmac
 import ipaddress
 from urllib.parse import urlsplit
 
+from appliance.bounds import ECHO_CHARS, echo
 from appliance.config import NODE_NAME_RULE, AuthConfig, valid_node_name
 from appliance.hub.errors import RouteError
 
-# Echoed names and URLs are cut to this many characters (a 60 KB name is not echoed whole).
-ECHO_CHARS = 200
 # Retry-After for a full fleet: a ghost is forgotten within Hub__ForgetNodeSeconds anyway.
 FULL_RETRY_AFTER = 60.0
 
 
 def cut(text: str, n: int = ECHO_CHARS) -> str:
-    return text if len(text) <= n else text[:n] + "..."
+    """Names and URLs echoed in refusals are cut (a 60 KB name is not echoed whole)."""
+    return echo(text, n)
 
 
 def authorize(auth: AuthConfig, token: str, name: str) -> bool:

@@ -22,6 +22,7 @@ import trio
 
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
 from appliance.config import ClientConfig
+from appliance.bounds import OTHER_LABEL, echo
 from appliance.hub.errors import RouteError, error_body
 from appliance.upstream import UpstreamError
 
@@ -72,13 +73,16 @@ def decode_request(body: bytes) -> _Req:
 class Outcome:
     """What the audit line and the metrics say about one request."""
 
-    __slots__ = ("t0", "client", "cls", "model", "path", "status", "node", "ttfb", "error", "done", "tried")
+    __slots__ = ("t0", "client", "cls", "model", "label", "path", "status", "node", "ttfb", "error", "done", "tried")
 
     def __init__(self, path: str) -> None:
         self.t0 = time.perf_counter()
         self.client = "anonymous"
         self.cls = "normal"
         self.model = ""
+        # The model's metrics label: the name once the hub knows the model, else OTHER_LABEL
+        # -- a client-chosen name never becomes a series (2,000 unknown names, one series).
+        self.label = ""
         self.path = path
         self.status = 0
         self.node = ""
@@ -104,11 +108,11 @@ def record(hub, out: Outcome) -> None:
         fields["priority"] = out.cls
     hub.audit.request(**fields)
     m = hub.metrics
-    m.requests.labels(out.client, out.model, str(out.status)).inc()
-    if out.model:
-        m.latency.labels(out.model).observe(elapsed)
+    m.requests.labels(out.client, out.label, str(out.status)).inc()
+    if out.label:
+        m.latency.labels(out.label).observe(elapsed)
         if out.ttfb is not None:
-            m.ttfb.labels(out.model).observe(out.ttfb)
+            m.ttfb.labels(out.label).observe(out.ttfb)
 
 
 async def send_error(hub, send, api: str, out: Outcome, e: RouteError) -> None:
@@ -131,10 +135,12 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         except BodyTooLarge:
             raise RouteError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
         req = decode_request(body)
-        out.model = req.model
+        out.model = echo(req.model)
+        out.label = OTHER_LABEL
         out.cls = hub.admission.effective_class(client.priority, scope["headers"])
         if not allowed(client, req.model) or not hub.control.known(req.model):
-            raise RouteError(404, "model_not_found", f"model {req.model!r} not found")
+            raise RouteError(404, "model_not_found", f"model {echo(req.model)!r} not found")
+        out.label = req.model
     except RouteError as e:
         await send_error(hub, send, api, out, e)
         return

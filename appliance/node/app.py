@@ -33,6 +33,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.bounds import OTHER_LABEL, echo
 from appliance.asgi import (BodyTooLarge, Receive, Scope, Send, bearer, read_body,
                             send_json, send_text, wait_disconnect)
 from appliance.config import Config
@@ -314,8 +315,8 @@ class NodeApp:
                                   [(b"retry-after", b"1")])
                 self._count(model, "503")
             else:
-                await self._error(send, api, 404, "model_not_found", f"model {model} not found on node {self.keeper.name}")
-                self._count(model, "404")
+                await self._error(send, api, 404, "model_not_found", f"model {echo(model)} not found on node {self.keeper.name}")
+                self._count(OTHER_LABEL, "404")  # a client-chosen name never becomes a label
             return
         refused = self.keeper.try_start(model)
         if refused is not None:
