@@ -32,9 +32,16 @@ class AuditLog:
             return sys.stdout.buffer
         if self._fh is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._fh = open(self.path, "ab")
-            self._size = self._fh.tell()
+            # Created 0600: lines name clients, models and nodes (the service's own group
+            # may read it when the umask or a later chmod says so; never the world).
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._fh = os.fdopen(fd, "ab")
+            self._size = self._fh.seek(0, os.SEEK_END)
         return self._fh
+
+    def open(self) -> None:
+        """Open the file now (at start), so an unwritable path fails before anything listens."""
+        self._open()
 
     def _rotate(self) -> None:
         self._fh.close()

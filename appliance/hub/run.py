@@ -23,7 +23,8 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
-from appliance.asgi import serve
+from appliance.asgi import StartupError, same_port, serve
+from appliance.listener import Limits
 from appliance.config import Config
 from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
@@ -79,6 +80,11 @@ class Hub:
             self.add_node(n.name, n.url, static=True)
 
 
+def hub_limits(cfg: Config) -> Limits:
+    h = cfg.hub
+    return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections, h.max_buffered_bytes)
+
+
 def _auth_headers(cfg: Config) -> dict[str, str]:
     return {"authorization": f"Bearer {cfg.auth.node_token}"} if cfg.auth.node_token else {}
 
@@ -107,6 +113,12 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
 async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
         hub = Hub(cfg, client, nursery)
+        try:
+            hub.audit.open()
+        except OSError as e:
+            raise StartupError(f"Audit__Path={cfg.audit.path!r}: cannot write the audit file: {e.strerror or e}") from None
+        metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
+        same_port(metrics_listen, cfg.hub.listen, "Hub__Listen")
         if not cfg.auth.node_token and not cfg.auth.nodes:
             log.warning("Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
                         "only); set Auth__NodeToken on the hub and its nodes to let nodes announce themselves")
@@ -115,19 +127,19 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
-                await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
+                await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait, limits=hub_limits(cfg),
                             drain_seconds=cfg.hub.drain_seconds, certfile=cfg.hub.tls_cert,
                             keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca, task_status=task_status)
             finally:
                 api_done.set()
 
         addr = await nursery.start(api_server)
-        metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
         if metrics_listen:
             from appliance.metricsapp import metrics_app
 
             await nursery.start(partial(serve, metrics_app(hub.metrics_registry, hub.before_scrape),
-                                        metrics_listen, "metrics", shutdown_trigger=stop.wait, drain_seconds=1))
+                                        metrics_listen, "metrics", shutdown_trigger=stop.wait, drain_seconds=1,
+                                        limits=hub_limits(cfg)))
         for n in cfg.nodes:
             hub.add_node(n.name, n.url, static=True)
         task_status.started((hub, addr))
