@@ -138,6 +138,8 @@ async def _announce(hub, scope, receive, send) -> None:
             raise RouteError(413, "body_too_large", "announcement too large") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise RouteError(400, "invalid_request", f"bad announcement: {announce.cut(str(e))}") from None
+        except RecursionError:
+            raise RouteError(400, "invalid_request", "bad announcement: nested too deeply") from None
         proven = announce.authorize(hub.cfg.auth, bearer(scope) or "", ann.name)
         host, _port = announce.check_shape(ann.name, ann.url)
         existing = hub.registry.nodes.get(ann.name)

@@ -68,6 +68,8 @@ def decode_request(body: bytes) -> _Req:
         raise RouteError(400, "invalid_request", f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise RouteError(400, "invalid_json", f"body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec recurses per nesting level: 100k `[` is a RecursionError
+        raise RouteError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
 
 
 class Outcome:

@@ -152,8 +152,8 @@ class NodeApp:
         except BodyTooLarge:
             await self._error(send, "node", 413, "body_too_large", f"body over {CONTROL_BODY_LIMIT} bytes")
             return
-        except msgspec.DecodeError as e:
-            await self._error(send, "node", 400, "invalid_json", f"body is not a LoadRequest: {e}")
+        except (msgspec.DecodeError, RecursionError) as e:
+            await self._error(send, "node", 400, "invalid_json", f"body is not a LoadRequest: {e or 'nested too deeply'}")
             return
         if action == "load":
             await self._load(send, model, req)
@@ -305,7 +305,7 @@ class NodeApp:
         except msgspec.ValidationError:
             await self._error(send, api, 400, "invalid_request", "body must be a JSON object with a string `model`")
             return
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             await self._error(send, api, 400, "invalid_json", "body is not JSON")
             return
         upstream = self.engine.upstream(model)
