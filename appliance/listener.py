@@ -9,6 +9,8 @@ loop (`serve_guarded`, which replaces `hypercorn.trio.serve`) and wraps each
 connection and each request, so the hub API, the node API and both metrics listeners
 get the same rules:
 
+- A connection the client closed is let go at once (hypercorn holds it until its
+  keep-alive timer fires: `_TCPServer`).
 - At most `max_connections` connections are open: the accept loop takes the next one
   only when one closed (the rest wait in the kernel's backlog and cost us no fd).
 - A request head must be complete within `header_read_seconds` of the connection's
@@ -49,6 +51,8 @@ GUARD_KEY = "appliance.guard"
 BUSY_RETRY_AFTER = 2
 # errnos of accept() that mean "out of fds/memory now", as trio's serve_listeners lists them.
 _ACCEPT_CAPACITY = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+# A request refused for its framing has at most this much of its body read first.
+FRAMING_DRAIN_BYTES = 64 * 1024
 # A 408 to a client that does not read is not worth more than this.
 _WRITE_408_SECONDS = 1.0
 
@@ -102,7 +106,7 @@ def error_json(path: str, status: int, code: str, message: str) -> bytes:
 
 
 def _raw_408() -> bytes:
-    body = error_json("", 408, "request_timeout", "request head not received in time")
+    body = error_json("/v1/", 408, "request_timeout", "request head not received in time")
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
 
@@ -171,6 +175,26 @@ class _GuardedStream:
         return data
 
 
+class _TCPServer(TCPServer):
+    """hypercorn's connection, less one leak: when the client closes, hypercorn's keep-alive
+    timer (75 s) still runs and holds the task group -- and the fd, and with it one of
+    `max_connections` -- until it fires. Here the timer stops when reading ends; requests
+    still running finish as before (they see the disconnect)."""
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            await self.idle_task.stop()
+
+    async def _close(self) -> None:
+        # hypercorn sends data under `send_lock` but its EOF without it: a close from the
+        # read side (h11 refusing a pipelined request after our `connection: close`) then
+        # cut into an answer being written (trio.BusyResourceError) and the answer was lost.
+        async with self.send_lock:
+            await super()._close()
+
+
 # --- per request ---------------------------------------------------------------------------
 
 
@@ -217,12 +241,22 @@ def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
                 return
             body = error_json(scope["path"], status, code, message)
             await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), (b"connection", b"close"), *extra]})
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close"), *extra]})
             await send({"type": "http.response.body", "body": body})
 
         try:
             why = framing_error(scope["headers"])
             if why is not None:
+                # Take what h11 framed as this body first (bounded), so the read side is
+                # parked on whatever follows when the refusal goes out and the close comes.
+                seen = 0
+                while seen < FRAMING_DRAIN_BYTES:
+                    msg = await receive_guarded()
+                    seen += len(msg.get("body", b""))
+                    if msg["type"] != "http.request" or not msg.get("more_body"):
+                        break
+                await trio.sleep(0)
                 await refuse(400, "invalid_request", f"ambiguous request framing: {why}")
                 return
             await app(scope, receive_guarded, send_tracked)
@@ -270,7 +304,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         try:
             async with stream:  # closed whatever TCPServer did (a failed handshake returns early)
                 guard = _Guard(limits.header_read_seconds)
-                await TCPServer(wrapped, cfg, context, {GUARD_KEY: guard}, _GuardedStream(stream, guard))
+                await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard}, _GuardedStream(stream, guard))
         finally:
             slots.release()
 

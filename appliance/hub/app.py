@@ -128,7 +128,6 @@ async def _get(hub, scope, send, path: str) -> None:
 
 
 async def _announce(hub, scope, receive, send) -> None:
-    path = scope["path"]
     source = (scope.get("client") or ("unknown", 0))[0]
     try:
         try:
@@ -151,7 +150,8 @@ async def _announce(hub, scope, receive, send) -> None:
             name = announce.cut(ann.name, 63) if "ann" in locals() else ""
             log.warning("announcement refused from %s (name %r): %s", source, name, e.message)
             hub.audit.event("node_refused", node=name, source=source, code=e.code, reason=e.message)
-        await _error(send, path, e.status, e.code, e.message, e.headers())
+        # The OpenAI shape, so the code (node_name_taken ...) is in the body for the node's log.
+        await _error(send, "/v1/", e.status, e.code, e.message, e.headers())
         return
     hub.add_node(ann.name, ann.url, static=False)
     await send_json(send, 200, {"ok": True, "name": ann.name})

@@ -111,7 +111,7 @@ def record(hub, out: Outcome) -> None:
     hub.audit.request(**fields)
     m = hub.metrics
     m.requests.labels(out.client, out.label, str(out.status)).inc()
-    if out.label:
+    if out.label and out.label != OTHER_LABEL:  # no histogram for names nobody serves
         m.latency.labels(out.label).observe(elapsed)
         if out.ttfb is not None:
             m.ttfb.labels(out.label).observe(out.ttfb)
