@@ -208,8 +208,6 @@ class Registry:
         """Lost (or still not reached). Logged when it happens and when the reason changes
         -- a node that never answers is said once, not once per reconnect attempt."""
         was, before = h.connected, h.lost_reason
-        if was or h.lost_since is None:
-            h.lost_since = trio.current_time()
         h.connected = False
         h.lost_reason = reason
         if was:
@@ -287,6 +285,8 @@ async def _supervise(client, h: NodeHandle, registry: Registry, heartbeat: float
         if h.connected:
             on_event("node_lost", h, reason)
             backoff = BACKOFF_START
+        if h.connected or h.lost_since is None:
+            h.lost_since = trio.current_time()
         registry.mark_lost(h, reason)
         if (forget_after is not None and not h.static and h.lost_since is not None
                 and trio.current_time() - h.lost_since >= forget_after):
