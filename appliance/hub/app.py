@@ -34,6 +34,8 @@ INFERENCE = {
     "/api/generate": "ollama",
     "/api/embed": "ollama",
     "/api/embeddings": "ollama",
+    "/v1/messages": "anthropic",
+    "/v1/responses": "openai",
 }
 GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps", "/api/version"}
 # Announcements are tiny; anything bigger is not a node.
@@ -41,6 +43,8 @@ ANNOUNCE_MAX_BYTES = 64 * 1024
 
 
 def _api(path: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
     return "openai" if path.startswith("/v1/") else "ollama"
 
 

@@ -208,6 +208,7 @@ class ChatConverter:
             base["message"] = msg
         else:
             base["response"] = text
+        base["done"] = False
         return base
 
     def _final(self, line: dict) -> dict:
