@@ -59,6 +59,8 @@ class HubConfig(_Section):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # Browser origins allowed to call the API (like OLLAMA_ORIGINS): comma-separated, `*` any.
+    cors_origins: str = ""
 
 
 class MetricsConfig(_Section):

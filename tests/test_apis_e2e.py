@@ -35,7 +35,8 @@ class Fleet:
     def __init__(self, procs: Procs, audit: str) -> None:
         self.procs = procs
         self.audit = audit
-        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": audit, "Router__ActivationWaitSeconds": "20"},
+        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": audit, "Router__ActivationWaitSeconds": "20",
+                              "Hub__CorsOrigins": "http://app.example, http://other.example"},
                              metrics=False)
         common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}
         procs.node("sim-n", {**common, "Sim__Models__0__Name": "s-chat", "Sim__Models__1__Name": "s-embed:latest"})
@@ -208,3 +209,50 @@ def test_request_id_is_taken_or_made_returned_and_audited(fleet):
         lines = [json.loads(x) for x in open(fleet.audit).read().splitlines()]
         return {x.get("request_id") for x in lines if x["kind"] == "request"}
     wait_until(lambda: {"trace-42", rid} <= audited(), what="request ids in the audit")
+
+
+def test_liveness_version_one_model_show_and_unsupported_routes(fleet):
+    url = fleet.hub.url
+    r = httpx.get(url + "/", timeout=10)
+    assert r.status_code == 200 and r.text == "Ollama is running"
+    assert httpx.head(url + "/", timeout=10).status_code == 200
+    browser = httpx.get(url + "/", headers={"accept": "text/html,application/xhtml+xml"}, timeout=10)
+    assert browser.status_code == 302 and browser.headers["location"] == "/ui/"
+    v = httpx.get(url + "/api/version", timeout=10).json()
+    assert v["version"].count(".") == 2 and v["appliance_version"]
+
+    oc = openai.OpenAI(base_url=url + "/v1", api_key="anyone", max_retries=0, timeout=30)
+    assert oc.models.retrieve("o-chat").id == "o-chat"
+    assert oc.models.retrieve("s-embed").id == "s-embed:latest"
+    with pytest.raises(openai.NotFoundError):
+        oc.models.retrieve("nope")
+
+    ol = ollama.Client(host=url, timeout=30)
+    native = ol.show("s-chat")  # the sim node answers it as Ollama would
+    assert native.details.family == "sim" and native.modelinfo["sim.context_length"] > 0
+    synth = ol.show("o-chat")  # an openai engine: what the hub knows
+    assert synth.modelinfo["general.architecture"] == "openai" and "completion" in synth.capabilities
+    with pytest.raises(ollama.ResponseError) as ei:
+        ol.show("nope")
+    assert ei.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as ei:
+        ol.copy("o-chat", "o-copy")
+    assert ei.value.status_code == 501 and "engine" in ei.value.error
+
+
+def test_cors_preflight_and_headers_for_allowed_origins_only(fleet):
+    url = fleet.hub.url
+    pre = httpx.options(url + "/v1/chat/completions", timeout=10, headers={
+        "origin": "http://app.example", "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type"})
+    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://app.example"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"]
+    r = httpx.post(url + "/api/chat", timeout=30, headers={"origin": "http://other.example"},
+                   json={"model": "o-chat", "messages": USER, "stream": False})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://other.example"
+    foreign = httpx.get(url + "/api/tags", headers={"origin": "http://evil.example"}, timeout=10)
+    assert foreign.status_code == 200 and "access-control-allow-origin" not in foreign.headers
+    denied = httpx.options(url + "/api/chat", timeout=10, headers={
+        "origin": "http://evil.example", "access-control-request-method": "POST"})
+    assert denied.status_code == 403 and "access-control-allow-origin" not in denied.headers
