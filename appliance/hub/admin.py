@@ -75,7 +75,7 @@ def _segments(scope) -> list[str]:
 
 def _event(hub, action: str, **fields) -> None:
     if hub.audit is not None:
-        hub.audit.event("admin", action=action, **fields)
+        hub.audit.event("admin", actor="admin", action=action, **fields)
 
 
 async def handle(hub, scope, receive, send) -> None:

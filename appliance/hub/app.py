@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
 from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
-from appliance.hub import apiroutes, status
+from appliance.hub import apiroutes, status, ui
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.router import allowed, authenticate, handle_inference
 from appliance.metricsapp import render
@@ -86,6 +86,8 @@ def make_app(hub):
             from appliance.hub import admin
 
             await admin.handle(hub, scope, receive, send)
+            return
+        if await ui.handle(hub, scope, send, lambda: _admin_ok(hub, scope)):
             return
         await _error(send, path, 404, "not_found", f"no route {method} {path}")
 
