@@ -41,6 +41,7 @@ CATALOG = {
     "Models__1__Name": "kev-0.5b", "Models__1__Replicas": "1",
     "Models__2__Name": "phi-4", "Models__2__MemoryMb": "12000", "Models__2__Replicas": "1",
     "Models__RetryBackoffMaxSeconds": "2", "Models__ParkAfterFailures": "5",
+    "Priority__Enabled": "true",
 }
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -117,6 +118,7 @@ def test_feeds_need_the_admin_key_and_carry_no_secrets(fleet):
     assert len(recent) == 3
     assert recent[0]["model"] == "no-such" and recent[0]["status"] == 404  # newest first
     assert [r["model"] for r in recent[1:]] == ["sim-fit", "sim-fit"] and all(r["status"] == 200 for r in recent[1:])
+    assert recent[1]["priority"] == "normal" and recent[1]["client"] == "anonymous"
     assert recent[1]["node"] in ("gpu-a", "gpu-b") and recent[1]["ttfb_ms"] > 0 and recent[1]["ms"] >= recent[1]["ttfb_ms"]
     text = json.dumps(fleet.admin.get("/api/requests/recent", params={"limit": 10_000}).json())
     assert "sk-client-secret" not in text and "hush" not in text and "authorization" not in text.lower()
@@ -204,6 +206,10 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     # The requests above, in the last-requests table and the requests-per-second chart.
     _wait(d, lambda d: "sim-fit" in _text(d, "#recent tbody") and "404" in _text(d, "#recent tbody"), "recent rows")
     _wait(d, lambda d: "200" in _text(d, "#charts"), "the requests chart's legend")
+    # Priority is on: the classes and the reserve.
+    assert "Reserve: 1 place" in d.find_element(By.ID, "priority").text
+    normal = _text(d, "#priority-table tr[data-class=normal]").split()
+    assert normal[0] == "normal" and int(normal[-1]) >= 2, normal  # requests: at least the two 200s
 
     shot = tmp_path / "ui.png"
     assert d.save_screenshot(str(shot))
