@@ -212,6 +212,9 @@ def test_binary_carries_every_role_and_no_test_tooling(binary):
               if p.stem != "__init__"}
     assert roles - names == set()
     assert {n for n in names if n.split(".")[0] in ("pytest", "_pytest", "hypothesis", "openai", "ollama")} == set()
+    # The hub's page (/ui/) rides along as data files beside its package.
+    for f in ("index.html", "app.js", "style.css"):
+        assert f"appliance/hub/ui/static/{f}" in listing, f
 
 
 def test_units_verify_with_the_built_binary(binary, tmp_path):
