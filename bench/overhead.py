@@ -1,6 +1,6 @@
 """What the hub and the node add: the same requests direct, through a node, through hub + node.
 
-Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N]
+Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N] [--ui-polling]
 
 Starts three real processes on loopback -- `appliance sim` (no artificial delay), an
 `appliance node` fronting it (Engine__Kind=ollama at the sim's URL) and an `appliance hub`
@@ -8,7 +8,9 @@ knowing that node -- then sends, side by side in one run, a short non-streaming 
 streamed chat of 200 chunks to each of the three targets at concurrency 1 and 32. Prints
 p50/p99 latency, requests per second, the ratios to direct, and the CPU seconds each
 process spent per request and per streamed chunk, read from /proc (utime + stime), and
-the hub's RSS at idle.
+the hub's RSS at idle. With `--ui-polling`, a thread polls the hub the way its page
+(/ui/) does for the whole run -- the status, the nodes and the last requests every 2 s,
+the history every 6 s -- so the figures include an operator's open page.
 
 The translated rows: a second sim behind an `Engine__Kind=openai` node, so the hub
 translates. Through the hub at concurrency 1: OpenAI chat passed through (the base),
@@ -24,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -81,6 +84,21 @@ async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tup
     return lat, wall, chunks
 
 
+# What the page's app.js fetches each poll (every 2 s) and, every third poll, its charts.
+PAGE_POLLS = ("/api/status", "/admin/nodes", "/api/requests/recent?limit=50")
+PAGE_POLL_SECONDS = 2.0
+
+
+def poll_like_the_page(url: str, stop: threading.Event, counts: list[int]) -> None:
+    with httpx.Client(base_url=url, timeout=10) as c:
+        n = 0
+        while not stop.wait(PAGE_POLL_SECONDS):
+            for path in PAGE_POLLS + (("/api/status/history",) if n % 3 == 0 else ()):
+                assert c.get(path).status_code == 200, path
+                counts[0] += 1
+            n += 1
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p * len(xs)))]
@@ -90,8 +108,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400, help="non-streaming requests per target and concurrency")
     ap.add_argument("--stream-requests", type=int, default=64, help="streamed requests per target and concurrency")
+    ap.add_argument("--ui-polling", action="store_true", help="poll the hub as its /ui/ page does, all run long")
     args = ap.parse_args()
     procs = Procs()
+    stop_polling = threading.Event()
+    polls = [0]
     try:
         sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0", "Sim__Parallel": "64"})
         node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
@@ -112,6 +133,8 @@ def main() -> None:
                 break
             time.sleep(0.2)
         assert r.status_code == 200, r.text
+        if args.ui_polling:
+            threading.Thread(target=poll_like_the_page, args=(hub.url, stop_polling, polls), daemon=True).start()
         time.sleep(1.0)
         idle_rss = {"hub": rss_mb(hub.pid), "node": rss_mb(node.pid), "engine": rss_mb(sim.pid)}
         pids = {"hub": hub.pid, "node": node.pid, "engine": sim.pid}
@@ -151,6 +174,8 @@ def main() -> None:
         translated = translated_rows(hub.url, hub.pid, args)
         print(f"\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: {floor_cpu * 1e3:.3f} ms CPU per request,"
               f" p50 {statistics.median(lat) * 1e3:.2f} ms")
+        if args.ui_polling:
+            print(f"page polling on: {polls[0]} page requests to the hub during the run")
         print(f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
         print(f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
               f"{'p50 x':>7}{'rps x':>7}{'hub ms/req':>11}{'node ms/req':>12}{'eng ms/req':>11}{'hub us/chunk':>13}{'node us/chunk':>14}")
@@ -164,6 +189,7 @@ def main() -> None:
             print(f"{kind:<10} {label:<24}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{dp50 * 1e3:>9.2f}{hcpu * 1e3:>11.3f}"
                   f"{(hch * 1e6 if hch is not None else 0):>13.1f}")
     finally:
+        stop_polling.set()
         procs.close()
 
 

@@ -43,6 +43,7 @@ DRAIN_SECONDS = 3
 def source_hash() -> str:
     h = hashlib.sha256()
     files = sorted(p for p in (ROOT / "appliance").rglob("*.py") if p.name != "_build.py")
+    files += sorted((ROOT / "appliance" / "hub" / "ui" / "static").iterdir())  # the page's data files
     files += [ROOT / "pyproject.toml", ROOT / "packaging" / "appliance.spec", ROOT / "packaging" / "build.sh"]
     for p in files:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
