@@ -214,7 +214,8 @@ def test_request_id_is_taken_or_made_returned_and_audited(fleet):
 def test_liveness_version_one_model_show_and_unsupported_routes(fleet):
     url = fleet.hub.url
     r = httpx.get(url + "/", timeout=10)
-    assert r.status_code == 200 and r.text == "Ollama is running"
+    assert r.status_code == 200 and r.text == "Ollama is running" and len(r.headers["x-request-id"]) == 32
+    assert httpx.get(url + "/api/tags", headers={"x-request-id": "t-1"}, timeout=10).headers["x-request-id"] == "t-1"
     assert httpx.head(url + "/", timeout=10).status_code == 200
     browser = httpx.get(url + "/", headers={"accept": "text/html,application/xhtml+xml"}, timeout=10)
     assert browser.status_code == 302 and browser.headers["location"] == "/ui/"

@@ -14,8 +14,9 @@ routing; what it says about models comes from the registry and the control plane
   length where known, capabilities).
 - `/api/copy`, `/api/create`, `/api/push`, `/api/blobs/*`, `/api/pull`, `/api/delete`: 501 in
   Ollama's shape, saying what to do instead.
-- CORS (`Hub__CorsOrigins`, comma-separated, `*` for any): `cors_headers` for the app's
-  answers and the preflight (`OPTIONS`) answer.
+- CORS (`Hub__CorsOrigins`, comma-separated, `*` for any): `with_cors` adds the headers
+  to the app's answers and answers preflights (`OPTIONS`); `with_request_id` makes sure
+  every answer carries `x-request-id`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from appliance import __version__
 from appliance.asgi import BodyTooLarge, bearer, header, read_body, send_json, send_text
 from appliance.hub import status
 from appliance.hub.errors import RouteError, error_body
+from appliance.hub.requestid import request_id
 from appliance.hub.router import allowed, authenticate
 from appliance.hub.translate import OPENAI_ONLY, engine_kind, resolve
 from appliance.upstream import UpstreamError
@@ -73,6 +75,30 @@ def cors_origin(origins: list[str], scope) -> bytes | None:
     if "*" in origins:
         return b"*"
     return origin.encode("latin-1") if origin in origins else None
+
+
+def with_request_id(app):
+    """Every answer carries `x-request-id`: the router sets it on inference answers (it also
+    forwards and audits it); this fills it in on every other one."""
+
+    async def rid_app(scope, receive, send):
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        rid = None
+
+        async def send_rid(msg):
+            nonlocal rid
+            if msg["type"] == "http.response.start":
+                headers = msg.get("headers", [])
+                if not any(k == b"x-request-id" for k, _ in headers):
+                    rid = rid or request_id(scope["headers"]).encode()
+                    msg = {**msg, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(msg)
+
+        await app(scope, receive, send_rid)
+
+    return rid_app
 
 
 def with_cors(app, origins: list[str]):

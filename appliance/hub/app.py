@@ -91,7 +91,8 @@ def make_app(hub):
             return
         await _error(send, path, 404, "not_found", f"no route {method} {path}")
 
-    return apiroutes.with_cors(app, [o.strip() for o in hub.cfg.hub.cors_origins.split(",") if o.strip()])
+    origins = [o.strip() for o in hub.cfg.hub.cors_origins.split(",") if o.strip()]
+    return apiroutes.with_cors(apiroutes.with_request_id(app), origins)
 
 
 def _admin_ok(hub, scope) -> bool:
