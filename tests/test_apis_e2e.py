@@ -39,7 +39,8 @@ class Fleet:
                               "Hub__CorsOrigins": "http://app.example, http://other.example"},
                              metrics=False)
         common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}
-        procs.node("sim-n", {**common, "Sim__Models__0__Name": "s-chat", "Sim__Models__1__Name": "s-embed:latest"})
+        procs.node("sim-n", {**common, "Sim__Models__0__Name": "s-chat", "Sim__Models__1__Name": "s-embed:latest",
+                                   "Sim__Models__2__Name": "s-keep"})
         sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
                                   "Sim__Models__0__Name": "o-chat", "Sim__Models__1__Name": "o-embed"})
         procs.node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": sim.url, "Engine__PollSeconds": "1"})
@@ -257,3 +258,42 @@ def test_cors_preflight_and_headers_for_allowed_origins_only(fleet):
     denied = httpx.options(url + "/api/chat", timeout=10, headers={
         "origin": "http://evil.example", "access-control-request-method": "POST"})
     assert denied.status_code == 403 and "access-control-allow-origin" not in denied.headers
+
+
+def model_status(fleet, name: str) -> dict:
+    return next(m for m in fleet.status()["models"] if m["name"] == name)
+
+
+def test_tags_and_ps_carry_the_engines_metadata(fleet):
+    ol = ollama.Client(host=fleet.hub.url, timeout=30)
+    ol.chat(model="s-chat", messages=USER)
+    tags = {m.model: m for m in ol.list().models}
+    assert tags["s-chat"].details.family == "sim" and tags["s-chat"].digest
+    assert tags["s-chat"].modified_at.year >= 2024
+    wait_until(lambda: any(m.model == "s-chat" and m.context_length for m in ol.ps().models), what="ps context length")
+    ps = {m.model: m for m in ol.ps().models}
+    assert ps["s-chat"].details.family == "sim" and ps["s-chat"].expires_at.year >= 2024
+
+
+def test_keep_alive_is_honoured_across_the_fleet(fleet):
+    import datetime
+
+    ol = ollama.Client(host=fleet.hub.url, timeout=30)
+    ol.chat(model="s-keep", messages=USER, keep_alive=-1)
+    ps = {m.model: m for m in ol.ps().models}
+    assert ps["s-keep"].expires_at.year > 2200  # until unloaded
+    ol.chat(model="s-keep", messages=USER, keep_alive="5m")
+    left = next(m for m in ol.ps().models if m.model == "s-keep").expires_at - datetime.datetime.now(datetime.timezone.utc)
+    assert datetime.timedelta(minutes=4) < left <= datetime.timedelta(minutes=5, seconds=5)
+    g = ol.generate(model="s-keep", keep_alive=0)  # Ollama's unload request
+    assert g.done and g.done_reason == "unload"
+    wait_until(lambda: model_status(fleet, "s-keep")["ready"] == 0, what="s-keep unloaded")
+    # Not wanted any more: the hub does not load it again by itself.
+    assert model_status(fleet, "s-keep")["desired"] == 0
+    assert "s-keep" not in {m.model for m in ol.ps().models}
+    r = ol.chat(model="s-keep", messages=USER, keep_alive=0)  # used once, then unloaded again
+    assert r.message.content
+    wait_until(lambda: model_status(fleet, "s-keep")["ready"] == 0, what="s-keep unloaded after its request")
+    with pytest.raises(ollama.ResponseError) as ei:
+        ol.chat(model="s-keep", messages=USER, keep_alive="soon")
+    assert ei.value.status_code == 400 and "keep_alive" in ei.value.error

@@ -315,3 +315,21 @@ def test_responses_stream_events_and_completed_response():
     whole = responses.ResponsesConverter("m", stream=False, echo={})
     whole.feed(json.dumps({"choices": [{"message": {"content": "Hi!"}}]}).encode())
     assert json.loads(whole.end())["output"][0]["content"][0]["text"] == "Hi!"
+
+
+def test_keep_alive_durations():
+    import math
+
+    from appliance.hub.translate.ollama import keep_alive_seconds
+    assert keep_alive_seconds(None) is None
+    assert keep_alive_seconds(0) == 0 and keep_alive_seconds("0") == 0 and keep_alive_seconds("0s") == 0
+    assert keep_alive_seconds(300) == 300 and keep_alive_seconds("5m") == 300 and keep_alive_seconds("1h30m") == 5400
+    assert keep_alive_seconds("250ms") == 0.25
+    assert keep_alive_seconds(-1) == math.inf and keep_alive_seconds("-1") == math.inf and keep_alive_seconds("-1m") == math.inf
+    for bad_value in ("soon", "5", "5x", True, [], ""):
+        if bad_value == "5":
+            assert keep_alive_seconds(bad_value) == 5  # a bare number string is seconds
+            continue
+        with pytest.raises(RouteError) as ei:
+            keep_alive_seconds(bad_value)
+        assert ei.value.param == "keep_alive"

@@ -246,8 +246,8 @@ def _show_synth(hub, model: str) -> dict:
                     if n.state is not None and n.state.model(model) is not None} - {""})
     family = "llama.cpp" if "llamacpp" in kinds else (kinds[0] if kinds else "")
     info: dict = {"general.architecture": family}
-    ctx = next((getattr(m, "context_length", 0) for n in hub.registry.nodes.values() if n.state is not None
-                for m in n.state.models if m.name == model and getattr(m, "context_length", 0)), 0)
+    meta = status.model_meta(hub, model)
+    ctx = meta.context_length if meta is not None else 0
     if ctx:
         info[f"{family}.context_length"] = ctx
     caps = ["embedding"] if "embed" in model else ["completion", "tools"]

@@ -25,6 +25,7 @@ from appliance.config import ClientConfig
 from appliance.hub import translate
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.requestid import request_id
+from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.upstream import UpstreamError
 
 log = logging.getLogger("appliance.hub.router")
@@ -39,6 +40,7 @@ NO_CAPACITY_RETRY_AFTER = 5.0
 class _Req(msgspec.Struct):
     model: str
     stream: bool | None = None
+    keep_alive: object = None  # Ollama's; checked by translate.ollama.keep_alive_seconds
 
 
 _req_decoder = msgspec.json.Decoder(_Req)
@@ -143,6 +145,7 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         if not allowed(client, model) or not hub.control.known(model):
             raise RouteError(404, "model_not_found", f"model {req.model!r} not found")
         prep = translate.prepare(scope["path"], api, body, req.model, model)
+        keep = keep_alive_seconds(req.keep_alive) if api == "ollama" else None
     except RouteError as e:
         await send_error(hub, send, api, out, e)
         return
@@ -161,7 +164,7 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
 
         nursery.start_soon(watch)
         try:
-            await _route(hub, scope, send, api, out, model, prep)
+            await _route(hub, scope, send, api, out, model, prep, keep)
         except RouteError as e:
             await send_error(hub, send, api, out, e)
         finally:
@@ -189,13 +192,25 @@ def _rid(out: Outcome) -> list[tuple[bytes, bytes]]:
     return [(b"x-request-id", out.request_id.encode())] if out.request_id else []
 
 
-async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: translate.Prepared) -> None:
+async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: translate.Prepared,
+                 keep: float | None) -> None:
+    if prep.load_only and keep == 0:
+        # Ollama's unload request: the control loop unloads the model once it is idle,
+        # and does not load it again until asked; no node needs to see this one.
+        hub.control.touch(model, keep)
+        out.status = 200
+        record(hub, out)
+        body = unload_answer(model, scope["path"] == "/api/chat")
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *_rid(out)]})
+        await send({"type": "http.response.body", "body": body})
+        return
     err = hub.control.unservable(model)
     if err is not None:
         raise err
+    hub.control.touch(model)  # in use: the request's own keep_alive applies once it is done
     if not hub.registry.ready_nodes(model):
         await hub.control.activate(model)
-    hub.control.touch(model)
     ticket = await hub.admission.admit(model, out.cls, out.client)
     try:
         headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS and k != b"x-request-id"]
@@ -203,6 +218,7 @@ async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: tra
         await _proxy(hub, send, api, out, model, prep, headers)
     finally:
         hub.admission.release(ticket)
+        hub.control.touch(model, keep)  # idle time counts from the end of the work
 
 
 async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepared, headers) -> None:

@@ -63,12 +63,13 @@ class Plan:
 
 
 class Prepared:
-    __slots__ = ("path", "api", "body", "translated", "make", "always", "refused")
+    __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only")
 
     def __init__(self, path: str, api: str, body: bytes, translated: tuple[str, bytes] | None = None,
                  make: Callable[[], Converter] | None = None, always: bool = False,
                  refused: RouteError | None = None) -> None:
         self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
+        self.load_only = False  # Ollama's load/unload request: no prompt, no messages
         self.path = path
         self.api = api
         self.body = body  # the client's bytes (its model name resolved)
@@ -134,8 +135,10 @@ def _translated(path: str, api: str, obj: dict, fwd: bytes, given: str, model: s
                            "stream": False}, False
         else:
             req, stream = (ollama.chat_request if chat else ollama.generate_request)(obj, model)
-        return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
+        prep = Prepared(path, api, fwd, (CHAT, enc.encode(req)),
                         lambda: ollama.ChatConverter(given, stream, chat, load_only=load_only))
+        prep.load_only = load_only
+        return prep
     if path in ("/api/embed", "/api/embeddings"):
         legacy = path == "/api/embeddings"
         req = ollama.embed_request(obj, model, legacy)

@@ -15,6 +15,7 @@ own `timings` where it sends them). The clock is injected so tests can pin durat
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -322,3 +323,51 @@ class EmbedConverter:
             return enc.encode({"embedding": vecs[0] if vecs else []})
         return enc.encode({"model": self.model, "embeddings": vecs, "total_duration": self._clock() - self._t0,
                            "load_duration": 0, "prompt_eval_count": usage_of(obj if isinstance(obj, dict) else {})[0]})
+
+
+def unload_answer(model: str, chat: bool) -> bytes:
+    """Ollama's answer to `{"model": m, "keep_alive": 0}`: nothing generated, done."""
+    out: dict[str, Any] = {"model": model, "created_at": now_iso()}
+    if chat:
+        out["message"] = {"role": "assistant", "content": ""}
+    else:
+        out["response"] = ""
+    out.update(done=True, done_reason="unload")
+    return enc.encode(out)
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(v) -> float | None:
+    """Ollama's `keep_alive` in seconds: a number of seconds or a Go duration ("5m",
+    "1h30m", "0"); negative means until unloaded (inf). None when absent."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return math.inf if v < 0 else float(v)
+    if not isinstance(v, str) or not v.strip():
+        raise bad("'keep_alive' must be a number of seconds or a duration like \"5m\"", "keep_alive")
+    text = v.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    text = text.lstrip("+-")
+    try:
+        return math.inf if sign < 0 and float(text) != 0 else float(text)
+    except ValueError:
+        pass
+    total, num = 0.0, ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c.isdigit() or c == ".":
+            num += c
+            i += 1
+            continue
+        unit = next((u for u in ("ns", "us", "µs", "ms", "h", "m", "s") if text.startswith(u, i)), None)
+        if unit is None or not num:
+            raise bad(f"'keep_alive' {v!r} is not a duration", "keep_alive")
+        total += float(num) * _UNITS[unit]
+        num, i = "", i + len(unit)
+    if num:
+        raise bad(f"'keep_alive' {v!r} is not a duration (no unit after {num})", "keep_alive")
+    return math.inf if sign < 0 and total else total
