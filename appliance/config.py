@@ -79,6 +79,8 @@ class HubConfig(_Section):
     # An announced node unreachable this long is dropped (it re-announces if it comes back).
     forget_node_seconds: PosFloat = 600.0
     max_nodes: PosInt = 256
+    # Browser origins allowed to call the API (like OLLAMA_ORIGINS): comma-separated, `*` any.
+    cors_origins: str = ""
 
 
 class MetricsConfig(_Section):

@@ -23,12 +23,27 @@ class EngineInstall(msgspec.Struct):
     version: str = ""
 
 
+class ModelMeta(msgspec.Struct, omit_defaults=True):
+    """What an engine says about a model (Ollama's /api/tags and /api/ps), passed on to
+    the hub's /api/tags, /api/ps and /api/show; empty where the engine says nothing."""
+
+    digest: str = ""
+    modified_at: str = ""
+    format: str = ""
+    family: str = ""
+    families: list[str] | None = None
+    parameter_size: str = ""
+    quantization_level: str = ""
+    context_length: int = 0
+
+
 class ModelState(msgspec.Struct):
     name: str
     size_mb: int = 0
     state: ModelStatus = "available"
     last_error: str = ""
     in_flight: int = 0
+    meta: ModelMeta | None = None
 
 
 class NodeState(msgspec.Struct):

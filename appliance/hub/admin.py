@@ -23,6 +23,7 @@ import urllib.parse
 import httpx
 
 from appliance.asgi import send_json
+from appliance.bounds import echo
 
 log = logging.getLogger("appliance.hub.admin")
 
@@ -75,7 +76,7 @@ def _segments(scope) -> list[str]:
 
 def _event(hub, action: str, **fields) -> None:
     if hub.audit is not None:
-        hub.audit.event("admin", action=action, **fields)
+        hub.audit.event("admin", actor="admin", action=action, **fields)
 
 
 async def handle(hub, scope, receive, send) -> None:
@@ -93,7 +94,7 @@ async def handle(hub, scope, receive, send) -> None:
         model = "/".join(rest[1:-1])
         parked = bool(hub.control.core.health.get(model) and hub.control.core.health[model].parked)
         if not hub.control.known(model) or not hub.control.retry(model):
-            return await send_json(send, 404, {"error": f"model {model!r} not found"})
+            return await send_json(send, 404, {"error": f"model {echo(model)!r} not found"})
         _event(hub, "retry", model=model, was_parked=parked)
         return await send_json(send, 200, {"model": model, "retried": True, "was_parked": parked})
     if len(rest) == 2 and rest[0] == "nodes":
@@ -114,7 +115,7 @@ async def _forget(hub, name: str, send) -> None:
     a static one at the next reload or start."""
     h = hub.registry.nodes.get(name)
     if h is None or h.removed:
-        return await send_json(send, 404, {"error": f"node {name[:200]!r} not found"})
+        return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
     hub.registry.forget(h)
     log.warning("node %s at %s forgotten by an operator", name, h.url)
     _event(hub, "forget", node=name, url=h.url, static=h.static)
@@ -124,7 +125,7 @@ async def _forget(hub, name: str, send) -> None:
 async def _node_action(hub, name: str, action: str, send) -> None:
     h = hub.registry.nodes.get(name)
     if h is None or h.removed:
-        return await send_json(send, 404, {"error": f"node {name!r} not found"})
+        return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
     if action in ("cordon", "uncordon"):
         h.cordoned = action == "cordon"
         log.warning("node %s %sed by an operator", name, action)

@@ -26,6 +26,8 @@ class AuditLog:
         self.backups = backups
         self._fh: TextIO | None = None
         self._size = 0
+        # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
+        self.recent = None
 
     def _open(self):
         if not self.path:
@@ -66,7 +68,10 @@ class AuditLog:
                 self._rotate()
 
     def request(self, **fields: Any) -> None:
-        self.write({"ts": round(time.time(), 3), "kind": "request", **fields})
+        record = {"ts": round(time.time(), 3), "kind": "request", **fields}
+        self.write(record)
+        if self.recent is not None:
+            self.recent.add(record)
 
     def event(self, kind: str, **fields: Any) -> None:
         self.write({"ts": round(time.time(), 3), "kind": kind, **fields})

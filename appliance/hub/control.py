@@ -245,8 +245,15 @@ class Control:
     async def activate(self, model: str) -> None:
         await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
 
-    def touch(self, model: str) -> None:
-        self.core.touch(model, self.now())
+    def touch(self, model: str, keep: float | None = None) -> None:
+        """A request used `model`; `keep`: its keep_alive in seconds (None: the catalog's)."""
+        self.core.touch(model, self.now(), keep)
+        if keep is not None:
+            self._wake_up()
+
+    def expires_in(self, model: str) -> float | None:
+        """Seconds until `model` is unloaded when idle; None: it stays (/api/ps's expires_at)."""
+        return self.core.expires_in(model, self.now())
 
     # --- operators ---------------------------------------------------------------------
 

@@ -23,7 +23,10 @@ import trio
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
 from appliance.config import ClientConfig
 from appliance.bounds import OTHER_LABEL, echo
+from appliance.hub import translate
 from appliance.hub.errors import RouteError, error_body
+from appliance.hub.requestid import request_id
+from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.upstream import UpstreamError
 
 log = logging.getLogger("appliance.hub.router")
@@ -38,6 +41,7 @@ NO_CAPACITY_RETRY_AFTER = 5.0
 class _Req(msgspec.Struct):
     model: str
     stream: bool | None = None
+    keep_alive: object = None  # Ollama's; checked by translate.ollama.keep_alive_seconds
 
 
 _req_decoder = msgspec.json.Decoder(_Req)
@@ -75,9 +79,11 @@ def decode_request(body: bytes) -> _Req:
 class Outcome:
     """What the audit line and the metrics say about one request."""
 
-    __slots__ = ("t0", "client", "cls", "model", "label", "path", "status", "node", "ttfb", "error", "done", "tried")
+    __slots__ = ("t0", "client", "cls", "model", "label", "path", "status", "node", "ttfb", "error", "done", "tried",
+                 "request_id")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, request_id: str = "") -> None:
+        self.request_id = request_id
         self.t0 = time.perf_counter()
         self.client = "anonymous"
         self.cls = "normal"
@@ -102,6 +108,8 @@ def record(hub, out: Outcome) -> None:
     elapsed = time.perf_counter() - out.t0
     fields = {"client": out.client, "model": out.model, "path": out.path, "status": out.status,
               "node": out.node, "ms": round(elapsed * 1000, 2)}
+    if out.request_id:
+        fields["request_id"] = out.request_id
     if out.ttfb is not None:
         fields["ttfb_ms"] = round(out.ttfb * 1000, 2)
     if out.error:
@@ -121,14 +129,14 @@ async def send_error(hub, send, api: str, out: Outcome, e: RouteError) -> None:
     out.status = e.status
     out.error = e.code
     record(hub, out)
-    headers = [(b"content-type", b"application/json"), *e.headers()]
+    headers = [(b"content-type", b"application/json"), *e.headers(), *_rid(out)]
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": e.body(api)})
 
 
 async def handle_inference(hub, scope, receive, send, api: str) -> None:
     """One POST to an inference route (`api` is "openai" or "ollama")."""
-    out = Outcome(scope["path"])
+    out = Outcome(scope["path"], request_id(scope["headers"]))
     try:
         client = authenticate(hub, _key(scope))
         out.client = client.name
@@ -137,12 +145,15 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         except BodyTooLarge:
             raise RouteError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
         req = decode_request(body)
-        out.model = echo(req.model)
+        model = translate.resolve(req.model, hub.control.known)
+        out.model = echo(model)
         out.label = OTHER_LABEL
         out.cls = hub.admission.effective_class(client.priority, scope["headers"])
-        if not allowed(client, req.model) or not hub.control.known(req.model):
+        if not allowed(client, model) or not hub.control.known(model):
             raise RouteError(404, "model_not_found", f"model {echo(req.model)!r} not found")
-        out.label = req.model
+        out.label = model
+        prep = translate.prepare(scope["path"], api, body, req.model, model)
+        keep = keep_alive_seconds(req.keep_alive) if api == "ollama" else None
     except RouteError as e:
         await send_error(hub, send, api, out, e)
         return
@@ -161,7 +172,7 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
 
         nursery.start_soon(watch)
         try:
-            await _route(hub, scope, send, api, out, req, body)
+            await _route(hub, scope, send, api, out, model, prep, keep)
         except RouteError as e:
             await send_error(hub, send, api, out, e)
         finally:
@@ -185,23 +196,40 @@ def _key(scope) -> str | None:
     return xkey
 
 
-async def _route(hub, scope, send, api: str, out: Outcome, req: _Req, body: bytes) -> None:
-    model = req.model
+def _rid(out: Outcome) -> list[tuple[bytes, bytes]]:
+    return [(b"x-request-id", out.request_id.encode())] if out.request_id else []
+
+
+async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: translate.Prepared,
+                 keep: float | None) -> None:
+    if prep.load_only and keep == 0:
+        # Ollama's unload request: the control loop unloads the model once it is idle,
+        # and does not load it again until asked; no node needs to see this one.
+        hub.control.touch(model, keep)
+        out.status = 200
+        record(hub, out)
+        body = unload_answer(model, scope["path"] == "/api/chat")
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *_rid(out)]})
+        await send({"type": "http.response.body", "body": body})
+        return
     err = hub.control.unservable(model)
     if err is not None:
         raise err
+    hub.control.touch(model)  # in use: the request's own keep_alive applies once it is done
     if not hub.registry.ready_nodes(model):
         await hub.control.activate(model)
-    hub.control.touch(model)
     ticket = await hub.admission.admit(model, out.cls, out.client)
     try:
-        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS]
-        await _proxy(hub, send, api, out, model, scope["path"], body, headers)
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS and k != b"x-request-id"]
+        headers += _rid(out)
+        await _proxy(hub, send, api, out, model, prep, headers)
     finally:
         hub.admission.release(ticket)
+        hub.control.touch(model, keep)  # idle time counts from the end of the work
 
 
-async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: bytes, headers) -> None:
+async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepared, headers) -> None:
     """Send to the best node; once more on another if it fails before the first byte."""
     registry = hub.registry
     tried: set[str] = set()
@@ -216,7 +244,8 @@ async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: byte
         hub.metrics.in_flight.labels(model).inc()
         try:
             await hub.admission.wait_slot(node, model, out.cls)
-            ok, last = await _stream_from(hub, send, api, out, node, path, body, headers)
+            plan = prep.for_engine(translate.engine_kind(node.state))
+            ok, last = await _stream_from(hub, send, api, out, node, plan, headers)
             if ok:
                 return
         finally:
@@ -226,15 +255,18 @@ async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: byte
     raise RouteError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
 
 
-async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) -> tuple[bool, str]:
+async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan, headers) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first byte."""
     try:
         if node.token:  # a per-node token replaces the shared one (Pool drops its default)
             headers = [*headers, (b"authorization", f"Bearer {node.token}".encode())]
-        resp = await hub.upstream.request("POST", node.url + path, headers, body, hub.cfg.hub.upstream_read_seconds)
+        resp = await hub.upstream.request("POST", node.url + plan.path, headers, plan.body,
+                                          hub.cfg.hub.upstream_read_seconds)
     except UpstreamError as e:
         return False, str(e)
-    chunks = resp.chunks()
+    raw = resp.chunks()
+    conv = plan.converter(resp.status_code)
+    chunks = raw if conv is None else translate.Relay(raw, conv)
     try:
         if resp.status_code == 503:
             # The node (paused, full) or its engine (still loading) refused: try another.
@@ -249,9 +281,9 @@ async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) 
         out.node = node.name
         out.status = resp.status_code
         out.ttfb = time.perf_counter() - out.t0
-        ctype = resp.headers.get("content-type", "application/json")
-        start_headers = [(b"content-type", ctype.encode())]
-        clen = resp.headers.get("content-length")
+        ctype = resp.headers.get("content-type", "application/json") if conv is None else conv.content_type.decode()
+        start_headers = [(b"content-type", ctype.encode()), *_rid(out)]
+        clen = resp.headers.get("content-length") if conv is None else (str(len(first)) if chunks.ended else None)
         if clen is not None and clen.isdigit() and int(clen) == len(first):
             # A whole answer in the first read (every short, non-streamed one): one
             # body message with its length, no chunked framing, fewer writes.
@@ -278,7 +310,7 @@ async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) 
         return True, ""
     finally:
         with trio.move_on_after(1, shield=True):
-            await chunks.aclose()
+            await raw.aclose()
             await resp.aclose()
 
 
@@ -286,5 +318,5 @@ def _stream_error(ctype: str, api: str, msg: str) -> bytes:
     """The error event that ends a stream whose node was lost, in the stream's own framing."""
     body = error_body(api, 503, "node_lost", msg)
     if "event-stream" in ctype:
-        return b"data: " + body + b"\n\n"
+        return (b"event: error\n" if api == "anthropic" else b"") + b"data: " + body + b"\n\n"
     return b"\n" + body + b"\n"

@@ -30,6 +30,7 @@ from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
 from appliance.hub.audit import AuditLog
 from appliance.hub.control import Control
+from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
 from appliance.upstream import Pool
@@ -55,6 +56,10 @@ class Hub:
         self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
         self.admission = Admission(cfg, self.registry, self.metrics_registry)
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
+        # The page's memory (history.py): 15 minutes of counters, the last request records.
+        self.history = History()
+        self.recent = Recent()
+        self.audit.recent = self.recent
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         per_node = {c.name: c.token for c in self.cfg.auth.nodes}
@@ -123,6 +128,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
             log.warning("Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
                         "only); set Auth__NodeToken on the hub and its nodes to let nodes announce themselves")
         await nursery.start(hub.control.run)
+        await nursery.start(run_sampler, hub.history, partial(read_hub, hub.metrics, hub.admission, hub.registry))
         api_done = trio.Event()
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):

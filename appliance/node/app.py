@@ -52,7 +52,7 @@ CONTROL_BODY_LIMIT = 64 * 1024
 # Bound on closing an upstream response after the client went away (STYLE 6).
 CLEANUP_SECONDS = 5.0
 # Request headers the engine needs; everything else (our bearer above all) stays here.
-FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding")
+FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding", b"x-request-id", b"user-agent")
 # Response headers the client needs to read the bytes as the engine meant them.
 FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry-after")
 NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
