@@ -143,9 +143,14 @@ class Member:
                         await self.etcd.put(self.keys.hub(self.name), json.dumps({"name": self.name}), lease)
                     sent = self.now()
                     if not self.tenure.epoch:
-                        won, rev, _held = await self.etcd.create(self.keys.leader, self.name, lease)
+                        won, rev, held = await self.etcd.create(self.keys.leader, self.name, lease)
                         if won:
                             await self._win(rev, sent)
+                        elif held is not None and held.lease == lease:
+                            # Still ours: we stepped down while etcd was away, and the key
+                            # outlived the outage (etcd keeps leases across a restart). No
+                            # one else held it since, so its epoch is still the newest.
+                            await self._win(held.create_revision, sent)
                     sent = self.now()
                     ttl = await self.etcd.keepalive(lease)
                     if ttl <= 0:
