@@ -134,31 +134,33 @@ class Member:
             task_status.started()
 
     async def _campaign(self) -> None:
-        lease = 0
+        lease, lease_sent = 0, 0.0  # our lease, and when its last grant/renewal was sent
         try:
             while True:
                 try:
+                    if lease:
+                        sent = self.now()
+                        ttl = await self.etcd.keepalive(lease)
+                        if ttl <= 0:  # expired while we could not renew it (etcd away, or we were)
+                            lease = 0
+                            if self.tenure.epoch:
+                                self._step_down("its lease expired")
+                        else:
+                            lease_sent = sent
+                            self.tenure.renewed(sent, ttl)
                     if not lease:
+                        lease_sent = self.now()
                         lease, _ttl = await self.etcd.grant(int(self.lease_seconds))
                         await self.etcd.put(self.keys.hub(self.name), json.dumps({"name": self.name}), lease)
-                    sent = self.now()
                     if not self.tenure.epoch:
                         won, rev, held = await self.etcd.create(self.keys.leader, self.name, lease)
                         if won:
-                            await self._win(rev, sent)
+                            await self._win(rev, lease_sent)
                         elif held is not None and held.lease == lease:
                             # Still ours: we stepped down while etcd was away, and the key
                             # outlived the outage (etcd keeps leases across a restart). No
                             # one else held it since, so its epoch is still the newest.
-                            await self._win(held.create_revision, sent)
-                    sent = self.now()
-                    ttl = await self.etcd.keepalive(lease)
-                    if ttl <= 0:
-                        lease = 0
-                        if self.tenure.epoch:
-                            self._step_down("its lease expired")
-                    else:
-                        self.tenure.renewed(sent, ttl)
+                            await self._win(held.create_revision, lease_sent)
                     self._ok()
                 except EtcdError as e:
                     self._failed(e)
@@ -173,6 +175,7 @@ class Member:
                         pass
 
     async def _win(self, epoch: int, sent: float) -> None:
+        """Lead from now until the lease renewed at `sent` would end."""
         await self._refresh()  # continue from the latest shared state, not from our mirror
         self.tenure.won(epoch, sent, self.lease_seconds)
         self._decided = {m: r.decided for m, r in self.snapshot.health.items()}
