@@ -44,7 +44,7 @@ class ControlCollector:
                                    labels=["node", "kind", "version"])
         leader = GaugeMetricFamily("appliance_leader", "1 while this hub leads the fleet (a single hub always does).",
                                    labels=["hub"])
-        changes = CounterMetricFamily("appliance_leader_changes", "Leader changes this hub has seen (epochs).")
+        changes = CounterMetricFamily("appliance_leader_changes_total", "Leader changes this hub has seen (epochs).")
         up = GaugeMetricFamily("appliance_cluster_up", "1 while etcd answers this hub (always 1 for a hub alone).")
         tls = GaugeMetricFamily("appliance_tls_cert_expiry_seconds",
                                 "notAfter of the certificate file, as Unix time, read from disk at each scrape.",
