@@ -316,3 +316,17 @@ async def test_activate_via_leader_waits_for_the_decision_then_the_replica(autoj
     lead.leader = False
     err = await TestError.of(activation.activate_via_leader(lead, src, "m", 30))
     assert err.code == "no_leader" and err.retry_after == 3.0
+
+
+def test_ctl_status_shows_the_cluster_line():
+    from appliance import ctl
+
+    body = {"satisfied": True, "problems": [], "models": [], "nodes": [],
+            "cluster": {"name": "hub-b", "leader": "hub-a", "epoch": 812, "leading": False,
+                        "hubs": ["hub-a", "hub-b"], "etcd_up": True}}
+    out = ctl.render("status", body)
+    assert "cluster: leader hub-a (epoch 812); hubs hub-a, hub-b; this hub hub-b; etcd up" in out.splitlines()
+    body["cluster"].update(leader=None, etcd_up=False)
+    assert "cluster: NO LEADER; hubs hub-a, hub-b; this hub hub-b; etcd UNREACHABLE" in ctl.render("status", body)
+    del body["cluster"]
+    assert "cluster" not in ctl.render("status", body)  # one hub alone: as before
