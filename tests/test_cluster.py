@@ -330,3 +330,25 @@ def test_ctl_status_shows_the_cluster_line():
     assert "cluster: NO LEADER; hubs hub-a, hub-b; this hub hub-b; etcd UNREACHABLE" in ctl.render("status", body)
     del body["cluster"]
     assert "cluster" not in ctl.render("status", body)  # one hub alone: as before
+
+
+async def test_cordons_and_announced_nodes_reach_every_hub(nursery, autojump_clock):
+    store, registry = Store(), Registry()
+    add_node(registry, "n1", 8000, {})
+    add_node(registry, "n2", 8000, {})
+    store.write("appliance/cordons/n1", "hub-a", 0)
+    store.write("appliance/nodes/n3", "http://n3:9090", 0)
+    hub = Hub("hub-b", store, registry, [{"Name": "m"}])
+    added = []
+    hub.member.add_node = lambda name, url: (added.append((name, url)), add_node(registry, name, 8000, {}))
+    await hub.start(nursery)
+    await trio.sleep(1)
+    assert registry.nodes["n1"].cordoned and not registry.nodes["n2"].cordoned
+    assert added == [("n3", "http://n3:9090")]
+    registry.nodes["n2"].cordoned = True  # cordoned here while etcd did not take it: not undone
+    await trio.sleep(1)
+    assert registry.nodes["n2"].cordoned
+    await hub.member.set_cordon("n1", False)  # uncordoned on some hub
+    await hub.member.set_cordon("n3", True)
+    await trio.sleep(1)
+    assert not registry.nodes["n1"].cordoned and registry.nodes["n3"].cordoned

@@ -59,6 +59,7 @@ class Member:
         self._seen_epoch = 0
         self._decided: dict[str, int] = {}
         self._retried: dict[str, int] = {}
+        self._cordons: dict[str, bool] = {}  # etcd's word on each node's cordon, as last applied
         self._problem = ""
         self._last_now = 0.0
         control.cluster = self
@@ -223,27 +224,30 @@ class Member:
     async def _refresh(self) -> None:
         rev, kvs = await self.etcd.get_prefix(self.keys.root)
         snap = state.parse(self.keys, rev, kvs)
-        before, self.snapshot = self.snapshot, snap
+        self.snapshot = snap
         self._saw_epoch(snap.epoch)
         if self.tenure.epoch and (snap.leader != self.name or snap.epoch != self.tenure.epoch):
             self._step_down(f"the leader key names {snap.leader or 'no one'} (epoch {snap.epoch})")
-        self._apply_fleet(before, snap)
+        self._apply_fleet(snap)
         if self.leading:
             await self._lead(snap)
         else:
             self._mirror(snap)
 
-    def _apply_fleet(self, before: state.Snapshot, snap: state.Snapshot) -> None:
+    def _apply_fleet(self, snap: state.Snapshot) -> None:
         for name, url in snap.nodes.items():
             h = self.registry.nodes.get(name)
             if h is None or h.url != url.rstrip("/"):
                 self.add_node(name, url)
         changed = False
-        for name in (snap.cordons ^ before.cordons):  # only changes: a local cordon is not undone
-            h = self.registry.nodes.get(name)
-            if h is not None and h.cordoned != (name in snap.cordons):
-                h.cordoned = name in snap.cordons
-                changed = True
+        for name, h in self.registry.nodes.items():
+            # Applied when etcd's word for the node changes (or is first heard), so a local
+            # cordon whose write failed is not undone by the next read.
+            want = name in snap.cordons
+            if self._cordons.get(name) != want:
+                self._cordons[name] = want
+                if h.cordoned != want:
+                    h.cordoned, changed = want, True
         if changed:
             self.registry.changed()
 
