@@ -13,12 +13,13 @@ import pytest
 import trio
 
 from appliance.cluster import state
-from appliance.cluster.etcd import KV, EtcdError, EtcdUnavailable, prefix_end, unb64
+from appliance.cluster.etcd import KV, Etcd, EtcdError, EtcdUnavailable, prefix_end, unb64
 from appliance.cluster.member import Member
 from appliance.hub import activation
 from appliance.hub.control import Control, StaleLeader
 from appliance.hub.errors import RouteError
 from appliance.hub.nodes import Registry
+from etcd_proc import EtcdProc, free_port, needs_etcd
 from test_control import FakeAudit, FakeOps, add_node
 from test_placement import cfg
 
@@ -352,3 +353,38 @@ async def test_cordons_and_announced_nodes_reach_every_hub(nursery, autojump_clo
     await hub.member.set_cordon("n3", True)
     await trio.sleep(1)
     assert not registry.nodes["n1"].cordoned and registry.nodes["n3"].cordoned
+
+
+@pytest.mark.e2e
+@needs_etcd
+async def test_real_etcd_client_failover_between_endpoints_and_auth(tmp_path):
+    """The gateway client against Debian's etcd: a dead first endpoint is skipped; with auth
+    on, user and password get a token; a wrong password is an EtcdError, not a hang."""
+    import httpx
+
+    proc = EtcdProc(tmp_path / "etcd")
+    proc.start()
+    try:
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with httpx.AsyncClient(timeout=5) as http:
+            e = Etcd([dead, proc.url], http)
+            lease, ttl = await e.grant(5)
+            assert ttl == 5 and await e.keepalive(lease) == 5
+            won, rev, _ = await e.create("t/leader", "a", lease)
+            again, _, held = await e.create("t/leader", "b", lease)
+            assert won and not again and (held.value, held.create_revision, held.lease) == ("a", rev, lease)
+            await e.revoke(lease)
+            assert await e.keepalive(lease) == 0 and (await e.get_prefix("t/"))[1] == []
+            for path, body in (("/v3/auth/user/add", {"name": "root", "password": "pw"}),
+                               ("/v3/auth/role/add", {"name": "root"}),
+                               ("/v3/auth/user/grant", {"user": "root", "role": "root"}), ("/v3/auth/enable", {})):
+                assert (await http.post(proc.url + path, json=body)).status_code == 200
+            with pytest.raises(EtcdError):
+                await Etcd([proc.url], http).put("t/x", "1")  # no credentials
+            authed = Etcd([proc.url], http, "root", "pw")
+            await authed.put("t/x", "1")
+            assert [(kv.key, kv.value) for kv in (await authed.get_prefix("t/"))[1]] == [("t/x", "1")]
+            with pytest.raises(EtcdError):
+                await Etcd([proc.url], http, "root", "wrong").put("t/x", "2")
+    finally:
+        proc.close()
