@@ -17,6 +17,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.cluster.etcd import EtcdError
 from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
 from appliance.hub import announce, apiroutes, status, ui
 from appliance.hub.errors import RouteError, error_body
@@ -160,6 +161,11 @@ async def _announce(hub, scope, receive, send) -> None:
         await _error(send, "/v1/", e.status, e.code, e.message, e.headers())
         return
     hub.add_node(ann.name, ann.url, static=False)
+    if getattr(hub, "cluster", None) is not None:  # every hub dials a node that announced to one
+        try:
+            await hub.cluster.announced(ann.name, ann.url)
+        except EtcdError as e:
+            log.warning("node %s announced, not shared with the other hubs: etcd: %s", ann.name, e)
     await send_json(send, 200, {"ok": True, "name": ann.name})
 
 

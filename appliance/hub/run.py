@@ -60,6 +60,7 @@ class Hub:
         self.history = History()
         self.recent = Recent()
         self.audit.recent = self.recent
+        self.cluster = None  # appliance.cluster.member.Member with Cluster__Etcd (run_hub sets it)
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         per_node = {c.name: c.token for c in self.cfg.auth.nodes}
@@ -127,6 +128,8 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         if not cfg.auth.node_token and not cfg.auth.nodes:
             log.warning("Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
                         "only); set Auth__NodeToken on the hub and its nodes to let nodes announce themselves")
+        if cfg.cluster.etcd:
+            await nursery.start(_cluster, hub)
         await nursery.start(hub.control.run)
         await nursery.start(run_sampler, hub.history, partial(read_hub, hub.metrics, hub.admission, hub.registry))
         api_done = trio.Event()
@@ -153,6 +156,17 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         nursery.cancel_scope.cancel()
         with trio.move_on_after(2, shield=True):
             await hub.upstream.aclose()
+
+
+async def _cluster(hub: Hub, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Several hubs (Cluster__Etcd): this hub's election and shared state (appliance/cluster/)."""
+    from appliance.cluster import etcd
+    from appliance.cluster.member import Member
+
+    async with etcd.open_client(hub.cfg.cluster) as client:
+        hub.cluster = Member(hub.cfg, etcd.make(hub.cfg.cluster, client), hub.control, hub.registry,
+                             lambda name, url: hub.add_node(name, url, static=False))
+        await hub.cluster.run(task_status=task_status)
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -183,6 +197,7 @@ AT_NEXT_START = {
     "Hub__TlsKey": lambda c: c.hub.tls_key, "Hub__TlsCa": lambda c: c.hub.tls_ca,
     "Hub__DrainSeconds": lambda c: c.hub.drain_seconds, "Metrics__Listen": lambda c: c.metrics.listen,
     "Auth__NodeToken": lambda c: c.auth.node_token, "Audit__Path": lambda c: c.audit.path,
+    "Hub__Name": lambda c: c.hub.name, "Cluster": lambda c: c.cluster,
 }
 
 

@@ -38,6 +38,8 @@ def status_payload(hub) -> dict:
         "nodes": [node_entry(h) for h in hub.registry.nodes.values()],
         "models": hub.control.models_status(),
     }
+    if getattr(hub, "cluster", None) is not None:  # several hubs: who leads, by which epoch
+        out["cluster"] = hub.cluster.status()
     block = hub.admission.status_block()
     if block is not None:
         out["priority"] = block

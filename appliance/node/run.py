@@ -158,8 +158,8 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
                                         "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1,
                                         limits=node_limits(cfg)))
         url = advertise_url(cfg, host, port)
-        if cfg.hub.url:
-            await nursery.start(announce_loop, hclient, cfg.hub.url, cfg.auth.node_token_for(name),
+        for hub_url in cfg.hub_urls():  # one announcer per hub (HA: every hub dials us)
+            await nursery.start(announce_loop, hclient, hub_url, cfg.auth.node_token_for(name),
                                 Announce(name=name, url=url), cfg.node.announce_seconds)
         if reloads is not None:
             nursery.start_soon(apply_reloads, keeper, engine, reloads)
