@@ -297,3 +297,26 @@ def test_keep_alive_is_honoured_across_the_fleet(fleet):
     with pytest.raises(ollama.ResponseError) as ei:
         ol.chat(model="s-keep", messages=USER, keep_alive="soon")
     assert ei.value.status_code == 400 and "keep_alive" in ei.value.error
+
+
+@pytest.mark.parametrize("model", CHAT_MODELS)
+def test_langchain_chat_models_and_embeddings(fleet, model):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_ollama import ChatOllama, OllamaEmbeddings
+    from langchain_openai import ChatOpenAI
+
+    for chat in (ChatOllama(model=model, base_url=fleet.hub.url, num_predict=8),
+                 ChatOpenAI(model=model, base_url=fleet.hub.url + "/v1", api_key="anyone", max_tokens=8, max_retries=0)):
+        whole = chat.invoke("hello")
+        streamed = "".join(c.content for c in chat.stream("hello"))
+        assert whole.content and streamed == whole.content
+        with_tools = chat.bind_tools([WEATHER])
+        ask = with_tools.invoke([HumanMessage("weather in Paris?")])
+        (call,) = ask.tool_calls
+        assert call["name"] == "weather" and call["args"] == {"city": "sim"}
+        back = with_tools.invoke([HumanMessage("weather in Paris?"), ask,
+                                  ToolMessage("sunny", tool_call_id=call["id"] or "call_0")])
+        assert back.content and not back.tool_calls
+    emb = OllamaEmbeddings(model=model.replace("chat", "embed"), base_url=fleet.hub.url)
+    vecs = emb.embed_documents(["a", "b"])
+    assert len(vecs) == 2 and vecs[0] == pytest.approx(emb.embed_query("a"))
