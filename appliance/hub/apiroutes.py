@@ -241,19 +241,18 @@ async def _show_from_node(hub, model: str) -> bytes | None:
 
 
 def _show_synth(hub, model: str) -> dict:
-    """What the hub knows of a model on an OpenAI-only engine."""
+    """What the hub knows of a model on an OpenAI-only engine (a GGUF's header for llama.cpp)."""
     kinds = sorted({engine_kind(n.state) for n in hub.registry.nodes.values()
                     if n.state is not None and n.state.model(model) is not None} - {""})
-    family = "llama.cpp" if "llamacpp" in kinds else (kinds[0] if kinds else "")
-    info: dict = {"general.architecture": family}
     meta = status.model_meta(hub, model)
-    ctx = meta.context_length if meta is not None else 0
-    if ctx:
-        info[f"{family}.context_length"] = ctx
+    family = (meta.family if meta is not None and meta.family else "") or (kinds[0] if kinds else "")
+    info: dict = {"general.architecture": family}
+    if meta is not None and meta.context_length:
+        info[f"{family}.context_length"] = meta.context_length
     caps = ["embedding"] if "embed" in model else ["completion", "tools"]
+    details = status.details(meta)
+    details["family"] = family
+    details["families"] = details["families"] or ([family] if family else None)
     return {"license": "", "modelfile": f"# served by appliance {__version__} on {', '.join(kinds) or 'no engine yet'}\n",
-            "parameters": "", "template": "",
-            "details": {"parent_model": "", "format": "gguf" if "llamacpp" in kinds else "", "family": family,
-                        "families": [family] if family else [], "parameter_size": "", "quantization_level": ""},
-            "model_info": info, "capabilities": caps,
+            "parameters": "", "template": "", "details": details, "model_info": info, "capabilities": caps,
             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
