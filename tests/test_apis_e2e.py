@@ -148,6 +148,10 @@ async def test_anthropic_async_client_and_errors(fleet):
     ac = anthropic.AsyncAnthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=30)
     m = await ac.messages.create(model="o-chat", max_tokens=5, messages=USER)
     assert m.content[0].text
+    for model in CHAT_MODELS:  # counted by the engine: the prompt tokens of a one-token answer
+        counted = await ac.messages.count_tokens(model=model, messages=USER)
+        whole = await ac.messages.create(model=model, max_tokens=5, messages=USER)
+        assert counted.input_tokens == whole.usage.input_tokens > 0
     with pytest.raises(anthropic.NotFoundError) as ei:
         await ac.messages.create(model="nope", max_tokens=5, messages=USER)
     assert "nope" in str(ei.value)
