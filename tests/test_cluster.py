@@ -195,6 +195,8 @@ async def test_one_leader_then_partition_failover_without_overlap(nursery, autoj
     assert LEASE - 0.5 <= took <= LEASE + 1  # after a's lease, within a tick of its end
     assert b.member.epoch > a.member.tenure.epoch == 0 and b.member.changes == 1
     assert a.control.ops.epoch is None and b.control.ops.epoch == b.member.epoch
+    assert ("leader_elected", {"hub": "hub-b", "epoch": b.member.epoch}) in b.control.audit.events
+    assert [k for k, _ in a.control.audit.events] == ["leader_elected", "leader_stepped_down"]
     a.etcd.down = False  # a returns: it follows
     await trio.sleep(2)
     assert not a.member.leading and a.member.leader() == "hub-b"

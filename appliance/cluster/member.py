@@ -182,6 +182,7 @@ class Member:
         self._decided = {m: r.decided for m, r in self.snapshot.health.items()}
         self.control.ops.epoch = epoch
         log.warning("hub %s leads the fleet now (epoch %d)", self.name, epoch)
+        self._audit("leader_elected", epoch=epoch)
         self._saw_epoch(epoch)
         self.control.leadership_changed()
 
@@ -189,7 +190,12 @@ class Member:
         epoch = self.tenure.end()
         self.control.ops.epoch = None
         log.warning("hub %s stepped down (epoch %d): %s", self.name, epoch, why)
+        self._audit("leader_stepped_down", epoch=epoch, why=why)
         self.control.leadership_changed()
+
+    def _audit(self, kind: str, **fields) -> None:
+        if self.control.audit is not None:
+            self.control.audit.event(kind, hub=self.name, **fields)
 
     def _check_tenure(self) -> None:
         if self.tenure.lapsed(self.now()):
