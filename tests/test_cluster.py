@@ -355,6 +355,12 @@ async def test_cordons_and_announced_nodes_reach_every_hub(nursery, autojump_clo
     await hub.member.set_cordon("n3", True)
     await trio.sleep(1)
     assert not registry.nodes["n1"].cordoned and registry.nodes["n3"].cordoned
+    del registry.nodes["n3"]  # forgotten on this hub: not brought back by the next reads...
+    await trio.sleep(1)
+    assert "n3" not in registry.nodes and len(added) == 1
+    store.write("appliance/nodes/n3", "http://n3:9090", 0)  # ...only by announcing again (to any hub)
+    await trio.sleep(1)
+    assert "n3" in registry.nodes and len(added) == 2
 
 
 @pytest.mark.e2e

@@ -59,6 +59,7 @@ class Member:
         self._seen_epoch = 0
         self._decided: dict[str, int] = {}
         self._retried: dict[str, int] = {}
+        self._nodes: dict[str, int] = {}  # announced nodes applied: name -> revision
         self._cordons: dict[str, bool] = {}  # etcd's word on each node's cordon, as last applied
         self._problem = ""
         self._last_now = 0.0
@@ -114,11 +115,13 @@ class Member:
         else:
             await self.etcd.delete(self.keys.cordon(node))
 
-    async def announced(self, name: str, url: str) -> None:
-        """A node announced to this hub: every hub should dial it. Written when new or moved."""
-        if self.snapshot.nodes.get(name) != url:
-            await self.etcd.put(self.keys.node(name), url)
+    async def announced(self, name: str, url: str, fresh: bool) -> None:
+        """A node announced to this hub: every hub should dial it. Written when it is new to
+        this hub (first seen, or back after being forgotten) or moved -- not every repeat."""
+        if fresh or self.snapshot.nodes.get(name) != url:
+            rev = await self.etcd.put(self.keys.node(name), url)
             self.snapshot.nodes[name] = url
+            self._nodes[name] = rev  # already known here
 
     def deposed(self, why: str) -> None:
         """A node refused our epoch: another hub leads."""
@@ -242,9 +245,13 @@ class Member:
 
     def _apply_fleet(self, snap: state.Snapshot) -> None:
         for name, url in snap.nodes.items():
-            h = self.registry.nodes.get(name)
-            if h is None or h.url != url.rstrip("/"):
-                self.add_node(name, url)
+            # Once per announcement written (its revision), not on every read: a node this
+            # hub has since forgotten comes back only by announcing again.
+            if self._nodes.get(name) != snap.node_revs[name]:
+                self._nodes[name] = snap.node_revs[name]
+                h = self.registry.nodes.get(name)
+                if h is None or h.url != url.rstrip("/"):
+                    self.add_node(name, url)
         changed = False
         for name, h in self.registry.nodes.items():
             # Applied when etcd's word for the node changes (or is first heard), so a local
