@@ -64,6 +64,7 @@ class Member:
         self._problem = ""
         self._last_now = 0.0
         control.cluster = self
+        registry.shared = True  # other hubs' work on our nodes counts in admission (nodes.py)
 
     # --- what the rest of the hub reads ------------------------------------------------
 
