@@ -36,6 +36,7 @@ INFERENCE = {
     "/api/embed": "ollama",
     "/api/embeddings": "ollama",
     "/v1/messages": "anthropic",
+    "/v1/messages/count_tokens": "anthropic",
     "/v1/responses": "openai",
 }
 GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps"}
@@ -160,10 +161,11 @@ async def _announce(hub, scope, receive, send) -> None:
         # The OpenAI shape, so the code (node_name_taken ...) is in the body for the node's log.
         await _error(send, "/v1/", e.status, e.code, e.message, e.headers())
         return
+    fresh = ann.name not in hub.registry.nodes
     hub.add_node(ann.name, ann.url, static=False)
     if getattr(hub, "cluster", None) is not None:  # every hub dials a node that announced to one
         try:
-            await hub.cluster.announced(ann.name, ann.url)
+            await hub.cluster.announced(ann.name, ann.url, fresh)
         except EtcdError as e:
             log.warning("node %s announced, not shared with the other hubs: etcd: %s", ann.name, e)
     await send_json(send, 200, {"ok": True, "name": ann.name})

@@ -291,6 +291,7 @@ class Control:
         if self.leading():
             await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
         else:
+            self.core.requested(model, self.now())  # wanted: this hub's status counts it as the leader's does
             await activation.activate_via_leader(self.cluster, self, model, self.cfg.router.activation_wait_seconds)
 
     def touch(self, model: str, keep: float | None = None) -> None:
@@ -298,6 +299,11 @@ class Control:
         self.core.touch(model, self.now(), keep)
         if keep is not None:
             self._wake_up()
+
+    def forget(self, model: str) -> None:
+        """`/api/delete` removed `model` from the engines: out of the catalog once gone from every node."""
+        self.core.forget(model)
+        self._wake_up()
 
     def expires_in(self, model: str) -> float | None:
         """Seconds until `model` is unloaded when idle; None: it stays (/api/ps's expires_at)."""

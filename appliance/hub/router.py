@@ -258,8 +258,7 @@ async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepa
 async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan, headers) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first byte."""
     try:
-        if node.token:  # a per-node token replaces the shared one (Pool drops its default)
-            headers = [*headers, (b"authorization", f"Bearer {node.token}".encode())]
+        headers = [*headers, *node.auth_raw]  # a per-node token replaces the shared one
         resp = await hub.upstream.request("POST", node.url + plan.path, headers, plan.body,
                                           hub.cfg.hub.upstream_read_seconds)
     except UpstreamError as e:
