@@ -36,6 +36,9 @@ from appliance.upstream import Pool
 log = logging.getLogger("appliance.hub")
 
 HUB_METRICS_DEFAULT = "0.0.0.0:9464"
+# After the drain runs out, the time streams get to send their error event and end before
+# the server cancels what is left: one write each, on loopback or a LAN.
+DRAIN_CUT_SECONDS = 2.0
 
 
 class Hub:
@@ -54,6 +57,9 @@ class Hub:
         self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
         self.admission = Admission(cfg, self.registry, self.metrics_registry)
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
+        # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
+        # a `shutting_down` error event and a proper end, before the server cancels.
+        self.drain_over = trio.Event()
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         h, new = self.registry.upsert(name, url, static)
@@ -108,10 +114,17 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         await nursery.start(hub.control.run)
         api_done = trio.Event()
 
+        async def drain_deadline() -> None:
+            await stop.wait()
+            await trio.sleep(cfg.hub.drain_seconds)
+            hub.drain_over.set()
+
+        nursery.start_soon(drain_deadline)
+
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
                 await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
-                            drain_seconds=cfg.hub.drain_seconds, certfile=cfg.hub.tls_cert,
+                            drain_seconds=cfg.hub.drain_seconds + DRAIN_CUT_SECONDS, certfile=cfg.hub.tls_cert,
                             keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca, task_status=task_status)
             finally:
                 api_done.set()

@@ -303,7 +303,7 @@ class NodeApp:
         except msgspec.ValidationError:
             await self._error(send, api, 400, "invalid_request", "body must be a JSON object with a string `model`")
             return
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
             await self._error(send, api, 400, "invalid_json", "body is not JSON")
             return
         upstream = self.engine.upstream(model)
