@@ -88,5 +88,11 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
 
 
 def main(cfg: Config, env_file: str | None = None) -> int:
+    from appliance.hub.audit import check_path
+
+    err = check_path(cfg.audit.path)
+    if err is not None:
+        print(f"appliance up: {err}", file=sys.stderr)
+        return 2
     trio.run(_main, cfg, env_file)
     return 0

@@ -206,3 +206,49 @@ async def test_every_request_one_audit_line_and_one_count(tmp_path):
         assert got == [(400, "invalid_json"), (400, "invalid_json"), (499, "client_disconnected")]
         assert _count(hub, "400", "") == 2 and _count(hub, "499", "") == 1
         nursery.cancel_scope.cancel()
+
+
+def test_audit_write_failures_are_counted_and_said_once_a_minute(caplog, monkeypatch):
+    from appliance.hub import audit as audit_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(audit_mod.time, "monotonic", lambda: clock[0])
+    log = audit_mod.AuditLog("/dev/full")  # opens fine, every flush fails: ENOSPC
+    seen = []
+    log.on_error = lambda: seen.append(1)
+    for _ in range(3):
+        log.request(client="c", status=200)  # never raises
+    clock[0] += 61
+    log.request(client="c", status=200)
+    assert log.write_errors == 4 and len(seen) == 4 and "No space left" in log.last_error
+    said = [r for r in caplog.records if "audit line not written" in r.getMessage()]
+    assert len(said) == 2
+
+
+def test_audit_path_that_cannot_be_opened_is_refused_at_start(tmp_path):
+    from appliance.hub.audit import check_path
+
+    (tmp_path / "file").write_text("")
+    assert check_path(str(tmp_path / "ok" / "audit.log")) is None
+    assert "Audit__Path" in check_path(str(tmp_path / "file" / "audit.log"))
+    assert check_path("") is None
+
+
+async def test_unwritable_audit_never_fails_a_request(tmp_path):
+    node = StallNode("gpu-a", chunks=0)
+    async with trio.open_nursery() as nursery:
+        cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": "/dev/full"})
+        hub, (host, port) = await nursery.start(run_hub, cfg, trio.Event())
+        url = f"http://{host}:{port}"
+        _ready(hub, "gpu-a", await _fake(nursery, node))
+        async with httpx.AsyncClient(timeout=20) as c:
+            r = await c.post(url + "/v1/chat/completions", content=b"{")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            r = await c.post(url + "/v1/chat/completions", json={"model": "nope"})
+            assert r.status_code == 404
+            st = (await c.get(url + "/api/status")).json()
+            metrics = (await c.get(url + "/metrics")).text
+        assert st["audit"]["write_errors"] >= 2 and "No space left" in st["audit"]["last_error"]
+        assert "appliance_audit_write_errors_total" in metrics
+        assert hub.metrics_registry.get_sample_value("appliance_audit_write_errors_total") >= 2
+        nursery.cancel_scope.cancel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import ssl
+import sys
 from functools import partial
 from typing import Callable
 
@@ -27,7 +28,7 @@ from appliance.asgi import serve
 from appliance.config import Config
 from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
-from appliance.hub.audit import AuditLog
+from appliance.hub.audit import AuditLog, check_path
 from appliance.hub.control import Control
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
@@ -55,6 +56,7 @@ class Hub:
         self.metrics = HubMetrics(self.metrics_registry, self.registry)
         self.before_scrape = [self.metrics.refresh]
         self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
+        self.audit.on_error = self.metrics.audit_write_errors.inc
         self.admission = Admission(cfg, self.registry, self.metrics_registry)
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
@@ -223,5 +225,9 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
 
 def main(cfg: Config, env_file: str | None = None) -> int:
+    err = check_path(cfg.audit.path)
+    if err is not None:
+        print(f"appliance hub: {err}", file=sys.stderr)
+        return 2
     trio.run(_main, cfg, env_file)
     return 0
