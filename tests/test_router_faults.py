@@ -252,3 +252,22 @@ async def test_unwritable_audit_never_fails_a_request(tmp_path):
         assert "appliance_audit_write_errors_total" in metrics
         assert hub.metrics_registry.get_sample_value("appliance_audit_write_errors_total") >= 2
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_right_after_start_waits_for_the_fleet_instead_of_404(tmp_path):
+    node = StallNode("gpu-a", chunks=1)
+    async with trio.open_nursery() as nursery:
+        hub, url, _stop = await _hub(nursery, tmp_path, {"Node__HeartbeatSeconds": "2"})
+        node_url = await _fake(nursery, node)
+        h, _ = hub.registry.upsert("gpu-a", node_url, static=True)  # known, not answered yet
+
+        async def answers_later():
+            await trio.sleep(0.5)
+            hub.registry.apply_state(h, NodeState(name="gpu-a", models=[ModelState(name="m", state="ready")]))
+
+        nursery.start_soon(answers_later)
+        async with httpx.AsyncClient(timeout=20) as c:
+            async with c.stream("POST", url + "/api/chat", json={"model": "m"}) as r:
+                assert r.status_code == 200  # not 404: the model was about to be reported
+        assert hub.grace.over()
+        nursery.cancel_scope.cancel()

@@ -53,6 +53,7 @@ class NodeHandle:
         # Set when this connection of the node is declared lost; a fresh one per connection.
         # Requests on the node watch it: their streams end at once with `node_lost`.
         self.lost = trio.Event()
+        self.answered = False  # sent a NodeState at least once (the start-up grace waits for it)
 
     # --- decisions ---------------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class Registry:
         if not h.connected:
             h.lost = trio.Event()
         h.connected = True
+        h.answered = True
         h.lost_reason = ""
         self.changed()
 

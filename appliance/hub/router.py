@@ -158,7 +158,7 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
         req = decode_request(body)
         out.model = req.model
         out.cls = hub.admission.effective_class(client.priority, scope["headers"])
-        if not allowed(client, req.model) or not hub.control.known(req.model):
+        if not allowed(client, req.model):
             raise RouteError(404, "model_not_found", f"model {req.model!r} not found")
     except RouteError as e:
         await send_error(hub, send, api, out, e)
@@ -205,6 +205,11 @@ def _key(scope) -> str | None:
 
 async def _route(hub, scope, send, api: str, out: Outcome, req: _Req, body: bytes) -> None:
     model = req.model
+    if not hub.grace.over() and not hub.registry.ready_nodes(model):
+        # Just (re)started: nodes are still reporting what they have (grace.py).
+        await hub.grace.wait_settled(lambda: bool(hub.registry.ready_nodes(model)))
+    if not hub.control.known(model):
+        raise RouteError(404, "model_not_found", f"model {model!r} not found")
     err = hub.control.unservable(model)
     if err is not None:
         raise err

@@ -30,6 +30,7 @@ from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
 from appliance.hub.audit import AuditLog, check_path
 from appliance.hub.control import Control
+from appliance.hub.grace import StartupGrace
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
 from appliance.upstream import Pool
@@ -62,6 +63,7 @@ class Hub:
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
         # a `shutting_down` error event and a proper end, before the server cancels.
         self.drain_over = trio.Event()
+        self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         h, new = self.registry.upsert(name, url, static)
