@@ -20,7 +20,10 @@ import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hyper_serve
 
+from appliance import hyperfix
 from appliance.config import parse_listen
+
+hyperfix.apply()  # close a connection as soon as its peer has (hyperfix.py)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]

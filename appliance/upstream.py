@@ -7,7 +7,11 @@ This module sends one request on a kept-alive connection and yields the response
 as raw chunks as they arrive -- nothing is buffered or decoded. It owns the connection
 pool and one decision: may a connection be reused? Only when both sides finished the
 exchange cleanly. A pooled connection the node closed while idle fails before any byte
-of a response: that (and only that) is retried once on a fresh connection.
+of a response: that (and only that) is retried once on a fresh connection. Connections
+the pool no longer needs are closed at once, never left to the garbage collector: the
+extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by a
+non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
+-- otherwise each sits in CLOSE-WAIT holding an fd.
 
 Timeouts belong to the caller's configuration: connecting is bounded by
 CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
@@ -16,6 +20,7 @@ httpx stays for everything else (control calls, polling), where its features pay
 
 from __future__ import annotations
 
+import select
 import ssl
 import time
 from typing import AsyncIterator
@@ -28,8 +33,11 @@ import trio
 CONNECT_SECONDS = 5.0
 # Idle connections are dropped before the node's keep-alive (75 s, appliance.asgi) does.
 IDLE_SECONDS = 60.0
-# Idle connections kept per node; more concurrent requests open more and drop the extra.
+# Idle connections kept per node; more concurrent requests open more and close the extra.
 MAX_IDLE_PER_PEER = 64
+# How often `sweep_every` closes idle connections that expired or whose peer closed them
+# (a node's keep-alive ran out, the node restarted): a few seconds of CLOSE-WAIT at most.
+SWEEP_SECONDS = 5.0
 READ_BYTES = 65536
 
 
@@ -48,6 +56,30 @@ class _Conn:
         self.stream = stream
         self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
         self.idle_since = 0.0
+
+    def _socket(self):
+        s = self.stream
+        s = getattr(s, "transport_stream", s)  # TLS over TCP
+        return getattr(s, "socket", None)
+
+    def peer_closed(self) -> bool:
+        """An idle connection whose peer hung up (or sent what no request asked for)."""
+        sock = self._socket()
+        if sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+            # Readable while idle: the end of the stream, or bytes no request asked for.
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def close_now(self) -> None:
+        """Close without waiting (an idle connection has nothing to flush)."""
+        sock = self._socket()
+        if sock is not None:
+            sock.close()
 
 
 class Response:
@@ -130,20 +162,51 @@ class Pool:
         try:
             conn.h11.start_next_cycle()
         except h11.LocalProtocolError:
+            conn.close_now()
             return
         conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(key, [])
         if len(idle) < MAX_IDLE_PER_PEER:
             idle.append(conn)
+        else:
+            conn.close_now()
 
     def _get(self, key) -> _Conn | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if now - conn.idle_since < IDLE_SECONDS:
+            if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
                 return conn
+            conn.close_now()
         return None
+
+    def sweep(self) -> int:
+        """Close idle connections that expired or whose peer closed them; how many."""
+        now = time.monotonic()
+        closed = 0
+        for key, idle in list(self._idle.items()):
+            keep = []
+            for conn in idle:
+                if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
+                    keep.append(conn)
+                else:
+                    conn.close_now()
+                    closed += 1
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return closed
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def sweep_every(self, seconds: float = SWEEP_SECONDS) -> None:
+        """`sweep` every `seconds`, until cancelled (in the owner's nursery)."""
+        while True:
+            await trio.sleep(seconds)
+            self.sweep()
 
     async def _connect(self, key) -> _Conn:
         scheme, host, port = key

@@ -124,6 +124,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
             hub.drain_over.set()
 
         nursery.start_soon(drain_deadline)
+        nursery.start_soon(hub.upstream.sweep_every)  # idle node connections closed promptly
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
