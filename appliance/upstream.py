@@ -31,10 +31,12 @@ import trio
 
 # Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
 CONNECT_SECONDS = 5.0
-# Idle connections are dropped before the node's keep-alive (75 s, appliance.asgi) does.
-IDLE_SECONDS = 60.0
-# Idle connections kept per node; more concurrent requests open more and close the extra.
-MAX_IDLE_PER_PEER = 64
+# Idle connections are closed well before the peer's keep-alive (75 s, appliance.asgi)
+# would: a pool that outlives a load by 15 s at most, and never meets a peer's close.
+IDLE_SECONDS = 15.0
+# Idle connections kept per peer; a burst opens more and closes the extra when it ends
+# (a node runs a handful of requests per model at once; 16 covers that with room).
+MAX_IDLE_PER_PEER = 16
 # How often `sweep_every` closes idle connections that expired or whose peer closed them
 # (a node's keep-alive ran out, the node restarted): a few seconds of CLOSE-WAIT at most.
 SWEEP_SECONDS = 5.0
@@ -42,11 +44,26 @@ READ_BYTES = 65536
 
 
 class UpstreamError(Exception):
-    """The node could not be reached, or the connection broke; `before_response` says when."""
+    """The node could not be reached, or the connection broke; `before_response` says when.
+
+    The message is a verb phrase about the peer ("closed the connection before
+    answering"), so a caller's log line reads "node gpu-a closed the connection ..."."""
 
     def __init__(self, message: str, before_response: bool = True) -> None:
         super().__init__(message)
         self.before_response = before_response
+
+
+def _before_answer(e: BaseException, read_timeout: float) -> str:
+    """What a failure before the response's head means, said for an operator -- not h11's
+    "can't handle event type ConnectionClosed when role=SERVER"."""
+    if isinstance(e, trio.TooSlowError):
+        return f"did not answer within {read_timeout:g} s"
+    if isinstance(e, h11.RemoteProtocolError) and "ConnectionClosed" not in str(e):
+        return f"sent a broken response ({e})"
+    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, h11.RemoteProtocolError)):
+        return "closed the connection before answering"
+    return f"failed before answering ({type(e).__name__}: {e})"
 
 
 class _Conn:
@@ -105,7 +122,7 @@ class Response:
                 ev = conn.h11.next_event()
             except h11.RemoteProtocolError as e:
                 await self._discard()
-                raise UpstreamError(f"node broke the response: {e}", before_response=False) from None
+                raise UpstreamError(f"broke off the response ({e})", before_response=False) from None
             if isinstance(ev, h11.Data):
                 pending.append(ev.data)
                 continue
@@ -116,16 +133,21 @@ class Response:
                 try:
                     with trio.fail_after(self._read_timeout):
                         data = await conn.stream.receive_some(READ_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError) as e:
+                except trio.TooSlowError:
                     await self._discard()
-                    raise UpstreamError(f"{type(e).__name__}: {e}", before_response=False) from None
+                    raise UpstreamError(f"sent nothing for {self._read_timeout:g} s mid-response",
+                                        before_response=False) from None
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                    await self._discard()
+                    raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
+                                        before_response=False) from None
                 conn.h11.receive_data(data)
             elif isinstance(ev, h11.EndOfMessage):
                 self._release()
                 return
             elif isinstance(ev, h11.ConnectionClosed):
                 await self._discard()
-                raise UpstreamError("node closed the connection mid-body", before_response=False)
+                raise UpstreamError("closed the connection mid-response", before_response=False)
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.chunks()])
@@ -217,8 +239,12 @@ class Pool:
                     stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=ctx)
                 else:
                     stream = await trio.open_tcp_stream(host, port)
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
-            raise UpstreamError(f"connect to {host}:{port} failed: {type(e).__name__}: {e}") from None
+        except ConnectionRefusedError:
+            raise UpstreamError(f"refused the connection at {host}:{port}") from None
+        except trio.TooSlowError:
+            raise UpstreamError(f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s") from None
+        except (OSError, trio.BrokenResourceError) as e:
+            raise UpstreamError(f"could not be connected to at {host}:{port} ({type(e).__name__}: {e})") from None
         return _Conn(stream)
 
     async def request(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes,
@@ -262,12 +288,12 @@ class Pool:
                     continue
                 if isinstance(ev, h11.Response):
                     return Response(self, key, conn, ev, read_timeout)
-                raise UpstreamError(f"node closed the connection before answering ({type(ev).__name__})")
+                raise UpstreamError("closed the connection before answering")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError,
                 h11.RemoteProtocolError) as e:
             with trio.move_on_after(1, shield=True):
                 await conn.stream.aclose()
-            raise UpstreamError(f"{type(e).__name__}: {e}") from None
+            raise UpstreamError(_before_answer(e, read_timeout)) from None
         except BaseException:
             with trio.move_on_after(1, shield=True):
                 await conn.stream.aclose()

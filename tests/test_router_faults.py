@@ -271,3 +271,22 @@ async def test_a_request_right_after_start_waits_for_the_fleet_instead_of_404(tm
                 assert r.status_code == 200  # not 404: the model was about to be reported
         assert hub.grace.over()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
+    async def closer(stream):
+        await stream.receive_some(65536)  # read the request, then hang up: a node killed mid-request
+        await stream.aclose()
+
+    good = StallNode("good", chunks=1)
+    async with trio.open_nursery() as nursery:
+        hub, url, _stop = await _hub(nursery, tmp_path)
+        listeners = await nursery.start(partial(trio.serve_tcp, closer, 0, host="127.0.0.1"))
+        _ready(hub, "gpu-a", f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}", slots=8)
+        _ready(hub, "good", await _fake(nursery, good))
+        async with httpx.AsyncClient(timeout=20) as c:
+            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "stream": True}) as r:
+                assert r.status_code == 200
+        said = [r.getMessage() for r in caplog.records if r.name == "appliance.hub.router"]
+        assert said == ["node gpu-a closed the connection before answering: request for m from anonymous retried on good"]
+        nursery.cancel_scope.cancel()

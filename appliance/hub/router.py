@@ -246,8 +246,8 @@ async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: byte
             registry.finish(node, model)
         last = f"node {node.name} {why}"
         nxt = registry.pick(model, exclude=tried) if len(tried) < MAX_ATTEMPTS else None
-        log.warning("%s request for %s from %s (%s)", last, model, out.client,
-                    f"retrying on {nxt.name}" if nxt is not None else "no other node to retry on")
+        log.warning("%s: request for %s from %s %s", last, model, out.client,
+                    f"retried on {nxt.name}" if nxt is not None else "has no other node to go to")
         node = nxt
     raise RouteError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
 

@@ -364,7 +364,7 @@ class NodeApp:
             outcome.append(str(resp.status_code))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as e:
-            why = f"engine at {upstream} failed: {e}"
+            why = f"engine at {upstream} {e}"
             log.warning("%s %s: %s", scope["method"], raw, why)
             if not started:
                 outcome.append("502")
