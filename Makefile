@@ -29,8 +29,10 @@ $(LLAMA_STAMP): $(STAMP) tests/llama_cache.py
 
 llamacpp-wheel: $(LLAMA_STAMP)
 
-# systemd-analyze (tests/test_systemd_units.py) and promtool (tests/test_alerts.py): Debian's
-# systemd and prometheus packages, only when missing.
+# systemd-analyze (tests/test_systemd_units.py), promtool (tests/test_alerts.py,
+# tests/test_dashboard.py), headless chromium + chromedriver (tests/test_ui_browser.py),
+# etcd (tests/test_ha_e2e.py): Debian's packages, only when missing; the dpkg lock is
+# waited for (others may run apt).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 test-deps:
@@ -42,6 +44,16 @@ test-deps:
 	  echo "installing Debian's prometheus (for promtool: tests/test_alerts.py)"; \
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { \
+	  echo "installing Debian's chromium and chromium-driver (for tests/test_ui_browser.py)"; \
+	  $(SUDO) apt-get -o DPkg::Lock::Timeout=600 update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+	    --no-install-recommends chromium chromium-driver; }
+	@command -v etcd >/dev/null || test -x /usr/bin/etcd || { \
+	  echo "installing Debian's etcd-server (for etcd: tests/test_ha_e2e.py)"; \
+	  $(SUDO) apt-get -o DPkg::Lock::Timeout=600 update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+	    --no-install-recommends etcd-server; }
 
 test: $(STAMP) $(LLAMA_STAMP) test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider

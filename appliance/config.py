@@ -45,8 +45,11 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, rename="pascal"):
 
 class HubConfig(_Section):
     listen: str = "0.0.0.0:8080"
-    # The hub a node announces itself to; empty: the node waits to be dialled.
+    # The hubs a node announces itself to (comma-separated: one announcer per hub); empty:
+    # the node waits to be dialled.
     url: str = ""
+    # This hub's name among several (HA: the leader key holds it); empty: the host name.
+    name: str = ""
     # 32 MiB: a long chat history with a few images fits; a runaway upload does not.
     max_body_bytes: PosInt = 32 * MiB
     drain_seconds: NonNeg = 30.0
@@ -59,6 +62,8 @@ class HubConfig(_Section):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # Browser origins allowed to call the API (like OLLAMA_ORIGINS): comma-separated, `*` any.
+    cors_origins: str = ""
 
 
 class MetricsConfig(_Section):
@@ -175,6 +180,22 @@ class AuditConfig(_Section):
     backups: NonNegInt = 5
 
 
+class ClusterConfig(_Section):
+    # etcd endpoints (comma-separated http(s)://HOST:PORT); empty: one hub, no etcd.
+    etcd: str = ""
+    prefix: str = "appliance"
+    # The leader's lease: a dead leader is replaced this long after its last keepalive.
+    lease_seconds: Annotated[int, msgspec.Meta(ge=2, le=3600)] = 10
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    user: str = ""
+    password: str = ""
+
+    def endpoints(self) -> list[str]:
+        return [e.strip().rstrip("/") for e in self.etcd.split(",") if e.strip()]
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, rename="pascal"):
     hub: HubConfig = msgspec.field(default_factory=HubConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
@@ -189,9 +210,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, rename="pascal"):
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     profiles: dict[str, Profile] = {}
     audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
     def node_name(self) -> str:
         return self.node.name or socket.gethostname()
+
+    def hub_name(self) -> str:
+        return self.hub.name or socket.gethostname()
+
+    def hub_urls(self) -> list[str]:
+        """Hub__Url on a node: the hubs it announces to."""
+        return [u.strip() for u in self.hub.url.split(",") if u.strip()]
 
 
 # --- parsing -----------------------------------------------------------------------------
@@ -389,6 +418,12 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"Sim__Models__{i}__Name is empty: every simulated model needs a name")
     for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen), ("Sim__Listen", cfg.sim.listen)):
         parse_listen(listen, var)
+    for var, urls in (("Cluster__Etcd", cfg.cluster.endpoints()), ("Hub__Url", cfg.hub_urls())):
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ConfigError(f"{var}={u!r}: expected comma-separated http:// or https:// URLs")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", cfg.cluster.prefix):
+        raise ConfigError(f"Cluster__Prefix={cfg.cluster.prefix!r}: expected 1-64 of A-Z a-z 0-9 . _ -")
     if cfg.metrics.listen:
         parse_listen(cfg.metrics.listen, "Metrics__Listen")
 

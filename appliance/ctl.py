@@ -77,11 +77,20 @@ def nodes_table(nodes: list[dict]) -> str:
     return _table(rows)
 
 
+def cluster_line(c: dict) -> str:
+    """Several hubs: who leads, by which epoch, which hubs, and whether etcd answers."""
+    leader = f"leader {c['leader']} (epoch {c['epoch']})" if c.get("leader") else "NO LEADER"
+    etcd = "etcd up" if c.get("etcd_up") else "etcd UNREACHABLE"
+    return f"cluster: {leader}; hubs {', '.join(c.get('hubs') or [])}; this hub {c.get('name')}; {etcd}"
+
+
 def render(cmd: str, body: dict) -> str:
     if cmd == "status":
         head = "fleet: satisfied" if body["satisfied"] else f"fleet: NOT SATISFIED ({len(body['problems'])} problems)"
         parts = [head, *(f"  - {p}" for p in body["problems"]), "", models_table(body["models"]) if body["models"]
                  else "no models", "", nodes_table(body["nodes"]) if body["nodes"] else "no nodes"]
+        if body.get("cluster"):
+            parts[1:1] = [cluster_line(body["cluster"])]
         return "\n".join(parts)
     if cmd == "models":
         return models_table(body["models"]) if body["models"] else "no models"

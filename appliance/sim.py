@@ -21,7 +21,9 @@ Generation: `max_tokens` / `max_completion_tokens` / `options.num_predict` token
 drift); 0 sends as fast as the socket takes them. At most `Sim__Parallel` requests
 generate at once per model, the rest wait for a slot; a client that goes away cancels its
 request and frees its slot. Each token costs one bytes join: the request's chunk prefix
-and suffix are built once, the words' JSON at import.
+and suffix are built once, the words' JSON at import. A chat that offers tools, last
+message the user's, gets one tool call instead (`appliance.simtools`), so clients' tool
+round trips run against the sim.
 
 It says it is simulated: every response carries the header `x-appliance-engine: sim`;
 OpenAI bodies carry `"system_fingerprint": "appliance-sim"` (and /v1/models
@@ -36,6 +38,7 @@ import base64
 import logging
 import signal
 import struct
+import time
 from functools import partial
 from typing import Any, Callable
 
@@ -46,8 +49,10 @@ from appliance import __version__
 from appliance.asgi import BodyTooLarge, read_body, serve, wait_disconnect
 from appliance.config import MiB, ConfigError, SimConfig
 from appliance.config import load as load_config
+from appliance import simtools
 from appliance.hub.errors import error_body
-from appliance.simcore import (EMBED_DIM, FINGERPRINT, MAX_TOKENS, SIM_HEADER, VERSION, Frame, Req, SimError,
+from appliance.simcore import (EMBED_DIM, FINGERPRINT, MAX_TOKENS, NDJSON, SIM_HEADER, SSE, VERSION, Frame, Req,
+                               SimError,
                                SimModelState, SimState, count, embedding, is_zero_keep_alive, iso, ollama_frame,
                                openai_frame, req_decoder, tokens)
 
@@ -189,6 +194,12 @@ class SimApp:
                                    "completion": 0, "eval_ns": 0})
             await _send_json(send, 200, out)
             return
+        call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role) if chat else None
+        if call is not None:
+            await self.state.ensure_loaded(m)
+            await self._send_tool_call(send, NDJSON if req.stream is not False else _JSON,
+                                       simtools.ollama_answer(req.model, iso(time.time()), call, req.stream is not False))
+            return
         body = req.messages if chat else [req.system, req.prompt]
         seed = _enc.encode([m.spec.name, body])
         await self._generate(receive, send, m, req, seed, frame, req.stream is not False,
@@ -252,10 +263,20 @@ class SimApp:
         chat = path == "/v1/chat/completions"
         if chat and not req.messages:
             raise SimError(400, "invalid_request", "'messages' is required and must not be empty")
-        seed = _enc.encode([m.spec.name, req.messages if chat else ["", req.prompt or ""]])
         usage = req.stream_options is not None and req.stream_options.include_usage
+        call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role) if chat else None
+        if call is not None:
+            await self.state.ensure_loaded(m)
+            await self._send_tool_call(send, SSE if req.stream else _JSON, simtools.openai_answer(
+                req.model, self.state.next_id(), call, bool(req.stream), usage))
+            return
+        seed = _enc.encode([m.spec.name, req.messages if chat else ["", req.prompt or ""]])
         frame = openai_frame(req.model, chat, self.state.next_id(), usage)
         await self._generate(receive, send, m, req, seed, frame, bool(req.stream))
+
+    async def _send_tool_call(self, send, headers, body: bytes) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def openai_embed(self, scope, receive, send, path: str) -> None:
         req = await self._request(receive)

@@ -93,6 +93,8 @@ class Req(msgspec.Struct):
     stream_options: StreamOptions | None = None
     input: Any = None
     encoding_format: str = "float"
+    tools: Any = None
+    tool_choice: Any = None
 
 
 req_decoder = msgspec.json.Decoder(Req)

@@ -23,12 +23,27 @@ class EngineInstall(msgspec.Struct):
     version: str = ""
 
 
+class ModelMeta(msgspec.Struct, omit_defaults=True):
+    """What an engine says about a model (Ollama's /api/tags and /api/ps), passed on to
+    the hub's /api/tags, /api/ps and /api/show; empty where the engine says nothing."""
+
+    digest: str = ""
+    modified_at: str = ""
+    format: str = ""
+    family: str = ""
+    families: list[str] | None = None
+    parameter_size: str = ""
+    quantization_level: str = ""
+    context_length: int = 0
+
+
 class ModelState(msgspec.Struct):
     name: str
     size_mb: int = 0
     state: ModelStatus = "available"
     last_error: str = ""
     in_flight: int = 0
+    meta: ModelMeta | None = None
 
 
 class NodeState(msgspec.Struct):
@@ -97,3 +112,8 @@ class LoadRequest(msgspec.Struct):
 
 
 load_request_decoder = msgspec.json.Decoder(LoadRequest)
+
+
+# Fencing (HA): the leading hub's epoch rides on every load and unload it sends; a node
+# refuses a call from an older epoch than the highest it has seen (409 `stale_leader`).
+EPOCH_HEADER = "x-appliance-epoch"

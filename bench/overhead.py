@@ -1,6 +1,6 @@
 """What the hub and the node add: the same requests direct, through a node, through hub + node.
 
-Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N]
+Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N] [--ui-polling]
 
 Starts three real processes on loopback -- `appliance sim` (no artificial delay), an
 `appliance node` fronting it (Engine__Kind=ollama at the sim's URL) and an `appliance hub`
@@ -8,7 +8,15 @@ knowing that node -- then sends, side by side in one run, a short non-streaming 
 streamed chat of 200 chunks to each of the three targets at concurrency 1 and 32. Prints
 p50/p99 latency, requests per second, the ratios to direct, and the CPU seconds each
 process spent per request and per streamed chunk, read from /proc (utime + stime), and
-the hub's RSS at idle.
+the hub's RSS at idle. With `--ui-polling`, a thread polls the hub the way its page
+(/ui/) does for the whole run -- the status, the nodes and the last requests every 2 s,
+the history every 6 s -- so the figures include an operator's open page.
+
+The translated rows: a second sim behind an `Engine__Kind=openai` node, so the hub
+translates. Through the hub at concurrency 1: OpenAI chat passed through (the base),
+Ollama /api/chat passed through to the Ollama-speaking node, Ollama /api/chat translated
+onto the OpenAI engine, Anthropic /v1/messages translated onto it -- added time per
+request and hub CPU per request and per streamed event, side by side.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -59,7 +68,8 @@ async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tup
                     async with client.stream("POST", url, json=body) as r:
                         assert r.status_code == 200, r.status_code
                         async for line in r.aiter_lines():
-                            if line.startswith("data: ") and line != "data: [DONE]":
+                            # An SSE event's data line, or an NDJSON line.
+                            if (line.startswith("data: ") and line != "data: [DONE]") or line.startswith("{"):
                                 chunks += 1
                 else:
                     r = await client.post(url, json=body)
@@ -74,6 +84,21 @@ async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tup
     return lat, wall, chunks
 
 
+# What the page's app.js fetches each poll (every 2 s) and, every third poll, its charts.
+PAGE_POLLS = ("/api/status", "/admin/nodes", "/api/requests/recent?limit=50")
+PAGE_POLL_SECONDS = 2.0
+
+
+def poll_like_the_page(url: str, stop: threading.Event, counts: list[int]) -> None:
+    with httpx.Client(base_url=url, timeout=10) as c:
+        n = 0
+        while not stop.wait(PAGE_POLL_SECONDS):
+            for path in PAGE_POLLS + (("/api/status/history",) if n % 3 == 0 else ()):
+                assert c.get(path).status_code == 200, path
+                counts[0] += 1
+            n += 1
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p * len(xs)))]
@@ -83,14 +108,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400, help="non-streaming requests per target and concurrency")
     ap.add_argument("--stream-requests", type=int, default=64, help="streamed requests per target and concurrency")
+    ap.add_argument("--ui-polling", action="store_true", help="poll the hub as its /ui/ page does, all run long")
     args = ap.parse_args()
     procs = Procs()
+    stop_polling = threading.Event()
+    polls = [0]
     try:
         sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0", "Sim__Parallel": "64"})
         node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
                                     "Engine__Kind": "ollama", "Engine__Url": sim.url, "Node__ModelSlots": "64"})
+        sim2 = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0", "Sim__Parallel": "64",
+                                   "Sim__Models__0__Name": "sim-oai"})
+        node2 = procs.start("node", {"Node__Name": "bench-oai", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                                     "Engine__Kind": "openai", "Engine__Url": sim2.url, "Node__ModelSlots": "64"})
         hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": os.devnull,
-                                  "Nodes__0__Name": "bench", "Nodes__0__Url": node.url}, wait=("hub",))
+                                  "Nodes__0__Name": "bench", "Nodes__0__Url": node.url,
+                                  "Nodes__1__Name": "bench-oai", "Nodes__1__Url": node2.url}, wait=("hub",))
         # Warm the model through the hub (activation loads it on the node).
         deadline = time.monotonic() + 60
         while True:
@@ -100,6 +133,8 @@ def main() -> None:
                 break
             time.sleep(0.2)
         assert r.status_code == 200, r.text
+        if args.ui_polling:
+            threading.Thread(target=poll_like_the_page, args=(hub.url, stop_polling, polls), daemon=True).start()
         time.sleep(1.0)
         idle_rss = {"hub": rss_mb(hub.pid), "node": rss_mb(node.pid), "engine": rss_mb(sim.pid)}
         pids = {"hub": hub.pid, "node": node.pid, "engine": sim.pid}
@@ -136,8 +171,11 @@ def main() -> None:
             floor_cpu = (cpu_seconds(floor.pid) - before) / args.requests
         finally:
             floor.kill()
+        translated = translated_rows(hub.url, hub.pid, args)
         print(f"\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: {floor_cpu * 1e3:.3f} ms CPU per request,"
               f" p50 {statistics.median(lat) * 1e3:.2f} ms")
+        if args.ui_polling:
+            print(f"page polling on: {polls[0]} page requests to the hub during the run")
         print(f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
         print(f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
               f"{'p50 x':>7}{'rps x':>7}{'hub ms/req':>11}{'node ms/req':>12}{'eng ms/req':>11}{'hub us/chunk':>13}{'node us/chunk':>14}")
@@ -145,8 +183,37 @@ def main() -> None:
             print(f"{kind:<10}{conc:>5} {tname:<9}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{rps:>9.0f}{dp50 * 1e3:>9.2f}"
                   f"{rp50:>7.2f}{rrps:>7.2f}{hcpu * 1e3:>11.3f}{ncpu * 1e3:>12.3f}{ecpu * 1e3:>11.3f}"
                   f"{(hch * 1e6 if hch is not None else 0):>13.1f}{(nch * 1e6 if nch is not None else 0):>14.1f}")
+        print("\ntranslation, through the hub, concurrency 1 (base: OpenAI chat passed through to the openai engine)")
+        print(f"{'request':<10} {'route':<24}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'hub ms/req':>11}{'hub us/event':>13}")
+        for kind, label, p50, p99, dp50, hcpu, hch in translated:
+            print(f"{kind:<10} {label:<24}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{dp50 * 1e3:>9.2f}{hcpu * 1e3:>11.3f}"
+                  f"{(hch * 1e6 if hch is not None else 0):>13.1f}")
     finally:
+        stop_polling.set()
         procs.close()
+
+
+def translated_rows(hub_url: str, hub_pid: int, args) -> list[tuple]:
+    user = [{"role": "user", "content": "hi"}]
+    routes = (("openai pass (oai)", "/v1/chat/completions", {"model": "sim-oai", "messages": user}),
+              ("ollama pass (ollama)", "/api/chat", {"model": "sim-small", "messages": user}),
+              ("ollama>openai", "/api/chat", {"model": "sim-oai", "messages": user}),
+              ("anthropic>openai", "/v1/messages", {"model": "sim-oai", "messages": user}))
+    rows = []
+    for kind, n, stream, tokens in (("short", args.requests, False, 8), ("stream200", args.stream_requests, True, STREAM_CHUNKS)):
+        base = None
+        for label, path, body in routes:
+            b = dict(body, stream=stream)
+            b["options" if path == "/api/chat" else "max_tokens"] = {"num_predict": tokens} if path == "/api/chat" else tokens
+            url = hub_url + path
+            trio.run(run_load, url, b, max(1, n // 10), 1, stream)  # warm-up
+            before = cpu_seconds(hub_pid)
+            lat, _wall, chunks = trio.run(run_load, url, b, n, 1, stream)
+            hub_cpu = cpu_seconds(hub_pid) - before
+            p50 = statistics.median(lat)
+            base = p50 if base is None else base
+            rows.append((kind, label, p50, pct(lat, 0.99), p50 - base, hub_cpu / n, hub_cpu / chunks if chunks else None))
+    return rows
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_every_alert_is_tested_and_every_failure_mode_has_one():
     tested = set(re.findall(r"alertname: (\w+)", (RULES / "alerts_test.yml").read_text()))
     assert set(alerts) <= tested, set(alerts) - tested
     for mode in ("ModelNotReady", "ModelParked", "ModelUnplaceable", "ModelStartFailures", "NodeDown",
-                 "CertificateExpiring", "AuditWriteFailing"):
+                 "CertificateExpiring", "NoLeader", "LeaderFlapping", "AuditWriteFailing"):
         assert f"Appliance{mode}" in alerts
 
 
@@ -67,6 +67,6 @@ def test_alerts_use_series_the_hub_publishes():
     exprs = re.findall(r"expr: (.*)", (RULES / "alerts.yml").read_text())
     used = {n for e in exprs for n in re.findall(r"\bappliance_[a-z_]+", e)}
     assert "appliance_model_ready" in used and "appliance_node_lost" in used
-    source = "".join(p.read_text() for p in (ROOT / "appliance" / "hub").glob("*.py"))
+    source = "".join(p.read_text() for d in ("hub", "cluster") for p in (ROOT / "appliance" / d).glob("*.py"))
     for name in used:
         assert f'"{name}"' in source, f"{name} is in alerts.yml but no hub module publishes it"

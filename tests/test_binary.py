@@ -43,6 +43,7 @@ DRAIN_SECONDS = 3
 def source_hash() -> str:
     h = hashlib.sha256()
     files = sorted(p for p in (ROOT / "appliance").rglob("*.py") if p.name != "_build.py")
+    files += sorted((ROOT / "appliance" / "hub" / "ui" / "static").iterdir())  # the page's data files
     files += [ROOT / "pyproject.toml", ROOT / "packaging" / "appliance.spec", ROOT / "packaging" / "build.sh"]
     for p in files:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
@@ -212,6 +213,9 @@ def test_binary_carries_every_role_and_no_test_tooling(binary):
               if p.stem != "__init__"}
     assert roles - names == set()
     assert {n for n in names if n.split(".")[0] in ("pytest", "_pytest", "hypothesis", "openai", "ollama")} == set()
+    # The hub's page (/ui/) rides along as data files beside its package.
+    for f in ("index.html", "app.js", "style.css"):
+        assert f"appliance/hub/ui/static/{f}" in listing, f
 
 
 def test_units_verify_with_the_built_binary(binary, tmp_path):

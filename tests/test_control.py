@@ -252,7 +252,11 @@ async def test_metrics_ready_zero_for_a_desired_model(nursery, autojump_clock, t
     assert _sample(text, "appliance_model_parked", model="idle") == 0
     assert _sample(text, "appliance_model_consecutive_start_failures", model="idle") == 0
     assert _sample(text, "appliance_node_engine_info", node="a", kind="sim", version="0.1") == 1
-    assert _sample(text, "appliance_leader") == 1
+    import socket
+
+    assert _sample(text, "appliance_leader", hub=socket.gethostname()) == 1  # alone, it leads
+    assert _sample(text, "appliance_leader_changes_total") == 0
+    assert _sample(text, "appliance_cluster_up") == 1
     assert _sample(text, "appliance_tls_cert_expiry_seconds", path=str(cert)) == NOT_AFTER
     cert.unlink()  # read from disk at each scrape: gone from disk, gone from the scrape
     assert "appliance_tls_cert_expiry_seconds{" not in generate_latest(metrics).decode()

@@ -76,7 +76,7 @@ async def test_retry_cordon_pause_and_errors(nursery, autojump_clock):
         await hub.control.activate("kev-0.5b")
     code, body = await call(hub, "POST", "/admin/models/kev-0.5b/retry")
     assert code == 200 and body == {"model": "kev-0.5b", "retried": True, "was_parked": True}
-    assert ("admin", {"action": "retry", "model": "kev-0.5b", "was_parked": True}) in hub.audit.events
+    assert ("admin", {"actor": "admin", "action": "retry", "model": "kev-0.5b", "was_parked": True}) in hub.audit.events
     code, body = await call(hub, "POST", "/admin/models/qwen%2Fsmall%3A1b/retry")
     assert code == 200 and body["model"] == "qwen/small:1b"
     code, _ = await call(hub, "POST", "/admin/models/qwen/small:1b/retry")  # unencoded slash tolerated

@@ -74,8 +74,12 @@ async def test_sim_engine_lists_loads_and_unloads():
         assert states(engine)["big:7b"] == ("ready", "") and engine.memory_used_mb() == 4000
         assert len(changes) == 3  # loading, then ready
         assert engine.app.state.statistics()["big:7b"]["loaded"]
+        await engine.refresh()  # the poll adds what /api/ps tells of the loaded model
+        meta = {m.name: m.meta for m in engine.models()}["big:7b"]
+        assert meta.family == "sim" and meta.digest and meta.context_length > 0
+        seen = len(changes)
         await engine.refresh()
-        assert len(changes) == 3  # the poll found nothing new: no change reported
+        assert len(changes) == seen  # the poll found nothing new: no change reported
         await engine.unload("big:7b")
         assert states(engine)["big:7b"] == ("available", "") and engine.memory_used_mb() == 0
         assert not engine.app.state.statistics()["big:7b"]["loaded"]

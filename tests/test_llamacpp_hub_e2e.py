@@ -168,3 +168,34 @@ def _same_stream_as_the_engine_alone(fleet, node) -> None:
     via_hub = deltas(fleet.hub.url + "/v1/chat/completions")
     direct = deltas(f"http://127.0.0.1:{port}/v1/chat/completions")
     assert len(via_hub) >= 8 and "".join(via_hub) and via_hub == direct
+
+
+def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
+    """llama.cpp speaks only OpenAI: the hub translates, and greedy text is the same
+    streamed and whole on every API."""
+    import anthropic
+    import ollama
+
+    ol = ollama.Client(host=fleet.hub.url, timeout=120)
+    opts = {"temperature": 0, "seed": 3, "num_predict": 12}
+    whole = ol.chat(model="tiny", messages=MESSAGES, options=opts)
+    parts = list(ol.chat(model="tiny", messages=MESSAGES, options=opts, stream=True))
+    assert whole.message.content and "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].done and parts[-1].done_reason in ("stop", "length") and whole.eval_count > 0
+    g = ol.generate(model="tiny", prompt="hi", options=opts)
+    assert g.done and isinstance(g.response, str)
+    with pytest.raises(ollama.ResponseError) as ei:
+        ol.chat(model="tiny", messages=MESSAGES, options={"temperature": "hot"})
+    assert ei.value.status_code == 400
+
+    ac = anthropic.Anthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=120)
+    m = ac.messages.create(model="tiny", max_tokens=12, extra_body={"temperature": 0}, messages=MESSAGES)
+    with ac.messages.stream(model="tiny", max_tokens=12, extra_body={"temperature": 0}, messages=MESSAGES) as s:
+        text = "".join(s.text_stream)
+    assert m.content and text == m.content[0].text and m.stop_reason in ("end_turn", "max_tokens")
+
+    r = fleet.client.responses.create(model="tiny", input="hi", max_output_tokens=12, temperature=0)
+    deltas = [e.delta for e in fleet.client.responses.create(model="tiny", input="hi", max_output_tokens=12,
+                                                              temperature=0, stream=True)
+              if e.type == "response.output_text.delta"]
+    assert r.output_text and "".join(deltas) == r.output_text

@@ -186,4 +186,4 @@ def test_models_on_demand_end_to_end(procs, tmp_path):
     assert [p for p in body["problems"] if "kev-0.5b" not in p] == []
     text = httpx.get(f"{f.hub.urls['metrics']}/metrics", timeout=10).text
     assert 'appliance_node_engine_info{kind="sim",node="gpu-c"' in text
-    assert re.search(r"^appliance_leader 1\.0$", text, re.M)
+    assert re.search(r'^appliance_leader\{hub="[^"]+"\} 1\.0$', text, re.M)

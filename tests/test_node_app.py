@@ -403,3 +403,18 @@ async def test_run_node_in_process_sim_then_stop_drains():
                     stop.set()
                     async for _ in lines:
                         pass
+
+
+async def test_fencing_refuses_an_older_epoch_with_stale_leader():
+    """HA: the highest epoch seen wins; an older leader's load/unload is refused (409)."""
+    async with running_node() as n:
+        path = f"/node/v1/models/{quote('m', safe='')}"
+        assert (await n.http.post(f"{path}/load", headers={"x-appliance-epoch": "7"})).status_code == 200
+        r = await n.http.post(f"{path}/unload", headers={"x-appliance-epoch": "5"})
+        assert r.status_code == 409 and r.json()["code"] == "stale_leader" and "older than 7" in r.json()["error"]
+        r = await n.http.post(f"{path}/load", headers={"x-appliance-epoch": "x"})
+        assert r.status_code == 409 and r.json()["code"] == "stale_leader"
+        assert n.engine.loads == [("m", "", "")]  # neither refused call reached the engine
+        assert (await n.http.post(f"{path}/unload", headers={"x-appliance-epoch": "9"})).status_code == 200
+        assert (await n.http.post(f"{path}/load", headers={"x-appliance-epoch": "7"})).status_code == 409
+        assert (await n.http.post(f"{path}/load")).status_code == 200  # one hub alone sends none

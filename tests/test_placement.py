@@ -196,6 +196,31 @@ def test_on_demand_is_wanted_until_idle_then_unloaded():
     assert core.desired("m", 95.0) == 0
 
 
+def test_keep_alive_of_the_last_request_replaces_the_idle_time():
+    import math
+
+    core = Models(cfg([{"Name": "m", "IdleUnloadSeconds": 60}]))
+    a = node("a", models=["m"])
+    core.ask("m", [a], 0.0)
+    core.load_done("m", "a", None, 0.0)
+    set_state(a, "m", "ready")
+    core.touch("m", 10.0, keep=math.inf)  # keep_alive -1: until unloaded
+    assert core.plan([a], 10_000.0) == [] and core.desired("m", 10_000.0) == 1
+    core.touch("m", 10_000.0, keep=600.0)  # a duration: at least that long
+    assert core.plan([a], 10_599.0) == []
+    assert core.plan([a], 10_600.0) == [Unload("m", "a", "idle for 600 s")]
+    set_state(a, "m", "ready")
+    core.ask("m", [a], 20_000.0)
+    core.touch("m", 20_000.0, keep=0.0)  # 0: unloaded once idle, and not wanted again
+    a.in_flight["m"] = 1
+    assert core.plan([a], 20_000.0) == []  # the request is still running
+    a.in_flight["m"] = 0
+    assert core.plan([a], 20_000.5) == [Unload("m", "a", "idle for 0 s")]
+    assert core.desired("m", 20_001.0) == 0
+    core.touch("m", 30_000.0)  # a request without keep_alive: the catalog's 60 s again
+    assert core.plan([a], 30_059.0) == []
+
+
 def test_always_on_replicas_placed_one_per_node():
     core = Models(cfg([{"Name": "m", "Replicas": 2}]))
     a, b = node("a", models=["m"]), node("b", models=["m"])

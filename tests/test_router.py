@@ -178,7 +178,7 @@ def test_authenticate_allowed_and_decode():
 
 def test_error_shapes():
     o = json.loads(error_body("openai", 503, "model_parked", "parked: boom"))
-    assert o == {"error": {"message": "parked: boom", "type": "service_unavailable", "code": "model_parked"}}
+    assert o == {"error": {"message": "parked: boom", "type": "service_unavailable", "param": None, "code": "model_parked"}}
     assert json.loads(error_body("ollama", 404, "model_not_found", "model 'x' not found")) == {"error": "model 'x' not found"}
     e = RouteError(503, "model_loading", "loading; retry shortly", retry_after=2.4)
     assert e.headers() == [(b"retry-after", b"2")]

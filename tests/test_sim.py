@@ -124,7 +124,7 @@ async def test_failing_load_answers_500_and_stays_unloaded(autojump_clock):
         r = await c.post("/api/chat", json={**CHAT, "model": "kev"})
         assert r.status_code == 500 and r.json() == {"error": FAIL}
         r = await c.post("/v1/chat/completions", json={**CHAT, "model": "kev"})
-        assert r.status_code == 500 and r.json()["error"] == {"message": FAIL, "type": "server_error", "code": "model_load_failed"}
+        assert r.status_code == 500 and r.json()["error"] == {"message": FAIL, "type": "server_error", "param": None, "code": "model_load_failed"}
         assert (await c.get("/api/ps")).json()["models"] == []
         assert state.statistics()["kev"] == {"loaded": False, "loads": 3, "generating": 0, "waiting": 0}
 

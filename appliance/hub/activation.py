@@ -16,6 +16,13 @@ then says what is happening.
 4. Timed out: 503 `model_loading` "loading; retry shortly" with Retry-After.
 
 The waiter owns no state; `source` is the control plane (see `Source`).
+
+On a follower hub (several hubs, appliance/cluster/) the same steps go through etcd:
+`activate_via_leader` asks by writing the ask (its revision is the generation), waits --
+polled, bounded by the same window -- until the leader's shared record says it decided
+that ask, and reads parked/unplaceable from the mirrored record. No leader known, or etcd
+unreachable: 503 `no_leader` with Retry-After at once; models already ready never come
+here, so they keep serving.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import Protocol
 import trio
 
 from appliance.hub.errors import RouteError
+
+from appliance.cluster.etcd import EtcdError
 
 # The seed's poll period: a load takes tens of seconds, so 250 ms is noise against it.
 POLL_SECONDS = 0.25
@@ -56,6 +65,49 @@ async def activate(source: Source, model: str, wait_seconds: float) -> None:
             err = source.why_unservable(model)
             if err is not None:
                 raise err
+            await trio.sleep(POLL_SECONDS)
+    raise RouteError(503, "model_loading", f"model {model!r} is loading; retry shortly",
+                     retry_after=RETRY_AFTER_SECONDS)
+
+
+class Leader(Protocol):
+    """The cluster member as a follower's waiter sees it."""
+
+    lease_seconds: float
+
+    def has_leader(self) -> bool: ...
+
+    async def ask_leader(self, model: str) -> int:
+        """Write the ask; its revision. Raises EtcdError."""
+
+    def decided(self, model: str) -> int:
+        """The last ask revision the leader decided for `model` (shared record)."""
+
+
+def no_leader(leader: Leader, why: str) -> RouteError:
+    return RouteError(503, "no_leader", f"no hub leads the fleet now ({why}); models already ready keep "
+                      f"serving, placing a model must wait for a leader", retry_after=leader.lease_seconds)
+
+
+async def activate_via_leader(leader: Leader, source: Source, model: str, wait_seconds: float) -> None:
+    """A follower's activation: ask the leader through etcd, wait for its decision and a
+    ready replica (seen on this hub's own watch streams); RouteError otherwise."""
+    if not leader.has_leader():
+        raise no_leader(leader, "no leader elected, or etcd unreachable")
+    try:
+        generation = await leader.ask_leader(model)
+    except EtcdError as e:
+        raise no_leader(leader, f"etcd: {e}") from None
+    with trio.move_on_after(wait_seconds):
+        while True:
+            if source.has_ready(model):
+                return
+            if leader.decided(model) >= generation:
+                err = source.why_unservable(model)
+                if err is not None:
+                    raise err
+            elif not leader.has_leader():
+                raise no_leader(leader, "the leader went away while the model was asked for")
             await trio.sleep(POLL_SECONDS)
     raise RouteError(503, "model_loading", f"model {model!r} is loading; retry shortly",
                      retry_after=RETRY_AFTER_SECONDS)

@@ -23,6 +23,7 @@ import urllib.parse
 import httpx
 
 from appliance.asgi import send_json
+from appliance.cluster.etcd import EtcdError
 
 log = logging.getLogger("appliance.hub.admin")
 
@@ -64,7 +65,13 @@ def status(hub) -> dict:
     for n in rows:
         if n["status"] == "lost":
             problems.append(f"node {n['name']} is lost: {n['lost_reason']}")
-    return {"satisfied": not problems, "problems": problems, "models": models, "nodes": rows}
+    out = {"satisfied": not problems, "problems": problems, "models": models, "nodes": rows}
+    if getattr(hub, "cluster", None) is not None:
+        out["cluster"] = hub.cluster.status()
+        if not out["cluster"]["leader"]:
+            problems.append("no hub leads the fleet: models cannot be placed (is etcd reachable?)")
+            out["satisfied"] = False
+    return out
 
 
 def _segments(scope) -> list[str]:
@@ -75,7 +82,7 @@ def _segments(scope) -> list[str]:
 
 def _event(hub, action: str, **fields) -> None:
     if hub.audit is not None:
-        hub.audit.event("admin", action=action, **fields)
+        hub.audit.event("admin", actor="admin", action=action, **fields)
 
 
 async def handle(hub, scope, receive, send) -> None:
@@ -92,7 +99,14 @@ async def handle(hub, scope, receive, send) -> None:
             return await send_json(send, 405, {"error": f"{method} not allowed; use POST"})
         model = "/".join(rest[1:-1])
         parked = bool(hub.control.core.health.get(model) and hub.control.core.health[model].parked)
-        if not hub.control.known(model) or not hub.control.retry(model):
+        if not hub.control.known(model):
+            return await send_json(send, 404, {"error": f"model {model!r} not found"})
+        if getattr(hub, "cluster", None) is not None and not hub.cluster.leading:
+            try:  # a follower: the leader applies it (and every hub sees the result)
+                await hub.cluster.request_retry(model)
+            except EtcdError as e:
+                return await send_json(send, 503, {"error": f"no leader to retry {model!r}: etcd: {e}"})
+        elif not hub.control.retry(model):
             return await send_json(send, 404, {"error": f"model {model!r} not found"})
         _event(hub, "retry", model=model, was_parked=parked)
         return await send_json(send, 200, {"model": model, "retried": True, "was_parked": parked})
@@ -112,6 +126,11 @@ async def _node_action(hub, name: str, action: str, send) -> None:
         h.cordoned = action == "cordon"
         log.warning("node %s %sed by an operator", name, action)
         hub.registry.changed()
+        if getattr(hub, "cluster", None) is not None:  # every hub routes by the same cordons
+            try:
+                await hub.cluster.set_cordon(name, h.cordoned)
+            except EtcdError as e:
+                return await send_json(send, 503, {"error": f"node {name} {action}ed on this hub only: etcd: {e}"})
     else:
         try:
             code, err = await hub.control.ops.control(h, action)

@@ -17,8 +17,9 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.cluster.etcd import EtcdError
 from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
-from appliance.hub import status
+from appliance.hub import apiroutes, status, ui
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.router import allowed, authenticate, handle_inference
 from appliance.metricsapp import render
@@ -34,13 +35,17 @@ INFERENCE = {
     "/api/generate": "ollama",
     "/api/embed": "ollama",
     "/api/embeddings": "ollama",
+    "/v1/messages": "anthropic",
+    "/v1/responses": "openai",
 }
-GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps", "/api/version"}
+GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps"}
 # Announcements are tiny; anything bigger is not a node.
 ANNOUNCE_MAX_BYTES = 64 * 1024
 
 
 def _api(path: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
     return "openai" if path.startswith("/v1/") else "ollama"
 
 
@@ -60,6 +65,8 @@ def make_app(hub):
                 await _error(send, path, 405, "method_not_allowed", f"{path} takes POST")
                 return
             await handle_inference(hub, scope, receive, send, api)
+            return
+        if await apiroutes.handle(hub, scope, receive, send):
             return
         if path in GETS:
             if method not in ("GET", "HEAD"):
@@ -81,9 +88,12 @@ def make_app(hub):
 
             await admin.handle(hub, scope, receive, send)
             return
+        if await ui.handle(hub, scope, send, lambda: _admin_ok(hub, scope)):
+            return
         await _error(send, path, 404, "not_found", f"no route {method} {path}")
 
-    return app
+    origins = [o.strip() for o in hub.cfg.hub.cors_origins.split(",") if o.strip()]
+    return apiroutes.with_cors(apiroutes.with_request_id(app), origins)
 
 
 def _admin_ok(hub, scope) -> bool:
@@ -106,9 +116,6 @@ async def _get(hub, scope, send, path: str) -> None:
             await send_text(send, 200, render(hub.metrics_registry, hub.before_scrape), CONTENT_TYPE_LATEST.encode())
         else:
             await send_json(send, 200, status.status_payload(hub))
-        return
-    if path == "/api/version":
-        await send_json(send, 200, {"version": __version__})
         return
     try:
         client = authenticate(hub, bearer(scope))
@@ -152,4 +159,9 @@ async def _announce(hub, scope, receive, send) -> None:
         await _error(send, path, 400, "invalid_request", f"bad announcement: url {ann.url!r} has a bad port")
         return
     hub.add_node(ann.name, ann.url, static=False)
+    if getattr(hub, "cluster", None) is not None:  # every hub dials a node that announced to one
+        try:
+            await hub.cluster.announced(ann.name, ann.url)
+        except EtcdError as e:
+            log.warning("node %s announced, not shared with the other hubs: etcd: %s", ann.name, e)
     await send_json(send, 200, {"ok": True, "name": ann.name})

@@ -53,6 +53,8 @@ class AuditLog:
         self.last_error = ""
         self.on_error: Callable[[], None] = lambda: None
         self._logged_at = float("-inf")
+        # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
+        self.recent = None
 
     def _open(self):
         if not self.path:
@@ -105,7 +107,10 @@ class AuditLog:
                       self.path or "stdout", self.last_error, self.write_errors)
 
     def request(self, **fields: Any) -> None:
-        self.write({"ts": round(time.time(), 3), "kind": "request", **fields})
+        record = {"ts": round(time.time(), 3), "kind": "request", **fields}
+        self.write(record)
+        if self.recent is not None:
+            self.recent.add(record)
 
     def event(self, kind: str, **fields: Any) -> None:
         self.write({"ts": round(time.time(), 3), "kind": kind, **fields})

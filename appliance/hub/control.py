@@ -18,6 +18,13 @@ Interface the router and status rely on:
 - `touch(model)`: a request used it (idle unload counts from the last one).
 - `models_status()`: the `models` list of /api/status (DESIGN 9 keys exactly).
 - `reload(cfg)` (SIGHUP), `retry(model) -> bool` (`appliance ctl retry`).
+
+With several hubs (`Cluster__Etcd`, appliance/cluster/) `cluster` is this hub's member:
+only while it leads does the loop plan (loads, unloads, idle unloads, backoff, parking),
+every load and unload carrying its epoch (`NodeOps.epoch`); a node's 409 `stale_leader`
+counts nothing against the model and steps this hub down. A follower's activation asks
+the leader through etcd (activation.activate_via_leader). Without it `cluster` is None
+and this hub always leads.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from appliance.config import Config
 from appliance.hub import activation
 from appliance.hub.errors import RouteError
 from appliance.hub.placement import Load, Models, Unload
-from appliance.wire import LoadRequest
+from appliance.wire import EPOCH_HEADER, LoadRequest
 
 log = logging.getLogger("appliance.hub.control")
 
@@ -62,23 +69,41 @@ def _error_of(resp: httpx.Response) -> str:
     return f"node answered {resp.status_code}: {resp.text[:300]}"
 
 
+class StaleLeader(Exception):
+    """A node refused a load/unload: it has seen a newer leader's epoch."""
+
+
 class NodeOps:
-    """The node's control API over the hub's shared node client (node token included)."""
+    """The node's control API over the hub's shared node client (node token included).
+    `epoch`: the leader's epoch sent with every load and unload (HA fencing); None alone."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
+        self.epoch: int | None = None
+
+    def _headers(self, **extra: str) -> dict[str, str]:
+        if self.epoch is not None:
+            extra[EPOCH_HEADER] = str(self.epoch)
+        return extra
+
+    @staticmethod
+    def _answer(resp: httpx.Response) -> str | None:
+        if resp.status_code == 409:
+            raise StaleLeader(_error_of(resp))
+        return None if resp.status_code == 200 else _error_of(resp)
 
     async def load(self, h, model: str, req: LoadRequest, read_seconds: float) -> str | None:
         """None when ready; else the engine's own words. Raises httpx.TransportError."""
         resp = await self.client.post(
             f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load", content=_enc.encode(req),
-            headers={"content-type": "application/json"}, timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
-        return None if resp.status_code == 200 else _error_of(resp)
+            headers=self._headers(**{"content-type": "application/json"}),
+            timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
+        return self._answer(resp)
 
     async def unload(self, h, model: str) -> str | None:
         resp = await self.client.post(f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
-                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
-        return None if resp.status_code == 200 else _error_of(resp)
+                                      headers=self._headers(), timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
+        return self._answer(resp)
 
     async def control(self, h, action: str) -> tuple[int, str]:
         """`pause`/`resume`/`leave`/`join`: (status, error text or "")."""
@@ -102,6 +127,7 @@ class Control:
         self._decided = trio.Event()
         self._unloading: set[tuple[str, str]] = set()
         self._last_now = 0.0
+        self.cluster = None  # appliance.cluster.member.Member when Cluster__Etcd is set
         registry.add_listener(self._wake_up)
         if metrics_registry is not None:
             from appliance.hub.model_metrics import ControlCollector
@@ -119,7 +145,8 @@ class Control:
             while True:
                 self.beat()
                 now = self.now()
-                self._carry_out(self.core.plan(self._nodes(), now))
+                if self.leading():
+                    self._carry_out(self.core.plan(self._nodes(), now))
                 wait = self.cfg.hub.control_interval_seconds
                 due = self.core.next_due(now)
                 if due is not None:
@@ -138,6 +165,17 @@ class Control:
 
     def _wake_up(self) -> None:
         self._wake.set()
+
+    def leading(self) -> bool:
+        return self.cluster is None or self.cluster.leading
+
+    def leadership_changed(self) -> None:
+        """Won or lost: a winner plans at once; a loser's pending loads are the new leader's."""
+        if not self.leading():
+            self.core.pending.clear()
+        self._decided.set()
+        self._decided = trio.Event()
+        self._wake_up()
 
     def _nodes(self) -> list:
         return [h for h in self.registry.nodes.values() if not h.removed]
@@ -179,6 +217,11 @@ class Control:
                 error = f"node {act.node} did not answer the load within {bound:g} s"
         except httpx.TransportError as e:
             self.core.load_lost(act.model, act.node, f"{type(e).__name__}: {e}", self.now())
+        except StaleLeader as e:
+            self.core.load_lost(act.model, act.node, f"refused as a stale leader: {e}", self.now())
+            log.warning("load of %s refused by %s: %s", act.model, act.node, e)
+            if self.cluster is not None:
+                self.cluster.deposed(f"node {act.node} refused our epoch: {e}")
         else:
             self.core.load_done(act.model, act.node, error, self.now())
         self._audit_events()
@@ -194,8 +237,8 @@ class Control:
                 err = await self.ops.unload(h, act.model)
                 if err:
                     log.warning("unload of %s on %s refused: %s", act.model, act.node, err)
-        except httpx.TransportError as e:
-            log.warning("unload of %s on %s not answered: %s", act.model, act.node, e)
+        except (httpx.TransportError, StaleLeader) as e:
+            log.warning("unload of %s on %s not done: %s", act.model, act.node, e)
         finally:
             self._unloading.discard((act.node, act.model))
 
@@ -236,6 +279,8 @@ class Control:
     def unservable(self, model: str) -> RouteError | None:
         err = self.why_unservable(model)
         if err is not None and err.code == "model_unplaceable":
+            if not self.leading():
+                return None  # the activation asks the leader for a fresh decision
             self.ask(model)  # never refuse on a stale answer: decide afresh
             err = self.why_unservable(model)
         if err is not None:
@@ -243,10 +288,20 @@ class Control:
         return err
 
     async def activate(self, model: str) -> None:
-        await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
+        if self.leading():
+            await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
+        else:
+            await activation.activate_via_leader(self.cluster, self, model, self.cfg.router.activation_wait_seconds)
 
-    def touch(self, model: str) -> None:
-        self.core.touch(model, self.now())
+    def touch(self, model: str, keep: float | None = None) -> None:
+        """A request used `model`; `keep`: its keep_alive in seconds (None: the catalog's)."""
+        self.core.touch(model, self.now(), keep)
+        if keep is not None:
+            self._wake_up()
+
+    def expires_in(self, model: str) -> float | None:
+        """Seconds until `model` is unloaded when idle; None: it stays (/api/ps's expires_at)."""
+        return self.core.expires_in(model, self.now())
 
     # --- operators ---------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 Theory of operation: anything that refuses a request raises `RouteError` with a status,
 a code from DESIGN section 9, a message, and optionally a Retry-After. The app renders it
 in the shape of the API the request came in on: OpenAI `{"error": {"message", "type",
-"code"}}` for /v1 routes, Ollama `{"error": "..."}` for /api routes.
+"code", "param"}}` for /v1 routes, Ollama `{"error": "..."}` for /api routes, Anthropic
+`{"type": "error", "error": {"type", "message"}}` for /v1/messages. `param` names the
+body field a 400 is about (OpenAI's own habit; SDKs show it).
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ NO_RETRY = frozenset({"model_parked", "model_unplaceable"})
 
 
 class RouteError(Exception):
-    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.retry_after = retry_after
+        self.param = param
 
     def body(self, api: str) -> bytes:
-        return error_body(api, self.status, self.code, self.message)
+        return error_body(api, self.status, self.code, self.message, self.param)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         if self.code in NO_RETRY:
@@ -42,8 +46,18 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           503: "service_unavailable"}
 
 
-def error_body(api: str, status: int, code: str, message: str) -> bytes:
-    """`api` is "openai" or "ollama"."""
+# Anthropic's error types by status (its API reference, "Errors").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(api: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """`api` is "openai", "ollama" or "anthropic"."""
     if api == "ollama":
         return _enc.encode({"error": message})
-    return _enc.encode({"error": {"message": message, "type": _TYPES.get(status, "server_error"), "code": code}})
+    if api == "anthropic":
+        return _enc.encode({"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                                      "message": message}})
+    return _enc.encode({"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                                  "param": param, "code": code}})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from appliance.tlsinfo import cert_not_after
 
@@ -42,11 +42,14 @@ class ControlCollector:
         model = [GaugeMetricFamily(n, h, labels=["model"]) for n, h, _ in _MODEL]
         engine = GaugeMetricFamily("appliance_node_engine_info", "Engine installs per node (kind, version); value 1.",
                                    labels=["node", "kind", "version"])
-        leader = GaugeMetricFamily("appliance_leader", "1 while this hub leads the fleet (a single hub always does).")
+        leader = GaugeMetricFamily("appliance_leader", "1 while this hub leads the fleet (a single hub always does).",
+                                   labels=["hub"])
+        changes = CounterMetricFamily("appliance_leader_changes_total", "Leader changes this hub has seen (epochs).")
+        up = GaugeMetricFamily("appliance_cluster_up", "1 while etcd answers this hub (always 1 for a hub alone).")
         tls = GaugeMetricFamily("appliance_tls_cert_expiry_seconds",
                                 "notAfter of the certificate file, as Unix time, read from disk at each scrape.",
                                 labels=["path"])
-        return [*model, engine, leader, tls], model, engine, leader, tls
+        return [*model, engine, leader, changes, up, tls], model, engine, (leader, changes, up), tls
 
     def collect(self):
         fams, model, engine, leader, tls = self._families()
@@ -57,7 +60,11 @@ class ControlCollector:
             if h.state is not None and not h.removed:
                 for e in h.state.engines:
                     engine.add_metric([h.name, e.kind, e.version], 1.0)
-        leader.add_metric([], 1.0)
+        leader, changes, up = leader
+        cluster = self.control.cluster
+        leader.add_metric([self.control.cfg.hub_name()], 1.0 if self.control.leading() else 0.0)
+        changes.add_metric([], float(cluster.changes if cluster is not None else 0))
+        up.add_metric([], 1.0 if cluster is None or cluster.up else 0.0)
         hub = self.control.cfg.hub
         for path in dict.fromkeys(p for p in (hub.tls_cert, hub.tls_ca) if p):
             try:

@@ -72,6 +72,9 @@ class Health:
     next_attempt: float = 0.0
     asked: bool = False
     last_used: float | None = None
+    # The last request's Ollama `keep_alive` in seconds (inf: until unloaded, 0: unload
+    # once idle); None: the catalog's IdleUnloadSeconds.
+    keep: float | None = None
     asked_gen: int = 0
     decided_gen: int = 0
     warned_reason: str = ""
@@ -174,8 +177,24 @@ class Models:
         h = self.health.get(name)
         if h is None or not h.asked:
             return False
+        return h.last_used is None or now - h.last_used < self._idle_limit(name)
+
+    def expires_in(self, name: str, now: float) -> float | None:
+        """Seconds until an idle unload of `name` is due (None: never: always-on or kept)."""
+        limit = self._idle_limit(name)
+        if self.spec(name).replicas or limit == math.inf:
+            return None
+        h = self.health.get(name)
+        last = h.last_used if h is not None and h.last_used is not None else now
+        return last + limit - now
+
+    def _idle_limit(self, name: str) -> float:
+        """Seconds an on-demand model stays after its last use (inf: no idle unload)."""
+        h = self.health.get(name)
+        if h is not None and h.keep is not None:
+            return h.keep
         idle = self.spec(name).idle_unload_seconds
-        return idle == 0 or h.last_used is None or now - h.last_used < idle
+        return math.inf if idle == 0 else idle
 
     def replicas(self, name: str, nodes: Iterable) -> tuple[list[str], list[str]]:
         """(ready node names, loading node names) counted for `name` now."""
@@ -247,9 +266,11 @@ class Models:
         h.decided_gen = h.asked_gen
         return h.asked_gen, acts
 
-    def touch(self, name: str, now: float) -> None:
+    def touch(self, name: str, now: float, keep: float | None = None) -> None:
+        """A request used `name`; `keep` is its keep_alive in seconds (None: the default)."""
         h = self._h(name)
         h.last_used = now
+        h.keep = keep
 
     def requested(self, name: str, now: float) -> None:
         """A request for `name` was refused (parked, unplaceable): it is still wanted."""
@@ -289,18 +310,19 @@ class Models:
 
     def _idle_unloads(self, name: str, nodes: list, now: float) -> list[Action]:
         spec = self.spec(name)
-        if spec.replicas or spec.idle_unload_seconds == 0:
+        limit = self._idle_limit(name)
+        if spec.replicas or limit == math.inf:
             return []
         if any(p.model == name or name in p.victims for p in self.pending):
             return []
         last = self._h(name).last_used
-        if last is not None and now - last < spec.idle_unload_seconds:
+        if last is not None and now - last < limit:
             return []
         out: list[Action] = []
         for h in nodes:
             if (h.routable() and (m := h.state.model(name)) is not None and m.state == "ready"
                     and not m.in_flight and not h.in_flight.get(name, 0)):
-                out.append(Unload(name, h.name, f"idle for {spec.idle_unload_seconds:g} s"))
+                out.append(Unload(name, h.name, f"idle for {limit:g} s"))
         return out
 
     def load_done(self, model: str, node: str, error: str | None, now: float) -> None:

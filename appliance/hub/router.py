@@ -22,7 +22,10 @@ import trio
 
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
 from appliance.config import ClientConfig
+from appliance.hub import translate
 from appliance.hub.errors import RouteError, error_body
+from appliance.hub.requestid import request_id
+from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.upstream import UpstreamError
 
 log = logging.getLogger("appliance.hub.router")
@@ -39,6 +42,7 @@ MAX_ATTEMPTS = 2
 class _Req(msgspec.Struct):
     model: str
     stream: bool | None = None
+    keep_alive: object = None  # Ollama's; checked by translate.ollama.keep_alive_seconds
 
 
 _req_decoder = msgspec.json.Decoder(_Req)
@@ -77,9 +81,11 @@ def decode_request(body: bytes) -> _Req:
 class Outcome:
     """What the audit line and the metrics say about one request."""
 
-    __slots__ = ("t0", "client", "cls", "model", "path", "status", "node", "ttfb", "error", "done", "tried")
+    __slots__ = ("t0", "client", "cls", "model", "path", "status", "node", "ttfb", "error", "done", "tried",
+                 "request_id")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, request_id: str = "") -> None:
+        self.request_id = request_id
         self.t0 = time.perf_counter()
         self.client = "anonymous"
         self.cls = "normal"
@@ -101,6 +107,8 @@ def record(hub, out: Outcome) -> None:
     elapsed = time.perf_counter() - out.t0
     fields = {"client": out.client, "model": out.model, "path": out.path, "status": out.status,
               "node": out.node, "ms": round(elapsed * 1000, 2)}
+    if out.request_id:
+        fields["request_id"] = out.request_id
     if out.ttfb is not None:
         fields["ttfb_ms"] = round(out.ttfb * 1000, 2)
     if out.error:
@@ -120,7 +128,7 @@ async def send_error(hub, send, api: str, out: Outcome, e: RouteError) -> None:
     out.status = e.status
     out.error = e.code
     record(hub, out)
-    headers = [(b"content-type", b"application/json"), *e.headers()]
+    headers = [(b"content-type", b"application/json"), *e.headers(), *_rid(out)]
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": e.body(api)})
 
@@ -129,7 +137,7 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
     """One POST to an inference route (`api` is "openai" or "ollama"): exactly one audit
     line and one count, whatever ends it (refused, malformed, client gone, node lost,
     drained, or a bug -- a 500 in the API's shape)."""
-    out = Outcome(scope["path"])
+    out = Outcome(scope["path"], request_id(scope["headers"]))
     try:
         await _handle(hub, scope, receive, send, api, out)
     except RouteError as e:  # raised while the watcher was cancelling: still answered
@@ -156,10 +164,18 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
         except BodyTooLarge:
             raise RouteError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
         req = decode_request(body)
-        out.model = req.model
+        if not hub.grace.over() and not _ready(hub, req.model):
+            # Just (re)started: the nodes are still reporting what they have (grace.py).
+            if not await _wait_grace(hub, receive, req.model):
+                out.status, out.error = 499, "client_disconnected"
+                return
+        model = translate.resolve(req.model, hub.control.known)
+        out.model = model
         out.cls = hub.admission.effective_class(client.priority, scope["headers"])
-        if not allowed(client, req.model):
+        if not allowed(client, model) or not hub.control.known(model):
             raise RouteError(404, "model_not_found", f"model {req.model!r} not found")
+        prep = translate.prepare(scope["path"], api, body, req.model, model)
+        keep = keep_alive_seconds(req.keep_alive) if api == "ollama" else None
     except RouteError as e:
         await send_error(hub, send, api, out, e)
         return
@@ -179,7 +195,7 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
 
         nursery.start_soon(watch)
         try:
-            await _route(hub, scope, send, api, out, req, body)
+            await _route(hub, scope, send, api, out, model, prep, keep)
         except RouteError as e:
             await send_error(hub, send, api, out, e)
         finally:
@@ -203,28 +219,60 @@ def _key(scope) -> str | None:
     return xkey
 
 
-async def _route(hub, scope, send, api: str, out: Outcome, req: _Req, body: bytes) -> None:
-    model = req.model
-    if not hub.grace.over() and not hub.registry.ready_nodes(model):
-        # Just (re)started: nodes are still reporting what they have (grace.py).
-        await hub.grace.wait_settled(lambda: bool(hub.registry.ready_nodes(model)))
-    if not hub.control.known(model):
-        raise RouteError(404, "model_not_found", f"model {model!r} not found")
+def _ready(hub, name: str) -> bool:
+    return bool(hub.registry.ready_nodes(translate.resolve(name, hub.control.known)))
+
+
+async def _wait_grace(hub, receive, name: str) -> bool:
+    """Wait out the start-up grace for `name`; False when the client went away meanwhile."""
+    gone = False
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            nonlocal gone
+            await wait_disconnect(receive)
+            gone = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        await hub.grace.wait_settled(lambda: _ready(hub, name))
+        nursery.cancel_scope.cancel()
+    return not gone
+
+
+def _rid(out: Outcome) -> list[tuple[bytes, bytes]]:
+    return [(b"x-request-id", out.request_id.encode())] if out.request_id else []
+
+
+async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: translate.Prepared,
+                 keep: float | None) -> None:
+    if prep.load_only and keep == 0:
+        # Ollama's unload request: the control loop unloads the model once it is idle,
+        # and does not load it again until asked; no node needs to see this one.
+        hub.control.touch(model, keep)
+        out.status = 200
+        record(hub, out)
+        body = unload_answer(model, scope["path"] == "/api/chat")
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *_rid(out)]})
+        await send({"type": "http.response.body", "body": body})
+        return
     err = hub.control.unservable(model)
     if err is not None:
         raise err
+    hub.control.touch(model)  # in use: the request's own keep_alive applies once it is done
     if not hub.registry.ready_nodes(model):
         await hub.control.activate(model)
-    hub.control.touch(model)
     ticket = await hub.admission.admit(model, out.cls, out.client)
     try:
-        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS]
-        await _proxy(hub, send, api, out, model, scope["path"], body, headers)
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS and k != b"x-request-id"]
+        headers += _rid(out)
+        await _proxy(hub, send, api, out, model, prep, headers)
     finally:
         hub.admission.release(ticket)
+        hub.control.touch(model, keep)  # idle time counts from the end of the work
 
 
-async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: bytes, headers) -> None:
+async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepared, headers) -> None:
     """Send to the best node; once more on the least loaded other one if it fails before
     the first byte. The operator's log line says what happened to whom."""
     registry = hub.registry
@@ -238,7 +286,8 @@ async def _proxy(hub, send, api, out: Outcome, model: str, path: str, body: byte
         hub.metrics.in_flight.labels(model).inc()
         try:
             await hub.admission.wait_slot(node, model, out.cls)
-            ok, why = await _stream_from(hub, send, api, out, node, path, body, headers)
+            plan = prep.for_engine(translate.engine_kind(node.state))
+            ok, why = await _stream_from(hub, send, api, out, node, plan, headers)
             if ok:
                 return
         finally:
@@ -284,7 +333,7 @@ class _Cut:
         self.trip(reason)
 
 
-async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) -> tuple[bool, str]:
+async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan, headers) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first
     byte -- including the node being declared lost while the request waited on it."""
     cut = _Cut()
@@ -292,21 +341,24 @@ async def _stream_from(hub, send, api, out: Outcome, node, path, body, headers) 
         watchers.start_soon(cut.watch, node.lost, "node_lost")
         watchers.start_soon(cut.watch, hub.drain_over, "shutting_down")
         try:
-            return await _relay(hub, send, api, out, node, path, body, headers, cut)
+            return await _relay(hub, send, api, out, node, plan, headers, cut)
         finally:
             watchers.cancel_scope.cancel()
 
 
-async def _relay(hub, send, api, out: Outcome, node, path, body, headers, cut: _Cut) -> tuple[bool, str]:
+async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, headers, cut: _Cut) -> tuple[bool, str]:
     resp = None
     with cut.reading():
         try:
-            resp = await hub.upstream.request("POST", node.url + path, headers, body, hub.cfg.hub.upstream_read_seconds)
+            resp = await hub.upstream.request("POST", node.url + plan.path, headers, plan.body,
+                                              hub.cfg.hub.upstream_read_seconds)
         except UpstreamError as e:
             return False, str(e)
     if resp is None:
-        return _cut_before_answer(cut, hub)
-    chunks = resp.chunks()
+        return _cut_before_answer(cut)
+    raw = resp.chunks()
+    conv = plan.converter(resp.status_code)
+    chunks = raw if conv is None else translate.Relay(raw, conv)
     try:
         if resp.status_code == 503:
             # The node (paused, full) or its engine (still loading) refused: try another.
@@ -323,13 +375,13 @@ async def _relay(hub, send, api, out: Outcome, node, path, body, headers, cut: _
             except UpstreamError as e:
                 return False, str(e)
         if first is None:
-            return _cut_before_answer(cut, hub)
+            return _cut_before_answer(cut)
         out.node = node.name
         out.status = resp.status_code
         out.ttfb = time.perf_counter() - out.t0
-        ctype = resp.headers.get("content-type", "application/json")
-        start_headers = [(b"content-type", ctype.encode())]
-        clen = resp.headers.get("content-length")
+        ctype = resp.headers.get("content-type", "application/json") if conv is None else conv.content_type.decode()
+        start_headers = [(b"content-type", ctype.encode()), *_rid(out)]
+        clen = resp.headers.get("content-length") if conv is None else (str(len(first)) if chunks.ended else None)
         if clen is not None and clen.isdigit() and int(clen) == len(first):
             # A whole answer in the first read (every short, non-streamed one): one
             # body message with its length, no chunked framing, fewer writes.
@@ -378,11 +430,11 @@ async def _relay(hub, send, api, out: Outcome, node, path, body, headers, cut: _
         return True, ""
     finally:
         with trio.move_on_after(1, shield=True):
-            await chunks.aclose()
+            await raw.aclose()
             await resp.aclose()
 
 
-def _cut_before_answer(cut: _Cut, hub) -> tuple[bool, str]:
+def _cut_before_answer(cut: _Cut) -> tuple[bool, str]:
     if cut.reason == "shutting_down":
         raise RouteError(503, "shutting_down", "the hub is shutting down; retry shortly",
                          retry_after=NO_CAPACITY_RETRY_AFTER)
@@ -391,12 +443,12 @@ def _cut_before_answer(cut: _Cut, hub) -> tuple[bool, str]:
 
 def stream_error(ctype: str, api: str, code: str, msg: str, tail: bytes = b"\n\n") -> bytes:
     """The error event that ends a cut stream, in the stream's own framing: an SSE `data:`
-    event, or one NDJSON line (which the `ollama` client raises as ResponseError). `tail`
-    is the last bytes already sent: the event starts on a line of its own, with no blank
-    line an NDJSON reader would choke on."""
+    event (`event: error` first for Anthropic's), or one NDJSON line (which the `ollama`
+    client raises as ResponseError). `tail` is the last bytes already sent: the event
+    starts on a line of its own, with no blank line an NDJSON reader would choke on."""
     body = error_body(api, 503, code, msg)
     if "event-stream" in ctype:
         sep = b"" if not tail or tail.endswith(b"\n\n") else (b"\n" if tail.endswith(b"\n") else b"\n\n")
-        return sep + b"data: " + body + b"\n\n"
+        return sep + (b"event: error\n" if api == "anthropic" else b"") + b"data: " + body + b"\n\n"
     sep = b"" if not tail or tail.endswith(b"\n") else b"\n"
     return sep + body + b"\n"

@@ -31,6 +31,7 @@ from appliance.hub.app import make_app
 from appliance.hub.audit import AuditLog, check_path
 from appliance.hub.control import Control
 from appliance.hub.grace import StartupGrace
+from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
 from appliance.upstream import Pool
@@ -64,6 +65,11 @@ class Hub:
         # a `shutting_down` error event and a proper end, before the server cancels.
         self.drain_over = trio.Event()
         self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
+        # The page's memory (history.py): 15 minutes of counters, the last request records.
+        self.history = History()
+        self.recent = Recent()
+        self.audit.recent = self.recent
+        self.cluster = None  # appliance.cluster.member.Member with Cluster__Etcd (run_hub sets it)
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         h, new = self.registry.upsert(name, url, static)
@@ -115,7 +121,10 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
 async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
         hub = Hub(cfg, client, nursery)
+        if cfg.cluster.etcd:
+            await nursery.start(_cluster, hub)
         await nursery.start(hub.control.run)
+        await nursery.start(run_sampler, hub.history, partial(read_hub, hub.metrics, hub.admission, hub.registry))
         api_done = trio.Event()
 
         async def drain_deadline() -> None:
@@ -150,6 +159,17 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
             await hub.upstream.aclose()
 
 
+async def _cluster(hub: Hub, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Several hubs (Cluster__Etcd): this hub's election and shared state (appliance/cluster/)."""
+    from appliance.cluster import etcd
+    from appliance.cluster.member import Member
+
+    async with etcd.open_client(hub.cfg.cluster) as client:
+        hub.cluster = Member(hub.cfg, etcd.make(hub.cfg.cluster, client), hub.control, hub.registry,
+                             lambda name, url: hub.add_node(name, url, static=False))
+        await hub.cluster.run(task_status=task_status)
+
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -178,6 +198,7 @@ AT_NEXT_START = {
     "Hub__TlsKey": lambda c: c.hub.tls_key, "Hub__TlsCa": lambda c: c.hub.tls_ca,
     "Hub__DrainSeconds": lambda c: c.hub.drain_seconds, "Metrics__Listen": lambda c: c.metrics.listen,
     "Auth__NodeToken": lambda c: c.auth.node_token, "Audit__Path": lambda c: c.audit.path,
+    "Hub__Name": lambda c: c.hub.name, "Cluster": lambda c: c.cluster,
 }
 
 

@@ -12,6 +12,8 @@ import time
 from appliance import __version__
 
 MiB = 1024 * 1024
+# A model whose engine names no date of its own is as new as this hub.
+STARTED_AT = time.time()
 
 
 def node_entry(h) -> dict:
@@ -38,6 +40,8 @@ def status_payload(hub) -> dict:
         "audit": {"path": hub.audit.path or "stdout", "write_errors": hub.audit.write_errors,
                   "last_error": hub.audit.last_error},
     }
+    if getattr(hub, "cluster", None) is not None:  # several hubs: who leads, by which epoch
+        out["cluster"] = hub.cluster.status()
     block = hub.admission.status_block()
     if block is not None:
         out["priority"] = block
@@ -51,6 +55,36 @@ def _size_bytes(hub, model: str) -> int:
             if m is not None and m.size_mb:
                 return m.size_mb * MiB
     return 0
+
+
+def model_meta(hub, model: str):
+    """What an engine said about `model` (wire.ModelMeta), from the first node that says it."""
+    best = None
+    for h in hub.registry.nodes.values():
+        if h.state is not None:
+            m = h.state.model(model)
+            if m is not None and m.meta is not None:
+                if m.meta.context_length:
+                    return m.meta
+                best = best or m.meta
+    return best
+
+
+def _details(meta) -> dict:
+    if meta is None:
+        return {"parent_model": "", "format": "", "family": "", "families": None, "parameter_size": "",
+                "quantization_level": ""}
+    return {"parent_model": "", "format": meta.format, "family": meta.family, "families": meta.families,
+            "parameter_size": meta.parameter_size, "quantization_level": meta.quantization_level}
+
+
+def _expires_at(hub, model: str) -> str:
+    """When an idle model will be unloaded, as Ollama's /api/ps says it; far ahead for
+    one that stays (always-on, keep_alive -1, no idle unload)."""
+    secs = hub.control.expires_in(model)
+    if secs is None:
+        return "2318-01-01T00:00:00Z"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + max(0.0, secs)))
 
 
 def _health(m: dict) -> str:
@@ -82,9 +116,12 @@ def ollama_tags(hub, client_allowed) -> dict:
     for m in hub.control.models_status():
         if not client_allowed(m["name"]):
             continue
-        models.append({"name": m["name"], "model": m["name"], "modified_at": "1970-01-01T00:00:00Z",
-                       "size": _size_bytes(hub, m["name"]), "digest": "",
-                       "details": {"format": "", "family": "", "parameter_size": "", "quantization_level": ""},
+        meta = model_meta(hub, m["name"])
+        models.append({"name": m["name"], "model": m["name"],
+                       "modified_at": (meta.modified_at if meta is not None and meta.modified_at
+                                       else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(STARTED_AT))),
+                       "size": _size_bytes(hub, m["name"]), "digest": meta.digest if meta is not None else "",
+                       "details": _details(meta),
                        "status": _health(m), "last_error": m["last_error"], "reason": m["reason"]})
     return {"models": models}
 
@@ -94,6 +131,11 @@ def ollama_ps(hub, client_allowed) -> dict:
     for m in hub.control.models_status():
         if m["ready"] and client_allowed(m["name"]):
             size = _size_bytes(hub, m["name"])
-            models.append({"name": m["name"], "model": m["name"], "size": size, "size_vram": size,
-                           "digest": "", "details": {}, "expires_at": "0001-01-01T00:00:00Z"})
+            meta = model_meta(hub, m["name"])
+            entry = {"name": m["name"], "model": m["name"], "size": size, "size_vram": size,
+                     "digest": meta.digest if meta is not None else "", "details": _details(meta),
+                     "expires_at": _expires_at(hub, m["name"])}
+            if meta is not None and meta.context_length:
+                entry["context_length"] = meta.context_length
+            models.append(entry)
     return {"models": models}

@@ -42,7 +42,7 @@ from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
 from appliance.upstream import Pool, UpstreamError
-from appliance.wire import Heartbeat, LoadRequest, StateEvent, encode_event, load_request_decoder
+from appliance.wire import EPOCH_HEADER, Heartbeat, LoadRequest, StateEvent, encode_event, load_request_decoder
 
 log = logging.getLogger("appliance.node.app")
 
@@ -51,7 +51,7 @@ CONTROL_BODY_LIMIT = 64 * 1024
 # Bound on closing an upstream response after the client went away (STYLE 6).
 CLEANUP_SECONDS = 5.0
 # Request headers the engine needs; everything else (our bearer above all) stays here.
-FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding")
+FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding", b"x-request-id", b"user-agent")
 # Response headers the client needs to read the bytes as the engine meant them.
 FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry-after")
 NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
@@ -81,6 +81,8 @@ class NodeApp:
         self.pool = Pool()
         self.metrics = metrics
         self.token = cfg.auth.node_token.encode()
+        # The highest leader epoch a load/unload carried (HA fencing); 0: none seen.
+        self.epoch = 0
         if not self.token:
             log.warning("Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach them")
 
@@ -153,10 +155,30 @@ class NodeApp:
         except msgspec.DecodeError as e:
             await self._error(send, "node", 400, "invalid_json", f"body is not a LoadRequest: {e}")
             return
+        stale = self._fence(scope)
+        if stale:
+            log.warning("refused %s of %s: %s", action, model, stale)
+            await send_json(send, 409, {"error": stale, "code": "stale_leader"})
+            return
         if action == "load":
             await self._load(send, model, req)
         else:
             await self._unload(send, model)
+
+    def _fence(self, scope: Scope) -> str:
+        """Why a load/unload is refused as coming from a deposed leader, or "" to go ahead.
+        No epoch header (a single hub without etcd): always go ahead."""
+        raw = next((v for k, v in scope["headers"] if k == EPOCH_HEADER.encode()), None)
+        if raw is None:
+            return ""
+        try:
+            epoch = int(raw)
+        except ValueError:
+            return f"{EPOCH_HEADER} {raw[:40]!r} is not an integer"
+        if epoch < self.epoch:
+            return f"epoch {epoch} is older than {self.epoch}: another hub leads now"
+        self.epoch = epoch
+        return ""
 
     @staticmethod
     def _model_path(scope: Scope) -> tuple[str | None, str]:

@@ -150,8 +150,8 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
             await nursery.start(partial(serve, metrics_app(metrics.registry, [metrics.refresh]), metrics_listen,
                                         "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1))
         url = advertise_url(cfg, host, port)
-        if cfg.hub.url:
-            await nursery.start(announce_loop, hclient, cfg.hub.url, cfg.auth.node_token,
+        for hub_url in cfg.hub_urls():  # one announcer per hub (HA: every hub dials us)
+            await nursery.start(announce_loop, hclient, hub_url, cfg.auth.node_token,
                                 Announce(name=name, url=url), cfg.node.announce_seconds)
         if reloads is not None:
             nursery.start_soon(apply_reloads, keeper, engine, reloads)

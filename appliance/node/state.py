@@ -231,7 +231,8 @@ class NodeStateKeeper:
         out: list[ModelState] = []
         seen = set()
         for m in self.engine.models():
-            m = ModelState(name=m.name, size_mb=m.size_mb, state=m.state, last_error=m.last_error)
+            m = ModelState(name=m.name, size_mb=m.size_mb, state=m.state, last_error=m.last_error,
+                           meta=m.meta)
             seen.add(m.name)
             if m.state not in ("ready", "loading"):
                 if m.name in self._loading:

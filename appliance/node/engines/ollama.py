@@ -29,7 +29,7 @@ import trio
 
 from appliance.config import MiB, Config
 from appliance.node.engines.base import Engine, EngineError
-from appliance.wire import EngineInstall, ModelState
+from appliance.wire import EngineInstall, ModelMeta, ModelState
 
 log = logging.getLogger("appliance.node.engine")
 
@@ -87,10 +87,28 @@ def error_text(r: httpx.Response) -> str:
     return err if isinstance(err, str) and err else f"HTTP {r.status_code}: {r.text[:300]}"
 
 
+class _Details(msgspec.Struct):
+    format: str = ""
+    family: str = ""
+    families: list[str] | None = None
+    parameter_size: str = ""
+    quantization_level: str = ""
+
+
 class _Tag(msgspec.Struct):
     name: str = ""
     model: str = ""
     size: int = 0
+    digest: str = ""
+    modified_at: str = ""
+    details: _Details | None = None
+    context_length: int = 0
+
+    def meta(self) -> ModelMeta:
+        d = self.details or _Details()
+        return ModelMeta(digest=self.digest, modified_at=self.modified_at, format=d.format, family=d.family,
+                         families=d.families, parameter_size=d.parameter_size,
+                         quantization_level=d.quantization_level, context_length=self.context_length)
 
 
 class _Tags(msgspec.Struct):
@@ -168,6 +186,7 @@ class OllamaEngine(PolledEngine):
         super().__init__(cfg.engine.url.rstrip("/"), cfg.engine.poll_seconds)
         self._tags: dict[str, int] = {}  # name -> size MiB, from /api/tags
         self._ps: dict[str, int] = {}  # name -> MiB in memory, from /api/ps
+        self._meta: dict[str, ModelMeta] = {}  # name -> what tags (and ps: context length) say
         self._loading: set[str] = set()
         self._failed: dict[str, str] = {}  # name -> the engine's words
         self._alias: dict[str, str] = {}  # name the hub asked for -> name Ollama lists
@@ -187,6 +206,12 @@ class OllamaEngine(PolledEngine):
         self._up = True
         self._tags = {t.name or t.model: mib(t.size) for t in tags}
         self._ps = {t.name or t.model: mib(t.size) for t in ps}
+        meta = {t.name or t.model: t.meta() for t in tags}
+        for t in ps:
+            name = t.name or t.model
+            if name in meta and t.context_length:
+                meta[name].context_length = t.context_length
+        self._meta = meta
         for name in self._ps:
             self._failed.pop(name, None)
         self._notify()
@@ -198,7 +223,7 @@ class OllamaEngine(PolledEngine):
         return _tags_decoder.decode(r.content).models or []
 
     def _forget(self) -> None:
-        self._tags, self._ps = {}, {}
+        self._tags, self._ps, self._meta = {}, {}, {}
 
     # --- what the node reads -----------------------------------------------------------
 
@@ -222,7 +247,8 @@ class OllamaEngine(PolledEngine):
         else:
             state = "available"
         size = self._tags.get(target) or self._ps.get(target, 0)
-        return ModelState(name=name, size_mb=size, state=state, last_error=self._failed.get(target, ""))
+        return ModelState(name=name, size_mb=size, state=state, last_error=self._failed.get(target, ""),
+                          meta=self._meta.get(target))
 
     def models(self) -> list[ModelState]:
         if not self._up:

@@ -1,0 +1,259 @@
+"""The client routes around inference: liveness, version, one model, show, CORS, and the
+model-management routes the hub does not do.
+
+Theory of operation: `handle(hub, scope, receive, send)` answers the routes below and
+returns True, or returns False and leaves the request to the app. It decides nothing about
+routing; what it says about models comes from the registry and the control plane.
+- `GET /`, `HEAD /`: "Ollama is running" (the Ollama CLI's liveness check); a browser
+  (Accept: text/html) is sent to `/ui/`.
+- `GET /api/version`: the Ollama API version the hub implements, its own in
+  `appliance_version`.
+- `GET /v1/models/{id}`: one model, or a 404 in OpenAI's shape.
+- `POST /api/show`: forwarded to a node whose engine speaks Ollama and has the model; for
+  other engines an answer from what the hub knows (details, `model_info` with the context
+  length where known, capabilities).
+- `/api/copy`, `/api/create`, `/api/push`, `/api/blobs/*`, `/api/pull`, `/api/delete`: 501 in
+  Ollama's shape, saying what to do instead.
+- CORS (`Hub__CorsOrigins`, comma-separated, `*` for any): `with_cors` adds the headers
+  to the app's answers and answers preflights (`OPTIONS`); `with_request_id` makes sure
+  every answer carries `x-request-id`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from urllib.parse import unquote
+
+import msgspec
+import trio
+
+from appliance import __version__
+from appliance.asgi import BodyTooLarge, bearer, header, read_body, send_json, send_text
+from appliance.hub import status
+from appliance.hub.errors import RouteError, error_body
+from appliance.hub.requestid import request_id
+from appliance.hub.router import allowed, authenticate
+from appliance.hub.translate import OPENAI_ONLY, engine_kind, resolve
+from appliance.upstream import UpstreamError
+
+log = logging.getLogger("appliance.hub.apiroutes")
+
+# The Ollama API this hub implements (routes and fields of Ollama 0.12); clients that
+# compare versions read this one.
+OLLAMA_API_VERSION = "0.12.6"
+# /api/show bodies are a model name; 64 KiB is generous.
+SHOW_BODY_LIMIT = 64 * 1024
+# A node's /api/show answer is metadata (the template, the license): bounded all the same.
+SHOW_READ_SECONDS = 30.0
+UNSUPPORTED = {
+    "/api/copy": "copying models is not done through the hub; copy on the node's engine",
+    "/api/create": "creating models is not done through the hub; create on the node's engine, "
+                   "or define it with Models__N__Source",
+    "/api/push": "pushing models is not done through the hub; push from the node's engine",
+    "/api/pull": "pulling models through the hub is not built yet; pull on the node's engine "
+                 "(ollama pull) and the hub discovers it",
+    "/api/delete": "deleting models through the hub is not built yet; delete on the node's engine "
+                   "(ollama rm)",
+}
+CORS_METHODS = b"GET, POST, HEAD, OPTIONS, DELETE"
+CORS_HEADERS = (b"authorization, content-type, x-api-key, x-request-id, x-priority, anthropic-version, "
+                b"anthropic-beta, openai-organization, openai-project, x-stainless-os, x-stainless-lang, "
+                b"x-stainless-package-version, x-stainless-runtime, x-stainless-runtime-version, x-stainless-arch, "
+                b"x-stainless-retry-count, x-stainless-timeout, user-agent")
+
+
+def _header(scope, name: bytes) -> str:
+    return header(scope, name) or ""
+
+
+def cors_origin(origins: list[str], scope) -> bytes | None:
+    """The Access-Control-Allow-Origin value for this request, None: no CORS headers."""
+    origin = _header(scope, b"origin")
+    if not origin or not origins:
+        return None
+    if "*" in origins:
+        return b"*"
+    return origin.encode("latin-1") if origin in origins else None
+
+
+def with_request_id(app):
+    """Every answer carries `x-request-id`: the router sets it on inference answers (it also
+    forwards and audits it); this fills it in on every other one."""
+
+    async def rid_app(scope, receive, send):
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        rid = None
+
+        async def send_rid(msg):
+            nonlocal rid
+            if msg["type"] == "http.response.start":
+                headers = msg.get("headers", [])
+                if not any(k == b"x-request-id" for k, _ in headers):
+                    rid = rid or request_id(scope["headers"]).encode()
+                    msg = {**msg, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(msg)
+
+        await app(scope, receive, send_rid)
+
+    return rid_app
+
+
+def with_cors(app, origins: list[str]):
+    """The app, with CORS headers on its answers and OPTIONS preflights answered."""
+    if not origins:
+        return app
+
+    async def cors_app(scope, receive, send):
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        allow = cors_origin(origins, scope)
+        if scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method"):
+            headers = [(b"content-length", b"0"), (b"vary", b"origin")]
+            if allow is not None:
+                headers += [(b"access-control-allow-origin", allow), (b"access-control-allow-methods", CORS_METHODS),
+                            (b"access-control-allow-headers", CORS_HEADERS), (b"access-control-max-age", b"600")]
+            await send({"type": "http.response.start", "status": 204 if allow is not None else 403,
+                        "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if allow is None:
+            await app(scope, receive, send)
+            return
+
+        async def send_cors(msg):
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"access-control-allow-origin", allow),
+                                          (b"access-control-expose-headers", b"x-request-id, retry-after"),
+                                          (b"vary", b"origin")]}
+            await send(msg)
+
+        await app(scope, receive, send_cors)
+
+    return cors_app
+
+
+async def _error(send, api: str, e: RouteError) -> None:
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json"), *e.headers()]})
+    await send({"type": "http.response.body", "body": e.body(api)})
+
+
+async def handle(hub, scope, receive, send) -> bool:
+    path, method = scope["path"], scope["method"]
+    if path == "/":
+        if method not in ("GET", "HEAD"):
+            await _error(send, "ollama", RouteError(405, "method_not_allowed", "/ takes GET"))
+        elif "text/html" in _header(scope, b"accept"):
+            await send({"type": "http.response.start", "status": 302,
+                        "headers": [(b"location", b"/ui/"), (b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            await send_text(send, 200, b"Ollama is running", b"text/plain; charset=utf-8")
+        return True
+    if path == "/api/version":
+        if method not in ("GET", "HEAD"):
+            await _error(send, "ollama", RouteError(405, "method_not_allowed", "/api/version takes GET"))
+        else:
+            await send_json(send, 200, {"version": OLLAMA_API_VERSION, "appliance_version": __version__})
+        return True
+    if path.startswith("/v1/models/"):
+        await _one_model(hub, scope, send, unquote(path[len("/v1/models/"):]))
+        return True
+    if path == "/api/show":
+        await _show(hub, scope, receive, send)
+        return True
+    if path in UNSUPPORTED or path.startswith("/api/blobs/"):
+        msg = UNSUPPORTED.get(path, "blobs are not stored by the hub; send them to the node's engine")
+        await send_json(send, 501, error_body("ollama", 501, "not_implemented", msg))
+        return True
+    return False
+
+
+def _client(hub, scope):
+    return authenticate(hub, bearer(scope))
+
+
+async def _one_model(hub, scope, send, model_id: str) -> None:
+    try:
+        if scope["method"] not in ("GET", "HEAD"):
+            raise RouteError(405, "method_not_allowed", "/v1/models/{id} takes GET")
+        client = _client(hub, scope)
+        for m in status.openai_models(hub, lambda name: allowed(client, name))["data"]:
+            if m["id"] == resolve(model_id, hub.control.known):
+                await send_json(send, 200, m)
+                return
+        raise RouteError(404, "model_not_found", f"The model '{model_id}' does not exist")
+    except RouteError as e:
+        await _error(send, "openai", e)
+
+
+class _Show(msgspec.Struct):
+    model: str = ""
+    name: str = ""
+
+
+async def _show(hub, scope, receive, send) -> None:
+    try:
+        if scope["method"] != "POST":
+            raise RouteError(405, "method_not_allowed", "/api/show takes POST")
+        client = _client(hub, scope)
+        try:
+            req = msgspec.json.decode(await read_body(receive, SHOW_BODY_LIMIT), type=_Show)
+        except BodyTooLarge:
+            raise RouteError(413, "body_too_large", "body too large for /api/show") from None
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise RouteError(400, "invalid_request", f"invalid request: {e}") from None
+        given = req.model or req.name
+        model = resolve(given, hub.control.known)
+        if not given or not allowed(client, model) or not hub.control.known(model):
+            raise RouteError(404, "model_not_found", f"model '{given}' not found")
+        body = await _show_from_node(hub, model)
+        if body is None:
+            body = msgspec.json.encode(_show_synth(hub, model))
+        await send_json(send, 200, body)
+    except RouteError as e:
+        await _error(send, "ollama", e)
+
+
+async def _show_from_node(hub, model: str) -> bytes | None:
+    """A node with an Ollama-speaking engine that knows the model answers for it."""
+    for node in list(hub.registry.nodes.values()):
+        st = node.state
+        if not node.connected or st is None or st.model(model) is None or engine_kind(st) in OPENAI_ONLY:
+            continue
+        with trio.move_on_after(SHOW_READ_SECONDS):
+            try:
+                resp = await hub.upstream.request("POST", node.url + "/api/show", [(b"content-type", b"application/json")],
+                                                  msgspec.json.encode({"model": model}), SHOW_READ_SECONDS)
+                try:
+                    data = await resp.read()
+                finally:
+                    await resp.aclose()
+                if resp.status_code == 200:
+                    return data
+            except UpstreamError as e:
+                log.info("show %s on %s failed: %s", model, node.name, e)
+    return None
+
+
+def _show_synth(hub, model: str) -> dict:
+    """What the hub knows of a model on an OpenAI-only engine."""
+    kinds = sorted({engine_kind(n.state) for n in hub.registry.nodes.values()
+                    if n.state is not None and n.state.model(model) is not None} - {""})
+    family = "llama.cpp" if "llamacpp" in kinds else (kinds[0] if kinds else "")
+    info: dict = {"general.architecture": family}
+    meta = status.model_meta(hub, model)
+    ctx = meta.context_length if meta is not None else 0
+    if ctx:
+        info[f"{family}.context_length"] = ctx
+    caps = ["embedding"] if "embed" in model else ["completion", "tools"]
+    return {"license": "", "modelfile": f"# served by appliance {__version__} on {', '.join(kinds) or 'no engine yet'}\n",
+            "parameters": "", "template": "",
+            "details": {"parent_model": "", "format": "gguf" if "llamacpp" in kinds else "", "family": family,
+                        "families": [family] if family else [], "parameter_size": "", "quantization_level": ""},
+            "model_info": info, "capabilities": caps,
+            "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -1,0 +1,301 @@
+"""Anthropic's Messages API (`POST /v1/messages`) onto OpenAI chat completions.
+
+Theory of operation: every engine here speaks chat completions, so a Messages body always
+becomes one: `system` (text or text blocks) the first message; each turn's blocks become
+content parts (text, image as a data: or plain URL), `tool_use` blocks the assistant's
+`tool_calls` (with their ids), `tool_result` blocks `tool` messages answering those ids;
+`max_tokens` (required, as Anthropic requires it), `stop_sequences`, `temperature`,
+`top_p`, `top_k`, tools (`input_schema` -> `parameters`) and `tool_choice` map one to
+one. The answer comes back as a `message` with text and `tool_use` blocks, `stop_reason`
+(end_turn, max_tokens, tool_use) and usage; streamed, as Anthropic's event sequence:
+message_start, ping, then per block content_block_start / _delta / _stop (text_delta or
+input_json_delta), message_delta with the stop reason and output tokens, message_stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+
+from appliance.hub.translate.common import (SSEReader, ToolCallAccumulator, bad, enc, integer, number,
+                                            parse_args, stop_list, usage_of)
+
+_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "end_turn"}
+_ids = itertools.count(1)
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for b in content:
+            if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+        return "".join(texts)
+    if content is None:
+        return ""
+    raise bad(f"'{where}' must be a string or an array of blocks", where)
+
+
+def _image(b: dict, where: str) -> dict:
+    src = b.get("source")
+    if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
+        return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"}}
+    if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": src["url"]}}
+    raise bad(f"'{where}.source' must be a base64 or url image source", f"{where}.source")
+
+
+def _turn(m: Any, i: int) -> list[dict]:
+    where = f"messages.{i}"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise bad(f"{where}: role must be 'user' or 'assistant'", f"{where}.role")
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
+    parts: list[dict] = []
+    calls: list[dict] = []
+    results: list[dict] = []
+    for j, b in enumerate(content):
+        bw = f"{where}.content.{j}"
+        t = b.get("type") if isinstance(b, dict) else None
+        if t == "text":
+            if not isinstance(b.get("text"), str):
+                raise bad(f"{bw}.text must be a string", f"{bw}.text")
+            parts.append({"type": "text", "text": b["text"]})
+        elif t == "image":
+            parts.append(_image(b, bw))
+        elif t == "tool_use" and role == "assistant":
+            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
+                raise bad(f"{bw}: tool_use needs a string id and name", bw)
+            calls.append({"id": b["id"], "type": "function",
+                          "function": {"name": b["name"], "arguments": enc.encode(b.get("input", {})).decode()}})
+        elif t == "tool_result" and role == "user":
+            if not isinstance(b.get("tool_use_id"), str):
+                raise bad(f"{bw}.tool_use_id must be a string", f"{bw}.tool_use_id")
+            text = _text_of(b.get("content"), f"{bw}.content")
+            if b.get("is_error") is True:
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+        elif t in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise bad(f"{bw}: unsupported content block type {t!r}", f"{bw}.type")
+    out = list(results)
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(p["text"] for p in parts if p["type"] == "text")}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    elif parts:
+        only_text = all(p["type"] == "text" for p in parts)
+        out.append({"role": "user", "content": "".join(p["text"] for p in parts) if only_text else parts})
+    return out
+
+
+def _tools(obj: dict, out: dict) -> None:
+    tools = obj.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("tools must be an array", "tools")
+        conv = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+                raise bad(f"tools.{i}.name must be a string", f"tools.{i}.name")
+            schema = t.get("input_schema", {"type": "object"})
+            conv.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                          "parameters": schema}})
+        if conv:
+            out["tools"] = conv
+    tc = obj.get("tool_choice")
+    if isinstance(tc, dict):
+        kind = tc.get("type")
+        if kind == "any":
+            out["tool_choice"] = "required"
+        elif kind == "tool" and isinstance(tc.get("name"), str):
+            out["tool_choice"] = {"type": "function", "function": {"name": tc["name"]}}
+        elif kind in ("auto", "none"):
+            out["tool_choice"] = kind
+        if tc.get("disable_parallel_tool_use") is True:
+            out["parallel_tool_calls"] = False
+
+
+def request(obj: dict, model: str) -> tuple[dict, bool]:
+    """(OpenAI chat body, stream) for a Messages body."""
+    max_tokens = integer(obj, "max_tokens")
+    if max_tokens is None or max_tokens < 1:
+        raise bad("max_tokens: field required (an integer >= 1)", "max_tokens")
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages: at least one message is required", "messages")
+    out_msgs: list[dict] = []
+    system = obj.get("system")
+    if system is not None:
+        text = _text_of(system, "system")
+        if text:
+            out_msgs.append({"role": "system", "content": text})
+    for i, m in enumerate(msgs):
+        out_msgs.extend(_turn(m, i))
+    out: dict[str, Any] = {"model": model, "messages": out_msgs, "max_tokens": max_tokens}
+    for k in ("temperature", "top_p"):
+        v = number(obj, k)
+        if v is not None:
+            out[k] = v
+    top_k = integer(obj, "top_k")
+    if top_k is not None:
+        out["top_k"] = top_k
+    stop = stop_list(obj.get("stop_sequences"), "stop_sequences")
+    if stop:
+        out["stop"] = stop
+    _tools(obj, out)
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream")
+    out["stream"] = stream
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    return out, stream
+
+
+def _sse(event: str, data: dict) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + enc.encode(data) + b"\n\n"
+
+
+class MessagesConverter:
+    """An engine's chat-completions answer as an Anthropic message (or its event stream)."""
+
+    def __init__(self, model: str, stream: bool) -> None:
+        self.model = model
+        self.stream = stream
+        self.content_type = b"text/event-stream" if stream else b"application/json"
+        self.id = f"msg_{next(_ids):024d}"
+        self._buf = b""
+        self._sse = SSEReader()
+        self._started = False
+        self._block: int | None = None  # index of the open content block
+        self._kind = ""  # "text" or "tool:<openai index>"
+        self._next = 0
+        self._finish = "stop"
+        self._usage = (0, 0)
+        self._done = False
+
+    def _message(self, content: list, stop: str | None, usage: tuple[int, int]) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop, "stop_sequence": None,
+                "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
+
+    # --- whole -----------------------------------------------------------------------
+
+    def _whole(self) -> bytes:
+        try:
+            obj = msgspec.json.decode(self._buf)
+        except msgspec.DecodeError:
+            obj = {}
+        obj = obj if isinstance(obj, dict) else {}
+        choices = obj.get("choices") or [{}]
+        ch = choices[0] if isinstance(choices[0], dict) else {}
+        msg = ch.get("message") if isinstance(ch.get("message"), dict) else {}
+        content: list[dict] = []
+        if isinstance(msg.get("content"), str) and msg["content"]:
+            content.append({"type": "text", "text": msg["content"]})
+        for c in msg.get("tool_calls") or []:
+            fn = c.get("function", {}) if isinstance(c, dict) else {}
+            content.append({"type": "tool_use", "id": c.get("id") or f"toolu_{next(_ids)}",
+                            "name": fn.get("name", ""), "input": parse_args(fn.get("arguments"))})
+        finish = ch.get("finish_reason") or "stop"
+        stop = "tool_use" if any(b["type"] == "tool_use" for b in content) else _STOP.get(finish, "end_turn")
+        return enc.encode(self._message(content, stop, usage_of(obj)))
+
+    # --- stream ----------------------------------------------------------------------
+
+    def _open(self, kind: str, block: dict) -> list[bytes]:
+        out = self._close()
+        self._block, self._kind = self._next, kind
+        self._next += 1
+        out.append(_sse("content_block_start", {"type": "content_block_start", "index": self._block,
+                                                "content_block": block}))
+        return out
+
+    def _close(self) -> list[bytes]:
+        if self._block is None:
+            return []
+        idx, self._block = self._block, None
+        return [_sse("content_block_stop", {"type": "content_block_stop", "index": idx})]
+
+    def _start(self) -> list[bytes]:
+        if self._started:
+            return []
+        self._started = True
+        return [_sse("message_start", {"type": "message_start", "message": self._message([], None, (0, 0))}),
+                _sse("ping", {"type": "ping"})]
+
+    def _chunk(self, obj: dict) -> list[bytes]:
+        out: list[bytes] = []
+        if isinstance(obj.get("usage"), dict):
+            self._usage = usage_of(obj)
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return out
+        ch = choices[0]
+        if isinstance(ch.get("finish_reason"), str):
+            self._finish = ch["finish_reason"]
+        delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            if self._kind != "text" or self._block is None:
+                out += self._open("text", {"type": "text", "text": ""})
+            out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+                                                    "delta": {"type": "text_delta", "text": text}}))
+        for d in delta.get("tool_calls") or []:
+            if not isinstance(d, dict):
+                continue
+            kind = f"tool:{d.get('index', 0)}"
+            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            if self._kind != kind or self._block is None:
+                self._finish = "tool_calls"
+                out += self._open(kind, {"type": "tool_use", "id": d.get("id") or f"toolu_{next(_ids)}",
+                                         "name": fn.get("name") or "", "input": {}})
+            piece = fn.get("arguments")
+            if isinstance(piece, str) and piece:
+                out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+                                                        "delta": {"type": "input_json_delta", "partial_json": piece}}))
+        return out
+
+    def _finish_events(self) -> list[bytes]:
+        if self._done:
+            return []
+        self._done = True
+        out = self._start() + self._close()
+        out.append(_sse("message_delta", {"type": "message_delta",
+                                          "delta": {"stop_reason": _STOP.get(self._finish, "end_turn"),
+                                                    "stop_sequence": None},
+                                          "usage": {"input_tokens": self._usage[0], "output_tokens": self._usage[1]}}))
+        out.append(_sse("message_stop", {"type": "message_stop"}))
+        return out
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.stream:
+            self._buf += chunk
+            return b""
+        out = self._start()
+        for data in self._sse.feed(chunk):
+            if data == b"[DONE]":
+                out += self._finish_events()
+                continue
+            try:
+                obj = msgspec.json.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(obj, dict):
+                out += self._chunk(obj)
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        if not self.stream:
+            return self._whole()
+        return b"".join(self._finish_events())

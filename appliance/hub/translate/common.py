@@ -1,0 +1,228 @@
+"""What every translation shares: body checks, SSE reading, and the engine's errors.
+
+Theory of operation: a translation turns a client's body (already decoded to plain JSON
+values) into an OpenAI chat-completions body, and the engine's answer back, chunk by
+chunk. The checks here raise `RouteError(400, "invalid_request", ..., param=...)` so a bad
+field is the client's 400 in its own API's shape, never the engine's 500. `SSEReader`
+cuts an engine's `text/event-stream` into `data:` payloads whatever the chunking;
+`ErrorConverter` buffers an engine's refusal (any status but 200) and renders its message
+in the client's shape. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from appliance.hub.errors import RouteError, error_body
+
+enc = msgspec.json.Encoder()
+# An engine's error body worth quoting is short; more is cut (and never buffered past it).
+ERROR_BODY_LIMIT = 64 * 1024
+# A single SSE line from an engine: a chunk of a few tokens is < 1 KiB; 1 MiB is absurd.
+SSE_LINE_LIMIT = 1024 * 1024
+
+
+def bad(message: str, param: str | None = None) -> RouteError:
+    return RouteError(400, "invalid_request", message, param=param)
+
+
+def decode_object(body: bytes) -> dict[str, Any]:
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise RouteError(400, "invalid_json", f"body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise RouteError(400, "invalid_request", "body must be a JSON object")
+    return obj
+
+
+def opt(obj: dict, key: str, types: type | tuple, what: str, param: str | None = None) -> Any:
+    """obj[key] if present and of `types` (None counts as absent), else a 400 naming it."""
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(f"'{param or key}' must be {what}", param or key)
+    if not isinstance(v, types):
+        raise bad(f"'{param or key}' must be {what}", param or key)
+    return v
+
+
+def number(obj: dict, key: str, param: str | None = None) -> float | int | None:
+    return opt(obj, key, (int, float), "a number", param)
+
+
+def integer(obj: dict, key: str, param: str | None = None) -> int | None:
+    return opt(obj, key, int, "an integer", param)
+
+
+def stop_list(v: Any, param: str) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise bad(f"'{param}' must be a string or a list of strings", param)
+
+
+def image_url(b64: str) -> str:
+    """An Ollama image (bare base64) as a data: URL, its type read from the magic bytes."""
+    for prefix, mime in (("iVBOR", "image/png"), ("/9j/", "image/jpeg"), ("R0lG", "image/gif"),
+                         ("UklG", "image/webp")):
+        if b64.startswith(prefix):
+            return f"data:{mime};base64,{b64}"
+    return f"data:image/jpeg;base64,{b64}"
+
+
+def check_openai_chat(obj: dict) -> None:
+    """The checks a forwarded (not translated) chat-completions body gets: what an engine
+    answers with a 500 (llama.cpp on `messages: "x"`, `temperature: "hot"`) or, worse, a 200."""
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise bad(f"'messages[{i}].content' must be a string or an array", f"messages[{i}].content")
+    check_sampling(obj)
+
+
+def check_sampling(obj: dict) -> None:
+    for k in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+        number(obj, k)
+    for k in ("max_tokens", "max_completion_tokens", "n", "seed"):
+        integer(obj, k)
+    opt(obj, "stream", bool, "a boolean")
+    stop_list(obj.get("stop"), "stop")
+    tools = obj.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("'tools' must be an array", "tools")
+
+
+def check_openai_completion(obj: dict) -> None:
+    p = obj.get("prompt")
+    if not isinstance(p, (str, list)):
+        raise bad("'prompt' must be a string or an array", "prompt")
+    check_sampling(obj)
+
+
+def check_openai_embedding(obj: dict) -> None:
+    x = obj.get("input")
+    if not isinstance(x, (str, list)) or (isinstance(x, list) and not x):
+        raise bad("'input' must be a string or a non-empty array", "input")
+
+
+class SSEReader:
+    """Feed raw bytes, get the `data:` payloads of complete events (b"[DONE]" included)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buf += chunk
+        out: list[bytes] = []
+        while True:
+            i = self._buf.find(b"\n")
+            if i < 0:
+                if len(self._buf) > SSE_LINE_LIMIT:
+                    self._buf = b""  # not an event anyone can use: dropped, not held
+                return out
+            line = self._buf[:i].rstrip(b"\r")
+            self._buf = self._buf[i + 1:]
+            if line.startswith(b"data:"):
+                out.append(line[5:].strip())
+
+
+def engine_message(status: int, body: bytes) -> str:
+    """The human words in an engine's error body, whatever its shape."""
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        text = body[:500].decode(errors="replace").strip()
+        return text or f"engine answered {status}"
+    if isinstance(obj, dict):
+        err = obj.get("error", obj.get("detail", obj.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err:
+            return str(err)
+    return f"engine answered {status}"
+
+
+class ErrorConverter:
+    """An engine's non-200 answer, rendered in the client's API shape."""
+
+    content_type = b"application/json"
+
+    def __init__(self, api: str, status: int) -> None:
+        self.api = api
+        self.status = status
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if len(self._buf) < ERROR_BODY_LIMIT:
+            self._buf += chunk[:ERROR_BODY_LIMIT - len(self._buf)]
+        return b""
+
+    def end(self) -> bytes:
+        code = "engine_error" if self.status >= 500 else "invalid_request"
+        if self.status == 404:
+            code = "model_not_found"
+        return error_body(self.api, self.status, code, engine_message(self.status, self._buf))
+
+
+def usage_of(obj: dict) -> tuple[int, int]:
+    """(prompt_tokens, completion_tokens) of an OpenAI body or chunk, 0 when absent."""
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return 0, 0
+    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    return (p if isinstance(p, int) else 0), (c if isinstance(c, int) else 0)
+
+
+def parse_args(s: Any) -> Any:
+    """Tool-call arguments as the engine sent them (a JSON string) as a value; text kept."""
+    if not isinstance(s, str):
+        return s if s is not None else {}
+    try:
+        return msgspec.json.decode(s) if s.strip() else {}
+    except msgspec.DecodeError:
+        return s
+
+
+class ToolCallAccumulator:
+    """Streamed tool-call deltas (OpenAI sends id and name first, arguments in pieces)
+    gathered into whole calls, in index order."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict] = {}
+
+    def add(self, deltas: Any) -> list[tuple[int, dict, str]]:
+        """Returns (index, call-so-far, new argument text) per delta, for relays that stream them."""
+        out = []
+        if not isinstance(deltas, list):
+            return out
+        for d in deltas:
+            if not isinstance(d, dict):
+                continue
+            idx = d.get("index", len(self.calls))
+            if not isinstance(idx, int):
+                idx = len(self.calls)
+            call = self.calls.setdefault(idx, {"id": "", "name": "", "arguments": ""})
+            if isinstance(d.get("id"), str) and d["id"]:
+                call["id"] = d["id"]
+            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            if isinstance(fn.get("name"), str) and fn["name"]:
+                call["name"] = fn["name"]
+            piece = fn.get("arguments") if isinstance(fn.get("arguments"), str) else ""
+            call["arguments"] += piece
+            out.append((idx, call, piece))
+        return out
+
+    def whole(self) -> list[dict]:
+        return [self.calls[i] for i in sorted(self.calls)]

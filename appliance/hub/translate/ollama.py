@@ -1,0 +1,373 @@
+"""Ollama's API onto an OpenAI-speaking engine (llama.cpp, vLLM, any `openai` upstream).
+
+Theory of operation: `/api/chat` and `/api/generate` become `/v1/chat/completions`
+(generate: the `system` and `prompt` as two messages), `/api/embed` and `/api/embeddings`
+become `/v1/embeddings`. Options map onto OpenAI's sampling fields (num_predict ->
+max_tokens; num_ctx and the other load-time options belong to the engine's start and are
+dropped); `format` becomes `response_format`; images become image content parts; tools
+pass as they are (Ollama copied OpenAI's shape) and tool calls come back with their
+arguments decoded, as Ollama gives them. A streamed answer is NDJSON, one line per
+engine chunk with text, the tool calls in one line when the engine finished them, and
+the last line `done: true` with `done_reason`, the counts from the engine's usage
+(asked for with `stream_options.include_usage`) and durations measured here (llama.cpp's
+own `timings` where it sends them). The clock is injected so tests can pin durations.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import msgspec
+
+from appliance.hub.translate.common import (SSEReader, ToolCallAccumulator, bad, enc, image_url, integer,
+                                            number, parse_args, stop_list, usage_of)
+
+# Ollama's options that are sampling fields of an OpenAI request, by their OpenAI name.
+# top_k, min_p, repeat_penalty are llama.cpp's and vLLM's extensions of the same body.
+_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+            "min_p": "min_p", "repeat_penalty": "repeat_penalty"}
+_DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "content_filter": "stop"}
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _options(obj: dict, out: dict) -> None:
+    o = obj.get("options")
+    if o is None:
+        return
+    if not isinstance(o, dict):
+        raise bad("'options' must be an object", "options")
+    for k, target in _OPTIONS.items():
+        v = integer(o, k, f"options.{k}") if k == "seed" else number(o, k, f"options.{k}")
+        if v is not None:
+            out[target] = v
+    n = integer(o, "num_predict", "options.num_predict")
+    if n is not None and n >= 0:
+        out["max_tokens"] = n
+    stop = stop_list(o.get("stop"), "options.stop")
+    if stop:
+        out["stop"] = stop
+
+
+def _format(obj: dict, out: dict) -> None:
+    f = obj.get("format")
+    if f is None or f == "":
+        return
+    if f == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(f, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": f}}
+    else:
+        raise bad("'format' must be \"json\" or a JSON schema object", "format")
+
+
+def _images(images: Any, where: str) -> list[dict]:
+    if images is None:
+        return []
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        raise bad(f"'{where}' must be an array of base64 strings", where)
+    return [{"type": "image_url", "image_url": {"url": image_url(i)}} for i in images]
+
+
+def _message(m: Any, i: int, ids: list[str]) -> dict:
+    """One Ollama chat message as OpenAI's; `ids` carries the tool-call ids handed out so
+    far, so a later `tool` message answers the call it follows."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+        raise bad(f"'{where}' must be an object with role system, user, assistant or tool", where)
+    content = m.get("content", "")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise bad(f"'{where}.content' must be a string", f"{where}.content")
+    out: dict[str, Any] = {"role": m["role"]}
+    parts = _images(m.get("images"), f"{where}.images")
+    out["content"] = ([{"type": "text", "text": content}] + parts) if parts else content
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise bad(f"'{where}.tool_calls' must be an array", f"{where}.tool_calls")
+        out["tool_calls"] = []
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad(f"'{where}.tool_calls[{j}].function.name' must be a string", f"{where}.tool_calls")
+            args = fn.get("arguments", {})
+            cid = c.get("id") if isinstance(c.get("id"), str) and c.get("id") else f"call_{len(ids)}"
+            ids.append(cid)
+            out["tool_calls"].append({"id": cid, "type": "function", "function": {
+                "name": fn["name"], "arguments": args if isinstance(args, str) else enc.encode(args).decode()}})
+    if m["role"] == "tool":
+        tid = m.get("tool_call_id")
+        out["tool_call_id"] = tid if isinstance(tid, str) and tid else (ids.pop(0) if ids else "call_0")
+    return out
+
+
+def chat_request(obj: dict, model: str) -> tuple[dict, bool]:
+    """(OpenAI body, stream) for an Ollama /api/chat body."""
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty array", "messages")
+    ids: list[str] = []
+    out: dict[str, Any] = {"model": model, "messages": [_message(m, i, ids) for i, m in enumerate(msgs)]}
+    tools = obj.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("'tools' must be an array", "tools")
+        if tools:
+            out["tools"] = tools
+    return _common(obj, out)
+
+
+def generate_request(obj: dict, model: str) -> tuple[dict, bool]:
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("'prompt' must be a non-empty string", "prompt")
+    msgs: list[dict] = []
+    system = obj.get("system")
+    if isinstance(system, str) and system:
+        msgs.append({"role": "system", "content": system})
+    parts = _images(obj.get("images"), "images")
+    msgs.append({"role": "user", "content": ([{"type": "text", "text": prompt}] + parts) if parts else prompt})
+    return _common(obj, {"model": model, "messages": msgs})
+
+
+def _common(obj: dict, out: dict) -> tuple[dict, bool]:
+    stream = obj.get("stream", True)
+    if stream is None:
+        stream = True
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    _options(obj, out)
+    _format(obj, out)
+    out["stream"] = stream
+    if stream:
+        out["stream_options"] = {"include_usage": True}
+    return out, stream
+
+
+def embed_request(obj: dict, model: str, legacy: bool) -> dict:
+    key = "prompt" if legacy else "input"
+    x = obj.get(key)
+    if legacy:
+        if not isinstance(x, str):
+            raise bad("'prompt' must be a string", "prompt")
+    elif not (isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(i, str) for i in x))):
+        raise bad("'input' must be a string or a non-empty array of strings", "input")
+    out: dict[str, Any] = {"model": model, "input": x}
+    dims = integer(obj, "dimensions")
+    if dims is not None:
+        out["dimensions"] = dims
+    return out
+
+
+# --- answers ---------------------------------------------------------------------------
+
+
+def _ollama_calls(calls: Any) -> list[dict]:
+    """OpenAI tool calls (whole, as in a message, or accumulated) as Ollama's."""
+    out = []
+    for c in calls if isinstance(calls, list) else []:
+        fn = c.get("function", c) if isinstance(c, dict) else {}
+        out.append({"function": {"name": fn.get("name", ""), "arguments": parse_args(fn.get("arguments"))}})
+    return out
+
+
+class ChatConverter:
+    """An engine's chat-completions answer as Ollama's /api/chat or /api/generate answer."""
+
+    def __init__(self, model: str, stream: bool, chat: bool, clock: Callable[[], int] = time.perf_counter_ns,
+                 load_only: bool = False) -> None:
+        self.model = model
+        self.load_only = load_only  # Ollama's load request: the engine's token is not the answer
+        self.stream = stream
+        self.chat = chat
+        self.content_type = b"application/x-ndjson" if stream else b"application/json"
+        self._clock = clock
+        self._t0 = clock()
+        self._first: int | None = None
+        self._sse = SSEReader()
+        self._buf = b""
+        self._tools = ToolCallAccumulator()
+        self._finish = "stop"
+        self._usage = (0, 0)
+        self._timings: dict | None = None
+        self._done = False
+
+    def _line(self, text: str, calls: list[dict] | None = None) -> dict:
+        base: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
+        if self.chat:
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                msg["tool_calls"] = calls
+            base["message"] = msg
+        else:
+            base["response"] = text
+        base["done"] = False
+        return base
+
+    def _final(self, line: dict) -> dict:
+        end = self._clock()
+        total = end - self._t0
+        prompt_ns = (self._first or end) - self._t0
+        t = self._timings or {}
+        if isinstance(t.get("prompt_ms"), (int, float)) and isinstance(t.get("predicted_ms"), (int, float)):
+            prompt_ns, eval_ns = int(t["prompt_ms"] * 1e6), int(t["predicted_ms"] * 1e6)
+        else:
+            eval_ns = total - prompt_ns
+        line.update({"done": True, "done_reason": _DONE_REASONS.get(self._finish, self._finish),
+                     "total_duration": total, "load_duration": 0,
+                     "prompt_eval_count": self._usage[0], "prompt_eval_duration": prompt_ns,
+                     "eval_count": self._usage[1], "eval_duration": eval_ns})
+        if not self.chat:
+            line["context"] = []
+        return line
+
+    def _take(self, obj: dict) -> tuple[str, list]:
+        """Text of one chunk (or whole body); counts, finish and tool calls remembered."""
+        if isinstance(obj.get("usage"), dict):
+            self._usage = usage_of(obj)
+        if isinstance(obj.get("timings"), dict):
+            self._timings = obj["timings"]
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return "", []
+        ch = choices[0]
+        if isinstance(ch.get("finish_reason"), str):
+            self._finish = ch["finish_reason"]
+        part = ch.get("delta") if self.stream else ch.get("message")
+        if not isinstance(part, dict):
+            return "", []
+        text = part.get("content") if isinstance(part.get("content"), str) else ""
+        if self.stream:
+            self._tools.add(part.get("tool_calls"))
+            return text, []
+        return text, _ollama_calls(part.get("tool_calls"))
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.stream:
+            self._buf += chunk
+            return b""
+        out = []
+        for data in self._sse.feed(chunk):
+            if data == b"[DONE]":
+                out.append(self._end_line())
+                continue
+            try:
+                obj = msgspec.json.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            text, _ = self._take(obj)
+            if text:
+                if self._first is None:
+                    self._first = self._clock()
+                out.append(enc.encode(self._line(text)) + b"\n")
+        return b"".join(out)
+
+    def _end_line(self) -> bytes:
+        if self._done:
+            return b""
+        self._done = True
+        out = b""
+        calls = _ollama_calls(self._tools.whole())
+        if calls:
+            out = enc.encode(self._line("", calls)) + b"\n"
+        return out + enc.encode(self._final(self._line(""))) + b"\n"
+
+    def end(self) -> bytes:
+        if self.stream:
+            return self._end_line()
+        try:
+            obj = msgspec.json.decode(self._buf)
+        except msgspec.DecodeError:
+            obj = {}
+        text, calls = self._take(obj if isinstance(obj, dict) else {})
+        if self.load_only:
+            text, calls, self._finish, self._usage = "", [], "load", (0, 0)
+        return enc.encode(self._final(self._line(text, calls)))
+
+
+class EmbedConverter:
+    """An engine's /v1/embeddings answer as Ollama's /api/embed (or legacy /api/embeddings)."""
+
+    content_type = b"application/json"
+
+    def __init__(self, model: str, legacy: bool, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+        self.model = model
+        self.legacy = legacy
+        self._clock = clock
+        self._t0 = clock()
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        return b""
+
+    def end(self) -> bytes:
+        try:
+            obj = msgspec.json.decode(self._buf)
+        except msgspec.DecodeError:
+            obj = {}
+        data = obj.get("data") if isinstance(obj, dict) else None
+        rows = sorted((d for d in data or [] if isinstance(d, dict)), key=lambda d: d.get("index", 0))
+        vecs = [d.get("embedding", []) for d in rows]
+        if self.legacy:
+            return enc.encode({"embedding": vecs[0] if vecs else []})
+        return enc.encode({"model": self.model, "embeddings": vecs, "total_duration": self._clock() - self._t0,
+                           "load_duration": 0, "prompt_eval_count": usage_of(obj if isinstance(obj, dict) else {})[0]})
+
+
+def unload_answer(model: str, chat: bool) -> bytes:
+    """Ollama's answer to `{"model": m, "keep_alive": 0}`: nothing generated, done."""
+    out: dict[str, Any] = {"model": model, "created_at": now_iso()}
+    if chat:
+        out["message"] = {"role": "assistant", "content": ""}
+    else:
+        out["response"] = ""
+    out.update(done=True, done_reason="unload")
+    return enc.encode(out)
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(v) -> float | None:
+    """Ollama's `keep_alive` in seconds: a number of seconds or a Go duration ("5m",
+    "1h30m", "0"); negative means until unloaded (inf). None when absent."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return math.inf if v < 0 else float(v)
+    if not isinstance(v, str) or not v.strip():
+        raise bad("'keep_alive' must be a number of seconds or a duration like \"5m\"", "keep_alive")
+    text = v.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    text = text.lstrip("+-")
+    try:
+        return math.inf if sign < 0 and float(text) != 0 else float(text)
+    except ValueError:
+        pass
+    total, num = 0.0, ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c.isdigit() or c == ".":
+            num += c
+            i += 1
+            continue
+        unit = next((u for u in ("ns", "us", "µs", "ms", "h", "m", "s") if text.startswith(u, i)), None)
+        if unit is None or not num:
+            raise bad(f"'keep_alive' {v!r} is not a duration", "keep_alive")
+        total += float(num) * _UNITS[unit]
+        num, i = "", i + len(unit)
+    if num:
+        raise bad(f"'keep_alive' {v!r} is not a duration (no unit after {num})", "keep_alive")
+    return math.inf if sign < 0 and total else total

@@ -1,0 +1,249 @@
+"""Two hubs, one leader, a real etcd, real sim nodes: failover, shared state, fencing, etcd down.
+
+One fleet for the module (etcd, hubs a and b, nodes n1 and n2 announcing to both), the
+cases in order, each leaving the fleet whole for the next. Loads are counted at the nodes
+(their "loading MODEL" log lines), not at the hubs, so "not tried again" means the node
+never saw it. Lease 3 s: a dead leader is replaced within 3 + 2 s.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+import urllib.parse
+
+import httpx
+import pytest
+
+from etcd_proc import EtcdProc, needs_etcd
+from procs import Procs, wait_until
+
+pytestmark = [pytest.mark.e2e, needs_etcd]
+
+LEASE = 3
+TOKEN = "node-secret"
+KEV = "unknown model architecture: 'kev'"
+SIM = {
+    "Sim__Models__0__Name": "ready-m", "Sim__Models__0__SizeMb": "100",
+    "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "100", "Sim__Models__1__FailLoad": KEV,
+    "Sim__Models__2__Name": "od-a", "Sim__Models__2__SizeMb": "100", "Sim__Models__2__LoadSeconds": "0.5",
+    "Sim__Models__3__Name": "od-b", "Sim__Models__3__SizeMb": "100",
+    "Sim__Models__4__Name": "od-c", "Sim__Models__4__SizeMb": "100",
+    "Sim__Models__5__Name": "od-d", "Sim__Models__5__SizeMb": "100",
+}
+CATALOG = {
+    "Models__0__Name": "ready-m", "Models__0__Replicas": "2",
+    "Models__1__Name": "kev-0.5b",
+    "Models__2__Name": "od-a", "Models__3__Name": "od-b", "Models__4__Name": "od-c", "Models__5__Name": "od-d",
+    "Models__RetryBackoffMaxSeconds": "0.3", "Router__ActivationWaitSeconds": "30",
+}
+
+
+class Fleet:
+    def __init__(self, tmp) -> None:
+        self.procs = Procs()
+        self.etcd = EtcdProc(tmp / "etcd")
+        self.etcd.start()
+        self.hubs: dict[str, object] = {}
+        self.nodes: dict[str, object] = {}
+
+    def start_hub(self, name: str) -> None:
+        self.hubs[name] = self.procs.hub({"Hub__Name": name, "Cluster__Etcd": self.etcd.url,
+                                          "Cluster__LeaseSeconds": str(LEASE), "Auth__NodeToken": TOKEN, **CATALOG})
+
+    def start_node(self, name: str, hubs: list[str]) -> None:
+        self.nodes[name] = self.procs.node(name, {"Hub__Url": ",".join(self.hubs[h].url for h in hubs),
+                                                  "Auth__NodeToken": TOKEN, "Node__MemoryMb": "8000", **SIM})
+
+    def status(self, hub: str) -> dict:
+        return httpx.get(self.hubs[hub].url + "/api/status", timeout=10).json()
+
+    def cluster(self, hub: str) -> dict:
+        try:
+            return self.status(hub)["cluster"]
+        except httpx.HTTPError:
+            return {}
+
+    def leader(self) -> str:
+        """The hub every live hub agrees leads (waits for agreement)."""
+        def agreed():
+            seen = {self.cluster(h).get("leader") for h in self.live()}
+            return seen.pop() if len(seen) == 1 and None not in seen else None
+        return wait_until(agreed, timeout=LEASE + 10, what="one leader agreed by every hub")
+
+    def live(self) -> list[str]:
+        return [h for h, p in self.hubs.items() if p.popen.poll() is None]
+
+    def chat(self, hub: str, model: str, timeout: float = 40) -> httpx.Response:
+        return httpx.post(self.hubs[hub].url + "/v1/chat/completions", timeout=timeout,
+                          json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+
+    def loads(self, model: str) -> int:
+        """Load attempts of `model` the nodes saw (their own log lines)."""
+        rx = re.compile(rf"loading {re.escape(model)} \(source")
+        return sum(1 for p in self.nodes.values() for line in p.stderr_lines if rx.search(line))
+
+    def ready_on(self, hub: str, model: str) -> int:
+        return next((m["ready"] for m in self.status(hub)["models"] if m["name"] == model), 0)
+
+    def close(self) -> None:
+        self.procs.close()
+        self.etcd.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("ha"))
+    try:
+        f.start_hub("hub-a")
+        f.start_hub("hub-b")
+        f.start_node("n1", ["hub-a", "hub-b"])
+        f.start_node("n2", ["hub-a"])  # announced to one hub only: the other learns it through etcd
+        for h in ("hub-a", "hub-b"):
+            wait_until(lambda h=h: f.ready_on(h, "ready-m") == 2, timeout=40, what=f"ready-m ready twice on {h}")
+        yield f
+    finally:
+        f.close()
+
+
+def other(f: Fleet, hub: str) -> str:
+    return next(h for h in f.hubs if h != hub)
+
+
+def test_one_leader_shared_nodes_and_epoch(fleet):
+    leader = fleet.leader()
+    a, b = fleet.cluster("hub-a"), fleet.cluster("hub-b")
+    assert a["epoch"] == b["epoch"] > 0 and a["hubs"] == b["hubs"] == ["hub-a", "hub-b"]
+    assert [a["leading"], b["leading"]].count(True) == 1 and fleet.cluster(leader)["leading"]
+    # n2 announced to hub-a only; hub-b dials it too.
+    wait_until(lambda: {n["name"]: n["status"] for n in fleet.status("hub-b")["nodes"]}.get("n2") == "up",
+               what="n2 up on hub-b")
+    m = httpx.get(fleet.hubs[leader].urls["metrics"] + "/metrics", timeout=10).text
+    assert f'appliance_leader{{hub="{leader}"}} 1.0' in m and "appliance_cluster_up 1.0" in m
+    m = httpx.get(fleet.hubs[other(fleet, leader)].urls["metrics"] + "/metrics", timeout=10).text
+    assert f'appliance_leader{{hub="{other(fleet, leader)}"}} 0.0' in m
+
+
+def test_both_hubs_ask_at_once_one_load(fleet):
+    """Two hubs take requests for an on-demand model at once: loaded exactly once."""
+    results: list[int] = []
+
+    def send(hub):
+        results.append(fleet.chat(hub, "od-a").status_code)
+
+    threads = [threading.Thread(target=send, args=(h,)) for h in ("hub-a", "hub-b", "hub-a", "hub-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 4
+    assert fleet.loads("od-a") == 1
+
+
+def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
+    leader = fleet.leader()
+    follower = other(fleet, leader)
+    r = fleet.chat(follower, "kev-0.5b")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_parked" and KEV in r.text, r.text
+    assert fleet.loads("kev-0.5b") == 5
+    for h in fleet.hubs:  # parked on both hubs, answered at once
+        st = next(m for m in fleet.status(h)["models"] if m["name"] == "kev-0.5b")
+        assert st["parked"] and st["consecutive_start_failures"] == 5 and st["last_error"] == KEV
+        assert fleet.chat(h, "kev-0.5b").json()["error"]["code"] == "model_parked"
+    # `ctl retry` on the follower: the leader tries it again (five more loads at the nodes).
+    r = httpx.post(fleet.hubs[follower].url + "/admin/models/kev-0.5b/retry", timeout=10)
+    assert r.status_code == 200
+    wait_until(lambda: fleet.loads("kev-0.5b") == 10, timeout=30, what="kev retried by the leader")
+    wait_until(lambda: all(next(m for m in fleet.status(h)["models"] if m["name"] == "kev-0.5b")["parked"]
+                           for h in fleet.hubs), what="kev parked again on both hubs")
+
+
+def test_kill_leader_failover(fleet):
+    leader = fleet.leader()
+    survivor = other(fleet, leader)
+    failures: list[str] = []
+    sent = [0]
+    stop = threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                r = fleet.chat(survivor, "ready-m", timeout=20)
+                if r.status_code != 200:
+                    failures.append(r.text)
+            except httpx.HTTPError as e:
+                failures.append(repr(e))
+            sent[0] += 1
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    try:
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        fleet.hubs[leader].signal(signal.SIGKILL)
+        # A request that needs a load during the gap is served once the new leader places it.
+        gap: list[httpx.Response] = []
+        asker = threading.Thread(target=lambda: gap.append(fleet.chat(survivor, "od-b")))
+        asker.start()
+        wait_until(lambda: fleet.cluster(survivor).get("leading"), timeout=LEASE + 2, interval=0.05,
+                   what="the survivor leads within LeaseSeconds + 2 s")
+        took = time.monotonic() - killed_at
+        asker.join()
+        assert gap[0].status_code == 200, gap[0].text
+        assert fleet.loads("od-b") == 1
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join()
+    assert failures == [] and sent[0] > 5, (failures, sent)
+    assert took < LEASE + 2
+    # Parked survives the failover: answered at once, the node never asked again.
+    r = fleet.chat(survivor, "kev-0.5b")
+    assert r.json()["error"]["code"] == "model_parked"
+    assert fleet.loads("kev-0.5b") == 10
+    fleet.start_hub(leader)  # back as a follower for the next cases
+    wait_until(lambda: fleet.cluster(leader).get("leader") == survivor, what="restarted hub follows")
+
+
+def test_sigstopped_leader_is_fenced(fleet):
+    old = fleet.leader()
+    new = other(fleet, old)
+    old_epoch = fleet.cluster(old)["epoch"]
+    fleet.hubs[old].signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: fleet.cluster(new).get("leading"), timeout=LEASE + 5, what="a new leader")
+        assert fleet.chat(new, "od-c").status_code == 200  # the nodes see the new epoch
+    finally:
+        fleet.hubs[old].signal(signal.SIGCONT)
+    wait_until(lambda: fleet.cluster(old).get("leader") == new and not fleet.cluster(old)["leading"],
+               what="the resumed hub follows")
+    # Whatever the old leader still sends carries its old epoch: every node refuses it.
+    node = next(p for n, p in fleet.nodes.items() if any(
+        m["name"] == "od-c" and m["state"] == "ready" for x in fleet.status(new)["nodes"] if x["name"] == n
+        for m in x["models"]))
+    r = httpx.post(f"{node.url}/node/v1/models/{urllib.parse.quote('od-c', safe='')}/unload", timeout=10,
+                   headers={"authorization": f"Bearer {TOKEN}", "x-appliance-epoch": str(old_epoch)})
+    assert r.status_code == 409 and r.json()["code"] == "stale_leader"
+    assert fleet.hubs[old].wait_stderr("stepped down")
+
+
+def test_etcd_down_ready_models_serve_placements_no_leader(fleet):
+    fleet.etcd.stop()
+    try:
+        for h in fleet.hubs:
+            wait_until(lambda h=h: fleet.cluster(h).get("leader") is None, timeout=LEASE + 5, what=f"{h}: no leader")
+        for h in fleet.hubs:
+            assert fleet.chat(h, "ready-m").status_code == 200  # ready models keep serving
+            r = fleet.chat(h, "od-d")  # a placement: no one may decide it
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_leader", r.text
+            assert int(r.headers["retry-after"]) >= 1
+    finally:
+        fleet.etcd.start()
+    fleet.leader()
+    wait_until(lambda: all(fleet.cluster(h).get("etcd_up") for h in fleet.hubs), what="etcd up again")
+    for h in fleet.hubs:  # service resumes by itself
+        r = fleet.chat(h, "od-d")
+        assert r.status_code == 200, (h, r.text, fleet.cluster(h))
+    assert fleet.loads("od-d") == 1
