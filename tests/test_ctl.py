@@ -169,3 +169,25 @@ def test_ctl_sends_the_admin_key(monkeypatch):
 
     monkeypatch.setattr(ctl.httpx, "Client", fake_client)
     assert ctl.main(["status"]) == 0 and seen == ["Bearer s3cret"]
+
+
+def test_ctl_options_before_or_after_the_subcommand(monkeypatch, capsys):
+    seen: list = []
+    real = httpx.Client
+    monkeypatch.delenv("APPLIANCE_ADMIN_KEY", raising=False)
+
+    def fake_client(**kw):
+        return real(transport=httpx.MockTransport(
+            lambda req: (seen.append((str(req.url), req.headers.get("authorization"))), httpx.Response(200, json={
+                "satisfied": True, "problems": [], "models": [], "nodes": []}))[1]), **kw)
+
+    monkeypatch.setattr(ctl.httpx, "Client", fake_client)
+    for argv in (["status", "--json"], ["--json", "status"],
+                 ["status", "--json", "--url", "http://h:1", "--key", "k"],
+                 ["--url", "http://h:1", "status", "--json", "--key", "k"]):
+        capsys.readouterr()
+        assert ctl.main(argv) == 0, argv
+        assert json.loads(capsys.readouterr().out)["satisfied"] is True, argv  # --json honoured
+    assert seen[2] == ("http://h:1/admin/status", "Bearer k") and seen[3] == seen[2]
+    # Given before, not reset by the subcommand's copy of the option.
+    assert ctl._parser().parse_args(["--url", "http://x:2", "status"]).url == "http://x:2"
