@@ -5,7 +5,8 @@ http://127.0.0.1:8080) with `APPLIANCE_ADMIN_KEY` as the bearer; a readable tabl
 default, the hub's JSON with `--json` for scripts. `status` is a deploy gate: its exit code
 is 0 only while the fleet is satisfied (every model has what it should have now, nothing
 parked, no node lost), 1 otherwise. Exit codes: 0 done / satisfied, 1 not satisfied or the
-hub refused the command, 2 usage error or the hub could not be reached.
+hub refused the command, 2 usage error or the hub could not be reached. `pull` and `rm` go through the hub's /api/pull and /api/delete
+(the admin key), printing the pull's progress line by line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     for action, text in (("cordon", "stop routing to a node"), ("uncordon", "route to a node again"),
                          ("pause", "the node refuses new work (its owner's switch)"), ("resume", "undo pause")):
         sub.add_parser(action, help=text).add_argument("node")
+    for action, text in (("pull", "pull a model onto every Ollama node (or --node), showing progress"),
+                         ("rm", "delete a model from every Ollama node (or --node)")):
+        sp = sub.add_parser(action, help=text)
+        sp.add_argument("model")
+        sp.add_argument("--node", default=None, help="only this node")
     _options_anywhere(p, sub)
     return p
 
@@ -125,6 +131,40 @@ def request(args, client: httpx.Client) -> httpx.Response:
     return client.post(f"/admin/nodes/{q(args.node)}/{args.cmd}")
 
 
+def _progress(line: dict) -> str:
+    node = f"{line['node']}: " if line.get("node") else ""
+    total, done = line.get("total"), line.get("completed")
+    size = f" {done * 100 // total}% of {total // (1024 * 1024)} MiB" if total and done is not None else ""
+    return f"{node}{line.get('status', '')}{size}"
+
+
+def model_op(args, client: httpx.Client, out, err) -> int:
+    """`ctl pull` (progress lines as they come) and `ctl rm`, through /api/pull and /api/delete."""
+    params = {"node": args.node} if args.node else None
+    if args.cmd == "rm":
+        resp = client.request("DELETE", "/api/delete", params=params, json={"model": args.model})
+        body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+        if resp.status_code != 200:
+            print(f"appliance ctl rm: the hub answered {resp.status_code}: {body.get('error', resp.text[:300])}", file=err)
+            return 1
+        print(json.dumps(body) if args.json else f"{args.model}: deleted on {', '.join(body.get('deleted', []))}", file=out)
+        return 0
+    last: dict = {}
+    with client.stream("POST", "/api/pull", params=params, json={"model": args.model},
+                       timeout=httpx.Timeout(None, connect=5.0)) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            print(f"appliance ctl pull: the hub answered {resp.status_code}: {resp.text[:300]}", file=err)
+            return 1
+        for raw in resp.iter_lines():
+            if not raw.strip():
+                continue
+            last = json.loads(raw)
+            print(raw if args.json else (f"error: {last['node'] + ': ' if last.get('node') else ''}{last['error']}"
+                                         if "error" in last else _progress(last)), file=out, flush=True)
+    return 0 if last.get("status") == "success" else 1
+
+
 def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     try:
@@ -135,6 +175,15 @@ def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None)
     if own:
         headers = {"authorization": f"Bearer {args.key}"} if args.key else {}
         client = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=TIMEOUT)
+    if args.cmd in ("pull", "rm"):
+        try:
+            return model_op(args, client, out, err)
+        except httpx.HTTPError as e:
+            print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}", file=err)
+            return 2
+        finally:
+            if own:
+                client.close()
     try:
         resp = request(args, client)
     except httpx.HTTPError as e:

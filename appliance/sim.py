@@ -5,7 +5,8 @@ models, load state, slots, deterministic output and its framing) that speaks wha
 engines speak, dispatching (method, path) by hand:
 
 - Ollama: POST /api/chat, /api/generate (NDJSON stream unless `"stream": false`),
-  /api/embed, /api/embeddings, /api/show; GET /api/tags, /api/ps, /api/version, /.
+  /api/embed, /api/embeddings, /api/show, /api/pull (a model of the default size
+  appears); DELETE /api/delete; GET /api/tags, /api/ps, /api/version, /.
 - OpenAI: POST /v1/chat/completions, /v1/completions (SSE `data: {...}` ending with
   `data: [DONE]` when `"stream": true`), /v1/embeddings; GET /v1/models.
 
@@ -84,6 +85,8 @@ class SimApp:
             ("POST", "/api/embed"): self.ollama_embed,
             ("POST", "/api/embeddings"): self.ollama_embed,
             ("POST", "/api/show"): self.ollama_show,
+            ("POST", "/api/pull"): self.ollama_pull,
+            ("DELETE", "/api/delete"): self.ollama_delete,
             ("GET", "/api/tags"): self.ollama_tags,
             ("GET", "/api/ps"): self.ollama_ps,
             ("GET", "/api/version"): self.ollama_version,
@@ -249,6 +252,32 @@ class SimApp:
                            "sim.context_length": MAX_TOKENS, "sim.embedding_length": EMBED_DIM},
             "capabilities": ["completion", "embedding"], "modified_at": iso(self.state.started_at),
             "x_simulated": True})
+
+    async def ollama_pull(self, scope, receive, send, path: str) -> None:
+        """Ollama's pull, simulated: progress lines, then the model exists."""
+        req = await self._request(receive)
+        name = req.model or req.name
+        if not name:
+            raise SimError(400, "invalid_request", "model is required")
+        m = self.state.add(name)
+        size = m.spec.size_mb * MiB
+        lines = [{"status": "pulling manifest"},
+                 *({"status": f"pulling {m.digest[:12]}", "digest": f"sha256:{m.digest}", "total": size,
+                    "completed": size * i // 4} for i in range(1, 5)),
+                 {"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
+        if req.stream is False:
+            await _send_json(send, 200, {"status": "success"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
+        await send({"type": "http.response.body", "body": b"".join(_enc.encode(x) + b"\n" for x in lines)})
+
+    async def ollama_delete(self, scope, receive, send, path: str) -> None:
+        req = await self._request(receive)
+        name = req.model or req.name
+        if not self.state.remove(name):
+            raise SimError(404, "model_not_found", f"model '{name}' not found")
+        await send({"type": "http.response.start", "status": 200, "headers": [SIM_HEADER, (b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
 
     async def root(self, scope, receive, send, path: str) -> None:
         await send({"type": "http.response.start", "status": 200,

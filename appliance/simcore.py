@@ -167,6 +167,22 @@ class SimState:
             m = self.models.get(name[:-7] if name.endswith(":latest") else name + ":latest")
         return m
 
+    def add(self, name: str) -> SimModelState:
+        """`/api/pull`: a model of the default size appears (what a pull leaves behind)."""
+        m = self.lookup(name)
+        if m is None:
+            parallel = next(iter(self.models.values())).parallel if self.models else 4
+            m = self.models[name] = SimModelState(SimModel(name=name), parallel)
+        return m
+
+    def remove(self, name: str) -> bool:
+        """`/api/delete`: the model is gone (False: there was none)."""
+        m = self.lookup(name)
+        if m is None:
+            return False
+        del self.models[m.spec.name]
+        return True
+
     def next_id(self) -> int:
         self._ids += 1
         return self._ids

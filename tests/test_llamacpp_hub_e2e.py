@@ -179,6 +179,8 @@ def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
     ol = ollama.Client(host=fleet.hub.url, timeout=120)
     opts = {"temperature": 0, "seed": 3, "num_predict": 12}
     whole = ol.chat(model="tiny", messages=MESSAGES, options=opts)
+    show = ol.show("tiny")  # from the GGUF's header, read by the node
+    assert show.details.format == "gguf" and show.modelinfo["llama.context_length"] == make_gguf.N_CTX
     parts = list(ol.chat(model="tiny", messages=MESSAGES, options=opts, stream=True))
     assert whole.message.content and "".join(p.message.content for p in parts) == whole.message.content
     assert parts[-1].done and parts[-1].done_reason in ("stop", "length") and whole.eval_count > 0

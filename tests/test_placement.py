@@ -221,6 +221,21 @@ def test_keep_alive_of_the_last_request_replaces_the_idle_time():
     assert core.plan([a], 30_059.0) == []
 
 
+def test_a_deleted_model_leaves_the_catalog_once_no_node_lists_it():
+    core = Models(cfg([{"Name": "kept"}]))
+    a = node("a", models=["kept", "gone"])
+    core.ask("gone", [a], 0.0)
+    assert core.names([a]) == ["gone", "kept"]
+    core.forget("gone")
+    core.forget("kept")  # a configured model stays whatever an engine did
+    assert core.names([a]) == ["gone", "kept"]  # the node still lists it
+    b = node("a", models=["kept"])
+    assert core.names([b]) == ["kept"] and "gone" not in core.health
+    assert core.names([b]) == ["kept"]
+    assert core.names([a]) == ["gone", "kept"]  # pulled again: known again
+    assert core.deleted == {}
+
+
 def test_always_on_replicas_placed_one_per_node():
     core = Models(cfg([{"Name": "m", "Replicas": 2}]))
     a, b = node("a", models=["m"]), node("b", models=["m"])

@@ -12,8 +12,9 @@ routing; what it says about models comes from the registry and the control plane
 - `POST /api/show`: forwarded to a node whose engine speaks Ollama and has the model; for
   other engines an answer from what the hub knows (details, `model_info` with the context
   length where known, capabilities).
-- `/api/copy`, `/api/create`, `/api/push`, `/api/blobs/*`, `/api/pull`, `/api/delete`: 501 in
-  Ollama's shape, saying what to do instead.
+- `/api/pull`, `/api/delete`: fleet operations behind the admin key (modelops.py).
+- `/api/copy`, `/api/create`, `/api/push`, `/api/blobs/*`: 501 in Ollama's shape, saying
+  what to do instead.
 - CORS (`Hub__CorsOrigins`, comma-separated, `*` for any): `with_cors` adds the headers
   to the app's answers and answers preflights (`OPTIONS`); `with_request_id` makes sure
   every answer carries `x-request-id`.
@@ -30,7 +31,7 @@ import trio
 
 from appliance import __version__
 from appliance.asgi import BodyTooLarge, bearer, header, read_body, send_json, send_text
-from appliance.hub import status
+from appliance.hub import modelops, status
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.requestid import request_id
 from appliance.hub.router import allowed, authenticate
@@ -51,10 +52,6 @@ UNSUPPORTED = {
     "/api/create": "creating models is not done through the hub; create on the node's engine, "
                    "or define it with Models__N__Source",
     "/api/push": "pushing models is not done through the hub; push from the node's engine",
-    "/api/pull": "pulling models through the hub is not built yet; pull on the node's engine "
-                 "(ollama pull) and the hub discovers it",
-    "/api/delete": "deleting models through the hub is not built yet; delete on the node's engine "
-                   "(ollama rm)",
 }
 CORS_METHODS = b"GET, POST, HEAD, OPTIONS, DELETE"
 CORS_HEADERS = (b"authorization, content-type, x-api-key, x-request-id, x-priority, anthropic-version, "
@@ -166,6 +163,9 @@ async def handle(hub, scope, receive, send) -> bool:
     if path == "/api/show":
         await _show(hub, scope, receive, send)
         return True
+    if path in ("/api/pull", "/api/delete"):
+        await modelops.handle(hub, scope, receive, send, path[len("/api/"):])
+        return True
     if path in UNSUPPORTED or path.startswith("/api/blobs/"):
         msg = UNSUPPORTED.get(path, "blobs are not stored by the hub; send them to the node's engine")
         await send_json(send, 501, error_body("ollama", 501, "not_implemented", msg))
@@ -241,19 +241,18 @@ async def _show_from_node(hub, model: str) -> bytes | None:
 
 
 def _show_synth(hub, model: str) -> dict:
-    """What the hub knows of a model on an OpenAI-only engine."""
+    """What the hub knows of a model on an OpenAI-only engine (a GGUF's header for llama.cpp)."""
     kinds = sorted({engine_kind(n.state) for n in hub.registry.nodes.values()
                     if n.state is not None and n.state.model(model) is not None} - {""})
-    family = "llama.cpp" if "llamacpp" in kinds else (kinds[0] if kinds else "")
-    info: dict = {"general.architecture": family}
     meta = status.model_meta(hub, model)
-    ctx = meta.context_length if meta is not None else 0
-    if ctx:
-        info[f"{family}.context_length"] = ctx
+    family = (meta.family if meta is not None and meta.family else "") or (kinds[0] if kinds else "")
+    info: dict = {"general.architecture": family}
+    if meta is not None and meta.context_length:
+        info[f"{family}.context_length"] = meta.context_length
     caps = ["embedding"] if "embed" in model else ["completion", "tools"]
+    details = status.details(meta)
+    details["family"] = family
+    details["families"] = details["families"] or ([family] if family else None)
     return {"license": "", "modelfile": f"# served by appliance {__version__} on {', '.join(kinds) or 'no engine yet'}\n",
-            "parameters": "", "template": "",
-            "details": {"parent_model": "", "format": "gguf" if "llamacpp" in kinds else "", "family": family,
-                        "families": [family] if family else [], "parameter_size": "", "quantization_level": ""},
-            "model_info": info, "capabilities": caps,
+            "parameters": "", "template": "", "details": details, "model_info": info, "capabilities": caps,
             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -36,6 +36,7 @@ INFERENCE = {
     "/api/embed": "ollama",
     "/api/embeddings": "ollama",
     "/v1/messages": "anthropic",
+    "/v1/messages/count_tokens": "anthropic",
     "/v1/responses": "openai",
 }
 GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps"}

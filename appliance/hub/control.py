@@ -299,6 +299,11 @@ class Control:
         if keep is not None:
             self._wake_up()
 
+    def forget(self, model: str) -> None:
+        """`/api/delete` removed `model` from the engines: out of the catalog once gone from every node."""
+        self.core.forget(model)
+        self._wake_up()
+
     def expires_in(self, model: str) -> float | None:
         """Seconds until `model` is unloaded when idle; None: it stays (/api/ps's expires_at)."""
         return self.core.expires_in(model, self.now())

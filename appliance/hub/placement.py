@@ -124,6 +124,9 @@ class Models:
         self.cfg = cfg
         self.specs = catalog(cfg)
         self.health: dict[str, Health] = {n: Health() for n in self.specs}
+        # Discovered models an operator deleted (/api/delete): forgotten once no node lists
+        # them, unless one lists them again (a new pull).
+        self.deleted: dict[str, bool] = {}  # name -> gone from every node since
         self.pending: list[Pending] = []
         self.events: list[tuple[str, dict]] = []  # audit events for the shell to write
 
@@ -133,11 +136,21 @@ class Models:
         return self.specs.get(name) or Spec(name)
 
     def names(self, nodes: Iterable) -> list[str]:
-        seen = set(self.specs) | set(self.health)
+        listed: set[str] = set()
         for h in nodes:
             if h.state is not None:
-                seen.update(m.name for m in h.state.models)
-        return sorted(seen)
+                listed.update(m.name for m in h.state.models)
+        for name, gone in list(self.deleted.items()):
+            if name in self.specs or (gone and name in listed):
+                del self.deleted[name]  # configured, or pulled again: a model like any other
+            elif name not in listed:
+                self.deleted[name] = True
+                self.health.pop(name, None)
+        return sorted(set(self.specs) | set(self.health) | listed)
+
+    def forget(self, name: str) -> None:
+        """An operator deleted `name` from the engines: drop it once no node lists it."""
+        self.deleted.setdefault(name, False)
 
     def _h(self, name: str) -> Health:
         h = self.health.get(name)

@@ -70,7 +70,7 @@ def model_meta(hub, model: str):
     return best
 
 
-def _details(meta) -> dict:
+def details(meta) -> dict:
     if meta is None:
         return {"parent_model": "", "format": "", "family": "", "families": None, "parameter_size": "",
                 "quantization_level": ""}
@@ -121,7 +121,7 @@ def ollama_tags(hub, client_allowed) -> dict:
                        "modified_at": (meta.modified_at if meta is not None and meta.modified_at
                                        else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(STARTED_AT))),
                        "size": _size_bytes(hub, m["name"]), "digest": meta.digest if meta is not None else "",
-                       "details": _details(meta),
+                       "details": details(meta),
                        "status": _health(m), "last_error": m["last_error"], "reason": m["reason"]})
     return {"models": models}
 
@@ -133,7 +133,7 @@ def ollama_ps(hub, client_allowed) -> dict:
             size = _size_bytes(hub, m["name"])
             meta = model_meta(hub, m["name"])
             entry = {"name": m["name"], "model": m["name"], "size": size, "size_vram": size,
-                     "digest": meta.digest if meta is not None else "", "details": _details(meta),
+                     "digest": meta.digest if meta is not None else "", "details": details(meta),
                      "expires_at": _expires_at(hub, m["name"])}
             if meta is not None and meta.context_length:
                 entry["context_length"] = meta.context_length

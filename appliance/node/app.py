@@ -39,6 +39,7 @@ from appliance.config import Config
 from appliance.hub.errors import error_body
 from appliance.metricsapp import render
 from appliance.node.engines.base import Engine, EngineError
+from appliance.node import modelops
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
 from appliance.upstream import Pool, UpstreamError
@@ -138,6 +139,12 @@ class NodeApp:
                  "leave": lambda: k.set_left(True), "join": lambda: k.set_left(False)}[rest]()
                 log.info("node %s: %s by the owner", k.name, rest)
                 await send_json(send, 200, k.snapshot())
+            return
+        if rest in ("pull", "delete"):
+            if method != "POST":
+                await self._error(send, "node", 405, "method_not_allowed", f"{rest} takes POST")
+            else:
+                await modelops.handle(self, scope, receive, send, rest)
             return
         model, action = self._model_path(scope)
         if model is None or action not in ("load", "unload"):

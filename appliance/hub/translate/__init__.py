@@ -12,7 +12,8 @@ Who speaks what (the README's route table is this function):
 - Ollama /api/*: `ollama` and `sim` natively; `llamacpp` and `openai` engines get the
   chat-completions / embeddings translation (translate/ollama.py).
 - Anthropic /v1/messages and OpenAI /v1/responses: always onto chat completions, the one
-  API every engine kind here speaks (translate/anthropic.py, translate/responses.py).
+  API every engine kind here speaks (translate/anthropic.py, translate/responses.py);
+  /v1/messages/count_tokens as a one-token chat whose usage the engine counts.
 A name resolved by the hub (`llama3.2` -> `llama3.2:latest`) is written into a forwarded
 body; otherwise a forwarded body is the client's own bytes.
 """
@@ -148,6 +149,9 @@ def _translated(path: str, api: str, obj: dict, fwd: bytes, given: str, model: s
         req, stream = anthropic.request(obj, model)
         return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
                         lambda: anthropic.MessagesConverter(given, stream), always=True)
+    if path == "/v1/messages/count_tokens":
+        return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
+                        anthropic.CountConverter, always=True)
     if path == "/v1/responses":
         req, stream, echo = responses.request(obj, model)
         return Prepared(path, api, fwd, (CHAT, enc.encode(req)),

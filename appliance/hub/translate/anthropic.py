@@ -299,3 +299,30 @@ class MessagesConverter:
         if not self.stream:
             return self._whole()
         return b"".join(self._finish_events())
+
+
+def count_request(obj: dict, model: str) -> dict:
+    """`/v1/messages/count_tokens`: the same conversation asked for one token, so the engine
+    counts the prompt itself (its usage.prompt_tokens) with its own tokenizer and template."""
+    req, _ = request({**obj, "max_tokens": 1, "stream": False}, model)
+    return req
+
+
+class CountConverter:
+    """An engine's one-token answer as `{"input_tokens": N}`."""
+
+    content_type = b"application/json"
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        return b""
+
+    def end(self) -> bytes:
+        try:
+            obj = msgspec.json.decode(self._buf)
+        except msgspec.DecodeError:
+            obj = {}
+        return enc.encode({"input_tokens": usage_of(obj if isinstance(obj, dict) else {})[0]})

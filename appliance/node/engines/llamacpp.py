@@ -42,6 +42,7 @@ import trio
 from appliance.config import Config
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.childproc import Child
+from appliance.node.engines.gguf import read_meta
 from appliance.wire import EngineInstall, ModelState
 
 log = logging.getLogger("appliance.node.llamacpp")
@@ -135,6 +136,7 @@ class _Model:
             self.size_mb = math.ceil(os.path.getsize(self.source) / MiB)
         except OSError:
             self.size_mb = 0
+        self.meta = read_meta(self.source) if self.size_mb else None
 
     def error_text(self) -> str:
         return pick_error(self.tail.decode("utf-8", "replace"))
@@ -173,7 +175,7 @@ class LlamaCppEngine(Engine):
         return list(self._installs)
 
     def models(self) -> list[ModelState]:
-        return [ModelState(name=m.name, size_mb=m.size_mb, state=m.state, last_error=m.last_error)
+        return [ModelState(name=m.name, size_mb=m.size_mb, state=m.state, last_error=m.last_error, meta=m.meta)
                 for m in self._models.values()]
 
     def upstream(self, model: str) -> str | None:

@@ -1,0 +1,83 @@
+"""`POST /node/v1/pull` and `POST /node/v1/delete`: Ollama's own model management, on the
+engine this node fronts, for the hub's fleet-wide `/api/pull` and `/api/delete`.
+
+Theory of operation: only engines that manage models themselves can pull or delete
+(`ollama`, and the `sim` that imitates it); others answer 501 with what to do instead. The
+body (`{"model": ...}`) goes to the engine's `/api/pull` (streamed NDJSON progress, relayed
+chunk by chunk) or `DELETE /api/delete`, and the engine's answer comes back as it is.
+After either, the engine's model list is read again, so the node's state (and the hub's
+catalog) shows the change at once rather than at the next poll.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import trio
+
+from appliance.asgi import BodyTooLarge, read_body, send_json
+from appliance.node.engines.base import EngineError
+from appliance.node.engines.ollama import POLL_ERRORS
+from appliance.upstream import UpstreamError
+
+log = logging.getLogger("appliance.node.modelops")
+
+# A pull/delete body is a model name and a flag or two.
+BODY_LIMIT = 64 * 1024
+# Engines whose own API pulls and deletes models (DESIGN 6).
+MANAGING_KINDS = ("ollama", "sim")
+# Reading the model list again after a change: the engine answers from memory.
+REFRESH_SECONDS = 10.0
+
+
+class _Body(msgspec.Struct):
+    model: str = ""
+    name: str = ""
+
+
+async def handle(app, scope, receive, send, action: str) -> None:
+    """`app` is the NodeApp (its engine, pool and config)."""
+    engine = app.engine
+    if engine.kind not in MANAGING_KINDS or not getattr(engine, "url", ""):
+        await send_json(send, 501, {"error": f"a {engine.kind or 'missing'} engine does not {action} models; "
+                                             f"put the model file where the engine reads it"})
+        return
+    try:
+        body = await read_body(receive, BODY_LIMIT)
+        req = msgspec.json.decode(body, type=_Body)
+    except BodyTooLarge:
+        await send_json(send, 413, {"error": "body too large"})
+        return
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        await send_json(send, 400, {"error": f"invalid request: {e}"})
+        return
+    if not (req.model or req.name):
+        await send_json(send, 400, {"error": "model is required"})
+        return
+    method, path = ("POST", "/api/pull") if action == "pull" else ("DELETE", "/api/delete")
+    resp = None
+    try:
+        resp = await app.pool.request(method, engine.url + path, [(b"content-type", b"application/json")], body,
+                                      app.cfg.hub.upstream_read_seconds)
+        ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": [(b"content-type", ctype)]})
+        async for chunk in resp.chunks():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        log.info("node: %s %s on the engine: %s", action, req.model or req.name, resp.status_code)
+        with trio.move_on_after(REFRESH_SECONDS):
+            try:
+                await engine.refresh()
+            except (*POLL_ERRORS, EngineError) as e:  # the next poll tells; this only made it sooner
+                log.info("node: reading the model list after %s failed: %s", action, e)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except UpstreamError as e:
+        if resp is None:
+            await send_json(send, 502, {"error": f"engine at {engine.url} failed: {e}"})
+        else:
+            await send({"type": "http.response.body", "body": msgspec.json.encode({"error": str(e)}) + b"\n",
+                        "more_body": False})
+    finally:
+        if resp is not None:
+            with trio.move_on_after(1, shield=True):
+                await resp.aclose()
