@@ -195,6 +195,8 @@ async def test_one_leader_then_partition_failover_without_overlap(nursery, autoj
     assert LEASE - 0.5 <= took <= LEASE + 1  # after a's lease, within a tick of its end
     assert b.member.epoch > a.member.tenure.epoch == 0 and b.member.changes == 1
     assert a.control.ops.epoch is None and b.control.ops.epoch == b.member.epoch
+    assert ("leader_elected", {"hub": "hub-b", "epoch": b.member.epoch}) in b.control.audit.events
+    assert [k for k, _ in a.control.audit.events] == ["leader_elected", "leader_stepped_down"]
     a.etcd.down = False  # a returns: it follows
     await trio.sleep(2)
     assert not a.member.leading and a.member.leader() == "hub-b"
@@ -353,6 +355,12 @@ async def test_cordons_and_announced_nodes_reach_every_hub(nursery, autojump_clo
     await hub.member.set_cordon("n3", True)
     await trio.sleep(1)
     assert not registry.nodes["n1"].cordoned and registry.nodes["n3"].cordoned
+    del registry.nodes["n3"]  # forgotten on this hub: not brought back by the next reads...
+    await trio.sleep(1)
+    assert "n3" not in registry.nodes and len(added) == 1
+    store.write("appliance/nodes/n3", "http://n3:9090", 0)  # ...only by announcing again (to any hub)
+    await trio.sleep(1)
+    assert "n3" in registry.nodes and len(added) == 2
 
 
 @pytest.mark.e2e
@@ -388,3 +396,29 @@ async def test_real_etcd_client_failover_between_endpoints_and_auth(tmp_path):
                 await Etcd([proc.url], http, "root", "wrong").put("t/x", "2")
     finally:
         proc.close()
+
+
+def test_other_hubs_work_on_a_node_counts_in_free_places():
+    """Priority's reserve across hubs: what the node counts beyond our own requests is
+    another hub's, and takes places here too (a heartbeat late); ours count at once."""
+    from appliance.wire import EngineInstall, ModelState, NodeState
+
+    def state(total, m):
+        return NodeState(name="n1", engines=[EngineInstall("sim", "0.1")], max_concurrency=3, slots=2,
+                         in_flight=total, models=[ModelState("m", 100, "ready", in_flight=m)])
+
+    for shared, used in ((False, 1), (True, 2)):
+        registry = Registry()
+        registry.shared = shared
+        h, _ = registry.upsert("n1", "http://n1:9090", static=False)
+        registry.apply_state(h, state(0, 0))
+        registry.start(h, "m")  # ours, counted at once
+        registry.apply_state(h, state(2, 2))  # the node: ours and one from another hub
+        assert registry.free_places("m") == 2 - used  # slots 2, less ours (and theirs when shared)
+    assert (h.in_flight, h.in_flight_total, h.others) == ({"m": 2}, 2, {"m": 1})
+    registry.finish(h, "m")  # ours done; theirs still counted until the node says otherwise
+    assert registry.free_places("m") == 1
+    registry.apply_state(h, state(1, 1))
+    assert h.in_flight == {"m": 1} and h.others == {"m": 1}
+    registry.apply_state(h, state(0, 0))  # theirs done
+    assert (h.in_flight, h.in_flight_total, h.others, registry.free_places("m")) == ({"m": 0}, 0, {}, 2)

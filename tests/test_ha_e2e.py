@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -18,7 +20,7 @@ import httpx
 import pytest
 
 from etcd_proc import EtcdProc, needs_etcd
-from procs import Procs, wait_until
+from procs import Procs, clean_env, wait_until
 
 pytestmark = [pytest.mark.e2e, needs_etcd]
 
@@ -26,6 +28,7 @@ LEASE = 3
 TOKEN = "node-secret"
 KEV = "unknown model architecture: 'kev'"
 SIM = {
+    "Sim__TokensPerSecond": "1000",  # 16 tokens by default: 16 ms; max_tokens=3000: 3 s
     "Sim__Models__0__Name": "ready-m", "Sim__Models__0__SizeMb": "100",
     "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "100", "Sim__Models__1__FailLoad": KEV,
     "Sim__Models__2__Name": "od-a", "Sim__Models__2__SizeMb": "100", "Sim__Models__2__LoadSeconds": "0.5",
@@ -38,6 +41,7 @@ CATALOG = {
     "Models__1__Name": "kev-0.5b",
     "Models__2__Name": "od-a", "Models__3__Name": "od-b", "Models__4__Name": "od-c", "Models__5__Name": "od-d",
     "Models__RetryBackoffMaxSeconds": "0.3", "Router__ActivationWaitSeconds": "30",
+    "Priority__Enabled": "true", "Priority__ReserveSlots": "1",
 }
 
 
@@ -120,6 +124,9 @@ def test_one_leader_shared_nodes_and_epoch(fleet):
     # n2 announced to hub-a only; hub-b dials it too.
     wait_until(lambda: {n["name"]: n["status"] for n in fleet.status("hub-b")["nodes"]}.get("n2") == "up",
                what="n2 up on hub-b")
+    r = subprocess.run([sys.executable, "-m", "appliance", "ctl", "status"], capture_output=True, text=True,
+                       timeout=60, env=clean_env({"APPLIANCE_HUB_URL": fleet.hubs[other(fleet, leader)].url}))
+    assert f"cluster: leader {leader} (epoch {a['epoch']}); hubs hub-a, hub-b" in r.stdout, r.stdout + r.stderr
     m = httpx.get(fleet.hubs[leader].urls["metrics"] + "/metrics", timeout=10).text
     assert f'appliance_leader{{hub="{leader}"}} 1.0' in m and "appliance_cluster_up 1.0" in m
     m = httpx.get(fleet.hubs[other(fleet, leader)].urls["metrics"] + "/metrics", timeout=10).text
@@ -140,6 +147,25 @@ def test_both_hubs_ask_at_once_one_load(fleet):
         t.join()
     assert results == [200] * 4
     assert fleet.loads("od-a") == 1
+
+
+def test_priority_reserve_holds_across_hubs(fleet):
+    """ready-m has one slot on each of two nodes. A long request through hub-a takes one;
+    a background request through hub-b then finds only the reserved place left -- known
+    from the node's own count, a heartbeat later -- and waits until the long one is done."""
+    before = fleet.status("hub-b")["priority"]["background"]["held"]
+    long = threading.Thread(target=lambda: httpx.post(
+        fleet.hubs["hub-a"].url + "/v1/chat/completions", timeout=30,
+        json={"model": "ready-m", "max_tokens": 3000, "messages": [{"role": "user", "content": "hi"}]}))
+    long.start()
+    wait_until(lambda: sum(n["in_flight"] for n in fleet.status("hub-b")["nodes"]) == 1, timeout=10,
+               what="hub-b sees hub-a's request on the node")
+    r = httpx.post(fleet.hubs["hub-b"].url + "/v1/chat/completions", timeout=30, headers={"x-priority": "background"},
+                   json={"model": "ready-m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    assert not long.is_alive() or fleet.status("hub-b")["priority"]["background"]["held"] == before + 1
+    long.join()
+    assert fleet.status("hub-b")["priority"]["background"]["held"] == before + 1
 
 
 def test_parked_is_shared_and_retry_reaches_the_leader(fleet):

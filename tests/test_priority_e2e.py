@@ -87,12 +87,15 @@ class Fleet:
         want = "paused" if action == "pause" else "up"
         wait_until(lambda: self.node_status(node) == want, what=f"{node} {want}")
 
-    def chat(self, client: str, tokens: int = 2, headers: dict | None = None) -> tuple[httpx.Response, float, float]:
-        """(response, seconds it took, when it finished)."""
+    def chat(self, client: str, tokens: int = 2, headers: dict | None = None,
+             path: str = "/v1/chat/completions") -> tuple[httpx.Response, float, float]:
+        """(response, seconds it took, when it finished); `path` any inference route."""
         t = time.monotonic()
-        r = httpx.post(f"{self.hub.url}/v1/chat/completions", timeout=120,
-                       headers={"authorization": f"Bearer {KEYS[client]}", **(headers or {})},
-                       json={"model": MODEL, "max_tokens": tokens, "messages": [{"role": "user", "content": client}]})
+        body = {"model": MODEL, "max_tokens": tokens, "messages": [{"role": "user", "content": client}]}
+        if path == "/v1/embeddings":
+            body = {"model": MODEL, "input": client}
+        r = httpx.post(f"{self.hub.url}{path}", timeout=120,
+                       headers={"authorization": f"Bearer {KEYS[client]}", **(headers or {})}, json=body)
         done = time.monotonic()
         return r, done - t, done
 
@@ -107,7 +110,7 @@ class Fleet:
 def test_priority_classes_live(procs, tmp_path):
     f = Fleet(procs, tmp_path)
     assert f.status()["priority"]["reserve_slots"] == 1
-    pool = ThreadPoolExecutor(4)
+    pool = ThreadPoolExecutor(6)
 
     # 1. A long team request takes one of the two places; batch is held, ops answered.
     long_team = pool.submit(f.chat, "team", LONG_TOKENS)
@@ -127,17 +130,20 @@ def test_priority_classes_live(procs, tmp_path):
     f.control("gpu-b", "pause")
     batch = pool.submit(f.chat, "batch")
     lowered = pool.submit(f.chat, "team", 2, {"X-Priority": "background"})
-    wait_until(lambda: f.background()["waiting"] == 2, what="batch and the lowered team request held")
+    # Every inference route is held alike: embeddings and Anthropic messages too.
+    embed = pool.submit(f.chat, "batch", 2, None, "/v1/embeddings")
+    messages = pool.submit(f.chat, "batch", 2, None, "/v1/messages")
+    wait_until(lambda: f.background()["waiting"] == 4, what="batch, embeddings, messages and the lowered team request held")
     for client in ("ops", "team"):
         r, took, _ = f.chat(client)
         assert r.status_code == 200 and took < 3, (client, r.status_code, took)
-    assert f.background()["waiting"] == 2
+    assert f.background()["waiting"] == 4
     resumed = time.monotonic()
     f.control("gpu-b", "resume")
-    for fut in (batch, lowered):
+    for fut in (batch, lowered, embed, messages):
         r, _, done = fut.result()
         assert r.status_code == 200 and done >= resumed
-    assert f.background()["released"] == 3
+    assert f.background()["released"] == 5
 
     # 3. A shorter background wait (SIGHUP), gpu-b paused again: 503 naming the client.
     hub_env_file(f.env_file, 2)
@@ -159,8 +165,8 @@ def test_priority_classes_live(procs, tmp_path):
             ("team", "background", 200), ("batch", "background", 503)} <= seen, seen
     bg = '{class="background"}'
     assert f.metric("appliance_priority_reserve_slots") == 1
-    assert f.metric("appliance_priority_held_total", bg) == 4
-    assert f.metric("appliance_priority_released_total", bg) == 3
+    assert f.metric("appliance_priority_held_total", bg) == 6
+    assert f.metric("appliance_priority_released_total", bg) == 5
     assert f.metric("appliance_priority_timed_out_total", bg) == 1
     assert f.metric("appliance_priority_requests_total", '{class="essential"}') == 2
     assert f.metric("appliance_priority_waiting", bg) == 0

@@ -59,10 +59,12 @@ class Member:
         self._seen_epoch = 0
         self._decided: dict[str, int] = {}
         self._retried: dict[str, int] = {}
+        self._nodes: dict[str, int] = {}  # announced nodes applied: name -> revision
         self._cordons: dict[str, bool] = {}  # etcd's word on each node's cordon, as last applied
         self._problem = ""
         self._last_now = 0.0
         control.cluster = self
+        registry.shared = True  # other hubs' work on our nodes counts in admission (nodes.py)
 
     # --- what the rest of the hub reads ------------------------------------------------
 
@@ -114,11 +116,13 @@ class Member:
         else:
             await self.etcd.delete(self.keys.cordon(node))
 
-    async def announced(self, name: str, url: str) -> None:
-        """A node announced to this hub: every hub should dial it. Written when new or moved."""
-        if self.snapshot.nodes.get(name) != url:
-            await self.etcd.put(self.keys.node(name), url)
+    async def announced(self, name: str, url: str, fresh: bool) -> None:
+        """A node announced to this hub: every hub should dial it. Written when it is new to
+        this hub (first seen, or back after being forgotten) or moved -- not every repeat."""
+        if fresh or self.snapshot.nodes.get(name) != url:
+            rev = await self.etcd.put(self.keys.node(name), url)
             self.snapshot.nodes[name] = url
+            self._nodes[name] = rev  # already known here
 
     def deposed(self, why: str) -> None:
         """A node refused our epoch: another hub leads."""
@@ -182,6 +186,7 @@ class Member:
         self._decided = {m: r.decided for m, r in self.snapshot.health.items()}
         self.control.ops.epoch = epoch
         log.warning("hub %s leads the fleet now (epoch %d)", self.name, epoch)
+        self._audit("leader_elected", epoch=epoch)
         self._saw_epoch(epoch)
         self.control.leadership_changed()
 
@@ -189,7 +194,12 @@ class Member:
         epoch = self.tenure.end()
         self.control.ops.epoch = None
         log.warning("hub %s stepped down (epoch %d): %s", self.name, epoch, why)
+        self._audit("leader_stepped_down", epoch=epoch, why=why)
         self.control.leadership_changed()
+
+    def _audit(self, kind: str, **fields) -> None:
+        if self.control.audit is not None:
+            self.control.audit.event(kind, hub=self.name, **fields)
 
     def _check_tenure(self) -> None:
         if self.tenure.lapsed(self.now()):
@@ -236,9 +246,13 @@ class Member:
 
     def _apply_fleet(self, snap: state.Snapshot) -> None:
         for name, url in snap.nodes.items():
-            h = self.registry.nodes.get(name)
-            if h is None or h.url != url.rstrip("/"):
-                self.add_node(name, url)
+            # Once per announcement written (its revision), not on every read: a node this
+            # hub has since forgotten comes back only by announcing again.
+            if self._nodes.get(name) != snap.node_revs[name]:
+                self._nodes[name] = snap.node_revs[name]
+                h = self.registry.nodes.get(name)
+                if h is None or h.url != url.rstrip("/"):
+                    self.add_node(name, url)
         changed = False
         for name, h in self.registry.nodes.items():
             # Applied when etcd's word for the node changes (or is first heard), so a local

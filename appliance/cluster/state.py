@@ -80,6 +80,7 @@ class Snapshot:
     retries: dict[str, int] = field(default_factory=dict)
     cordons: set[str] = field(default_factory=set)
     nodes: dict[str, str] = field(default_factory=dict)
+    node_revs: dict[str, int] = field(default_factory=dict)  # when each was last announced
     raw: dict[str, str] = field(default_factory=dict)
 
 
@@ -110,7 +111,7 @@ def parse(keys: Keys, revision: int, kvs) -> Snapshot:
         elif kind == "cordons":
             s.cordons.add(name)
         elif kind == "nodes":
-            s.nodes[name] = kv.value
+            s.nodes[name], s.node_revs[name] = kv.value, kv.mod_revision
     s.hubs.sort()
     return s
 

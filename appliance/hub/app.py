@@ -159,10 +159,11 @@ async def _announce(hub, scope, receive, send) -> None:
     except ValueError:
         await _error(send, path, 400, "invalid_request", f"bad announcement: url {ann.url!r} has a bad port")
         return
+    fresh = ann.name not in hub.registry.nodes
     hub.add_node(ann.name, ann.url, static=False)
     if getattr(hub, "cluster", None) is not None:  # every hub dials a node that announced to one
         try:
-            await hub.cluster.announced(ann.name, ann.url)
+            await hub.cluster.announced(ann.name, ann.url, fresh)
         except EtcdError as e:
             log.warning("node %s announced, not shared with the other hubs: etcd: %s", ann.name, e)
     await send_json(send, 200, {"ok": True, "name": ann.name})

@@ -291,6 +291,7 @@ class Control:
         if self.leading():
             await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
         else:
+            self.core.requested(model, self.now())  # wanted: this hub's status counts it as the leader's does
             await activation.activate_via_leader(self.cluster, self, model, self.cfg.router.activation_wait_seconds)
 
     def touch(self, model: str, keep: float | None = None) -> None:

@@ -54,6 +54,9 @@ class NodeHandle:
         # Requests on the node watch it: their streams end at once with `node_lost`.
         self.lost = trio.Event()
         self.answered = False  # sent a NodeState at least once (the start-up grace waits for it)
+        # Other hubs' requests on this node, as the node last counted them (HA only).
+        self.others: dict[str, int] = {}
+        self.others_total = 0
 
     # --- decisions ---------------------------------------------------------------------
 
@@ -114,6 +117,9 @@ class Registry:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeHandle] = {}
         self._listeners: list[Callable[[], None]] = []
+        # Several hubs send to the same nodes (HA): each node's own in-flight counts are
+        # folded into ours, so priority's reserve holds across hubs (a heartbeat late).
+        self.shared = False
         self._changed = trio.Event()
         self._turn = 0  # rotates ties in pick
 
@@ -198,6 +204,8 @@ class Registry:
         self.changed()
 
     def apply_state(self, h: NodeHandle, state: NodeState) -> None:
+        if self.shared:
+            count_other_hubs(h, state)
         h.state = state
         if not h.connected:
             h.lost = trio.Event()
@@ -218,6 +226,25 @@ class Registry:
         elif reason != before:
             log.warning("node %s at %s unreachable: %s (retrying with backoff)", h.name, h.url, reason)
         self.changed()
+
+
+def count_other_hubs(h: NodeHandle, state: NodeState) -> None:
+    """Fold other hubs' work on this node into `h.in_flight`: what the node counts beyond
+    what we sent (ours, the counts less the previous estimate of theirs). The node's count
+    is a heartbeat late, so theirs is never over-counted for longer than that, and ours
+    (counted at once) is never under-counted."""
+    reported = {m.name: m.in_flight for m in state.models}
+    theirs_before, h.others = h.others, {}
+    for name in set(reported) | set(theirs_before):
+        ours = max(0, h.in_flight.get(name, 0) - theirs_before.get(name, 0))
+        theirs = max(0, reported.get(name, 0) - ours)
+        if theirs:
+            h.others[name] = theirs
+        if theirs or name in h.in_flight:
+            h.in_flight[name] = ours + theirs
+    ours_total = max(0, h.in_flight_total - h.others_total)
+    h.others_total = max(0, state.in_flight - ours_total)
+    h.in_flight_total = ours_total + h.others_total
 
 
 # --- the supervisor (trio shell) ----------------------------------------------------------
