@@ -244,3 +244,17 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a][data-status=lost]"),
           "gpu-a lost on the page", timeout=10)
     assert "gpu-a" in _text(d, "#attention li[data-state=lost]")
+
+    # Forget the lost node (DELETE /admin/nodes/gpu-a): it leaves the page, or -- on a hub
+    # without that route -- the page shows the hub's own refusal, not a silent nothing.
+    d.find_element(By.CSS_SELECTOR, "button[data-action=forget][data-node=gpu-a]").click()
+    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
+    _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]")
+          or "Forget node gpu-a failed: " in d.find_element(By.ID, "notice").text, "gpu-a forgotten or refused",
+          timeout=10)
+    if d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]"):
+        assert "no such admin path" in d.find_element(By.ID, "notice").text
+        assert fleet.admin.delete("/admin/nodes/gpu-a").status_code == 404
+    else:
+        assert "Forget node gpu-a: done" in d.find_element(By.ID, "notice").text
+        assert [x["node"] for x in fleet.audit_lines() if x.get("action") == "forget"] == ["gpu-a"]

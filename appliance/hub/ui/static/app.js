@@ -214,7 +214,7 @@ function drawPriority(status) {
 
 function drawRecent(recent) {
   const rows = recent.requests.map((r) => el("tr", { "data-status": r.status },
-    el("td", { text: new Date(r.ts * 1000).toLocaleTimeString() }), el("td", { text: r.client || "–" }),
+    el("td", { text: new Date(r.ts * 1000).toLocaleTimeString(), title: r.request_id ? `request ${r.request_id}` : null }), el("td", { text: r.client || "–" }),
     el("td", { text: r.model || "–" }), el("td", { text: r.priority || "–" }),
     el("td", { class: r.status >= 400 ? "err" : "", text: r.error ? `${r.status} ${r.error}` : r.status }),
     el("td", { text: r.node || "–" }), el("td", { class: "num", text: fmtMs(r.ttfb_ms) }),
@@ -292,8 +292,11 @@ function drawSummary(status) {
 
 let lastHistory = 0;
 
+let refreshing = false;
+
 async function refresh() {
-  if (needKey) return;
+  if (needKey || refreshing) return; // a slow hub: one poll at a time
+  refreshing = true;
   try {
     const [status, nodes, recent] = await Promise.all([
       api("/api/status"), api("/admin/nodes"), api("/api/requests/recent?limit=50")]);
@@ -319,6 +322,8 @@ async function refresh() {
       notice(`The hub did not answer: ${e.message}`, "bad");
       document.getElementById("notice").dataset.stale = "1";
     }
+  } finally {
+    refreshing = false;
   }
 }
 
