@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -164,6 +165,15 @@ def _wait(driver, fn, what: str, timeout: float = 30):
     return WebDriverWait(driver, timeout, poll_frequency=0.2).until(safe, message=what)
 
 
+def _trickle(url: str, stop: threading.Event) -> None:
+    with httpx.Client(base_url=url, timeout=30) as c:
+        i = 0
+        while not stop.wait(0.25):
+            model = "no-such" if i % 7 == 6 else "sim-fit"
+            c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+            i += 1
+
+
 def _text(driver, css: str) -> str:
     from selenium.webdriver.common.by import By
 
@@ -179,6 +189,10 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         r = httpx.post(fleet.hub.url + "/v1/chat/completions", timeout=30,
                        json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == code, r.text
+    # A trickle of traffic until the picture is taken, so its charts have lines.
+    stop = threading.Event()
+    trickle = threading.Thread(target=_trickle, args=(fleet.hub.url, stop), daemon=True)
+    trickle.start()
     wait_until(lambda: fleet.models()["kev-0.5b"]["parked"], timeout=60, what="kev parked")
     d.get(fleet.hub.url + "/")  # a browser's GET / lands on the page
     assert d.current_url.endswith("/ui/")
@@ -211,6 +225,11 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     normal = _text(d, "#priority-table tr[data-class=normal]").split()
     assert normal[0] == "normal" and int(normal[-1]) >= 2, normal  # requests: at least the two 200s
 
+    _wait(d, lambda d: len(d.execute_script("return document.querySelectorAll('#charts polyline').length ? "
+                                            "document.querySelector('#charts polyline').getAttribute('points').split(' ') : []")) >= 3,
+          "three points on the requests chart", timeout=30)
+    stop.set()
+    trickle.join(10)
     shot = tmp_path / "ui.png"
     assert d.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
