@@ -7,7 +7,10 @@ key, what the recent-requests feed may carry) run first; then the browser opens 
 gives the admin key, and everything is asserted from the rendered page: both nodes up,
 the parked model with its error and count, the unplaceable one with its numbers; a click
 on "Retry" (confirmed) takes the model out of parked, audited with the admin as actor; a
-node stopped turns lost on the page. The screenshot it takes is the README's picture
+node stopped turns lost on the page; forget goes through DELETE /admin/nodes/NAME. Also:
+phone width without sideways scrolling, dark under prefers-color-scheme, an accessible
+name on every control, and no key prompt on a hub without an admin key. The screenshot
+it takes is the README's picture
 (set APPLIANCE_UI_SCREENSHOT=docs/ui.png to refresh it).
 
 Debian's `chromium` and `chromium-driver` are installed by `make test` (test-deps).
@@ -241,6 +244,25 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     assert d.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
     d.set_window_size(1280, 1700)
 
+    # Dark when the system asks for it; every control and chart has an accessible name.
+    def background() -> str:
+        return d.execute_script("return getComputedStyle(document.body).backgroundColor")
+
+    light = background()
+    d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    dark = background()
+    d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+    assert light == "rgb(247, 247, 245)" and dark == "rgb(18, 20, 22)", (light, dark)
+    unnamed = d.execute_script("""
+        const bad = [];
+        for (const b of document.querySelectorAll('button')) if (!(b.getAttribute('aria-label') || b.textContent.trim())) bad.push(b.outerHTML);
+        for (const i of document.querySelectorAll('input')) if (!(i.labels && i.labels.length)) bad.push(i.outerHTML);
+        for (const g of document.querySelectorAll('svg')) if (!g.getAttribute('aria-label')) bad.push('svg');
+        return bad;""")
+    assert unnamed == []
+    assert "Retry model kev-0.5b" in d.execute_script(
+        "return [...document.querySelectorAll('button[data-action=retry]')].map(b => b.getAttribute('aria-label')).join()")
+
     # Retry (confirmed) takes the model out of parked; the audit names the admin.
     d.find_element(By.CSS_SELECTOR, "#attention button[data-action=retry][data-model='kev-0.5b']").click()
     _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
@@ -277,3 +299,19 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     else:
         assert "Forget node gpu-a: done" in d.find_element(By.ID, "notice").text
         assert [x["node"] for x in fleet.audit_lines() if x.get("action") == "forget"] == ["gpu-a"]
+
+
+def test_no_prompt_without_an_admin_key(browser, tmp_path):
+    """A hub with no admin key: the page shows the (empty) fleet and never asks for a key."""
+    from selenium.webdriver.common.by import By
+
+    procs = Procs()
+    try:
+        hub = procs.hub(metrics=False)
+        browser.get(hub.url + "/ui/")
+        _wait(browser, lambda d: "0 of 0 nodes up" in d.find_element(By.ID, "summary").text, "the summary")
+        assert not browser.find_element(By.ID, "keyform").is_displayed()
+        assert "No nodes known yet." in browser.find_element(By.ID, "nodes").text
+        assert browser.execute_script("return sessionStorage.length") == 0
+    finally:
+        procs.close()
