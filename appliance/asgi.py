@@ -19,8 +19,11 @@ import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
 
+from appliance import hyperfix
 from appliance.config import parse_listen
 from appliance.listener import Limits, serve_guarded
+
+hyperfix.apply()  # close a connection as soon as its peer has (hyperfix.py)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]

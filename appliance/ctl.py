@@ -47,7 +47,22 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(action, help=text)
         sp.add_argument("model")
         sp.add_argument("--node", default=None, help="only this node")
+    _options_anywhere(p, sub)
     return p
+
+
+def _options_anywhere(p: argparse.ArgumentParser, sub) -> None:
+    """`ctl status --json` as well as `ctl --json status` (the README shows the first):
+    every option of `p` is accepted after the subcommand too. Each subcommand gets a copy
+    whose default is SUPPRESS, so an option given before the subcommand is not reset."""
+    options = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    for sp in sub.choices.values():
+        for a in options:
+            kw = {"dest": a.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+            if a.nargs == 0:
+                sp.add_argument(*a.option_strings, action="store_const", const=a.const, **kw)
+            else:
+                sp.add_argument(*a.option_strings, **kw)
 
 
 def _table(rows: list[list[str]]) -> str:

@@ -9,8 +9,8 @@ loop (`serve_guarded`, which replaces `hypercorn.trio.serve`) and wraps each
 connection and each request, so the hub API, the node API and both metrics listeners
 get the same rules:
 
-- A connection the client closed is let go at once (hypercorn holds it until its
-  keep-alive timer fires: `_TCPServer`).
+- A connection the client closed is let go at once (appliance/hyperfix.py), and the
+  close hypercorn starts from the read side waits for an answer being written.
 - At most `max_connections` connections are open: the accept loop takes the next one
   only when one closed (the rest wait in the kernel's backlog and cost us no fd).
 - A request head must be complete within `header_read_seconds` of the connection's
@@ -176,16 +176,7 @@ class _GuardedStream:
 
 
 class _TCPServer(TCPServer):
-    """hypercorn's connection, less one leak: when the client closes, hypercorn's keep-alive
-    timer (75 s) still runs and holds the task group -- and the fd, and with it one of
-    `max_connections` -- until it fires. Here the timer stops when reading ends; requests
-    still running finish as before (they see the disconnect)."""
-
-    async def _read_data(self) -> None:
-        try:
-            await super()._read_data()
-        finally:
-            await self.idle_task.stop()
+    """hypercorn's connection (with appliance.hyperfix's prompt close), less one race."""
 
     async def _close(self) -> None:
         # hypercorn sends data under `send_lock` but its EOF without it: a close from the

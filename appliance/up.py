@@ -4,8 +4,11 @@ Theory of operation: ask 127.0.0.1:11434 whether an Ollama answers (bounded by
 PROBE_SECONDS); if it does, the node fronts it, otherwise the node runs the built-in
 simulated engine -- and says so loudly, because an operator must never mistake the
 simulator for a real model. The hub listens on 127.0.0.1:8080 unless Hub__Listen says
-otherwise, and knows the node statically. Both run in one trio nursery: one SIGTERM
-drains both and exits 0.
+otherwise, the node on a free loopback port unless Node__Listen says otherwise, and the
+hub knows the node statically. One process has one metrics listener: the hub's
+(`Metrics__Listen`, off by default here); the node's is off, its series are the hub's
+concern. Both run in one trio nursery: one SIGTERM drains both and exits 0. systemd's
+watchdog is fed from the hub's control loop, as `appliance hub` does.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ OLLAMA_URL = "http://127.0.0.1:11434"
 # An Ollama on loopback answers /api/version in milliseconds; a second is plenty.
 PROBE_SECONDS = 1.0
 UP_HUB_LISTEN = "127.0.0.1:8080"
+UP_NODE_LISTEN = "127.0.0.1:0"
+DEFAULT_NODE_LISTEN = "0.0.0.0:9090"  # config's default: not set by the operator
 
 
 async def ollama_answers(url: str = OLLAMA_URL) -> bool:
@@ -41,7 +46,8 @@ async def ollama_answers(url: str = OLLAMA_URL) -> bool:
 def up_config(cfg: Config, use_ollama: bool) -> Config:
     """The single-box configuration: loopback hub, a local node on a free port."""
     hub = cfg.hub if cfg.hub.listen != "0.0.0.0:8080" else msgspec.structs.replace(cfg.hub, listen=UP_HUB_LISTEN)
-    node = msgspec.structs.replace(cfg.node, listen="127.0.0.1:0", name=cfg.node.name or "local")
+    listen = UP_NODE_LISTEN if cfg.node.listen == DEFAULT_NODE_LISTEN else cfg.node.listen
+    node = msgspec.structs.replace(cfg.node, listen=listen, name=cfg.node.name or "local")
     engine = msgspec.structs.replace(cfg.engine, kind="ollama" if use_ollama else "sim",
                                      url=OLLAMA_URL if use_ollama else cfg.engine.url)
     metrics = cfg.metrics if cfg.metrics.listen is not None else msgspec.structs.replace(cfg.metrics, listen="")
@@ -68,8 +74,16 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> None:
     from appliance.node.run import run_node
 
+    from appliance import sdnotify
+
+    heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.hub.control_interval_seconds)
+    # One metrics listener per process: the hub's. Both binding Metrics__Listen is EADDRINUSE.
+    node_only = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, listen=""))
+    hub_done = trio.Event()
+    watchdog = trio.CancelScope()
+
     async with trio.open_nursery() as nursery:
-        node_host, node_port = await nursery.start(partial(run_node, cfg, stop))
+        node_host, node_port = await nursery.start(partial(run_node, node_only, stop))
         local = NodeRef(name=cfg.node.name, url=f"http://{node_host}:{node_port}")
         node_cfg = msgspec.structs.replace(cfg, nodes=[*cfg.nodes, local])
 
@@ -79,14 +93,31 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
             return msgspec.structs.replace(new, nodes=[*new.nodes, local])
 
         async def hub_task(*, task_status=trio.TASK_STATUS_IGNORED):
-            await run_hub(node_cfg, stop, task_status=task_status)
+            try:
+                await run_hub(node_cfg, stop, task_status=task_status)
+            finally:
+                hub_done.set()
+
+        async def feed_watchdog() -> None:
+            with watchdog:
+                await sdnotify.watchdog_loop(notifier, heartbeat)
 
         hub, _addr = await nursery.start(hub_task)
         notifier.ready()
+        hub.control.beat = heartbeat.beat  # the control loop's every turn feeds the watchdog
+        nursery.start_soon(feed_watchdog)
         nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file, adjust), "up")
         # The hub and the node drain on the same stop event and return; so does this.
+        await hub_done.wait()
+        watchdog.cancel()
 
 
 def main(cfg: Config, env_file: str | None = None) -> int:
+    from appliance.hub.audit import check_path
+
+    err = check_path(cfg.audit.path)
+    if err is not None:
+        print(f"appliance up: {err}", file=sys.stderr)
+        return 2
     trio.run(_main, cfg, env_file)
     return 0

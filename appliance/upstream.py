@@ -7,7 +7,11 @@ This module sends one request on a kept-alive connection and yields the response
 as raw chunks as they arrive -- nothing is buffered or decoded. It owns the connection
 pool and one decision: may a connection be reused? Only when both sides finished the
 exchange cleanly. A pooled connection the node closed while idle fails before any byte
-of a response: that (and only that) is retried once on a fresh connection.
+of a response: that (and only that) is retried once on a fresh connection. Connections
+the pool no longer needs are closed at once, never left to the garbage collector: the
+extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by a
+non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
+-- otherwise each sits in CLOSE-WAIT holding an fd.
 
 Timeouts belong to the caller's configuration: connecting is bounded by
 CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
@@ -16,6 +20,7 @@ httpx stays for everything else (control calls, polling), where its features pay
 
 from __future__ import annotations
 
+import select
 import ssl
 import time
 from typing import AsyncIterator
@@ -26,19 +31,39 @@ import trio
 
 # Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
 CONNECT_SECONDS = 5.0
-# Idle connections are dropped before the node's keep-alive (75 s, appliance.asgi) does.
-IDLE_SECONDS = 60.0
-# Idle connections kept per node; more concurrent requests open more and drop the extra.
-MAX_IDLE_PER_PEER = 64
+# Idle connections are closed well before the peer's keep-alive (75 s, appliance.asgi)
+# would: a pool that outlives a load by 15 s at most, and never meets a peer's close.
+IDLE_SECONDS = 15.0
+# Idle connections kept per peer; a burst opens more and closes the extra when it ends
+# (a node runs a handful of requests per model at once; 16 covers that with room).
+MAX_IDLE_PER_PEER = 16
+# How often `sweep_every` closes idle connections that expired or whose peer closed them
+# (a node's keep-alive ran out, the node restarted): a few seconds of CLOSE-WAIT at most.
+SWEEP_SECONDS = 5.0
 READ_BYTES = 65536
 
 
 class UpstreamError(Exception):
-    """The node could not be reached, or the connection broke; `before_response` says when."""
+    """The node could not be reached, or the connection broke; `before_response` says when.
+
+    The message is a verb phrase about the peer ("closed the connection before
+    answering"), so a caller's log line reads "node gpu-a closed the connection ..."."""
 
     def __init__(self, message: str, before_response: bool = True) -> None:
         super().__init__(message)
         self.before_response = before_response
+
+
+def _before_answer(e: BaseException, read_timeout: float) -> str:
+    """What a failure before the response's head means, said for an operator -- not h11's
+    "can't handle event type ConnectionClosed when role=SERVER"."""
+    if isinstance(e, trio.TooSlowError):
+        return f"did not answer within {read_timeout:g} s"
+    if isinstance(e, h11.RemoteProtocolError) and "ConnectionClosed" not in str(e):
+        return f"sent a broken response ({e})"
+    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, h11.RemoteProtocolError)):
+        return "closed the connection before answering"
+    return f"failed before answering ({type(e).__name__}: {e})"
 
 
 class _Conn:
@@ -48,6 +73,30 @@ class _Conn:
         self.stream = stream
         self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
         self.idle_since = 0.0
+
+    def _socket(self):
+        s = self.stream
+        s = getattr(s, "transport_stream", s)  # TLS over TCP
+        return getattr(s, "socket", None)
+
+    def peer_closed(self) -> bool:
+        """An idle connection whose peer hung up (or sent what no request asked for)."""
+        sock = self._socket()
+        if sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+            # Readable while idle: the end of the stream, or bytes no request asked for.
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def close_now(self) -> None:
+        """Close without waiting (an idle connection has nothing to flush)."""
+        sock = self._socket()
+        if sock is not None:
+            sock.close()
 
 
 class Response:
@@ -73,7 +122,7 @@ class Response:
                 ev = conn.h11.next_event()
             except h11.RemoteProtocolError as e:
                 await self._discard()
-                raise UpstreamError(f"node broke the response: {e}", before_response=False) from None
+                raise UpstreamError(f"broke off the response ({e})", before_response=False) from None
             if isinstance(ev, h11.Data):
                 pending.append(ev.data)
                 continue
@@ -84,16 +133,21 @@ class Response:
                 try:
                     with trio.fail_after(self._read_timeout):
                         data = await conn.stream.receive_some(READ_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError) as e:
+                except trio.TooSlowError:
                     await self._discard()
-                    raise UpstreamError(f"{type(e).__name__}: {e}", before_response=False) from None
+                    raise UpstreamError(f"sent nothing for {self._read_timeout:g} s mid-response",
+                                        before_response=False) from None
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                    await self._discard()
+                    raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
+                                        before_response=False) from None
                 conn.h11.receive_data(data)
             elif isinstance(ev, h11.EndOfMessage):
                 self._release()
                 return
             elif isinstance(ev, h11.ConnectionClosed):
                 await self._discard()
-                raise UpstreamError("node closed the connection mid-body", before_response=False)
+                raise UpstreamError("closed the connection mid-response", before_response=False)
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.chunks()])
@@ -130,20 +184,51 @@ class Pool:
         try:
             conn.h11.start_next_cycle()
         except h11.LocalProtocolError:
+            conn.close_now()
             return
         conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(key, [])
         if len(idle) < MAX_IDLE_PER_PEER:
             idle.append(conn)
+        else:
+            conn.close_now()
 
     def _get(self, key) -> _Conn | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if now - conn.idle_since < IDLE_SECONDS:
+            if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
                 return conn
+            conn.close_now()
         return None
+
+    def sweep(self) -> int:
+        """Close idle connections that expired or whose peer closed them; how many."""
+        now = time.monotonic()
+        closed = 0
+        for key, idle in list(self._idle.items()):
+            keep = []
+            for conn in idle:
+                if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
+                    keep.append(conn)
+                else:
+                    conn.close_now()
+                    closed += 1
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return closed
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def sweep_every(self, seconds: float = SWEEP_SECONDS) -> None:
+        """`sweep` every `seconds`, until cancelled (in the owner's nursery)."""
+        while True:
+            await trio.sleep(seconds)
+            self.sweep()
 
     async def _connect(self, key) -> _Conn:
         scheme, host, port = key
@@ -154,8 +239,12 @@ class Pool:
                     stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=ctx)
                 else:
                     stream = await trio.open_tcp_stream(host, port)
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
-            raise UpstreamError(f"connect to {host}:{port} failed: {type(e).__name__}: {e}") from None
+        except ConnectionRefusedError:
+            raise UpstreamError(f"refused the connection at {host}:{port}") from None
+        except trio.TooSlowError:
+            raise UpstreamError(f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s") from None
+        except (OSError, trio.BrokenResourceError) as e:
+            raise UpstreamError(f"could not be connected to at {host}:{port} ({type(e).__name__}: {e})") from None
         return _Conn(stream)
 
     async def request(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes,
@@ -200,12 +289,12 @@ class Pool:
                     continue
                 if isinstance(ev, h11.Response):
                     return Response(self, key, conn, ev, read_timeout)
-                raise UpstreamError(f"node closed the connection before answering ({type(ev).__name__})")
+                raise UpstreamError("closed the connection before answering")
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError,
                 h11.RemoteProtocolError) as e:
             with trio.move_on_after(1, shield=True):
                 await conn.stream.aclose()
-            raise UpstreamError(f"{type(e).__name__}: {e}") from None
+            raise UpstreamError(_before_answer(e, read_timeout)) from None
         except BaseException:
             with trio.move_on_after(1, shield=True):
                 await conn.stream.aclose()

@@ -48,6 +48,10 @@ def test_rule_tests_bite(tmp_path):
     assert "ApplianceModelParked" not in without
     (tmp_path / "alerts.yml").write_text(without)
     assert promtool("test", "rules", "alerts_test.yml", cwd=tmp_path).returncode != 0
+    never = text.replace("increase(appliance_audit_write_errors_total[5m]) > 0", "appliance_audit_write_errors_total > 100")
+    assert never != text
+    (tmp_path / "alerts.yml").write_text(never)
+    assert promtool("test", "rules", "alerts_test.yml", cwd=tmp_path).returncode != 0
 
 
 def test_every_alert_is_tested_and_every_failure_mode_has_one():
@@ -55,7 +59,7 @@ def test_every_alert_is_tested_and_every_failure_mode_has_one():
     tested = set(re.findall(r"alertname: (\w+)", (RULES / "alerts_test.yml").read_text()))
     assert set(alerts) <= tested, set(alerts) - tested
     for mode in ("ModelNotReady", "ModelParked", "ModelUnplaceable", "ModelStartFailures", "NodeDown",
-                 "CertificateExpiring", "NoLeader", "LeaderFlapping"):
+                 "CertificateExpiring", "NoLeader", "LeaderFlapping", "AuditWriteFailing"):
         assert f"Appliance{mode}" in alerts
 
 

@@ -217,3 +217,25 @@ def test_ctl_key_file_env_and_a_warning_for_key_on_the_command_line(monkeypatch,
     seen, err = _key_seen(monkeypatch, ["--key", "argv-key", "status"])
     assert seen == ["Bearer argv-key"] and "process list" in err
     assert ctl.run(["--key-file", str(tmp_path / "missing"), "status"], None, io.StringIO(), io.StringIO()) == 2
+
+
+def test_ctl_options_before_or_after_the_subcommand(monkeypatch, capsys):
+    seen: list = []
+    real = httpx.Client
+    monkeypatch.delenv("APPLIANCE_ADMIN_KEY", raising=False)
+
+    def fake_client(**kw):
+        return real(transport=httpx.MockTransport(
+            lambda req: (seen.append((str(req.url), req.headers.get("authorization"))), httpx.Response(200, json={
+                "satisfied": True, "problems": [], "models": [], "nodes": []}))[1]), **kw)
+
+    monkeypatch.setattr(ctl.httpx, "Client", fake_client)
+    for argv in (["status", "--json"], ["--json", "status"],
+                 ["status", "--json", "--url", "http://h:1", "--key", "k"],
+                 ["--url", "http://h:1", "status", "--json", "--key", "k"]):
+        capsys.readouterr()
+        assert ctl.main(argv) == 0, argv
+        assert json.loads(capsys.readouterr().out)["satisfied"] is True, argv  # --json honoured
+    assert seen[2] == ("http://h:1/admin/status", "Bearer k") and seen[3] == seen[2]
+    # Given before, not reset by the subcommand's copy of the option.
+    assert ctl._parser().parse_args(["--url", "http://x:2", "status"]).url == "http://x:2"

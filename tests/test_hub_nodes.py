@@ -165,3 +165,85 @@ async def test_a_node_never_reached_is_logged_once_per_reason(autojump_clock, ca
             await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0, on_event=lambda *a: None)
     said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert said == ["node far at http://far:1 unreachable: ConnectError: connection refused (retrying with backoff)"]
+
+
+def test_pick_spreads_equal_nodes_evenly():
+    # 300 requests at once on three equal nodes: bounded or not, each gets a third.
+    for slots in (None, 4):
+        nodes = [_node(n, slots=slots) for n in ("a", "b", "c")]
+        r = _registry(*nodes)
+        got = {"a": 0, "b": 0, "c": 0}
+        for _ in range(300):
+            h = r.pick("m")
+            got[h.name] += 1
+            r.start(h, "m")
+        assert got == {"a": 100, "b": 100, "c": 100}, (slots, got)
+
+
+def test_pick_spreads_under_churn_and_a_retry_goes_to_the_least_loaded_other():
+    import random
+
+    rnd = random.Random(7)
+    nodes = [_node(n, slots=2) for n in ("a", "b", "c")]
+    r = _registry(*nodes)
+    running: list = []
+    got = {"a": 0, "b": 0, "c": 0}
+    for _ in range(3000):
+        if running and rnd.random() < 0.5:
+            r.finish(running.pop(rnd.randrange(len(running))), "m")
+        else:
+            h = r.pick("m")
+            got[h.name] += 1
+            r.start(h, "m")
+            running.append(h)
+    assert all(abs(n - sum(got.values()) / 3) <= 0.15 * sum(got.values()) / 3 for n in got.values()), got
+    # Equal free places, ties broken by turn -- not always the first node.
+    fresh = _registry(*[_node(n) for n in ("a", "b", "c")])
+    assert {fresh.pick("m").name for _ in range(3)} == {"a", "b", "c"}
+    # A retry (a excluded) goes to the least loaded of the others.
+    a, b, c = (fresh.nodes[n] for n in "abc")
+    fresh.start(b, "m")
+    assert fresh.pick("m", exclude={"a"}) is c
+    # Over-full slots still order: b with 3 in flight on 2 slots loses to c with 2.
+    s = _registry(_node("b", slots=2), _node("c", slots=2))
+    for _ in range(3):
+        s.start(s.nodes["b"], "m")
+    s.start(s.nodes["c"], "m"); s.start(s.nodes["c"], "m")
+    assert s.pick("m").name == "c"
+
+
+async def test_announcement_from_a_lost_node_dials_it_at_once(autojump_clock):
+    state = NodeState(name="a", models=[ModelState(name="m", state="ready")])
+    calls = []
+    back = []
+
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield encode_event(StateEvent(state=state))
+            while True:
+                await trio.sleep(1)
+                yield encode_event(Heartbeat())
+
+    async def handler(request):
+        calls.append(trio.current_time())
+        if not back:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, stream=Stream())
+
+    reg = Registry()
+    h, _ = reg.upsert("a", "http://a:1", static=False)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=60, on_event=lambda *a: None))
+            await trio.sleep(300)  # away for long: the backoff is at its cap
+            assert not h.connected and calls[-1] - calls[-2] >= 30
+            back.append(1)
+            t = trio.current_time()
+            reg.upsert("a", "http://a:1", static=False)  # it announces itself, same URL
+            await trio.sleep(0.01)
+            assert calls[-1] == t and h.connected and h.ready("m")
+            n = len(calls)
+            reg.upsert("a", "http://a:1", static=False)  # announcing while connected: no new dial
+            await trio.sleep(10)
+            assert len(calls) == n
+            nursery.cancel_scope.cancel()

@@ -165,8 +165,9 @@ def test_authenticate_allowed_and_decode():
         else:
             raise AssertionError("no 401")
     assert decode_request(b'{"model": "m", "stream": true, "messages": []}').stream is True
+    deep = b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     for body, code in ((b"{", "invalid_json"), (b"[]", "invalid_request"), (b"{}", "invalid_request"),
-                       (b'{"model": 3}', "invalid_request")):
+                       (b'{"model": 3}', "invalid_request"), (deep, "invalid_json")):
         try:
             decode_request(body)
         except RouteError as e:
@@ -181,4 +182,6 @@ def test_error_shapes():
     assert json.loads(error_body("ollama", 404, "model_not_found", "model 'x' not found")) == {"error": "model 'x' not found"}
     e = RouteError(503, "model_loading", "loading; retry shortly", retry_after=2.4)
     assert e.headers() == [(b"retry-after", b"2")]
-    assert RouteError(503, "model_parked", "x").headers() == []
+    # Refusals a retry cannot cure say so, and carry no Retry-After (DESIGN 9.1).
+    assert RouteError(503, "model_parked", "x").headers() == [(b"x-should-retry", b"false")]
+    assert RouteError(503, "model_unplaceable", "x", retry_after=5).headers() == [(b"x-should-retry", b"false")]

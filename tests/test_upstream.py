@@ -106,3 +106,21 @@ async def test_nobody_listening_fails_before_the_response():
     with pytest.raises(UpstreamError) as e:
         await Pool().request("POST", f"http://127.0.0.1:{port}/x", [], b"", read_timeout=5)
     assert e.value.before_response and "connect" in str(e.value)
+
+
+async def test_idle_connections_the_peer_closed_are_closed_not_kept():
+    async with trio.open_nursery() as nursery:
+        url, _ = await _start(nursery, close_after=False, chunks=[b"ok"])
+        pool = Pool()
+        resp = await pool.request("POST", url, [], b"{}", read_timeout=5)
+        assert await resp.read() == b"ok"
+        await resp.aclose()
+        assert pool.idle_count() == 1
+        (conn,) = [c for conns in pool._idle.values() for c in conns]
+        assert not conn.peer_closed() and pool.sweep() == 0
+        # The peer hangs up while the connection idles: the sweep closes our side too.
+        nursery.cancel_scope.cancel()
+    await trio.sleep(0.1)
+    assert conn.peer_closed()
+    assert pool.sweep() == 1 and pool.idle_count() == 0
+    assert conn.stream.socket.fileno() == -1  # closed now, not left to the garbage collector

@@ -5,18 +5,41 @@ client that saw an answer can find its line. Lines go to `Audit__Path` or, when 
 to stdout. The file is rotated by size (`Audit__MaxBytes`, `Audit__Backups` kept as
 PATH.1 ... PATH.N). Never the key itself: the client's name. Writes are small and
 synchronous -- a local append is faster than handing it to a thread.
+
+The path is opened at start (`check_path`: the hub exits 2 with one line when it cannot
+be). A write that fails later (disk full, file removed with its directory) never fails
+the request it describes: it is counted (`write_errors`, the hub's
+`appliance_audit_write_errors_total` through `on_error`), logged at most once per
+ERROR_LOG_SECONDS, and the file is reopened at the next write.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import msgspec
 
+log = logging.getLogger("appliance.hub.audit")
 _enc = msgspec.json.Encoder()
+# A full disk fails every line: one log line a minute says so without flooding the log.
+ERROR_LOG_SECONDS = 60.0
+
+
+def check_path(path: str) -> str | None:
+    """None when `path` (empty: stdout) can be opened for appending; else why not."""
+    if not path:
+        return None
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        return f"cannot open Audit__Path {path!r} for appending: {e.strerror or e}"
+    return None
 
 
 class AuditLog:
@@ -26,6 +49,10 @@ class AuditLog:
         self.backups = backups
         self._fh: TextIO | None = None
         self._size = 0
+        self.write_errors = 0
+        self.last_error = ""
+        self.on_error: Callable[[], None] = lambda: None
+        self._logged_at = float("-inf")
         # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
         self.recent = None
 
@@ -59,13 +86,32 @@ class AuditLog:
 
     def write(self, record: dict[str, Any]) -> None:
         line = _enc.encode(record) + b"\n"
-        fh = self._open()
-        fh.write(line)
-        fh.flush()
-        if self.path:
-            self._size += len(line)
-            if self._size >= self.max_bytes:
-                self._rotate()
+        try:
+            fh = self._open()
+            fh.write(line)
+            fh.flush()
+            if self.path:
+                self._size += len(line)
+                if self._size >= self.max_bytes:
+                    self._rotate()
+        except (OSError, ValueError) as e:  # ValueError: a file closed under us
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        self.write_errors += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        self.on_error()
+        if self._fh is not None:
+            try:
+                self._fh.close()
+            except OSError:
+                pass
+            self._fh = None  # reopened at the next write
+        now = time.monotonic()
+        if now - self._logged_at >= ERROR_LOG_SECONDS:
+            self._logged_at = now
+            log.error("audit line not written to %s: %s (%d lost so far; said at most once a minute)",
+                      self.path or "stdout", self.last_error, self.write_errors)
 
     def request(self, **fields: Any) -> None:
         record = {"ts": round(time.time(), 3), "kind": "request", **fields}

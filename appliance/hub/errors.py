@@ -15,6 +15,11 @@ import msgspec
 _enc = msgspec.json.Encoder()
 
 
+# Refusals a retry of the same request cannot cure (DESIGN 9.1): they say so with
+# `x-should-retry: false`, the header the OpenAI SDKs honour, and never carry Retry-After.
+NO_RETRY = frozenset({"model_parked", "model_unplaceable"})
+
+
 class RouteError(Exception):
     def __init__(self, status: int, code: str, message: str, retry_after: float | None = None,
                  param: str | None = None) -> None:
@@ -29,6 +34,8 @@ class RouteError(Exception):
         return error_body(api, self.status, self.code, self.message, self.param)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
+        if self.code in NO_RETRY:
+            return [(b"x-should-retry", b"false")]
         if self.retry_after is None:
             return []
         return [(b"retry-after", str(max(1, int(round(self.retry_after)))).encode())]

@@ -31,6 +31,8 @@ class HubMetrics:
         self.node_cordoned = Gauge("appliance_node_cordoned", "1 while the node is cordoned.", ["node"], registry=r)
         self.node_over = Gauge("appliance_node_over_limits", "1 while the node is over its own limits.", ["node"], registry=r)
         self.node_lost = Gauge("appliance_node_lost", "1 while the node is not connected.", ["node"], registry=r)
+        self.audit_write_errors = Counter("appliance_audit_write_errors_total", "Audit lines that could not be written.",
+                                          registry=r)
         self.node_age = Gauge("appliance_node_heartbeat_age_seconds", "Seconds since the node's last watch line.",
                               ["node"], registry=r)
 

@@ -52,10 +52,16 @@ class NodeHandle:
         self.removed = False
         self.in_flight: dict[str, int] = {}
         self.in_flight_total = 0
+        # Set to cut the supervisor's backoff short: the URL changed, or the node announced
+        # itself while the hub was backing off from it or had it lost (it is back: dial now).
+        self.dial_now = trio.Event()
+        # Set when this connection of the node is declared lost; a fresh one per connection.
+        # Requests on the node watch it: their streams end at once with `node_lost`.
+        self.lost = trio.Event()
+        self.answered = False  # sent a NodeState at least once (the start-up grace waits for it)
         # Other hubs' requests on this node, as the node last counted them (HA only).
         self.others: dict[str, int] = {}
         self.others_total = 0
-        self.url_changed = trio.Event()
 
     @property
     def auth(self) -> dict[str, str]:
@@ -95,15 +101,19 @@ class NodeHandle:
 
     def free_places(self, model: str) -> int | None:
         """What is left of max_concurrency and of the model's slots, the lesser; None: unbounded."""
+        left = self.places_left(model)
+        return None if left is None else max(0, left)
+
+    def places_left(self, model: str) -> int | None:
+        """As free_places, but below zero when more is in flight than the slots (requests
+        sent past a full slot wait): how far over, which spreading must see."""
         st = self.state
         left: list[int] = []
         if st.max_concurrency is not None:
             left.append(st.max_concurrency - self.in_flight_total)
         if st.slots is not None:
             left.append(st.slots - self.in_flight.get(model, 0))
-        if not left:
-            return None
-        return max(0, min(left))
+        return min(left) if left else None
 
     def has_concurrency(self) -> bool:
         st = self.state
@@ -126,6 +136,7 @@ class Registry:
         # folded into ours, so priority's reserve holds across hubs (a heartbeat late).
         self.shared = False
         self._changed = trio.Event()
+        self._turn = 0  # rotates ties in pick
 
     def add_listener(self, fn: Callable[[], None]) -> None:
         self._listeners.append(fn)
@@ -147,10 +158,11 @@ class Registry:
             self.changed()
             return h, True
         h.token = token
-        if h.url != url.rstrip("/"):
+        if h.url != url.rstrip("/") or not h.connected:
+            # A new address, or an announcement from a node we are backing off from or
+            # have lost: it is there now, so its supervisor dials at once.
             h.url = url.rstrip("/")
-            h.url_changed.set()
-            h.url_changed = trio.Event()
+            h.dial_now.set()
         return h, False
 
     def ready_nodes(self, model: str) -> list[NodeHandle]:
@@ -171,17 +183,25 @@ class Registry:
         return total
 
     def pick(self, model: str, exclude: set[str] = frozenset()) -> NodeHandle | None:
-        """The routable node with the most free places for `model` (unbounded counts most)."""
-        best, best_free = None, -1
+        """Where the next request for `model` goes (DESIGN 3 step 5), among the nodes that
+        can take it now: the most places left (a node that declares no bound counts as
+        unbounded), then the fewest requests in flight, then the next in turn -- so equal
+        nodes share evenly and a retry (with `exclude`) goes to the least loaded other."""
+        best: list[NodeHandle] = []
+        best_key: tuple[float, int] | None = None
         for h in self.nodes.values():
             if h.name in exclude or not h.ready(model) or not h.has_concurrency():
                 continue
-            free = h.free_places(model)
-            score = 1 << 30 if free is None else free
-            score -= h.in_flight.get(model, 0) if free is None else 0
-            if score > best_free:
-                best, best_free = h, score
-        return best
+            left = h.places_left(model)
+            key = (float("inf") if left is None else left, -h.in_flight_total)
+            if best_key is None or key > best_key:
+                best, best_key = [h], key
+            elif key == best_key:
+                best.append(h)
+        if not best:
+            return None
+        self._turn += 1
+        return best[self._turn % len(best)]
 
     def known_models(self) -> set[str]:
         out: set[str] = set()
@@ -203,8 +223,11 @@ class Registry:
         if self.shared:
             count_other_hubs(h, state)
         h.state = state
+        if not h.connected:
+            h.lost = trio.Event()
         h.connected = True
         h.lost_since = None
+        h.answered = True
         h.lost_reason = ""
         self.changed()
 
@@ -223,6 +246,7 @@ class Registry:
         was, before = h.connected, h.lost_reason
         h.connected = False
         h.lost_reason = reason
+        h.lost.set()  # its running streams end now, its unanswered requests go elsewhere
         if was:
             log.warning("node %s lost: %s", h.name, reason)
         elif reason != before:
@@ -330,4 +354,7 @@ async def _supervise(client, h: NodeHandle, registry: Registry, heartbeat: float
         delay = backoff * random.uniform(0.5, 1.0)
         backoff = min(backoff * 2, backoff_max)
         with trio.move_on_after(delay):
-            await h.url_changed.wait()
+            await h.dial_now.wait()
+        if h.dial_now.is_set():
+            h.dial_now = trio.Event()
+            backoff = BACKOFF_START  # it said it is back: a failed dial retries soon

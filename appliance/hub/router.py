@@ -36,6 +36,8 @@ ANONYMOUS = ClientConfig(name="anonymous", key="", priority="normal", models=[])
 FORWARD_HEADERS = (b"content-type", b"accept", b"x-request-id", b"user-agent")
 # Retry-After for "no node can serve it now": about one heartbeat round of a fleet.
 NO_CAPACITY_RETRY_AFTER = 5.0
+# A request goes to at most two nodes: the first, and once more another before its first byte.
+MAX_ATTEMPTS = 2
 
 
 class _Req(msgspec.Struct):
@@ -72,7 +74,8 @@ def decode_request(body: bytes) -> _Req:
         raise RouteError(400, "invalid_request", f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise RouteError(400, "invalid_json", f"body is not valid JSON: {e}") from None
-    except RecursionError:  # msgspec recurses per nesting level: 100k `[` is a RecursionError
+    except RecursionError:
+        # msgspec skips unknown fields recursively: 100k nested arrays exhaust the stack.
         raise RouteError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
 
 
@@ -135,8 +138,28 @@ async def send_error(hub, send, api: str, out: Outcome, e: RouteError) -> None:
 
 
 async def handle_inference(hub, scope, receive, send, api: str) -> None:
-    """One POST to an inference route (`api` is "openai" or "ollama")."""
+    """One POST to an inference route (`api` is "openai" or "ollama"): exactly one audit
+    line and one count, whatever ends it (refused, malformed, client gone, node lost,
+    drained, or a bug -- a 500 in the API's shape)."""
     out = Outcome(scope["path"], request_id(scope["headers"]))
+    try:
+        await _handle(hub, scope, receive, send, api, out)
+    except RouteError as e:  # raised while the watcher was cancelling: still answered
+        await send_error(hub, send, api, out, e)
+    except Exception:
+        log.exception("request for %r from %s failed inside the hub", out.model, out.client)
+        if not out.done:
+            try:
+                await send_error(hub, send, api, out, RouteError(500, "internal_error", "the hub failed on this request"))
+            except Exception:  # the response had already started: the connection just ends
+                pass
+    finally:
+        if not out.done:
+            out.status = out.status or 499
+            record(hub, out)
+
+
+async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
     try:
         client = authenticate(hub, _key(scope))
         out.client = client.name
@@ -145,6 +168,11 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         except BodyTooLarge:
             raise RouteError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
         req = decode_request(body)
+        if not hub.grace.over() and not _ready(hub, req.model):
+            # Just (re)started: the nodes are still reporting what they have (grace.py).
+            if not await _wait_grace(hub, receive, req.model):
+                out.status, out.error = 499, "client_disconnected"
+                return
         model = translate.resolve(req.model, hub.control.known)
         out.model = echo(model)
         out.label = OTHER_LABEL
@@ -158,7 +186,8 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         await send_error(hub, send, api, out, e)
         return
     except trio.BrokenResourceError:
-        return  # the client went away while sending its body
+        out.status, out.error = 499, "client_disconnected"  # gone while sending its body
+        return
 
     async with trio.open_nursery() as nursery:
         async def watch() -> None:
@@ -196,6 +225,26 @@ def _key(scope) -> str | None:
     return xkey
 
 
+def _ready(hub, name: str) -> bool:
+    return bool(hub.registry.ready_nodes(translate.resolve(name, hub.control.known)))
+
+
+async def _wait_grace(hub, receive, name: str) -> bool:
+    """Wait out the start-up grace for `name`; False when the client went away meanwhile."""
+    gone = False
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            nonlocal gone
+            await wait_disconnect(receive)
+            gone = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        await hub.grace.wait_settled(lambda: _ready(hub, name))
+        nursery.cancel_scope.cancel()
+    return not gone
+
+
 def _rid(out: Outcome) -> list[tuple[bytes, bytes]]:
     return [(b"x-request-id", out.request_id.encode())] if out.request_id else []
 
@@ -230,14 +279,13 @@ async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: tra
 
 
 async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepared, headers) -> None:
-    """Send to the best node; once more on another if it fails before the first byte."""
+    """Send to the best node; once more on the least loaded other one if it fails before
+    the first byte. The operator's log line says what happened to whom."""
     registry = hub.registry
     tried: set[str] = set()
     last = "no node has the model ready"
-    for _attempt in range(2):
-        node = registry.pick(model, exclude=tried)
-        if node is None:
-            break
+    node = registry.pick(model)
+    while node is not None:
         tried.add(node.name)
         out.tried.append(node.name)
         registry.start(node, model)
@@ -245,38 +293,96 @@ async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepa
         try:
             await hub.admission.wait_slot(node, model, out.cls)
             plan = prep.for_engine(translate.engine_kind(node.state))
-            ok, last = await _stream_from(hub, send, api, out, node, plan, headers)
+            ok, why = await _stream_from(hub, send, api, out, node, plan, headers)
             if ok:
                 return
         finally:
             hub.metrics.in_flight.labels(model).dec()
             registry.finish(node, model)
-        log.info("request for %s failed on %s before the first byte: %s", model, node.name, last)
+        last = f"node {node.name} {why}"
+        nxt = registry.pick(model, exclude=tried) if len(tried) < MAX_ATTEMPTS else None
+        log.warning("%s: request for %s from %s %s", last, model, out.client,
+                    f"retried on {nxt.name}" if nxt is not None else "has no other node to go to")
+        node = nxt
     raise RouteError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
 
 
+class _Cut:
+    """Why a relay must stop now (`node_lost`, `shutting_down`), and the read it interrupts.
+
+    Only reads from the node are cut, never a write to the client: a write cancelled
+    half-way would leave the client's connection in an unknown state. The watchers run
+    in the relay's nursery; `trip` cancels the read in progress, and every later read.
+    """
+
+    __slots__ = ("reason", "_scope")
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self._scope: trio.CancelScope | None = None
+
+    def trip(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def reading(self) -> trio.CancelScope:
+        cs = trio.CancelScope()
+        if self.reason:
+            cs.cancel()
+        self._scope = cs
+        return cs
+
+    async def watch(self, event: trio.Event, reason: str) -> None:
+        await event.wait()
+        self.trip(reason)
+
+
 async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan, headers) -> tuple[bool, str]:
-    """(True, "") once the response went out; (False, why) when it failed before the first byte."""
-    try:
-        headers = [*headers, *node.auth_raw]  # a per-node token replaces the shared one
-        resp = await hub.upstream.request("POST", node.url + plan.path, headers, plan.body,
-                                          hub.cfg.hub.upstream_read_seconds)
-    except UpstreamError as e:
-        return False, str(e)
+    """(True, "") once the response went out; (False, why) when it failed before the first
+    byte -- including the node being declared lost while the request waited on it."""
+    cut = _Cut()
+    async with trio.open_nursery() as watchers:
+        watchers.start_soon(cut.watch, node.lost, "node_lost")
+        watchers.start_soon(cut.watch, hub.drain_over, "shutting_down")
+        try:
+            return await _relay(hub, send, api, out, node, plan, headers, cut)
+        finally:
+            watchers.cancel_scope.cancel()
+
+
+async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, headers, cut: _Cut) -> tuple[bool, str]:
+    resp = None
+    headers = [*headers, *node.auth_raw]  # a per-node token replaces the shared one
+    with cut.reading():
+        try:
+            resp = await hub.upstream.request("POST", node.url + plan.path, headers, plan.body,
+                                              hub.cfg.hub.upstream_read_seconds)
+        except UpstreamError as e:
+            return False, str(e)
+    if resp is None:
+        return _cut_before_answer(cut)
     raw = resp.chunks()
     conv = plan.converter(resp.status_code)
     chunks = raw if conv is None else translate.Relay(raw, conv)
     try:
         if resp.status_code == 503:
             # The node (paused, full) or its engine (still loading) refused: try another.
-            why = (await resp.read())[:200].decode(errors="replace")
-            return False, f"{node.name} answered 503: {why}"
-        try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = b""
-        except UpstreamError as e:
-            return False, str(e)
+            why = b""
+            with cut.reading():
+                why = (await resp.read())[:200]
+            return False, f"answered 503 ({why.decode(errors='replace')})"
+        first = None
+        with cut.reading():
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except UpstreamError as e:
+                return False, str(e)
+        if first is None:
+            return _cut_before_answer(cut)
         out.node = node.name
         out.status = resp.status_code
         out.ttfb = time.perf_counter() - out.t0
@@ -292,17 +398,39 @@ async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan,
             await send({"type": "http.response.body", "body": first, "more_body": False})
             return True, ""
         await send({"type": "http.response.start", "status": resp.status_code, "headers": start_headers})
+        tail = b""
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
-        try:
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamError as e:
-            out.error = "node_lost"
-            msg = f"node {node.name} lost mid-stream: {e}"
-            log.warning("%s (model %s)", msg, out.model)
+            tail = first[-2:]
+        failure = ""
+        ended = False
+        while True:
+            chunk = None
+            with cut.reading():
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    ended = True
+                except UpstreamError as e:
+                    failure = str(e)
+            if ended or failure or chunk is None:
+                break
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            tail = (tail + chunk)[-2:]
+        if not ended:
+            code = cut.reason or "node_lost"
+            if code == "shutting_down":
+                msg = "the hub is shutting down: stream cut at the end of the drain (Hub__DrainSeconds)"
+            elif cut.reason:
+                msg = f"node {node.name} was declared lost mid-stream ({node.lost_reason})"
+            else:
+                msg = f"node {node.name} {failure}"
+            out.error = code
+            log.warning("%s: request for %s from %s ends with %s", msg, out.model, out.client, code)
             record(hub, out)
-            await send({"type": "http.response.body", "body": _stream_error(ctype, api, msg), "more_body": False})
+            if clen is None:  # a sized body cannot carry an error event; it just ends short
+                await send({"type": "http.response.body", "body": stream_error(ctype, api, code, msg, tail),
+                            "more_body": False})
             return True, ""
         record(hub, out)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -313,9 +441,21 @@ async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan,
             await resp.aclose()
 
 
-def _stream_error(ctype: str, api: str, msg: str) -> bytes:
-    """The error event that ends a stream whose node was lost, in the stream's own framing."""
-    body = error_body(api, 503, "node_lost", msg)
+def _cut_before_answer(cut: _Cut) -> tuple[bool, str]:
+    if cut.reason == "shutting_down":
+        raise RouteError(503, "shutting_down", "the hub is shutting down; retry shortly",
+                         retry_after=NO_CAPACITY_RETRY_AFTER)
+    return False, "was declared lost before answering"
+
+
+def stream_error(ctype: str, api: str, code: str, msg: str, tail: bytes = b"\n\n") -> bytes:
+    """The error event that ends a cut stream, in the stream's own framing: an SSE `data:`
+    event (`event: error` first for Anthropic's), or one NDJSON line (which the `ollama`
+    client raises as ResponseError). `tail` is the last bytes already sent: the event
+    starts on a line of its own, with no blank line an NDJSON reader would choke on."""
+    body = error_body(api, 503, code, msg)
     if "event-stream" in ctype:
-        return (b"event: error\n" if api == "anthropic" else b"") + b"data: " + body + b"\n\n"
-    return b"\n" + body + b"\n"
+        sep = b"" if not tail or tail.endswith(b"\n\n") else (b"\n" if tail.endswith(b"\n") else b"\n\n")
+        return sep + (b"event: error\n" if api == "anthropic" else b"") + b"data: " + body + b"\n\n"
+    sep = b"" if not tail or tail.endswith(b"\n") else b"\n"
+    return sep + body + b"\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import ssl
+import sys
 from functools import partial
 from typing import Callable
 
@@ -28,8 +29,9 @@ from appliance.listener import Limits
 from appliance.config import Config
 from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
-from appliance.hub.audit import AuditLog
+from appliance.hub.audit import AuditLog, check_path
 from appliance.hub.control import Control
+from appliance.hub.grace import StartupGrace
 from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
@@ -38,6 +40,9 @@ from appliance.upstream import Pool
 log = logging.getLogger("appliance.hub")
 
 HUB_METRICS_DEFAULT = "0.0.0.0:9464"
+# After the drain runs out, the time streams get to send their error event and end before
+# the server cancels what is left: one write each, on loopback or a LAN.
+DRAIN_CUT_SECONDS = 2.0
 
 
 class Hub:
@@ -54,8 +59,13 @@ class Hub:
         self.metrics = HubMetrics(self.metrics_registry, self.registry)
         self.before_scrape = [self.metrics.refresh]
         self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
+        self.audit.on_error = self.metrics.audit_write_errors.inc
         self.admission = Admission(cfg, self.registry, self.metrics_registry)
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
+        # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
+        # a `shutting_down` error event and a proper end, before the server cancels.
+        self.drain_over = trio.Event()
+        self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
         # The page's memory (history.py): 15 minutes of counters, the last request records.
         self.history = History()
         self.recent = Recent()
@@ -134,10 +144,18 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         await nursery.start(run_sampler, hub.history, partial(read_hub, hub.metrics, hub.admission, hub.registry))
         api_done = trio.Event()
 
+        async def drain_deadline() -> None:
+            await stop.wait()
+            await trio.sleep(cfg.hub.drain_seconds)
+            hub.drain_over.set()
+
+        nursery.start_soon(drain_deadline)
+        nursery.start_soon(hub.upstream.sweep_every)  # idle node connections closed promptly
+
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
                 await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait, limits=hub_limits(cfg),
-                            drain_seconds=cfg.hub.drain_seconds, certfile=cfg.hub.tls_cert,
+                            drain_seconds=cfg.hub.drain_seconds + DRAIN_CUT_SECONDS, certfile=cfg.hub.tls_cert,
                             keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca, task_status=task_status)
             finally:
                 api_done.set()
@@ -248,5 +266,9 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
 
 def main(cfg: Config, env_file: str | None = None) -> int:
+    err = check_path(cfg.audit.path)
+    if err is not None:
+        print(f"appliance hub: {err}", file=sys.stderr)
+        return 2
     trio.run(_main, cfg, env_file)
     return 0

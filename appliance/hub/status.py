@@ -37,6 +37,8 @@ def status_payload(hub) -> dict:
         "version": __version__,
         "nodes": [node_entry(h) for h in hub.registry.nodes.values()],
         "models": hub.control.models_status(),
+        "audit": {"path": hub.audit.path or "stdout", "write_errors": hub.audit.write_errors,
+                  "last_error": hub.audit.last_error},
     }
     if getattr(hub, "cluster", None) is not None:  # several hubs: who leads, by which epoch
         out["cluster"] = hub.cluster.status()

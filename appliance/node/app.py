@@ -334,7 +334,7 @@ class NodeApp:
         except msgspec.ValidationError:
             await self._error(send, api, 400, "invalid_request", "body must be a JSON object with a string `model`")
             return
-        except (msgspec.DecodeError, RecursionError):
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
             await self._error(send, api, 400, "invalid_json", "body is not JSON")
             return
         upstream = self.engine.upstream(model)
@@ -395,7 +395,7 @@ class NodeApp:
             outcome.append(str(resp.status_code))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as e:
-            why = f"engine at {upstream} failed: {e}"
+            why = f"engine at {upstream} {e}"
             log.warning("%s %s: %s", scope["method"], raw, why)
             if not started:
                 outcome.append("502")
