@@ -65,12 +65,20 @@ class Limits:
     max_buffered_bytes: int = 256 * MiB
 
 
-class RequestTimeout(Exception):
-    pass
+class Refusal(Exception):
+    """Raised out of an app's `receive`; the listener answers it (and closes). Apps with a
+    catch-all let it through."""
+
+    status = 0
+    code = ""
 
 
-class Busy(Exception):
-    pass
+class RequestTimeout(Refusal):
+    status, code = 408, "request_timeout"
+
+
+class Busy(Refusal):
+    status, code = 503, "busy"
 
 
 class Budget:

@@ -35,8 +35,7 @@ def check_path(path: str) -> str | None:
         return None
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "ab"):
-            pass
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))  # created 0600, as _open does
     except OSError as e:
         return f"cannot open Audit__Path {path!r} for appending: {e.strerror or e}"
     return None
@@ -67,10 +66,6 @@ class AuditLog:
             self._fh = os.fdopen(fd, "ab")
             self._size = self._fh.seek(0, os.SEEK_END)
         return self._fh
-
-    def open(self) -> None:
-        """Open the file now (at start), so an unwritable path fails before anything listens."""
-        self._open()
 
     def _rotate(self) -> None:
         self._fh.close()

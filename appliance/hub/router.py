@@ -23,6 +23,7 @@ import trio
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
 from appliance.config import ClientConfig
 from appliance.bounds import OTHER_LABEL, echo
+from appliance.listener import Refusal
 from appliance.hub import translate
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.requestid import request_id
@@ -146,6 +147,9 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         await _handle(hub, scope, receive, send, api, out)
     except RouteError as e:  # raised while the watcher was cancelling: still answered
         await send_error(hub, send, api, out, e)
+    except Refusal as e:  # a body too slow, or too many bodies held: the listener answers
+        out.status, out.error = e.status, e.code
+        raise
     except Exception:
         log.exception("request for %r from %s failed inside the hub", out.model, out.client)
         if not out.done:

@@ -24,7 +24,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
-from appliance.asgi import StartupError, same_port, serve
+from appliance.asgi import same_port, serve
 from appliance.listener import Limits
 from appliance.config import Config
 from appliance.hub.admission import Admission
@@ -129,10 +129,6 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
 async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
         hub = Hub(cfg, client, nursery)
-        try:
-            hub.audit.open()
-        except OSError as e:
-            raise StartupError(f"Audit__Path={cfg.audit.path!r}: cannot write the audit file: {e.strerror or e}") from None
         metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
         same_port(metrics_listen, cfg.hub.listen, "Hub__Listen")
         if not cfg.auth.node_token and not cfg.auth.nodes:
