@@ -465,3 +465,25 @@ async def test_real_etcd_over_tls_with_a_client_certificate(tmp_path):
                 await etcd_mod.make(no_cert, http).put("t/y", "1")
     finally:
         proc.close()
+
+
+async def test_forget_on_one_hub_drops_the_node_on_the_others(nursery, autojump_clock):
+    store, registry = Store(), Registry()
+    forgotten = []
+    registry.forget = lambda h: (forgotten.append(h.name), registry.nodes.pop(h.name))  # #10's Registry.forget
+    add_node(registry, "old", 8000, {})
+    store.write("appliance/forgotten/old", "hub-a", 0)  # forgotten before this hub started: stays
+    hub = Hub("hub-b", store, registry, [{"Name": "m"}])
+    await hub.start(nursery)
+    await trio.sleep(1)
+    assert "old" in registry.nodes and forgotten == []
+    add_node(registry, "n1", 8000, {})
+    add_node(registry, "n2", 8000, {})
+    store.write("appliance/nodes/n2", "http://n2:9090", 0)  # between two reads of hub-b:
+    store.write("appliance/forgotten/n1", "hub-a", 0)  # `ctl forget n1` on hub-a
+    store.write("appliance/forgotten/n2", "hub-a", 0)
+    store.write("appliance/nodes/n2", "http://n2:9090", 0)  # n2 announced again since
+    await trio.sleep(1)
+    assert forgotten == ["n1"] and "n2" in registry.nodes
+    await hub.member.forgot("n2")  # here: written for the others, nodes/n2 gone
+    assert "appliance/nodes/n2" not in store.kv and "appliance/forgotten/n2" in store.kv
