@@ -132,6 +132,11 @@ async def _forget(hub, name: str, send) -> None:
         return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
     hub.registry.forget(h)
     log.warning("node %s at %s forgotten by an operator", name, h.url)
+    if getattr(hub, "cluster", None) is not None:  # every hub drops it (until it announces again)
+        try:
+            await hub.cluster.forgot(name)
+        except EtcdError as e:
+            log.warning("node %s forgotten here only, not on the other hubs: etcd: %s", name, e)
     _event(hub, "forget", node=name, url=h.url, static=h.static)
     await send_json(send, 200, {"node": name, "action": "forget", "status": "forgotten"})
 
