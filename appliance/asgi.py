@@ -33,6 +33,10 @@ _json = msgspec.json.Encoder()
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
+# Connections the kernel holds for us before we accept them (see serve).
+LISTEN_BACKLOG = 4096
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -133,6 +137,10 @@ async def serve(
     errorlog.setLevel(logging.WARNING)
     cfg.errorlog = errorlog
     cfg.keep_alive_timeout = 75
+    # hypercorn's 100 is overrun by a burst of clients connecting at once (1,000 in
+    # bench/soak.py: a third reset before they were accepted); the kernel caps it at
+    # net.core.somaxconn (4096 on current Linux).
+    cfg.backlog = LISTEN_BACKLOG
     if certfile:
         cfg.certfile = certfile
         cfg.keyfile = keyfile or certfile
