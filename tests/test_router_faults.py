@@ -290,3 +290,16 @@ async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
         said = [r.getMessage() for r in caplog.records if r.name == "appliance.hub.router"]
         assert said == ["node gpu-a closed the connection before answering: request for m from anonymous retried on good"]
         nursery.cancel_scope.cancel()
+
+
+def test_stream_error_framing_starts_on_its_own_line():
+    from appliance.hub.relay import stream_error
+
+    sse = "text/event-stream"
+    assert stream_error(sse, "openai", "node_lost", "m", b"}\n\n").startswith(b"data: {")
+    assert stream_error(sse, "openai", "node_lost", "m", b"x}").startswith(b"\n\ndata: {")
+    assert stream_error(sse, "anthropic", "node_lost", "m", b"\n\n").startswith(b"event: error\ndata: {")
+    nd = "application/x-ndjson"
+    line = stream_error(nd, "ollama", "node_lost", "gone", b"}\n")
+    assert line == b'{"error":"gone"}\n'  # no leading blank line: every line is JSON
+    assert stream_error(nd, "ollama", "node_lost", "gone", b'{"a":') == b'\n{"error":"gone"}\n'
