@@ -99,6 +99,18 @@ def poll_like_the_page(url: str, stop: threading.Event, counts: list[int]) -> No
             n += 1
 
 
+def page_poll_cpu(url: str, pid: int, rounds: int = 100) -> float:
+    """Hub CPU seconds for one round of the page's requests, back to back on an idle hub."""
+    with httpx.Client(base_url=url, timeout=10) as c:
+        for path in PAGE_POLLS + ("/api/status/history",):
+            c.get(path)
+        before = cpu_seconds(pid)
+        for i in range(rounds):
+            for path in PAGE_POLLS + (("/api/status/history",) if i % 3 == 0 else ()):
+                c.get(path)
+        return (cpu_seconds(pid) - before) / rounds
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p * len(xs)))]
@@ -133,6 +145,7 @@ def main() -> None:
                 break
             time.sleep(0.2)
         assert r.status_code == 200, r.text
+        poll_cpu = page_poll_cpu(hub.url, hub.pid) if args.ui_polling else 0.0
         if args.ui_polling:
             threading.Thread(target=poll_like_the_page, args=(hub.url, stop_polling, polls), daemon=True).start()
         time.sleep(1.0)
@@ -175,7 +188,9 @@ def main() -> None:
         print(f"\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: {floor_cpu * 1e3:.3f} ms CPU per request,"
               f" p50 {statistics.median(lat) * 1e3:.2f} ms")
         if args.ui_polling:
-            print(f"page polling on: {polls[0]} page requests to the hub during the run")
+            print(f"page polling on: {polls[0]} page requests to the hub during the run; one poll round costs the"
+                  f" idle hub {poll_cpu * 1e3:.2f} ms CPU ({poll_cpu / PAGE_POLL_SECONDS * 100:.2f}% of a core at one"
+                  f" round every {PAGE_POLL_SECONDS:.0f} s)")
         print(f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
         print(f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
               f"{'p50 x':>7}{'rps x':>7}{'hub ms/req':>11}{'node ms/req':>12}{'eng ms/req':>11}{'hub us/chunk':>13}{'node us/chunk':>14}")

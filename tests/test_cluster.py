@@ -280,7 +280,7 @@ async def test_activate_via_leader_waits_for_the_decision_then_the_replica(autoj
         lease_seconds = 3.0
 
         def __init__(self):
-            self.leader, self.dec, self.asked = True, 0, []
+            self.leader, self.up, self.dec, self.asked = True, True, 0, []
 
         def has_leader(self):
             return self.leader
@@ -316,9 +316,23 @@ async def test_activate_via_leader_waits_for_the_decision_then_the_replica(autoj
     start = trio.current_time()
     err = await TestError.of(activation.activate_via_leader(lead, src, "m", 30))
     assert err.code == "model_loading" and trio.current_time() == start + 30
+    # A failover in progress (etcd answers, no leader yet): the ask waits for the next one.
     lead.leader = False
+    start = trio.current_time()
+    async with trio.open_nursery() as n:
+        async def elected():
+            await trio.sleep(3.9)
+            lead.leader, lead.dec, src.ready = True, 41, True  # the new leader decided and placed it
+        n.start_soon(elected)
+        await activation.activate_via_leader(lead, src, "m", 30)
+    assert trio.current_time() == start + 4
+    src.ready, lead.leader, lead.dec = False, False, 0
     err = await TestError.of(activation.activate_via_leader(lead, src, "m", 30))
-    assert err.code == "no_leader" and err.retry_after == 3.0
+    assert err.code == "no_leader" and "none elected within 30 s" in err.message
+    lead.up = False  # etcd unreachable: at once
+    start = trio.current_time()
+    err = await TestError.of(activation.activate_via_leader(lead, src, "m", 30))
+    assert err.code == "no_leader" and err.retry_after == 3.0 and trio.current_time() == start
 
 
 def test_ctl_status_shows_the_cluster_line():

@@ -57,7 +57,8 @@ def test_grafana_can_import_it():
     # What the issue asks to see.
     titles = " | ".join(p["title"].lower() for p in d["panels"])
     for words in ("by status", "errors", "duration", "first byte", "parked", "unplaceable", "nothing ready",
-                  "node state", "priority class", "waiting for admission", "leading hub", "certificate"):
+                  "node state", "priority class", "waiting for admission", "leading hub", "cluster up", "leader changes",
+                  "certificate"):
         assert words in titles, words
 
 

@@ -57,6 +57,10 @@ def test_recent_is_bounded_newest_first_and_carries_only_named_fields():
     assert "sk-x" not in repr(rows)
     assert [x["model"] for x in r.payload(limit=1)["requests"]] == ["m4"]
     assert r.payload(limit=0)["requests"] == []
+    # A made-up model name as long as a body is kept short.
+    r.add({"ts": 9, "model": "x" * 1_000_000, "status": 404, "error": "model_not_found"})
+    assert r.payload(limit=1)["requests"] == [{"ts": 9, "model": "x" * history.FIELD_MAX, "status": 404,
+                                               "error": "model_not_found"}]
 
 
 class _Admission:

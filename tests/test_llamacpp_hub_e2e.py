@@ -201,3 +201,19 @@ def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
                                                               temperature=0, stream=True)
               if e.type == "response.output_text.delta"]
     assert r.output_text and "".join(deltas) == r.output_text
+
+
+def test_langchain_chat_models_on_a_llamacpp_model(fleet):
+    """The tiny model's random tokens split multi-byte characters; llama.cpp streams such a
+    fragment as U+FFFD while its whole answer joins it (the engine's own doing: the
+    passed-through OpenAI stream shows it too), so the ASCII of both is compared."""
+    from langchain_ollama import ChatOllama
+    from langchain_openai import ChatOpenAI
+
+    for chat in (ChatOllama(model="tiny", base_url=fleet.hub.url, num_predict=10, temperature=0, seed=3),
+                 ChatOpenAI(model="tiny", base_url=fleet.hub.url + "/v1", api_key="anyone", max_tokens=10,
+                            temperature=0, seed=3, max_retries=0, timeout=120)):
+        whole = chat.invoke("hi")
+        streamed = "".join(c.content for c in chat.stream("hi"))
+        ascii_only = lambda s: "".join(ch for ch in s if ord(ch) < 128)  # noqa: E731
+        assert ascii_only(whole.content) and ascii_only(streamed) == ascii_only(whole.content), type(chat).__name__

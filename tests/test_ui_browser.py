@@ -7,7 +7,10 @@ key, what the recent-requests feed may carry) run first; then the browser opens 
 gives the admin key, and everything is asserted from the rendered page: both nodes up,
 the parked model with its error and count, the unplaceable one with its numbers; a click
 on "Retry" (confirmed) takes the model out of parked, audited with the admin as actor; a
-node stopped turns lost on the page. The screenshot it takes is the README's picture
+node stopped turns lost on the page; forget goes through DELETE /admin/nodes/NAME. Also:
+phone width without sideways scrolling, dark under prefers-color-scheme, an accessible
+name on every control, and no key prompt on a hub without an admin key. The screenshot
+it takes is the README's picture
 (set APPLIANCE_UI_SCREENSHOT=docs/ui.png to refresh it).
 
 Debian's `chromium` and `chromium-driver` are installed by `make test` (test-deps).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -164,6 +168,15 @@ def _wait(driver, fn, what: str, timeout: float = 30):
     return WebDriverWait(driver, timeout, poll_frequency=0.2).until(safe, message=what)
 
 
+def _trickle(url: str, stop: threading.Event) -> None:
+    with httpx.Client(base_url=url, timeout=30) as c:
+        i = 0
+        while not stop.wait(0.25):
+            model = "no-such" if i % 7 == 6 else "sim-fit"
+            c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+            i += 1
+
+
 def _text(driver, css: str) -> str:
     from selenium.webdriver.common.by import By
 
@@ -179,6 +192,10 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         r = httpx.post(fleet.hub.url + "/v1/chat/completions", timeout=30,
                        json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == code, r.text
+    # A trickle of traffic until the picture is taken, so its charts have lines.
+    stop = threading.Event()
+    trickle = threading.Thread(target=_trickle, args=(fleet.hub.url, stop), daemon=True)
+    trickle.start()
     wait_until(lambda: fleet.models()["kev-0.5b"]["parked"], timeout=60, what="kev parked")
     d.get(fleet.hub.url + "/")  # a browser's GET / lands on the page
     assert d.current_url.endswith("/ui/")
@@ -211,6 +228,11 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     normal = _text(d, "#priority-table tr[data-class=normal]").split()
     assert normal[0] == "normal" and int(normal[-1]) >= 2, normal  # requests: at least the two 200s
 
+    _wait(d, lambda d: len(d.execute_script("return document.querySelectorAll('#charts polyline').length ? "
+                                            "document.querySelector('#charts polyline').getAttribute('points').split(' ') : []")) >= 3,
+          "three points on the requests chart", timeout=30)
+    stop.set()
+    trickle.join(10)
     shot = tmp_path / "ui.png"
     assert d.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
@@ -221,6 +243,25 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     d.set_window_size(390, 900)
     assert d.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
     d.set_window_size(1280, 1700)
+
+    # Dark when the system asks for it; every control and chart has an accessible name.
+    def background() -> str:
+        return d.execute_script("return getComputedStyle(document.body).backgroundColor")
+
+    light = background()
+    d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    dark = background()
+    d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+    assert light == "rgb(247, 247, 245)" and dark == "rgb(18, 20, 22)", (light, dark)
+    unnamed = d.execute_script("""
+        const bad = [];
+        for (const b of document.querySelectorAll('button')) if (!(b.getAttribute('aria-label') || b.textContent.trim())) bad.push(b.outerHTML);
+        for (const i of document.querySelectorAll('input')) if (!(i.labels && i.labels.length)) bad.push(i.outerHTML);
+        for (const g of document.querySelectorAll('svg')) if (!g.getAttribute('aria-label')) bad.push('svg');
+        return bad;""")
+    assert unnamed == []
+    assert "Retry model kev-0.5b" in d.execute_script(
+        "return [...document.querySelectorAll('button[data-action=retry]')].map(b => b.getAttribute('aria-label')).join()")
 
     # Retry (confirmed) takes the model out of parked; the audit names the admin.
     d.find_element(By.CSS_SELECTOR, "#attention button[data-action=retry][data-model='kev-0.5b']").click()
@@ -244,3 +285,33 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a][data-status=lost]"),
           "gpu-a lost on the page", timeout=10)
     assert "gpu-a" in _text(d, "#attention li[data-state=lost]")
+
+    # Forget the lost node (DELETE /admin/nodes/gpu-a): it leaves the page, or -- on a hub
+    # without that route -- the page shows the hub's own refusal, not a silent nothing.
+    d.find_element(By.CSS_SELECTOR, "button[data-action=forget][data-node=gpu-a]").click()
+    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
+    _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]")
+          or "Forget node gpu-a failed: " in d.find_element(By.ID, "notice").text, "gpu-a forgotten or refused",
+          timeout=10)
+    if d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]"):
+        assert "no such admin path" in d.find_element(By.ID, "notice").text
+        assert fleet.admin.delete("/admin/nodes/gpu-a").status_code == 404
+    else:
+        assert "Forget node gpu-a: done" in d.find_element(By.ID, "notice").text
+        assert [x["node"] for x in fleet.audit_lines() if x.get("action") == "forget"] == ["gpu-a"]
+
+
+def test_no_prompt_without_an_admin_key(browser, tmp_path):
+    """A hub with no admin key: the page shows the (empty) fleet and never asks for a key."""
+    from selenium.webdriver.common.by import By
+
+    procs = Procs()
+    try:
+        hub = procs.hub(metrics=False)
+        browser.get(hub.url + "/ui/")
+        _wait(browser, lambda d: "0 of 0 nodes up" in d.find_element(By.ID, "summary").text, "the summary")
+        assert not browser.find_element(By.ID, "keyform").is_displayed()
+        assert "No nodes known yet." in browser.find_element(By.ID, "nodes").text
+        assert browser.execute_script("return sessionStorage.length") == 0
+    finally:
+        procs.close()

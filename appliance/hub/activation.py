@@ -20,9 +20,9 @@ The waiter owns no state; `source` is the control plane (see `Source`).
 On a follower hub (several hubs, appliance/cluster/) the same steps go through etcd:
 `activate_via_leader` asks by writing the ask (its revision is the generation), waits --
 polled, bounded by the same window -- until the leader's shared record says it decided
-that ask, and reads parked/unplaceable from the mirrored record. No leader known, or etcd
-unreachable: 503 `no_leader` with Retry-After at once; models already ready never come
-here, so they keep serving.
+that ask, and reads parked/unplaceable from the mirrored record. etcd unreachable: 503
+`no_leader` with Retry-After at once; models already ready never come here, so they keep
+serving. A failover in progress (etcd answers, no leader yet) is waited out.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class Leader(Protocol):
     """The cluster member as a follower's waiter sees it."""
 
     lease_seconds: float
+    up: bool  # etcd answers
 
     def has_leader(self) -> bool: ...
 
@@ -91,9 +92,14 @@ def no_leader(leader: Leader, why: str) -> RouteError:
 
 async def activate_via_leader(leader: Leader, source: Source, model: str, wait_seconds: float) -> None:
     """A follower's activation: ask the leader through etcd, wait for its decision and a
-    ready replica (seen on this hub's own watch streams); RouteError otherwise."""
-    if not leader.has_leader():
-        raise no_leader(leader, "no leader elected, or etcd unreachable")
+    ready replica (seen on this hub's own watch streams); RouteError otherwise.
+
+    etcd unreachable: `no_leader` at once (no hub can decide). etcd answering but no leader
+    (a failover: the dead leader's lease ran out, the next hub campaigns within a tick):
+    the ask is written all the same and waited for -- the new leader answers every ask
+    newer than the last one decided, so a request caught in the gap is served by it."""
+    if not leader.up:
+        raise no_leader(leader, "etcd unreachable")
     try:
         generation = await leader.ask_leader(model)
     except EtcdError as e:
@@ -106,8 +112,10 @@ async def activate_via_leader(leader: Leader, source: Source, model: str, wait_s
                 err = source.why_unservable(model)
                 if err is not None:
                     raise err
-            elif not leader.has_leader():
-                raise no_leader(leader, "the leader went away while the model was asked for")
+            elif not leader.up:
+                raise no_leader(leader, "etcd became unreachable while the model was asked for")
             await trio.sleep(POLL_SECONDS)
+    if not leader.has_leader():
+        raise no_leader(leader, f"none elected within {wait_seconds:g} s")
     raise RouteError(503, "model_loading", f"model {model!r} is loading; retry shortly",
                      retry_after=RETRY_AFTER_SECONDS)

@@ -10,9 +10,9 @@ Prometheus, so the hub keeps two small, bounded, in-memory records of itself:
   from the difference to the previous reading. `POINTS` points: 15 minutes. Reading the
   counters happens here, off the request path; the request path pays nothing for it.
 - `Recent`: the last `RECENT_MAX` request audit records (the audit log appends the dict
-  it has just written; a deque append). Read back through `recent_payload`, which copies
-  only the named, harmless fields -- never a header, never a key (the audit record holds
-  the client's name, not its key, and nothing else leaves through here).
+  it has just written; `Recent.add` keeps a copy of the named, harmless fields only, each
+  string cut short -- never a header, never a key: the audit record holds the client's
+  name, not its key, and nothing else is kept).
 
 `History.sample` is synchronous and takes the time and the readings as arguments, so the
 arithmetic is tested without a clock; `run_sampler` is the thin trio loop around it.
@@ -37,6 +37,9 @@ RECENT_MAX = 200
 # The audit fields a recent-requests row may carry; anything else in a record stays out.
 RECENT_FIELDS = ("ts", "client", "model", "path", "status", "node", "ms", "ttfb_ms", "error", "priority",
                  "request_id")
+_RECENT_SET = frozenset(RECENT_FIELDS)
+# Longer than any real model name, client name or error code.
+FIELD_MAX = 200
 CLASSES = ("essential", "normal", "background")
 
 
@@ -114,11 +117,14 @@ class Recent:
         self.records: deque[dict] = deque(maxlen=size)
 
     def add(self, record: dict) -> None:
-        self.records.append(record)
+        """Keep the named fields only, each string cut to FIELD_MAX: a client's made-up
+        model name may be as long as a body, and 200 of them must stay small."""
+        self.records.append({k: (v[:FIELD_MAX] if isinstance(v, str) else v)
+                             for k, v in record.items() if k in _RECENT_SET})
 
     def payload(self, limit: int = RECENT_MAX) -> dict:
         rows = list(self.records)[-limit:] if limit > 0 else []
-        return {"requests": [{k: rec[k] for k in RECENT_FIELDS if k in rec} for rec in reversed(rows)]}
+        return {"requests": rows[::-1]}
 
 
 # --- reading the hub's own Prometheus objects --------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.hub.translate.common import (SSEReader, ToolCallAccumulator, bad, enc, integer, number,
+from appliance.hub.translate.common import (SSEReader, bad, enc, integer, number,
                                             parse_args, stop_list, usage_of)
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "end_turn"}

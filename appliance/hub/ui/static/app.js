@@ -214,7 +214,7 @@ function drawPriority(status) {
 
 function drawRecent(recent) {
   const rows = recent.requests.map((r) => el("tr", { "data-status": r.status },
-    el("td", { text: new Date(r.ts * 1000).toLocaleTimeString() }), el("td", { text: r.client || "–" }),
+    el("td", { text: new Date(r.ts * 1000).toLocaleTimeString(), title: r.request_id ? `request ${r.request_id}` : null }), el("td", { text: r.client || "–" }),
     el("td", { text: r.model || "–" }), el("td", { text: r.priority || "–" }),
     el("td", { class: r.status >= 400 ? "err" : "", text: r.error ? `${r.status} ${r.error}` : r.status }),
     el("td", { text: r.node || "–" }), el("td", { class: "num", text: fmtMs(r.ttfb_ms) }),
@@ -230,6 +230,9 @@ const COLORS = ["var(--c1)", "var(--c2)", "var(--c3)", "var(--c4)", "var(--c5)"]
 
 function chart(title, series, unit, window_s) {
   const W = 300, H = 90, now = Date.now() / 1000;
+  // A young hub has less than the window: span what there is (at least a minute).
+  const first = Math.min(...series.flatMap((s) => s.points.map(([t]) => t)), now);
+  const span = Math.max(60, Math.min(window_s, now - first));
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.setAttribute("preserveAspectRatio", "none");
@@ -241,7 +244,7 @@ function chart(title, series, unit, window_s) {
   svg.append(base);
   series.forEach((s, i) => {
     const pts = s.points.filter(([, v]) => v !== null)
-      .map(([t, v]) => `${(W * (1 - (now - t) / window_s)).toFixed(1)},${(H - 2 - (H - 4) * (v / top)).toFixed(1)}`);
+      .map(([t, v]) => `${(W * (1 - (now - t) / span)).toFixed(1)},${(H - 2 - (H - 4) * (v / top)).toFixed(1)}`);
     if (!pts.length) return;
     const line = document.createElementNS(SVG, "polyline");
     line.setAttribute("points", pts.join(" "));
@@ -256,7 +259,8 @@ function chart(title, series, unit, window_s) {
     return `${s.name} ${v === null ? "–" : `${+v.toFixed(2)}${unit}`}`;
   });
   svg.setAttribute("role", "img");
-  svg.setAttribute("aria-label", `${title}, last 15 minutes; now: ${last.join(", ") || "no data"}`);
+  const spanText = span >= window_s ? "last 15 minutes" : `last ${Math.round(span)} s`;
+  svg.setAttribute("aria-label", `${title}, ${spanText}; now: ${last.join(", ") || "no data"}`);
   const legend = el("div", { class: "legend" }, ...series.map((s, i) =>
     el("span", {}, el("span", { class: "key", style: `background:${COLORS[i % COLORS.length]}` }), last[i])));
   return el("figure", { class: "chart" }, el("figcaption", { text: title }), svg,
@@ -292,8 +296,11 @@ function drawSummary(status) {
 
 let lastHistory = 0;
 
+let refreshing = false;
+
 async function refresh() {
-  if (needKey) return;
+  if (needKey || refreshing) return; // a slow hub: one poll at a time
+  refreshing = true;
   try {
     const [status, nodes, recent] = await Promise.all([
       api("/api/status"), api("/admin/nodes"), api("/api/requests/recent?limit=50")]);
@@ -319,6 +326,8 @@ async function refresh() {
       notice(`The hub did not answer: ${e.message}`, "bad");
       document.getElementById("notice").dataset.stale = "1";
     }
+  } finally {
+    refreshing = false;
   }
 }
 
