@@ -29,10 +29,13 @@ def free_port() -> int:
 
 
 class EtcdProc:
-    def __init__(self, data_dir) -> None:
+    """`tls=(ca, cert, key)`: clients must speak HTTPS and show a certificate the CA signed."""
+
+    def __init__(self, data_dir, tls: tuple[str, str, str] | None = None) -> None:
         self.data_dir = str(data_dir)
+        self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.client_port}"
         self.log = open(os.path.join(os.path.dirname(self.data_dir), "etcd.log"), "ab")
         self.popen: subprocess.Popen | None = None
 
@@ -41,12 +44,12 @@ class EtcdProc:
         self.popen = subprocess.Popen(
             [ETCD, "--name", "t", "--data-dir", self.data_dir, "--listen-client-urls", self.url,
              "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}"],
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}", *self._tls_args()],
             stdout=self.log, stderr=self.log, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health", timeout=1).json().get("health") == "true":
+                if httpx.get(self.url + "/health", timeout=1, verify=self._verify()).json().get("health") == "true":
                     return
             except (httpx.HTTPError, ValueError):
                 pass
@@ -54,6 +57,21 @@ class EtcdProc:
                 raise RuntimeError(f"etcd exited with {self.popen.returncode}; see {self.log.name}")
             time.sleep(0.1)
         raise RuntimeError(f"etcd not healthy within {timeout} s; see {self.log.name}")
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls:
+            return []
+        ca, cert, key = self.tls
+        return ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
+
+    def _verify(self):
+        if not self.tls:
+            return True
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=self.tls[0])
+        ctx.load_cert_chain(self.tls[1], self.tls[2])
+        return ctx
 
     def stop(self) -> None:
         if self.popen is not None and self.popen.poll() is None:

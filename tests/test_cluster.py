@@ -8,6 +8,7 @@ exactly under `autojump_clock`. The real etcd and real processes are tests/test_
 from __future__ import annotations
 
 import itertools
+import shutil
 
 import pytest
 import trio
@@ -436,3 +437,53 @@ def test_other_hubs_work_on_a_node_counts_in_free_places():
     assert h.in_flight == {"m": 1} and h.others == {"m": 1}
     registry.apply_state(h, state(0, 0))  # theirs done
     assert (h.in_flight, h.in_flight_total, h.others, registry.free_places("m")) == ({"m": 0}, 0, {}, 2)
+
+
+@pytest.mark.e2e
+@needs_etcd
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command line")
+async def test_real_etcd_over_tls_with_a_client_certificate(tmp_path):
+    """Cluster__TlsCa/TlsCert/TlsKey: etcd verified by our CA and shown our certificate;
+    without the certificate etcd refuses the handshake and the client says no endpoint answered."""
+    from appliance.cluster import etcd as etcd_mod
+    from appliance.config import ClusterConfig
+    from test_tls import make_ca, make_cert
+
+    ca = make_ca(tmp_path)
+    server, hub = make_cert(tmp_path, ca, "etcd"), make_cert(tmp_path, ca, "hub")
+    proc = EtcdProc(tmp_path / "etcd", tls=(ca[0], *server))
+    proc.start()
+    try:
+        cfg = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca[0], tls_cert=hub[0], tls_key=hub[1])
+        async with etcd_mod.open_client(cfg) as http:
+            e = etcd_mod.make(cfg, http)
+            await e.put("t/x", "over tls")
+            assert [kv.value for kv in (await e.get_prefix("t/"))[1]] == ["over tls"]
+        no_cert = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca[0])
+        async with etcd_mod.open_client(no_cert) as http:
+            with pytest.raises(EtcdUnavailable):
+                await etcd_mod.make(no_cert, http).put("t/y", "1")
+    finally:
+        proc.close()
+
+
+async def test_forget_on_one_hub_drops_the_node_on_the_others(nursery, autojump_clock):
+    store, registry = Store(), Registry()
+    forgotten = []
+    registry.forget = lambda h: (forgotten.append(h.name), registry.nodes.pop(h.name))  # #10's Registry.forget
+    add_node(registry, "old", 8000, {})
+    store.write("appliance/forgotten/old", "hub-a", 0)  # forgotten before this hub started: stays
+    hub = Hub("hub-b", store, registry, [{"Name": "m"}])
+    await hub.start(nursery)
+    await trio.sleep(1)
+    assert "old" in registry.nodes and forgotten == []
+    add_node(registry, "n1", 8000, {})
+    add_node(registry, "n2", 8000, {})
+    store.write("appliance/nodes/n2", "http://n2:9090", 0)  # between two reads of hub-b:
+    store.write("appliance/forgotten/n1", "hub-a", 0)  # `ctl forget n1` on hub-a
+    store.write("appliance/forgotten/n2", "hub-a", 0)
+    store.write("appliance/nodes/n2", "http://n2:9090", 0)  # n2 announced again since
+    await trio.sleep(1)
+    assert forgotten == ["n1"] and "n2" in registry.nodes
+    await hub.member.forgot("n2")  # here: written for the others, nodes/n2 gone
+    assert "appliance/nodes/n2" not in store.kv and "appliance/forgotten/n2" in store.kv

@@ -60,6 +60,8 @@ class Member:
         self._decided: dict[str, int] = {}
         self._retried: dict[str, int] = {}
         self._nodes: dict[str, int] = {}  # announced nodes applied: name -> revision
+        self._forgotten: dict[str, int] = {}  # forgets applied: name -> revision
+        self._read_once = False
         self._cordons: dict[str, bool] = {}  # etcd's word on each node's cordon, as last applied
         self._problem = ""
         self._last_now = 0.0
@@ -123,6 +125,12 @@ class Member:
             rev = await self.etcd.put(self.keys.node(name), url)
             self.snapshot.nodes[name] = url
             self._nodes[name] = rev  # already known here
+
+    async def forgot(self, name: str) -> None:
+        """`ctl forget` here: every hub drops the node (until it announces again)."""
+        await self.etcd.delete(self.keys.node(name))
+        self._forgotten[name] = await self.etcd.put(self.keys.forgotten(name), self.name)
+        self.snapshot.nodes.pop(name, None)
 
     def deposed(self, why: str) -> None:
         """A node refused our epoch: another hub leads."""
@@ -253,8 +261,19 @@ class Member:
                 h = self.registry.nodes.get(name)
                 if h is None or h.url != url.rstrip("/"):
                     self.add_node(name, url)
+        forget = getattr(self.registry, "forget", None)
+        for name, rev in snap.forgotten.items():
+            if self._forgotten.get(name) == rev:
+                continue
+            self._forgotten[name] = rev
+            if not self._read_once:
+                continue  # forgotten before this hub started: its own configuration stands
+            h = self.registry.nodes.get(name)
+            if forget is not None and h is not None and rev > snap.node_revs.get(name, 0):
+                log.warning("node %s forgotten (by an operator on another hub)", name)
+                forget(h)
         changed = False
-        for name, h in self.registry.nodes.items():
+        for name, h in list(self.registry.nodes.items()):
             # Applied when etcd's word for the node changes (or is first heard), so a local
             # cordon whose write failed is not undone by the next read.
             want = name in snap.cordons
@@ -264,6 +283,7 @@ class Member:
                     h.cordoned, changed = want, True
         if changed:
             self.registry.changed()
+        self._read_once = True
 
     def _mirror(self, snap: state.Snapshot) -> None:
         core = self.control.core

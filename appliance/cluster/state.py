@@ -13,6 +13,8 @@ Theory of operation: everything lives under `{Cluster__Prefix}/`:
     retry/MODEL       `ctl retry` on any hub; the leader applies and deletes it
     cordons/NODE      cordoned on any hub, so on every hub
     nodes/NAME        a node announced to some hub (URL): every hub dials it
+    forgotten/NAME    `ctl forget` on some hub: every hub drops the node, unless it has
+                      announced again since (a later revision of nodes/NAME)
 
 This module decides three things: how a range of keys reads (`parse`), how a model's
 health is written (`record_of`) and taken over (`adopt` -- a follower mirrors it, a new
@@ -66,6 +68,9 @@ class Keys:
     def node(self, name: str) -> str:
         return f"{self.root}nodes/{name}"
 
+    def forgotten(self, name: str) -> str:
+        return f"{self.root}forgotten/{name}"
+
 
 @dataclass
 class Snapshot:
@@ -81,6 +86,7 @@ class Snapshot:
     cordons: set[str] = field(default_factory=set)
     nodes: dict[str, str] = field(default_factory=dict)
     node_revs: dict[str, int] = field(default_factory=dict)  # when each was last announced
+    forgotten: dict[str, int] = field(default_factory=dict)  # node -> revision of the forget
     raw: dict[str, str] = field(default_factory=dict)
 
 
@@ -110,6 +116,8 @@ def parse(keys: Keys, revision: int, kvs) -> Snapshot:
             s.retries[name] = kv.mod_revision
         elif kind == "cordons":
             s.cordons.add(name)
+        elif kind == "forgotten":
+            s.forgotten[name] = kv.mod_revision
         elif kind == "nodes":
             s.nodes[name], s.node_revs[name] = kv.value, kv.mod_revision
     s.hubs.sort()

@@ -262,7 +262,9 @@ async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: tra
     err = hub.control.unservable(model)
     if err is not None:
         raise err
-    hub.control.touch(model)  # in use: the request's own keep_alive applies once it is done
+    # In use: the request's own keep_alive shows at once (a client's `ps` right after its
+    # answer sees it); 0 applies only once the work is done.
+    hub.control.touch(model, None if keep == 0 else keep)
     if not hub.registry.ready_nodes(model):
         await hub.control.activate(model)
     ticket = await hub.admission.admit(model, out.cls, out.client)
