@@ -303,3 +303,19 @@ def test_stream_error_framing_starts_on_its_own_line():
     line = stream_error(nd, "ollama", "node_lost", "gone", b"}\n")
     assert line == b'{"error":"gone"}\n'  # no leading blank line: every line is JSON
     assert stream_error(nd, "ollama", "node_lost", "gone", b'{"a":') == b'\n{"error":"gone"}\n'
+
+
+async def test_the_openai_client_does_not_retry_an_unplaceable_model(tmp_path):
+    async with trio.open_nursery() as nursery:
+        hub, url, _stop = await _hub(nursery, tmp_path, {"Models__0__Name": "huge", "Models__0__MemoryMb": "90000"})
+        h, _ = hub.registry.upsert("gpu-a", "http://127.0.0.1:9", static=True)
+        hub.registry.apply_state(h, NodeState(name="gpu-a", memory_total_mb=8000, memory_used_mb=0,
+                                              models=[ModelState(name="huge", size_mb=75000)]))
+        oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=20)
+        with pytest.raises(openai.APIStatusError) as e:
+            await oc.chat.completions.create(model="huge", messages=[{"role": "user", "content": "x"}])
+        assert e.value.status_code == 503 and e.value.body["code"] == "model_unplaceable"
+        assert e.value.response.headers["x-should-retry"] == "false"
+        assert "retry-after" not in e.value.response.headers
+        assert len(_requests(tmp_path)) == 1  # one request, not three: the SDK did not retry
+        nursery.cancel_scope.cancel()
