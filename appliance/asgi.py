@@ -33,6 +33,10 @@ _json = msgspec.json.Encoder()
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
+# Connections the kernel holds for us before we accept them (see serve).
+LISTEN_BACKLOG = 4096
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -160,6 +164,10 @@ async def serve(
     # Body events queued for an app that is not reading yet: 4 x 64 KiB reads a connection,
     # then TCP backpressure (hypercorn's default is 10).
     cfg.max_app_queue_size = 4
+    # hypercorn's 100 is overrun by a burst of clients connecting at once (1,000 in
+    # bench/soak.py: a third reset before they were accepted); the kernel caps it at
+    # net.core.somaxconn (4096 on current Linux).
+    cfg.backlog = LISTEN_BACKLOG
     if certfile:
         cfg.certfile = certfile
         cfg.keyfile = keyfile or certfile

@@ -5,7 +5,8 @@ What it does, with real processes (the same helpers as the end-to-end tests):
 2. Phase "burst": 1,000 concurrent non-streaming chat requests.
 3. Phase "streams": 200 concurrent streaming chat requests; while they run, one node is
    killed with SIGKILL, then started again (same name) and must be routed again.
-4. Waits a few seconds and measures again.
+4. Measures again right after, 5 s after and 20 s after (the pools' idle connections
+   expire after 15 s): fds must be back to their idle count.
 
 It prints: requests completed, clean errors by code, lost requests (no complete response
 and no clean error in the API's framing -- must be 0), p50/p99 latency per phase, hub
@@ -193,6 +194,8 @@ def main() -> int:
         right_after = snapshot(all_procs())
         time.sleep(5)
         settled = snapshot(all_procs())
+        time.sleep(15)  # the pools' idle connections expire (15 s) and are swept
+        idle_again = snapshot(all_procs())
 
         lines = [json.loads(x) for x in audit_path.read_text().splitlines()]
         reqs = [x for x in lines if x["kind"] == "request"]
@@ -210,7 +213,7 @@ def main() -> int:
                         "p99_ms": pct(streams.latencies, 0.99), "killed": victim, **restart},
             "audit_request_lines": len(reqs), "requests": total,
             "processes": {"before": before, "after_burst": after_burst, "right_after": right_after,
-                          "after_5s": settled},
+                          "after_5s": settled, "after_20s": idle_again},
         }
         print(json.dumps(report, indent=2))
         if lost:
@@ -222,6 +225,8 @@ def main() -> int:
         for name in ("hub", "gpu-a", "gpu-c"):
             if settled[name]["close_wait"] > 5:
                 failures.append(f"{name}: {settled[name]['close_wait']} sockets in CLOSE-WAIT 5 s after the load")
+            if idle_again[name]["fds"] > before[name]["fds"] + 5:
+                failures.append(f"{name}: {idle_again[name]['fds']} fds 20 s after the load ({before[name]['fds']} before)")
     finally:
         for p in procs.all:
             p.kill()

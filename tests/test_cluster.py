@@ -487,3 +487,19 @@ async def test_forget_on_one_hub_drops_the_node_on_the_others(nursery, autojump_
     assert forgotten == ["n1"] and "n2" in registry.nodes
     await hub.member.forgot("n2")  # here: written for the others, nodes/n2 gone
     assert "appliance/nodes/n2" not in store.kv and "appliance/forgotten/n2" in store.kv
+
+
+def test_config_hub_urls_etcd_endpoints_and_prefix_validated():
+    from appliance import config
+
+    c = config.load({"Hub__Url": "http://hub-a:8080, http://hub-b:8080", "Cluster__Etcd": "http://e1:2379,https://e2:2379/"})
+    assert c.hub_urls() == ["http://hub-a:8080", "http://hub-b:8080"]
+    assert c.cluster.endpoints() == ["http://e1:2379", "https://e2:2379"]
+    assert (c.cluster.prefix, c.cluster.lease_seconds) == ("appliance", 10)
+    for env, names in (({"Hub__Url": "http://a:1,hub-b:8080"}, "Hub__Url='hub-b:8080'"),
+                       ({"Cluster__Etcd": "e1:2379"}, "Cluster__Etcd='e1:2379'"),
+                       ({"Cluster__Prefix": "a/b"}, "Cluster__Prefix='a/b'"),
+                       ({"Cluster__LeaseSeconds": "1"}, "Cluster__LeaseSeconds")):
+        with pytest.raises(config.ConfigError) as info:
+            config.load(env)
+        assert names in str(info.value)

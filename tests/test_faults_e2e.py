@@ -45,7 +45,8 @@ class Fleet:
         self.port = _free_port()
         self.hub_env = {"Hub__Listen": f"127.0.0.1:{self.port}", "Auth__NodeToken": TOKEN,
                         "Audit__Path": str(self.audit), "Hub__DrainSeconds": "1",
-                        "Hub__ReconnectMaxSeconds": "2", "Node__HeartbeatSeconds": "0.5"}
+                        "Hub__ReconnectMaxSeconds": "2", "Node__HeartbeatSeconds": "0.5",
+                        "Queue__MaxDepth": "1000", "Queue__MaxWaitSeconds": "60"}
         self.node_env = {"Hub__Url": f"http://127.0.0.1:{self.port}", "Auth__NodeToken": TOKEN,
                          "Node__AnnounceSeconds": "1", "Node__ModelSlots": "8", "Sim__Parallel": "8",
                          "Sim__TokensPerSecond": "25", "Sim__Models__0__Name": "sim-small",
@@ -158,6 +159,31 @@ def check_accounting(fleet: Fleet, before_lines: int, before_total: float, n: in
     assert len(lines) == n, lines
     assert fleet.requests_total() - before_total == n
     return lines
+
+
+def test_three_equal_nodes_share_300_concurrent_requests(fleet):
+    import trio
+
+    n0, t0 = len(fleet.audit_requests()), fleet.requests_total()
+    codes: list[int] = []
+
+    async def burst() -> None:
+        limits = httpx.Limits(max_connections=310)
+        async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=limits) as c:
+            async def one(i: int) -> None:
+                r = await c.post(fleet.url + "/v1/chat/completions", json={
+                    "model": "sim-small", "max_tokens": 2, "messages": [{"role": "user", "content": f"spread {i}"}]})
+                codes.append(r.status_code)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(300):
+                    nursery.start_soon(one, i)
+
+    trio.run(burst)
+    assert codes == [200] * 300
+    lines = check_accounting(fleet, n0, t0, 300)
+    per_node = {n: sum(x["node"] == n for x in lines) for n in NODES}
+    assert all(abs(c - 100) <= 15 for c in per_node.values()), per_node
 
 
 def test_kill_9_of_a_node_under_streams(fleet):

@@ -290,3 +290,32 @@ async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
         said = [r.getMessage() for r in caplog.records if r.name == "appliance.hub.router"]
         assert said == ["node gpu-a closed the connection before answering: request for m from anonymous retried on good"]
         nursery.cancel_scope.cancel()
+
+
+def test_stream_error_framing_starts_on_its_own_line():
+    from appliance.hub.relay import stream_error
+
+    sse = "text/event-stream"
+    assert stream_error(sse, "openai", "node_lost", "m", b"}\n\n").startswith(b"data: {")
+    assert stream_error(sse, "openai", "node_lost", "m", b"x}").startswith(b"\n\ndata: {")
+    assert stream_error(sse, "anthropic", "node_lost", "m", b"\n\n").startswith(b"event: error\ndata: {")
+    nd = "application/x-ndjson"
+    line = stream_error(nd, "ollama", "node_lost", "gone", b"}\n")
+    assert line == b'{"error":"gone"}\n'  # no leading blank line: every line is JSON
+    assert stream_error(nd, "ollama", "node_lost", "gone", b'{"a":') == b'\n{"error":"gone"}\n'
+
+
+async def test_the_openai_client_does_not_retry_an_unplaceable_model(tmp_path):
+    async with trio.open_nursery() as nursery:
+        hub, url, _stop = await _hub(nursery, tmp_path, {"Models__0__Name": "huge", "Models__0__MemoryMb": "90000"})
+        h, _ = hub.registry.upsert("gpu-a", "http://127.0.0.1:9", static=True)
+        hub.registry.apply_state(h, NodeState(name="gpu-a", memory_total_mb=8000, memory_used_mb=0,
+                                              models=[ModelState(name="huge", size_mb=75000)]))
+        oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=20)
+        with pytest.raises(openai.APIStatusError) as e:
+            await oc.chat.completions.create(model="huge", messages=[{"role": "user", "content": "x"}])
+        assert e.value.status_code == 503 and e.value.body["code"] == "model_unplaceable"
+        assert e.value.response.headers["x-should-retry"] == "false"
+        assert "retry-after" not in e.value.response.headers
+        assert len(_requests(tmp_path)) == 1  # one request, not three: the SDK did not retry
+        nursery.cancel_scope.cancel()

@@ -4,8 +4,10 @@ Theory of operation (DESIGN 3): the hub decodes only `model` (and `stream`) from
 body and forwards the bytes it received. Everything that refuses a request raises
 RouteError and is answered in the API's own shape. The response is streamed byte for
 byte: the hub waits for the node's first body chunk before it answers, so a node that
-fails before the first byte is retried once on another node; after that a failure ends
-the stream with an error event (`node_lost`). A client that hangs up cancels everything
+fails before the first byte is retried once on another node (the least loaded other);
+after that a failure ends the stream with an error event (`node_lost`), as does the node
+being declared lost or the drain running out (`shutting_down`; relay.py). Exactly one
+audit line and one count per request, whatever ends it. A client that hangs up cancels everything
 it was waiting on (activation, a queue, the upstream request) and frees its place at
 once. The audit line is written before the last byte goes out.
 """
@@ -25,7 +27,8 @@ from appliance.config import ClientConfig
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.listener import Refusal
 from appliance.hub import translate
-from appliance.hub.errors import RouteError, error_body
+from appliance.hub.errors import RouteError
+from appliance.hub.relay import Cut, cut_before_answer, stream_error
 from appliance.hub.requestid import request_id
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.upstream import UpstreamError
@@ -313,42 +316,10 @@ async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepa
     raise RouteError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
 
 
-class _Cut:
-    """Why a relay must stop now (`node_lost`, `shutting_down`), and the read it interrupts.
-
-    Only reads from the node are cut, never a write to the client: a write cancelled
-    half-way would leave the client's connection in an unknown state. The watchers run
-    in the relay's nursery; `trip` cancels the read in progress, and every later read.
-    """
-
-    __slots__ = ("reason", "_scope")
-
-    def __init__(self) -> None:
-        self.reason = ""
-        self._scope: trio.CancelScope | None = None
-
-    def trip(self, reason: str) -> None:
-        if not self.reason:
-            self.reason = reason
-        if self._scope is not None:
-            self._scope.cancel()
-
-    def reading(self) -> trio.CancelScope:
-        cs = trio.CancelScope()
-        if self.reason:
-            cs.cancel()
-        self._scope = cs
-        return cs
-
-    async def watch(self, event: trio.Event, reason: str) -> None:
-        await event.wait()
-        self.trip(reason)
-
-
 async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan, headers) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first
     byte -- including the node being declared lost while the request waited on it."""
-    cut = _Cut()
+    cut = Cut()
     async with trio.open_nursery() as watchers:
         watchers.start_soon(cut.watch, node.lost, "node_lost")
         watchers.start_soon(cut.watch, hub.drain_over, "shutting_down")
@@ -358,7 +329,7 @@ async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan,
             watchers.cancel_scope.cancel()
 
 
-async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, headers, cut: _Cut) -> tuple[bool, str]:
+async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, headers, cut: Cut) -> tuple[bool, str]:
     resp = None
     headers = [*headers, *node.auth_raw]  # a per-node token replaces the shared one
     with cut.reading():
@@ -368,7 +339,7 @@ async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, heade
         except UpstreamError as e:
             return False, str(e)
     if resp is None:
-        return _cut_before_answer(cut)
+        return cut_before_answer(cut)
     raw = resp.chunks()
     conv = plan.converter(resp.status_code)
     chunks = raw if conv is None else translate.Relay(raw, conv)
@@ -388,7 +359,7 @@ async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, heade
             except UpstreamError as e:
                 return False, str(e)
         if first is None:
-            return _cut_before_answer(cut)
+            return cut_before_answer(cut)
         out.node = node.name
         out.status = resp.status_code
         out.ttfb = time.perf_counter() - out.t0
@@ -445,23 +416,3 @@ async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, heade
         with trio.move_on_after(1, shield=True):
             await raw.aclose()
             await resp.aclose()
-
-
-def _cut_before_answer(cut: _Cut) -> tuple[bool, str]:
-    if cut.reason == "shutting_down":
-        raise RouteError(503, "shutting_down", "the hub is shutting down; retry shortly",
-                         retry_after=NO_CAPACITY_RETRY_AFTER)
-    return False, "was declared lost before answering"
-
-
-def stream_error(ctype: str, api: str, code: str, msg: str, tail: bytes = b"\n\n") -> bytes:
-    """The error event that ends a cut stream, in the stream's own framing: an SSE `data:`
-    event (`event: error` first for Anthropic's), or one NDJSON line (which the `ollama`
-    client raises as ResponseError). `tail` is the last bytes already sent: the event
-    starts on a line of its own, with no blank line an NDJSON reader would choke on."""
-    body = error_body(api, 503, code, msg)
-    if "event-stream" in ctype:
-        sep = b"" if not tail or tail.endswith(b"\n\n") else (b"\n" if tail.endswith(b"\n") else b"\n\n")
-        return sep + (b"event: error\n" if api == "anthropic" else b"") + b"data: " + body + b"\n\n"
-    sep = b"" if not tail or tail.endswith(b"\n") else b"\n"
-    return sep + body + b"\n"

@@ -5,7 +5,9 @@ learns of it from `POST {Hub__Url}/api/nodes/announce` (bearer node token, body
 `wire.Announce(name, url)`). The announcement is repeated every `Node__AnnounceSeconds`,
 so a restarted hub learns its fleet again without configuration. Announcing is never
 fatal: a hub that is down or refuses is logged once when the outage starts and once when
-it ends -- not once per attempt -- and tried again on the next round.
+it ends -- not once per attempt -- and tried again on the next round. With several hubs
+(`Hub__Url` a comma-separated list, high availability) the node runs one loop per hub, so
+a hub that is down never delays the announcement to another.
 """
 
 from __future__ import annotations

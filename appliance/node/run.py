@@ -3,7 +3,7 @@
 Theory of operation: `run_node` builds the engine adapter (`make_engine`), the state
 keeper and the app, then starts with `nursery.start` the engine supervisor, the GPU
 memory reader, the node API server, the metrics server (`Metrics__Listen`, default
-0.0.0.0:9465, empty: none) and the announcer (when `Hub__Url` is set). It hands the
+0.0.0.0:9465, empty: none) and one announcer per hub in `Hub__Url`. It hands the
 bound API address to `task_status.started` only once all of it listens.
 
 `run_node` installs no signal handlers, so `appliance up` can run it beside the hub in
