@@ -11,8 +11,9 @@ get the same rules:
 
 - A connection the client closed is let go at once (appliance/hyperfix.py), and the
   close hypercorn starts from the read side waits for an answer being written.
-- At most `max_connections` connections are open: the accept loop takes the next one
-  only when one closed (the rest wait in the kernel's backlog and cost us no fd).
+- At most `max_connections` connections are open. At the bound, a new client takes the
+  place of the oldest connection that serves no request (idle, or still trickling its
+  head); when every one is serving, the next waits in the kernel's backlog (no fd here).
 - A request head must be complete within `header_read_seconds` of the connection's
   start, or of its first byte on a kept-alive connection (`_GuardedStream`); a partial
   head is answered 408 `request_timeout`, an idle connection is just closed.
@@ -28,6 +29,8 @@ elsewhere). The decisions are plain (`Budget`, `framing_error`); the rest is tri
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import logging
 import math
@@ -51,6 +54,9 @@ GUARD_KEY = "appliance.guard"
 BUSY_RETRY_AFTER = 2
 # errnos of accept() that mean "out of fds/memory now", as trio's serve_listeners lists them.
 _ACCEPT_CAPACITY = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+# After a request that held this much body, and once no body is held, freed heap is
+# returned to the OS (`_trim`).
+TRIM_AFTER_BYTES = 8 * MiB
 # A request refused for its framing has at most this much of its body read first.
 FRAMING_DRAIN_BYTES = 64 * 1024
 # A 408 to a client that does not read is not worth more than this.
@@ -119,6 +125,24 @@ def _raw_408() -> bytes:
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
 
 
+def _load_trim() -> Callable[[], Any]:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back
+        return lambda *_: 0
+
+
+_malloc_trim = _load_trim()
+
+
+def _trim() -> None:
+    """Hand freed heap back to the OS. glibc keeps the 64 KiB pieces a body arrives in as
+    free heap, so after a burst of big bodies the process stayed hundreds of MB above its
+    idle size; malloc_trim returns it (a few ms, only after a big body, only when no body
+    is held any more)."""
+    _malloc_trim(0)
+
+
 # --- per connection ------------------------------------------------------------------------
 
 
@@ -131,6 +155,7 @@ class _Guard:
         self.head_bytes = False
         self.in_request = False
         self.scope: trio.CancelScope | None = None
+        self.cancel = trio.CancelScope()  # the whole connection: shed at max_connections
 
     def _set(self, deadline: float) -> None:
         self.deadline = deadline
@@ -267,6 +292,8 @@ def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
                          [(b"retry-after", str(BUSY_RETRY_AFTER).encode())])
         finally:
             budget.give(held)
+            if held >= TRIM_AFTER_BYTES and budget.held == 0:
+                _trim()
             if guard is not None:
                 guard.request_done()
 
@@ -274,6 +301,33 @@ def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
 
 
 # --- the accept loop -----------------------------------------------------------------------
+
+
+class _Shed:
+    """At `max_connections`, a new client takes the place of the oldest connection that is
+    not serving a request (idle, or still sending its head): otherwise clients that only
+    trickle head bytes would make every new one wait out their head deadlines."""
+
+    # One warning per minute at most while the listener sheds.
+    LOG_EVERY = 60.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._logged = -math.inf
+
+    def one(self, live: dict[_Guard, None], limit: int) -> bool:
+        for g in live:
+            if not g.in_request:
+                del live[g]
+                g.cancel.cancel()
+                self.count += 1
+                now = trio.current_time()
+                if now - self._logged >= self.LOG_EVERY:
+                    self._logged = now
+                    log.warning("%d connections open (the bound): closing the oldest that serve no request to "
+                                "take new ones (%d so far)", limit, self.count)
+                return True
+        return False
 
 
 async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
@@ -299,26 +353,37 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
     wrapped = ASGIWrapper(guard_app(app, limits, Budget(limits.max_buffered_bytes)))
     slots = trio.Semaphore(limits.max_connections)
 
+    live: dict[_Guard, None] = {}  # open connections, oldest first
+    shed = _Shed()
+
     async def connection(stream) -> None:
+        guard = _Guard(limits.header_read_seconds)
+        live[guard] = None
         try:
-            async with stream:  # closed whatever TCPServer did (a failed handshake returns early)
-                guard = _Guard(limits.header_read_seconds)
-                await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard}, _GuardedStream(stream, guard))
+            with guard.cancel:
+                async with stream:  # closed whatever TCPServer did (a failed handshake returns early)
+                    await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard}, _GuardedStream(stream, guard))
         finally:
+            live.pop(guard, None)
             slots.release()
 
     async def accept_loop(listener, handlers: trio.Nursery) -> None:
         while True:
-            await slots.acquire()
             try:
                 stream = await listener.accept()
             except OSError as e:
-                slots.release()
                 if e.errno not in _ACCEPT_CAPACITY:
                     raise
                 log.error("accept failed (%s); pausing 100 ms", errno.errorcode.get(e.errno, e.errno))
                 await trio.sleep(0.1)
                 continue
+            try:
+                if slots.value == 0:
+                    shed.one(live, limits.max_connections)
+                await slots.acquire()
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
             handlers.start_soon(connection, stream)
 
     async with trio.open_nursery() as handlers:
