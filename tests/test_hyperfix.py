@@ -20,6 +20,8 @@ async def _app(scope, receive, send):
 
 
 async def test_connections_the_client_closed_do_not_linger_in_close_wait():
+    # Sockets an earlier test in this process left in CLOSE-WAIT are not this test's.
+    before = proc_stats(os.getpid())["close_wait"]
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(partial(serve, _app, "127.0.0.1:0", "fake"))
         async with httpx.AsyncClient(timeout=10) as c:  # keep-alive connections, closed at exit
@@ -28,7 +30,7 @@ async def test_connections_the_client_closed_do_not_linger_in_close_wait():
                     clients.start_soon(c.get, f"http://{host}:{port}/")
         # Bounded readiness poll: closed within moments (without the fix: 75 s).
         with trio.move_on_after(10):
-            while proc_stats(os.getpid())["close_wait"]:
+            while proc_stats(os.getpid())["close_wait"] > before:
                 await trio.sleep(0.05)
-        assert proc_stats(os.getpid())["close_wait"] == 0
+        assert proc_stats(os.getpid())["close_wait"] <= before
         nursery.cancel_scope.cancel()
