@@ -18,10 +18,10 @@ from typing import Any, Awaitable, Callable
 import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
-from hypercorn.trio import serve as hyper_serve
 
 from appliance import hyperfix
 from appliance.config import parse_listen
+from appliance.listener import Limits, serve_guarded
 
 hyperfix.apply()  # close a connection as soon as its peer has (hyperfix.py)
 
@@ -39,6 +39,26 @@ LISTEN_BACKLOG = 4096
 
 class BodyTooLarge(Exception):
     pass
+
+
+class StartupError(Exception):
+    """A listener could not start: one line naming the variable (the CLI exits 2)."""
+
+
+def same_port(metrics_listen: str, api_listen: str, api_var: str) -> None:
+    """Metrics on the API's own port would fail to bind (or worse, on another address):
+    refused before anything starts."""
+    if not metrics_listen:
+        return
+    _, mport = parse_listen(metrics_listen, "Metrics__Listen")
+    _, aport = parse_listen(api_listen, api_var)
+    if mport and mport == aport:
+        raise StartupError(f"Metrics__Listen={metrics_listen!r} is the API's port ({api_var}={api_listen!r}): "
+                           "give metrics a port of its own, or empty for no metrics server")
+
+
+# The variables each role's listener comes from, for start-up errors.
+_SECTION = {"hub": "Hub", "node": "Node", "sim": "Sim", "metrics": "Metrics"}
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -116,6 +136,7 @@ async def serve(
     keyfile: str = "",
     ca_certs: str = "",
     require_client_cert: bool = False,
+    limits: Limits = Limits(),
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on `listen` until `shutdown_trigger` returns, then drain.
@@ -125,9 +146,11 @@ async def serve(
     without one is served -- the hub's API, whose clients are ordinary OpenAI clients) or,
     with `require_client_cert`, required at the handshake (the node, dialled by the hub).
     Prints the `listening on` line and reports the bound (host, port) to
-    `task_status.started` once the socket listens.
+    `task_status.started` once the socket listens. `limits` are the listener's defences
+    (appliance/listener.py). A socket or TLS file that cannot be used raises StartupError.
     """
-    host, port = parse_listen(listen)
+    section = _SECTION.get(role, role.capitalize())
+    host, port = parse_listen(listen, f"{section}__Listen")
     cfg = HyperConfig()
     cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     cfg.graceful_timeout = drain_seconds
@@ -137,6 +160,10 @@ async def serve(
     errorlog.setLevel(logging.WARNING)
     cfg.errorlog = errorlog
     cfg.keep_alive_timeout = 75
+    cfg.ssl_handshake_timeout = limits.header_read_seconds
+    # Body events queued for an app that is not reading yet: 4 x 64 KiB reads a connection,
+    # then TCP backpressure (hypercorn's default is 10).
+    cfg.max_app_queue_size = 4
     # hypercorn's 100 is overrun by a burst of clients connecting at once (1,000 in
     # bench/soak.py: a third reset before they were accepted); the kernel caps it at
     # net.core.somaxconn (4096 on current Linux).
@@ -148,11 +175,24 @@ async def serve(
             cfg.ca_certs = ca_certs
             cfg.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_OPTIONAL
 
+    if certfile:
+        try:
+            cfg.create_ssl_context()
+        except (OSError, ssl.SSLError) as e:
+            names = "/".join(f"{section}__{k}" for k, v in (("TlsCert", certfile), ("TlsKey", keyfile),
+                                                           ("TlsCa", ca_certs)) if v)
+            raise StartupError(f"{names}={certfile!r}{f', {keyfile!r}' if keyfile else ''}"
+                               f"{f', {ca_certs!r}' if ca_certs else ''}: cannot load: {e.strerror or e}") from None
+
     async def _serve(*, task_status=trio.TASK_STATUS_IGNORED):
-        await hyper_serve(http_only(app), cfg, shutdown_trigger=shutdown_trigger, task_status=task_status)
+        await serve_guarded(http_only(app), cfg, limits, shutdown_trigger=shutdown_trigger or trio.sleep_forever,
+                            task_status=task_status)
 
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(_serve)
+        try:
+            binds = await nursery.start(_serve)
+        except OSError as e:
+            raise StartupError(f"{section}__Listen={listen!r}: cannot listen: {e.strerror or e}") from None
         scheme, _, addr = binds[0].partition("://")
         h, _, p = addr.rpartition(":")
         print(f"appliance {role} listening on {scheme}://{addr}", file=sys.stderr, flush=True)

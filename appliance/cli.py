@@ -77,7 +77,28 @@ def main(argv: list[str] | None = None) -> int:
         from appliance.sim import main as role_main
     else:
         from appliance.up import main as role_main
-    return role_main(cfg, env_file=args.env_file)
+    try:
+        return role_main(cfg, env_file=args.env_file)
+    except BaseException as e:
+        startup = _startup_error(e)
+        if startup is None:
+            raise
+        print(f"appliance {args.cmd}: cannot start: {startup}", file=sys.stderr)
+        return 2
+
+
+def _startup_error(e: BaseException) -> BaseException | None:
+    """The StartupError inside `e` (trio wraps it in exception groups), else None."""
+    from appliance.asgi import StartupError
+
+    if isinstance(e, StartupError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            found = _startup_error(sub)
+            if found is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

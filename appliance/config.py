@@ -16,6 +16,8 @@ process environment is full of PATH and friends.
 from __future__ import annotations
 
 import difflib
+import ipaddress
+import math
 import os
 import re
 import socket
@@ -33,6 +35,9 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 PriorityClass = Literal["essential", "normal", "background"]
 EngineKind = Literal["ollama", "llamacpp", "openai", "sim"]
+
+
+DEFAULT_NODE_NETWORKS = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
 
 
 class ConfigError(Exception):
@@ -62,6 +67,21 @@ class HubConfig(_Section):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # HTTP hygiene on every listener of the hub (appliance/listener.py). nginx's
+    # client_header_timeout/client_body_timeout are 60 s each; a request head is a few
+    # hundred bytes, so 10 s is generous for it, and a 32 MiB body at LAN speed takes < 1 s.
+    header_read_seconds: PosFloat = 10.0
+    body_read_seconds: PosFloat = 60.0
+    # Open client connections per listener; beyond it new ones wait in the kernel's backlog.
+    max_connections: PosInt = 4096
+    # Bytes of request bodies held at once per listener; beyond it 503 `busy`.
+    max_buffered_bytes: PosInt = 256 * MiB
+    # Where an announced node may resolve to (static nodes are trusted): loopback and the
+    # private ranges of RFC 1918 / RFC 4193. Link-local (cloud metadata) is refused always.
+    node_networks: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_NODE_NETWORKS))
+    # An announced node unreachable this long is dropped (it re-announces if it comes back).
+    forget_node_seconds: PosFloat = 600.0
+    max_nodes: PosInt = 256
     # Browser origins allowed to call the API (like OLLAMA_ORIGINS): comma-separated, `*` any.
     cors_origins: str = ""
 
@@ -79,11 +99,25 @@ class ClientConfig(_Section):
     models: list[str] = []
 
 
+class NodeCredential(_Section):
+    name: str = ""
+    token: str = ""
+
+
 class AuthConfig(_Section):
     node_token: str = ""
     require_keys: bool = False
     admin_key: str = ""
     clients: list[ClientConfig] = []
+    # Per-node tokens: the named node announces (and is dialled) with its own token only.
+    nodes: list[NodeCredential] = []
+
+    def node_token_for(self, name: str) -> str:
+        """The token the node `name` and the hub use between them."""
+        for c in self.nodes:
+            if c.name == name:
+                return c.token
+        return self.node_token
 
 
 class NodeRef(_Section):
@@ -104,6 +138,9 @@ class NodeConfig(_Section):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # The node API's twins of Hub__HeaderReadSeconds / Hub__BodyReadSeconds.
+    header_read_seconds: PosFloat = 10.0
+    body_read_seconds: PosFloat = 60.0
 
 
 class EngineConfig(_Section):
@@ -379,8 +416,39 @@ def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None =
         if em:
             allowed = _enum_hint(var, em.group(1))
         raise ConfigError(f"{shown}={value!r}: {reason}{allowed}") from None
+    _check_finite(cfg, [], originals, merged)
     _check(cfg)
     return cfg
+
+
+def _check_finite(obj: msgspec.Struct, path: list[str], originals: dict[str, str], merged: dict[str, str]) -> None:
+    """`inf` and `nan` parse as floats and pass `ge=0`; a bound that never ends is refused."""
+    for f in msgspec.structs.fields(obj):
+        v = getattr(obj, f.name)
+        here = [*path, f.encode_name]
+        if isinstance(v, float) and not math.isfinite(v):
+            var = "__".join(here)
+            shown = originals.get(var.lower(), var)
+            raise ConfigError(f"{shown}={merged.get(shown, str(v))!r}: expected a finite number")
+        if isinstance(v, msgspec.Struct):
+            _check_finite(v, here, originals, merged)
+        elif isinstance(v, list):
+            for i, item in enumerate(v):
+                if isinstance(item, msgspec.Struct):
+                    _check_finite(item, [*here, str(i)], originals, merged)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(item, msgspec.Struct):
+                    _check_finite(item, [*here, k], originals, merged)
+
+
+def _duplicates(var: str, values: list[str], what: str) -> None:
+    """Two list entries with the same `what`: one line naming both variables."""
+    seen: dict[str, int] = {}
+    for i, v in enumerate(values):
+        if v and v in seen:
+            raise ConfigError(f"{var.format(seen[v])} and {var.format(i)} have the same {what}: each must be unique")
+        seen.setdefault(v, i)
 
 
 def _enum_hint(var: str, got: str) -> str:
@@ -400,11 +468,28 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"Auth__Clients__{i}__Key is empty: every client needs a key")
         if not c.name:
             c.name = f"client-{i}"
+    _duplicates("Auth__Clients__{}__Key", [c.key for c in cfg.auth.clients], "key")
+    _duplicates("Auth__Clients__{}__Name", [c.name for c in cfg.auth.clients], "name")
+    for i, c in enumerate(cfg.auth.nodes):
+        if not valid_node_name(c.name):
+            raise ConfigError(f"Auth__Nodes__{i}__Name={c.name[:200]!r}: {NODE_NAME_RULE}")
+        if not c.token:
+            raise ConfigError(f"Auth__Nodes__{i}__Token is empty: every per-node credential needs a token")
+    _duplicates("Auth__Nodes__{}__Name", [c.name for c in cfg.auth.nodes], "name")
+    for i, net in enumerate(cfg.hub.node_networks):
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            raise ConfigError(f"Hub__NodeNetworks={','.join(cfg.hub.node_networks)!r}: {net!r} is not a CIDR"
+                              " (e.g. 10.0.0.0/8)") from None
     for i, n in enumerate(cfg.nodes):
         if not n.url.startswith(("http://", "https://")):
             raise ConfigError(f"Nodes__{i}__Url={n.url!r}: expected an http:// or https:// URL")
         if not n.name:
             raise ConfigError(f"Nodes__{i}__Name is empty: every static node needs a name")
+        if not valid_node_name(n.name):
+            raise ConfigError(f"Nodes__{i}__Name={n.name[:200]!r}: {NODE_NAME_RULE}")
+    _duplicates("Nodes__{}__Name", [n.name for n in cfg.nodes], "name")
     for i, m in enumerate(cfg.models.items):
         if not m.name:
             raise ConfigError(f"Models__{i}__Name is empty: every model needs a name")
@@ -426,6 +511,16 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"Cluster__Prefix={cfg.cluster.prefix!r}: expected 1-64 of A-Z a-z 0-9 . _ -")
     if cfg.metrics.listen:
         parse_listen(cfg.metrics.listen, "Metrics__Listen")
+
+
+# DNS-label-like (RFC 1123 allows 63 per label), plus `.` and `_` that host names and
+# systemd unit names use: a node name goes into logs, metrics labels and URLs.
+_NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
+NODE_NAME_RULE = "a node name is 1 to 63 of A-Z a-z 0-9 . _ -"
+
+
+def valid_node_name(name: str) -> bool:
+    return bool(_NODE_NAME.fullmatch(name))
 
 
 def parse_listen(listen: str, var: str = "listen") -> tuple[str, int]:

@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the hub's JSON instead of a table")
     p.add_argument("--url", default=os.environ.get("APPLIANCE_HUB_URL", DEFAULT_URL),
                    help="the hub (APPLIANCE_HUB_URL, default %(default)s)")
-    p.add_argument("--key", default=os.environ.get("APPLIANCE_ADMIN_KEY", ""), help="admin key (APPLIANCE_ADMIN_KEY)")
+    p.add_argument("--key-file", default="", help="read the admin key from this file (else APPLIANCE_ADMIN_KEY)")
+    p.add_argument("--key", default=None, help="admin key on the command line: visible in the process list; prefer "
+                                               "--key-file or APPLIANCE_ADMIN_KEY")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status", help="models against what they should have now, and nodes; exit 1 if not satisfied")
     sub.add_parser("models", help="every model's health")
@@ -39,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     for action, text in (("cordon", "stop routing to a node"), ("uncordon", "route to a node again"),
                          ("pause", "the node refuses new work (its owner's switch)"), ("resume", "undo pause")):
         sub.add_parser(action, help=text).add_argument("node")
+    sub.add_parser("forget", help="drop a node now (an announced one returns only by announcing again)").add_argument("node")
     for action, text in (("pull", "pull a model onto every Ollama node (or --node), showing progress"),
                          ("rm", "delete a model from every Ollama node (or --node)")):
         sp = sub.add_parser(action, help=text)
@@ -119,6 +122,8 @@ def render(cmd: str, body: dict) -> str:
         return nodes_table(body["nodes"]) if body["nodes"] else "no nodes"
     if cmd == "retry":
         return f"{body['model']}: {'unparked, ' if body.get('was_parked') else ''}trying again"
+    if cmd == "forget":
+        return f"{body['node']}: forgotten"
     return f"{body['node']}: {body['action']} done (status now {body['status']})"
 
 
@@ -128,9 +133,21 @@ def request(args, client: httpx.Client) -> httpx.Response:
         return client.get(f"/admin/{args.cmd}")
     if args.cmd == "retry":
         return client.post(f"/admin/models/{q(args.model)}/retry")
+    if args.cmd == "forget":
+        return client.delete(f"/admin/nodes/{q(args.node)}")
     return client.post(f"/admin/nodes/{q(args.node)}/{args.cmd}")
 
 
+def admin_key(args, err) -> str:
+    """--key-file, else --key (with a warning: argv is world-readable), else APPLIANCE_ADMIN_KEY."""
+    if args.key_file:
+        with open(args.key_file, encoding="utf-8") as fh:
+            return fh.read().strip()
+    if args.key is not None:
+        print("appliance ctl: warning: --key shows the admin key in the process list; use --key-file or "
+              "APPLIANCE_ADMIN_KEY", file=err)
+        return args.key
+    return os.environ.get("APPLIANCE_ADMIN_KEY", "")
 def _progress(line: dict) -> str:
     node = f"{line['node']}: " if line.get("node") else ""
     total, done = line.get("total"), line.get("completed")
@@ -173,7 +190,12 @@ def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None)
         return 0 if e.code == 0 else 2
     own = client is None
     if own:
-        headers = {"authorization": f"Bearer {args.key}"} if args.key else {}
+        try:
+            key = admin_key(args, err)
+        except OSError as e:
+            print(f"appliance ctl: --key-file {args.key_file}: {e.strerror}", file=err)
+            return 2
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         client = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=TIMEOUT)
     if args.cmd in ("pull", "rm"):
         try:

@@ -125,6 +125,8 @@ class SimApp:
             raise SimError(400, "invalid_request", f"invalid request: {e}") from None
         except msgspec.DecodeError as e:
             raise SimError(400, "invalid_json", f"invalid JSON: {e}") from None
+        except RecursionError:
+            raise SimError(400, "invalid_json", "invalid JSON: nested too deeply") from None
 
     def _model(self, req: Req, api: str) -> SimModelState:
         name = req.model or req.name

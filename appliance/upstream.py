@@ -254,7 +254,8 @@ class Pool:
         port = u.port or (443 if u.scheme == "https" else 80)
         key = (u.scheme, u.hostname, port)
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *self._headers, *headers,
+        given = {k for k, _ in headers}
+        hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *(kv for kv in self._headers if kv[0] not in given), *headers,
                 (b"content-length", str(len(body)).encode())]
         for attempt in (0, 1):
             conn = self._get(key) if attempt == 0 else None

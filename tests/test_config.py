@@ -102,3 +102,30 @@ def test_cli_exits_2_with_one_line():
 def test_cli_version():
     r = subprocess.run([sys.executable, "-m", "appliance", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("appliance 0.1.0")
+
+
+@pytest.mark.parametrize("env,names", [
+    ({"Auth__Clients__0__Name": "a", "Auth__Clients__0__Key": "k", "Auth__Clients__1__Name": "b",
+      "Auth__Clients__1__Key": "k"}, ("Auth__Clients__0__Key", "Auth__Clients__1__Key")),
+    ({"Auth__Clients__0__Name": "a", "Auth__Clients__0__Key": "k1", "Auth__Clients__1__Name": "a",
+      "Auth__Clients__1__Key": "k2"}, ("Auth__Clients__0__Name", "Auth__Clients__1__Name")),
+    ({"Nodes__0__Name": "n", "Nodes__0__Url": "http://a:1", "Nodes__1__Name": "n", "Nodes__1__Url": "http://b:1"},
+     ("Nodes__0__Name", "Nodes__1__Name")),
+    ({"Auth__Nodes__0__Name": "n", "Auth__Nodes__0__Token": "a", "Auth__Nodes__1__Name": "n",
+      "Auth__Nodes__1__Token": "b"}, ("Auth__Nodes__0__Name", "Auth__Nodes__1__Name")),
+    ({"Hub__DrainSeconds": "inf"}, ("Hub__DrainSeconds",)),
+    ({"Queue__MaxWaitSeconds": "Infinity"}, ("Queue__MaxWaitSeconds",)),
+    ({"Hub__NodeNetworks": "10.0.0.0/8,nope"}, ("Hub__NodeNetworks",)),
+    ({"Nodes__0__Name": "a/b", "Nodes__0__Url": "http://a:1"}, ("Nodes__0__Name",)),
+])
+def test_duplicates_and_unbounded_numbers_are_refused_naming_the_variables(env, names):
+    with pytest.raises(ConfigError) as e:
+        load(env)
+    for n in names:
+        assert n in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_per_node_token_falls_back_to_the_shared_one():
+    a = load({"Auth__NodeToken": "shared", "Auth__Nodes__0__Name": "gpu-b", "Auth__Nodes__0__Token": "bee"}).auth
+    assert a.node_token_for("gpu-b") == "bee" and a.node_token_for("gpu-a") == "shared"

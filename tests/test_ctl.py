@@ -171,6 +171,54 @@ def test_ctl_sends_the_admin_key(monkeypatch):
     assert ctl.main(["status"]) == 0 and seen == ["Bearer s3cret"]
 
 
+async def test_forget_drops_a_node_and_ctl_forget_calls_delete(nursery, autojump_clock):
+    hub, _ = await fleet(nursery)
+    code, body = await call(hub, "DELETE", "/admin/nodes/gpu-b")
+    assert code == 200 and body["action"] == "forget"
+    assert "gpu-b" not in hub.registry.nodes
+    forgets = [fields for kind, fields in hub.audit.events if kind == "admin" and fields["action"] == "forget"]
+    assert len(forgets) == 1 and forgets[0]["node"] == "gpu-b" and forgets[0]["url"] == "http://gpu-b:9090"
+    assert (await call(hub, "DELETE", "/admin/nodes/gpu-b"))[0] == 404
+    assert (await call(hub, "GET", "/admin/nodes/gpu-a"))[0] == 405
+    seen: list = []
+    out, err = io.StringIO(), io.StringIO()
+    client = _client({("DELETE", "/admin/nodes/gpu-a"): (200, {"node": "gpu-a", "action": "forget", "status": "forgotten"})},
+                     seen)
+    assert ctl.run(["forget", "gpu-a"], client, out, err) == 0
+    assert seen[0][:2] == ("DELETE", "/admin/nodes/gpu-a") and out.getvalue().strip() == "gpu-a: forgotten"
+
+
+_REAL_CLIENT = httpx.Client
+
+
+def _key_seen(monkeypatch, argv) -> tuple[list, str]:
+    seen: list = []
+    real = _REAL_CLIENT
+
+    def fake_client(**kw):
+        return real(transport=httpx.MockTransport(
+            lambda req: (seen.append(req.headers.get("authorization")), httpx.Response(200, json={
+                "satisfied": True, "problems": [], "models": [], "nodes": []}))[1]), **kw)
+
+    monkeypatch.setattr(ctl.httpx, "Client", fake_client)
+    err = io.StringIO()
+    assert ctl.run(argv, None, io.StringIO(), err) == 0
+    return seen, err.getvalue()
+
+
+def test_ctl_key_file_env_and_a_warning_for_key_on_the_command_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("APPLIANCE_ADMIN_KEY", "from-env")
+    keyfile = tmp_path / "admin.key"
+    keyfile.write_text("from-file\n")
+    seen, err = _key_seen(monkeypatch, ["--key-file", str(keyfile), "status"])
+    assert seen == ["Bearer from-file"] and err == ""
+    seen, err = _key_seen(monkeypatch, ["status"])
+    assert seen == ["Bearer from-env"] and err == ""
+    seen, err = _key_seen(monkeypatch, ["--key", "argv-key", "status"])
+    assert seen == ["Bearer argv-key"] and "process list" in err
+    assert ctl.run(["--key-file", str(tmp_path / "missing"), "status"], None, io.StringIO(), io.StringIO()) == 2
+
+
 def test_ctl_options_before_or_after_the_subcommand(monkeypatch, capsys):
     seen: list = []
     real = httpx.Client

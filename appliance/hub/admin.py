@@ -23,6 +23,7 @@ import urllib.parse
 import httpx
 
 from appliance.asgi import send_json
+from appliance.bounds import echo
 from appliance.cluster.etcd import EtcdError
 
 log = logging.getLogger("appliance.hub.admin")
@@ -100,28 +101,50 @@ async def handle(hub, scope, receive, send) -> None:
         model = "/".join(rest[1:-1])
         parked = bool(hub.control.core.health.get(model) and hub.control.core.health[model].parked)
         if not hub.control.known(model):
-            return await send_json(send, 404, {"error": f"model {model!r} not found"})
+            return await send_json(send, 404, {"error": f"model {echo(model)!r} not found"})
         if getattr(hub, "cluster", None) is not None and not hub.cluster.leading:
             try:  # a follower: the leader applies it (and every hub sees the result)
                 await hub.cluster.request_retry(model)
             except EtcdError as e:
-                return await send_json(send, 503, {"error": f"no leader to retry {model!r}: etcd: {e}"})
+                return await send_json(send, 503, {"error": f"no leader to retry {echo(model)!r}: etcd: {e}"})
         elif not hub.control.retry(model):
-            return await send_json(send, 404, {"error": f"model {model!r} not found"})
+            return await send_json(send, 404, {"error": f"model {echo(model)!r} not found"})
         _event(hub, "retry", model=model, was_parked=parked)
         return await send_json(send, 200, {"model": model, "retried": True, "was_parked": parked})
+    if len(rest) == 2 and rest[0] == "nodes":
+        if method != "DELETE":
+            return await send_json(send, 405, {"error": f"{method} not allowed; use DELETE to forget the node"})
+        return await _forget(hub, rest[1], send)
     if len(rest) == 3 and rest[0] == "nodes" and rest[2] in NODE_ACTIONS:
         if method != "POST":
             return await send_json(send, 405, {"error": f"{method} not allowed; use POST"})
         return await _node_action(hub, rest[1], rest[2], send)
     await send_json(send, 404, {"error": "no such admin path; see GET /admin/status, /admin/models, /admin/nodes,"
-                                         " POST /admin/models/MODEL/retry, /admin/nodes/NODE/{cordon,uncordon,pause,resume}"})
+                                         " POST /admin/models/MODEL/retry, /admin/nodes/NODE/{cordon,uncordon,pause,resume},"
+                                         " DELETE /admin/nodes/NODE"})
+
+
+async def _forget(hub, name: str, send) -> None:
+    """Drop a node now (`ctl forget`): an announced one comes back only by announcing again,
+    a static one at the next reload or start."""
+    h = hub.registry.nodes.get(name)
+    if h is None or h.removed:
+        return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
+    hub.registry.forget(h)
+    log.warning("node %s at %s forgotten by an operator", name, h.url)
+    if getattr(hub, "cluster", None) is not None:  # every hub drops it (until it announces again)
+        try:
+            await hub.cluster.forgot(name)
+        except EtcdError as e:
+            log.warning("node %s forgotten here only, not on the other hubs: etcd: %s", name, e)
+    _event(hub, "forget", node=name, url=h.url, static=h.static)
+    await send_json(send, 200, {"node": name, "action": "forget", "status": "forgotten"})
 
 
 async def _node_action(hub, name: str, action: str, send) -> None:
     h = hub.registry.nodes.get(name)
     if h is None or h.removed:
-        return await send_json(send, 404, {"error": f"node {name!r} not found"})
+        return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
     if action in ("cordon", "uncordon"):
         h.cordoned = action == "cordon"
         log.warning("node %s %sed by an operator", name, action)

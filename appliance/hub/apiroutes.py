@@ -31,6 +31,7 @@ import trio
 
 from appliance import __version__
 from appliance.asgi import BodyTooLarge, bearer, header, read_body, send_json, send_text
+from appliance.bounds import echo
 from appliance.hub import modelops, status
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.requestid import request_id
@@ -207,10 +208,12 @@ async def _show(hub, scope, receive, send) -> None:
             raise RouteError(413, "body_too_large", "body too large for /api/show") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise RouteError(400, "invalid_request", f"invalid request: {e}") from None
+        except RecursionError:
+            raise RouteError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
         given = req.model or req.name
         model = resolve(given, hub.control.known)
         if not given or not allowed(client, model) or not hub.control.known(model):
-            raise RouteError(404, "model_not_found", f"model '{given}' not found")
+            raise RouteError(404, "model_not_found", f"model '{echo(given)}' not found")
         body = await _show_from_node(hub, model)
         if body is None:
             body = msgspec.json.encode(_show_synth(hub, model))
@@ -227,7 +230,7 @@ async def _show_from_node(hub, model: str) -> bytes | None:
             continue
         with trio.move_on_after(SHOW_READ_SECONDS):
             try:
-                resp = await hub.upstream.request("POST", node.url + "/api/show", [(b"content-type", b"application/json")],
+                resp = await hub.upstream.request("POST", node.url + "/api/show", [(b"content-type", b"application/json"), *node.auth_raw],
                                                   msgspec.json.encode({"model": model}), SHOW_READ_SECONDS)
                 try:
                     data = await resp.read()

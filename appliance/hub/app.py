@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import hmac
 import logging
-from urllib.parse import urlsplit
 
 import msgspec
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
 from appliance.cluster.etcd import EtcdError
 from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
-from appliance.hub import apiroutes, status, ui
+from appliance.hub import announce, apiroutes, status, ui
 from appliance.hub.errors import RouteError, error_body
 from appliance.hub.router import allowed, authenticate, handle_inference
 from appliance.metricsapp import render
@@ -136,28 +136,30 @@ async def _get(hub, scope, send, path: str) -> None:
 
 
 async def _announce(hub, scope, receive, send) -> None:
-    path = scope["path"]
-    token = hub.cfg.auth.node_token
-    if token and not hmac.compare_digest((bearer(scope) or "").encode(), token.encode()):
-        await _error(send, path, 401, "invalid_node_token", "the node token does not match")
-        return
+    source = (scope.get("client") or ("unknown", 0))[0]
     try:
-        body = await read_body(receive, ANNOUNCE_MAX_BYTES)
-        ann = announce_decoder.decode(body)
-    except BodyTooLarge:
-        await _error(send, path, 413, "body_too_large", "announcement too large")
-        return
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        await _error(send, path, 400, "invalid_request", f"bad announcement: {e}")
-        return
-    u = urlsplit(ann.url)
-    if u.scheme not in ("http", "https") or not u.hostname or not ann.name:
-        await _error(send, path, 400, "invalid_request", f"bad announcement: url {ann.url!r} is not http(s)://HOST:PORT, or no name")
-        return
-    try:
-        u.port
-    except ValueError:
-        await _error(send, path, 400, "invalid_request", f"bad announcement: url {ann.url!r} has a bad port")
+        try:
+            body = await read_body(receive, ANNOUNCE_MAX_BYTES)
+            ann = announce_decoder.decode(body)
+        except BodyTooLarge:
+            raise RouteError(413, "body_too_large", "announcement too large") from None
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise RouteError(400, "invalid_request", f"bad announcement: {announce.cut(str(e))}") from None
+        except RecursionError:
+            raise RouteError(400, "invalid_request", "bad announcement: nested too deeply") from None
+        proven = announce.authorize(hub.cfg.auth, bearer(scope) or "", ann.name)
+        host, _port = announce.check_shape(ann.name, ann.url)
+        existing = hub.registry.nodes.get(ann.name)
+        announce.check_identity(existing, ann.url, proven, len(hub.registry.nodes), hub.cfg.hub.max_nodes)
+        if existing is None or existing.url != ann.url.rstrip("/"):
+            announce.check_addresses(host, await _resolve(host), hub.cfg.hub.node_networks)
+    except RouteError as e:
+        if e.status in (401, 409, 403):
+            name = announce.cut(ann.name, 63) if "ann" in locals() else ""
+            log.warning("announcement refused from %s (name %r): %s", source, name, e.message)
+            hub.audit.event("node_refused", node=name, source=source, code=e.code, reason=e.message)
+        # The OpenAI shape, so the code (node_name_taken ...) is in the body for the node's log.
+        await _error(send, "/v1/", e.status, e.code, e.message, e.headers())
         return
     fresh = ann.name not in hub.registry.nodes
     hub.add_node(ann.name, ann.url, static=False)
@@ -167,3 +169,12 @@ async def _announce(hub, scope, receive, send) -> None:
         except EtcdError as e:
             log.warning("node %s announced, not shared with the other hubs: etcd: %s", ann.name, e)
     await send_json(send, 200, {"ok": True, "name": ann.name})
+
+
+async def _resolve(host: str) -> list[str]:
+    """The addresses `host` resolves to (an IP literal: itself); [] when it does not resolve."""
+    try:
+        infos = await trio.socket.getaddrinfo(host, None, type=trio.socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))

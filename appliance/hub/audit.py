@@ -35,8 +35,7 @@ def check_path(path: str) -> str | None:
         return None
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "ab"):
-            pass
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))  # created 0600, as _open does
     except OSError as e:
         return f"cannot open Audit__Path {path!r} for appending: {e.strerror or e}"
     return None
@@ -61,8 +60,11 @@ class AuditLog:
             return sys.stdout.buffer
         if self._fh is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._fh = open(self.path, "ab")
-            self._size = self._fh.tell()
+            # Created 0600: lines name clients, models and nodes (the service's own group
+            # may read it when the umask or a later chmod says so; never the world).
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._fh = os.fdopen(fd, "ab")
+            self._size = self._fh.seek(0, os.SEEK_END)
         return self._fh
 
     def _rotate(self) -> None:

@@ -96,18 +96,18 @@ class NodeOps:
         """None when ready; else the engine's own words. Raises httpx.TransportError."""
         resp = await self.client.post(
             f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load", content=_enc.encode(req),
-            headers=self._headers(**{"content-type": "application/json"}),
+            headers=self._headers(**{"content-type": "application/json"}, **h.auth),
             timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
         return self._answer(resp)
 
     async def unload(self, h, model: str) -> str | None:
         resp = await self.client.post(f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
-                                      headers=self._headers(), timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
+                                      headers=self._headers(**h.auth), timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
         return self._answer(resp)
 
     async def control(self, h, action: str) -> tuple[int, str]:
         """`pause`/`resume`/`leave`/`join`: (status, error text or "")."""
-        resp = await self.client.post(f"{h.url}/node/v1/{action}", timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
+        resp = await self.client.post(f"{h.url}/node/v1/{action}", headers=h.auth, timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
         return resp.status_code, "" if resp.status_code == 200 else _error_of(resp)
 
 

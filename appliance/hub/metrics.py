@@ -38,6 +38,9 @@ class HubMetrics:
 
     def refresh(self) -> None:
         now = trio.current_time()
+        # Rebuilt at each scrape: a forgotten node's series go with it.
+        for g in (self.node_up, self.node_lost, self.node_paused, self.node_cordoned, self.node_over, self.node_age):
+            g.clear()
         for h in list(self.nodes.nodes.values()):
             st = h.status()
             self.node_up.labels(h.name).set(1 if st == "up" else 0)

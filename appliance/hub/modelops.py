@@ -92,7 +92,7 @@ async def _delete(hub, send, model: str, targets: list, body: bytes) -> None:
     for h in targets:
         with trio.move_on_after(DELETE_SECONDS):
             try:
-                resp = await hub.upstream.request("POST", h.url + "/node/v1/delete", [(b"content-type", b"application/json")],
+                resp = await hub.upstream.request("POST", h.url + "/node/v1/delete", [(b"content-type", b"application/json"), *h.auth_raw],
                                                   body, DELETE_SECONDS)
                 await resp.read()
                 await resp.aclose()
@@ -131,7 +131,7 @@ async def _pull_one(hub, h, body: bytes, send) -> tuple[int, str]:
     n, buf, error = 0, b"", ""
     resp = None
     try:
-        resp = await hub.upstream.request("POST", h.url + "/node/v1/pull", [(b"content-type", b"application/json")],
+        resp = await hub.upstream.request("POST", h.url + "/node/v1/pull", [(b"content-type", b"application/json"), *h.auth_raw],
                                           body, PULL_READ_SECONDS)
         async for chunk in resp.chunks():
             buf += chunk

@@ -35,10 +35,15 @@ BACKOFF_START = 0.5
 
 
 class NodeHandle:
-    def __init__(self, name: str, url: str, static: bool) -> None:
+    def __init__(self, name: str, url: str, static: bool, token: str = "") -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.static = static
+        # A per-node token (Auth__Nodes__N__Token) presented to this node; "": the shared one.
+        self.token = token
+        # When the node was last seen going (or staying) unreachable; None while connected.
+        self.lost_since: float | None = None
+        self.cancel_scope = trio.CancelScope()
         self.state: NodeState | None = None
         self.connected = False
         self.lost_reason = "not connected yet"
@@ -57,6 +62,16 @@ class NodeHandle:
         # Other hubs' requests on this node, as the node last counted them (HA only).
         self.others: dict[str, int] = {}
         self.others_total = 0
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """Headers that override the node client's shared token for this node."""
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    @property
+    def auth_raw(self) -> list[tuple[bytes, bytes]]:
+        """The same for the proxy's pool (appliance/upstream.py), whose default it replaces."""
+        return [(b"authorization", f"Bearer {self.token}".encode())] if self.token else []
 
     # --- decisions ---------------------------------------------------------------------
 
@@ -135,13 +150,14 @@ class Registry:
     async def wait_changed(self) -> None:
         await self._changed.wait()
 
-    def upsert(self, name: str, url: str, static: bool) -> tuple[NodeHandle, bool]:
+    def upsert(self, name: str, url: str, static: bool, token: str = "") -> tuple[NodeHandle, bool]:
         """The handle for `name`; True when it is new (a supervisor must be started)."""
         h = self.nodes.get(name)
         if h is None:
-            h = self.nodes[name] = NodeHandle(name, url, static)
+            h = self.nodes[name] = NodeHandle(name, url, static, token)
             self.changed()
             return h, True
+        h.token = token
         if h.url != url.rstrip("/") or not h.connected:
             # A new address, or an announcement from a node we are backing off from or
             # have lost: it is there now, so its supervisor dials at once.
@@ -210,8 +226,18 @@ class Registry:
         if not h.connected:
             h.lost = trio.Event()
         h.connected = True
+        h.lost_since = None
         h.answered = True
         h.lost_reason = ""
+        self.changed()
+
+    def forget(self, h: NodeHandle) -> None:
+        """Drop the node: its supervisor is cancelled, nothing routes to it any more."""
+        h.removed = True
+        h.connected = False
+        if self.nodes.get(h.name) is h:
+            del self.nodes[h.name]
+        h.cancel_scope.cancel()
         self.changed()
 
     def mark_lost(self, h: NodeHandle, reason: str) -> None:
@@ -254,7 +280,7 @@ async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Regist
                       on_event: Callable[[str, NodeHandle, str], None]) -> None:
     """Follow one watch stream until it ends; raise on transport errors and silences."""
     silence = MISSED_HEARTBEATS * heartbeat
-    async with client.stream("GET", f"{h.url}/node/v1/watch") as resp:
+    async with client.stream("GET", f"{h.url}/node/v1/watch", headers=h.auth) as resp:
         if resp.status_code != 200:
             body = (await resp.aread())[:200].decode(errors="replace")
             raise httpx.HTTPStatusError(f"watch answered {resp.status_code}: {body}", request=resp.request, response=resp)
@@ -290,8 +316,17 @@ def describe(e: BaseException) -> str:
 
 
 async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *, heartbeat: float,
-                    backoff_max: float, on_event: Callable[[str, NodeHandle, str], None]) -> None:
-    """Connect, follow, mark lost, back off (capped, jittered), reconnect -- until removed."""
+                    backoff_max: float, on_event: Callable[[str, NodeHandle, str], None],
+                    forget_after: float | None = None) -> None:
+    """Connect, follow, mark lost, back off (capped, jittered), reconnect -- until removed
+    (an operator's `ctl forget` cancels `h.cancel_scope`) or, for an announced node,
+    unreachable for `forget_after` seconds: then it is forgotten (`node_forgotten`)."""
+    with h.cancel_scope:
+        await _supervise(client, h, registry, heartbeat, backoff_max, on_event, forget_after)
+
+
+async def _supervise(client, h: NodeHandle, registry: Registry, heartbeat: float, backoff_max: float,
+                     on_event, forget_after: float | None) -> None:
     backoff = BACKOFF_START
     while not h.removed:
         try:
@@ -306,7 +341,16 @@ async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry
         if h.connected:
             on_event("node_lost", h, reason)
             backoff = BACKOFF_START
+        if h.connected or h.lost_since is None:
+            h.lost_since = trio.current_time()
         registry.mark_lost(h, reason)
+        if (forget_after is not None and not h.static and h.lost_since is not None
+                and trio.current_time() - h.lost_since >= forget_after):
+            log.warning("node %s at %s forgotten: unreachable for %g s (%s)", h.name, h.url,
+                        trio.current_time() - h.lost_since, reason)
+            registry.forget(h)
+            on_event("node_forgotten", h, reason)
+            return
         delay = backoff * random.uniform(0.5, 1.0)
         backoff = min(backoff * 2, backoff_max)
         with trio.move_on_after(delay):

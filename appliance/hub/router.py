@@ -24,6 +24,8 @@ import trio
 
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
 from appliance.config import ClientConfig
+from appliance.bounds import OTHER_LABEL, echo
+from appliance.listener import Refusal
 from appliance.hub import translate
 from appliance.hub.errors import RouteError
 from appliance.hub.relay import Cut, cut_before_answer, stream_error
@@ -84,7 +86,7 @@ def decode_request(body: bytes) -> _Req:
 class Outcome:
     """What the audit line and the metrics say about one request."""
 
-    __slots__ = ("t0", "client", "cls", "model", "path", "status", "node", "ttfb", "error", "done", "tried",
+    __slots__ = ("t0", "client", "cls", "model", "label", "path", "status", "node", "ttfb", "error", "done", "tried",
                  "request_id")
 
     def __init__(self, path: str, request_id: str = "") -> None:
@@ -93,6 +95,9 @@ class Outcome:
         self.client = "anonymous"
         self.cls = "normal"
         self.model = ""
+        # The model's metrics label: the name once the hub knows the model, else OTHER_LABEL
+        # -- a client-chosen name never becomes a series (2,000 unknown names, one series).
+        self.label = ""
         self.path = path
         self.status = 0
         self.node = ""
@@ -120,11 +125,11 @@ def record(hub, out: Outcome) -> None:
         fields["priority"] = out.cls
     hub.audit.request(**fields)
     m = hub.metrics
-    m.requests.labels(out.client, out.model, str(out.status)).inc()
-    if out.model:
-        m.latency.labels(out.model).observe(elapsed)
+    m.requests.labels(out.client, out.label, str(out.status)).inc()
+    if out.label and out.label != OTHER_LABEL:  # no histogram for names nobody serves
+        m.latency.labels(out.label).observe(elapsed)
         if out.ttfb is not None:
-            m.ttfb.labels(out.model).observe(out.ttfb)
+            m.ttfb.labels(out.label).observe(out.ttfb)
 
 
 async def send_error(hub, send, api: str, out: Outcome, e: RouteError) -> None:
@@ -145,6 +150,9 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         await _handle(hub, scope, receive, send, api, out)
     except RouteError as e:  # raised while the watcher was cancelling: still answered
         await send_error(hub, send, api, out, e)
+    except Refusal as e:  # a body too slow, or too many bodies held: the listener answers
+        out.status, out.error = e.status, e.code
+        raise
     except Exception:
         log.exception("request for %r from %s failed inside the hub", out.model, out.client)
         if not out.done:
@@ -173,10 +181,12 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
                 out.status, out.error = 499, "client_disconnected"
                 return
         model = translate.resolve(req.model, hub.control.known)
-        out.model = model
+        out.model = echo(model)
+        out.label = OTHER_LABEL
         out.cls = hub.admission.effective_class(client.priority, scope["headers"])
         if not allowed(client, model) or not hub.control.known(model):
-            raise RouteError(404, "model_not_found", f"model {req.model!r} not found")
+            raise RouteError(404, "model_not_found", f"model {echo(req.model)!r} not found")
+        out.label = model
         prep = translate.prepare(scope["path"], api, body, req.model, model)
         keep = keep_alive_seconds(req.keep_alive) if api == "ollama" else None
     except RouteError as e:
@@ -321,6 +331,7 @@ async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan,
 
 async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, headers, cut: Cut) -> tuple[bool, str]:
     resp = None
+    headers = [*headers, *node.auth_raw]  # a per-node token replaces the shared one
     with cut.reading():
         try:
             resp = await hub.upstream.request("POST", node.url + plan.path, headers, plan.body,

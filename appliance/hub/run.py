@@ -24,7 +24,8 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
-from appliance.asgi import serve
+from appliance.asgi import same_port, serve
+from appliance.listener import Limits
 from appliance.config import Config
 from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
@@ -72,7 +73,8 @@ class Hub:
         self.cluster = None  # appliance.cluster.member.Member with Cluster__Etcd (run_hub sets it)
 
     def add_node(self, name: str, url: str, static: bool) -> None:
-        h, new = self.registry.upsert(name, url, static)
+        per_node = {c.name: c.token for c in self.cfg.auth.nodes}
+        h, new = self.registry.upsert(name, url, static, per_node.get(name, ""))
         if new:
             self.audit.event("node_added", node=name, url=url, static=static)
             self.nursery.start_soon(partial(
@@ -80,6 +82,7 @@ class Hub:
                 heartbeat=self.cfg.node.heartbeat_seconds,
                 backoff_max=self.cfg.hub.reconnect_max_seconds,
                 on_event=self._node_event,
+                forget_after=self.cfg.hub.forget_node_seconds,
             ))
 
     def _node_event(self, kind: str, h, reason: str) -> None:
@@ -91,6 +94,11 @@ class Hub:
         self.control.reload(cfg)
         for n in cfg.nodes:
             self.add_node(n.name, n.url, static=True)
+
+
+def hub_limits(cfg: Config) -> Limits:
+    h = cfg.hub
+    return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections, h.max_buffered_bytes)
 
 
 def _auth_headers(cfg: Config) -> dict[str, str]:
@@ -121,6 +129,11 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
 async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
         hub = Hub(cfg, client, nursery)
+        metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
+        same_port(metrics_listen, cfg.hub.listen, "Hub__Listen")
+        if not cfg.auth.node_token and not cfg.auth.nodes:
+            log.warning("Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
+                        "only); set Auth__NodeToken on the hub and its nodes to let nodes announce themselves")
         if cfg.cluster.etcd:
             await nursery.start(_cluster, hub)
         await nursery.start(hub.control.run)
@@ -137,19 +150,19 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
-                await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
+                await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait, limits=hub_limits(cfg),
                             drain_seconds=cfg.hub.drain_seconds + DRAIN_CUT_SECONDS, certfile=cfg.hub.tls_cert,
                             keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca, task_status=task_status)
             finally:
                 api_done.set()
 
         addr = await nursery.start(api_server)
-        metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
         if metrics_listen:
             from appliance.metricsapp import metrics_app
 
             await nursery.start(partial(serve, metrics_app(hub.metrics_registry, hub.before_scrape),
-                                        metrics_listen, "metrics", shutdown_trigger=stop.wait, drain_seconds=1))
+                                        metrics_listen, "metrics", shutdown_trigger=stop.wait, drain_seconds=1,
+                                        limits=hub_limits(cfg)))
         for n in cfg.nodes:
             hub.add_node(n.name, n.url, static=True)
         task_status.started((hub, addr))

@@ -33,6 +33,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.bounds import OTHER_LABEL, echo
 from appliance.asgi import (BodyTooLarge, Receive, Scope, Send, bearer, read_body,
                             send_json, send_text, wait_disconnect)
 from appliance.config import Config
@@ -81,7 +82,8 @@ class NodeApp:
         # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
         self.pool = Pool()
         self.metrics = metrics
-        self.token = cfg.auth.node_token.encode()
+        # Auth__Nodes__N__Token for this node's name, else the shared Auth__NodeToken.
+        self.token = cfg.auth.node_token_for(cfg.node_name()).encode()
         # The highest leader epoch a load/unload carried (HA fencing); 0: none seen.
         self.epoch = 0
         if not self.token:
@@ -159,8 +161,8 @@ class NodeApp:
         except BodyTooLarge:
             await self._error(send, "node", 413, "body_too_large", f"body over {CONTROL_BODY_LIMIT} bytes")
             return
-        except msgspec.DecodeError as e:
-            await self._error(send, "node", 400, "invalid_json", f"body is not a LoadRequest: {e}")
+        except (msgspec.DecodeError, RecursionError) as e:
+            await self._error(send, "node", 400, "invalid_json", f"body is not a LoadRequest: {e or 'nested too deeply'}")
             return
         stale = self._fence(scope)
         if stale:
@@ -342,8 +344,8 @@ class NodeApp:
                                   [(b"retry-after", b"1")])
                 self._count(model, "503")
             else:
-                await self._error(send, api, 404, "model_not_found", f"model {model} not found on node {self.keeper.name}")
-                self._count(model, "404")
+                await self._error(send, api, 404, "model_not_found", f"model {echo(model)} not found on node {self.keeper.name}")
+                self._count(OTHER_LABEL, "404")  # a client-chosen name never becomes a label
             return
         refused = self.keeper.try_start(model)
         if refused is not None:

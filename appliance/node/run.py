@@ -34,7 +34,8 @@ from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
 from appliance import sdnotify
-from appliance.asgi import serve
+from appliance.asgi import same_port, serve
+from appliance.listener import Limits
 from appliance.config import Config
 from appliance.metricsapp import metrics_app
 from appliance.node.announce import announce_loop, hub_client
@@ -53,6 +54,12 @@ NODE_METRICS_DEFAULT = "0.0.0.0:9465"
 GPU_POLL_SECONDS = 5.0
 # A wedged driver can make nvidia-smi hang; past this the reading is skipped.
 NVIDIA_SMI_TIMEOUT = 10.0
+
+
+def node_limits(cfg: Config) -> Limits:
+    """The node's listeners: its own read deadlines; connection and buffer bounds as the hub's."""
+    return Limits(cfg.node.header_read_seconds, cfg.node.body_read_seconds, cfg.hub.max_connections,
+                  cfg.hub.max_buffered_bytes)
 
 
 def advertise_url(cfg: Config, host: str, port: int) -> str:
@@ -137,21 +144,23 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
-                await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait,
+                await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait, limits=node_limits(cfg),
                             drain_seconds=cfg.hub.drain_seconds, certfile=cfg.node.tls_cert,
                             keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca, require_client_cert=True,
                             task_status=task_status)
             finally:
                 api_done.set()
 
-        host, port = await nursery.start(api_server)
         metrics_listen = NODE_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
+        same_port(metrics_listen, cfg.node.listen, "Node__Listen")
+        host, port = await nursery.start(api_server)
         if metrics_listen:
             await nursery.start(partial(serve, metrics_app(metrics.registry, [metrics.refresh]), metrics_listen,
-                                        "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1))
+                                        "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1,
+                                        limits=node_limits(cfg)))
         url = advertise_url(cfg, host, port)
         for hub_url in cfg.hub_urls():  # one announcer per hub (HA: every hub dials us)
-            await nursery.start(announce_loop, hclient, hub_url, cfg.auth.node_token,
+            await nursery.start(announce_loop, hclient, hub_url, cfg.auth.node_token_for(name),
                                 Announce(name=name, url=url), cfg.node.announce_seconds)
         if reloads is not None:
             nursery.start_soon(apply_reloads, keeper, engine, reloads)

@@ -33,6 +33,8 @@ def decode_object(body: bytes) -> dict[str, Any]:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise RouteError(400, "invalid_json", f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RouteError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise RouteError(400, "invalid_request", "body must be a JSON object")
     return obj

@@ -1,0 +1,23 @@
+"""What a client-chosen string may cost us, shared by hub and node.
+
+Theory of operation: a name a client sends (a model, a node name) reaches three places
+that outlive the request -- error messages, audit lines and metric labels. A label value
+makes a series for as long as the process lives, so only names the process knows become
+labels (models in the catalog or on a node, configured client names); everything else is
+counted under `OTHER_LABEL`. Echoed text is cut to `ECHO_CHARS`, so a 100 KB name costs
+a 100 KB request, not a 100 KB answer and a 100 KB audit line. This module decides
+nothing else and imports no role.
+"""
+
+from __future__ import annotations
+
+# A model or node name an operator would read is well under 200 characters (Ollama tags
+# are name:tag, Hugging Face repos owner/name); longer ones are cut with "...".
+ECHO_CHARS = 200
+# The one label value for every name the process does not know.
+OTHER_LABEL = "other"
+
+
+def echo(text: str, n: int = ECHO_CHARS) -> str:
+    """`text`, cut to `n` characters (with "..." when it was cut)."""
+    return text if len(text) <= n else text[:n] + "..."

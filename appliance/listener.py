@@ -1,0 +1,337 @@
+"""Every listener's defences against clients that are slow, greedy or ambiguous.
+
+Theory of operation: hypercorn parses HTTP/1.1 (h11) and runs the app; it does not bound
+how long a request head or body may take to arrive (its `read_timeout` is per read, so
+one byte a second passes), how many connections are open, or how many body bytes are
+held at once, and h11 frames a request that carries both `Transfer-Encoding` and
+`Content-Length` by the former and keeps the connection. This module owns the accept
+loop (`serve_guarded`, which replaces `hypercorn.trio.serve`) and wraps each
+connection and each request, so the hub API, the node API and both metrics listeners
+get the same rules:
+
+- A connection the client closed is let go at once (appliance/hyperfix.py), and the
+  close hypercorn starts from the read side waits for an answer being written.
+- At most `max_connections` connections are open: the accept loop takes the next one
+  only when one closed (the rest wait in the kernel's backlog and cost us no fd).
+- A request head must be complete within `header_read_seconds` of the connection's
+  start, or of its first byte on a kept-alive connection (`_GuardedStream`); a partial
+  head is answered 408 `request_timeout`, an idle connection is just closed.
+- A body must be complete within `body_read_seconds` of the head: 408 and close.
+- TE and CL together (RFC 9112 section 6.1): 400 and close, nothing behind it is read.
+- The body bytes the apps hold at once are bounded by `max_buffered_bytes` per listener:
+  a request that would pass it gets 503 `busy` with Retry-After and the connection is
+  closed; its bytes are given back when its handler returns.
+
+Errors are rendered in the shape the apps use (OpenAI's under /v1/, `{"error": ...}`
+elsewhere). The decisions are plain (`Budget`, `framing_error`); the rest is trio shell.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import trio
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.utils import repr_socket_addr
+
+log = logging.getLogger("appliance.listener")
+
+MiB = 1024 * 1024
+_enc = msgspec.json.Encoder()
+GUARD_KEY = "appliance.guard"
+# Retry-After of a `busy` answer: bodies in flight finish within seconds on a LAN.
+BUSY_RETRY_AFTER = 2
+# errnos of accept() that mean "out of fds/memory now", as trio's serve_listeners lists them.
+_ACCEPT_CAPACITY = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+# A request refused for its framing has at most this much of its body read first.
+FRAMING_DRAIN_BYTES = 64 * 1024
+# A 408 to a client that does not read is not worth more than this.
+_WRITE_408_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    header_read_seconds: float = 10.0
+    body_read_seconds: float = 60.0
+    max_connections: int = 4096
+    max_buffered_bytes: int = 256 * MiB
+
+
+class Refusal(Exception):
+    """Raised out of an app's `receive`; the listener answers it (and closes). Apps with a
+    catch-all let it through."""
+
+    status = 0
+    code = ""
+
+
+class RequestTimeout(Refusal):
+    status, code = 408, "request_timeout"
+
+
+class Busy(Refusal):
+    status, code = 503, "busy"
+
+
+class Budget:
+    """Body bytes held at once by one listener's requests."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held = max(0, self.held - n)
+
+
+def framing_error(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why the request's framing is ambiguous (both TE and CL), else None."""
+    names = {k.lower() for k, _ in headers}
+    if b"transfer-encoding" in names and b"content-length" in names:
+        return "both Transfer-Encoding and Content-Length (RFC 9112 section 6.1)"
+    return None
+
+
+def error_json(path: str, status: int, code: str, message: str) -> bytes:
+    if path.startswith("/v1/"):
+        kind = "invalid_request_error" if status < 500 else "service_unavailable"
+        return _enc.encode({"error": {"message": message, "type": kind, "code": code}})
+    return _enc.encode({"error": message})
+
+
+def _raw_408() -> bytes:
+    body = error_json("/v1/", 408, "request_timeout", "request head not received in time")
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+
+# --- per connection ------------------------------------------------------------------------
+
+
+class _Guard:
+    """A connection's head deadline, shared by its stream (reads) and its requests."""
+
+    def __init__(self, header_seconds: float) -> None:
+        self.header_seconds = header_seconds
+        self.deadline = trio.current_time() + header_seconds  # a new connection owes a head
+        self.head_bytes = False
+        self.in_request = False
+        self.scope: trio.CancelScope | None = None
+
+    def _set(self, deadline: float) -> None:
+        self.deadline = deadline
+        if self.scope is not None:
+            self.scope.deadline = deadline
+
+    def request_started(self) -> None:
+        self.in_request = True
+        self.head_bytes = False
+        self._set(math.inf)
+
+    def request_done(self) -> None:
+        self.in_request = False
+        self._set(math.inf)  # idle: hypercorn's keep-alive bound; the next head byte starts ours
+
+    def received(self, data: bytes) -> None:
+        if data and not self.in_request and not self.head_bytes:
+            self.head_bytes = True
+            if self.deadline == math.inf:
+                self._set(trio.current_time() + self.header_seconds)
+
+
+class _GuardedStream:
+    """The accepted stream, its reads bounded by the guard's head deadline."""
+
+    def __init__(self, inner, guard: _Guard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    def __getattr__(self, name: str) -> Any:  # socket, do_handshake, send_all, aclose ...
+        return getattr(self._inner, name)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        g = self._guard
+        with trio.CancelScope(deadline=g.deadline) as cs:
+            g.scope = cs
+            try:
+                data = await self._inner.receive_some(max_bytes)
+            finally:
+                g.scope = None
+        if cs.cancelled_caught:
+            if g.head_bytes:
+                with trio.move_on_after(_WRITE_408_SECONDS):
+                    try:
+                        await self._inner.send_all(_raw_408())
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                        pass
+            raise trio.BrokenResourceError("request head not received in time")
+        g.received(data)
+        return data
+
+
+class _TCPServer(TCPServer):
+    """hypercorn's connection (with appliance.hyperfix's prompt close), less one race."""
+
+    async def _close(self) -> None:
+        # hypercorn sends data under `send_lock` but its EOF without it: a close from the
+        # read side (h11 refusing a pipelined request after our `connection: close`) then
+        # cut into an answer being written (trio.BusyResourceError) and the answer was lost.
+        async with self.send_lock:
+            await super()._close()
+
+
+# --- per request ---------------------------------------------------------------------------
+
+
+def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
+    """The ASGI app behind the rules above (http scopes; others pass through)."""
+
+    async def guarded(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        guard: _Guard | None = (scope.get("state") or {}).get(GUARD_KEY)
+        if guard is not None:
+            guard.request_started()
+        started = False
+        held = 0
+        body_done = False
+        deadline = trio.current_time() + limits.body_read_seconds
+
+        async def receive_guarded() -> dict:
+            nonlocal body_done, held
+            if body_done:
+                return await receive()
+            with trio.move_on_at(deadline) as cs:
+                msg = await receive()
+            if cs.cancelled_caught:
+                raise RequestTimeout()
+            if msg["type"] != "http.request" or not msg.get("more_body"):
+                body_done = True
+            n = len(msg.get("body", b""))
+            if n:
+                if not budget.take(n):
+                    raise Busy()
+                held += n
+            return msg
+
+        async def send_tracked(msg: dict) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        async def refuse(status: int, code: str, message: str, extra=()) -> None:
+            if started:
+                return
+            body = error_json(scope["path"], status, code, message)
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close"), *extra]})
+            await send({"type": "http.response.body", "body": body})
+
+        try:
+            why = framing_error(scope["headers"])
+            if why is not None:
+                # Take what h11 framed as this body first (bounded), so the read side is
+                # parked on whatever follows when the refusal goes out and the close comes.
+                seen = 0
+                while seen < FRAMING_DRAIN_BYTES:
+                    msg = await receive_guarded()
+                    seen += len(msg.get("body", b""))
+                    if msg["type"] != "http.request" or not msg.get("more_body"):
+                        break
+                await trio.sleep(0)
+                await refuse(400, "invalid_request", f"ambiguous request framing: {why}")
+                return
+            await app(scope, receive_guarded, send_tracked)
+        except RequestTimeout:
+            await refuse(408, "request_timeout", f"request body not received within {limits.body_read_seconds:g} s")
+        except Busy:
+            log.warning("refusing a request body: %d bytes of bodies held, the bound is %d", budget.held, budget.limit)
+            await refuse(503, "busy", "the server holds too many request bodies now; retry shortly",
+                         [(b"retry-after", str(BUSY_RETRY_AFTER).encode())])
+        finally:
+            budget.give(held)
+            if guard is not None:
+                guard.request_done()
+
+    return guarded
+
+
+# --- the accept loop -----------------------------------------------------------------------
+
+
+async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
+                        shutdown_trigger: Callable[[], Awaitable[Any]],
+                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Like `hypercorn.trio.serve` (no lifespan), with the limits above; returns after the
+    drain (`cfg.graceful_timeout`) once `shutdown_trigger` returned. Binding errors
+    (OSError, ssl.SSLError) propagate before `started`."""
+    sockets = cfg.create_sockets()
+    ssl_context = cfg.create_ssl_context()
+    listeners: list = []
+    binds: list[str] = []
+    for sock in sockets.secure_sockets:
+        sock.listen(cfg.backlog)
+        listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), ssl_context,
+                                          https_compatible=True))
+        binds.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
+    for sock in sockets.insecure_sockets:
+        sock.listen(cfg.backlog)
+        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+    context = WorkerContext(None)
+    wrapped = ASGIWrapper(guard_app(app, limits, Budget(limits.max_buffered_bytes)))
+    slots = trio.Semaphore(limits.max_connections)
+
+    async def connection(stream) -> None:
+        try:
+            async with stream:  # closed whatever TCPServer did (a failed handshake returns early)
+                guard = _Guard(limits.header_read_seconds)
+                await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard}, _GuardedStream(stream, guard))
+        finally:
+            slots.release()
+
+    async def accept_loop(listener, handlers: trio.Nursery) -> None:
+        while True:
+            await slots.acquire()
+            try:
+                stream = await listener.accept()
+            except OSError as e:
+                slots.release()
+                if e.errno not in _ACCEPT_CAPACITY:
+                    raise
+                log.error("accept failed (%s); pausing 100 ms", errno.errorcode.get(e.errno, e.errno))
+                await trio.sleep(0.1)
+                continue
+            handlers.start_soon(connection, stream)
+
+    async with trio.open_nursery() as handlers:
+        try:
+            async with trio.open_nursery() as acceptors:
+                for listener in listeners:
+                    acceptors.start_soon(accept_loop, listener, handlers)
+                task_status.started(binds)
+                await shutdown_trigger()
+                acceptors.cancel_scope.cancel()
+        finally:
+            for listener in listeners:
+                with trio.CancelScope(shield=True):
+                    await listener.aclose()
+            await context.terminated.set()
+            handlers.cancel_scope.deadline = trio.current_time() + cfg.graceful_timeout
