@@ -503,3 +503,19 @@ def test_config_hub_urls_etcd_endpoints_and_prefix_validated():
         with pytest.raises(config.ConfigError) as info:
             config.load(env)
         assert names in str(info.value)
+
+
+async def test_announced_elsewhere_never_moves_a_static_node_nor_passes_max_nodes(nursery, autojump_clock):
+    store, registry = Store(), Registry()
+    h, _ = registry.upsert("gpu-a", "http://gpu-a:9090", static=True)
+    store.write("appliance/nodes/gpu-a", "http://evil:9090", 0)
+    store.write("appliance/nodes/n2", "http://n2:9090", 0)
+    store.write("appliance/nodes/n3", "http://n3:9090", 0)
+    hub = Hub("hub-b", store, registry, [{"Name": "m"}])
+    hub.member.max_nodes = 2
+    added = []
+    hub.member.add_node = lambda name, url: (added.append(name), registry.upsert(name, url, static=False))
+    await hub.start(nursery)
+    await trio.sleep(1)
+    assert registry.nodes["gpu-a"].url == "http://gpu-a:9090"
+    assert added == ["n2"] and set(registry.nodes) == {"gpu-a", "n2"}

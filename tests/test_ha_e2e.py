@@ -59,7 +59,8 @@ class Fleet:
 
     def start_node(self, name: str, hubs: list[str]) -> None:
         self.nodes[name] = self.procs.node(name, {"Hub__Url": ",".join(self.hubs[h].url for h in hubs),
-                                                  "Auth__NodeToken": TOKEN, "Node__MemoryMb": "8000", **SIM})
+                                                  "Auth__NodeToken": TOKEN, "Node__MemoryMb": "8000",
+                                                  "Node__AnnounceSeconds": "2", **SIM})
 
     def status(self, hub: str) -> dict:
         return httpx.get(self.hubs[hub].url + "/api/status", timeout=10).json()
@@ -131,6 +132,19 @@ def test_one_leader_shared_nodes_and_epoch(fleet):
     assert f'appliance_leader{{hub="{leader}"}} 1.0' in m and "appliance_cluster_up 1.0" in m
     m = httpx.get(fleet.hubs[other(fleet, leader)].urls["metrics"] + "/metrics", timeout=10).text
     assert f'appliance_leader{{hub="{other(fleet, leader)}"}} 0.0' in m
+
+
+def test_forget_on_one_hub_forgets_on_all_until_it_announces_again(fleet):
+    def n2_on(hub):
+        return any(n["name"] == "n2" for n in fleet.status(hub)["nodes"])
+
+    assert n2_on("hub-a") and n2_on("hub-b")
+    r = httpx.delete(fleet.hubs["hub-b"].url + "/admin/nodes/n2", timeout=10)  # n2 announces to hub-a only
+    assert r.status_code == 200, r.text
+    assert fleet.hubs["hub-a"].wait_stderr(r"node n2 forgotten \(by an operator on another hub\)", timeout=10)
+    # n2's next announcement (to hub-a) brings it back on both.
+    for h in ("hub-a", "hub-b"):
+        wait_until(lambda h=h: fleet.ready_on(h, "ready-m") == 2, timeout=30, what=f"n2 back on {h}")
 
 
 def test_both_hubs_ask_at_once_one_load(fleet):

@@ -47,6 +47,7 @@ class Member:
         self.name = cfg.hub_name()
         self.keys = state.Keys(cfg.cluster.prefix)
         self.lease_seconds = float(cfg.cluster.lease_seconds)
+        self.max_nodes = cfg.hub.max_nodes
         self.tick = min(self.lease_seconds / 4, MAX_TICK)
         self.etcd = etcd
         self.control = control
@@ -259,6 +260,12 @@ class Member:
             if self._nodes.get(name) != snap.node_revs[name]:
                 self._nodes[name] = snap.node_revs[name]
                 h = self.registry.nodes.get(name)
+                if h is not None and h.static:
+                    continue  # this hub's own configuration names it: another hub's word does not move it
+                if h is None and len(self.registry.nodes) >= self.max_nodes:
+                    log.warning("node %s announced to another hub, not dialled here: Hub__MaxNodes=%d reached",
+                                name, self.max_nodes)
+                    continue
                 if h is None or h.url != url.rstrip("/"):
                     self.add_node(name, url)
         forget = getattr(self.registry, "forget", None)
