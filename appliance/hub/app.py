@@ -40,6 +40,8 @@ INFERENCE = {
     "/v1/responses": "openai",
 }
 GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps"}
+# A LAN resolver answers in milliseconds; one that takes 5 s is not one to trust a node to.
+RESOLVE_SECONDS = 5.0
 # Announcements are tiny; anything bigger is not a node.
 ANNOUNCE_MAX_BYTES = 64 * 1024
 
@@ -137,6 +139,7 @@ async def _get(hub, scope, send, path: str) -> None:
 
 async def _announce(hub, scope, receive, send) -> None:
     source = (scope.get("client") or ("unknown", 0))[0]
+    ann = None
     try:
         try:
             body = await read_body(receive, ANNOUNCE_MAX_BYTES)
@@ -155,7 +158,7 @@ async def _announce(hub, scope, receive, send) -> None:
             announce.check_addresses(host, await _resolve(host), hub.cfg.hub.node_networks)
     except RouteError as e:
         if e.status in (401, 409, 403):
-            name = announce.cut(ann.name, 63) if "ann" in locals() else ""
+            name = announce.cut(ann.name, 63) if ann is not None else ""
             log.warning("announcement refused from %s (name %r): %s", source, name, e.message)
             hub.audit.event("node_refused", node=name, source=source, code=e.code, reason=e.message)
         # The OpenAI shape, so the code (node_name_taken ...) is in the body for the node's log.
@@ -172,9 +175,12 @@ async def _announce(hub, scope, receive, send) -> None:
 
 
 async def _resolve(host: str) -> list[str]:
-    """The addresses `host` resolves to (an IP literal: itself); [] when it does not resolve."""
-    try:
-        infos = await trio.socket.getaddrinfo(host, None, type=trio.socket.SOCK_STREAM)
-    except OSError:
-        return []
+    """The addresses `host` resolves to (an IP literal: itself); [] when it does not resolve
+    within RESOLVE_SECONDS."""
+    infos = []
+    with trio.move_on_after(RESOLVE_SECONDS):
+        try:
+            infos = await trio.socket.getaddrinfo(host, None, type=trio.socket.SOCK_STREAM)
+        except OSError:
+            return []
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
