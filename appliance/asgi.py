@@ -21,6 +21,8 @@ from hypercorn.config import Config as HyperConfig
 
 from appliance import hyperfix
 from appliance.config import parse_listen
+from appliance.http.disconnect import wait_disconnect
+from appliance.http.keys import request_key
 from appliance.listener import Limits, serve_guarded
 
 hyperfix.apply()  # close a connection as soon as its peer has (hyperfix.py)
@@ -71,10 +73,7 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 def bearer(scope: Scope) -> str | None:
     """The key from `Authorization: Bearer KEY`, else `x-api-key`."""
-    auth = header(scope, b"authorization")
-    if auth and auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return header(scope, b"x-api-key")
+    return request_key(scope["headers"])
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
@@ -104,25 +103,6 @@ async def send_text(send: Send, status: int, text: str | bytes, content_type: by
     body = text.encode() if isinstance(text, str) else text
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
     await send({"type": "http.response.body", "body": body})
-
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Returns once the client has gone away (used to cancel upstream work)."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-def ssl_server_context(cert: str, key: str, ca: str = "") -> ssl.SSLContext | None:
-    if not cert:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
-    if ca:
-        ctx.load_verify_locations(ca)
-        ctx.verify_mode = ssl.CERT_OPTIONAL
-    return ctx
 
 
 async def serve(

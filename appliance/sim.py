@@ -51,9 +51,9 @@ from appliance.asgi import BodyTooLarge, read_body, serve, wait_disconnect
 from appliance.config import MiB, ConfigError, SimConfig
 from appliance.config import load as load_config
 from appliance import simtools
-from appliance.hub.errors import error_body
+from appliance.http.errors import error_body
 from appliance.simcore import (EMBED_DIM, FINGERPRINT, MAX_TOKENS, NDJSON, SIM_HEADER, SSE, VERSION, Frame, Req,
-                               SimError,
+                               ApiError,
                                SimModelState, SimState, count, embedding, is_zero_keep_alive, iso, ollama_frame,
                                openai_frame, req_decoder, tokens)
 
@@ -106,10 +106,10 @@ class SimApp:
         try:
             if handler is None:
                 if path in self._paths:
-                    raise SimError(405, "method_not_allowed", f"method {scope['method']} not allowed on {path}")
-                raise SimError(404, "not_found", f"no such path {path} on the simulated engine")
+                    raise ApiError(405, "method_not_allowed", f"method {scope['method']} not allowed on {path}")
+                raise ApiError(404, "not_found", f"no such path {path} on the simulated engine")
             await handler(scope, receive, send, path)
-        except SimError as e:  # raised only before a response starts
+        except ApiError as e:  # raised only before a response starts
             await _send_json(send, e.status, error_body(api, e.status, e.code, e.message))
 
     # --- shared ------------------------------------------------------------------------
@@ -118,25 +118,25 @@ class SimApp:
         try:
             body = await read_body(receive, MAX_BODY)
         except BodyTooLarge:
-            raise SimError(413, "body_too_large", f"request body over {MAX_BODY} bytes") from None
+            raise ApiError(413, "body_too_large", f"request body over {MAX_BODY} bytes") from None
         try:
             return req_decoder.decode(body)
         except msgspec.ValidationError as e:
-            raise SimError(400, "invalid_request", f"invalid request: {e}") from None
+            raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
         except msgspec.DecodeError as e:
-            raise SimError(400, "invalid_json", f"invalid JSON: {e}") from None
+            raise ApiError(400, "invalid_json", f"invalid JSON: {e}") from None
         except RecursionError:
-            raise SimError(400, "invalid_json", "invalid JSON: nested too deeply") from None
+            raise ApiError(400, "invalid_json", "invalid JSON: nested too deeply") from None
 
     def _model(self, req: Req, api: str) -> SimModelState:
         name = req.model or req.name
         if not name:
-            raise SimError(400, "invalid_request", "model is required")
+            raise ApiError(400, "invalid_request", "model is required")
         m = self.state.lookup(name)
         if m is None:
             msg = (f'model "{name}" not found, try pulling it first' if api == "ollama"
                    else f"The model `{name}` does not exist or you do not have access to it.")
-            raise SimError(404, "model_not_found", msg)
+            raise ApiError(404, "model_not_found", msg)
         return m
 
     async def _generate(self, receive, send, m: SimModelState, req: Req, seed: bytes, frame: Frame,
@@ -145,7 +145,7 @@ class SimApp:
         cancelled as soon as the client goes away."""
         n, finish = count(req)
         t_load = trio.current_time()
-        await self.state.ensure_loaded(m)  # SimError from here is still a clean refusal
+        await self.state.ensure_loaded(m)  # ApiError from here is still a clean refusal
         load_ns = int((trio.current_time() - t_load) * 1e9)
         toks = tokens(seed, n)
         st = {"finish": finish, "prompt": max(1, len(seed) // 4), "completion": n, "load_ns": load_ns}
@@ -217,7 +217,7 @@ class SimApp:
         inputs = req.prompt if legacy else req.input
         items = [] if inputs in (None, "") else [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-            raise SimError(400, "invalid_request", "input must be a string or a list of strings")
+            raise ApiError(400, "invalid_request", "input must be a string or a list of strings")
         await self.state.ensure_loaded(m)
         vecs = [embedding(_enc.encode([m.spec.name, i])) for i in items]
         if legacy:
@@ -260,7 +260,7 @@ class SimApp:
         req = await self._request(receive)
         name = req.model or req.name
         if not name:
-            raise SimError(400, "invalid_request", "model is required")
+            raise ApiError(400, "invalid_request", "model is required")
         m = self.state.add(name)
         size = m.spec.size_mb * MiB
         lines = [{"status": "pulling manifest"},
@@ -277,7 +277,7 @@ class SimApp:
         req = await self._request(receive)
         name = req.model or req.name
         if not self.state.remove(name):
-            raise SimError(404, "model_not_found", f"model '{name}' not found")
+            raise ApiError(404, "model_not_found", f"model '{name}' not found")
         await send({"type": "http.response.start", "status": 200, "headers": [SIM_HEADER, (b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
@@ -293,7 +293,7 @@ class SimApp:
         m = self._model(req, "openai")
         chat = path == "/v1/chat/completions"
         if chat and not req.messages:
-            raise SimError(400, "invalid_request", "'messages' is required and must not be empty")
+            raise ApiError(400, "invalid_request", "'messages' is required and must not be empty")
         usage = req.stream_options is not None and req.stream_options.include_usage
         call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role) if chat else None
         if call is not None:
@@ -316,7 +316,7 @@ class SimApp:
         if isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(i, int) for i in x)):
             x = [x]
         if not isinstance(x, list) or not x:
-            raise SimError(400, "invalid_request", "'input' must be a string, an array of strings or of tokens")
+            raise ApiError(400, "invalid_request", "'input' must be a string, an array of strings or of tokens")
         await self.state.ensure_loaded(m)
         data = []
         for i, item in enumerate(x):

@@ -30,6 +30,7 @@ import trio
 
 from appliance import __version__
 from appliance.config import SimConfig, SimModel
+from appliance.http.errors import ApiError
 
 log = logging.getLogger("appliance.sim")
 
@@ -54,14 +55,6 @@ MAX_TOKENS = 4096
 SIM_HEADER = (b"x-appliance-engine", b"sim")
 NDJSON = [(b"content-type", b"application/x-ndjson"), SIM_HEADER]
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), SIM_HEADER]
-
-
-class SimError(Exception):
-    """A refusal before the response starts; rendered in the shape of the request's API."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 class Msg(msgspec.Struct):
@@ -188,7 +181,7 @@ class SimState:
         return self._ids
 
     async def ensure_loaded(self, m: SimModelState) -> None:
-        """Load `m` unless it is loaded; SimError(500) with the FailLoad text on failure."""
+        """Load `m` unless it is loaded; ApiError(500) with the FailLoad text on failure."""
         if m.loaded:
             return
         async with m.lock:
@@ -198,7 +191,7 @@ class SimState:
             m.loads += 1
             if m.spec.fail_load:
                 log.info("sim: load of %s fails as configured: %s", m.spec.name, m.spec.fail_load)
-                raise SimError(500, "model_load_failed", m.spec.fail_load)
+                raise ApiError(500, "model_load_failed", m.spec.fail_load)
             m.loaded = True
             log.info("sim: loaded %s", m.spec.name)
 

@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from appliance.hub import activation
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from test_control import make
 
 
@@ -18,7 +18,7 @@ class FakeSource:
         self.ready_at, self.unservable_at, self.decided_at = ready_at, unservable_at, decided_at
         self.calls: list[str] = []
         self.gen = 0
-        self.stale = RouteError(503, "model_unplaceable", "stale: needs 9800 MiB")
+        self.stale = ApiError(503, "model_unplaceable", "stale: needs 9800 MiB")
 
     def ask(self, model):
         self.calls.append("ask")
@@ -37,7 +37,7 @@ class FakeSource:
         if self.stale is not None:
             return self.stale
         if self.unservable_at is not None and trio.current_time() >= self.unservable_at:
-            return RouteError(503, "model_parked", "parked: unknown model architecture: 'kev'")
+            return ApiError(503, "model_parked", "parked: unknown model architecture: 'kev'")
         return None
 
 
@@ -52,7 +52,7 @@ async def test_ready_in_time(autojump_clock):
 async def test_timed_out_with_the_exact_bound(autojump_clock):
     src = FakeSource()
     start = trio.current_time()
-    with pytest.raises(RouteError) as info:
+    with pytest.raises(ApiError) as info:
         await activation.activate(src, "m", 45)
     assert trio.current_time() == start + 45
     err = info.value
@@ -64,7 +64,7 @@ async def test_timed_out_with_the_exact_bound(autojump_clock):
 async def test_the_bound_covers_waiting_for_the_decision(autojump_clock):
     src = FakeSource(decided_at=100.0)
     start = trio.current_time()
-    with pytest.raises(RouteError):
+    with pytest.raises(ApiError):
         await activation.activate(src, "m", 10)
     assert trio.current_time() == start + 10
 
@@ -72,7 +72,7 @@ async def test_the_bound_covers_waiting_for_the_decision(autojump_clock):
 async def test_unservable_mid_wait_returns_at_once(autojump_clock):
     src = FakeSource(unservable_at=7.6)
     start = trio.current_time()
-    with pytest.raises(RouteError) as info:
+    with pytest.raises(ApiError) as info:
         await activation.activate(src, "m", 45)
     assert trio.current_time() == start + 7.75  # the next poll, not the end of the window
     assert info.value.code == "model_parked" and info.value.retry_after is None
@@ -89,7 +89,7 @@ async def test_ask_first_clears_a_stale_unplaceable_in_the_real_control(nursery,
 
     control, registry, ops, _, _ = make([{"Name": "phi-4", "MemoryMb": 9800}], {"gpu-a": (8000, {"phi-4": 100})})
     await nursery.start(control.run)
-    with pytest.raises(RouteError):
+    with pytest.raises(ApiError):
         await control.activate("phi-4")
     assert control.why_unservable("phi-4").code == "model_unplaceable"  # the stored result
     add_node(registry, "gpu-b", 12000, {"phi-4": 100})

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from admission_fleet import MODEL, handle, registry, set_state
 from appliance import config
 from appliance.hub.admission import Admission
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 
 
 def make(r, **env) -> tuple[Admission, CollectorRegistry]:
@@ -61,7 +61,7 @@ async def test_background_wait_ends_in_503_naming_the_client(autojump_clock):
     r = registry(handle("a"))
     adm, _ = make(r, Priority__BackgroundMaxWaitSeconds=45)
     t0 = trio.current_time()
-    with pytest.raises(RouteError) as e:
+    with pytest.raises(ApiError) as e:
         await adm.admit(MODEL, "background", "batch-nightly")
     assert trio.current_time() == t0 + 45
     assert (e.value.status, e.value.code) == (503, "priority_wait_timeout")
@@ -122,7 +122,7 @@ async def test_queue_timeout_with_retry_after(autojump_clock):
     r.start(a, MODEL)
     adm, metrics = make(r, Queue__MaxWaitSeconds=30)
     t0 = trio.current_time()
-    with pytest.raises(RouteError) as e:
+    with pytest.raises(ApiError) as e:
         await adm.admit(MODEL, "essential", "ops")
     assert trio.current_time() == t0 + 30
     assert (e.value.code, e.value.retry_after) == ("queue_timeout", 5.0)
@@ -138,7 +138,7 @@ async def test_queue_full_is_answered_at_once(autojump_clock):
         n.start_soon(adm.admit, MODEL, "normal", "one")
         await trio.sleep(1)
         t0 = trio.current_time()
-        with pytest.raises(RouteError) as e:
+        with pytest.raises(ApiError) as e:
             await adm.admit(MODEL, "normal", "two")
         assert trio.current_time() == t0
         assert (e.value.code, e.value.retry_after) == ("queue_full", 5.0)

@@ -8,7 +8,7 @@ import pytest
 
 from admission_fleet import MODEL, handle, registry
 from appliance import cli, config
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.priority import (CLASSES, QUEUE_RETRY_AFTER, AdmissionCore, Fleet, SlotQueues,
                                     effective_class, fleet_of)
 
@@ -177,12 +177,12 @@ def test_queue_full_at_max_depth_and_lower_classes_never_push_out_higher():
     c = core(reserve=0, max_depth=2)
     c.arrive(MODEL, "background", "b1", FULL)
     c.arrive(MODEL, "background", "b2", FULL)
-    with pytest.raises(RouteError) as e:
+    with pytest.raises(ApiError) as e:
         c.arrive(MODEL, "background", "b3", FULL)
     assert (e.value.status, e.value.code, e.value.retry_after) == (503, "queue_full", QUEUE_RETRY_AFTER)
     assert c.arrive(MODEL, "normal", "n1", FULL) is not None
     assert c.arrive(MODEL, "essential", "e1", FULL) is not None
-    with pytest.raises(RouteError):
+    with pytest.raises(ApiError):
         c.arrive(MODEL, "normal", "n2", FULL)  # n1 and e1 wait at its class or higher
     assert c.arrive(MODEL, "essential", "e2", FULL) is not None
     assert c.models[MODEL].full == 2 and c.models[MODEL].waiting == 5
@@ -190,7 +190,7 @@ def test_queue_full_at_max_depth_and_lower_classes_never_push_out_higher():
 
 def test_max_depth_zero_refuses_every_wait():
     c = core(max_depth=0)
-    with pytest.raises(RouteError):
+    with pytest.raises(ApiError):
         c.arrive(MODEL, "essential", "ops", FULL)
     assert c.arrive(MODEL, "essential", "ops", Fleet(places=0, room=1)) is None
 

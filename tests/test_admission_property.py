@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from admission_fleet import handle, registry, set_state
 from appliance.hub.priority import CLASSES, RANK, AdmissionCore, fleet_of
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 
 MODELS = ("m1", "m2")
 TERMINAL = {"started", "timed_out", "refused", "hung_up", "no_capacity"}
@@ -114,7 +114,7 @@ class Sim:
         self.reqs.append(req)
         try:
             w = self.core.arrive(model, cls, req.client, self.fleet(model))
-        except RouteError as e:
+        except ApiError as e:
             assert e.code == "queue_full"
             req.state = "refused"
             return

@@ -18,7 +18,7 @@ from appliance.cluster.etcd import KV, Etcd, EtcdError, EtcdUnavailable, prefix_
 from appliance.cluster.member import Member
 from appliance.hub import activation
 from appliance.hub.control import Control, StaleLeader
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.nodes import Registry
 from etcd_proc import EtcdProc, free_port, needs_etcd
 from test_control import FakeAudit, FakeOps, add_node
@@ -270,8 +270,8 @@ async def test_a_node_refusing_our_epoch_deposes_us_and_counts_nothing(nursery, 
 
 class TestError:
     @staticmethod
-    async def of(coro) -> RouteError:
-        with pytest.raises(RouteError) as info:
+    async def of(coro) -> ApiError:
+        with pytest.raises(ApiError) as info:
             await coro
         return info.value
 
@@ -304,7 +304,7 @@ async def test_activate_via_leader_waits_for_the_decision_then_the_replica(autoj
             return self.err
 
     lead, src = Leader(), Source()
-    src.err = RouteError(503, "model_unplaceable", "fits nowhere")  # stale: not yet decided
+    src.err = ApiError(503, "model_unplaceable", "fits nowhere")  # stale: not yet decided
     start = trio.current_time()
     async with trio.open_nursery() as n:
         async def decide():

@@ -9,7 +9,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.hub.control import Control
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.nodes import Registry
 from appliance.wire import EngineInstall, ModelState, NodeState
 from test_placement import cfg, set_state
@@ -78,8 +78,8 @@ def make(models: list[dict], nodes: dict[str, tuple[int, dict[str, int]]], **ext
     return control, registry, ops, audit, metrics
 
 
-async def error_of(coro) -> RouteError:
-    with pytest.raises(RouteError) as info:
+async def error_of(coro) -> ApiError:
+    with pytest.raises(ApiError) as info:
         await coro
     return info.value
 
@@ -237,7 +237,7 @@ async def test_metrics_ready_zero_for_a_desired_model(nursery, autojump_clock, t
         [{"Name": "always", "Replicas": 1}, {"Name": "phi-4", "MemoryMb": 99999}, {"Name": "idle"}],
         {"a": (8000, {"phi-4": 100})}, Hub__TlsCert=str(cert))
     await nursery.start(control.run)
-    with pytest.raises(RouteError):
+    with pytest.raises(ApiError):
         await control.activate("phi-4")
     text = generate_latest(metrics).decode()
     # "always" is on no node: it should run and nothing is ready -- the series is there at 0.

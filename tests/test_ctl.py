@@ -12,7 +12,7 @@ import pytest
 
 from appliance import ctl
 from appliance.hub import admin
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from test_control import KEV_ERROR, make
 
 
@@ -50,7 +50,7 @@ async def test_status_counts_what_each_model_should_have_now(nursery, autojump_c
     assert code == 200 and body["satisfied"] and body["problems"] == []  # nothing asked for yet
     await hub.control.activate("qwen/small:1b")
     for model in ("kev-0.5b", "phi-4"):
-        with pytest.raises(RouteError):
+        with pytest.raises(ApiError):
             await hub.control.activate(model)
     code, body = await call(hub, "GET", "/admin/status")
     assert not body["satisfied"]
@@ -72,7 +72,7 @@ async def test_status_counts_what_each_model_should_have_now(nursery, autojump_c
 
 async def test_retry_cordon_pause_and_errors(nursery, autojump_clock):
     hub, ops = await fleet(nursery)
-    with pytest.raises(RouteError):
+    with pytest.raises(ApiError):
         await hub.control.activate("kev-0.5b")
     code, body = await call(hub, "POST", "/admin/models/kev-0.5b/retry")
     assert code == 200 and body == {"model": "kev-0.5b", "retried": True, "was_parked": True}
@@ -110,7 +110,7 @@ async def test_ctl_table_json_and_exit_codes(nursery, autojump_clock):
     await hub.control.activate("qwen/small:1b")
     ok = admin.status(hub)
     for model in ("kev-0.5b", "phi-4"):
-        with pytest.raises(RouteError):
+        with pytest.raises(ApiError):
             await hub.control.activate(model)
     bad = admin.status(hub)
     seen: list = []

@@ -1,6 +1,6 @@
 """A short hypothesis fuzz of what outsiders feed us: request bodies and the environment.
 
-Every input is answered in the API's shape (a decoded request, or a RouteError with a 4xx
+Every input is answered in the API's shape (a decoded request, or a ApiError with a 4xx
 status whose body is the OpenAI/Ollama error shape), or -- for the environment -- a
 Config or a one-line ConfigError. Nothing else may escape: no crash, no 500. Small
 max_examples keep it to seconds inside `make test`.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from appliance import config
 from appliance.hub import announce
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.router import decode_request
 from appliance.wire import announce_decoder
 
@@ -37,7 +37,7 @@ bodies = st.one_of(
 )
 
 
-def _shape_ok(e: RouteError) -> None:
+def _shape_ok(e: ApiError) -> None:
     assert 400 <= e.status < 500
     openai = msgspec.json.decode(e.body("openai"))
     assert {"message", "type", "code"} <= set(openai["error"]) and len(openai["error"]["message"]) < 1000
@@ -49,7 +49,7 @@ def _shape_ok(e: RouteError) -> None:
 def test_inference_bodies_are_decoded_or_refused_in_shape(body):
     try:
         req = decode_request(body)
-    except RouteError as e:
+    except ApiError as e:
         _shape_ok(e)
     else:
         assert isinstance(req.model, str)
@@ -64,7 +64,7 @@ def test_announcements_are_decoded_or_refused_in_shape(body, name, url):
         pass  # the app answers these 400 (tests/test_hostile_e2e.py)
     try:
         announce.check_shape(name, url)
-    except RouteError as e:
+    except ApiError as e:
         _shape_ok(e)
 
 

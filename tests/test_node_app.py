@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from appliance.asgi import read_body, serve, wait_disconnect
 from appliance.config import load
 from appliance.node.app import NodeApp
+from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
@@ -108,6 +109,7 @@ class Node:
     def __init__(self, url, keeper, engine, upstream, metrics):
         self.url, self.keeper, self.engine, self.upstream, self.metrics = url, keeper, engine, upstream, metrics
         self.http = httpx.AsyncClient(base_url=url, headers=AUTH, timeout=10)
+        self.changes = ChangeWaiter(keeper)
 
     async def wait_until(self, pred):
         # In-flight counts change without a state change (they ride on heartbeats), so
@@ -115,7 +117,7 @@ class Node:
         with trio.fail_after(5):
             while not pred():
                 with trio.move_on_after(0.005):
-                    await self.keeper.wait_changed(self.keeper.version)
+                    await self.changes.wait_changed(self.keeper.version)
 
 
 @asynccontextmanager

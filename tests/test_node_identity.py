@@ -13,7 +13,7 @@ import trio
 
 from appliance.config import load
 from appliance.hub import announce
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.nodes import Registry, supervise
 
 
@@ -21,8 +21,8 @@ def auth(**env):
     return load(env).auth
 
 
-def refused(fn, *args) -> RouteError:
-    with pytest.raises(RouteError) as e:
+def refused(fn, *args) -> ApiError:
+    with pytest.raises(ApiError) as e:
         fn(*args)
     return e.value
 

@@ -3,6 +3,7 @@
 import trio
 
 from appliance.config import NodeConfig
+from appliance.node.changes import ChangeWaiter
 from appliance.node.state import NodeStateKeeper, parse_nvidia_smi
 from appliance.wire import EngineInstall, ModelState
 
@@ -119,9 +120,10 @@ async def test_wait_changed_wakes_without_polling(autojump_clock):
     k = keeper()
     v = k.version
     woke = []
+    waiter_ = ChangeWaiter(k)
 
     async def waiter():
-        await k.wait_changed(v)
+        await waiter_.wait_changed(v)
         woke.append(trio.current_time())
 
     async with trio.open_nursery() as n:
@@ -132,7 +134,7 @@ async def test_wait_changed_wakes_without_polling(autojump_clock):
     assert woke == [5]
     # Already changed: returns at once.
     with trio.fail_after(0.001):
-        await k.wait_changed(v)
+        await waiter_.wait_changed(v)
 
 
 def test_over_limits_gpu_memory_above_budget():

@@ -11,7 +11,7 @@ import trio
 
 from appliance.asgi import read_body, serve, wait_disconnect
 from appliance.config import load
-from appliance.hub.errors import RouteError, error_body
+from appliance.http.errors import ApiError, error_body
 from appliance.hub.router import allowed, authenticate, decode_request
 from appliance.hub.run import run_hub
 from appliance.wire import ModelState, NodeState
@@ -160,7 +160,7 @@ def test_authenticate_allowed_and_decode():
     for key in (None, "", "k2"):
         try:
             authenticate(hub, key)
-        except RouteError as e:
+        except ApiError as e:
             assert e.status == 401 and e.code == "invalid_api_key"
         else:
             raise AssertionError("no 401")
@@ -170,7 +170,7 @@ def test_authenticate_allowed_and_decode():
                        (b'{"model": 3}', "invalid_request"), (deep, "invalid_json")):
         try:
             decode_request(body)
-        except RouteError as e:
+        except ApiError as e:
             assert e.status == 400 and e.code == code
         else:
             raise AssertionError(body)
@@ -180,8 +180,8 @@ def test_error_shapes():
     o = json.loads(error_body("openai", 503, "model_parked", "parked: boom"))
     assert o == {"error": {"message": "parked: boom", "type": "service_unavailable", "param": None, "code": "model_parked"}}
     assert json.loads(error_body("ollama", 404, "model_not_found", "model 'x' not found")) == {"error": "model 'x' not found"}
-    e = RouteError(503, "model_loading", "loading; retry shortly", retry_after=2.4)
+    e = ApiError(503, "model_loading", "loading; retry shortly", retry_after=2.4)
     assert e.headers() == [(b"retry-after", b"2")]
     # Refusals a retry cannot cure say so, and carry no Retry-After (DESIGN 9.1).
-    assert RouteError(503, "model_parked", "x").headers() == [(b"x-should-retry", b"false")]
-    assert RouteError(503, "model_unplaceable", "x", retry_after=5).headers() == [(b"x-should-retry", b"false")]
+    assert ApiError(503, "model_parked", "x").headers() == [(b"x-should-retry", b"false")]
+    assert ApiError(503, "model_unplaceable", "x", retry_after=5).headers() == [(b"x-should-retry", b"false")]

@@ -293,7 +293,7 @@ async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
 
 
 def test_stream_error_framing_starts_on_its_own_line():
-    from appliance.hub.relay import stream_error
+    from appliance.http.stream import stream_error
 
     sse = "text/event-stream"
     assert stream_error(sse, "openai", "node_lost", "m", b"}\n\n").startswith(b"data: {")

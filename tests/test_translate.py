@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.translate import Relay, engine_kind, prepare, resolve
 from appliance.hub.translate import anthropic, ollama, responses
 from appliance.hub.translate.common import ErrorConverter, SSEReader
@@ -87,7 +87,7 @@ def test_ollama_generate_request_streams_by_default_and_takes_a_schema():
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
 ])
 def test_ollama_chat_bad_bodies_are_400_naming_the_field(body, param):
-    with pytest.raises(RouteError) as ei:
+    with pytest.raises(ApiError) as ei:
         ollama.chat_request({"model": "m", **body}, "m")
     assert ei.value.status == 400 and ei.value.param == param
 
@@ -162,22 +162,22 @@ def test_prepare_passes_native_bytes_through_and_translates_for_openai_engines()
 
 
 def test_prepare_refuses_bad_types_at_once_and_missing_fields_for_openai_engines_only():
-    with pytest.raises(RouteError) as ei:
+    with pytest.raises(ApiError) as ei:
         prepare("/v1/chat/completions", "openai", b'{"model":"m","messages":"x"}', "m", "m")
     assert ei.value.param == "messages"
-    with pytest.raises(RouteError) as ei:
+    with pytest.raises(ApiError) as ei:
         prepare("/v1/chat/completions", "openai", b'{"model":"m","messages":[{"role":"user"}],"temperature":"hot"}', "m", "m")
     assert ei.value.param == "temperature"
     prep = prepare("/v1/chat/completions", "openai", b'{"model":"m"}', "m", "m")
     assert prep.for_engine("sim").body == b'{"model":"m"}'
-    with pytest.raises(RouteError) as ei:
+    with pytest.raises(ApiError) as ei:
         prep.for_engine("llamacpp")
     assert ei.value.status == 400 and ei.value.param == "messages"
     embed = prepare("/api/embed", "ollama", b'{"model":"m"}', "m", "m")
     assert embed.for_engine("ollama").path == "/api/embed"
-    with pytest.raises(RouteError):
+    with pytest.raises(ApiError):
         embed.for_engine("openai")
-    with pytest.raises(RouteError) as ei:
+    with pytest.raises(ApiError) as ei:
         prepare("/v1/messages", "anthropic", b'{"model":"m","messages":[{"role":"user","content":"x"}]}', "m", "m")
     assert ei.value.param == "max_tokens"
 
@@ -295,7 +295,7 @@ def test_responses_request_items_and_function_tools():
     assert req["messages"][:2] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "weather?"}]
     assert req["messages"][2]["tool_calls"][0]["id"] == "c1"
     assert req["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
-    with pytest.raises(RouteError) as ei:
+    with pytest.raises(ApiError) as ei:
         responses.request({"model": "m", "input": "x", "previous_response_id": "r"}, "m")
     assert ei.value.param == "previous_response_id"
 
@@ -330,6 +330,6 @@ def test_keep_alive_durations():
         if bad_value == "5":
             assert keep_alive_seconds(bad_value) == 5  # a bare number string is seconds
             continue
-        with pytest.raises(RouteError) as ei:
+        with pytest.raises(ApiError) as ei:
             keep_alive_seconds(bad_value)
         assert ei.value.param == "keep_alive"

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import trio
 
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 
 from appliance.cluster.etcd import EtcdError
 
@@ -50,12 +50,12 @@ class Source(Protocol):
 
     def has_ready(self, model: str) -> bool: ...
 
-    def why_unservable(self, model: str) -> RouteError | None:
+    def why_unservable(self, model: str) -> ApiError | None:
         """Parked or unplaceable now (no fresh attempt)."""
 
 
 async def activate(source: Source, model: str, wait_seconds: float) -> None:
-    """Returns once a replica of `model` is ready; raises RouteError otherwise."""
+    """Returns once a replica of `model` is ready; raises ApiError otherwise."""
     generation = source.ask(model)
     with trio.move_on_after(wait_seconds):
         await source.wait_decided(model, generation)
@@ -66,7 +66,7 @@ async def activate(source: Source, model: str, wait_seconds: float) -> None:
             if err is not None:
                 raise err
             await trio.sleep(POLL_SECONDS)
-    raise RouteError(503, "model_loading", f"model {model!r} is loading; retry shortly",
+    raise ApiError(503, "model_loading", f"model {model!r} is loading; retry shortly",
                      retry_after=RETRY_AFTER_SECONDS)
 
 
@@ -85,14 +85,14 @@ class Leader(Protocol):
         """The last ask revision the leader decided for `model` (shared record)."""
 
 
-def no_leader(leader: Leader, why: str) -> RouteError:
-    return RouteError(503, "no_leader", f"no hub leads the fleet now ({why}); models already ready keep "
+def no_leader(leader: Leader, why: str) -> ApiError:
+    return ApiError(503, "no_leader", f"no hub leads the fleet now ({why}); models already ready keep "
                       f"serving, placing a model must wait for a leader", retry_after=leader.lease_seconds)
 
 
 async def activate_via_leader(leader: Leader, source: Source, model: str, wait_seconds: float) -> None:
     """A follower's activation: ask the leader through etcd, wait for its decision and a
-    ready replica (seen on this hub's own watch streams); RouteError otherwise.
+    ready replica (seen on this hub's own watch streams); ApiError otherwise.
 
     etcd unreachable: `no_leader` at once (no hub can decide). etcd answering but no leader
     (a failover: the dead leader's lease ran out, the next hub campaigns within a tick):
@@ -117,5 +117,5 @@ async def activate_via_leader(leader: Leader, source: Source, model: str, wait_s
             await trio.sleep(POLL_SECONDS)
     if not leader.has_leader():
         raise no_leader(leader, f"none elected within {wait_seconds:g} s")
-    raise RouteError(503, "model_loading", f"model {model!r} is loading; retry shortly",
+    raise ApiError(503, "model_loading", f"model {model!r} is loading; retry shortly",
                      retry_after=RETRY_AFTER_SECONDS)

@@ -12,7 +12,7 @@ is never touched.
 Interface the router relies on:
 - `Admission(cfg, registry, metrics_registry)`; `enabled`; `effective_class(cls, headers)`
 - `await admit(model, cls, client) -> Ticket`: returns when the request may be sent;
-  raises RouteError (queue_full, queue_timeout, priority_wait_timeout). The router picks a
+  raises ApiError (queue_full, queue_timeout, priority_wait_timeout). The router picks a
   node and counts it in flight without a checkpoint after this returns.
 - `release(ticket)`: the request ended (any way).
 - `await wait_slot(node, model, cls)`: Queue__SlotWaitSeconds before sending.

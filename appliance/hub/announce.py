@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from appliance.bounds import ECHO_CHARS, echo
 from appliance.config import NODE_NAME_RULE, AuthConfig, valid_node_name
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 
 # Retry-After for a full fleet: a ghost is forgotten within Hub__ForgetNodeSeconds anyway.
 FULL_RETRY_AFTER = 60.0
@@ -43,7 +43,7 @@ def authorize(auth: AuthConfig, token: str, name: str) -> bool:
     """True when `token` may announce `name`; raises 401 when announcements are off."""
     per_node = {c.name: c.token for c in auth.nodes}
     if not auth.node_token and not per_node:
-        raise RouteError(401, "invalid_node_token",
+        raise ApiError(401, "invalid_node_token",
                          "this hub accepts no announcements: set Auth__NodeToken (or Auth__Nodes__N__Token) on hub and node")
     given = token.encode()
     own = per_node.get(name)
@@ -52,25 +52,25 @@ def authorize(auth: AuthConfig, token: str, name: str) -> bool:
             return True
     elif auth.node_token and hmac.compare_digest(given, auth.node_token.encode()):
         return False
-    raise RouteError(401, "invalid_node_token", "the node token does not match")
+    raise ApiError(401, "invalid_node_token", "the node token does not match")
 
 
 def check_shape(name: str, url: str) -> tuple[str, int]:
-    """(host, port) of a well-formed announcement; RouteError 400 otherwise."""
+    """(host, port) of a well-formed announcement; ApiError 400 otherwise."""
     if not valid_node_name(name):
-        raise RouteError(400, "invalid_request", f"bad announcement: name {cut(name)!r}: {NODE_NAME_RULE}")
+        raise ApiError(400, "invalid_request", f"bad announcement: name {cut(name)!r}: {NODE_NAME_RULE}")
     bad = f"bad announcement: url {cut(url)!r} is not http(s)://HOST:PORT"
     try:
         u = urlsplit(url)
         port = u.port
     except ValueError:
-        raise RouteError(400, "invalid_request", bad + " (bad port)") from None
+        raise ApiError(400, "invalid_request", bad + " (bad port)") from None
     if u.scheme not in ("http", "https") or not u.hostname or port is None:
-        raise RouteError(400, "invalid_request", bad)
+        raise ApiError(400, "invalid_request", bad)
     if u.path not in ("", "/") or u.query or u.fragment or u.username is not None or u.password is not None:
-        raise RouteError(400, "invalid_request", bad + " (no path, query or credentials)")
+        raise ApiError(400, "invalid_request", bad + " (no path, query or credentials)")
     if len(url) > 300:
-        raise RouteError(400, "invalid_request", bad + " (too long)")
+        raise ApiError(400, "invalid_request", bad + " (too long)")
     return u.hostname, port
 
 
@@ -78,17 +78,17 @@ def check_identity(existing, url: str, proven: bool, count: int, max_nodes: int)
     """`existing`: the node handle of that name or None. 409 when the name is taken, 503 when full."""
     if existing is None:
         if count >= max_nodes:
-            raise RouteError(503, "too_many_nodes", f"the hub knows {count} nodes (Hub__MaxNodes={max_nodes})",
+            raise ApiError(503, "too_many_nodes", f"the hub knows {count} nodes (Hub__MaxNodes={max_nodes})",
                              retry_after=FULL_RETRY_AFTER)
         return
     if existing.url == url.rstrip("/"):
         return
     if existing.static:
-        raise RouteError(409, "node_name_taken", f"node {existing.name!r} is configured statically at another URL")
+        raise ApiError(409, "node_name_taken", f"node {existing.name!r} is configured statically at another URL")
     if proven:
         return
     if existing.status() != "lost":
-        raise RouteError(409, "node_name_taken",
+        raise ApiError(409, "node_name_taken",
                          f"node {existing.name!r} is connected at another URL; a moving node is lost first")
 
 
@@ -100,11 +100,11 @@ def check_addresses(host: str, addresses: list[str], cidrs: list[str]) -> None:
     """Every address `host` resolved to must lie in `cidrs` and not be link-local (403)."""
     nets = _networks(cidrs)
     if not addresses:
-        raise RouteError(400, "invalid_request", f"bad announcement: host {cut(host)!r} does not resolve")
+        raise ApiError(400, "invalid_request", f"bad announcement: host {cut(host)!r} does not resolve")
     for a in addresses:
         ip = ipaddress.ip_address(a.split("%", 1)[0])
         if getattr(ip, "ipv4_mapped", None):
             ip = ip.ipv4_mapped
         if ip.is_link_local or ip.is_multicast or ip.is_unspecified or not any(ip in n for n in nets if n.version == ip.version):
-            raise RouteError(403, "node_network_refused",
+            raise ApiError(403, "node_network_refused",
                              f"host {cut(host)!r} resolves to {ip}, outside Hub__NodeNetworks ({','.join(cidrs)})")

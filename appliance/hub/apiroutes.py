@@ -33,7 +33,7 @@ from appliance import __version__
 from appliance.asgi import BodyTooLarge, bearer, header, read_body, send_json, send_text
 from appliance.bounds import echo
 from appliance.hub import modelops, status
-from appliance.hub.errors import RouteError, error_body
+from appliance.http.errors import ApiError, error_body
 from appliance.hub.requestid import request_id
 from appliance.hub.router import allowed, authenticate
 from appliance.hub.translate import OPENAI_ONLY, engine_kind, resolve
@@ -134,7 +134,7 @@ def with_cors(app, origins: list[str]):
     return cors_app
 
 
-async def _error(send, api: str, e: RouteError) -> None:
+async def _error(send, api: str, e: ApiError) -> None:
     await send({"type": "http.response.start", "status": e.status,
                 "headers": [(b"content-type", b"application/json"), *e.headers()]})
     await send({"type": "http.response.body", "body": e.body(api)})
@@ -144,7 +144,7 @@ async def handle(hub, scope, receive, send) -> bool:
     path, method = scope["path"], scope["method"]
     if path == "/":
         if method not in ("GET", "HEAD"):
-            await _error(send, "ollama", RouteError(405, "method_not_allowed", "/ takes GET"))
+            await _error(send, "ollama", ApiError(405, "method_not_allowed", "/ takes GET"))
         elif "text/html" in _header(scope, b"accept"):
             await send({"type": "http.response.start", "status": 302,
                         "headers": [(b"location", b"/ui/"), (b"content-length", b"0")]})
@@ -154,7 +154,7 @@ async def handle(hub, scope, receive, send) -> bool:
         return True
     if path == "/api/version":
         if method not in ("GET", "HEAD"):
-            await _error(send, "ollama", RouteError(405, "method_not_allowed", "/api/version takes GET"))
+            await _error(send, "ollama", ApiError(405, "method_not_allowed", "/api/version takes GET"))
         else:
             await send_json(send, 200, {"version": OLLAMA_API_VERSION, "appliance_version": __version__})
         return True
@@ -181,14 +181,14 @@ def _client(hub, scope):
 async def _one_model(hub, scope, send, model_id: str) -> None:
     try:
         if scope["method"] not in ("GET", "HEAD"):
-            raise RouteError(405, "method_not_allowed", "/v1/models/{id} takes GET")
+            raise ApiError(405, "method_not_allowed", "/v1/models/{id} takes GET")
         client = _client(hub, scope)
         for m in status.openai_models(hub, lambda name: allowed(client, name))["data"]:
             if m["id"] == resolve(model_id, hub.control.known):
                 await send_json(send, 200, m)
                 return
-        raise RouteError(404, "model_not_found", f"The model '{model_id}' does not exist")
-    except RouteError as e:
+        raise ApiError(404, "model_not_found", f"The model '{model_id}' does not exist")
+    except ApiError as e:
         await _error(send, "openai", e)
 
 
@@ -200,25 +200,25 @@ class _Show(msgspec.Struct):
 async def _show(hub, scope, receive, send) -> None:
     try:
         if scope["method"] != "POST":
-            raise RouteError(405, "method_not_allowed", "/api/show takes POST")
+            raise ApiError(405, "method_not_allowed", "/api/show takes POST")
         client = _client(hub, scope)
         try:
             req = msgspec.json.decode(await read_body(receive, SHOW_BODY_LIMIT), type=_Show)
         except BodyTooLarge:
-            raise RouteError(413, "body_too_large", "body too large for /api/show") from None
+            raise ApiError(413, "body_too_large", "body too large for /api/show") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise RouteError(400, "invalid_request", f"invalid request: {e}") from None
+            raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
         except RecursionError:
-            raise RouteError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+            raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
         given = req.model or req.name
         model = resolve(given, hub.control.known)
         if not given or not allowed(client, model) or not hub.control.known(model):
-            raise RouteError(404, "model_not_found", f"model '{echo(given)}' not found")
+            raise ApiError(404, "model_not_found", f"model '{echo(given)}' not found")
         body = await _show_from_node(hub, model)
         if body is None:
             body = msgspec.json.encode(_show_synth(hub, model))
         await send_json(send, 200, body)
-    except RouteError as e:
+    except ApiError as e:
         await _error(send, "ollama", e)
 
 

@@ -20,7 +20,7 @@ from appliance import __version__
 from appliance.cluster.etcd import EtcdError
 from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
 from appliance.hub import announce, apiroutes, status, ui
-from appliance.hub.errors import RouteError, error_body
+from appliance.http.errors import ApiError, error_body
 from appliance.hub.router import allowed, authenticate, handle_inference
 from appliance.metricsapp import render
 from appliance.wire import announce_decoder
@@ -122,7 +122,7 @@ async def _get(hub, scope, send, path: str) -> None:
         return
     try:
         client = authenticate(hub, bearer(scope))
-    except RouteError as e:
+    except ApiError as e:
         await _error(send, path, e.status, e.code, e.message)
         return
 
@@ -145,18 +145,18 @@ async def _announce(hub, scope, receive, send) -> None:
             body = await read_body(receive, ANNOUNCE_MAX_BYTES)
             ann = announce_decoder.decode(body)
         except BodyTooLarge:
-            raise RouteError(413, "body_too_large", "announcement too large") from None
+            raise ApiError(413, "body_too_large", "announcement too large") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise RouteError(400, "invalid_request", f"bad announcement: {announce.cut(str(e))}") from None
+            raise ApiError(400, "invalid_request", f"bad announcement: {announce.cut(str(e))}") from None
         except RecursionError:
-            raise RouteError(400, "invalid_request", "bad announcement: nested too deeply") from None
+            raise ApiError(400, "invalid_request", "bad announcement: nested too deeply") from None
         proven = announce.authorize(hub.cfg.auth, bearer(scope) or "", ann.name)
         host, _port = announce.check_shape(ann.name, ann.url)
         existing = hub.registry.nodes.get(ann.name)
         announce.check_identity(existing, ann.url, proven, len(hub.registry.nodes), hub.cfg.hub.max_nodes)
         if existing is None or existing.url != ann.url.rstrip("/"):
             announce.check_addresses(host, await _resolve(host), hub.cfg.hub.node_networks)
-    except RouteError as e:
+    except ApiError as e:
         if e.status in (401, 409, 403):
             name = announce.cut(ann.name, 63) if ann is not None else ""
             log.warning("announcement refused from %s (name %r): %s", source, name, e.message)

@@ -12,7 +12,7 @@ answer (502/504 with the engine's words) is what normally ends it.
 Interface the router and status rely on:
 - `Control(cfg, registry, node_client, metrics_registry, audit)`, `await run(task_status=)`
 - `known(model)`: in the catalog or discovered on a node.
-- `unservable(model) -> RouteError | None`: parked, or unplaceable by a fresh attempt
+- `unservable(model) -> ApiError | None`: parked, or unplaceable by a fresh attempt
   (a stored unplaceable result is never trusted: the request asks again).
 - `await activate(model)`: the activation waiter (activation.py).
 - `touch(model)`: a request used it (idle unload counts from the last one).
@@ -39,7 +39,7 @@ import trio
 
 from appliance.config import Config
 from appliance.hub import activation
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.placement import Load, Models, Unload
 from appliance.wire import EPOCH_HEADER, LoadRequest
 
@@ -262,21 +262,21 @@ class Control:
     def has_ready(self, model: str) -> bool:
         return bool(self.registry.ready_nodes(model))
 
-    def why_unservable(self, model: str) -> RouteError | None:
+    def why_unservable(self, model: str) -> ApiError | None:
         if self.has_ready(model):
             return None
         h = self.core.health.get(model)
         if h is None:
             return None
         if h.parked:
-            return RouteError(503, "model_parked",
+            return ApiError(503, "model_parked",
                               f"model {model!r} is parked after {h.failures} failed starts in a row; last error: "
                               f"{h.last_error}; fix it, then `appliance ctl retry {model}`")
         if h.unplaceable:
-            return RouteError(503, "model_unplaceable", f"model {model!r} fits on no node: {h.unplaceable}")
+            return ApiError(503, "model_unplaceable", f"model {model!r} fits on no node: {h.unplaceable}")
         return None
 
-    def unservable(self, model: str) -> RouteError | None:
+    def unservable(self, model: str) -> ApiError | None:
         err = self.why_unservable(model)
         if err is not None and err.code == "model_unplaceable":
             if not self.leading():

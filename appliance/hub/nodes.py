@@ -24,6 +24,7 @@ import httpx
 import msgspec
 import trio
 
+from appliance.http.errors import describe
 from appliance.wire import Heartbeat, NodeState, StateEvent, watch_decoder
 
 log = logging.getLogger("appliance.hub.nodes")
@@ -302,17 +303,6 @@ async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Regist
                     on_event("node_up", h, "")
             elif isinstance(ev, Heartbeat):
                 pass
-
-
-def describe(e: BaseException) -> str:
-    """`Type: message`, the message taken down the cause chain: httpx over trio raises an
-    empty ConnectError whose cause's cause is the SSL error that says why."""
-    x: BaseException | None = e
-    for _ in range(5):
-        if x is None or str(x):
-            break
-        x = x.__cause__ or x.__context__
-    return f"{type(e).__name__}: {x}" if x is not None and str(x) else type(e).__name__
 
 
 async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *, heartbeat: float,

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterable, NamedTuple
 
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 
 CLASSES = ("essential", "normal", "background")
 RANK = {c: i for i, c in enumerate(CLASSES)}
@@ -228,7 +228,7 @@ class AdmissionCore:
         return cls == BACKGROUND and self.enabled
 
     def arrive(self, model: str, cls: str, client: str, fleet: Fleet | Measure) -> Waiter | None:
-        """None: go now. A Waiter: wait on it (then `dispatch`). Raises RouteError (queue_full).
+        """None: go now. A Waiter: wait on it (then `dispatch`). Raises ApiError (queue_full).
 
         `fleet` is a Fleet, or a function `(places_need, room_need) -> Fleet` (`count`
         over the ready nodes), called only when no one waits ahead of this request.
@@ -249,7 +249,7 @@ class AdmissionCore:
             ms = self.models[model] = ModelStats()
         if ahead >= self.max_depth:
             ms.full += 1
-            raise RouteError(503, "queue_full",
+            raise ApiError(503, "queue_full",
                              f"the queue for model {model!r} is full ({ahead} waiting, Queue__MaxDepth={self.max_depth})",
                              retry_after=QUEUE_RETRY_AFTER)
         if q is None:
@@ -304,13 +304,13 @@ class AdmissionCore:
             self._forget(w.model, q)
         return False
 
-    def timeout_error(self, w: Waiter) -> RouteError:
+    def timeout_error(self, w: Waiter) -> ApiError:
         if self.held_by_reserve(w.cls):
-            return RouteError(503, "priority_wait_timeout",
+            return ApiError(503, "priority_wait_timeout",
                               f"background work of client {w.client!r} waited {self.background_max_wait:g} s "
                               f"(Priority__BackgroundMaxWaitSeconds) for more than {self.reserve} free place(s) "
                               f"for model {w.model!r}; retry later")
-        return RouteError(503, "queue_timeout",
+        return ApiError(503, "queue_timeout",
                           f"no free place for model {w.model!r} within {self.max_wait:g} s (Queue__MaxWaitSeconds)",
                           retry_after=QUEUE_RETRY_AFTER)
 

@@ -2,7 +2,7 @@
 
 Theory of operation (DESIGN 3): the hub decodes only `model` (and `stream`) from the
 body and forwards the bytes it received. Everything that refuses a request raises
-RouteError and is answered in the API's own shape. The response is streamed byte for
+ApiError and is answered in the API's own shape. The response is streamed byte for
 byte: the hub waits for the node's first body chunk before it answers, so a node that
 fails before the first byte is retried once on another node (the least loaded other);
 after that a failure ends the stream with an error event (`node_lost`), as does the node
@@ -27,8 +27,9 @@ from appliance.config import ClientConfig
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.listener import Refusal
 from appliance.hub import translate
-from appliance.hub.errors import RouteError
-from appliance.hub.relay import Cut, cut_before_answer, stream_error
+from appliance.http.errors import ApiError
+from appliance.hub.relay import cut_before_answer
+from appliance.http.stream import Cut, stream_error
 from appliance.hub.requestid import request_id
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.upstream import UpstreamError
@@ -54,7 +55,7 @@ _req_decoder = msgspec.json.Decoder(_Req)
 
 
 def authenticate(hub, key: str | None) -> ClientConfig:
-    """The client for `key`: a configured one, the anonymous one, or RouteError 401."""
+    """The client for `key`: a configured one, the anonymous one, or ApiError 401."""
     if key:
         found = None
         for c in hub.cfg.auth.clients:
@@ -63,7 +64,7 @@ def authenticate(hub, key: str | None) -> ClientConfig:
         if found is not None:
             return found
     if hub.cfg.auth.require_keys:
-        raise RouteError(401, "invalid_api_key", "missing API key" if not key else "unknown API key")
+        raise ApiError(401, "invalid_api_key", "missing API key" if not key else "unknown API key")
     return ANONYMOUS
 
 
@@ -75,12 +76,12 @@ def decode_request(body: bytes) -> _Req:
     try:
         return _req_decoder.decode(body)
     except msgspec.ValidationError as e:
-        raise RouteError(400, "invalid_request", f"invalid request: {e}") from None
+        raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
-        raise RouteError(400, "invalid_json", f"body is not valid JSON: {e}") from None
+        raise ApiError(400, "invalid_json", f"body is not valid JSON: {e}") from None
     except RecursionError:
         # msgspec skips unknown fields recursively: 100k nested arrays exhaust the stack.
-        raise RouteError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+        raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
 
 
 class Outcome:
@@ -132,7 +133,7 @@ def record(hub, out: Outcome) -> None:
             m.ttfb.labels(out.label).observe(out.ttfb)
 
 
-async def send_error(hub, send, api: str, out: Outcome, e: RouteError) -> None:
+async def send_error(hub, send, api: str, out: Outcome, e: ApiError) -> None:
     out.status = e.status
     out.error = e.code
     record(hub, out)
@@ -148,7 +149,7 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
     out = Outcome(scope["path"], request_id(scope["headers"]))
     try:
         await _handle(hub, scope, receive, send, api, out)
-    except RouteError as e:  # raised while the watcher was cancelling: still answered
+    except ApiError as e:  # raised while the watcher was cancelling: still answered
         await send_error(hub, send, api, out, e)
     except Refusal as e:  # a body too slow, or too many bodies held: the listener answers
         out.status, out.error = e.status, e.code
@@ -157,7 +158,7 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         log.exception("request for %r from %s failed inside the hub", out.model, out.client)
         if not out.done:
             try:
-                await send_error(hub, send, api, out, RouteError(500, "internal_error", "the hub failed on this request"))
+                await send_error(hub, send, api, out, ApiError(500, "internal_error", "the hub failed on this request"))
             except Exception:  # the response had already started: the connection just ends
                 pass
     finally:
@@ -173,7 +174,7 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
         try:
             body = await read_body(receive, hub.cfg.hub.max_body_bytes)
         except BodyTooLarge:
-            raise RouteError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
+            raise ApiError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
         req = decode_request(body)
         if not hub.grace.over() and not _ready(hub, req.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
@@ -185,11 +186,11 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
         out.label = OTHER_LABEL
         out.cls = hub.admission.effective_class(client.priority, scope["headers"])
         if not allowed(client, model) or not hub.control.known(model):
-            raise RouteError(404, "model_not_found", f"model {echo(req.model)!r} not found")
+            raise ApiError(404, "model_not_found", f"model {echo(req.model)!r} not found")
         out.label = model
         prep = translate.prepare(scope["path"], api, body, req.model, model)
         keep = keep_alive_seconds(req.keep_alive) if api == "ollama" else None
-    except RouteError as e:
+    except ApiError as e:
         await send_error(hub, send, api, out, e)
         return
     except trio.BrokenResourceError:
@@ -209,7 +210,7 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
         nursery.start_soon(watch)
         try:
             await _route(hub, scope, send, api, out, model, prep, keep)
-        except RouteError as e:
+        except ApiError as e:
             await send_error(hub, send, api, out, e)
         finally:
             nursery.cancel_scope.cancel()
@@ -313,7 +314,7 @@ async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepa
         log.warning("%s: request for %s from %s %s", last, model, out.client,
                     f"retried on {nxt.name}" if nxt is not None else "has no other node to go to")
         node = nxt
-    raise RouteError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
+    raise ApiError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
 
 
 async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan, headers) -> tuple[bool, str]:

@@ -20,7 +20,7 @@ import msgspec
 import trio
 
 from appliance.config import Config
-from appliance.hub.nodes import describe
+from appliance.http.errors import describe
 from appliance.wire import Announce
 
 log = logging.getLogger("appliance.node.announce")

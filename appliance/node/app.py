@@ -34,10 +34,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
 from appliance.bounds import OTHER_LABEL, echo
-from appliance.asgi import (BodyTooLarge, Receive, Scope, Send, bearer, read_body,
-                            send_json, send_text, wait_disconnect)
+from appliance.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read_body, send_json, send_text
 from appliance.config import Config
-from appliance.hub.errors import error_body
+from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.errors import error_body
+from appliance.http.stream import relay_chunks, stream_error
+from appliance.node.changes import ChangeWaiter
 from appliance.metricsapp import render
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node import modelops
@@ -77,6 +79,7 @@ class NodeApp:
                  metrics: NodeMetrics | None = None) -> None:
         self.cfg = cfg
         self.keeper = keeper
+        self.changes = ChangeWaiter(keeper)
         self.engine = engine
         # The proxy's own lean client to the engine (appliance/upstream.py): no proxies
         # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
@@ -248,19 +251,9 @@ class NodeApp:
 
     async def _watch(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
-        gone = False
-        async with trio.open_nursery() as nursery:
-
-            async def disconnected() -> None:
-                nonlocal gone
-                await wait_disconnect(receive)
-                gone = True
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(disconnected)
+        async with cancel_on_disconnect(receive) as client:
             await self._watch_lines(send)
-            nursery.cancel_scope.cancel()
-        if not gone:
+        if not client.gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _watch_lines(self, send: Send) -> None:
@@ -275,7 +268,7 @@ class NodeApp:
                 last = line
                 next_beat = trio.current_time() + every
             with trio.move_on_at(next_beat):
-                await k.wait_changed(seen)
+                await self.changes.wait_changed(seen)
             if trio.current_time() >= next_beat:
                 # A state that changed quietly (in-flight counts) goes out as the heartbeat.
                 line = encode_event(StateEvent(k.snapshot()))
@@ -353,22 +346,14 @@ class NodeApp:
             self._count(model, "503")
             return
         outcome: list[str] = []  # _forward appends the status once the last byte is out
-        gone = False
+        client = None
         try:
-            async with trio.open_nursery() as nursery:
-
-                async def disconnected() -> None:
-                    nonlocal gone
-                    await wait_disconnect(receive)
-                    if not outcome:  # after the last byte a disconnect is just the end
-                        gone = True
-                        nursery.cancel_scope.cancel()
-
-                nursery.start_soon(disconnected)
+            # After the last byte a disconnect is just the end (`outcome` is set then).
+            async with cancel_on_disconnect(receive, lambda: bool(outcome)) as client:
                 await self._forward(scope, send, api, upstream, body, outcome)
-                nursery.cancel_scope.cancel()
         finally:
             self.keeper.finish(model)
+            gone = client is not None and client.gone
             self._count(model, outcome[0] if outcome else ("client_gone" if gone else "cancelled"))
 
     async def _forward(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
@@ -387,8 +372,7 @@ class NodeApp:
             started = True
             chunks = resp.chunks()
             try:
-                async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await relay_chunks(chunks, send, None, ())  # an UpstreamError goes through
             finally:
                 with trio.move_on_after(1, shield=True):
                     await chunks.aclose()
@@ -403,16 +387,11 @@ class NodeApp:
             else:
                 outcome.append("engine_error")
                 if "content-length" not in resp.headers:  # a sized body cannot carry an error event
-                    await send({"type": "http.response.body", "body": self._stream_error(resp, api, why),
-                                "more_body": False})
+                    ctype = resp.headers.get("content-type", "")
+                    event = stream_error(ctype, api, "engine_error", why, status=502)
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
         finally:
             if resp is not None:
                 with trio.move_on_after(1, shield=True):
                     await resp.aclose()
 
-    @staticmethod
-    def _stream_error(resp, api: str, why: str) -> bytes:
-        """An error event in the stream's own framing, after the first byte went out."""
-        if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return b"data: " + error_body("openai", 502, "engine_error", why) + b"\n\n"
-        return msgspec.json.encode({"error": why}) + b"\n"

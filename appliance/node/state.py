@@ -5,8 +5,9 @@ synchronous code -- no sockets, no processes, no sleeping. It merges three thing
 one `wire.NodeState` on demand: what the engine says (installs, models and their states),
 what the node counts itself (requests in flight, total and per model; loads it started
 and how they ended), and what the owner declared or the box measured (max concurrency,
-slots, memory, paused, left). Every change bumps `version` and wakes whoever waits in
-`wait_changed` by swapping a `trio.Event`, so the watch stream publishes without polling.
+slots, memory, paused, left). Every change bumps `version` and calls the listeners
+(`add_listener`): the shell's `node/changes.py` wakes the watch stream from there, so it
+publishes without polling.
 In-flight counts are the exception: they ride on the next heartbeat (see `_counted`).
 
 It makes one decision: `try_start(model)` admits a request (and counts it) or says why
@@ -26,8 +27,6 @@ output into numbers and `set_gpu_memory` hands them in.
 from __future__ import annotations
 
 from typing import Callable, Protocol
-
-import trio
 
 from appliance.config import NodeConfig
 from appliance.wire import EngineInstall, ModelState, NodeState
@@ -81,7 +80,6 @@ class NodeStateKeeper:
         self._failed: dict[str, str] = {}
         self.gpu: tuple[int, int] | None = None
         self.version = 0
-        self._event = trio.Event()
         self._listeners: list[Callable[[], None]] = []
 
     # --- change notification -----------------------------------------------------------
@@ -91,16 +89,9 @@ class NodeStateKeeper:
         self.version += 1
         for fn in self._listeners:
             fn()
-        ev, self._event = self._event, trio.Event()
-        ev.set()
 
     def add_listener(self, fn: Callable[[], None]) -> None:
         self._listeners.append(fn)
-
-    async def wait_changed(self, since: int) -> None:
-        """Return once `version` differs from `since` (at once if it already does)."""
-        while self.version == since:
-            await self._event.wait()
 
     # --- declared limits and the owner's switches ---------------------------------------
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from appliance.hub.translate import anthropic, ollama, responses
-from appliance.hub.errors import RouteError
+from appliance.http.errors import ApiError
 from appliance.hub.translate.common import (ErrorConverter, bad, check_openai_chat, check_openai_completion,
                                             check_openai_embedding, decode_object, enc)
 
@@ -68,7 +68,7 @@ class Prepared:
 
     def __init__(self, path: str, api: str, body: bytes, translated: tuple[str, bytes] | None = None,
                  make: Callable[[], Converter] | None = None, always: bool = False,
-                 refused: RouteError | None = None) -> None:
+                 refused: ApiError | None = None) -> None:
         self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
         self.load_only = False  # Ollama's load/unload request: no prompt, no messages
         self.path = path
@@ -87,11 +87,11 @@ class Prepared:
         return Plan(path, body, self.api, self.make)
 
 
-def _openai_check(check: Callable[[dict], None], required: str) -> Callable[[dict], RouteError | None]:
+def _openai_check(check: Callable[[dict], None], required: str) -> Callable[[dict], ApiError | None]:
     """Wrong types are a 400 at once, whatever the engine; a missing `required` field only
     for OpenAI-only engines (llama.cpp answers a chat without messages with a 200, the
     sim and Ollama with their own error)."""
-    def run(obj: dict) -> RouteError | None:
+    def run(obj: dict) -> ApiError | None:
         if obj.get(required) is None:
             return bad(f"'{required}' is required", required)
         check(obj)
@@ -118,7 +118,7 @@ def prepare(path: str, api: str, body: bytes, given: str, model: str) -> Prepare
         return Prepared(path, api, fwd, refused=_OPENAI_CHECKS[path](obj))
     try:
         return _translated(path, api, obj, fwd, given, model)
-    except RouteError as e:
+    except ApiError as e:
         if path.startswith("/api/"):
             # An engine that speaks Ollama natively judges the body itself (a bare
             # `/api/embed` may be its own business); only a translation needs it whole.

@@ -2,7 +2,7 @@
 
 Theory of operation: a translation turns a client's body (already decoded to plain JSON
 values) into an OpenAI chat-completions body, and the engine's answer back, chunk by
-chunk. The checks here raise `RouteError(400, "invalid_request", ..., param=...)` so a bad
+chunk. The checks here raise `ApiError(400, "invalid_request", ..., param=...)` so a bad
 field is the client's 400 in its own API's shape, never the engine's 500. `SSEReader`
 cuts an engine's `text/event-stream` into `data:` payloads whatever the chunking;
 `ErrorConverter` buffers an engine's refusal (any status but 200) and renders its message
@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.hub.errors import RouteError, error_body
+from appliance.http.errors import ApiError, error_body
 
 enc = msgspec.json.Encoder()
 # An engine's error body worth quoting is short; more is cut (and never buffered past it).
@@ -24,19 +24,19 @@ ERROR_BODY_LIMIT = 64 * 1024
 SSE_LINE_LIMIT = 1024 * 1024
 
 
-def bad(message: str, param: str | None = None) -> RouteError:
-    return RouteError(400, "invalid_request", message, param=param)
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, "invalid_request", message, param=param)
 
 
 def decode_object(body: bytes) -> dict[str, Any]:
     try:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
-        raise RouteError(400, "invalid_json", f"body is not valid JSON: {e}") from None
+        raise ApiError(400, "invalid_json", f"body is not valid JSON: {e}") from None
     except RecursionError:
-        raise RouteError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+        raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
-        raise RouteError(400, "invalid_request", "body must be a JSON object")
+        raise ApiError(400, "invalid_request", "body must be a JSON object")
     return obj
 
 

@@ -1,0 +1,81 @@
+"""The one error type of every server here, rendered in each API's own shape.
+
+Theory of operation: anything that refuses a request raises `ApiError` with a status, a
+code from DESIGN section 9, a message, and optionally a Retry-After and the body field a
+400 is about. Whoever answers renders it in the shape of the API the request came in on:
+OpenAI `{"error": {"message", "type", "code", "param"}}` for /v1 routes, Ollama
+`{"error": "..."}` for /api routes, Anthropic `{"type": "error", "error": {"type",
+"message"}}` for /v1/messages. Plain data and msgspec: the decision cores may raise it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Api = Literal["openai", "ollama", "anthropic"]
+Headers = list[tuple[bytes, bytes]]
+
+_enc = msgspec.json.Encoder()
+
+# Refusals a retry of the same request cannot cure (DESIGN 9.1): they say so with
+# `x-should-retry: false`, the header the OpenAI SDKs honour, and never carry Retry-After.
+NO_RETRY = frozenset({"model_parked", "model_unplaceable"})
+
+
+class ApiError(Exception):
+    """A refusal, answered before the response starts (or as a stream's error event)."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+        self.param = param
+
+    def body(self, api: str) -> bytes:
+        return error_body(api, self.status, self.code, self.message, self.param)
+
+    def headers(self) -> Headers:
+        if self.code in NO_RETRY:
+            return [(b"x-should-retry", b"false")]
+        if self.retry_after is None:
+            return []
+        return [(b"retry-after", str(max(1, int(round(self.retry_after)))).encode())]
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 503: "service_unavailable"}
+
+
+# Anthropic's error types by status (its API reference, "Errors").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 408: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+
+
+def error_body(api: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """`api` is "openai", "ollama" or "anthropic" (anything else: OpenAI's shape)."""
+    if api == "ollama":
+        return _enc.encode({"error": message})
+    if api == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        return _enc.encode({"type": "error", "error": {"type": kind, "message": message}})
+    kind = _TYPES.get(status, "server_error")
+    return _enc.encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def describe(e: BaseException) -> str:
+    """`Type: message`, the message taken down the cause chain: httpx over trio raises an
+    empty ConnectError whose cause's cause is the SSL error that says why."""
+    x: BaseException | None = e
+    for _ in range(5):
+        if x is None or str(x):
+            break
+        x = x.__cause__ or x.__context__
+    return f"{type(e).__name__}: {x}" if x is not None and str(x) else type(e).__name__

@@ -1,0 +1,101 @@
+"""Relaying a stream, and ending one early, cleanly.
+
+Theory of operation: a server that relays (the hub from a node, the node from its engine)
+copies the answer chunk by chunk with `relay_chunks`. Something outside the copy may
+decide it must stop -- the node was declared lost, the drain ran out: `Cut` cancels only
+the read in progress, never a write to the client (a write cut half-way leaves the
+client's connection in an unknown state). A stream that ends before its end gets one
+error event, in the stream's own framing (`stream_error`): an SSE `data:` event
+(`event: error` first for Anthropic's), or one valid NDJSON line -- which the `ollama`
+client raises as ResponseError -- never a blank line an NDJSON reader would choke on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
+
+from appliance.http.errors import error_body
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Cut:
+    """Why a relay must stop now (e.g. `node_lost`, `shutting_down`), and the read it
+    interrupts. `trip` cancels the read in progress, and every later read; watchers
+    (`watch`) run in the relay's nursery."""
+
+    __slots__ = ("reason", "_scope")
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self._scope: trio.CancelScope | None = None
+
+    def trip(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def reading(self) -> trio.CancelScope:
+        cs = trio.CancelScope()
+        if self.reason:
+            cs.cancel()
+        self._scope = cs
+        return cs
+
+    async def watch(self, event: trio.Event, reason: str) -> None:
+        await event.wait()
+        self.trip(reason)
+
+
+def stream_error(ctype: str, api: str, code: str, msg: str, tail: bytes = b"\n\n",
+                 status: int = 503) -> bytes:
+    """The error event that ends a cut stream, in the stream's own framing. `tail` is the
+    last bytes already sent: the event starts on a line of its own."""
+    body = error_body(api, status, code, msg)
+    if "event-stream" in ctype:
+        if not tail or tail.endswith(b"\n\n"):
+            sep = b""
+        else:
+            sep = b"\n" if tail.endswith(b"\n") else b"\n\n"
+        event = b"event: error\n" if api == "anthropic" else b""
+        return sep + event + b"data: " + body + b"\n\n"
+    sep = b"" if not tail or tail.endswith(b"\n") else b"\n"
+    return sep + body + b"\n"
+
+
+class Relayed:
+    """How a relay ended: `ended` (the source finished), else `failure` (its error text)
+    or a cut (`Cut.reason`); `tail` is the last two bytes sent."""
+
+    __slots__ = ("ended", "failure", "tail")
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.failure = ""
+        self.tail = b""
+
+
+async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None,
+                       errors: tuple[type[BaseException], ...], tail: bytes = b"") -> Relayed:
+    """Copy `chunks` to the client as `more_body` messages until they end, a read raises
+    one of `errors`, or `cut` trips. Does not send the final message: the caller ends the
+    response (normally, or with `stream_error`)."""
+    r = Relayed()
+    r.tail = tail
+    while True:
+        chunk = None
+        with cut.reading() if cut is not None else trio.CancelScope():
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                r.ended = True
+            except errors as e:
+                r.failure = str(e) or type(e).__name__
+        if r.ended or r.failure or chunk is None:
+            return r
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        r.tail = (r.tail + chunk)[-2:]
