@@ -23,13 +23,15 @@ import msgspec
 import trio
 
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
+from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.keys import request_key
 from appliance.config import ClientConfig
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.listener import Refusal
 from appliance.hub import translate
 from appliance.http.errors import ApiError
 from appliance.hub.relay import cut_before_answer
-from appliance.http.stream import Cut, stream_error
+from appliance.http.stream import Cut, relay_chunks, stream_error
 from appliance.hub.requestid import request_id
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.upstream import UpstreamError
@@ -169,7 +171,7 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
 
 async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
     try:
-        client = authenticate(hub, _key(scope))
+        client = authenticate(hub, request_key(scope["headers"]))
         out.client = client.name
         try:
             body = await read_body(receive, hub.cfg.hub.max_body_bytes)
@@ -220,37 +222,15 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
                     record(hub, out)
 
 
-def _key(scope) -> str | None:
-    auth = None
-    xkey = None
-    for k, v in scope["headers"]:
-        if k == b"authorization":
-            auth = v.decode("latin-1")
-        elif k == b"x-api-key":
-            xkey = v.decode("latin-1")
-    if auth and auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return xkey
-
-
 def _ready(hub, name: str) -> bool:
     return bool(hub.registry.ready_nodes(translate.resolve(name, hub.control.known)))
 
 
 async def _wait_grace(hub, receive, name: str) -> bool:
     """Wait out the start-up grace for `name`; False when the client went away meanwhile."""
-    gone = False
-    async with trio.open_nursery() as nursery:
-        async def watch() -> None:
-            nonlocal gone
-            await wait_disconnect(receive)
-            gone = True
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(watch)
+    async with cancel_on_disconnect(receive) as client:
         await hub.grace.wait_settled(lambda: _ready(hub, name))
-        nursery.cancel_scope.cancel()
-    return not gone
+    return not client.gone
 
 
 def _rid(out: Outcome) -> list[tuple[bytes, bytes]]:
@@ -380,22 +360,9 @@ async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, heade
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
             tail = first[-2:]
-        failure = ""
-        ended = False
-        while True:
-            chunk = None
-            with cut.reading():
-                try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    ended = True
-                except UpstreamError as e:
-                    failure = str(e)
-            if ended or failure or chunk is None:
-                break
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            tail = (tail + chunk)[-2:]
-        if not ended:
+        relayed = await relay_chunks(chunks, send, cut, (UpstreamError,), tail)
+        failure, tail = relayed.failure, relayed.tail
+        if not relayed.ended:
             code = cut.reason or "node_lost"
             if code == "shutting_down":
                 msg = "the hub is shutting down: stream cut at the end of the drain (Hub__DrainSeconds)"

@@ -21,7 +21,7 @@ import os
 from urllib.parse import parse_qs
 
 from appliance.asgi import send_json
-from appliance.hub.errors import error_body
+from appliance.http.errors import error_body
 from appliance.hub.history import RECENT_MAX
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
