@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import ssl
 import sys
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import trio
@@ -21,7 +22,6 @@ from hypercorn.config import Config as HyperConfig
 
 from appliance import hyperfix
 from appliance.config import parse_listen
-from appliance.http.disconnect import wait_disconnect
 from appliance.http.keys import request_key
 from appliance.listener import Limits, serve_guarded
 
@@ -55,7 +55,8 @@ def same_port(metrics_listen: str, api_listen: str, api_var: str) -> None:
     _, mport = parse_listen(metrics_listen, "Metrics__Listen")
     _, aport = parse_listen(api_listen, api_var)
     if mport and mport == aport:
-        raise StartupError(f"Metrics__Listen={metrics_listen!r} is the API's port ({api_var}={api_listen!r}): "
+        raise StartupError(
+            f"Metrics__Listen={metrics_listen!r} is the API's port ({api_var}={api_listen!r}): "
                            "give metrics a port of its own, or empty for no metrics server")
 
 
@@ -93,15 +94,19 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
-async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json(send: Send, status: int, obj: Any,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = obj if isinstance(obj, bytes) else _json.encode(obj)
-    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + (headers or [])})
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + (headers
+                                                                                            or [])})
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_text(send: Send, status: int, text: str | bytes, content_type: bytes = b"text/plain; charset=utf-8") -> None:
+async def send_text(send: Send, status: int, text: str | bytes,
+                    content_type: bytes = b"text/plain; charset=utf-8") -> None:
     body = text.encode() if isinstance(text, str) else text
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type",
+                                                                              content_type)]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -159,20 +164,23 @@ async def serve(
         try:
             cfg.create_ssl_context()
         except (OSError, ssl.SSLError) as e:
-            names = "/".join(f"{section}__{k}" for k, v in (("TlsCert", certfile), ("TlsKey", keyfile),
+            names = "/".join(f"{section}__{k}" for k, v in (("TlsCert", certfile), ("TlsKey",
+                                                                                    keyfile),
                                                            ("TlsCa", ca_certs)) if v)
             raise StartupError(f"{names}={certfile!r}{f', {keyfile!r}' if keyfile else ''}"
                                f"{f', {ca_certs!r}' if ca_certs else ''}: cannot load: {e.strerror or e}") from None
 
     async def _serve(*, task_status=trio.TASK_STATUS_IGNORED):
-        await serve_guarded(http_only(app), cfg, limits, shutdown_trigger=shutdown_trigger or trio.sleep_forever,
+        await serve_guarded(http_only(app), cfg, limits, shutdown_trigger=shutdown_trigger
+                            or trio.sleep_forever,
                             task_status=task_status)
 
     async with trio.open_nursery() as nursery:
         try:
             binds = await nursery.start(_serve)
         except OSError as e:
-            raise StartupError(f"{section}__Listen={listen!r}: cannot listen: {e.strerror or e}") from None
+            raise StartupError(
+                f"{section}__Listen={listen!r}: cannot listen: {e.strerror or e}") from None
         scheme, _, addr = binds[0].partition("://")
         h, _, p = addr.rpartition(":")
         print(f"appliance {role} listening on {scheme}://{addr}", file=sys.stderr, flush=True)

@@ -28,8 +28,10 @@ def version_string() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="appliance", description="A handful of GPU boxes as one LLM endpoint.")
-    p.add_argument("--version", action="store_true", help="print the version and the build's commit")
+    p = argparse.ArgumentParser(prog="appliance",
+                                description="A handful of GPU boxes as one LLM endpoint.")
+    p.add_argument("--version", action="store_true",
+                   help="print the version and the build's commit")
     sub = p.add_subparsers(dest="cmd")
     for role, text in (
         ("hub", "route clients to nodes"),
@@ -38,9 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         ("sim", "the simulated engine alone on a port (Sim__Listen)"),
     ):
         sp = sub.add_parser(role, help=text)
-        sp.add_argument("--env-file", default=os.environ.get("APPLIANCE_ENV_FILE"), help="KEY=VALUE file, read at start and on SIGHUP")
+        sp.add_argument("--env-file", default=os.environ.get("APPLIANCE_ENV_FILE"),
+                        help="KEY=VALUE file, read at start and on SIGHUP")
         sp.add_argument("--log-level", default=os.environ.get("APPLIANCE_LOG_LEVEL", "INFO"))
-    sub.add_parser("ctl", help="operate a running hub (status, models, nodes, retry, cordon, ...)", add_help=False)
+    sub.add_parser("ctl", help="operate a running hub (status, models, nodes, retry, cordon, ...)",
+                   add_help=False)
     return p
 
 

@@ -37,7 +37,8 @@ PriorityClass = Literal["essential", "normal", "background"]
 EngineKind = Literal["ollama", "llamacpp", "openai", "sim"]
 
 
-DEFAULT_NODE_NETWORKS = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
+DEFAULT_NODE_NETWORKS = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+                         "fc00::/7")
 
 
 class ConfigError(Exception):
@@ -278,7 +279,7 @@ def _strip(tp: typing.Any) -> typing.Any:
     """Annotated[X, ...] -> X; X | None -> X."""
     while typing.get_origin(tp) is Annotated:
         tp = typing.get_args(tp)[0]
-    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if typing.get_origin(tp) in (typing.Union, __import__("types").UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return _strip(args[0])
@@ -310,13 +311,15 @@ def _place(tree: dict, cls: type, segs: list[str], value: str, var: str, path: l
     _place_typed(tree, name, _strip(tp), segs[1:], value, var, [*path, name])
 
 
-def _place_typed(tree: dict, name: str, tp: typing.Any, rest: list[str], value: str, var: str, path: list) -> None:
+def _place_typed(tree: dict, name: str, tp: typing.Any, rest: list[str], value: str, var: str,
+                 path: list) -> None:
     origin = typing.get_origin(tp)
     if not rest:
         if origin is list:
             item = _strip(typing.get_args(tp)[0])
             if isinstance(item, type) and issubclass(item, msgspec.Struct):
-                raise ConfigError(f"{var}: {'__'.join(path)} is a list; set {'__'.join(path)}__0__<Key>")
+                raise ConfigError(
+                    f"{var}: {'__'.join(path)} is a list; set {'__'.join(path)}__0__<Key>")
             tree[name] = [v.strip() for v in value.split(",") if v.strip()]
         else:
             tree[name] = value
@@ -421,7 +424,8 @@ def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None =
     return cfg
 
 
-def _check_finite(obj: msgspec.Struct, path: list[str], originals: dict[str, str], merged: dict[str, str]) -> None:
+def _check_finite(obj: msgspec.Struct, path: list[str], originals: dict[str, str],
+                  merged: dict[str, str]) -> None:
     """`inf` and `nan` parse as floats and pass `ge=0`; a bound that never ends is refused."""
     for f in msgspec.structs.fields(obj):
         v = getattr(obj, f.name)
@@ -447,7 +451,8 @@ def _duplicates(var: str, values: list[str], what: str) -> None:
     seen: dict[str, int] = {}
     for i, v in enumerate(values):
         if v and v in seen:
-            raise ConfigError(f"{var.format(seen[v])} and {var.format(i)} have the same {what}: each must be unique")
+            raise ConfigError(
+                f"{var.format(seen[v])} and {var.format(i)} have the same {what}: each must be unique")
         seen.setdefault(v, i)
 
 
@@ -474,13 +479,15 @@ def _check(cfg: Config) -> None:
         if not valid_node_name(c.name):
             raise ConfigError(f"Auth__Nodes__{i}__Name={c.name[:200]!r}: {NODE_NAME_RULE}")
         if not c.token:
-            raise ConfigError(f"Auth__Nodes__{i}__Token is empty: every per-node credential needs a token")
+            raise ConfigError(
+                f"Auth__Nodes__{i}__Token is empty: every per-node credential needs a token")
     _duplicates("Auth__Nodes__{}__Name", [c.name for c in cfg.auth.nodes], "name")
     for i, net in enumerate(cfg.hub.node_networks):
         try:
             ipaddress.ip_network(net, strict=False)
         except ValueError:
-            raise ConfigError(f"Hub__NodeNetworks={','.join(cfg.hub.node_networks)!r}: {net!r} is not a CIDR"
+            raise ConfigError(
+                f"Hub__NodeNetworks={','.join(cfg.hub.node_networks)!r}: {net!r} is not a CIDR"
                               " (e.g. 10.0.0.0/8)") from None
     for i, n in enumerate(cfg.nodes):
         if not n.url.startswith(("http://", "https://")):
@@ -500,15 +507,18 @@ def _check(cfg: Config) -> None:
             )
     for i, m in enumerate(cfg.sim.models):
         if not m.name:
-            raise ConfigError(f"Sim__Models__{i}__Name is empty: every simulated model needs a name")
-    for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen), ("Sim__Listen", cfg.sim.listen)):
+            raise ConfigError(
+                f"Sim__Models__{i}__Name is empty: every simulated model needs a name")
+    for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen),
+                        ("Sim__Listen", cfg.sim.listen)):
         parse_listen(listen, var)
     for var, urls in (("Cluster__Etcd", cfg.cluster.endpoints()), ("Hub__Url", cfg.hub_urls())):
         for u in urls:
             if not u.startswith(("http://", "https://")):
                 raise ConfigError(f"{var}={u!r}: expected comma-separated http:// or https:// URLs")
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", cfg.cluster.prefix):
-        raise ConfigError(f"Cluster__Prefix={cfg.cluster.prefix!r}: expected 1-64 of A-Z a-z 0-9 . _ -")
+        raise ConfigError(
+            f"Cluster__Prefix={cfg.cluster.prefix!r}: expected 1-64 of A-Z a-z 0-9 . _ -")
     if cfg.metrics.listen:
         parse_listen(cfg.metrics.listen, "Metrics__Listen")
 

@@ -25,24 +25,32 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="appliance ctl", description="Operate a running hub (admin API).")
+    p = argparse.ArgumentParser(prog="appliance ctl",
+                                description="Operate a running hub (admin API).")
     p.add_argument("--json", action="store_true", help="print the hub's JSON instead of a table")
     p.add_argument("--url", default=os.environ.get("APPLIANCE_HUB_URL", DEFAULT_URL),
                    help="the hub (APPLIANCE_HUB_URL, default %(default)s)")
-    p.add_argument("--key-file", default="", help="read the admin key from this file (else APPLIANCE_ADMIN_KEY)")
-    p.add_argument("--key", default=None, help="admin key on the command line: visible in the process list; prefer "
+    p.add_argument("--key-file", default="",
+                   help="read the admin key from this file (else APPLIANCE_ADMIN_KEY)")
+    p.add_argument("--key", default=None,
+                   help="admin key on the command line: visible in the process list; prefer "
                                                "--key-file or APPLIANCE_ADMIN_KEY")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("status", help="models against what they should have now, and nodes; exit 1 if not satisfied")
+    sub.add_parser("status",
+                   help="models against what they should have now, and nodes; exit 1 if not satisfied")
     sub.add_parser("models", help="every model's health")
     sub.add_parser("nodes", help="every node")
     sp = sub.add_parser("retry", help="unpark a model and try it again")
     sp.add_argument("model")
-    for action, text in (("cordon", "stop routing to a node"), ("uncordon", "route to a node again"),
-                         ("pause", "the node refuses new work (its owner's switch)"), ("resume", "undo pause")):
+    for action, text in (("cordon", "stop routing to a node"), ("uncordon",
+                                                                "route to a node again"),
+                         ("pause", "the node refuses new work (its owner's switch)"),
+                         ("resume", "undo pause")):
         sub.add_parser(action, help=text).add_argument("node")
-    sub.add_parser("forget", help="drop a node now (an announced one returns only by announcing again)").add_argument("node")
-    for action, text in (("pull", "pull a model onto every Ollama node (or --node), showing progress"),
+    sub.add_parser("forget",
+                   help="drop a node now (an announced one returns only by announcing again)").add_argument("node")
+    for action, text in (("pull",
+                          "pull a model onto every Ollama node (or --node), showing progress"),
                          ("rm", "delete a model from every Ollama node (or --node)")):
         sp = sub.add_parser(action, help=text)
         sp.add_argument("model")
@@ -87,17 +95,21 @@ def models_table(models: list[dict]) -> str:
         if m["last_error"] and (m["parked"] or m["consecutive_start_failures"]):
             why = f"{why}; last error: {m['last_error']}" if why else f"last error: {m['last_error']}"
         rows.append([m["name"], str(m["desired"]), str(m["ready"]), str(m["loading"]),
-                     str(m["consecutive_start_failures"]), _model_state(m), ",".join(m["nodes"]) or "-", why or ""])
+                     str(m["consecutive_start_failures"]), _model_state(m), ",".join(m["nodes"])
+                     or "-", why or ""])
     return _table(rows)
 
 
 def nodes_table(nodes: list[dict]) -> str:
     rows = [["NODE", "STATUS", "ENGINES", "MEMORY MiB", "IN-FLIGHT", "READY", "URL"]]
     for n in nodes:
-        mem = "-" if n["memory_total_mb"] is None else f"{n['memory_used_mb'] or 0}/{n['memory_total_mb']}"
+        mem = "-" if n[
+            "memory_total_mb"] is None else f"{n['memory_used_mb'] or 0}/{n['memory_total_mb']}"
         engines = ",".join(f"{e['kind']} {e['version']}".strip() for e in n["engines"]) or "-"
-        status = n["status"] + (f" ({n['lost_reason']})" if n["status"] == "lost" and n["lost_reason"] else "")
-        rows.append([n["name"], status, engines, mem, str(n["in_flight"]), ",".join(n["models"]["ready"]) or "-", n["url"]])
+        status = n["status"] + (f" ({n['lost_reason']})" if n["status"] == "lost"
+                                and n["lost_reason"] else "")
+        rows.append([n["name"], status, engines, mem, str(n["in_flight"]),
+                     ",".join(n["models"]["ready"]) or "-", n["url"]])
     return _table(rows)
 
 
@@ -110,8 +122,10 @@ def cluster_line(c: dict) -> str:
 
 def render(cmd: str, body: dict) -> str:
     if cmd == "status":
-        head = "fleet: satisfied" if body["satisfied"] else f"fleet: NOT SATISFIED ({len(body['problems'])} problems)"
-        parts = [head, *(f"  - {p}" for p in body["problems"]), "", models_table(body["models"]) if body["models"]
+        head = "fleet: satisfied" if body[
+            "satisfied"] else f"fleet: NOT SATISFIED ({len(body['problems'])} problems)"
+        parts = [head, *(f"  - {p}" for p in body["problems"]), "", models_table(body["models"])
+                 if body["models"]
                  else "no models", "", nodes_table(body["nodes"]) if body["nodes"] else "no nodes"]
         if body.get("cluster"):
             parts[1:1] = [cluster_line(body["cluster"])]
@@ -144,7 +158,8 @@ def admin_key(args, err) -> str:
         with open(args.key_file, encoding="utf-8") as fh:
             return fh.read().strip()
     if args.key is not None:
-        print("appliance ctl: warning: --key shows the admin key in the process list; use --key-file or "
+        print(
+            "appliance ctl: warning: --key shows the admin key in the process list; use --key-file or "
               "APPLIANCE_ADMIN_KEY", file=err)
         return args.key
     return os.environ.get("APPLIANCE_ADMIN_KEY", "")
@@ -160,25 +175,31 @@ def model_op(args, client: httpx.Client, out, err) -> int:
     params = {"node": args.node} if args.node else None
     if args.cmd == "rm":
         resp = client.request("DELETE", "/api/delete", params=params, json={"model": args.model})
-        body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+        body = resp.json() if resp.headers.get("content-type",
+                                               "").startswith("application/json") else {}
         if resp.status_code != 200:
-            print(f"appliance ctl rm: the hub answered {resp.status_code}: {body.get('error', resp.text[:300])}", file=err)
+            print(
+                f"appliance ctl rm: the hub answered {resp.status_code}: {body.get('error', resp.text[:300])}", file=err)
             return 1
-        print(json.dumps(body) if args.json else f"{args.model}: deleted on {', '.join(body.get('deleted', []))}", file=out)
+        print(json.dumps(body) if args.json
+              else f"{args.model}: deleted on {', '.join(body.get('deleted', []))}", file=out)
         return 0
     last: dict = {}
     with client.stream("POST", "/api/pull", params=params, json={"model": args.model},
                        timeout=httpx.Timeout(None, connect=5.0)) as resp:
         if resp.status_code != 200:
             resp.read()
-            print(f"appliance ctl pull: the hub answered {resp.status_code}: {resp.text[:300]}", file=err)
+            print(f"appliance ctl pull: the hub answered {resp.status_code}: {resp.text[:300]}",
+                  file=err)
             return 1
         for raw in resp.iter_lines():
             if not raw.strip():
                 continue
             last = json.loads(raw)
-            print(raw if args.json else (f"error: {last['node'] + ': ' if last.get('node') else ''}{last['error']}"
-                                         if "error" in last else _progress(last)), file=out, flush=True)
+            print(raw if args.json
+                  else (f"error: {last['node'] + ': ' if last.get('node') else ''}{last['error']}"
+                                         if "error" in last else _progress(last)), file=out,
+                  flush=True)
     return 0 if last.get("status") == "success" else 1
 
 
@@ -201,7 +222,8 @@ def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None)
         try:
             return model_op(args, client, out, err)
         except httpx.HTTPError as e:
-            print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}", file=err)
+            print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}",
+                  file=err)
             return 2
         finally:
             if own:
@@ -209,7 +231,8 @@ def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None)
     try:
         resp = request(args, client)
     except httpx.HTTPError as e:
-        print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}", file=err)
+        print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}",
+              file=err)
         return 2
     finally:
         if own:

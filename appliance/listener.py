@@ -34,8 +34,9 @@ import ctypes.util
 import errno
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgspec
 import trio
@@ -201,7 +202,8 @@ class _GuardedStream:
                 with trio.move_on_after(_WRITE_408_SECONDS):
                     try:
                         await self._inner.send_all(_raw_408())
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                    except (trio.BrokenResourceError, trio.ClosedResourceError,
+                            trio.BusyResourceError):
                         pass
             raise trio.BrokenResourceError("request head not received in time")
         g.received(data)
@@ -265,7 +267,8 @@ def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
                 return
             body = error_json(scope["path"], status, code, message)
             await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
                                     (b"connection", b"close"), *extra]})
             await send({"type": "http.response.body", "body": body})
 
@@ -285,9 +288,11 @@ def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
                 return
             await app(scope, receive_guarded, send_tracked)
         except RequestTimeout:
-            await refuse(408, "request_timeout", f"request body not received within {limits.body_read_seconds:g} s")
+            await refuse(408, "request_timeout",
+                         f"request body not received within {limits.body_read_seconds:g} s")
         except Busy:
-            log.warning("refusing a request body: %d bytes of bodies held, the bound is %d", budget.held, budget.limit)
+            log.warning("refusing a request body: %d bytes of bodies held, the bound is %d",
+                        budget.held, budget.limit)
             await refuse(503, "busy", "the server holds too many request bodies now; retry shortly",
                          [(b"retry-after", str(BUSY_RETRY_AFTER).encode())])
         finally:
@@ -324,7 +329,8 @@ class _Shed:
                 now = trio.current_time()
                 if now - self._logged >= self.LOG_EVERY:
                     self._logged = now
-                    log.warning("%d connections open (the bound): closing the oldest that serve no request to "
+                    log.warning(
+                        "%d connections open (the bound): closing the oldest that serve no request to "
                                 "take new ones (%d so far)", limit, self.count)
                 return True
         return False
@@ -342,7 +348,8 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
     binds: list[str] = []
     for sock in sockets.secure_sockets:
         sock.listen(cfg.backlog)
-        listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), ssl_context,
+        listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
+                                          ssl_context,
                                           https_compatible=True))
         binds.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
     for sock in sockets.insecure_sockets:
@@ -362,7 +369,8 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         try:
             with guard.cancel:
                 async with stream:  # closed whatever TCPServer did (a failed handshake returns early)
-                    await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard}, _GuardedStream(stream, guard))
+                    await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard},
+                                     _GuardedStream(stream, guard))
         finally:
             live.pop(guard, None)
             slots.release()
@@ -374,7 +382,8 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
             except OSError as e:
                 if e.errno not in _ACCEPT_CAPACITY:
                     raise
-                log.error("accept failed (%s); pausing 100 ms", errno.errorcode.get(e.errno, e.errno))
+                log.error("accept failed (%s); pausing 100 ms", errno.errorcode.get(e.errno,
+                                                                                    e.errno))
                 await trio.sleep(0.1)
                 continue
             try:

@@ -9,7 +9,7 @@ expiry, seconds since a heartbeat) are fresh at each scrape rather than polled.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 

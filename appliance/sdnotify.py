@@ -48,7 +48,7 @@ import os
 import socket
 import sys
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import trio
 
@@ -85,7 +85,7 @@ class Notifier:
         pid: int | None = None,
         ppid: int | None = None,
         frozen: bool | None = None,
-    ) -> "Notifier":
+    ) -> Notifier:
         """Read $NOTIFY_SOCKET, $WATCHDOG_USEC and $WATCHDOG_PID (see the module doc)."""
         env = os.environ if environ is None else environ
         pid = os.getpid() if pid is None else pid
@@ -112,7 +112,8 @@ class Notifier:
         if not self.socket_path:
             if not self._warned:
                 self._warned = True
-                log.debug("no NOTIFY_SOCKET (not started by systemd): %s not sent", msg.split("\n")[0])
+                log.debug("no NOTIFY_SOCKET (not started by systemd): %s not sent",
+                          msg.split("\n")[0])
             return False
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
@@ -122,7 +123,8 @@ class Notifier:
         except OSError as e:
             if not self._warned:
                 self._warned = True
-                log.warning("sd_notify to %s failed: %s (further failures not logged)", self.socket_path, e)
+                log.warning("sd_notify to %s failed: %s (further failures not logged)",
+                            self.socket_path, e)
             return False
 
     def ready(self, status: str = "") -> bool:

@@ -40,22 +40,40 @@ import logging
 import signal
 import struct
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import trio
 
-from appliance import __version__
+from appliance import __version__, simtools
 from appliance.asgi import BodyTooLarge, read_body, serve, wait_disconnect
-from appliance.config import MiB, ConfigError, SimConfig
+from appliance.config import ConfigError, MiB, SimConfig
 from appliance.config import load as load_config
-from appliance import simtools
 from appliance.http.errors import error_body
-from appliance.simcore import (EMBED_DIM, FINGERPRINT, MAX_TOKENS, NDJSON, SIM_HEADER, SSE, VERSION, Frame, Req,
-                               ApiError,
-                               SimModelState, SimState, count, embedding, is_zero_keep_alive, iso, ollama_frame,
-                               openai_frame, req_decoder, tokens)
+from appliance.simcore import (
+    EMBED_DIM,
+    FINGERPRINT,
+    MAX_TOKENS,
+    NDJSON,
+    SIM_HEADER,
+    SSE,
+    VERSION,
+    ApiError,
+    Frame,
+    Req,
+    SimModelState,
+    SimState,
+    count,
+    embedding,
+    is_zero_keep_alive,
+    iso,
+    ollama_frame,
+    openai_frame,
+    req_decoder,
+    tokens,
+)
 
 log = logging.getLogger("appliance.sim")
 
@@ -71,7 +89,8 @@ _enc = msgspec.json.Encoder()
 
 async def _send_json(send, status: int, obj: Any) -> None:
     await send({"type": "http.response.start", "status": status, "headers": _JSON})
-    await send({"type": "http.response.body", "body": obj if isinstance(obj, bytes) else _enc.encode(obj)})
+    await send({"type": "http.response.body", "body": obj if isinstance(obj, bytes)
+                else _enc.encode(obj)})
 
 
 class SimApp:
@@ -106,7 +125,8 @@ class SimApp:
         try:
             if handler is None:
                 if path in self._paths:
-                    raise ApiError(405, "method_not_allowed", f"method {scope['method']} not allowed on {path}")
+                    raise ApiError(405, "method_not_allowed",
+                                   f"method {scope['method']} not allowed on {path}")
                 raise ApiError(404, "not_found", f"no such path {path} on the simulated engine")
             await handler(scope, receive, send, path)
         except ApiError as e:  # raised only before a response starts
@@ -148,21 +168,25 @@ class SimApp:
         await self.state.ensure_loaded(m)  # ApiError from here is still a clean refusal
         load_ns = int((trio.current_time() - t_load) * 1e9)
         toks = tokens(seed, n)
-        st = {"finish": finish, "prompt": max(1, len(seed) // 4), "completion": n, "load_ns": load_ns}
+        st = {"finish": finish, "prompt": max(1, len(seed) // 4), "completion": n,
+              "load_ns": load_ns}
         tps = self.state.tokens_per_second
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             async with m.slots:
                 start = trio.current_time()
                 if stream:
-                    await send({"type": "http.response.start", "status": 200, "headers": frame.headers})
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": frame.headers})
                     if frame.head:
-                        await send({"type": "http.response.body", "body": frame.head, "more_body": True})
+                        await send({"type": "http.response.body", "body": frame.head,
+                                    "more_body": True})
                     prefix, suffix = frame.prefix, frame.suffix
                     for i, (_, tok) in enumerate(toks):
                         if tps > 0:
                             await trio.sleep_until(start + (i + 1) / tps)
-                        await send({"type": "http.response.body", "body": b"".join((prefix, tok, suffix)),
+                        await send({"type": "http.response.body", "body": b"".join((prefix, tok,
+                                                                                    suffix)),
                                     "more_body": True})
                     st["eval_ns"] = int((trio.current_time() - start) * 1e9)
                     st["total_ns"] = st["eval_ns"] + load_ns
@@ -203,7 +227,8 @@ class SimApp:
         if call is not None:
             await self.state.ensure_loaded(m)
             await self._send_tool_call(send, NDJSON if req.stream is not False else _JSON,
-                                       simtools.ollama_answer(req.model, iso(time.time()), call, req.stream is not False))
+                                       simtools.ollama_answer(req.model, iso(time.time()), call,
+                                                              req.stream is not False))
             return
         body = req.messages if chat else [req.system, req.prompt]
         seed = _enc.encode([m.spec.name, body])
@@ -224,12 +249,14 @@ class SimApp:
             await _send_json(send, 200, {"embedding": vecs[0] if vecs else [], "x_simulated": True})
             return
         await _send_json(send, 200, {"model": req.model, "embeddings": vecs, "total_duration": 0,
-                                     "load_duration": 0, "prompt_eval_count": sum(len(i) // 4 + 1 for i in items),
+                                     "load_duration": 0, "prompt_eval_count": sum(len(i) // 4 + 1
+                                                                                  for i in items),
                                      "x_simulated": True})
 
     def _tag(self, m: SimModelState) -> dict[str, Any]:
         size = m.spec.size_mb * MiB
-        return {"name": m.spec.name, "model": m.spec.name, "modified_at": iso(self.state.started_at),
+        return {"name": m.spec.name, "model": m.spec.name,
+                "modified_at": iso(self.state.started_at),
                 "size": size, "digest": m.digest, "details": _DETAILS}
 
     async def ollama_tags(self, scope, receive, send, path: str) -> None:
@@ -248,7 +275,8 @@ class SimApp:
     async def ollama_show(self, scope, receive, send, path: str) -> None:
         m = self._model(await self._request(receive), "ollama")
         await _send_json(send, 200, {
-            "license": "", "modelfile": f"# simulated by appliance {__version__}\nFROM {m.spec.name}\n",
+            "license": "",
+            "modelfile": f"# simulated by appliance {__version__}\nFROM {m.spec.name}\n",
             "parameters": "", "template": "{{ .Prompt }}", "details": _DETAILS,
             "model_info": {"general.architecture": "sim", "general.parameter_count": 0,
                            "sim.context_length": MAX_TOKENS, "sim.embedding_length": EMBED_DIM},
@@ -264,27 +292,32 @@ class SimApp:
         m = self.state.add(name)
         size = m.spec.size_mb * MiB
         lines = [{"status": "pulling manifest"},
-                 *({"status": f"pulling {m.digest[:12]}", "digest": f"sha256:{m.digest}", "total": size,
+                 *({"status": f"pulling {m.digest[:12]}", "digest": f"sha256:{m.digest}",
+                    "total": size,
                     "completed": size * i // 4} for i in range(1, 5)),
-                 {"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
+                 {"status": "verifying sha256 digest"}, {"status": "writing manifest"},
+                 {"status": "success"}]
         if req.stream is False:
             await _send_json(send, 200, {"status": "success"})
             return
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
-        await send({"type": "http.response.body", "body": b"".join(_enc.encode(x) + b"\n" for x in lines)})
+        await send({"type": "http.response.body", "body": b"".join(_enc.encode(x) + b"\n"
+                                                                   for x in lines)})
 
     async def ollama_delete(self, scope, receive, send, path: str) -> None:
         req = await self._request(receive)
         name = req.model or req.name
         if not self.state.remove(name):
             raise ApiError(404, "model_not_found", f"model '{name}' not found")
-        await send({"type": "http.response.start", "status": 200, "headers": [SIM_HEADER, (b"content-length", b"0")]})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [SIM_HEADER, (b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
     async def root(self, scope, receive, send, path: str) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain; charset=utf-8"), SIM_HEADER]})
-        await send({"type": "http.response.body", "body": b"Ollama is running (simulated by appliance)"})
+        await send({"type": "http.response.body",
+                    "body": b"Ollama is running (simulated by appliance)"})
 
     # --- OpenAI ------------------------------------------------------------------------
 
@@ -316,7 +349,8 @@ class SimApp:
         if isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(i, int) for i in x)):
             x = [x]
         if not isinstance(x, list) or not x:
-            raise ApiError(400, "invalid_request", "'input' must be a string, an array of strings or of tokens")
+            raise ApiError(400, "invalid_request",
+                           "'input' must be a string, an array of strings or of tokens")
         await self.state.ensure_loaded(m)
         data = []
         for i, item in enumerate(x):

@@ -23,7 +23,8 @@ import logging
 import random
 import struct
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import trio
@@ -213,7 +214,7 @@ class SimState:
 
 
 def iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 class Frame:
@@ -243,7 +244,8 @@ def ollama_frame(model: str, chat: bool) -> Frame:
         else:
             out["response"] = text
         out.update(done=True, done_reason=st["finish"], total_duration=st["total_ns"],
-                   load_duration=st["load_ns"], prompt_eval_count=st["prompt"], prompt_eval_duration=0,
+                   load_duration=st["load_ns"], prompt_eval_count=st["prompt"],
+                   prompt_eval_duration=0,
                    eval_count=st["completion"], eval_duration=st["eval_ns"], x_simulated=True)
         return out
 
@@ -258,7 +260,8 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
     created = int(time.time())
     rid = f"{'chatcmpl' if chat else 'cmpl'}-sim{ident}"
     obj = "chat.completion" if chat else "text_completion"
-    meta = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model,
+    meta = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+            "model": model,
             "system_fingerprint": FINGERPRINT}
     base = b"data: " + _enc.encode(meta)[:-1] + b',"choices":[{"index":0,'
     end = b',"logprobs":null,"finish_reason":null}]}\n\n'

@@ -37,20 +37,24 @@ def pick(tools: Any, tool_choice: Any, last_role: str) -> tuple[str, dict] | Non
         return None
     fn = fns[0]
     if isinstance(tool_choice, dict):
-        want = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
+        want = (tool_choice.get("function")
+                or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
         fn = next((f for f in fns if f["name"] == want), fn)
     params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
     props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
     required = params.get("required") if isinstance(params.get("required"), list) else []
-    args = {k: _VALUES.get((props.get(k) or {}).get("type", "string"), "sim") for k in required if isinstance(k, str)}
+    args = {k: _VALUES.get((props.get(k) or {}).get("type", "string"), "sim") for k in required
+            if isinstance(k, str)}
     return fn["name"], args
 
 
-def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool, include_usage: bool) -> bytes:
+def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool,
+                  include_usage: bool) -> bytes:
     name, args = call
     meta = {"id": f"chatcmpl-sim{ident}", "created": int(time.time()), "model": model,
             "system_fingerprint": "appliance-sim"}
-    tc = {"id": f"call_sim{ident}", "type": "function", "function": {"name": name, "arguments": _enc.encode(args).decode()}}
+    tc = {"id": f"call_sim{ident}", "type": "function",
+          "function": {"name": name, "arguments": _enc.encode(args).decode()}}
     usage = {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
     if not stream:
         return _enc.encode({**meta, "object": "chat.completion", "choices": [{
@@ -59,11 +63,13 @@ def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool, 
     chunk = {**meta, "object": "chat.completion.chunk"}
 
     def ev(delta: dict, finish: str | None) -> bytes:
-        return b"data: " + _enc.encode({**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        return b"data: " + _enc.encode({**chunk, "choices": [{"index": 0, "delta": delta,
+                                                              "logprobs": None,
                                                                "finish_reason": finish}]}) + b"\n\n"
     first = {**tc, "index": 0, "function": {"name": name, "arguments": ""}}
     out = [ev({"role": "assistant", "content": None, "tool_calls": [first]}, None),
-           ev({"tool_calls": [{"index": 0, "function": {"arguments": tc["function"]["arguments"]}}]}, None),
+           ev({"tool_calls": [{"index": 0,
+                               "function": {"arguments": tc["function"]["arguments"]}}]}, None),
            ev({}, "tool_calls")]
     if include_usage:
         out.append(b"data: " + _enc.encode({**chunk, "choices": [], "usage": usage}) + b"\n\n")
@@ -72,9 +78,12 @@ def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool, 
 
 def ollama_answer(model: str, created_at: str, call: tuple[str, dict], stream: bool) -> bytes:
     name, args = call
-    msg = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": name, "arguments": args}}]}
-    last = {"model": model, "created_at": created_at, "message": msg, "done": True, "done_reason": "stop",
-            "total_duration": 0, "load_duration": 0, "prompt_eval_count": 8, "prompt_eval_duration": 0,
+    msg = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": name,
+                                                                            "arguments": args}}]}
+    last = {"model": model, "created_at": created_at, "message": msg, "done": True,
+            "done_reason": "stop",
+            "total_duration": 0, "load_duration": 0, "prompt_eval_count": 8,
+            "prompt_eval_duration": 0,
             "eval_count": 8, "eval_duration": 0, "x_simulated": True}
     if not stream:
         return _enc.encode(last)

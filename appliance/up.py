@@ -45,12 +45,14 @@ async def ollama_answers(url: str = OLLAMA_URL) -> bool:
 
 def up_config(cfg: Config, use_ollama: bool) -> Config:
     """The single-box configuration: loopback hub, a local node on a free port."""
-    hub = cfg.hub if cfg.hub.listen != "0.0.0.0:8080" else msgspec.structs.replace(cfg.hub, listen=UP_HUB_LISTEN)
+    hub = cfg.hub if cfg.hub.listen != "0.0.0.0:8080" else msgspec.structs.replace(cfg.hub,
+                                                                                   listen=UP_HUB_LISTEN)
     listen = UP_NODE_LISTEN if cfg.node.listen == DEFAULT_NODE_LISTEN else cfg.node.listen
     node = msgspec.structs.replace(cfg.node, listen=listen, name=cfg.node.name or "local")
     engine = msgspec.structs.replace(cfg.engine, kind="ollama" if use_ollama else "sim",
                                      url=OLLAMA_URL if use_ollama else cfg.engine.url)
-    metrics = cfg.metrics if cfg.metrics.listen is not None else msgspec.structs.replace(cfg.metrics, listen="")
+    metrics = cfg.metrics if cfg.metrics.listen is not None else msgspec.structs.replace(
+        cfg.metrics, listen="")
     return msgspec.structs.replace(cfg, hub=hub, node=node, engine=engine, metrics=metrics)
 
 
@@ -72,13 +74,13 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
 
 async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> None:
-    from appliance.node.run import run_node
-
     from appliance import sdnotify
+    from appliance.node.run import run_node
 
     heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.hub.control_interval_seconds)
     # One metrics listener per process: the hub's. Both binding Metrics__Listen is EADDRINUSE.
-    node_only = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics, listen=""))
+    node_only = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics,
+                                                                             listen=""))
     hub_done = trio.Event()
     watchdog = trio.CancelScope()
 
@@ -106,7 +108,8 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
         notifier.ready()
         hub.control.beat = heartbeat.beat  # the control loop's every turn feeds the watchdog
         nursery.start_soon(feed_watchdog)
-        nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file, adjust), "up")
+        nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub,
+                                                                            env_file, adjust), "up")
         # The hub and the node drain on the same stop event and return; so does this.
         await hub_done.wait()
         watchdog.cancel()

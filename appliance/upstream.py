@@ -23,7 +23,7 @@ from __future__ import annotations
 import select
 import ssl
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import h11
@@ -61,7 +61,8 @@ def _before_answer(e: BaseException, read_timeout: float) -> str:
         return f"did not answer within {read_timeout:g} s"
     if isinstance(e, h11.RemoteProtocolError) and "ConnectionClosed" not in str(e):
         return f"sent a broken response ({e})"
-    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, h11.RemoteProtocolError)):
+    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError,
+                      h11.RemoteProtocolError)):
         return "closed the connection before answering"
     return f"failed before answering ({type(e).__name__}: {e})"
 
@@ -102,7 +103,7 @@ class _Conn:
 class Response:
     """Status and headers of a node's answer; `chunks()` yields the body as it arrives."""
 
-    def __init__(self, pool: "Pool", key, conn: _Conn, ev: h11.Response, read_timeout: float) -> None:
+    def __init__(self, pool: Pool, key, conn: _Conn, ev: h11.Response, read_timeout: float) -> None:
         self._pool = pool
         self._key = key
         self._conn: _Conn | None = conn
@@ -122,7 +123,8 @@ class Response:
                 ev = conn.h11.next_event()
             except h11.RemoteProtocolError as e:
                 await self._discard()
-                raise UpstreamError(f"broke off the response ({e})", before_response=False) from None
+                raise UpstreamError(f"broke off the response ({e})",
+                                    before_response=False) from None
             if isinstance(ev, h11.Data):
                 pending.append(ev.data)
                 continue
@@ -175,7 +177,8 @@ class Response:
 
 
 class Pool:
-    def __init__(self, headers: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, headers: dict[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self._idle: dict[tuple, list[_Conn]] = {}
         self._headers = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._ssl = ssl_context
@@ -242,9 +245,11 @@ class Pool:
         except ConnectionRefusedError:
             raise UpstreamError(f"refused the connection at {host}:{port}") from None
         except trio.TooSlowError:
-            raise UpstreamError(f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s") from None
+            raise UpstreamError(
+                f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s") from None
         except (OSError, trio.BrokenResourceError) as e:
-            raise UpstreamError(f"could not be connected to at {host}:{port} ({type(e).__name__}: {e})") from None
+            raise UpstreamError(
+                f"could not be connected to at {host}:{port} ({type(e).__name__}: {e})") from None
         return _Conn(stream)
 
     async def request(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes,
@@ -255,7 +260,8 @@ class Pool:
         key = (u.scheme, u.hostname, port)
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
         given = {k for k, _ in headers}
-        hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *(kv for kv in self._headers if kv[0] not in given), *headers,
+        hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *(kv for kv in self._headers
+                                                              if kv[0] not in given), *headers,
                 (b"content-length", str(len(body)).encode())]
         for attempt in (0, 1):
             conn = self._get(key) if attempt == 0 else None
@@ -270,7 +276,8 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _exchange(self, key, conn: _Conn, method, target, hdrs, body, read_timeout) -> Response:
+    async def _exchange(self, key, conn: _Conn, method, target, hdrs, body,
+                        read_timeout) -> Response:
         c = conn.h11
         out = c.send(h11.Request(method=method, target=target, headers=hdrs))
         if body:

@@ -47,7 +47,8 @@ def fleet(cap: int) -> Registry:
         h = NodeHandle(f"gpu-{i:03d}", f"http://gpu-{i:03d}:9090", static=False)
         h.connected = True
         h.state = NodeState(name=h.name, slots=2, max_concurrency=cap,
-                            models=[ModelState(name=m, state="ready") for m in [*OTHER_MODELS, MODEL]])
+                            models=[ModelState(name=m, state="ready") for m in [*OTHER_MODELS,
+                                                                                MODEL]])
         r.nodes[h.name] = h
     for h in list(r.nodes.values()):
         r.start(h, MODEL)
@@ -79,7 +80,8 @@ async def held_request(adm: Admission, r: Registry, client: str) -> None:
     await trio.sleep_forever()
 
 
-async def hold_waiters(adm: Admission, r: Registry, nursery: trio.Nursery, n: int = WAITERS) -> None:
+async def hold_waiters(adm: Admission, r: Registry, nursery: trio.Nursery,
+                       n: int = WAITERS) -> None:
     for i in range(n):
         nursery.start_soon(held_request, adm, r, f"batch-{i:05d}")
     await trio.testing.wait_all_tasks_blocked()
@@ -92,7 +94,8 @@ async def bench_decisions(cap: int, what: str) -> None:
     async with trio.open_nursery() as nursery:
         await hold_waiters(adm, r, nursery)
         assert core.classes["background"].waiting == WAITERS
-        print(f"{what}: {NODES} nodes (MaxConcurrency={cap}, ModelSlots=2), {WAITERS:,} background requests held")
+        print(
+            f"{what}: {NODES} nodes (MaxConcurrency={cap}, ModelSlots=2), {WAITERS:,} background requests held")
 
         def decide(cls: str):
             ready = adm._ready_nodes(MODEL)
@@ -105,8 +108,10 @@ async def bench_decisions(cap: int, what: str) -> None:
             core.leave(decide("background"), timed_out=False)
 
         rows = [
-            ("the full walk: fleet_of (reference), 100 nodes", lambda: fleet_of(r.nodes.values(), MODEL)),
-            ("the full walk: count over the ready nodes", lambda: count(adm._ready_nodes(MODEL), MODEL)),
+            ("the full walk: fleet_of (reference), 100 nodes", lambda: fleet_of(r.nodes.values(),
+                                                                                MODEL)),
+            ("the full walk: count over the ready nodes", lambda: count(adm._ready_nodes(MODEL),
+                                                                        MODEL)),
             ("essential arrives and goes: the decision", essential_goes),
             ("background arrives, queues behind 10,000 (+ leave)", background_queues),
         ]
@@ -120,7 +125,8 @@ async def bench_decisions(cap: int, what: str) -> None:
             for _ in range(n):
                 await adm.admit(MODEL, "essential", "ops")
             rounds.append((time.perf_counter_ns() - t0) / n / 1000)
-        print(f"  {'await Admission.admit, essential goes at once':<56} {statistics.median(rounds):7.2f} us")
+        print(
+            f"  {'await Admission.admit, essential goes at once':<56} {statistics.median(rounds):7.2f} us")
 
         # A request finishes: the registry's listener (shape check, dispatch) grants the
         # head of the 10,000 its place; its task then starts, and one more is held.
@@ -133,7 +139,8 @@ async def bench_decisions(cap: int, what: str) -> None:
             samples.append((time.perf_counter_ns() - t0) / 1000)
             await hold_waiters(adm, r, nursery, 1)
         assert core.classes["background"].released == 500
-        print(f"  {'a request finishes: the listener wakes the next waiter':<56} {statistics.median(samples):7.2f} us")
+        print(
+            f"  {'a request finishes: the listener wakes the next waiter':<56} {statistics.median(samples):7.2f} us")
         nursery.cancel_scope.cancel()
 
 
@@ -151,7 +158,8 @@ def bench_memory() -> None:
             await hold_waiters(adm, r, nursery)
             t1 = tracemalloc.get_traced_memory()[0]
             tracemalloc.stop()
-            print(f"memory: {WAITERS:,} requests held, each a trio task (task, coroutine frames, cancel scope,"
+            print(
+                f"memory: {WAITERS:,} requests held, each a trio task (task, coroutine frames, cancel scope,"
                   f" Event, Waiter, queue entry): {(t1 - t0) / WAITERS:,.0f} B per waiting request")
             nursery.cancel_scope.cancel()
 

@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_binary import ROLE_ENV, NotifySocket, Running, bare_env, build_binary, rss_mib  # noqa: E402
 
-UP_ENV = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Engine__Kind": "sim", "Hub__DrainSeconds": 3}
+UP_ENV = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Engine__Kind": "sim",
+          "Hub__DrainSeconds": 3}
 
 
 def one_start(argv: list[str], role_env: dict, extra_env: dict) -> tuple[float, float, float]:
@@ -53,15 +54,18 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     exe = build_binary()
-    print(f"binary: {exe} ({exe.stat().st_size / 1e6:.1f} MB; build or cache lookup took {time.monotonic() - t0:.0f} s)")
+    print(
+        f"binary: {exe} ({exe.stat().st_size / 1e6:.1f} MB; build or cache lookup took {time.monotonic() - t0:.0f} s)")
     source_env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    print(f"{'role':<6}{'how':<8}{'READY=1 s (median)':>20}{'RSS MiB':>10}{'+boot MiB':>11}{'READY x':>9}")
+    print(
+        f"{'role':<6}{'how':<8}{'READY=1 s (median)':>20}{'RSS MiB':>10}{'+boot MiB':>11}{'READY x':>9}")
     for role, env in (("hub", ROLE_ENV["hub"]), ("node", ROLE_ENV["node"]), ("up", UP_ENV)):
         rows = {}
         for how, argv, extra in (("binary", [str(exe), role], {}),
                                  ("source", [sys.executable, "-m", "appliance", role], source_env)):
             runs = [one_start(argv, env, extra) for _ in range(args.runs)]
-            rows[how] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
+            rows[how] = (statistics.median(r[0] for r in runs), statistics.median(r[1]
+                                                                                  for r in runs),
                          statistics.median(r[2] for r in runs))
         for how, (ready, rss, boot) in rows.items():
             ratio = ready / rows["source"][0]

@@ -29,7 +29,8 @@ from etcd_proc import EtcdProc  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 TOKEN = "bench"
-SIM = {"Sim__Models__0__Name": "ready-m", "Sim__Models__0__SizeMb": "100", "Sim__TokensPerSecond": "0",
+SIM = {"Sim__Models__0__Name": "ready-m", "Sim__Models__0__SizeMb": "100",
+       "Sim__TokensPerSecond": "0",
        "Node__MemoryMb": "8000", "Auth__NodeToken": TOKEN}
 
 
@@ -48,7 +49,8 @@ def main() -> None:
     procs, tmp = Procs(), tempfile.mkdtemp(prefix="failover-")
     etcd = EtcdProc(os.path.join(tmp, "etcd"))
     etcd.start()
-    env = {"Cluster__Etcd": etcd.url, "Cluster__LeaseSeconds": str(args.lease), "Auth__NodeToken": TOKEN,
+    env = {"Cluster__Etcd": etcd.url, "Cluster__LeaseSeconds": str(args.lease),
+           "Auth__NodeToken": TOKEN,
            "Models__0__Name": "ready-m", "Models__0__Replicas": "2"}
     hubs: dict[str, object] = {}
     try:
@@ -61,10 +63,12 @@ def main() -> None:
             procs.node(n, {"Hub__Url": ",".join(h.url for h in hubs.values()), **SIM})
         for h in hubs.values():
             wait_until(lambda h=h: any(m["name"] == "ready-m" and m["ready"] == 2 for m in
-                                       httpx.get(h.url + "/api/status", timeout=5).json()["models"]), timeout=60)
+                                       httpx.get(h.url + "/api/status",
+                                                 timeout=5).json()["models"]), timeout=60)
         took, sent_all, lost_all = [], 0, 0
         for k in range(args.kills):
-            leader = wait_until(lambda: next((n for n, h in hubs.items() if cluster(h).get("leading")), None),
+            leader = wait_until(lambda: next((n for n, h in hubs.items()
+                                              if cluster(h).get("leading")), None),
                                 timeout=30, what="a leader")
             survivor = next(n for n in hubs if n != leader)
             stop, sent, lost = threading.Event(), [0], []
@@ -74,7 +78,8 @@ def main() -> None:
                     while not stop.is_set():
                         try:
                             r = c.post(url + "/v1/chat/completions",
-                                       json={"model": "ready-m", "messages": [{"role": "user", "content": "hi"}]})
+                                       json={"model": "ready-m", "messages": [{"role": "user",
+                                                                               "content": "hi"}]})
                             if r.status_code != 200:
                                 lost.append(r.status_code)
                         except httpx.HTTPError as e:
@@ -86,7 +91,8 @@ def main() -> None:
             time.sleep(1.0)
             t0 = time.monotonic()
             hubs[leader].signal(signal.SIGKILL)
-            wait_until(lambda: cluster(hubs[survivor]).get("leading"), timeout=args.lease + 30, interval=0.02,
+            wait_until(lambda: cluster(hubs[survivor]).get("leading"), timeout=args.lease + 30,
+                       interval=0.02,
                        what="the survivor leads")
             took.append(time.monotonic() - t0)
             time.sleep(1.0)
@@ -97,7 +103,8 @@ def main() -> None:
             print(f"kill {k + 1}: {leader} killed, {survivor} leads after {took[-1]:.2f} s; "
                   f"{sent[0]} requests to {survivor}, {len(lost)} lost", flush=True)
             start_hub(leader)
-            wait_until(lambda: cluster(hubs[leader]).get("leader") == survivor, timeout=30, what="rejoined")
+            wait_until(lambda: cluster(hubs[leader]).get("leader") == survivor, timeout=30,
+                       what="rejoined")
         print(f"\nlease {args.lease} s, {args.kills} kills: time to a new leader "
               f"min {min(took):.2f} / median {statistics.median(took):.2f} / max {max(took):.2f} s; "
               f"requests for a ready model: {sent_all} sent, {lost_all} lost")

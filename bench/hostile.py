@@ -43,8 +43,10 @@ def fds(pid: int) -> int:
 
 
 def chat(url: str, model: str = "sim-small", timeout: float = 120) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=timeout,
-                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    return httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                      timeout=timeout,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 2})
 
 
 def main() -> None:
@@ -54,11 +56,15 @@ def main() -> None:
     args = ap.parse_args()
     procs = Procs()
     try:
-        hub = procs.hub({"Auth__NodeToken": TOKEN, "Auth__RequireKeys": "true", "Auth__Clients__0__Name": "bench",
-                         "Auth__Clients__0__Key": KEY, "Hub__MaxConnections": str(args.max_connections),
-                         "Hub__BodyReadSeconds": str(args.body_seconds), "Hub__HeaderReadSeconds": "10"})
+        hub = procs.hub({"Auth__NodeToken": TOKEN, "Auth__RequireKeys": "true",
+                         "Auth__Clients__0__Name": "bench",
+                         "Auth__Clients__0__Key": KEY,
+                         "Hub__MaxConnections": str(args.max_connections),
+                         "Hub__BodyReadSeconds": str(args.body_seconds),
+                         "Hub__HeaderReadSeconds": "10"})
         procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN})
-        wait_until(lambda: chat(hub.url, timeout=10).status_code == 200, timeout=30, what="a first answer")
+        wait_until(lambda: chat(hub.url, timeout=10).status_code == 200, timeout=30,
+                   what="a first answer")
         host, port = hub.url.split("//")[1].rsplit(":", 1)
         port = int(port)
         pid = hub.pid
@@ -69,7 +75,8 @@ def main() -> None:
             for i in range(2000):
                 c.post("/v1/chat/completions", json={"model": f"unknown-{i}", "messages": []})
         after = len(httpx.get(metrics).content)
-        print(f"1. /metrics: {before} bytes before, {after} after 2,000 unknown names (+{after - before} bytes)")
+        print(
+            f"1. /metrics: {before} bytes before, {after} after 2,000 unknown names (+{after - before} bytes)")
 
         base = fds(pid)
         socks = []
@@ -99,11 +106,13 @@ def main() -> None:
         stop.set()
         for s in socks:
             s.close()
-        print(f"2. 900 slow heads: hub fds {base} idle, peak {max(peak)} (Hub__MaxConnections={args.max_connections});"
+        print(
+            f"2. 900 slow heads: hub fds {base} idle, peak {max(peak)} (Hub__MaxConnections={args.max_connections});"
               f" an ordinary request answered {code} in {took:.1f} s")
 
         s = socket.create_connection((host, port))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
                   + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
         t0 = time.monotonic()
         got = b""
@@ -123,7 +132,8 @@ def main() -> None:
             except OSError:
                 break
         s.close()
-        print(f"3. one byte a second: cut after {time.monotonic() - t0:.1f} s with {got.split(b' ', 2)[1].decode() if got else 'no answer'}"
+        print(
+            f"3. one byte a second: cut after {time.monotonic() - t0:.1f} s with {got.split(b' ', 2)[1].decode() if got else 'no answer'}"
               f" (Hub__BodyReadSeconds={args.body_seconds:g})")
 
         idle = rss_mb(pid)
@@ -141,7 +151,8 @@ def main() -> None:
         def big() -> None:
             try:
                 httpx.post(hub.url + "/v1/chat/completions", content=body, timeout=60,
-                           headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+                           headers={"authorization": f"Bearer {KEY}",
+                                    "content-type": "application/json"})
             except httpx.HTTPError:
                 pass
 

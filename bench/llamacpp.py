@@ -89,7 +89,8 @@ def cold_start(hub, node, audit_path: str) -> dict[str, float]:
     t0 = time.time()
     first = None
     pieces = 0
-    for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, stream=True):
+    for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16,
+                                                stream=True):
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.time()
             pieces += 1
@@ -97,9 +98,12 @@ def cold_start(hub, node, audit_path: str) -> dict[str, float]:
     loading = log_ts(log_line(node, r"loading tiny \(source"))
     spawned = log_ts(log_line(node, r"serves tiny on port"))
     ready = log_ts(log_line(node, r"tiny is ready"))
-    placing = wait_until(lambda: audit_ts(audit_path, "model_placing", "tiny"), 5, "model_placing audit event")
-    loaded = wait_until(lambda: audit_ts(audit_path, "model_loaded", "tiny"), 5, "model_loaded audit event")
-    return {"total": first - t0, "placement": loading - t0, "engine": ready - loading, "first": first - ready,
+    placing = wait_until(lambda: audit_ts(audit_path, "model_placing", "tiny"), 5,
+                         "model_placing audit event")
+    loaded = wait_until(lambda: audit_ts(audit_path, "model_loaded", "tiny"), 5,
+                        "model_loaded audit event")
+    return {"total": first - t0, "placement": loading - t0, "engine": ready - loading,
+            "first": first - ready,
             "decided": placing - t0, "spawned": spawned - loading, "loaded": loaded - ready}
 
 
@@ -120,8 +124,10 @@ def stream_once(client: httpx.Client, url: str, body: dict) -> tuple[float, floa
 
 
 def per_token(hub, node, engine_url: str, requests: int, tokens: int) -> dict:
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": tokens, "stream": True, "temperature": 0, "seed": 3}
-    targets = {"engine alone": engine_url + "/v1/chat/completions", "hub+node": hub.url + "/v1/chat/completions"}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": tokens, "stream": True,
+            "temperature": 0, "seed": 3}
+    targets = {"engine alone": engine_url + "/v1/chat/completions",
+               "hub+node": hub.url + "/v1/chat/completions"}
     timeout = httpx.Timeout(60, connect=5)
     results: dict[str, list] = {k: [] for k in targets}
     cpu = {"hub": 0.0, "node": 0.0}
@@ -140,7 +146,8 @@ def per_token(hub, node, engine_url: str, requests: int, tokens: int) -> dict:
                     cpu["node"] += cpu_seconds(node.pid) - before[1]
                     events["hub+node"] += got[3]
                 results[name].append(got)
-    med = {name: tuple(statistics.median(r[i] for r in rs) for i in range(4)) for name, rs in results.items()}
+    med = {name: tuple(statistics.median(r[i] for r in rs) for i in range(4)) for name,
+           rs in results.items()}
     return {"median": med, "cpu_per_event": {k: v / events["hub+node"] for k, v in cpu.items()},
             "cpu_per_request": {k: v / requests for k, v in cpu.items()},
             "event_counts": {name: sorted({r[3] for r in rs}) for name, rs in results.items()}}
@@ -152,21 +159,27 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens of each streamed request")
     args = ap.parse_args()
     t_run = time.monotonic()
-    load = os.getloadavg()[0]  # this machine's CPUs are shared: a busy one slows the per-token figures
+    load = os.getloadavg()[
+        0]  # this machine's CPUs are shared: a busy one slows the per-token figures
     procs = Procs()
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         tiny = make_gguf.write(Path(tmp) / "tiny.gguf", seed=11)
         gguf_kib = tiny.stat().st_size // 1024
         audit_path = os.path.join(tmp, "audit.jsonl")
         try:
-            node = procs.node("gpu-a", {"Engine__Kind": "llamacpp", "Engine__Command": COMMAND, "Auth__NodeToken": TOKEN,
-                                        "Engine__StartTimeoutSeconds": "60", "Node__MemoryMb": "2000"})
+            node = procs.node("gpu-a", {"Engine__Kind": "llamacpp", "Engine__Command": COMMAND,
+                                        "Auth__NodeToken": TOKEN,
+                                        "Engine__StartTimeoutSeconds": "60",
+                                        "Node__MemoryMb": "2000"})
             hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": audit_path,
                              "Nodes__0__Name": "gpu-a", "Nodes__0__Url": node.url,
-                             "Models__0__Name": "tiny", "Models__0__Source": str(tiny)}, metrics=False)
-            wait_until(lambda: [n["status"] for n in httpx.get(hub.url + "/api/status", timeout=10).json()["nodes"]]
+                             "Models__0__Name": "tiny", "Models__0__Source": str(tiny)},
+                            metrics=False)
+            wait_until(lambda: [n["status"] for n in httpx.get(hub.url + "/api/status",
+                                                               timeout=10).json()["nodes"]]
                        == ["up"], 30, "node up at the hub")
-            assert not any("loading tiny" in ln for ln in list(node.stderr_lines)), "tiny loaded before the request"
+            assert not any("loading tiny" in ln
+                           for ln in list(node.stderr_lines)), "tiny loaded before the request"
             cold = cold_start(hub, node, audit_path)
             port = re.search(r"on port (\d+)", log_line(node, r"serves tiny on port")).group(1)
             tok = per_token(hub, node, f"http://127.0.0.1:{port}", args.requests, args.tokens)
@@ -177,24 +190,30 @@ def main() -> None:
     print(f"\nllama.cpp (llama-cpp-python server, tiny GGUF {gguf_kib} KiB) behind appliance: "
           f"hub + 1 node on loopback, {os.cpu_count()} CPUs, load average {load:.2f} at the start")
     print("\ncold model, first request through the hub (streamed, openai client):")
-    print(f"  {'placement':<14}{cold['placement'] * ms:>9.0f} ms  request sent -> node logs `loading tiny`"
+    print(
+        f"  {'placement':<14}{cold['placement'] * ms:>9.0f} ms  request sent -> node logs `loading tiny`"
           f" (hub's placement decision at +{cold['decided'] * ms:.0f} ms)")
-    print(f"  {'engine start':<14}{cold['engine'] * ms:>9.0f} ms  node `loading tiny` -> `tiny is ready`"
+    print(
+        f"  {'engine start':<14}{cold['engine'] * ms:>9.0f} ms  node `loading tiny` -> `tiny is ready`"
           f" (llama_cpp.server spawned at +{cold['spawned'] * ms:.0f} ms)")
-    print(f"  {'first token':<14}{cold['first'] * ms:>9.0f} ms  `tiny is ready` -> first content token at the client"
+    print(
+        f"  {'first token':<14}{cold['first'] * ms:>9.0f} ms  `tiny is ready` -> first content token at the client"
           f" (hub has the load answer at +{cold['loaded'] * ms:.0f} ms)")
     print(f"  {'total':<14}{cold['total'] * ms:>9.0f} ms  request sent -> first content token")
     med = tok["median"]
     e, h = med["engine alone"], med["hub+node"]
-    print(f"\nstreamed chats, {args.requests} per target, alternating, max_tokens {args.tokens}, medians"
+    print(
+        f"\nstreamed chats, {args.requests} per target, alternating, max_tokens {args.tokens}, medians"
           f" (events per request: engine {tok['event_counts']['engine alone']}, hub {tok['event_counts']['hub+node']}):")
     print(f"  {'target':<14}{'first event ms':>15}{'gap/event ms':>14}{'wall/event ms':>15}")
     for name, m in med.items():
         print(f"  {name:<14}{m[0] * ms:>15.2f}{m[1] * ms:>14.3f}{m[2] * ms:>15.3f}")
-    print(f"  {'hub+node adds':<14}{(h[0] - e[0]) * ms:>15.2f}{(h[1] - e[1]) * ms:>14.3f}{(h[2] - e[2]) * ms:>15.3f}")
+    print(
+        f"  {'hub+node adds':<14}{(h[0] - e[0]) * ms:>15.2f}{(h[1] - e[1]) * ms:>14.3f}{(h[2] - e[2]) * ms:>15.3f}")
     print(f"  {'ratio':<14}{h[0] / e[0]:>14.2f}x{h[1] / e[1]:>13.2f}x{h[2] / e[2]:>14.2f}x")
     cpr, cpe = tok["cpu_per_request"], tok["cpu_per_event"]
-    print(f"  CPU spent through hub+node: hub {cpr['hub'] * ms:.1f} ms per request = {cpe['hub'] * 1e6:.0f} us per event,"
+    print(
+        f"  CPU spent through hub+node: hub {cpr['hub'] * ms:.1f} ms per request = {cpe['hub'] * 1e6:.0f} us per event,"
           f" node {cpr['node'] * ms:.1f} ms = {cpe['node'] * 1e6:.0f} us")
     print(f"\n(run took {time.monotonic() - t_run:.0f} s)")
 

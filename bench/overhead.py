@@ -53,7 +53,8 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tuple[list[float], float, int]:
+async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tuple[list[float],
+                                                                                   float, int]:
     lat: list[float] = []
     chunks = 0
     limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
@@ -69,7 +70,8 @@ async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tup
                         assert r.status_code == 200, r.status_code
                         async for line in r.aiter_lines():
                             # An SSE event's data line, or an NDJSON line.
-                            if (line.startswith("data: ") and line != "data: [DONE]") or line.startswith("{"):
+                            if (line.startswith("data: ")
+                                and line != "data: [DONE]") or line.startswith("{"):
                                 chunks += 1
                 else:
                     r = await client.post(url, json=body)
@@ -118,45 +120,61 @@ def pct(xs: list[float], p: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=400, help="non-streaming requests per target and concurrency")
-    ap.add_argument("--stream-requests", type=int, default=64, help="streamed requests per target and concurrency")
-    ap.add_argument("--ui-polling", action="store_true", help="poll the hub as its /ui/ page does, all run long")
+    ap.add_argument("--requests", type=int, default=400,
+                    help="non-streaming requests per target and concurrency")
+    ap.add_argument("--stream-requests", type=int, default=64,
+                    help="streamed requests per target and concurrency")
+    ap.add_argument("--ui-polling", action="store_true",
+                    help="poll the hub as its /ui/ page does, all run long")
     args = ap.parse_args()
     procs = Procs()
     stop_polling = threading.Event()
     polls = [0]
     try:
-        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0", "Sim__Parallel": "64"})
-        node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                                    "Engine__Kind": "ollama", "Engine__Url": sim.url, "Node__ModelSlots": "64"})
-        sim2 = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0", "Sim__Parallel": "64",
+        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                  "Sim__Parallel": "64"})
+        node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0",
+                                    "Metrics__Listen": "",
+                                    "Engine__Kind": "ollama", "Engine__Url": sim.url,
+                                    "Node__ModelSlots": "64"})
+        sim2 = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                   "Sim__Parallel": "64",
                                    "Sim__Models__0__Name": "sim-oai"})
-        node2 = procs.start("node", {"Node__Name": "bench-oai", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                                     "Engine__Kind": "openai", "Engine__Url": sim2.url, "Node__ModelSlots": "64"})
-        hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": os.devnull,
+        node2 = procs.start("node", {"Node__Name": "bench-oai", "Node__Listen": "127.0.0.1:0",
+                                     "Metrics__Listen": "",
+                                     "Engine__Kind": "openai", "Engine__Url": sim2.url,
+                                     "Node__ModelSlots": "64"})
+        hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                                  "Audit__Path": os.devnull,
                                   "Nodes__0__Name": "bench", "Nodes__0__Url": node.url,
-                                  "Nodes__1__Name": "bench-oai", "Nodes__1__Url": node2.url}, wait=("hub",))
+                                  "Nodes__1__Name": "bench-oai", "Nodes__1__Url": node2.url},
+                          wait=("hub",))
         # Warm the model through the hub (activation loads it on the node).
         deadline = time.monotonic() + 60
         while True:
             r = httpx.post(hub.url + "/v1/chat/completions", timeout=60,
-                           json={"model": "sim-small", "messages": [{"role": "user", "content": "warm"}]})
+                           json={"model": "sim-small", "messages": [{"role": "user",
+                                                                     "content": "warm"}]})
             if r.status_code == 200 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert r.status_code == 200, r.text
         poll_cpu = page_poll_cpu(hub.url, hub.pid) if args.ui_polling else 0.0
         if args.ui_polling:
-            threading.Thread(target=poll_like_the_page, args=(hub.url, stop_polling, polls), daemon=True).start()
+            threading.Thread(target=poll_like_the_page, args=(hub.url, stop_polling, polls),
+                             daemon=True).start()
         time.sleep(1.0)
         idle_rss = {"hub": rss_mb(hub.pid), "node": rss_mb(node.pid), "engine": rss_mb(sim.pid)}
         pids = {"hub": hub.pid, "node": node.pid, "engine": sim.pid}
         targets = {"direct": sim.url, "node": node.url, "hub+node": hub.url}
-        short = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-        streamed = {"model": "sim-small", "messages": [{"role": "user", "content": "tell"}], "max_tokens": STREAM_CHUNKS,
+        short = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}],
+                 "max_tokens": 8}
+        streamed = {"model": "sim-small", "messages": [{"role": "user", "content": "tell"}],
+                    "max_tokens": STREAM_CHUNKS,
                     "stream": True}
         rows = []
-        for kind, body, n, stream in (("short", short, args.requests, False), ("stream200", streamed, args.stream_requests, True)):
+        for kind, body, n, stream in (("short", short, args.requests, False),
+                                      ("stream200", streamed, args.stream_requests, True)):
             for conc in (1, 32):
                 base = None
                 for tname, turl in targets.items():
@@ -170,38 +188,51 @@ def main() -> None:
                     rps = n / wall
                     if base is None:
                         base = (p50, p99, rps)
-                    rows.append((kind, conc, tname, p50, p99, rps, p50 - base[0], p50 / base[0], rps / base[2],
+                    rows.append((kind, conc, tname, p50, p99, rps, p50 - base[0], p50 / base[0],
+                                 rps / base[2],
                                  cpu["hub"] / n, cpu["node"] / n, cpu["engine"] / n,
-                                 (cpu["hub"] / chunks if chunks else None), (cpu["node"] / chunks if chunks else None)))
+                                 (cpu["hub"] / chunks if chunks else None), (cpu["node"] / chunks
+                                                                             if chunks else None)))
         # The floor: hypercorn itself, answering two bytes (bench/floor_app.py).
-        floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "floor_app.py")],
+        floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                               "floor_app.py")],
                                  stderr=subprocess.PIPE)
         try:
             floor_url = floor.stderr.readline().decode().split()[-1]
             trio.run(run_load, floor_url + "/v1/chat/completions", short, 100, 1, False)
             before = cpu_seconds(floor.pid)
-            lat, _wall, _ = trio.run(run_load, floor_url + "/v1/chat/completions", short, args.requests, 1, False)
+            lat, _wall, _ = trio.run(run_load, floor_url + "/v1/chat/completions", short,
+                                     args.requests, 1, False)
             floor_cpu = (cpu_seconds(floor.pid) - before) / args.requests
         finally:
             floor.kill()
         translated = translated_rows(hub.url, hub.pid, args)
-        print(f"\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: {floor_cpu * 1e3:.3f} ms CPU per request,"
+        print(
+            f"\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: {floor_cpu * 1e3:.3f} ms CPU per request,"
               f" p50 {statistics.median(lat) * 1e3:.2f} ms")
         if args.ui_polling:
-            print(f"page polling on: {polls[0]} page requests to the hub during the run; one poll round costs the"
+            print(
+                f"page polling on: {polls[0]} page requests to the hub during the run; one poll round costs the"
                   f" idle hub {poll_cpu * 1e3:.2f} ms CPU ({poll_cpu / PAGE_POLL_SECONDS * 100:.2f}% of a core at one"
                   f" round every {PAGE_POLL_SECONDS:.0f} s)")
-        print(f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
-        print(f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
+        print(
+            f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
+        print(
+            f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
               f"{'p50 x':>7}{'rps x':>7}{'hub ms/req':>11}{'node ms/req':>12}{'eng ms/req':>11}{'hub us/chunk':>13}{'node us/chunk':>14}")
-        for (kind, conc, tname, p50, p99, rps, dp50, rp50, rrps, hcpu, ncpu, ecpu, hch, nch) in rows:
-            print(f"{kind:<10}{conc:>5} {tname:<9}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{rps:>9.0f}{dp50 * 1e3:>9.2f}"
+        for (kind, conc, tname, p50, p99, rps, dp50, rp50, rrps, hcpu, ncpu, ecpu, hch,
+             nch) in rows:
+            print(
+                f"{kind:<10}{conc:>5} {tname:<9}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{rps:>9.0f}{dp50 * 1e3:>9.2f}"
                   f"{rp50:>7.2f}{rrps:>7.2f}{hcpu * 1e3:>11.3f}{ncpu * 1e3:>12.3f}{ecpu * 1e3:>11.3f}"
                   f"{(hch * 1e6 if hch is not None else 0):>13.1f}{(nch * 1e6 if nch is not None else 0):>14.1f}")
-        print("\ntranslation, through the hub, concurrency 1 (base: OpenAI chat passed through to the openai engine)")
-        print(f"{'request':<10} {'route':<24}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'hub ms/req':>11}{'hub us/event':>13}")
+        print(
+            "\ntranslation, through the hub, concurrency 1 (base: OpenAI chat passed through to the openai engine)")
+        print(
+            f"{'request':<10} {'route':<24}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'hub ms/req':>11}{'hub us/event':>13}")
         for kind, label, p50, p99, dp50, hcpu, hch in translated:
-            print(f"{kind:<10} {label:<24}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{dp50 * 1e3:>9.2f}{hcpu * 1e3:>11.3f}"
+            print(
+                f"{kind:<10} {label:<24}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{dp50 * 1e3:>9.2f}{hcpu * 1e3:>11.3f}"
                   f"{(hch * 1e6 if hch is not None else 0):>13.1f}")
     finally:
         stop_polling.set()
@@ -215,11 +246,13 @@ def translated_rows(hub_url: str, hub_pid: int, args) -> list[tuple]:
               ("ollama>openai", "/api/chat", {"model": "sim-oai", "messages": user}),
               ("anthropic>openai", "/v1/messages", {"model": "sim-oai", "messages": user}))
     rows = []
-    for kind, n, stream, tokens in (("short", args.requests, False, 8), ("stream200", args.stream_requests, True, STREAM_CHUNKS)):
+    for kind, n, stream, tokens in (("short", args.requests, False, 8),
+                                    ("stream200", args.stream_requests, True, STREAM_CHUNKS)):
         base = None
         for label, path, body in routes:
             b = dict(body, stream=stream)
-            b["options" if path == "/api/chat" else "max_tokens"] = {"num_predict": tokens} if path == "/api/chat" else tokens
+            b["options" if path == "/api/chat"
+              else "max_tokens"] = {"num_predict": tokens} if path == "/api/chat" else tokens
             url = hub_url + path
             trio.run(run_load, url, b, max(1, n // 10), 1, stream)  # warm-up
             before = cpu_seconds(hub_pid)
@@ -227,7 +260,8 @@ def translated_rows(hub_url: str, hub_pid: int, args) -> list[tuple]:
             hub_cpu = cpu_seconds(hub_pid) - before
             p50 = statistics.median(lat)
             base = p50 if base is None else base
-            rows.append((kind, label, p50, pct(lat, 0.99), p50 - base, hub_cpu / n, hub_cpu / chunks if chunks else None))
+            rows.append((kind, label, p50, pct(lat, 0.99), p50 - base, hub_cpu / n,
+                         hub_cpu / chunks if chunks else None))
     return rows
 
 

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -90,8 +89,10 @@ class Tally:
         self.latencies: list[float] = []
 
 
-async def one_request(c: httpx.AsyncClient, url: str, stream: bool, tally: Tally, tokens: int) -> None:
-    body = {"model": MODEL, "stream": stream, "max_tokens": tokens, "messages": [{"role": "user", "content": "soak"}]}
+async def one_request(c: httpx.AsyncClient, url: str, stream: bool, tally: Tally,
+                      tokens: int) -> None:
+    body = {"model": MODEL, "stream": stream, "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "soak"}]}
     t0 = time.perf_counter()
     try:
         if not stream:
@@ -115,7 +116,8 @@ async def one_request(c: httpx.AsyncClient, url: str, stream: bool, tally: Tally
                     elif last and "error" in json.loads(last):
                         tally.errors["stream " + json.loads(last)["error"]["code"]] += 1
                     else:
-                        tally.lost.append(f"stream ended without [DONE] or an error event: {last[:80]!r}")
+                        tally.lost.append(
+                            f"stream ended without [DONE] or an error event: {last[:80]!r}")
     except (httpx.HTTPError, ValueError, KeyError) as e:
         tally.lost.append(f"{type(e).__name__}: {e}")
     tally.latencies.append(time.perf_counter() - t0)
@@ -150,17 +152,22 @@ def main() -> int:
     procs = Procs()
     failures: list[str] = []
     try:
-        hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit_path), "Hub__DrainSeconds": "5",
+        hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit_path),
+                         "Hub__DrainSeconds": "5",
                          "Queue__MaxDepth": "5000", "Queue__MaxWaitSeconds": "120",
                          "Hub__ReconnectMaxSeconds": "30"}, metrics=False)
         node_env = {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
-                    "Node__ModelSlots": "64", "Sim__Parallel": "64", "Sim__TokensPerSecond": args.tokens_per_second}
+                    "Node__ModelSlots": "64", "Sim__Parallel": "64",
+                    "Sim__TokensPerSecond": args.tokens_per_second}
         nodes = {n: procs.node(n, node_env) for n in NODES}
         st = lambda: httpx.get(hub.url + "/api/status", timeout=10).json()  # noqa: E731
-        wait_until(lambda: sum(n["status"] == "up" for n in st()["nodes"]) == 3, 30, "three nodes up")
+        wait_until(lambda: sum(n["status"] == "up" for n in st()["nodes"]) == 3, 30,
+                   "three nodes up")
         for p in nodes.values():
-            httpx.post(p.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
-        wait_until(lambda: len(st()["models"][0]["nodes"]) == 3, 30, "sim-small ready on three nodes")
+            httpx.post(p.url + "/node/v1/models/sim-small/load",
+                       headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+        wait_until(lambda: len(st()["models"][0]["nodes"]) == 3, 30,
+                   "sim-small ready on three nodes")
 
         def all_procs():
             return {"hub": hub, **nodes}
@@ -185,7 +192,8 @@ def main() -> int:
                                    headers={"authorization": f"Bearer {TOKEN}"}, timeout=30))
             while True:
                 s = await trio.to_thread.run_sync(st)
-                if any(n["name"] == victim and n["status"] == "up" for n in s["nodes"]) and victim in s["models"][0]["nodes"]:
+                if any(n["name"] == victim and n["status"] == "up"
+                       for n in s["nodes"]) and victim in s["models"][0]["nodes"]:
                     break
                 await trio.sleep(0.05)
             restart["routable_after_s"] = round(time.monotonic() - t, 2)
@@ -205,11 +213,15 @@ def main() -> int:
         third = args.burst / 3
         spread_ok = all(abs(burst_nodes[n] - third) <= 0.15 * third for n in NODES)
         report = {
-            "burst": {"requests": args.burst, "completed": burst.ok, "errors": dict(burst.errors), "lost": len(burst.lost),
-                      "seconds": round(burst_s, 2), "p50_ms": pct(burst.latencies, 0.5), "p99_ms": pct(burst.latencies, 0.99),
+            "burst": {"requests": args.burst, "completed": burst.ok, "errors": dict(burst.errors),
+                      "lost": len(burst.lost),
+                      "seconds": round(burst_s, 2), "p50_ms": pct(burst.latencies, 0.5),
+                      "p99_ms": pct(burst.latencies, 0.99),
                       "spread": dict(sorted(burst_nodes.items()))},
-            "streams": {"requests": args.streams, "completed": streams.ok, "errors": dict(streams.errors),
-                        "lost": len(streams.lost), "seconds": round(streams_s, 2), "p50_ms": pct(streams.latencies, 0.5),
+            "streams": {"requests": args.streams, "completed": streams.ok,
+                        "errors": dict(streams.errors),
+                        "lost": len(streams.lost), "seconds": round(streams_s, 2),
+                        "p50_ms": pct(streams.latencies, 0.5),
                         "p99_ms": pct(streams.latencies, 0.99), "killed": victim, **restart},
             "audit_request_lines": len(reqs), "requests": total,
             "processes": {"before": before, "after_burst": after_burst, "right_after": right_after,
@@ -224,9 +236,11 @@ def main() -> int:
             failures.append(f"burst spread {dict(burst_nodes)} not within 15% of a third each")
         for name in ("hub", "gpu-a", "gpu-c"):
             if settled[name]["close_wait"] > 5:
-                failures.append(f"{name}: {settled[name]['close_wait']} sockets in CLOSE-WAIT 5 s after the load")
+                failures.append(
+                    f"{name}: {settled[name]['close_wait']} sockets in CLOSE-WAIT 5 s after the load")
             if idle_again[name]["fds"] > before[name]["fds"] + 5:
-                failures.append(f"{name}: {idle_again[name]['fds']} fds 20 s after the load ({before[name]['fds']} before)")
+                failures.append(
+                    f"{name}: {idle_again[name]['fds']} fds 20 s after the load ({before[name]['fds']} before)")
     finally:
         for p in procs.all:
             p.kill()

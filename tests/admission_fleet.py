@@ -9,11 +9,13 @@ MODEL = "m"
 
 
 def handle(name: str, *, slots: int | None = 1, max_concurrency: int | None = None, models=(MODEL,),
-           model_state: str = "ready", paused: bool = False, over_limits: bool = False) -> NodeHandle:
+           model_state: str = "ready", paused: bool = False,
+           over_limits: bool = False) -> NodeHandle:
     h = NodeHandle(name, f"http://{name}.test:9090", static=True)
     h.connected = True
     h.state = NodeState(name=name, slots=slots, max_concurrency=max_concurrency, paused=paused,
-                        over_limits=over_limits, models=[ModelState(name=m, state=model_state) for m in models])
+                        over_limits=over_limits, models=[ModelState(name=m, state=model_state)
+                                                         for m in models])
     return h
 
 

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
-needs_etcd = pytest.mark.skipif(ETCD is None, reason="etcd missing (make test installs Debian's etcd-server)")
+needs_etcd = pytest.mark.skipif(ETCD is None,
+                                reason="etcd missing (make test installs Debian's etcd-server)")
 
 
 def free_port() -> int:
@@ -44,12 +45,14 @@ class EtcdProc:
         self.popen = subprocess.Popen(
             [ETCD, "--name", "t", "--data-dir", self.data_dir, "--listen-client-urls", self.url,
              "--advertise-client-urls", self.url, "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}", *self._tls_args()],
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
+             *self._tls_args()],
             stdout=self.log, stderr=self.log, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health", timeout=1, verify=self._verify()).json().get("health") == "true":
+                if httpx.get(self.url + "/health", timeout=1,
+                             verify=self._verify()).json().get("health") == "true":
                     return
             except (httpx.HTTPError, ValueError):
                 pass
@@ -62,7 +65,8 @@ class EtcdProc:
         if not self.tls:
             return []
         ca, cert, key = self.tls
-        return ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
+        return ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
+                "--client-cert-auth"]
 
     def _verify(self):
         if not self.tls:

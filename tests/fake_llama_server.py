@@ -106,11 +106,13 @@ class Handler(BaseHTTPRequestHandler):
         if req.get("stream"):
             return self._stream(chat, model, words)
         text = " ".join(words)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "finish_reason": "length"}
                   if chat else {"index": 0, "text": text, "finish_reason": "length"})
         self._json(200, {"id": "fake-1", "object": "chat.completion" if chat else "text_completion",
                          "created": int(time.time()), "model": model, "choices": [choice],
-                         "usage": {"prompt_tokens": 1, "completion_tokens": count, "total_tokens": count + 1}})
+                         "usage": {"prompt_tokens": 1, "completion_tokens": count,
+                                   "total_tokens": count + 1}})
 
     def _stream(self, chat: bool, model: str, words: list[str]) -> None:
         self.send_response(200)
@@ -122,7 +124,8 @@ class Handler(BaseHTTPRequestHandler):
             piece = w if i == 0 else " " + w
             last = i == len(words) - 1
             if chat:
-                choice = {"index": 0, "delta": {"content": piece}, "finish_reason": "length" if last else None}
+                choice = {"index": 0, "delta": {"content": piece}, "finish_reason": "length"
+                          if last else None}
             else:
                 choice = {"index": 0, "text": piece, "finish_reason": "length" if last else None}
             ev = {"id": "fake-1", "object": "chat.completion.chunk" if chat else "text_completion",
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             mode = m
     sys.stderr.write(f"build: 0 (fake) with cc; main: loading model {path}\n")
     if not os.path.exists(path):
-        sys.stderr.write(f"gguf_init_from_file: failed to open GGUF file '{path}' (No such file or directory)\n")
+        sys.stderr.write(
+            f"gguf_init_from_file: failed to open GGUF file '{path}' (No such file or directory)\n")
         sys.stderr.write("llama_model_load_from_file_impl: failed to load model\n")
         sys.exit(1)
     if mode == "kev":

@@ -44,7 +44,8 @@ def ensure_wheel() -> Path:
         wheel = cached_wheel()
         if wheel is not None:
             return wheel
-        print(f"llama_cache: building llama-cpp-python=={VERSION} (minutes, once) into {WHEELS}", flush=True)
+        print(f"llama_cache: building llama-cpp-python=={VERSION} (minutes, once) into {WHEELS}",
+              flush=True)
         t0 = time.monotonic()
         env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=OFF",
                    CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2"))
@@ -67,7 +68,8 @@ def installed_version() -> str:
 
 
 def ensure_installed() -> None:
-    if installed_version() == VERSION and shutil.which("uvicorn", path=str(Path(sys.executable).parent)):
+    if installed_version() == VERSION and shutil.which("uvicorn",
+                                                       path=str(Path(sys.executable).parent)):
         return
     ensure_wheel()
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--find-links", str(WHEELS),

@@ -39,7 +39,9 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
     types = [UNKNOWN, CONTROL, CONTROL]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [BYTE] * 256
-    pieces = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(".,!?") + [f"\u2581{w}" for w in WORDS]
+    pieces = ["\u2581"] + [chr(c) for c in range(ord("a"),
+                                                 ord("z") + 1)] + list(".,!?") + [f"\u2581{w}"
+                                                                                  for w in WORDS]
     tokens += pieces
     types += [NORMAL] * len(pieces)
     # Longer pieces score higher, so the tokenizer prefers whole words over letters.
@@ -104,7 +106,8 @@ def write_pair(directory: str | Path, *, seed: int = 0) -> tuple[Path, Path]:
     """DIR/tiny.gguf (loads) and DIR/tiny-kev.gguf (architecture `kev`: refused)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return write(directory / "tiny.gguf", seed=seed), write(directory / "tiny-kev.gguf", seed=seed, arch="kev")
+    return write(directory / "tiny.gguf", seed=seed), write(directory / "tiny-kev.gguf", seed=seed,
+                                                            arch="kev")
 
 
 def main() -> None:

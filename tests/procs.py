@@ -48,7 +48,8 @@ def wait_until(fn, timeout: float = 20.0, what: str = "condition", interval: flo
 
 
 class Proc:
-    def __init__(self, role: str, env: dict[str, str], args: list[str] = (), cwd: str | None = None) -> None:
+    def __init__(self, role: str, env: dict[str, str], args: list[str] = (),
+                 cwd: str | None = None) -> None:
         self.role = role
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "appliance", role, *args],
@@ -60,7 +61,8 @@ class Proc:
         self.stdout_lines: list[str] = []
         self.urls: dict[str, str] = {}
         self._cond = threading.Condition()
-        for stream, sink in ((self.popen.stderr, self.stderr_lines), (self.popen.stdout, self.stdout_lines)):
+        for stream, sink in ((self.popen.stderr, self.stderr_lines), (self.popen.stdout,
+                                                                      self.stdout_lines)):
             threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
 
     def _pump(self, stream, sink: list[str]) -> None:
@@ -131,7 +133,8 @@ class Procs:
     def __init__(self) -> None:
         self.all: list[Proc] = []
 
-    def start(self, role: str, env: dict[str, str], args: list[str] = (), wait: tuple[str, ...] | None = None) -> Proc:
+    def start(self, role: str, env: dict[str, str], args: list[str] = (),
+              wait: tuple[str, ...] | None = None) -> Proc:
         p = Proc(role, env, args)
         self.all.append(p)
         p.wait_listening(*(wait or (role,)))

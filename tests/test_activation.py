@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import trio
-
-from appliance.hub import activation
-from appliance.http.errors import ApiError
 from test_control import make
+
+from appliance.http.errors import ApiError
+from appliance.hub import activation
 
 
 class FakeSource:
@@ -56,7 +56,8 @@ async def test_timed_out_with_the_exact_bound(autojump_clock):
         await activation.activate(src, "m", 45)
     assert trio.current_time() == start + 45
     err = info.value
-    assert (err.status, err.code, err.retry_after) == (503, "model_loading", activation.RETRY_AFTER_SECONDS)
+    assert (err.status, err.code, err.retry_after) == (503, "model_loading",
+                                                       activation.RETRY_AFTER_SECONDS)
     assert "loading; retry shortly" in err.message
     assert (b"retry-after", b"5") in err.headers()
 
@@ -87,7 +88,8 @@ async def test_ask_first_clears_the_stale_result(autojump_clock):
 async def test_ask_first_clears_a_stale_unplaceable_in_the_real_control(nursery, autojump_clock):
     from test_control import add_node
 
-    control, registry, ops, _, _ = make([{"Name": "phi-4", "MemoryMb": 9800}], {"gpu-a": (8000, {"phi-4": 100})})
+    control, registry, ops, _, _ = make([{"Name": "phi-4", "MemoryMb": 9800}],
+                                        {"gpu-a": (8000, {"phi-4": 100})})
     await nursery.start(control.run)
     with pytest.raises(ApiError):
         await control.activate("phi-4")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
+from admission_fleet import MODEL, handle, registry, set_state
 from prometheus_client import CollectorRegistry, generate_latest
 
-from admission_fleet import MODEL, handle, registry, set_state
 from appliance import config
-from appliance.hub.admission import Admission
 from appliance.http.errors import ApiError
+from appliance.hub.admission import Admission
 
 
 def make(r, **env) -> tuple[Admission, CollectorRegistry]:
@@ -19,7 +19,8 @@ def make(r, **env) -> tuple[Admission, CollectorRegistry]:
     return Admission(config.load(env), r, metrics), metrics
 
 
-async def go(adm: Admission, r, model: str, cls: str, client: str, log: list, hold: trio.Event | None = None):
+async def go(adm: Admission, r, model: str, cls: str, client: str, log: list,
+             hold: trio.Event | None = None):
     """What the router does: admit, pick, start (no checkpoint), then finish when told."""
     ticket = await adm.admit(model, cls, client)
     node = r.pick(model)
@@ -54,7 +55,8 @@ async def test_reserve_held_and_released_by_a_finishing_request(autojump_clock):
         long_done.set()
     assert log == [("team", t0), ("ops", t0 + 2), ("batch", t0 + 13)]
     s = adm.status_block()["background"]
-    assert (s["waiting"], s["held"], s["released"], s["timed_out"], s["requests"]) == (0, 1, 1, 0, 1)
+    assert (s["waiting"], s["held"], s["released"], s["timed_out"], s["requests"]) == (0, 1, 1, 0,
+                                                                                       1)
 
 
 async def test_background_wait_ends_in_503_naming_the_client(autojump_clock):
@@ -106,7 +108,8 @@ async def test_class_order_in_the_capacity_wait(autojump_clock):
     first_done = trio.Event()
     async with trio.open_nursery() as n:
         n.start_soon(go, adm, r, MODEL, "normal", "first", log, first_done)
-        for client, cls in (("n1", "normal"), ("b1", "background"), ("e1", "essential"), ("n2", "normal"),
+        for client, cls in (("n1", "normal"), ("b1", "background"), ("e1", "essential"), ("n2",
+                                                                                          "normal"),
                             ("e2", "essential")):
             await trio.sleep(1)
             n.start_soon(go, adm, r, MODEL, cls, client, log)
@@ -255,7 +258,8 @@ async def test_no_slot_wait_when_unset(autojump_clock):
 
 # --- visibility ----------------------------------------------------------------------------
 
-PRIORITY_SERIES = ["appliance_priority_reserve_slots", "appliance_priority_waiting", "appliance_priority_held_total",
+PRIORITY_SERIES = ["appliance_priority_reserve_slots", "appliance_priority_waiting",
+                   "appliance_priority_held_total",
                    "appliance_priority_released_total", "appliance_priority_timed_out_total",
                    "appliance_priority_requests_total"]
 
@@ -280,8 +284,10 @@ async def test_scrape_and_status_with_priority_on_and_off():
     assert on.get_sample_value("appliance_priority_requests_total", {"class": "essential"}) == 1
     block = adm.status_block()
     assert block["reserve_slots"] == 2
-    assert block["essential"] == {"waiting": 0, "held": 0, "released": 0, "timed_out": 0, "requests": 1}
-    assert set(block) == {"reserve_slots", "background_max_wait_seconds", "essential", "normal", "background"}
+    assert block["essential"] == {"waiting": 0, "held": 0, "released": 0, "timed_out": 0,
+                                  "requests": 1}
+    assert set(block) == {"reserve_slots", "background_max_wait_seconds", "essential", "normal",
+                          "background"}
 
 
 async def test_reload_turns_the_series_on_and_off():

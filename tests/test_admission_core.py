@@ -5,22 +5,31 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from admission_fleet import MODEL, handle, registry
+
 from appliance import cli, config
 from appliance.http.errors import ApiError
-from appliance.hub.priority import (CLASSES, QUEUE_RETRY_AFTER, AdmissionCore, Fleet, SlotQueues,
-                                    effective_class, fleet_of)
+from appliance.hub.priority import (
+    CLASSES,
+    QUEUE_RETRY_AFTER,
+    AdmissionCore,
+    Fleet,
+    SlotQueues,
+    effective_class,
+    fleet_of,
+)
 
 
-def core(enabled=True, reserve=1, max_depth=64, max_wait=30.0, background_max_wait=600.0) -> AdmissionCore:
+def core(enabled=True, reserve=1, max_depth=64, max_wait=30.0,
+         background_max_wait=600.0) -> AdmissionCore:
     return AdmissionCore(enabled=enabled, reserve=reserve, max_depth=max_depth, max_wait=max_wait,
                          background_max_wait=background_max_wait)
 
 
 # --- the header table ----------------------------------------------------------------------
 
-HEADER_VALUES = [None, "essential", "normal", "background", "Background", " background ", "BACKGROUND",
+HEADER_VALUES = [None, "essential", "normal", "background", "Background", " background ",
+                 "BACKGROUND",
                  "low", "", "high"]
 
 
@@ -179,7 +188,8 @@ def test_queue_full_at_max_depth_and_lower_classes_never_push_out_higher():
     c.arrive(MODEL, "background", "b2", FULL)
     with pytest.raises(ApiError) as e:
         c.arrive(MODEL, "background", "b3", FULL)
-    assert (e.value.status, e.value.code, e.value.retry_after) == (503, "queue_full", QUEUE_RETRY_AFTER)
+    assert (e.value.status, e.value.code, e.value.retry_after) == (503, "queue_full",
+                                                                   QUEUE_RETRY_AFTER)
     assert c.arrive(MODEL, "normal", "n1", FULL) is not None
     assert c.arrive(MODEL, "essential", "e1", FULL) is not None
     with pytest.raises(ApiError):
@@ -238,7 +248,8 @@ def test_slot_wait_releases_in_order_as_slots_free():
     w3 = s.enter("a", MODEL, "normal", in_flight=4, slots=1)
     assert None not in (w1, w2, w3)
     assert s.dispatch("a", MODEL, in_flight=4, slots=1, routable=True) == []
-    assert s.dispatch("a", MODEL, in_flight=3, slots=1, routable=True) == [w1]  # the sent one finished
+    assert s.dispatch("a", MODEL, in_flight=3, slots=1,
+                      routable=True) == [w1]  # the sent one finished
     assert s.dispatch("a", MODEL, in_flight=3, slots=1, routable=True) == []
     s.leave("a", w3)  # ran out: sent anyway
     assert s.dispatch("a", MODEL, in_flight=1, slots=1, routable=True) == [w2]
@@ -254,7 +265,8 @@ def test_slot_wait_ends_when_the_node_goes():
 # --- the validators ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("env, var", [
-    ({"Auth__Clients__0__Key": "k", "Auth__Clients__0__Priority": "esential"}, "Auth__Clients__0__Priority"),
+    ({"Auth__Clients__0__Key": "k", "Auth__Clients__0__Priority": "esential"},
+     "Auth__Clients__0__Priority"),
     ({"Priority__ReserveSlots": "-1"}, "Priority__ReserveSlots"),
     ({"Priority__BackgroundMaxWaitSeconds": "-5"}, "Priority__BackgroundMaxWaitSeconds"),
     ({"Queue__MaxWaitSeconds": "-1"}, "Queue__MaxWaitSeconds"),
@@ -283,7 +295,9 @@ def test_misspelt_class_says_what_is_allowed():
 
 def test_defaults():
     cfg = config.load({})
-    assert (cfg.priority.enabled, cfg.priority.reserve_slots, cfg.priority.background_max_wait_seconds) == (False, 1, 600)
-    assert (cfg.queue.max_wait_seconds, cfg.queue.max_depth, cfg.queue.slot_wait_seconds) == (30, 64, 0)
+    assert (cfg.priority.enabled, cfg.priority.reserve_slots,
+            cfg.priority.background_max_wait_seconds) == (False, 1, 600)
+    assert (cfg.queue.max_wait_seconds, cfg.queue.max_depth, cfg.queue.slot_wait_seconds) == (30,
+                                                                                              64, 0)
     cfg = config.load({"Auth__Clients__0__Key": "k"})
     assert cfg.auth.clients[0].priority == "normal"

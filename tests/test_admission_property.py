@@ -13,12 +13,12 @@ Checked after every step:
 
 from __future__ import annotations
 
+from admission_fleet import handle, registry, set_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from admission_fleet import handle, registry, set_state
-from appliance.hub.priority import CLASSES, RANK, AdmissionCore, fleet_of
 from appliance.http.errors import ApiError
+from appliance.hub.priority import CLASSES, RANK, AdmissionCore, fleet_of
 
 MODELS = ("m1", "m2")
 TERMINAL = {"started", "timed_out", "refused", "hung_up", "no_capacity"}
@@ -33,11 +33,14 @@ class Req:
 
 
 class Sim:
-    def __init__(self, *, enabled: bool, reserve: int, max_depth: int, immediate: bool, nodes) -> None:
+    def __init__(self, *, enabled: bool, reserve: int, max_depth: int, immediate: bool,
+                 nodes) -> None:
         self.enabled, self.reserve, self.immediate = enabled, reserve, immediate
-        self.core = AdmissionCore(enabled=enabled, reserve=reserve, max_depth=max_depth, max_wait=30.0,
+        self.core = AdmissionCore(enabled=enabled, reserve=reserve, max_depth=max_depth,
+                                  max_wait=30.0,
                                   background_max_wait=60.0)
-        self.handles = [handle(f"n{i}", slots=s, max_concurrency=c, models=MODELS) for i, (s, c) in enumerate(nodes)]
+        self.handles = [handle(f"n{i}", slots=s, max_concurrency=c, models=MODELS) for i,
+                        (s, c) in enumerate(nodes)]
         self.r = registry(*self.handles)
         self.r.add_listener(self.on_change)
         self.now = 0.0
@@ -65,7 +68,8 @@ class Sim:
 
     def check_may_start(self, req: Req, pending: int) -> None:
         cls = req.cls if self.enabled else "normal"
-        assert self.could_go(cls, req.model, pending), f"{req.cls} {req.client} went without a place"
+        assert self.could_go(cls, req.model,
+                             pending), f"{req.cls} {req.client} went without a place"
         for other in self.reqs:
             if other is req or other.model != req.model or other.state != "waiting":
                 continue
@@ -82,7 +86,8 @@ class Sim:
                 continue
             head = min(waiting, key=lambda q: (RANK[q.cls if self.enabled else "normal"], q.seq))
             cls = head.cls if self.enabled else "normal"
-            assert not self.could_go(cls, model, self.promised(model)), f"{head.client} waits but could go"
+            assert not self.could_go(cls, model,
+                                     self.promised(model)), f"{head.client} waits but could go"
 
     # --- the steps -----------------------------------------------------------------------
 
@@ -156,7 +161,8 @@ class Sim:
 
     def tick(self, dt: float) -> None:
         self.now += dt
-        due = sorted((q for q in self.reqs if q.state == "waiting" and q.deadline <= self.now), key=lambda q: q.deadline)
+        due = sorted((q for q in self.reqs if q.state == "waiting" and q.deadline <= self.now),
+                     key=lambda q: q.deadline)
         for req in due:
             self.core.leave(req.waiter, timed_out=True)
             req.state = "timed_out"
@@ -186,7 +192,8 @@ class Sim:
         elif change == "cap":
             set_state(self.r, h, max_concurrency=[None, 1, 2, 3][n % 4])
         elif change == "loading":
-            models = [type(m)(name=m.name, state="loading" if m.state == "ready" and m.name == MODELS[n % 2] else "ready")
+            models = [type(m)(name=m.name, state="loading" if m.state == "ready"
+                              and m.name == MODELS[n % 2] else "ready")
                       for m in h.state.models]
             set_state(self.r, h, models=models)
 
@@ -214,15 +221,19 @@ step = st.one_of(
     st.tuples(st.just("hang_up"), st.integers(0, 50)),
     st.tuples(st.just("tick"), st.sampled_from([1.0, 10.0, 29.0, 31.0, 59.0, 61.0])),
     st.tuples(st.just("node"), st.integers(0, 3),
-              st.sampled_from(["lose", "restore", "pause", "cordon", "cordon", "silent", "slots", "cap", "loading"]), st.integers(0, 3)),
+              st.sampled_from(["lose", "restore", "pause", "cordon", "cordon", "silent", "slots",
+                               "cap", "loading"]), st.integers(0, 3)),
 )
 
 
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(enabled=st.booleans(), reserve=st.integers(0, 3), max_depth=st.integers(0, 6), immediate=st.booleans(),
-       nodes=st.lists(node_spec, min_size=1, max_size=3), steps=st.lists(step, min_size=10, max_size=100))
+@given(enabled=st.booleans(), reserve=st.integers(0, 3), max_depth=st.integers(0, 6),
+       immediate=st.booleans(),
+       nodes=st.lists(node_spec, min_size=1, max_size=3), steps=st.lists(step, min_size=10,
+                                                                         max_size=100))
 def test_admission_core_properties(enabled, reserve, max_depth, immediate, nodes, steps):
-    sim = Sim(enabled=enabled, reserve=reserve, max_depth=max_depth, immediate=immediate, nodes=nodes)
+    sim = Sim(enabled=enabled, reserve=reserve, max_depth=max_depth, immediate=immediate,
+              nodes=nodes)
     for op, *args in steps:
         getattr(sim, op)(*args)
         sim.check_nobody_waits_who_could_go()
@@ -237,14 +248,16 @@ def test_admission_core_properties(enabled, reserve, max_depth, immediate, nodes
     assert sum(s.timed_out for s in stats.values()) == sum(q.state == "timed_out" for q in sim.reqs)
 
 
-fleet_node = st.tuples(st.sampled_from([None, 1, 2, 3]), st.sampled_from([None, 1, 2, 4]), st.integers(0, 4),
+fleet_node = st.tuples(st.sampled_from([None, 1, 2, 3]), st.sampled_from([None, 1, 2, 4]),
+                       st.integers(0, 4),
                        st.integers(0, 3), st.booleans())
 
 
 @settings(max_examples=300, deadline=None)
 @given(nodes=st.lists(fleet_node, max_size=6), reserve=st.integers(0, 3), pending=st.integers(0, 3),
        cls=st.sampled_from(CLASSES))
-def test_fast_count_equals_the_reference_and_its_early_stop_decides_the_same(nodes, reserve, pending, cls):
+def test_fast_count_equals_the_reference_and_its_early_stop_decides_the_same(nodes, reserve,
+                                                                             pending, cls):
     from appliance.hub.priority import count, ready_nodes
     handles = []
     for i, (slots, cap, mine, others, ready) in enumerate(nodes):
@@ -256,6 +269,8 @@ def test_fast_count_equals_the_reference_and_its_early_stop_decides_the_same(nod
     full = fleet_of(handles, "m1")
     ready = ready_nodes(handles, "m1")
     assert count(ready, "m1") == full
-    core = AdmissionCore(enabled=True, reserve=reserve, max_depth=10, max_wait=1, background_max_wait=1)
+    core = AdmissionCore(enabled=True, reserve=reserve, max_depth=10, max_wait=1,
+                         background_max_wait=1)
     need = reserve + pending if cls == "background" else -1
-    assert core.may_go(cls, count(ready, "m1", need, pending), pending) == core.may_go(cls, full, pending)
+    assert core.may_go(cls, count(ready, "m1", need, pending), pending) == core.may_go(cls, full,
+                                                                                       pending)

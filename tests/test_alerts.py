@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RULES = ROOT / "packaging" / "prometheus"
 PROMTOOL = shutil.which("promtool")
 
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (make test installs Debian's prometheus)")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None,
+                                    reason="promtool missing (make test installs Debian's prometheus)")
 
 
 def promtool(*args: str, cwd: pathlib.Path = RULES) -> subprocess.CompletedProcess:
@@ -44,11 +45,13 @@ def test_rule_tests_bite(tmp_path):
     assert broken != text
     (tmp_path / "alerts.yml").write_text(broken)
     assert promtool("test", "rules", "alerts_test.yml", cwd=tmp_path).returncode != 0
-    without = re.sub(r"      - alert: ApplianceModelParked\n(?:        .*\n|\n)*?(?=      - alert:)", "", text)
+    without = re.sub(
+        r"      - alert: ApplianceModelParked\n(?:        .*\n|\n)*?(?=      - alert:)", "", text)
     assert "ApplianceModelParked" not in without
     (tmp_path / "alerts.yml").write_text(without)
     assert promtool("test", "rules", "alerts_test.yml", cwd=tmp_path).returncode != 0
-    never = text.replace("increase(appliance_audit_write_errors_total[5m]) > 0", "appliance_audit_write_errors_total > 100")
+    never = text.replace("increase(appliance_audit_write_errors_total[5m]) > 0",
+                         "appliance_audit_write_errors_total > 100")
     assert never != text
     (tmp_path / "alerts.yml").write_text(never)
     assert promtool("test", "rules", "alerts_test.yml", cwd=tmp_path).returncode != 0
@@ -58,7 +61,8 @@ def test_every_alert_is_tested_and_every_failure_mode_has_one():
     alerts = re.findall(r"- alert: (\w+)", (RULES / "alerts.yml").read_text())
     tested = set(re.findall(r"alertname: (\w+)", (RULES / "alerts_test.yml").read_text()))
     assert set(alerts) <= tested, set(alerts) - tested
-    for mode in ("ModelNotReady", "ModelParked", "ModelUnplaceable", "ModelStartFailures", "NodeDown",
+    for mode in ("ModelNotReady", "ModelParked", "ModelUnplaceable", "ModelStartFailures",
+                 "NodeDown",
                  "CertificateExpiring", "NoLeader", "LeaderFlapping", "AuditWriteFailing"):
         assert f"Appliance{mode}" in alerts
 
@@ -67,6 +71,7 @@ def test_alerts_use_series_the_hub_publishes():
     exprs = re.findall(r"expr: (.*)", (RULES / "alerts.yml").read_text())
     used = {n for e in exprs for n in re.findall(r"\bappliance_[a-z_]+", e)}
     assert "appliance_model_ready" in used and "appliance_node_lost" in used
-    source = "".join(p.read_text() for d in ("hub", "cluster") for p in (ROOT / "appliance" / d).glob("*.py"))
+    source = "".join(p.read_text() for d in ("hub", "cluster")
+                     for p in (ROOT / "appliance" / d).glob("*.py"))
     for name in used:
         assert f'"{name}"' in source, f"{name} is in alerts.yml but no hub module publishes it"

@@ -26,8 +26,11 @@ TOKEN = "node-secret"
 ADMIN = "admin-key"
 # One model per engine kind: `s-*` on the sim node (native), `o-*` behind the openai node.
 CHAT_MODELS = ["s-chat", "o-chat"]
-WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+WEATHER = {"type": "function", "function": {"name": "weather",
+                                            "description": "the weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {
+                                                               "city": {"type": "string"}},
                                                            "required": ["city"]}}}
 USER = [{"role": "user", "content": "what is the weather in Paris?"}]
 
@@ -36,22 +39,29 @@ class Fleet:
     def __init__(self, procs: Procs, audit: str) -> None:
         self.procs = procs
         self.audit = audit
-        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": audit, "Router__ActivationWaitSeconds": "20",
+        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": audit,
+                              "Router__ActivationWaitSeconds": "20",
                               "Auth__AdminKey": ADMIN,
                               "Hub__CorsOrigins": "http://app.example, http://other.example"},
                              metrics=False)
         common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}
-        procs.node("sim-n", {**common, "Sim__Models__0__Name": "s-chat", "Sim__Models__1__Name": "s-embed:latest",
+        procs.node("sim-n", {**common, "Sim__Models__0__Name": "s-chat",
+                             "Sim__Models__1__Name": "s-embed:latest",
                                    "Sim__Models__2__Name": "s-keep"})
         sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                  "Sim__Models__0__Name": "o-chat", "Sim__Models__1__Name": "o-embed"})
-        procs.node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": sim.url, "Engine__PollSeconds": "1"})
-        wait_until(lambda: {n["name"] for n in self.status()["nodes"] if n["status"] == "up"} == {"sim-n", "oai-n"},
+                                  "Sim__Models__0__Name": "o-chat",
+                                  "Sim__Models__1__Name": "o-embed"})
+        procs.node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": sim.url,
+                             "Engine__PollSeconds": "1"})
+        wait_until(lambda: {n["name"] for n in self.status()["nodes"]
+                            if n["status"] == "up"} == {"sim-n", "oai-n"},
                    what="both nodes up")
-        wait_until(lambda: {"o-chat", "s-chat"} <= {m["name"] for m in self.status()["models"]}, what="models known")
+        wait_until(lambda: {"o-chat", "s-chat"} <= {m["name"] for m in self.status()["models"]},
+                   what="models known")
 
     def status(self) -> dict:
-        return httpx.get(self.hub.url + "/api/status", headers={"authorization": f"Bearer {ADMIN}"}, timeout=10).json()
+        return httpx.get(self.hub.url + "/api/status", headers={"authorization": f"Bearer {ADMIN}"},
+                         timeout=10).json()
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +80,17 @@ def fleet(tmp_path_factory):
 def test_ollama_client_chat_and_generate_streamed_equals_whole(fleet, model):
     ol = ollama.Client(host=fleet.hub.url, timeout=30)
     whole = ol.chat(model=model, messages=USER, options={"num_predict": 12, "temperature": 0.1})
-    parts = list(ol.chat(model=model, messages=USER, options={"num_predict": 12, "temperature": 0.1}, stream=True))
-    assert whole.message.content and "".join(p.message.content for p in parts) == whole.message.content
+    parts = list(ol.chat(model=model, messages=USER, options={"num_predict": 12,
+                                                              "temperature": 0.1}, stream=True))
+    assert whole.message.content and "".join(p.message.content
+                                             for p in parts) == whole.message.content
     assert whole.done and parts[-1].done and not any(p.done for p in parts[:-1])
     assert parts[-1].done_reason == whole.done_reason == "length"
     assert parts[-1].eval_count == whole.eval_count == 12 and whole.prompt_eval_count > 0
     assert whole.total_duration > 0
     g = ol.generate(model=model, prompt="why is the sky blue", options={"num_predict": 5})
-    gs = list(ol.generate(model=model, prompt="why is the sky blue", options={"num_predict": 5}, stream=True))
+    gs = list(ol.generate(model=model, prompt="why is the sky blue", options={"num_predict": 5},
+                          stream=True))
     assert g.response and "".join(p.response for p in gs) == g.response and gs[-1].done
 
 
@@ -87,7 +100,8 @@ def test_ollama_client_tool_call_round_trip(fleet, model):
     r = ol.chat(model=model, messages=USER, tools=[WEATHER])
     (call,) = r.message.tool_calls
     assert call.function.name == "weather" and call.function.arguments == {"city": "sim"}
-    msgs = [*USER, r.message.model_dump(exclude_none=True), {"role": "tool", "content": "sunny", "tool_name": "weather"}]
+    msgs = [*USER, r.message.model_dump(exclude_none=True), {"role": "tool", "content": "sunny",
+                                                             "tool_name": "weather"}]
     final = ol.chat(model=model, messages=msgs, tools=[WEATHER])
     assert final.message.content and not final.message.tool_calls
     streamed = list(ol.chat(model=model, messages=USER, tools=[WEATHER], stream=True))
@@ -131,7 +145,8 @@ def test_anthropic_client_messages_stream_and_tools(fleet, model):
         final = s.get_final_message()
     assert text == m.content[0].text and final.stop_reason == "max_tokens"
 
-    tool = {"name": "weather", "description": "the weather", "input_schema": WEATHER["function"]["parameters"]}
+    tool = {"name": "weather", "description": "the weather",
+            "input_schema": WEATHER["function"]["parameters"]}
     t = ac.messages.create(model=model, max_tokens=50, messages=USER, tools=[tool])
     (use,) = [b for b in t.content if b.type == "tool_use"]
     assert t.stop_reason == "tool_use" and use.name == "weather" and use.input == {"city": "sim"}
@@ -140,12 +155,14 @@ def test_anthropic_client_messages_stream_and_tools(fleet, model):
     assert [b.input for b in streamed.content if b.type == "tool_use"] == [{"city": "sim"}]
     back = ac.messages.create(model=model, max_tokens=20, tools=[tool], messages=[
         *USER, {"role": "assistant", "content": [b.model_dump() for b in t.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}])
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "sunny"}]}])
     assert back.content[0].type == "text" and back.content[0].text
 
 
 async def test_anthropic_async_client_and_errors(fleet):
-    ac = anthropic.AsyncAnthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=30)
+    ac = anthropic.AsyncAnthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0,
+                                  timeout=30)
     m = await ac.messages.create(model="o-chat", max_tokens=5, messages=USER)
     assert m.content[0].text
     for model in CHAT_MODELS:  # counted by the engine: the prompt tokens of a one-token answer
@@ -156,7 +173,8 @@ async def test_anthropic_async_client_and_errors(fleet):
         await ac.messages.create(model="nope", max_tokens=5, messages=USER)
     assert "nope" in str(ei.value)
     with pytest.raises(anthropic.BadRequestError) as ei:
-        await ac.messages.create(model="o-chat", max_tokens=5, messages=[{"role": "wizard", "content": "x"}])
+        await ac.messages.create(model="o-chat", max_tokens=5, messages=[{"role": "wizard",
+                                                                          "content": "x"}])
     assert "role" in str(ei.value)
 
 
@@ -166,10 +184,12 @@ async def test_anthropic_async_client_and_errors(fleet):
 @pytest.mark.parametrize("model", CHAT_MODELS)
 def test_openai_responses_stream_equals_whole_and_function_tools(fleet, model):
     oc = openai.OpenAI(base_url=fleet.hub.url + "/v1", api_key="anyone", max_retries=0, timeout=30)
-    r = oc.responses.create(model=model, instructions="be brief", input="hello", max_output_tokens=9)
+    r = oc.responses.create(model=model, instructions="be brief", input="hello",
+                            max_output_tokens=9)
     assert r.output_text and r.status == "completed" and r.usage.output_tokens == 9
     deltas, done = [], None
-    for ev in oc.responses.create(model=model, instructions="be brief", input="hello", max_output_tokens=9, stream=True):
+    for ev in oc.responses.create(model=model, instructions="be brief", input="hello",
+                                  max_output_tokens=9, stream=True):
         if ev.type == "response.output_text.delta":
             deltas.append(ev.delta)
         elif ev.type == "response.completed":
@@ -181,7 +201,8 @@ def test_openai_responses_stream_equals_whole_and_function_tools(fleet, model):
     (call,) = [o for o in t.output if o.type == "function_call"]
     assert call.name == "weather" and json.loads(call.arguments) == {"city": "sim"}
     back = oc.responses.create(model=model, tools=[tool], input=[
-        *USER, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        *USER, {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert back.output_text
     with oc.responses.stream(model=model, input=USER, tools=[tool]) as s:
@@ -204,12 +225,15 @@ def test_openai_chat_tools_and_bad_bodies(fleet, model):
 
 def test_request_id_is_taken_or_made_returned_and_audited(fleet):
     body = {"model": "o-chat", "messages": USER, "max_tokens": 2}
-    r = httpx.post(fleet.hub.url + "/v1/chat/completions", json=body, headers={"x-request-id": "trace-42"}, timeout=30)
+    r = httpx.post(fleet.hub.url + "/v1/chat/completions", json=body,
+                   headers={"x-request-id": "trace-42"}, timeout=30)
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
-    made = httpx.post(fleet.hub.url + "/api/chat", json={"model": "s-chat", "messages": USER, "stream": False}, timeout=30)
+    made = httpx.post(fleet.hub.url + "/api/chat", json={"model": "s-chat", "messages": USER,
+                                                         "stream": False}, timeout=30)
     rid = made.headers["x-request-id"]
     assert len(rid) == 32 and rid != "trace-42"
-    bad = httpx.post(fleet.hub.url + "/v1/messages", json={"model": "o-chat", "messages": USER}, timeout=30)
+    bad = httpx.post(fleet.hub.url + "/v1/messages", json={"model": "o-chat", "messages": USER},
+                     timeout=30)
     assert bad.status_code == 400 and bad.json()["type"] == "error" and bad.headers["x-request-id"]
 
     def audited():
@@ -221,10 +245,13 @@ def test_request_id_is_taken_or_made_returned_and_audited(fleet):
 def test_liveness_version_one_model_show_and_unsupported_routes(fleet):
     url = fleet.hub.url
     r = httpx.get(url + "/", timeout=10)
-    assert r.status_code == 200 and r.text == "Ollama is running" and len(r.headers["x-request-id"]) == 32
-    assert httpx.get(url + "/api/tags", headers={"x-request-id": "t-1"}, timeout=10).headers["x-request-id"] == "t-1"
+    assert r.status_code == 200 and r.text == "Ollama is running" and len(
+        r.headers["x-request-id"]) == 32
+    assert httpx.get(url + "/api/tags", headers={"x-request-id": "t-1"},
+                     timeout=10).headers["x-request-id"] == "t-1"
     assert httpx.head(url + "/", timeout=10).status_code == 200
-    browser = httpx.get(url + "/", headers={"accept": "text/html,application/xhtml+xml"}, timeout=10)
+    browser = httpx.get(url + "/", headers={"accept": "text/html,application/xhtml+xml"},
+                        timeout=10)
     assert browser.status_code == 302 and browser.headers["location"] == "/ui/"
     v = httpx.get(url + "/api/version", timeout=10).json()
     assert v["version"].count(".") == 2 and v["appliance_version"]
@@ -239,7 +266,8 @@ def test_liveness_version_one_model_show_and_unsupported_routes(fleet):
     native = ol.show("s-chat")  # the sim node answers it as Ollama would
     assert native.details.family == "sim" and native.modelinfo["sim.context_length"] > 0
     synth = ol.show("o-chat")  # an openai engine: what the hub knows
-    assert synth.modelinfo["general.architecture"] == "openai" and "completion" in synth.capabilities
+    assert synth.modelinfo[
+        "general.architecture"] == "openai" and "completion" in synth.capabilities
     with pytest.raises(ollama.ResponseError) as ei:
         ol.show("nope")
     assert ei.value.status_code == 404
@@ -253,12 +281,14 @@ def test_cors_preflight_and_headers_for_allowed_origins_only(fleet):
     pre = httpx.options(url + "/v1/chat/completions", timeout=10, headers={
         "origin": "http://app.example", "access-control-request-method": "POST",
         "access-control-request-headers": "authorization, content-type"})
-    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://app.example"
+    assert pre.status_code == 204 and pre.headers[
+        "access-control-allow-origin"] == "http://app.example"
     assert "POST" in pre.headers["access-control-allow-methods"]
     assert "authorization" in pre.headers["access-control-allow-headers"]
     r = httpx.post(url + "/api/chat", timeout=30, headers={"origin": "http://other.example"},
                    json={"model": "o-chat", "messages": USER, "stream": False})
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://other.example"
+    assert r.status_code == 200 and r.headers[
+        "access-control-allow-origin"] == "http://other.example"
     foreign = httpx.get(url + "/api/tags", headers={"origin": "http://evil.example"}, timeout=10)
     assert foreign.status_code == 200 and "access-control-allow-origin" not in foreign.headers
     denied = httpx.options(url + "/api/chat", timeout=10, headers={
@@ -276,7 +306,8 @@ def test_tags_and_ps_carry_the_engines_metadata(fleet):
     tags = {m.model: m for m in ol.list().models}
     assert tags["s-chat"].details.family == "sim" and tags["s-chat"].digest
     assert tags["s-chat"].modified_at.year >= 2024
-    wait_until(lambda: any(m.model == "s-chat" and m.context_length for m in ol.ps().models), what="ps context length")
+    wait_until(lambda: any(m.model == "s-chat" and m.context_length for m in ol.ps().models),
+               what="ps context length")
     ps = {m.model: m for m in ol.ps().models}
     assert ps["s-chat"].details.family == "sim" and ps["s-chat"].expires_at.year >= 2024
 
@@ -289,7 +320,8 @@ def test_keep_alive_is_honoured_across_the_fleet(fleet):
     ps = {m.model: m for m in ol.ps().models}
     assert ps["s-keep"].expires_at.year > 2200  # until unloaded
     ol.chat(model="s-keep", messages=USER, keep_alive="5m")
-    left = next(m for m in ol.ps().models if m.model == "s-keep").expires_at - datetime.datetime.now(datetime.timezone.utc)
+    left = next(m for m in ol.ps().models
+                if m.model == "s-keep").expires_at - datetime.datetime.now(datetime.UTC)
     assert datetime.timedelta(minutes=4) < left <= datetime.timedelta(minutes=5, seconds=5)
     g = ol.generate(model="s-keep", keep_alive=0)  # Ollama's unload request
     assert g.done and g.done_reason == "unload"
@@ -299,7 +331,8 @@ def test_keep_alive_is_honoured_across_the_fleet(fleet):
     assert "s-keep" not in {m.model for m in ol.ps().models}
     r = ol.chat(model="s-keep", messages=USER, keep_alive=0)  # used once, then unloaded again
     assert r.message.content
-    wait_until(lambda: model_status(fleet, "s-keep")["ready"] == 0, what="s-keep unloaded after its request")
+    wait_until(lambda: model_status(fleet, "s-keep")["ready"] == 0,
+               what="s-keep unloaded after its request")
     with pytest.raises(ollama.ResponseError) as ei:
         ol.chat(model="s-keep", messages=USER, keep_alive="soon")
     assert ei.value.status_code == 400 and "keep_alive" in ei.value.error
@@ -312,7 +345,8 @@ def test_langchain_chat_models_and_embeddings(fleet, model):
     from langchain_openai import ChatOpenAI
 
     for chat in (ChatOllama(model=model, base_url=fleet.hub.url, num_predict=8),
-                 ChatOpenAI(model=model, base_url=fleet.hub.url + "/v1", api_key="anyone", max_tokens=8, max_retries=0)):
+                 ChatOpenAI(model=model, base_url=fleet.hub.url + "/v1", api_key="anyone",
+                            max_tokens=8, max_retries=0)):
         whole = chat.invoke("hello")
         streamed = "".join(c.content for c in chat.stream("hello"))
         assert whole.content and streamed == whole.content
@@ -333,21 +367,25 @@ def test_pull_and_delete_across_the_fleet_with_the_admin_key(fleet):
 
     from appliance import ctl
 
-    admin = ollama.Client(host=fleet.hub.url, timeout=30, headers={"authorization": f"Bearer {ADMIN}"})
+    admin = ollama.Client(host=fleet.hub.url, timeout=30,
+                          headers={"authorization": f"Bearer {ADMIN}"})
     with pytest.raises(ollama.ResponseError) as ei:
         ollama.Client(host=fleet.hub.url, timeout=30).pull("s-new")
     assert ei.value.status_code == 401
     progress = list(admin.pull("s-new", stream=True))
     assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
     assert any(p.completed == p.total and p.total for p in progress)
-    wait_until(lambda: "s-new" in {m["name"] for m in fleet.status()["models"]}, what="pulled model in the catalog")
-    assert ollama.Client(host=fleet.hub.url, timeout=30).chat(model="s-new", messages=USER).message.content
+    wait_until(lambda: "s-new" in {m["name"] for m in fleet.status()["models"]},
+               what="pulled model in the catalog")
+    assert ollama.Client(host=fleet.hub.url, timeout=30).chat(model="s-new",
+                                                              messages=USER).message.content
 
     out, err = io.StringIO(), io.StringIO()
     argv = ["--url", fleet.hub.url, "--key", ADMIN]
     assert ctl.run([*argv, "pull", "s-other", "--node", "sim-n"], out=out, err=err) == 0
     lines = out.getvalue().splitlines()
-    assert lines[0] == "sim-n: pulling manifest" and "100% of 500 MiB" in out.getvalue() and lines[-1] == "success"
+    assert lines[0] == "sim-n: pulling manifest" and "100% of 500 MiB" in out.getvalue() and lines[
+        -1] == "success"
     # An openai engine cannot pull: said so, in Ollama's shape, and ctl exits 1.
     assert ctl.run([*argv, "pull", "s-other", "--node", "oai-n"], out=io.StringIO(), err=err) == 1
     assert "501" in err.getvalue() and "oai-n" in err.getvalue()

@@ -26,14 +26,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from procs import wait_until
 
 from appliance import __version__
-from procs import wait_until
 
 pytestmark = pytest.mark.binary
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("APPLIANCE_BINARY_CACHE", Path.home() / ".cache" / "appliance" / "binary"))
+CACHE = Path(os.environ.get("APPLIANCE_BINARY_CACHE",
+                            Path.home() / ".cache" / "appliance" / "binary"))
 LISTEN_RE = re.compile(r"appliance (\w+) listening on (https?://\S+)")
 # A cold onefile start extracts ~20 MB before Python runs; generous on a loaded box.
 START_TIMEOUT = 60.0
@@ -43,8 +44,10 @@ DRAIN_SECONDS = 3
 def source_hash() -> str:
     h = hashlib.sha256()
     files = sorted(p for p in (ROOT / "appliance").rglob("*.py") if p.name != "_build.py")
-    files += sorted((ROOT / "appliance" / "hub" / "ui" / "static").iterdir())  # the page's data files
-    files += [ROOT / "pyproject.toml", ROOT / "packaging" / "appliance.spec", ROOT / "packaging" / "build.sh"]
+    files += sorted(
+        (ROOT / "appliance" / "hub" / "ui" / "static").iterdir())  # the page's data files
+    files += [ROOT / "pyproject.toml", ROOT / "packaging" / "appliance.spec",
+              ROOT / "packaging" / "build.sh"]
     for p in files:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -70,10 +73,12 @@ def build_binary() -> Path:
         tmp = CACHE / f"{key}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.monotonic()
-        r = subprocess.run([str(ROOT / "packaging" / "build.sh"), str(tmp)], capture_output=True, text=True,
+        r = subprocess.run([str(ROOT / "packaging" / "build.sh"), str(tmp)], capture_output=True,
+                           text=True,
                            timeout=1200)
         assert r.returncode == 0, f"build failed:\n{r.stdout}\n{r.stderr}"
-        print(f"\nbinary built in {time.monotonic() - t0:.0f} s: {(tmp / 'appliance').stat().st_size / 1e6:.1f} MB")
+        print(
+            f"\nbinary built in {time.monotonic() - t0:.0f} s: {(tmp / 'appliance').stat().st_size / 1e6:.1f} MB")
         tmp.rename(CACHE / key)
         for old in sorted((d for d in CACHE.iterdir() if d.is_dir() and d.name != key),
                           key=lambda d: d.stat().st_mtime)[:-2]:
@@ -104,7 +109,7 @@ class NotifySocket:
             self.sock.settimeout(left)
             try:
                 data = self.sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             self.got.append((time.monotonic(), data.decode()))
         return [t for t, m in self.got if msg in m.split("\n")][count - 1]
@@ -118,7 +123,8 @@ class Running:
 
     def __init__(self, argv: list[str], env: dict[str, str], preexec_fn=None) -> None:
         self.started = time.monotonic()
-        self.popen = subprocess.Popen(argv, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.popen = subprocess.Popen(argv, env=env, cwd="/", stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT,
                                       start_new_session=True, preexec_fn=preexec_fn)
         self.pid = self.popen.pid
         self.lines: list[str] = []
@@ -143,7 +149,8 @@ class Running:
         with self._cond:
             while not all(r in self.urls for r in roles):
                 if time.monotonic() > deadline or self.popen.poll() is not None:
-                    raise AssertionError(f"not listening {roles} (exit={self.popen.poll()}):\n" + self.output())
+                    raise AssertionError(
+                        f"not listening {roles} (exit={self.popen.poll()}):\n" + self.output())
                 self._cond.wait(0.5)
         return self.urls
 
@@ -196,10 +203,12 @@ def rss_mib(pid: int) -> float:
 # --- tests -------------------------------------------------------------------------------
 
 def test_version_prints_version_and_commit(binary, tmp_path):
-    r = subprocess.run([str(binary), "--version"], env=bare_env(tmp_path), cwd="/", capture_output=True,
+    r = subprocess.run([str(binary), "--version"], env=bare_env(tmp_path), cwd="/",
+                       capture_output=True,
                        text=True, timeout=START_TIMEOUT)
     assert r.returncode == 0, r.stderr
-    m = re.fullmatch(rf"appliance {re.escape(__version__)} \(([0-9a-f]{{7,}}(-dirty)?|unknown)\)\n", r.stdout)
+    m = re.fullmatch(rf"appliance {re.escape(__version__)} \(([0-9a-f]{{7,}}(-dirty)?|unknown)\)\n",
+                     r.stdout)
     assert m, r.stdout
 
 
@@ -207,12 +216,15 @@ def test_binary_carries_every_role_and_no_test_tooling(binary):
     # build.sh lists the archive beside the binary (pyi-archive_viewer, from the build venv).
     listing = (binary.parent / "appliance.contents.txt").read_text()
     names = set(re.findall(r"'([\w.]+)'", listing))
-    roles = {"appliance.hub.run", "appliance.node.run", "appliance.up", "appliance.sim", "appliance.ctl",
+    roles = {"appliance.hub.run", "appliance.node.run", "appliance.up", "appliance.sim",
+             "appliance.ctl",
              "appliance.sdnotify", "appliance.tlsinfo"}
-    roles |= {f"appliance.node.engines.{p.stem}" for p in (ROOT / "appliance/node/engines").glob("*.py")
+    roles |= {f"appliance.node.engines.{p.stem}"
+              for p in (ROOT / "appliance/node/engines").glob("*.py")
               if p.stem != "__init__"}
     assert roles - names == set()
-    assert {n for n in names if n.split(".")[0] in ("pytest", "_pytest", "hypothesis", "openai", "ollama")} == set()
+    assert {n for n in names if n.split(".")[0] in ("pytest", "_pytest", "hypothesis", "openai",
+                                                    "ollama")} == set()
     # The hub's page (/ui/) rides along as data files beside its package.
     for f in ("index.html", "app.js", "style.css"):
         assert f"appliance/hub/ui/static/{f}" in listing, f
@@ -227,7 +239,8 @@ def test_units_verify_with_the_built_binary(binary, tmp_path):
 
 
 ROLE_ENV = {
-    "hub": {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Hub__DrainSeconds": DRAIN_SECONDS},
+    "hub": {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+            "Hub__DrainSeconds": DRAIN_SECONDS},
     "node": {"Node__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Engine__Kind": "sim",
              "Auth__NodeToken": "t0ken", "Hub__DrainSeconds": DRAIN_SECONDS},
 }
@@ -246,11 +259,13 @@ def test_notify_protocol_from_root_in_a_bare_env(binary, tmp_path, running, role
     env_file.write_text("Queue__MaxDepth=10\n")
     env = bare_env(tmpdir, NOTIFY_SOCKET=notify.path, WATCHDOG_USEC=1_000_000, **ROLE_ENV[role])
     # `exec` keeps the shell's pid: WATCHDOG_PID is the bootloader's, as systemd sets it.
-    p = running(["/bin/sh", "-c", f'WATCHDOG_PID=$$ exec "{binary}" {role} --env-file {env_file}'], env)
+    p = running(["/bin/sh", "-c", f'WATCHDOG_PID=$$ exec "{binary}" {role} --env-file {env_file}'],
+                env)
     try:
         notify.wait_for("READY=1", START_TIMEOUT)
         url = p.wait_listening(role)[role]
-        assert [d.name for d in tmpdir.iterdir() if d.name.startswith("_MEI")], "not extracted under TMPDIR"
+        assert [d.name for d in tmpdir.iterdir()
+                if d.name.startswith("_MEI")], "not extracted under TMPDIR"
         first = notify.wait_for("WATCHDOG=1", 5)
         third = notify.wait_for("WATCHDOG=1", 5, count=3)
         assert 0.5 < third - first < 2.5  # every 0.5 s
@@ -263,7 +278,8 @@ def test_notify_protocol_from_root_in_a_bare_env(binary, tmp_path, running, role
         p.popen.send_signal(signal.SIGTERM)
         notify.wait_for("STOPPING=1", 5)
         assert p.popen.wait(DRAIN_SECONDS + 5) == 0, p.output()
-        assert not [d for d in tmpdir.iterdir() if d.name.startswith("_MEI")], "extraction left behind"
+        assert not [d for d in tmpdir.iterdir()
+                    if d.name.startswith("_MEI")], "extraction left behind"
     finally:
         notify.close()
 
@@ -297,7 +313,8 @@ def _elf_wants_exec_stack(data: bytes) -> bool:
 def test_runs_without_write_execute_memory(binary, tmp_path, running, role):
     # First: does this kernel refuse W+X after the switch (and keep it across exec)?
     probe = subprocess.run(
-        ["/bin/sh", "-c", 'exec "$0" -c "import mmap; mmap.mmap(-1, 4096, prot=7)"', shutil.which("python3") or "/usr/bin/python3"],
+        ["/bin/sh", "-c", 'exec "$0" -c "import mmap; mmap.mmap(-1, 4096, prot=7)"',
+         shutil.which("python3") or "/usr/bin/python3"],
         preexec_fn=_deny_write_execute, capture_output=True, text=True, timeout=30)
     if probe.returncode == 97:
         pytest.skip("kernel without PR_SET_MDWE (Linux < 6.3)")
@@ -316,7 +333,8 @@ def test_runs_without_write_execute_memory(binary, tmp_path, running, role):
     (mei,) = [d for d in tmpdir.iterdir() if d.name.startswith("_MEI")]
     shared = [f for f in mei.rglob("*.so*") if f.is_file()]
     assert shared
-    assert [str(f.relative_to(mei)) for f in shared if _elf_wants_exec_stack(f.read_bytes()[:65536])] == []
+    assert [str(f.relative_to(mei)) for f in shared
+            if _elf_wants_exec_stack(f.read_bytes()[:65536])] == []
     p.popen.send_signal(signal.SIGTERM)
     assert p.popen.wait(DRAIN_SECONDS + 5) == 0, p.output()
 
@@ -327,7 +345,8 @@ def test_up_answers_a_chat_request_and_stops_on_sigterm(binary, tmp_path, runnin
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     notify = NotifySocket(tmp_path / "notify.sock")
-    env = bare_env(tmpdir, NOTIFY_SOCKET=notify.path, Hub__Listen="127.0.0.1:0", Node__Listen="127.0.0.1:0",
+    env = bare_env(tmpdir, NOTIFY_SOCKET=notify.path, Hub__Listen="127.0.0.1:0",
+                   Node__Listen="127.0.0.1:0",
                    Sim__Listen="127.0.0.1:0", Metrics__Listen="", Hub__DrainSeconds=DRAIN_SECONDS,
                    Engine__Kind="sim")
     p = running([str(binary), "up"], env)
@@ -337,7 +356,8 @@ def test_up_answers_a_chat_request_and_stops_on_sigterm(binary, tmp_path, runnin
         body = {"model": "sim-small", "messages": [{"role": "user", "content": "Say hello"}]}
         # The node may still be connecting: a real client retries a 503 too.
         r = wait_until(lambda: (lambda r: r if r.status_code != 503 else None)(
-            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)), timeout=60, what="a non-503 answer")
+            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)), timeout=60,
+                       what="a non-503 answer")
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         assert ready_at - p.started < START_TIMEOUT

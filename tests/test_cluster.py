@@ -12,17 +12,17 @@ import shutil
 
 import pytest
 import trio
+from etcd_proc import EtcdProc, free_port, needs_etcd
+from test_control import FakeAudit, FakeOps, add_node
+from test_placement import cfg
 
 from appliance.cluster import state
 from appliance.cluster.etcd import KV, Etcd, EtcdError, EtcdUnavailable, prefix_end, unb64
 from appliance.cluster.member import Member
+from appliance.http.errors import ApiError
 from appliance.hub import activation
 from appliance.hub.control import Control, StaleLeader
-from appliance.http.errors import ApiError
 from appliance.hub.nodes import Registry
-from etcd_proc import EtcdProc, free_port, needs_etcd
-from test_control import FakeAudit, FakeOps, add_node
-from test_placement import cfg
 
 LEASE = 3
 KEV = "unknown model architecture: 'kev'"
@@ -43,9 +43,12 @@ def test_tenure_ends_with_the_lease_counted_from_the_send():
 
 def test_parse_reads_every_kind_and_skips_garbage():
     k = state.Keys("app")
-    rec = state.HealthRecord(failures=5, parked=True, last_error=KEV, definition=["", "", ""], decided=40)
-    kvs = [KV("app/leader", "hub-a", 12, 12, 99), KV("app/hubs/hub-b", "{}", 3, 3, 1), KV("app/hubs/hub-a", "{}", 2, 2, 1),
-           KV("app/health/kev", state.encode(rec), 20, 41, 0), KV("app/health/bad", "not json", 5, 5, 0),
+    rec = state.HealthRecord(failures=5, parked=True, last_error=KEV, definition=["", "", ""],
+                             decided=40)
+    kvs = [KV("app/leader", "hub-a", 12, 12, 99), KV("app/hubs/hub-b", "{}", 3, 3, 1),
+           KV("app/hubs/hub-a", "{}", 2, 2, 1),
+           KV("app/health/kev", state.encode(rec), 20, 41, 0), KV("app/health/bad", "not json", 5,
+                                                                  5, 0),
            KV("app/asks/m", "{}", 30, 44, 0), KV("app/retry/kev", "{}", 45, 45, 0),
            KV("app/cordons/n1", "hub-a", 9, 9, 0), KV("app/nodes/n2", "http://n2:9090", 8, 8, 0)]
     s = state.parse(k, 50, kvs)
@@ -57,7 +60,8 @@ def test_parse_reads_every_kind_and_skips_garbage():
 def test_adopt_takes_failures_unless_the_definition_changed():
     from appliance.hub.placement import Health
 
-    rec = state.HealthRecord(failures=5, parked=True, last_error=KEV, unplaceable="", definition=["src", "p", "--a"])
+    rec = state.HealthRecord(failures=5, parked=True, last_error=KEV, unplaceable="",
+                             definition=["src", "p", "--a"])
     h = Health()
     assert state.adopt(h, rec, ("src", "p", "--a"), configured=True) is False
     assert (h.failures, h.parked, h.last_error) == (5, True, KEV)
@@ -157,7 +161,8 @@ class Hub:
 
     def __init__(self, name: str, store: Store, registry: Registry, models: list[dict]) -> None:
         self.etcd = FakeEtcd(store)
-        c = cfg(models, Hub__Name=name, Cluster__Etcd="http://etcd:2379", Cluster__LeaseSeconds=LEASE,
+        c = cfg(models, Hub__Name=name, Cluster__Etcd="http://etcd:2379",
+                Cluster__LeaseSeconds=LEASE,
                 Router__ActivationWaitSeconds=30)
         self.ops = FakeOps(registry)
         self.control = Control(c, registry, None, None, FakeAudit(), ops=self.ops)
@@ -183,7 +188,8 @@ async def fleet(nursery, models, nodes=None):
 async def test_one_leader_then_partition_failover_without_overlap(nursery, autojump_clock):
     store, a, b = await fleet(nursery, [{"Name": "m"}])
     assert a.member.leading and not b.member.leading
-    assert b.member.leader() == "hub-a" and a.member.epoch == b.member.epoch == store.kv["appliance/leader"].create_revision
+    assert b.member.leader() == "hub-a" and a.member.epoch == b.member.epoch == store.kv[
+        "appliance/leader"].create_revision
     assert b.member.status()["hubs"] == ["hub-a", "hub-b"]
     a.etcd.down = True
     cut = trio.current_time()
@@ -345,7 +351,8 @@ def test_ctl_status_shows_the_cluster_line():
     out = ctl.render("status", body)
     assert "cluster: leader hub-a (epoch 812); hubs hub-a, hub-b; this hub hub-b; etcd up" in out.splitlines()
     body["cluster"].update(leader=None, etcd_up=False)
-    assert "cluster: NO LEADER; hubs hub-a, hub-b; this hub hub-b; etcd UNREACHABLE" in ctl.render("status", body)
+    assert "cluster: NO LEADER; hubs hub-a, hub-b; this hub hub-b; etcd UNREACHABLE" in ctl.render(
+        "status", body)
     del body["cluster"]
     assert "cluster" not in ctl.render("status", body)  # one hub alone: as before
 
@@ -358,7 +365,8 @@ async def test_cordons_and_announced_nodes_reach_every_hub(nursery, autojump_clo
     store.write("appliance/nodes/n3", "http://n3:9090", 0)
     hub = Hub("hub-b", store, registry, [{"Name": "m"}])
     added = []
-    hub.member.add_node = lambda name, url: (added.append((name, url)), add_node(registry, name, 8000, {}))
+    hub.member.add_node = lambda name, url: (added.append((name, url)), add_node(registry, name,
+                                                                                 8000, {}))
     await hub.start(nursery)
     await trio.sleep(1)
     assert registry.nodes["n1"].cordoned and not registry.nodes["n2"].cordoned
@@ -373,7 +381,8 @@ async def test_cordons_and_announced_nodes_reach_every_hub(nursery, autojump_clo
     del registry.nodes["n3"]  # forgotten on this hub: not brought back by the next reads...
     await trio.sleep(1)
     assert "n3" not in registry.nodes and len(added) == 1
-    store.write("appliance/nodes/n3", "http://n3:9090", 0)  # ...only by announcing again (to any hub)
+    store.write("appliance/nodes/n3", "http://n3:9090",
+                0)  # ...only by announcing again (to any hub)
     await trio.sleep(1)
     assert "n3" in registry.nodes and len(added) == 2
 
@@ -395,18 +404,21 @@ async def test_real_etcd_client_failover_between_endpoints_and_auth(tmp_path):
             assert ttl == 5 and await e.keepalive(lease) == 5
             won, rev, _ = await e.create("t/leader", "a", lease)
             again, _, held = await e.create("t/leader", "b", lease)
-            assert won and not again and (held.value, held.create_revision, held.lease) == ("a", rev, lease)
+            assert won and not again and (held.value, held.create_revision,
+                                          held.lease) == ("a", rev, lease)
             await e.revoke(lease)
             assert await e.keepalive(lease) == 0 and (await e.get_prefix("t/"))[1] == []
             for path, body in (("/v3/auth/user/add", {"name": "root", "password": "pw"}),
                                ("/v3/auth/role/add", {"name": "root"}),
-                               ("/v3/auth/user/grant", {"user": "root", "role": "root"}), ("/v3/auth/enable", {})):
+                               ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                               ("/v3/auth/enable", {})):
                 assert (await http.post(proc.url + path, json=body)).status_code == 200
             with pytest.raises(EtcdError):
                 await Etcd([proc.url], http).put("t/x", "1")  # no credentials
             authed = Etcd([proc.url], http, "root", "pw")
             await authed.put("t/x", "1")
-            assert [(kv.key, kv.value) for kv in (await authed.get_prefix("t/"))[1]] == [("t/x", "1")]
+            assert [(kv.key, kv.value) for kv in (await authed.get_prefix("t/"))[1]] == [("t/x",
+                                                                                          "1")]
             with pytest.raises(EtcdError):
                 await Etcd([proc.url], http, "root", "wrong").put("t/x", "2")
     finally:
@@ -419,7 +431,8 @@ def test_other_hubs_work_on_a_node_counts_in_free_places():
     from appliance.wire import EngineInstall, ModelState, NodeState
 
     def state(total, m):
-        return NodeState(name="n1", engines=[EngineInstall("sim", "0.1")], max_concurrency=3, slots=2,
+        return NodeState(name="n1", engines=[EngineInstall("sim", "0.1")], max_concurrency=3,
+                         slots=2,
                          in_flight=total, models=[ModelState("m", 100, "ready", in_flight=m)])
 
     for shared, used in ((False, 1), (True, 2)):
@@ -436,7 +449,8 @@ def test_other_hubs_work_on_a_node_counts_in_free_places():
     registry.apply_state(h, state(1, 1))
     assert h.in_flight == {"m": 1} and h.others == {"m": 1}
     registry.apply_state(h, state(0, 0))  # theirs done
-    assert (h.in_flight, h.in_flight_total, h.others, registry.free_places("m")) == ({"m": 0}, 0, {}, 2)
+    assert (h.in_flight, h.in_flight_total, h.others, registry.free_places("m")) == ({"m": 0}, 0,
+                                                                                     {}, 2)
 
 
 @pytest.mark.e2e
@@ -445,16 +459,18 @@ def test_other_hubs_work_on_a_node_counts_in_free_places():
 async def test_real_etcd_over_tls_with_a_client_certificate(tmp_path):
     """Cluster__TlsCa/TlsCert/TlsKey: etcd verified by our CA and shown our certificate;
     without the certificate etcd refuses the handshake and the client says no endpoint answered."""
+    from test_tls import make_ca, make_cert
+
     from appliance.cluster import etcd as etcd_mod
     from appliance.config import ClusterConfig
-    from test_tls import make_ca, make_cert
 
     ca = make_ca(tmp_path)
     server, hub = make_cert(tmp_path, ca, "etcd"), make_cert(tmp_path, ca, "hub")
     proc = EtcdProc(tmp_path / "etcd", tls=(ca[0], *server))
     proc.start()
     try:
-        cfg = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca[0], tls_cert=hub[0], tls_key=hub[1])
+        cfg = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca[0], tls_cert=hub[0],
+                            tls_key=hub[1])
         async with etcd_mod.open_client(cfg) as http:
             e = etcd_mod.make(cfg, http)
             await e.put("t/x", "over tls")
@@ -470,7 +486,8 @@ async def test_real_etcd_over_tls_with_a_client_certificate(tmp_path):
 async def test_forget_on_one_hub_drops_the_node_on_the_others(nursery, autojump_clock):
     store, registry = Store(), Registry()
     forgotten = []
-    registry.forget = lambda h: (forgotten.append(h.name), registry.nodes.pop(h.name))  # #10's Registry.forget
+    registry.forget = lambda h: (forgotten.append(h.name),
+                                 registry.nodes.pop(h.name))  # #10's Registry.forget
     add_node(registry, "old", 8000, {})
     store.write("appliance/forgotten/old", "hub-a", 0)  # forgotten before this hub started: stays
     hub = Hub("hub-b", store, registry, [{"Name": "m"}])
@@ -492,7 +509,8 @@ async def test_forget_on_one_hub_drops_the_node_on_the_others(nursery, autojump_
 def test_config_hub_urls_etcd_endpoints_and_prefix_validated():
     from appliance import config
 
-    c = config.load({"Hub__Url": "http://hub-a:8080, http://hub-b:8080", "Cluster__Etcd": "http://e1:2379,https://e2:2379/"})
+    c = config.load({"Hub__Url": "http://hub-a:8080, http://hub-b:8080",
+                     "Cluster__Etcd": "http://e1:2379,https://e2:2379/"})
     assert c.hub_urls() == ["http://hub-a:8080", "http://hub-b:8080"]
     assert c.cluster.endpoints() == ["http://e1:2379", "https://e2:2379"]
     assert (c.cluster.prefix, c.cluster.lease_seconds) == ("appliance", 10)
@@ -505,7 +523,8 @@ def test_config_hub_urls_etcd_endpoints_and_prefix_validated():
         assert names in str(info.value)
 
 
-async def test_announced_elsewhere_never_moves_a_static_node_nor_passes_max_nodes(nursery, autojump_clock):
+async def test_announced_elsewhere_never_moves_a_static_node_nor_passes_max_nodes(nursery,
+                                                                                  autojump_clock):
     store, registry = Store(), Registry()
     h, _ = registry.upsert("gpu-a", "http://gpu-a:9090", static=True)
     store.write("appliance/nodes/gpu-a", "http://evil:9090", 0)
@@ -514,7 +533,8 @@ async def test_announced_elsewhere_never_moves_a_static_node_nor_passes_max_node
     hub = Hub("hub-b", store, registry, [{"Name": "m"}])
     hub.member.max_nodes = 2
     added = []
-    hub.member.add_node = lambda name, url: (added.append(name), registry.upsert(name, url, static=False))
+    hub.member.add_node = lambda name, url: (added.append(name), registry.upsert(name, url,
+                                                                                 static=False))
     await hub.start(nursery)
     await trio.sleep(1)
     assert registry.nodes["gpu-a"].url == "http://gpu-a:9090"

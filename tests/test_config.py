@@ -18,11 +18,13 @@ def test_defaults_match_the_contract():
     assert c.engine.kind == "ollama" and c.engine.url == "http://127.0.0.1:11434"
     assert c.engine.command == "llama-server -m {model} --port {port} {args}"
     assert c.engine.start_timeout_seconds == 120
-    assert [(m.name, m.size_mb, m.load_seconds) for m in c.sim.effective_models()] == [("sim-small", 500, 0)]
+    assert [(m.name, m.size_mb, m.load_seconds) for m in c.sim.effective_models()] == [("sim-small",
+                                                                                        500, 0)]
     assert c.sim.tokens_per_second == 200 and c.sim.parallel == 4
     assert c.router.activation_wait_seconds == 45
     assert (c.queue.max_wait_seconds, c.queue.max_depth, c.queue.slot_wait_seconds) == (30, 64, 0)
-    assert (c.priority.enabled, c.priority.reserve_slots, c.priority.background_max_wait_seconds) == (False, 1, 600)
+    assert (c.priority.enabled, c.priority.reserve_slots,
+            c.priority.background_max_wait_seconds) == (False, 1, 600)
     assert c.models.park_after_failures == 5
     assert c.hub.max_body_bytes == 32 * 1024 * 1024
     assert c.hub.drain_seconds == 30
@@ -34,9 +36,11 @@ def test_lists_sections_profiles_and_prefix():
     c = load({
         "Nodes__1__Name": "b", "Nodes__1__Url": "http://b:9090",
         "Nodes__0__Name": "a", "Nodes__0__Url": "http://a:9090",
-        "Auth__Clients__0__Name": "ops", "Auth__Clients__0__Key": "k1", "Auth__Clients__0__Priority": "essential",
+        "Auth__Clients__0__Name": "ops", "Auth__Clients__0__Key": "k1",
+        "Auth__Clients__0__Priority": "essential",
         "Auth__Clients__0__Models": "llama*, qwen2.5:0.5b",
-        "APPLIANCE_MODELS__0__NAME": "m", "Models__0__Profile": "fast", "Models__ParkAfterFailures": "3",
+        "APPLIANCE_MODELS__0__NAME": "m", "Models__0__Profile": "fast",
+        "Models__ParkAfterFailures": "3",
         "Profiles__fast__Args": "-c 2048",
         "node__maxconcurrency": "8",
         "PATH": "/usr/bin", "Unrelated__Thing": "x",
@@ -52,14 +56,16 @@ def test_lists_sections_profiles_and_prefix():
 @pytest.mark.parametrize("env,expect", [
     ({"Node__MaxConcurrency": "lots"}, "Node__MaxConcurrency='lots'"),
     ({"Node__MaxConcurency": "3"}, 'did you mean "MaxConcurrency"'),
-    ({"Auth__Clients__0__Key": "k", "Auth__Clients__0__Priority": "essentail"}, 'did you mean "essential"'),
+    ({"Auth__Clients__0__Key": "k", "Auth__Clients__0__Priority": "essentail"},
+     'did you mean "essential"'),
     ({"Priority__ReserveSlots": "-1"}, "Priority__ReserveSlots='-1'"),
     ({"Priority__BackgroundMaxWaitSeconds": "-5"}, "Priority__BackgroundMaxWaitSeconds"),
     ({"Priority__Enabled": "maybe"}, "Priority__Enabled='maybe'"),
     ({"Engine__Kind": "olama"}, 'did you mean "ollama"'),
     ({"Hub__Listen": "8080"}, "Hub__Listen='8080': expected HOST:PORT"),
     ({"Nodes__0__Name": "a", "Nodes__0__Url": "gpu-a:9090"}, "Nodes__0__Url"),
-    ({"Models__0__Name": "m", "Models__0__Profile": "fsat", "Profiles__fast__Args": ""}, 'did you mean "fast"'),
+    ({"Models__0__Name": "m", "Models__0__Profile": "fsat", "Profiles__fast__Args": ""},
+     'did you mean "fast"'),
     ({"Auth__Clients__0__Name": "x"}, "Auth__Clients__0__Key is empty"),
 ])
 def test_bad_values_name_the_variable(env, expect):
@@ -72,7 +78,8 @@ def test_bad_values_name_the_variable(env, expect):
 
 def test_env_file_then_environment(tmp_path):
     f = tmp_path / "hub.env"
-    f.write_text("# comment\nHub__Listen=127.0.0.1:1234\nexport Queue__MaxDepth='9'\nAuth__AdminKey=\"s3cret\"\n")
+    f.write_text(
+        "# comment\nHub__Listen=127.0.0.1:1234\nexport Queue__MaxDepth='9'\nAuth__AdminKey=\"s3cret\"\n")
     c = load({"Queue__MaxDepth": "10"}, env_file=str(f))
     assert c.hub.listen == "127.0.0.1:1234"
     assert c.queue.max_depth == 10
@@ -92,15 +99,18 @@ def test_parse_listen():
 def test_cli_exits_2_with_one_line():
     r = subprocess.run([sys.executable, "-m", "appliance", "hub"], capture_output=True, text=True,
                        env={"Priority__Enabled": "true", "Auth__Clients__0__Key": "k",
-                            "Auth__Clients__0__Priority": "backgroud", "PATH": "/usr/bin"}, timeout=60)
+                            "Auth__Clients__0__Priority": "backgroud", "PATH": "/usr/bin"},
+                       timeout=60)
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1
-    assert "Auth__Clients__0__Priority='backgroud'" in lines[0] and 'did you mean "background"' in lines[0]
+    assert "Auth__Clients__0__Priority='backgroud'" in lines[
+        0] and 'did you mean "background"' in lines[0]
 
 
 def test_cli_version():
-    r = subprocess.run([sys.executable, "-m", "appliance", "--version"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "appliance", "--version"], capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("appliance 0.1.0")
 
 
@@ -109,7 +119,8 @@ def test_cli_version():
       "Auth__Clients__1__Key": "k"}, ("Auth__Clients__0__Key", "Auth__Clients__1__Key")),
     ({"Auth__Clients__0__Name": "a", "Auth__Clients__0__Key": "k1", "Auth__Clients__1__Name": "a",
       "Auth__Clients__1__Key": "k2"}, ("Auth__Clients__0__Name", "Auth__Clients__1__Name")),
-    ({"Nodes__0__Name": "n", "Nodes__0__Url": "http://a:1", "Nodes__1__Name": "n", "Nodes__1__Url": "http://b:1"},
+    ({"Nodes__0__Name": "n", "Nodes__0__Url": "http://a:1", "Nodes__1__Name": "n",
+      "Nodes__1__Url": "http://b:1"},
      ("Nodes__0__Name", "Nodes__1__Name")),
     ({"Auth__Nodes__0__Name": "n", "Auth__Nodes__0__Token": "a", "Auth__Nodes__1__Name": "n",
       "Auth__Nodes__1__Token": "b"}, ("Auth__Nodes__0__Name", "Auth__Nodes__1__Name")),
@@ -127,5 +138,6 @@ def test_duplicates_and_unbounded_numbers_are_refused_naming_the_variables(env, 
 
 
 def test_per_node_token_falls_back_to_the_shared_one():
-    a = load({"Auth__NodeToken": "shared", "Auth__Nodes__0__Name": "gpu-b", "Auth__Nodes__0__Token": "bee"}).auth
+    a = load({"Auth__NodeToken": "shared", "Auth__Nodes__0__Name": "gpu-b",
+              "Auth__Nodes__0__Token": "bee"}).auth
     assert a.node_token_for("gpu-b") == "bee" and a.node_token_for("gpu-a") == "shared"

@@ -7,12 +7,12 @@ import re
 import pytest
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
+from test_placement import cfg, set_state
 
-from appliance.hub.control import Control
 from appliance.http.errors import ApiError
+from appliance.hub.control import Control
 from appliance.hub.nodes import Registry
 from appliance.wire import EngineInstall, ModelState, NodeState
-from test_placement import cfg, set_state
 
 KEV_ERROR = "unknown model architecture: 'kev'"
 
@@ -64,7 +64,8 @@ class FakeAudit:
 
 def add_node(registry: Registry, name: str, total: int, models: dict[str, int]) -> None:
     h, _ = registry.upsert(name, f"http://{name}:9090", static=False)
-    state = NodeState(name=name, engines=[EngineInstall("sim", "0.1")], memory_total_mb=total, memory_used_mb=0,
+    state = NodeState(name=name, engines=[EngineInstall("sim", "0.1")], memory_total_mb=total,
+                      memory_used_mb=0,
                       models=[ModelState(m, s) for m, s in models.items()])
     registry.apply_state(h, state)
 
@@ -85,7 +86,8 @@ async def error_of(coro) -> ApiError:
 
 
 async def test_parks_after_five_failed_starts_then_answers_at_once(nursery, autojump_clock):
-    control, registry, ops, audit, _ = make([{"Name": "kev-0.5b"}], {"a": (8000, {"kev-0.5b": 500})})
+    control, registry, ops, audit, _ = make([{"Name": "kev-0.5b"}], {"a": (8000,
+                                                                           {"kev-0.5b": 500})})
     ops.fail["kev-0.5b"] = KEV_ERROR
     ops.load_seconds = 0.99  # off the 250 ms poll grid
     await nursery.start(control.run)
@@ -96,7 +98,8 @@ async def test_parks_after_five_failed_starts_then_answers_at_once(nursery, auto
     assert trio.current_time() == start + 20
     assert err.status == 503 and err.code == "model_parked" and KEV_ERROR in err.message and err.retry_after is None
     assert len(ops.loads) == 5
-    assert audit.kinds().count("model_start_failed") == 4 and audit.kinds().count("model_parked") == 1
+    assert audit.kinds().count(
+        "model_start_failed") == 4 and audit.kinds().count("model_parked") == 1
     # The next request: 503 at once naming the error, and nothing is started.
     now = trio.current_time()
     assert control.unservable("kev-0.5b").code == "model_parked"
@@ -127,7 +130,8 @@ async def test_retry_unparks_and_it_is_tried_again(nursery, autojump_clock):
 
 
 async def test_definition_change_by_reload_unparks(nursery, autojump_clock):
-    control, registry, ops, _, _ = make([{"Name": "kev", "Source": "/m/kev.gguf"}], {"a": (8000, {"kev": 500})},
+    control, registry, ops, _, _ = make([{"Name": "kev", "Source": "/m/kev.gguf"}],
+                                        {"a": (8000, {"kev": 500})},
                                         Models__ParkAfterFailures=2)
     ops.fail["kev"] = KEV_ERROR
     await nursery.start(control.run)
@@ -135,7 +139,8 @@ async def test_definition_change_by_reload_unparks(nursery, autojump_clock):
     control.reload(cfg([{"Name": "kev", "Source": "/m/kev.gguf"}], Models__ParkAfterFailures=2))
     assert control.unservable("kev").code == "model_parked"  # same definition: still parked
     ops.fail["kev"] = ""  # the new file loads
-    control.reload(cfg([{"Name": "kev", "Source": "/m/kev-fixed.gguf"}], Models__ParkAfterFailures=2))
+    control.reload(cfg([{"Name": "kev", "Source": "/m/kev-fixed.gguf"}],
+                       Models__ParkAfterFailures=2))
     assert control.unservable("kev") is None
     await control.activate("kev")
     assert len(ops.loads) == 3
@@ -153,9 +158,11 @@ async def test_a_success_resets_the_count(nursery, autojump_clock):
     assert control.models_status()[0]["consecutive_start_failures"] == 0
 
 
-async def test_unplaceable_is_answered_at_once_then_a_bigger_node_places_it(nursery, autojump_clock):
+async def test_unplaceable_is_answered_at_once_then_a_bigger_node_places_it(nursery,
+                                                                            autojump_clock):
     control, registry, ops, audit, _ = make([{"Name": "phi-4", "MemoryMb": 9800}],
-                                            {"gpu-a": (8000, {"phi-4": 100}), "gpu-b": (4000, {"phi-4": 100})})
+                                            {"gpu-a": (8000, {"phi-4": 100}),
+                                             "gpu-b": (4000, {"phi-4": 100})})
     await nursery.start(control.run)
     start = trio.current_time()
     err = await error_of(control.activate("phi-4"))
@@ -170,12 +177,15 @@ async def test_unplaceable_is_answered_at_once_then_a_bigger_node_places_it(nurs
     # The stored result is stale; a request decides afresh and is not refused.
     assert control.unservable("phi-4") is None
     await control.activate("phi-4")
-    assert trio.current_time() == start + 1 and [n.name for n in registry.ready_nodes("phi-4")] == ["gpu-c"]
+    assert trio.current_time() == start + 1 and [n.name
+                                                 for n in registry.ready_nodes(
+                                                     "phi-4")] == ["gpu-c"]
     assert not control.models_status()[0]["unplaceable"]
 
 
 async def test_room_made_when_busy_replica_finishes(nursery, autojump_clock):
-    control, registry, ops, _, _ = make([{"Name": "big", "MemoryMb": 6000}, {"Name": "small", "MemoryMb": 4000}],
+    control, registry, ops, _, _ = make([{"Name": "big", "MemoryMb": 6000}, {"Name": "small",
+                                                                             "MemoryMb": 4000}],
                                         {"a": (8000, {"big": 6000, "small": 4000})})
     await nursery.start(control.run)
     await control.activate("small")
@@ -202,7 +212,8 @@ async def test_loading_times_out_with_retry_after(nursery, autojump_clock):
 
 
 async def test_idle_on_demand_replica_is_unloaded(nursery, autojump_clock):
-    control, registry, ops, _, _ = make([{"Name": "m", "IdleUnloadSeconds": 60}], {"a": (8000, {"m": 500})})
+    control, registry, ops, _, _ = make([{"Name": "m", "IdleUnloadSeconds": 60}],
+                                        {"a": (8000, {"m": 500})})
     await nursery.start(control.run)
     await control.activate("m")
     await trio.sleep(30)
@@ -214,7 +225,8 @@ async def test_idle_on_demand_replica_is_unloaded(nursery, autojump_clock):
 
 
 async def test_always_on_replicas_are_kept_placed(nursery, autojump_clock):
-    control, registry, ops, _, _ = make([{"Name": "m", "Replicas": 2}], {"a": (8000, {"m": 500}), "b": (8000, {"m": 500})})
+    control, registry, ops, _, _ = make([{"Name": "m", "Replicas": 2}], {"a": (8000, {"m": 500}),
+                                                                         "b": (8000, {"m": 500})})
     await nursery.start(control.run)
     await trio.sleep(2)
     assert sorted(n.name for n in registry.ready_nodes("m")) == ["a", "b"]
@@ -224,7 +236,8 @@ async def test_always_on_replicas_are_kept_placed(nursery, autojump_clock):
 
 def _sample(text: str, name: str, **labels) -> float | None:
     lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    m = re.search(rf"^{name}{{{re.escape(lab)}}} (\S+)$" if labels else rf"^{name} (\S+)$", text, re.M)
+    m = re.search(rf"^{name}{{{re.escape(lab)}}} (\S+)$" if labels else rf"^{name} (\S+)$", text,
+                  re.M)
     return float(m.group(1)) if m else None
 
 
@@ -263,21 +276,26 @@ async def test_metrics_ready_zero_for_a_desired_model(nursery, autojump_clock, t
 
 
 async def test_models_status_keys_are_the_contract(nursery, autojump_clock):
-    control, registry, ops, _, _ = make([{"Name": "m"}], {"a": (8000, {"m": 500, "discovered": 100})})
+    control, registry, ops, _, _ = make([{"Name": "m"}], {"a": (8000, {"m": 500,
+                                                                       "discovered": 100})})
     await nursery.start(control.run)
     assert control.known("m") and control.known("discovered") and not control.known("nope")
     sts = control.models_status()
     assert [s["name"] for s in sts] == ["discovered", "m"]
     for s in sts:
-        assert set(s) == {"name", "desired", "ready", "loading", "parked", "unplaceable", "reason", "last_error",
+        assert set(s) == {"name", "desired", "ready", "loading", "parked", "unplaceable", "reason",
+                          "last_error",
                           "consecutive_start_failures", "nodes"}
     await control.activate("discovered")
     assert control.models_status()[0]["nodes"] == ["a"]
 
 
-async def test_the_loop_warns_twice_for_1000_failed_placements_in_ten_minutes(nursery, autojump_clock, caplog):
+async def test_the_loop_warns_twice_for_1000_failed_placements_in_ten_minutes(nursery,
+                                                                              autojump_clock,
+                                                                              caplog):
     control, registry, ops, audit, _ = make([{"Name": "phi-4", "MemoryMb": 9800, "Replicas": 1}],
-                                            {"gpu-a": (8000, {"phi-4": 100})}, Hub__ControlIntervalSeconds=0.6)
+                                            {"gpu-a": (8000, {"phi-4": 100})},
+                                            Hub__ControlIntervalSeconds=0.6)
     attempts = []
     place = control.core.place
     control.core.place = lambda *a: (attempts.append(trio.current_time()), place(*a))[1]

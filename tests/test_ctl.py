@@ -9,11 +9,11 @@ import urllib.parse
 
 import httpx
 import pytest
+from test_control import KEV_ERROR, make
 
 from appliance import ctl
-from appliance.hub import admin
 from appliance.http.errors import ApiError
-from test_control import KEV_ERROR, make
+from appliance.hub import admin
 
 
 async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:
@@ -39,7 +39,8 @@ async def fleet(nursery):
         Models__ParkAfterFailures=2)
     ops.fail["kev-0.5b"] = KEV_ERROR
     await nursery.start(control.run)
-    hub = types.SimpleNamespace(cfg=control.cfg, registry=registry, control=control, audit=audit, node_client=None,
+    hub = types.SimpleNamespace(cfg=control.cfg, registry=registry, control=control, audit=audit,
+                                node_client=None,
                                 metrics_registry=metrics, admission=None)
     return hub, ops
 
@@ -56,9 +57,11 @@ async def test_status_counts_what_each_model_should_have_now(nursery, autojump_c
     assert not body["satisfied"]
     by = {m["name"]: m for m in body["models"]}
     assert by["qwen/small:1b"]["satisfied"] and by["qwen/small:1b"]["ready"] == 1
-    assert by["kev-0.5b"]["parked"] and by["kev-0.5b"]["last_error"] == KEV_ERROR and not by["kev-0.5b"]["satisfied"]
+    assert by["kev-0.5b"][
+        "parked"] and by["kev-0.5b"]["last_error"] == KEV_ERROR and not by["kev-0.5b"]["satisfied"]
     # Asked for and fitted nowhere: unsatisfied, not "0 of 0".
-    assert by["phi-4"]["desired"] == 1 and by["phi-4"]["unplaceable"] and not by["phi-4"]["satisfied"]
+    assert by[
+        "phi-4"]["desired"] == 1 and by["phi-4"]["unplaceable"] and not by["phi-4"]["satisfied"]
     assert len(body["problems"]) == 2
     assert any("needs 9800 MiB; the most free is" in p for p in body["problems"])
     assert any(KEV_ERROR in p and "ctl retry kev-0.5b" in p for p in body["problems"])
@@ -67,7 +70,8 @@ async def test_status_counts_what_each_model_should_have_now(nursery, autojump_c
     _, models = await call(hub, "GET", "/admin/models")
     assert [m["name"] for m in models["models"]] == ["kev-0.5b", "phi-4", "qwen/small:1b"]
     _, nodes = await call(hub, "GET", "/admin/nodes")
-    assert nodes["nodes"][0]["models"]["ready"] == ["qwen/small:1b"] or nodes["nodes"][1]["models"]["ready"]
+    assert nodes[
+        "nodes"][0]["models"]["ready"] == ["qwen/small:1b"] or nodes["nodes"][1]["models"]["ready"]
 
 
 async def test_retry_cordon_pause_and_errors(nursery, autojump_clock):
@@ -76,10 +80,12 @@ async def test_retry_cordon_pause_and_errors(nursery, autojump_clock):
         await hub.control.activate("kev-0.5b")
     code, body = await call(hub, "POST", "/admin/models/kev-0.5b/retry")
     assert code == 200 and body == {"model": "kev-0.5b", "retried": True, "was_parked": True}
-    assert ("admin", {"actor": "admin", "action": "retry", "model": "kev-0.5b", "was_parked": True}) in hub.audit.events
+    assert ("admin", {"actor": "admin", "action": "retry", "model": "kev-0.5b",
+                      "was_parked": True}) in hub.audit.events
     code, body = await call(hub, "POST", "/admin/models/qwen%2Fsmall%3A1b/retry")
     assert code == 200 and body["model"] == "qwen/small:1b"
-    code, _ = await call(hub, "POST", "/admin/models/qwen/small:1b/retry")  # unencoded slash tolerated
+    code, _ = await call(hub, "POST",
+                         "/admin/models/qwen/small:1b/retry")  # unencoded slash tolerated
     assert code == 200
     assert (await call(hub, "POST", "/admin/models/nope/retry"))[0] == 404
     assert (await call(hub, "GET", "/admin/models/kev-0.5b/retry"))[0] == 405
@@ -121,8 +127,10 @@ async def test_ctl_table_json_and_exit_codes(nursery, autojump_clock):
                                       ("GET", "/admin/models"): (200, {"models": body["models"]}),
                                       ("GET", "/admin/nodes"): (200, {"nodes": body["nodes"]}),
                                       ("POST", "/admin/models/qwen%2Fsmall%3A1b/retry"):
-                                          (200, {"model": "qwen/small:1b", "retried": True, "was_parked": False}),
-                                      ("POST", "/admin/nodes/gpu-z/cordon"): (404, {"error": "node 'gpu-z' not found"})},
+                                          (200, {"model": "qwen/small:1b", "retried": True,
+                                                 "was_parked": False}),
+                                      ("POST", "/admin/nodes/gpu-z/cordon"): (404,
+                                                                              {"error": "node 'gpu-z' not found"})},
                                      seen), out, err)
         return code, out.getvalue(), err.getvalue()
 
@@ -130,13 +138,18 @@ async def test_ctl_table_json_and_exit_codes(nursery, autojump_clock):
     assert code == 0 and text.startswith("fleet: satisfied")
     code, text, _ = run(["status"], bad)
     assert code == 1 and text.startswith("fleet: NOT SATISFIED (2 problems)")
-    lines = {line.split()[0]: line for line in text.splitlines() if line and not line.startswith((" ", "fleet"))}
-    assert lines["MODEL"].split() == ["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE", "NODES", "WHY"]
-    assert lines["kev-0.5b"].split()[1:6] == ["1", "0", "0", "2", "PARKED"] and KEV_ERROR in lines["kev-0.5b"]
+    lines = {line.split()[0]: line for line in text.splitlines() if line
+             and not line.startswith((" ", "fleet"))}
+    assert lines["MODEL"].split() == ["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE",
+                                      "NODES", "WHY"]
+    assert lines["kev-0.5b"].split()[1:6] == ["1", "0", "0", "2",
+                                              "PARKED"] and KEV_ERROR in lines["kev-0.5b"]
     assert lines["phi-4"].split()[1:6] == ["1", "0", "0", "0", "UNPLACEABLE"]
     assert "needs 9800 MiB; the most free is" in lines["phi-4"]
-    assert lines["qwen/small:1b"].split()[1:4] == ["1", "1", "0"] and " ok " in lines["qwen/small:1b"]
-    assert lines["NODE"].split()[:3] == ["NODE", "STATUS", "ENGINES"] and "sim 0.1" in lines["gpu-a"]
+    assert lines["qwen/small:1b"].split()[1:4] == ["1", "1",
+                                                   "0"] and " ok " in lines["qwen/small:1b"]
+    assert lines["NODE"].split()[:3] == ["NODE", "STATUS",
+                                         "ENGINES"] and "sim 0.1" in lines["gpu-a"]
     code, text, _ = run(["--json", "status"], bad)
     assert code == 1 and json.loads(text) == bad
     code, text, _ = run(["models"], bad)
@@ -176,16 +189,20 @@ async def test_forget_drops_a_node_and_ctl_forget_calls_delete(nursery, autojump
     code, body = await call(hub, "DELETE", "/admin/nodes/gpu-b")
     assert code == 200 and body["action"] == "forget"
     assert "gpu-b" not in hub.registry.nodes
-    forgets = [fields for kind, fields in hub.audit.events if kind == "admin" and fields["action"] == "forget"]
-    assert len(forgets) == 1 and forgets[0]["node"] == "gpu-b" and forgets[0]["url"] == "http://gpu-b:9090"
+    forgets = [fields for kind, fields in hub.audit.events if kind == "admin"
+               and fields["action"] == "forget"]
+    assert len(
+        forgets) == 1 and forgets[0]["node"] == "gpu-b" and forgets[0]["url"] == "http://gpu-b:9090"
     assert (await call(hub, "DELETE", "/admin/nodes/gpu-b"))[0] == 404
     assert (await call(hub, "GET", "/admin/nodes/gpu-a"))[0] == 405
     seen: list = []
     out, err = io.StringIO(), io.StringIO()
-    client = _client({("DELETE", "/admin/nodes/gpu-a"): (200, {"node": "gpu-a", "action": "forget", "status": "forgotten"})},
+    client = _client({("DELETE", "/admin/nodes/gpu-a"): (200, {"node": "gpu-a", "action": "forget",
+                                                               "status": "forgotten"})},
                      seen)
     assert ctl.run(["forget", "gpu-a"], client, out, err) == 0
-    assert seen[0][:2] == ("DELETE", "/admin/nodes/gpu-a") and out.getvalue().strip() == "gpu-a: forgotten"
+    assert seen[0][:2] == ("DELETE",
+                           "/admin/nodes/gpu-a") and out.getvalue().strip() == "gpu-a: forgotten"
 
 
 _REAL_CLIENT = httpx.Client
@@ -216,7 +233,8 @@ def test_ctl_key_file_env_and_a_warning_for_key_on_the_command_line(monkeypatch,
     assert seen == ["Bearer from-env"] and err == ""
     seen, err = _key_seen(monkeypatch, ["--key", "argv-key", "status"])
     assert seen == ["Bearer argv-key"] and "process list" in err
-    assert ctl.run(["--key-file", str(tmp_path / "missing"), "status"], None, io.StringIO(), io.StringIO()) == 2
+    assert ctl.run(["--key-file", str(tmp_path / "missing"), "status"], None, io.StringIO(),
+                   io.StringIO()) == 2
 
 
 def test_ctl_options_before_or_after_the_subcommand(monkeypatch, capsys):
@@ -226,7 +244,8 @@ def test_ctl_options_before_or_after_the_subcommand(monkeypatch, capsys):
 
     def fake_client(**kw):
         return real(transport=httpx.MockTransport(
-            lambda req: (seen.append((str(req.url), req.headers.get("authorization"))), httpx.Response(200, json={
+            lambda req: (seen.append((str(req.url), req.headers.get("authorization"))),
+                         httpx.Response(200, json={
                 "satisfied": True, "problems": [], "models": [], "nodes": []}))[1]), **kw)
 
     monkeypatch.setattr(ctl.httpx, "Client", fake_client)

@@ -19,7 +19,6 @@ import threading
 
 import httpx
 import pytest
-
 from procs import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -56,49 +55,62 @@ def test_grafana_can_import_it():
         assert len(refs) == len(set(refs)) and all(t["expr"].strip() for t in p["targets"])
     # What the issue asks to see.
     titles = " | ".join(p["title"].lower() for p in d["panels"])
-    for words in ("by status", "errors", "duration", "first byte", "parked", "unplaceable", "nothing ready",
-                  "node state", "priority class", "waiting for admission", "leading hub", "cluster up", "leader changes",
+    for words in ("by status", "errors", "duration", "first byte", "parked", "unplaceable",
+                  "nothing ready",
+                  "node state", "priority class", "waiting for admission", "leading hub",
+                  "cluster up", "leader changes",
                   "certificate"):
         assert words in titles, words
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (make test installs Debian's prometheus)")
+@pytest.mark.skipif(PROMTOOL is None,
+                    reason="promtool missing (make test installs Debian's prometheus)")
 def test_promtool_parses_every_expression(tmp_path):
     rules = ["groups:", "  - name: dashboard", "    rules:"]
     for i, e in enumerate(exprs(load())):
         e = e.replace("$__rate_interval", "5m")
         rules += [f"      - record: dashboard:expr_{i}", f"        expr: {json.dumps(e)}"]
     (tmp_path / "rules.yml").write_text("\n".join(rules) + "\n")
-    r = subprocess.run([PROMTOOL, "check", "rules", "rules.yml"], cwd=tmp_path, capture_output=True, text=True,
+    r = subprocess.run([PROMTOOL, "check", "rules", "rules.yml"], cwd=tmp_path, capture_output=True,
+                       text=True,
                        timeout=60)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
     # It bites: a broken expression is refused.
-    (tmp_path / "bad.yml").write_text("\n".join(rules[:3] + ["      - record: x", "        expr: 'sum(rate(a[5m])'"]) + "\n")
-    bad = subprocess.run([PROMTOOL, "check", "rules", "bad.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    (tmp_path / "bad.yml").write_text("\n".join(rules[:3] + ["      - record: x",
+                                                             "        expr: 'sum(rate(a[5m])'"]) + "\n")
+    bad = subprocess.run([PROMTOOL, "check", "rules", "bad.yml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
     assert bad.returncode != 0
 
 
 def _sample_names(text: str) -> set[str]:
-    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line
+            and not line.startswith("#")}
 
 
 @pytest.mark.e2e
 def test_every_series_is_in_a_live_scrape(procs, tmp_path):
     from test_tls import make_ca, make_cert
 
-    hub = procs.hub({"Auth__NodeToken": "t", "Priority__Enabled": "true", "Queue__MaxWaitSeconds": "30",
+    hub = procs.hub({"Auth__NodeToken": "t", "Priority__Enabled": "true",
+                     "Queue__MaxWaitSeconds": "30",
                      "Models__0__Name": "sim-small", "Models__0__Replicas": "1"})
-    node = procs.start("node", {"Node__Name": "gpu-a", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0",
-                                "Engine__Kind": "sim", "Node__HeartbeatSeconds": "0.5", "Hub__Url": hub.url,
-                                "Auth__NodeToken": "t", "Node__MaxConcurrency": "1", "Node__MemoryMb": "4000",
+    node = procs.start("node", {"Node__Name": "gpu-a", "Node__Listen": "127.0.0.1:0",
+                                "Metrics__Listen": "127.0.0.1:0",
+                                "Engine__Kind": "sim", "Node__HeartbeatSeconds": "0.5",
+                                "Hub__Url": hub.url,
+                                "Auth__NodeToken": "t", "Node__MaxConcurrency": "1",
+                                "Node__MemoryMb": "4000",
                                 "Sim__TokensPerSecond": "50"}, wait=("node", "metrics"))
-    wait_until(lambda: httpx.get(hub.url + "/api/status").json()["models"][0]["ready"] == 1, what="sim-small ready")
+    wait_until(lambda: httpx.get(hub.url + "/api/status").json()["models"][0]["ready"] == 1,
+               what="sim-small ready")
     # Three at once on a node that takes one: two wait in the queue for a while.
     codes: list[int] = []
 
     def chat() -> None:
         r = httpx.post(hub.url + "/v1/chat/completions", timeout=60,
-                       json={"model": "sim-small", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]})
+                       json={"model": "sim-small", "max_tokens": 20,
+                             "messages": [{"role": "user", "content": "hi"}]})
         codes.append(r.status_code)
 
     threads = [threading.Thread(target=chat) for _ in range(3)]
@@ -107,7 +119,8 @@ def test_every_series_is_in_a_live_scrape(procs, tmp_path):
     for t in threads:
         t.join(60)
     assert codes == [200, 200, 200]
-    assert httpx.post(hub.url + "/v1/chat/completions", json={"model": "nope", "messages": []}).status_code == 404
+    assert httpx.post(hub.url + "/v1/chat/completions", json={"model": "nope",
+                                                              "messages": []}).status_code == 404
 
     # A hub serving TLS publishes the certificate's expiry.
     ca = make_ca(tmp_path)
@@ -118,5 +131,6 @@ def test_every_series_is_in_a_live_scrape(procs, tmp_path):
     for url in (hub.urls["metrics"], node.urls["metrics"], tls_hub.urls["metrics"]):
         scraped |= _sample_names(httpx.get(url + "/metrics", timeout=10).text)
     used = {n for e in exprs(load()) for n in NAME.findall(e)}
-    assert {"appliance_queue_waiting", "appliance_tls_cert_expiry_seconds", "appliance_node_memory_used_mib"} <= used
+    assert {"appliance_queue_waiting", "appliance_tls_cert_expiry_seconds",
+            "appliance_node_memory_used_mib"} <= used
     assert used - scraped == set(), f"in the dashboard but in no scrape: {sorted(used - scraped)}"

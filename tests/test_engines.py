@@ -137,10 +137,14 @@ async def test_ollama_engine_names_and_aliases():
             assert engine.upstream("friendly") == url and engine.memory_used_mb() == 500
             # `llama3` is Ollama's `llama3:latest`.
             await engine.load("llama3")
-            assert states(engine)["llama3"] == ("ready", "") and states(engine)["llama3:latest"][0] == "ready"
+            assert states(engine)["llama3"] == ("ready",
+                                                "") and states(
+                                                    engine)["llama3:latest"][0] == "ready"
             await engine.unload("friendly")
-            assert states(engine)["sim-small"][0] == "available" and states(engine)["friendly"][0] == "available"
-            assert not sim.statistics()["sim-small"]["loaded"] and sim.statistics()["llama3:latest"]["loaded"]
+            assert states(engine)[
+                "sim-small"][0] == "available" and states(engine)["friendly"][0] == "available"
+            assert not sim.statistics()[
+                "sim-small"]["loaded"] and sim.statistics()["llama3:latest"]["loaded"]
 
 
 async def test_poll_sees_changes_made_behind_the_nodes_back(autojump_clock):
@@ -166,7 +170,8 @@ async def test_absent_ollama_is_no_models_then_found_then_lost(autojump_clock):
     engine = OllamaEngine(config("ollama", f"http://127.0.0.1:{port}"))
     async with running(engine) as changes:
         # Started although nothing answers, saying so with no installs and no models.
-        assert engine.installs() == [] and engine.models() == [] and engine.upstream("sim-small") is None
+        assert engine.installs() == [] and engine.models() == [] and engine.upstream(
+            "sim-small") is None
         with pytest.raises(EngineError, match="did not answer"):
             await engine.load("sim-small")
         start = trio.current_time()

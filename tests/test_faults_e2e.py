@@ -48,7 +48,8 @@ class Fleet:
                         "Hub__ReconnectMaxSeconds": "2", "Node__HeartbeatSeconds": "0.5",
                         "Queue__MaxDepth": "1000", "Queue__MaxWaitSeconds": "60"}
         self.node_env = {"Hub__Url": f"http://127.0.0.1:{self.port}", "Auth__NodeToken": TOKEN,
-                         "Node__AnnounceSeconds": "1", "Node__ModelSlots": "8", "Sim__Parallel": "8",
+                         "Node__AnnounceSeconds": "1", "Node__ModelSlots": "8",
+                         "Sim__Parallel": "8",
                          "Sim__TokensPerSecond": "25", "Sim__Models__0__Name": "sim-small",
                          "Sim__Models__0__LoadSeconds": "0"}
         self.start_hub()
@@ -65,7 +66,8 @@ class Fleet:
 
     def start_node(self, name: str):
         p = self.procs.node(name, self.node_env)
-        httpx.post(p.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+        httpx.post(p.url + "/node/v1/models/sim-small/load",
+                   headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
         return p
 
     def status(self) -> dict:
@@ -81,11 +83,13 @@ class Fleet:
         wait_until(lambda: set(names) <= self.routable(), timeout, f"{names} routable")
 
     def audit_requests(self) -> list[dict]:
-        return [x for x in map(json.loads, self.audit.read_text().splitlines()) if x["kind"] == "request"]
+        return [x for x in map(json.loads, self.audit.read_text().splitlines())
+                if x["kind"] == "request"]
 
     def requests_total(self) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(v) for v in re.findall(r'^appliance_requests_total\{[^}]*\} (\S+)$', text, re.M))
+        return sum(float(v) for v in re.findall(r'^appliance_requests_total\{[^}]*\} (\S+)$', text,
+                                                re.M))
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +101,8 @@ def fleet(tmp_path_factory):
         f.procs.close()
 
 
-def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50, during=None) -> list[str]:
+def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50,
+                during=None) -> list[str]:
     """`n` concurrent streams; each outcome: "done", "error:<code>", "refused:<code>" or
     "LOST:<why>" (no complete response and no clean error: must never happen)."""
     out: list[str] = [""] * n
@@ -134,7 +139,8 @@ def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50, duri
                     out[i] = "done"
                 elif "error" in last:
                     out[i] = "error:" + ("node_lost" if "lost" in last["error"] else
-                                         "shutting_down" if "shutting down" in last["error"] else last["error"][:40])
+                                         "shutting_down" if "shutting down" in last["error"]
+                                         else last["error"][:40])
                 else:
                     out[i] = f"LOST:ended without done or error: {last!r}"
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
@@ -172,7 +178,8 @@ def test_three_equal_nodes_share_300_concurrent_requests(fleet):
         async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=limits) as c:
             async def one(i: int) -> None:
                 r = await c.post(fleet.url + "/v1/chat/completions", json={
-                    "model": "sim-small", "max_tokens": 2, "messages": [{"role": "user", "content": f"spread {i}"}]})
+                    "model": "sim-small", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"spread {i}"}]})
                 codes.append(r.status_code)
 
             async with trio.open_nursery() as nursery:
@@ -243,12 +250,14 @@ def test_hub_restart_under_load_refuses_nothing_falsely(fleet):
             while not stop.is_set():
                 try:
                     r = c.post(fleet.url + "/api/chat", json={"model": "sim-small", "stream": False,
-                                                             "messages": [{"role": "user", "content": "x"}]})
+                                                             "messages": [{"role": "user",
+                                                                           "content": "x"}]})
                 except httpx.TransportError:
                     outcomes.append("not-accepted")  # the hub is down: nothing to account for
                     time.sleep(0.05)
                     continue
-                outcomes.append("ok" if r.status_code == 200 else f"{r.status_code}:{r.json()['error'][:60]}")
+                outcomes.append("ok" if r.status_code == 200
+                                else f"{r.status_code}:{r.json()['error'][:60]}")
 
     workers = [threading.Thread(target=load) for _ in range(4)]
     for w in workers:
@@ -293,8 +302,10 @@ def test_up_has_one_metrics_listener_honours_node_listen_and_feeds_the_watchdog(
     metrics_port, node_port = _free_port(), _free_port()
     procs = Procs()
     try:
-        up = procs.start("up", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": f"127.0.0.1:{metrics_port}",
-                                "Node__Listen": f"127.0.0.1:{node_port}", "Sim__TokensPerSecond": "0",
+        up = procs.start("up", {"Hub__Listen": "127.0.0.1:0",
+                                "Metrics__Listen": f"127.0.0.1:{metrics_port}",
+                                "Node__Listen": f"127.0.0.1:{node_port}",
+                                "Sim__TokensPerSecond": "0",
                                 "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "2000000"},
                          wait=("hub", "metrics", "node"))
         assert up.urls["node"] == f"http://127.0.0.1:{node_port}"

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance import config
-from appliance.hub import announce
 from appliance.http.errors import ApiError
+from appliance.hub import announce
 from appliance.hub.router import decode_request
 from appliance.wire import announce_decoder
 
@@ -24,13 +24,15 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
     max_leaves=20,
 )
 bodies = st.one_of(
     st.binary(max_size=300),
     json_values.map(lambda v: json.dumps(v).encode()),
-    st.dictionaries(st.sampled_from(["model", "stream", "messages", "prompt"]), json_values, max_size=4)
+    st.dictionaries(st.sampled_from(["model", "stream", "messages", "prompt"]), json_values,
+                    max_size=4)
     .map(lambda v: json.dumps(v).encode()),
     st.integers(1, 5000).map(lambda n: b'{"model": "m", "x": ' + b"[" * n + b"]" * n + b"}"),
     st.integers(1, 5000).map(lambda n: b"[" * n),
@@ -40,7 +42,8 @@ bodies = st.one_of(
 def _shape_ok(e: ApiError) -> None:
     assert 400 <= e.status < 500
     openai = msgspec.json.decode(e.body("openai"))
-    assert {"message", "type", "code"} <= set(openai["error"]) and len(openai["error"]["message"]) < 1000
+    assert {"message", "type",
+            "code"} <= set(openai["error"]) and len(openai["error"]["message"]) < 1000
     assert isinstance(msgspec.json.decode(e.body("ollama"))["error"], str)
 
 
@@ -68,14 +71,19 @@ def test_announcements_are_decoded_or_refused_in_shape(body, name, url):
         _shape_ok(e)
 
 
-SECTIONS = ["Hub", "Node", "Auth", "Nodes", "Models", "Metrics", "Queue", "Priority", "Engine", "Sim", "Audit",
+SECTIONS = ["Hub", "Node", "Auth", "Nodes", "Models", "Metrics", "Queue", "Priority", "Engine",
+            "Sim", "Audit",
             "Router", "Profiles"]
-KEYS = ["Listen", "MaxBodyBytes", "DrainSeconds", "NodeToken", "Clients", "Name", "Key", "Url", "Priority",
-        "Models", "MaxNodes", "NodeNetworks", "HeaderReadSeconds", "Enabled", "Kind", "Args", "0", "1", "Nodes",
+KEYS = ["Listen", "MaxBodyBytes", "DrainSeconds", "NodeToken", "Clients", "Name", "Key", "Url",
+        "Priority",
+        "Models", "MaxNodes", "NodeNetworks", "HeaderReadSeconds", "Enabled", "Kind", "Args", "0",
+        "1", "Nodes",
         "Token", "ReserveSlots", "Path", "Replicas", "Bogus"]
 env_keys = st.lists(st.sampled_from(SECTIONS + KEYS), min_size=1, max_size=5).map("__".join)
-env_values = st.one_of(st.text(max_size=30), st.sampled_from(["inf", "nan", "-1", "0", "1e309", "true", "x:1",
-                                                               "127.0.0.1:0", "http://a:1", "10.0.0.0/8", ""]))
+env_values = st.one_of(st.text(max_size=30), st.sampled_from(["inf", "nan", "-1", "0", "1e309",
+                                                              "true", "x:1",
+                                                               "127.0.0.1:0", "http://a:1",
+                                                              "10.0.0.0/8", ""]))
 
 
 @FAST

@@ -18,7 +18,6 @@ import urllib.parse
 
 import httpx
 import pytest
-
 from etcd_proc import EtcdProc, needs_etcd
 from procs import Procs, clean_env, wait_until
 
@@ -30,8 +29,10 @@ KEV = "unknown model architecture: 'kev'"
 SIM = {
     "Sim__TokensPerSecond": "1000",  # 16 tokens by default: 16 ms; max_tokens=3000: 3 s
     "Sim__Models__0__Name": "ready-m", "Sim__Models__0__SizeMb": "100",
-    "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "100", "Sim__Models__1__FailLoad": KEV,
-    "Sim__Models__2__Name": "od-a", "Sim__Models__2__SizeMb": "100", "Sim__Models__2__LoadSeconds": "0.5",
+    "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "100",
+    "Sim__Models__1__FailLoad": KEV,
+    "Sim__Models__2__Name": "od-a", "Sim__Models__2__SizeMb": "100",
+    "Sim__Models__2__LoadSeconds": "0.5",
     "Sim__Models__3__Name": "od-b", "Sim__Models__3__SizeMb": "100",
     "Sim__Models__4__Name": "od-c", "Sim__Models__4__SizeMb": "100",
     "Sim__Models__5__Name": "od-d", "Sim__Models__5__SizeMb": "100",
@@ -39,7 +40,8 @@ SIM = {
 CATALOG = {
     "Models__0__Name": "ready-m", "Models__0__Replicas": "2",
     "Models__1__Name": "kev-0.5b",
-    "Models__2__Name": "od-a", "Models__3__Name": "od-b", "Models__4__Name": "od-c", "Models__5__Name": "od-d",
+    "Models__2__Name": "od-a", "Models__3__Name": "od-b", "Models__4__Name": "od-c",
+    "Models__5__Name": "od-d",
     "Models__RetryBackoffMaxSeconds": "0.3", "Router__ActivationWaitSeconds": "30",
     "Priority__Enabled": "true", "Priority__ReserveSlots": "1",
 }
@@ -55,11 +57,14 @@ class Fleet:
 
     def start_hub(self, name: str) -> None:
         self.hubs[name] = self.procs.hub({"Hub__Name": name, "Cluster__Etcd": self.etcd.url,
-                                          "Cluster__LeaseSeconds": str(LEASE), "Auth__NodeToken": TOKEN, **CATALOG})
+                                          "Cluster__LeaseSeconds": str(LEASE),
+                                          "Auth__NodeToken": TOKEN, **CATALOG})
 
     def start_node(self, name: str, hubs: list[str]) -> None:
-        self.nodes[name] = self.procs.node(name, {"Hub__Url": ",".join(self.hubs[h].url for h in hubs),
-                                                  "Auth__NodeToken": TOKEN, "Node__MemoryMb": "8000",
+        self.nodes[name] = self.procs.node(name, {"Hub__Url": ",".join(self.hubs[h].url
+                                                                       for h in hubs),
+                                                  "Auth__NodeToken": TOKEN,
+                                                  "Node__MemoryMb": "8000",
                                                   "Node__AnnounceSeconds": "2", **SIM})
 
     def status(self, hub: str) -> dict:
@@ -107,7 +112,8 @@ def fleet(tmp_path_factory):
         f.start_node("n1", ["hub-a", "hub-b"])
         f.start_node("n2", ["hub-a"])  # announced to one hub only: the other learns it through etcd
         for h in ("hub-a", "hub-b"):
-            wait_until(lambda h=h: f.ready_on(h, "ready-m") == 2, timeout=40, what=f"ready-m ready twice on {h}")
+            wait_until(lambda h=h: f.ready_on(h, "ready-m") == 2, timeout=40,
+                       what=f"ready-m ready twice on {h}")
         yield f
     finally:
         f.close()
@@ -123,10 +129,13 @@ def test_one_leader_shared_nodes_and_epoch(fleet):
     assert a["epoch"] == b["epoch"] > 0 and a["hubs"] == b["hubs"] == ["hub-a", "hub-b"]
     assert [a["leading"], b["leading"]].count(True) == 1 and fleet.cluster(leader)["leading"]
     # n2 announced to hub-a only; hub-b dials it too.
-    wait_until(lambda: {n["name"]: n["status"] for n in fleet.status("hub-b")["nodes"]}.get("n2") == "up",
+    wait_until(lambda: {n["name"]: n["status"]
+                        for n in fleet.status("hub-b")["nodes"]}.get("n2") == "up",
                what="n2 up on hub-b")
-    r = subprocess.run([sys.executable, "-m", "appliance", "ctl", "status"], capture_output=True, text=True,
-                       timeout=60, env=clean_env({"APPLIANCE_HUB_URL": fleet.hubs[other(fleet, leader)].url}))
+    r = subprocess.run([sys.executable, "-m", "appliance", "ctl", "status"], capture_output=True,
+                       text=True,
+                       timeout=60,
+                       env=clean_env({"APPLIANCE_HUB_URL": fleet.hubs[other(fleet, leader)].url}))
     assert f"cluster: leader {leader} (epoch {a['epoch']}); hubs hub-a, hub-b" in r.stdout, r.stdout + r.stderr
     m = httpx.get(fleet.hubs[leader].urls["metrics"] + "/metrics", timeout=10).text
     assert f'appliance_leader{{hub="{leader}"}} 1.0' in m and "appliance_cluster_up 1.0" in m
@@ -139,12 +148,15 @@ def test_forget_on_one_hub_forgets_on_all_until_it_announces_again(fleet):
         return any(n["name"] == "n2" for n in fleet.status(hub)["nodes"])
 
     assert n2_on("hub-a") and n2_on("hub-b")
-    r = httpx.delete(fleet.hubs["hub-b"].url + "/admin/nodes/n2", timeout=10)  # n2 announces to hub-a only
+    r = httpx.delete(fleet.hubs["hub-b"].url + "/admin/nodes/n2",
+                     timeout=10)  # n2 announces to hub-a only
     assert r.status_code == 200, r.text
-    assert fleet.hubs["hub-a"].wait_stderr(r"node n2 forgotten \(by an operator on another hub\)", timeout=10)
+    assert fleet.hubs["hub-a"].wait_stderr(r"node n2 forgotten \(by an operator on another hub\)",
+                                           timeout=10)
     # n2's next announcement (to hub-a) brings it back on both.
     for h in ("hub-a", "hub-b"):
-        wait_until(lambda h=h: fleet.ready_on(h, "ready-m") == 2, timeout=30, what=f"n2 back on {h}")
+        wait_until(lambda h=h: fleet.ready_on(h, "ready-m") == 2, timeout=30,
+                   what=f"n2 back on {h}")
 
 
 def test_both_hubs_ask_at_once_one_load(fleet):
@@ -154,7 +166,8 @@ def test_both_hubs_ask_at_once_one_load(fleet):
     def send(hub):
         results.append(fleet.chat(hub, "od-a").status_code)
 
-    threads = [threading.Thread(target=send, args=(h,)) for h in ("hub-a", "hub-b", "hub-a", "hub-b")]
+    threads = [threading.Thread(target=send, args=(h,)) for h in ("hub-a", "hub-b", "hub-a",
+                                                                  "hub-b")]
     for t in threads:
         t.start()
     for t in threads:
@@ -170,14 +183,17 @@ def test_priority_reserve_holds_across_hubs(fleet):
     before = fleet.status("hub-b")["priority"]["background"]["held"]
     long = threading.Thread(target=lambda: httpx.post(
         fleet.hubs["hub-a"].url + "/v1/chat/completions", timeout=30,
-        json={"model": "ready-m", "max_tokens": 3000, "messages": [{"role": "user", "content": "hi"}]}))
+        json={"model": "ready-m", "max_tokens": 3000, "messages": [{"role": "user",
+                                                                    "content": "hi"}]}))
     long.start()
     wait_until(lambda: sum(n["in_flight"] for n in fleet.status("hub-b")["nodes"]) == 1, timeout=10,
                what="hub-b sees hub-a's request on the node")
-    r = httpx.post(fleet.hubs["hub-b"].url + "/v1/chat/completions", timeout=30, headers={"x-priority": "background"},
+    r = httpx.post(fleet.hubs["hub-b"].url + "/v1/chat/completions", timeout=30,
+                   headers={"x-priority": "background"},
                    json={"model": "ready-m", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200
-    assert not long.is_alive() or fleet.status("hub-b")["priority"]["background"]["held"] == before + 1
+    assert not long.is_alive() or fleet.status(
+        "hub-b")["priority"]["background"]["held"] == before + 1
     long.join()
     assert fleet.status("hub-b")["priority"]["background"]["held"] == before + 1
 
@@ -186,7 +202,8 @@ def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
     leader = fleet.leader()
     follower = other(fleet, leader)
     r = fleet.chat(follower, "kev-0.5b")
-    assert r.status_code == 503 and r.json()["error"]["code"] == "model_parked" and KEV in r.text, r.text
+    assert r.status_code == 503 and r.json()[
+        "error"]["code"] == "model_parked" and KEV in r.text, r.text
     assert fleet.loads("kev-0.5b") == 5
     for h in fleet.hubs:  # parked on both hubs, answered at once
         st = next(m for m in fleet.status(h)["models"] if m["name"] == "kev-0.5b")
@@ -196,7 +213,8 @@ def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
     r = httpx.post(fleet.hubs[follower].url + "/admin/models/kev-0.5b/retry", timeout=10)
     assert r.status_code == 200
     wait_until(lambda: fleet.loads("kev-0.5b") == 10, timeout=30, what="kev retried by the leader")
-    wait_until(lambda: all(next(m for m in fleet.status(h)["models"] if m["name"] == "kev-0.5b")["parked"]
+    wait_until(lambda: all(next(m for m in fleet.status(h)["models"]
+                                if m["name"] == "kev-0.5b")["parked"]
                            for h in fleet.hubs), what="kev parked again on both hubs")
 
 
@@ -244,7 +262,8 @@ def test_kill_leader_failover(fleet):
     assert r.json()["error"]["code"] == "model_parked"
     assert fleet.loads("kev-0.5b") == 10
     fleet.start_hub(leader)  # back as a follower for the next cases
-    wait_until(lambda: fleet.cluster(leader).get("leader") == survivor, what="restarted hub follows")
+    wait_until(lambda: fleet.cluster(leader).get("leader") == survivor,
+               what="restarted hub follows")
 
 
 def test_sigstopped_leader_is_fenced(fleet):
@@ -253,18 +272,23 @@ def test_sigstopped_leader_is_fenced(fleet):
     old_epoch = fleet.cluster(old)["epoch"]
     fleet.hubs[old].signal(signal.SIGSTOP)
     try:
-        wait_until(lambda: fleet.cluster(new).get("leading"), timeout=LEASE + 5, what="a new leader")
+        wait_until(lambda: fleet.cluster(new).get("leading"), timeout=LEASE + 5,
+                   what="a new leader")
         assert fleet.chat(new, "od-c").status_code == 200  # the nodes see the new epoch
     finally:
         fleet.hubs[old].signal(signal.SIGCONT)
-    wait_until(lambda: fleet.cluster(old).get("leader") == new and not fleet.cluster(old)["leading"],
+    wait_until(lambda: fleet.cluster(old).get("leader") == new
+               and not fleet.cluster(old)["leading"],
                what="the resumed hub follows")
     # Whatever the old leader still sends carries its old epoch: every node refuses it.
     node = next(p for n, p in fleet.nodes.items() if any(
-        m["name"] == "od-c" and m["state"] == "ready" for x in fleet.status(new)["nodes"] if x["name"] == n
+        m["name"] == "od-c" and m["state"] == "ready" for x in fleet.status(new)["nodes"]
+        if x["name"] == n
         for m in x["models"]))
-    r = httpx.post(f"{node.url}/node/v1/models/{urllib.parse.quote('od-c', safe='')}/unload", timeout=10,
-                   headers={"authorization": f"Bearer {TOKEN}", "x-appliance-epoch": str(old_epoch)})
+    r = httpx.post(f"{node.url}/node/v1/models/{urllib.parse.quote('od-c', safe='')}/unload",
+                   timeout=10,
+                   headers={"authorization": f"Bearer {TOKEN}",
+                            "x-appliance-epoch": str(old_epoch)})
     assert r.status_code == 409 and r.json()["code"] == "stale_leader"
     assert fleet.hubs[old].wait_stderr("stepped down")
 
@@ -273,7 +297,8 @@ def test_etcd_down_ready_models_serve_placements_no_leader(fleet):
     fleet.etcd.stop()
     try:
         for h in fleet.hubs:
-            wait_until(lambda h=h: fleet.cluster(h).get("leader") is None, timeout=LEASE + 5, what=f"{h}: no leader")
+            wait_until(lambda h=h: fleet.cluster(h).get("leader") is None, timeout=LEASE + 5,
+                       what=f"{h}: no leader")
         for h in fleet.hubs:
             assert fleet.chat(h, "ready-m").status_code == 200  # ready models keep serving
             r = fleet.chat(h, "od-d")  # a placement: no one may decide it
@@ -282,7 +307,8 @@ def test_etcd_down_ready_models_serve_placements_no_leader(fleet):
     finally:
         fleet.etcd.start()
     fleet.leader()
-    wait_until(lambda: all(fleet.cluster(h).get("etcd_up") for h in fleet.hubs), what="etcd up again")
+    wait_until(lambda: all(fleet.cluster(h).get("etcd_up") for h in fleet.hubs),
+               what="etcd up again")
     for h in fleet.hubs:  # service resumes by itself
         r = fleet.chat(h, "od-d")
         assert r.status_code == 200, (h, r.text, fleet.cluster(h))

@@ -28,8 +28,10 @@ def test_quantile_interpolates_like_prometheus():
 
 def test_points_are_rates_and_quantiles_over_the_step():
     h = History(points=3)
-    assert h.sample(100.0, Reading({"200": 10.0}, {0.1: 5.0, 1.0: 5.0, INF: 5.0}, {"all": 0.0})) is None
-    p = h.sample(105.0, Reading({"200": 20.0, "503": 5.0}, {0.1: 5.0, 1.0: 15.0, INF: 15.0}, {"all": 2.0}, 3.0, 2))
+    assert h.sample(100.0, Reading({"200": 10.0}, {0.1: 5.0, 1.0: 5.0, INF: 5.0},
+                                   {"all": 0.0})) is None
+    p = h.sample(105.0, Reading({"200": 20.0, "503": 5.0}, {0.1: 5.0, 1.0: 15.0, INF: 15.0},
+                                {"all": 2.0}, 3.0, 2))
     assert p["rps"] == {"200": 2.0, "503": 1.0}
     # The 10 new observations all fell between 0.1 and 1 s.
     assert p["ttfb_p50_ms"] == round((0.1 + 0.9 * 5 / 10) * 1000, 1)
@@ -59,7 +61,8 @@ def test_recent_is_bounded_newest_first_and_carries_only_named_fields():
     assert r.payload(limit=0)["requests"] == []
     # A made-up model name as long as a body is kept short.
     r.add({"ts": 9, "model": "x" * 1_000_000, "status": 404, "error": "model_not_found"})
-    assert r.payload(limit=1)["requests"] == [{"ts": 9, "model": "x" * history.FIELD_MAX, "status": 404,
+    assert r.payload(limit=1)["requests"] == [{"ts": 9, "model": "x" * history.FIELD_MAX,
+                                               "status": 404,
                                                "error": "model_not_found"}]
 
 
@@ -68,7 +71,8 @@ class _Admission:
         self.enabled = enabled
 
     def statistics(self) -> dict:
-        return {"classes": {"essential": {"waiting": 1}, "normal": {"waiting": 2}, "background": {"waiting": 3}},
+        return {"classes": {"essential": {"waiting": 1}, "normal": {"waiting": 2},
+                            "background": {"waiting": 3}},
                 "models": {"a": {"waiting": 4}, "b": {"waiting": 1}}}
 
 
@@ -96,7 +100,8 @@ def test_read_hub_sums_the_hub_series():
     assert r.requests == {"200": 5.0, "503": 1.0}
     assert r.ttfb[0.025] == 1.0 and r.ttfb[0.5] == 2.0 and r.ttfb[INF] == 2.0
     assert r.waiting == {"all": 5.0} and r.in_flight == 2.0 and r.nodes_up == 2
-    assert read_hub(m, _Admission(True), _Registry()).waiting == {"essential": 1.0, "normal": 2.0, "background": 3.0}
+    assert read_hub(m, _Admission(True), _Registry()).waiting == {"essential": 1.0, "normal": 2.0,
+                                                                  "background": 3.0}
 
 
 async def test_sampler_takes_a_point_every_step(autojump_clock):

@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-
 from procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -40,28 +39,36 @@ class Fleet:
         self.procs = Procs()
         self.audit = tmp / "audit.jsonl"
         self.hub = self.procs.hub({
-            "Auth__NodeToken": TOKEN, "Auth__Nodes__0__Name": "node3", "Auth__Nodes__0__Token": TOKEN3,
-            "Auth__RequireKeys": "true", "Auth__Clients__0__Name": "alice", "Auth__Clients__0__Key": KEY,
+            "Auth__NodeToken": TOKEN, "Auth__Nodes__0__Name": "node3",
+            "Auth__Nodes__0__Token": TOKEN3,
+            "Auth__RequireKeys": "true", "Auth__Clients__0__Name": "alice",
+            "Auth__Clients__0__Key": KEY,
             "Auth__AdminKey": ADMIN, "Audit__Path": str(self.audit),
             "Hub__HeaderReadSeconds": str(HEADER_S), "Hub__BodyReadSeconds": str(BODY_S),
             "Hub__MaxConnections": str(MAX_CONNECTIONS), "Hub__MaxBufferedBytes": str(MAX_BUFFERED),
-            "Hub__ForgetNodeSeconds": str(FORGET_S), "Hub__ReconnectMaxSeconds": "0.5", "Hub__MaxNodes": str(MAX_NODES),
+            "Hub__ForgetNodeSeconds": str(FORGET_S), "Hub__ReconnectMaxSeconds": "0.5",
+            "Hub__MaxNodes": str(MAX_NODES),
         })
         self.url = self.hub.url
         self.metrics_url = self.hub.urls["metrics"]
-        for name, models, extra in (("node1", ["sim-small"], {}), ("node2", ["sim-small", "only-2"], {}),
+        for name, models, extra in (("node1", ["sim-small"], {}), ("node2", ["sim-small", "only-2"],
+                                                                   {}),
                                     ("node3", ["sim-small", "only-3"],
-                                     {"Auth__Nodes__0__Name": "node3", "Auth__Nodes__0__Token": TOKEN3})):
+                                     {"Auth__Nodes__0__Name": "node3",
+                                      "Auth__Nodes__0__Token": TOKEN3})):
             env = {"Hub__Url": self.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
-                   "Node__HeaderReadSeconds": str(HEADER_S), "Node__BodyReadSeconds": str(BODY_S), **extra}
+                   "Node__HeaderReadSeconds": str(HEADER_S), "Node__BodyReadSeconds": str(BODY_S),
+                   **extra}
             for i, m in enumerate(models):
                 env[f"Sim__Models__{i}__Name"] = m
             setattr(self, name, self.procs.node(name, env))
-        wait_until(lambda: self.up() >= {"node1", "node2", "node3"}, timeout=30, what="three nodes up")
+        wait_until(lambda: self.up() >= {"node1", "node2", "node3"}, timeout=30,
+                   what="three nodes up")
         self.metrics_base = len(self.scrape())
 
     def admin(self, method: str, path: str) -> httpx.Response:
-        return httpx.request(method, self.url + path, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+        return httpx.request(method, self.url + path, headers={"authorization": f"Bearer {ADMIN}"},
+                             timeout=10)
 
     def nodes(self) -> dict[str, dict]:
         return {n["name"]: n for n in self.admin("GET", "/admin/nodes").json()["nodes"]}
@@ -73,11 +80,14 @@ class Fleet:
         return httpx.get(self.metrics_url + "/metrics", timeout=10).content
 
     def chat(self, model: str = "sim-small", **kw) -> httpx.Response:
-        return httpx.post(self.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, timeout=60,
-                          json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, **kw)
+        return httpx.post(self.url + "/v1/chat/completions",
+                          headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                "max_tokens": 3}, **kw)
 
     def announce(self, name: str, url: str, token: str = TOKEN) -> httpx.Response:
-        return httpx.post(self.url + "/api/nodes/announce", headers={"authorization": f"Bearer {token}"},
+        return httpx.post(self.url + "/api/nodes/announce",
+                          headers={"authorization": f"Bearer {token}"},
                           json={"name": name, "url": url}, timeout=10)
 
     def audit_lines(self) -> list[dict]:
@@ -183,7 +193,9 @@ def test_a_token_holder_cannot_take_over_a_reachable_node(fleet):
         assert len(requests) >= 20 and {x["node"] for x in requests} == {"node2"}
         assert thief.count == 0
         refused = [x for x in f.audit_lines() if x["kind"] == "node_refused"]
-        assert {x["node"] for x in refused} >= {"node2", "node3"} and all(x["source"] == "127.0.0.1" for x in refused)
+        assert {x["node"] for x in refused} >= {"node2",
+                                                "node3"} and all(x["source"] == "127.0.0.1"
+                                                                 for x in refused)
         f.hub.wait_stderr(r"announcement refused from 127\.0\.0\.1 \(name 'node2'\)")
         # node3 announced and is dialled with its own token.
         assert f.nodes()["node3"]["status"] == "up" and f.chat("only-3").status_code == 200
@@ -196,13 +208,15 @@ def test_the_hub_dials_nothing_outside_its_networks_or_with_a_path(fleet):
     f = fleet
     thief = Listener()
     try:
-        for url in (f"http://127.0.0.1:{thief.port}/some/path?q=1", f"http://u:p@127.0.0.1:{thief.port}",
+        for url in (f"http://127.0.0.1:{thief.port}/some/path?q=1",
+                    f"http://u:p@127.0.0.1:{thief.port}",
                     f"http://127.0.0.1:{thief.port}/#frag"):
             r = f.announce("evil-path", url)
             assert r.status_code == 400, (url, r.text)
         for url in ("http://169.254.169.254:80", "http://8.8.8.8:80", "http://[fe80::1]:80"):
             r = f.announce("evil-net", url)
-            assert r.status_code == 403 and "Hub__NodeNetworks" in r.json()["error"]["message"], r.text
+            assert r.status_code == 403 and "Hub__NodeNetworks" in r.json()[
+                "error"]["message"], r.text
         assert f.announce("evil", "http://no-such-host.invalid:80").status_code == 400
         time.sleep(0.5)
         assert thief.count == 0
@@ -226,8 +240,10 @@ def test_ghosts_are_forgotten_ctl_forget_works_and_the_fleet_is_bounded(fleet):
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()  # nothing listens there
-    with httpx.Client(base_url=f.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=10) as c:
-        codes = [c.post("/api/nodes/announce", json={"name": f"ghost-{i}", "url": f"http://127.0.0.1:{port}"}).status_code
+    with httpx.Client(base_url=f.url, headers={"authorization": f"Bearer {TOKEN}"},
+                      timeout=10) as c:
+        codes = [c.post("/api/nodes/announce", json={"name": f"ghost-{i}",
+                                                     "url": f"http://127.0.0.1:{port}"}).status_code
                  for i in range(MAX_NODES + 5)]
     # Hub__MaxNodes: 3 real nodes + 37 ghosts, then 503 (unless a ghost was forgotten meanwhile).
     assert codes[:MAX_NODES - 3] == [200] * (MAX_NODES - 3) and 503 in codes
@@ -235,7 +251,8 @@ def test_ghosts_are_forgotten_ctl_forget_works_and_the_fleet_is_bounded(fleet):
     assert f.admin("DELETE", "/admin/nodes/ghost-0").status_code == 200
     assert "ghost-0" not in f.nodes()
     # The rest are forgotten once unreachable for Hub__ForgetNodeSeconds; the real nodes stay.
-    wait_until(lambda: not any(n.startswith("ghost-") for n in f.nodes()), timeout=30, what="ghosts forgotten")
+    wait_until(lambda: not any(n.startswith("ghost-") for n in f.nodes()), timeout=30,
+               what="ghosts forgotten")
     assert f.up() >= {"node1", "node2", "node3"}
     forgotten = {x["node"] for x in f.audit_lines() if x["kind"] == "node_forgotten"}
     assert len(forgotten) >= MAX_NODES - 4
@@ -263,7 +280,8 @@ def test_unknown_model_names_do_not_grow_metrics(fleet):
     healthy(f)
 
 
-CHAT = json.dumps({"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+CHAT = json.dumps({"model": "sim-small", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 2}).encode()
 HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer " + KEY.encode()
         + b"\r\nContent-Type: application/json\r\n")
 
@@ -275,7 +293,9 @@ def chunked(body: bytes) -> bytes:
 def test_request_smuggling_is_refused_and_the_connection_closed(fleet):
     f = fleet
     smuggled = b"GET /health HTTP/1.1\r\nHost: hub\r\n\r\n"
-    got, closed = raw(f.url, HEAD + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(CHAT) + smuggled)
+    got, closed = raw(f.url,
+                      HEAD + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(
+                          CHAT) + smuggled)
     assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1 and closed, got[:300]
     assert b"Transfer-Encoding" in got
     # Two different lengths; a chunk size that is not hex.
@@ -287,7 +307,8 @@ def test_request_smuggling_is_refused_and_the_connection_closed(fleet):
     for url in (f.node1.url, f.metrics_url):
         got, closed = raw(url, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
                                b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
-        assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1 and closed, (url, got[:200])
+        assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1 and closed, (url,
+                                                                                             got[:200])
     healthy(f)
 
 
@@ -295,7 +316,8 @@ def test_slow_heads_and_bodies_are_cut_with_408(fleet):
     f = fleet
     got, closed = raw(f.url, b"GET /health HTTP/1.1\r\nHost: hub\r\n", wait=HEADER_S + 20)
     assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got and closed, got
-    got, closed = raw(f.url, HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": "sim', wait=BODY_S + 20)
+    got, closed = raw(f.url, HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": "sim',
+                      wait=BODY_S + 20)
     assert got.startswith(b"HTTP/1.1 408") and closed, got
     assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     got, closed = raw(f.node1.url, b"GET /health HTTP/1.1\r\nHost: x\r\n", wait=HEADER_S + 20)
@@ -309,7 +331,8 @@ def test_huge_headers_deep_json_and_a_100mb_body(fleet):
     got, closed = raw(f.url, b"GET /health HTTP/1.1\r\nHost: hub\r\n" + headers + b"\r\n")
     assert got.startswith(b"HTTP/1.1 431") and closed
     deep = b'{"model": "sim-small", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    r = httpx.post(f.url + "/v1/chat/completions", content=deep, headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+    r = httpx.post(f.url + "/v1/chat/completions", content=deep,
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     host, port = f.url.split("//")[1].rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=30)
@@ -337,7 +360,8 @@ def test_bodies_held_at_once_are_bounded_with_503_busy(fleet):
     second = socket.create_connection((host, int(port)), timeout=30)
     try:
         first.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (30 * MiB) + b"x" * (28 * MiB))
-        second.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (30 * MiB) + b"x" * (MAX_BUFFERED - 28 * MiB + MiB))
+        second.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (
+            30 * MiB) + b"x" * (MAX_BUFFERED - 28 * MiB + MiB))
         got = read_all(second)
         assert got.startswith(b"HTTP/1.1 503") and b"retry-after" in got.lower(), got[:300]
         assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "busy"

@@ -32,23 +32,27 @@ def node_status(hub, name):
 @pytest.fixture
 def fleet(procs, tmp_path):
     audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit), "Router__ActivationWaitSeconds": "20"})
+    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
+                     "Router__ActivationWaitSeconds": "20"})
     common = {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
               "Sim__Models__0__Name": "sim-small", "Sim__Models__1__Name": "sim-embed"}
     a = procs.node("gpu-a", common)
     b = procs.node("gpu-b", common)
-    wait_until(lambda: node_status(hub, "gpu-a") == "up" and node_status(hub, "gpu-b") == "up", what="both nodes up")
+    wait_until(lambda: node_status(hub, "gpu-a") == "up" and node_status(hub, "gpu-b") == "up",
+               what="both nodes up")
     return hub, a, b, audit
 
 
 def test_openai_and_ollama_clients_through_the_hub(fleet):
     hub, a, b, audit = fleet
     oc = openai.OpenAI(base_url=hub.url + "/v1", api_key="none", max_retries=0)
-    r = oc.chat.completions.create(model="sim-small", messages=[{"role": "user", "content": "hello"}])
+    r = oc.chat.completions.create(model="sim-small", messages=[{"role": "user",
+                                                                 "content": "hello"}])
     assert r.choices[0].message.content
     text = r.choices[0].message.content
     # Deterministic: the same request gives the same words.
-    r2 = oc.chat.completions.create(model="sim-small", messages=[{"role": "user", "content": "hello"}])
+    r2 = oc.chat.completions.create(model="sim-small", messages=[{"role": "user",
+                                                                  "content": "hello"}])
     assert r2.choices[0].message.content == text
 
     chunks = list(oc.chat.completions.create(model="sim-small", stream=True, max_tokens=20,
@@ -65,7 +69,8 @@ def test_openai_and_ollama_clients_through_the_hub(fleet):
     ol = ollama.Client(host=hub.url)
     resp = ol.chat(model="sim-small", messages=[{"role": "user", "content": "hi"}])
     assert resp.message.content
-    parts = list(ol.chat(model="sim-small", messages=[{"role": "user", "content": "hi"}], stream=True))
+    parts = list(ol.chat(model="sim-small", messages=[{"role": "user", "content": "hi"}],
+                         stream=True))
     assert parts[-1].done and len(parts) > 2
     g = ol.generate(model="sim-small", prompt="why is the sky blue")
     assert g.response
@@ -86,17 +91,21 @@ def test_two_nodes_share_load_and_bad_input_is_answered(fleet):
     with httpx.Client(base_url=hub.url, timeout=30) as c:
         # Load the model on both nodes first (through the node control API).
         for n in (a, b):
-            r = httpx.post(n.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+            r = httpx.post(n.url + "/node/v1/models/sim-small/load",
+                           headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
             assert r.status_code == 200, r.text
-        wait_until(lambda: len(next(m for m in status(hub)["models"] if m["name"] == "sim-small")["nodes"]) == 2,
+        wait_until(lambda: len(next(m for m in status(hub)["models"]
+                                    if m["name"] == "sim-small")["nodes"]) == 2,
                    what="ready on both nodes")
         import concurrent.futures as cf
 
-        body = {"model": "sim-small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 30}
+        body = {"model": "sim-small", "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 30}
         with cf.ThreadPoolExecutor(8) as ex:
             rs = list(ex.map(lambda _: c.post("/v1/chat/completions", json=body), range(16)))
         assert all(r.status_code == 200 for r in rs)
-        nodes = [json.loads(x)["node"] for x in audit.read_text().splitlines() if json.loads(x)["kind"] == "request"]
+        nodes = [json.loads(x)["node"] for x in audit.read_text().splitlines()
+                 if json.loads(x)["kind"] == "request"]
         assert nodes.count("gpu-a") >= 2 and nodes.count("gpu-b") >= 2
 
         # Bad input, each in the API's own shape; the hub keeps serving.
@@ -116,9 +125,11 @@ def test_two_nodes_share_load_and_bad_input_is_answered(fleet):
         assert r.status_code == 405
         r = c.get("/nowhere")
         assert r.status_code == 404
-        r = c.post("/api/nodes/announce", json={"name": "x", "url": "http://x:1"}, headers={"authorization": "Bearer wrong"})
+        r = c.post("/api/nodes/announce", json={"name": "x", "url": "http://x:1"},
+                   headers={"authorization": "Bearer wrong"})
         assert r.status_code == 401
-        r = c.post("/api/nodes/announce", json={"name": "x", "url": "not a url"}, headers={"authorization": f"Bearer {TOKEN}"})
+        r = c.post("/api/nodes/announce", json={"name": "x", "url": "not a url"},
+                   headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 400
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200
@@ -126,23 +137,28 @@ def test_two_nodes_share_load_and_bad_input_is_answered(fleet):
 
 def test_body_too_large(procs):
     hub = procs.hub({"Hub__MaxBodyBytes": "1000"}, metrics=False)
-    r = httpx.post(hub.url + "/v1/chat/completions", json={"model": "m", "pad": "x" * 5000}, timeout=10)
+    r = httpx.post(hub.url + "/v1/chat/completions", json={"model": "m", "pad": "x" * 5000},
+                   timeout=10)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     assert httpx.get(hub.url + "/health", timeout=5).status_code == 200
 
 
 def test_keys_required(procs):
-    hub = procs.hub({"Auth__RequireKeys": "true", "Auth__Clients__0__Name": "team", "Auth__Clients__0__Key": "k-team",
+    hub = procs.hub({"Auth__RequireKeys": "true", "Auth__Clients__0__Name": "team",
+                     "Auth__Clients__0__Key": "k-team",
                      "Auth__Clients__0__Models": "sim-*", "Auth__AdminKey": "adm"}, metrics=False)
     r = httpx.post(hub.url + "/v1/chat/completions", json={"model": "m"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.post(hub.url + "/api/chat", json={"model": "m"}, headers={"x-api-key": "bad"}, timeout=10)
+    r = httpx.post(hub.url + "/api/chat", json={"model": "m"}, headers={"x-api-key": "bad"},
+                   timeout=10)
     assert r.status_code == 401 and "unknown API key" in r.json()["error"]
     # A model the client may not use reads exactly like one that does not exist.
-    r = httpx.post(hub.url + "/v1/chat/completions", json={"model": "other"}, headers={"authorization": "Bearer k-team"}, timeout=10)
+    r = httpx.post(hub.url + "/v1/chat/completions", json={"model": "other"},
+                   headers={"authorization": "Bearer k-team"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(hub.url + "/api/status", timeout=5).status_code == 401
-    assert httpx.get(hub.url + "/api/status", headers={"authorization": "Bearer adm"}, timeout=5).status_code == 200
+    assert httpx.get(hub.url + "/api/status", headers={"authorization": "Bearer adm"},
+                     timeout=5).status_code == 200
     assert httpx.get(hub.url + "/health", timeout=5).status_code == 200
 
 
@@ -151,12 +167,15 @@ def test_node_killed_paused_resumed(fleet):
     oc = openai.OpenAI(base_url=hub.url + "/v1", api_key="none", max_retries=0)
     msg = [{"role": "user", "content": "hi"}]
     for n in (a, b):
-        httpx.post(n.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
-    wait_until(lambda: len(next(m for m in status(hub)["models"] if m["name"] == "sim-small")["nodes"]) == 2,
+        httpx.post(n.url + "/node/v1/models/sim-small/load",
+                   headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    wait_until(lambda: len(next(m for m in status(hub)["models"]
+                                if m["name"] == "sim-small")["nodes"]) == 2,
                what="ready on both nodes")
 
     # Paused through the owner's control API: left out, then back.
-    r = httpx.post(a.url + "/node/v1/pause", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10)
+    r = httpx.post(a.url + "/node/v1/pause", headers={"authorization": f"Bearer {TOKEN}"},
+                   timeout=10)
     assert r.status_code == 200
     wait_until(lambda: node_status(hub, "gpu-a") == "paused", what="gpu-a paused")
     for _ in range(4):
@@ -171,7 +190,8 @@ def test_node_killed_paused_resumed(fleet):
     b.wait_exit(10)
     wait_until(lambda: node_status(hub, "gpu-b") == "lost", timeout=10, what="gpu-b lost")
     for _ in range(3):
-        assert oc.chat.completions.create(model="sim-small", messages=msg).choices[0].message.content
+        assert oc.chat.completions.create(model="sim-small",
+                                          messages=msg).choices[0].message.content
     events = [json.loads(x) for x in audit.read_text().splitlines()]
     assert any(e["kind"] == "node_lost" and e["node"] == "gpu-b" for e in events)
     m = httpx.get(hub.urls["metrics"] + "/metrics", timeout=5).text
@@ -185,16 +205,19 @@ def test_node_killed_paused_resumed(fleet):
     assert 'appliance_in_flight{model="sim-small"} 0.0' in m
     assert "appliance_node_paused" in m and "appliance_node_heartbeat_age_seconds" in m
     # The API port serves the same scrape.
-    assert 'appliance_node_lost{node="gpu-b"} 1.0' in httpx.get(hub.url + "/metrics", timeout=5).text
+    assert 'appliance_node_lost{node="gpu-b"} 1.0' in httpx.get(hub.url + "/metrics",
+                                                                timeout=5).text
 
 
 def one_slow_node(procs, hub_env: dict, tokens_per_second: str):
     """A hub and one announced sim node at a slow token rate, sim-small loaded and ready."""
     hub = procs.hub({"Auth__NodeToken": TOKEN, **hub_env}, metrics=False)
-    a = procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+    a = procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
+                             "Node__AnnounceSeconds": "1",
                              "Sim__TokensPerSecond": tokens_per_second})
     wait_until(lambda: node_status(hub, "gpu-a") == "up", what="node up")
-    httpx.post(a.url + "/node/v1/models/sim-small/load", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    httpx.post(a.url + "/node/v1/models/sim-small/load",
+               headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
     wait_until(lambda: status(hub)["models"] and status(hub)["models"][0]["nodes"], what="ready")
     return hub, a
 
@@ -223,7 +246,8 @@ def test_sigterm_drains_and_exits_0(procs):
 
 
 def test_up_serves_a_chat_with_the_simulator_and_says_so(procs):
-    up = procs.start("up", {"Hub__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0"}, wait=("hub",))
+    up = procs.start("up", {"Hub__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0"}, wait=("hub",
+                                                                                              ))
     assert any("SIMULATED" in line for line in up.stderr_lines)
     oc = openai.OpenAI(base_url=up.urls["hub"] + "/v1", api_key="none", max_retries=0)
     r = oc.chat.completions.create(model="sim-small", messages=[{"role": "user", "content": "hi"}])

@@ -96,7 +96,8 @@ def _watch_transport(script):
 
 async def test_lost_after_three_missed_heartbeats(autojump_clock):
     state = NodeState(name="a", models=[ModelState(name="m", state="ready")])
-    script = [(0, encode_event(StateEvent(state=state))), (1, encode_event(Heartbeat())), (100, None)]
+    script = [(0, encode_event(StateEvent(state=state))), (1, encode_event(Heartbeat())), (100,
+                                                                                           None)]
     reg = Registry()
     h, _ = reg.upsert("a", "http://a:1", static=True)
     events = []
@@ -104,7 +105,8 @@ async def test_lost_after_three_missed_heartbeats(autojump_clock):
         async with trio.open_nursery() as nursery:
             start = trio.current_time()
             nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30,
-                                                 on_event=lambda k, n, r: events.append((k, trio.current_time() - start, r))))
+                                                 on_event=lambda k, n, r: events.append((k,
+                                                                                         trio.current_time() - start, r))))
             await trio.sleep(0.5)
             assert h.connected and h.ready("m")
             await trio.sleep(7.0)  # heartbeat at 1 s; silence from then on: lost at 1 + 3 x 2 = 7 s
@@ -126,7 +128,8 @@ async def test_backoff_is_capped_and_reconnects(autojump_clock):
     h, _ = reg.upsert("a", "http://a:1", static=True)
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         with trio.move_on_after(200):
-            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0, on_event=lambda *a: None)
+            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0,
+                            on_event=lambda *a: None)
     gaps = [b - a for a, b in zip(attempts, attempts[1:])]
     assert gaps[0] <= BACKOFF_START
     assert max(gaps) <= 8.0 and max(gaps) >= 4.0  # jittered in [cap/2, cap]
@@ -145,7 +148,8 @@ async def test_announced_url_change_reconnects_at_once(autojump_clock):
     h, _ = reg.upsert("a", "http://a:1", static=False)
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=600, on_event=lambda *a: None))
+            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=600,
+                                                 on_event=lambda *a: None))
             await trio.sleep(100)
             t = trio.current_time()
             reg.upsert("a", "http://a2:1", static=False)
@@ -162,9 +166,11 @@ async def test_a_node_never_reached_is_logged_once_per_reason(autojump_clock, ca
     h, _ = reg.upsert("far", "http://far:1", static=True)
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         with trio.move_on_after(300):
-            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0, on_event=lambda *a: None)
+            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0,
+                            on_event=lambda *a: None)
     said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
-    assert said == ["node far at http://far:1 unreachable: ConnectError: connection refused (retrying with backoff)"]
+    assert said == [
+        "node far at http://far:1 unreachable: ConnectError: connection refused (retrying with backoff)"]
 
 
 def test_pick_spreads_equal_nodes_evenly():
@@ -196,7 +202,8 @@ def test_pick_spreads_under_churn_and_a_retry_goes_to_the_least_loaded_other():
             got[h.name] += 1
             r.start(h, "m")
             running.append(h)
-    assert all(abs(n - sum(got.values()) / 3) <= 0.15 * sum(got.values()) / 3 for n in got.values()), got
+    assert all(abs(n - sum(got.values()) / 3) <= 0.15 * sum(got.values()) / 3
+               for n in got.values()), got
     # Equal free places, ties broken by turn -- not always the first node.
     fresh = _registry(*[_node(n) for n in ("a", "b", "c")])
     assert {fresh.pick("m").name for _ in range(3)} == {"a", "b", "c"}
@@ -234,7 +241,8 @@ async def test_announcement_from_a_lost_node_dials_it_at_once(autojump_clock):
     h, _ = reg.upsert("a", "http://a:1", static=False)
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=60, on_event=lambda *a: None))
+            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=60,
+                                                 on_event=lambda *a: None))
             await trio.sleep(300)  # away for long: the backoff is at its cap
             assert not h.connected and calls[-1] - calls[-2] >= 30
             back.append(1)

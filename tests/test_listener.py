@@ -34,7 +34,8 @@ async def test_shedding_takes_the_oldest_connection_that_serves_no_request():
     assert not shed.one(live, 3) and not guards[0].cancel.cancel_called and shed.count == 2
 
 
-async def test_head_deadline_runs_from_the_start_then_from_the_first_byte_after_idle(autojump_clock):
+async def test_head_deadline_runs_from_the_start_then_from_the_first_byte_after_idle(
+    autojump_clock):
     start = trio.current_time()
     g = _Guard(10.0)
     assert g.deadline == start + 10

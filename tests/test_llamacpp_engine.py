@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import wait_until
 import trio
+from procs import wait_until
 
 from appliance import config
 from appliance.node.engines.base import EngineError
@@ -65,8 +65,10 @@ def model_file(tmp_path: Path):
 
 
 def test_expand_command_splices_args_and_keeps_paths_whole():
-    argv = expand_command("llama-server -m {model} --port {port} {args}", "/m/a b.gguf", 4321, "-ngl 99 --ctx-size 8192")
-    assert argv == ["llama-server", "-m", "/m/a b.gguf", "--port", "4321", "-ngl", "99", "--ctx-size", "8192"]
+    argv = expand_command("llama-server -m {model} --port {port} {args}", "/m/a b.gguf", 4321,
+                          "-ngl 99 --ctx-size 8192")
+    assert argv == ["llama-server", "-m", "/m/a b.gguf", "--port", "4321", "-ngl", "99",
+                    "--ctx-size", "8192"]
     assert expand_command("srv --model={model} {args}", "x", 1, "") == ["srv", "--model=x"]
 
 
@@ -83,7 +85,8 @@ def test_pick_error_prefers_llama_line_over_traceback():
 
 
 def test_pick_error_falls_back_to_traceback_then_last_lines():
-    assert pick_error("starting\nTraceback (most recent call last):\n  File \"a\", line 1\nKeyError: 'x'\n") == "KeyError: 'x'"
+    assert pick_error(
+        "starting\nTraceback (most recent call last):\n  File \"a\", line 1\nKeyError: 'x'\n") == "KeyError: 'x'"
     assert pick_error("one\n\ntwo\nthree\nfour\n") == "two | three | four"
     assert pick_error("") == ""
 
@@ -106,7 +109,8 @@ async def test_load_ready_completion_unload(nursery, model_file):
     assert (m.name, m.state, m.size_mb) == ("tiny", "ready", 4)
     assert ("tiny", "loading") in changes[0] and changes[-1] == [("tiny", "ready")]
     async with httpx.AsyncClient(timeout=httpx.Timeout(10), trust_env=False) as c:
-        r = await c.post(base + "/v1/chat/completions", json={"model": "tiny", "messages": [], "max_tokens": 3})
+        r = await c.post(base + "/v1/chat/completions", json={"model": "tiny", "messages": [],
+                                                              "max_tokens": 3})
         assert r.json()["choices"][0]["message"]["content"] == "the quick brown"
     pid = eng.pid("tiny")
     assert pid and alive(pid)

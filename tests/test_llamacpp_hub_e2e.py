@@ -19,10 +19,9 @@ import sys
 import time
 
 import httpx
+import make_gguf
 import openai
 import pytest
-
-import make_gguf
 from procs import Procs, clean_env, wait_until
 from test_llamacpp_engine import alive
 from test_llamacpp_real import KEV_LINE, engine_children
@@ -44,7 +43,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 class Fleet:
     def __init__(self, tiny: str, kev: str) -> None:
         self.procs = Procs()
-        node_env = {"Engine__Kind": "llamacpp", "Engine__Command": COMMAND, "Auth__NodeToken": TOKEN,
+        node_env = {"Engine__Kind": "llamacpp", "Engine__Command": COMMAND,
+                    "Auth__NodeToken": TOKEN,
                     "Engine__StartTimeoutSeconds": "60"}
         self.a = self.procs.node("gpu-a", {**node_env, "Node__MemoryMb": "2000"})
         self.b = self.procs.node("gpu-b", {**node_env, "Node__MemoryMb": "1000"})
@@ -52,14 +52,17 @@ class Fleet:
             "Auth__NodeToken": TOKEN, "Hub__ControlIntervalSeconds": "0.2",
             "Nodes__0__Name": "gpu-a", "Nodes__0__Url": self.a.url,
             "Nodes__1__Name": "gpu-b", "Nodes__1__Url": self.b.url,
-            "Models__0__Name": "tiny", "Models__0__Source": tiny, "Models__0__IdleUnloadSeconds": str(IDLE_UNLOAD),
+            "Models__0__Name": "tiny", "Models__0__Source": tiny,
+            "Models__0__IdleUnloadSeconds": str(IDLE_UNLOAD),
             "Models__1__Name": "kev", "Models__1__Source": kev,
             "Models__2__Name": "huge", "Models__2__Source": tiny, "Models__2__MemoryMb": "50000",
             # Keep five real failures quick: the backoff between attempts is capped at 0.5 s.
             "Models__RetryBackoffMaxSeconds": "0.5",
         }, metrics=False)
-        self.client = openai.OpenAI(base_url=self.hub.url + "/v1", api_key="anyone", timeout=60, max_retries=0)
-        wait_until(lambda: all(n["status"] == "up" for n in self.status()["nodes"]) and len(self.status()["nodes"]) == 2,
+        self.client = openai.OpenAI(base_url=self.hub.url + "/v1", api_key="anyone", timeout=60,
+                                    max_retries=0)
+        wait_until(lambda: all(n["status"] == "up" for n in self.status()["nodes"])
+                   and len(self.status()["nodes"]) == 2,
                    what="both nodes up")
 
     def status(self) -> dict:
@@ -88,7 +91,8 @@ def fleet(tmp_path_factory):
 
 def test_cold_model_streams_through_the_hub_then_idles_out(fleet):
     pieces = [chunk.choices[0].delta.content
-              for chunk in fleet.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, stream=True)
+              for chunk in fleet.client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                                max_tokens=16, stream=True)
               if chunk.choices and chunk.choices[0].delta.content]
     assert len(pieces) >= 2
     r = fleet.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
@@ -98,7 +102,8 @@ def test_cold_model_streams_through_the_hub_then_idles_out(fleet):
     (engine,) = engine_children(node.pid)
     _same_stream_as_the_engine_alone(fleet, node)
     # Idle for IdleUnloadSeconds: the hub unloads it and the process is gone.
-    wait_until(lambda: fleet.model("tiny")["ready"] == 0, IDLE_UNLOAD + 15, "tiny unloaded when idle")
+    wait_until(lambda: fleet.model("tiny")["ready"] == 0, IDLE_UNLOAD + 15,
+               "tiny unloaded when idle")
     wait_until(lambda: not alive(engine), 15, f"engine pid {engine} stopped")
     assert engine_children(node.pid) == []
 
@@ -134,11 +139,13 @@ def test_kev_is_parked_after_five_real_failures(fleet):
     assert fleet.loads_of("kev") == 5
 
 
-@pytest.mark.skipif(importlib.util.find_spec("appliance.ctl") is None, reason="appliance ctl not built yet")
+@pytest.mark.skipif(importlib.util.find_spec("appliance.ctl") is None,
+                    reason="appliance ctl not built yet")
 def test_ctl_retry_tries_kev_again(fleet):
     wait_until(lambda: fleet.model("kev")["parked"], 60, "kev parked")
     before = fleet.loads_of("kev")
-    done = subprocess.run([sys.executable, "-m", "appliance", "ctl", "retry", "kev"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "appliance", "ctl", "retry", "kev"],
+                          capture_output=True, text=True,
                           timeout=30, env=clean_env({"APPLIANCE_HUB_URL": fleet.hub.url}))
     assert done.returncode == 0, done.stderr
     with pytest.raises(openai.APIStatusError):
@@ -153,7 +160,8 @@ def _same_stream_as_the_engine_alone(fleet, node) -> None:
     """
     port = next(re.search(r"on port (\d+)", ln).group(1) for ln in reversed(list(node.stderr_lines))
                 if "serves tiny on port" in ln)
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 32, "stream": True, "temperature": 0, "seed": 3}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 32, "stream": True,
+            "temperature": 0, "seed": 3}
 
     def deltas(url: str) -> list[str]:
         out = []
@@ -180,9 +188,11 @@ def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
     opts = {"temperature": 0, "seed": 3, "num_predict": 12}
     whole = ol.chat(model="tiny", messages=MESSAGES, options=opts)
     show = ol.show("tiny")  # from the GGUF's header, read by the node
-    assert show.details.format == "gguf" and show.modelinfo["llama.context_length"] == make_gguf.N_CTX
+    assert show.details.format == "gguf" and show.modelinfo[
+        "llama.context_length"] == make_gguf.N_CTX
     parts = list(ol.chat(model="tiny", messages=MESSAGES, options=opts, stream=True))
-    assert whole.message.content and "".join(p.message.content for p in parts) == whole.message.content
+    assert whole.message.content and "".join(p.message.content
+                                             for p in parts) == whole.message.content
     assert parts[-1].done and parts[-1].done_reason in ("stop", "length") and whole.eval_count > 0
     g = ol.generate(model="tiny", prompt="hi", options=opts)
     assert g.done and isinstance(g.response, str)
@@ -191,13 +201,16 @@ def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
     assert ei.value.status_code == 400
 
     ac = anthropic.Anthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=120)
-    m = ac.messages.create(model="tiny", max_tokens=12, extra_body={"temperature": 0}, messages=MESSAGES)
-    with ac.messages.stream(model="tiny", max_tokens=12, extra_body={"temperature": 0}, messages=MESSAGES) as s:
+    m = ac.messages.create(model="tiny", max_tokens=12, extra_body={"temperature": 0},
+                           messages=MESSAGES)
+    with ac.messages.stream(model="tiny", max_tokens=12, extra_body={"temperature": 0},
+                            messages=MESSAGES) as s:
         text = "".join(s.text_stream)
     assert m.content and text == m.content[0].text and m.stop_reason in ("end_turn", "max_tokens")
 
     r = fleet.client.responses.create(model="tiny", input="hi", max_output_tokens=12, temperature=0)
-    deltas = [e.delta for e in fleet.client.responses.create(model="tiny", input="hi", max_output_tokens=12,
+    deltas = [e.delta for e in fleet.client.responses.create(model="tiny", input="hi",
+                                                             max_output_tokens=12,
                                                               temperature=0, stream=True)
               if e.type == "response.output_text.delta"]
     assert r.output_text and "".join(deltas) == r.output_text
@@ -210,10 +223,13 @@ def test_langchain_chat_models_on_a_llamacpp_model(fleet):
     from langchain_ollama import ChatOllama
     from langchain_openai import ChatOpenAI
 
-    for chat in (ChatOllama(model="tiny", base_url=fleet.hub.url, num_predict=10, temperature=0, seed=3),
-                 ChatOpenAI(model="tiny", base_url=fleet.hub.url + "/v1", api_key="anyone", max_tokens=10,
+    for chat in (ChatOllama(model="tiny", base_url=fleet.hub.url, num_predict=10, temperature=0,
+                            seed=3),
+                 ChatOpenAI(model="tiny", base_url=fleet.hub.url + "/v1", api_key="anyone",
+                            max_tokens=10,
                             temperature=0, seed=3, max_retries=0, timeout=120)):
         whole = chat.invoke("hi")
         streamed = "".join(c.content for c in chat.stream("hi"))
         ascii_only = lambda s: "".join(ch for ch in s if ord(ch) < 128)  # noqa: E731
-        assert ascii_only(whole.content) and ascii_only(streamed) == ascii_only(whole.content), type(chat).__name__
+        assert ascii_only(whole.content) and ascii_only(
+            streamed) == ascii_only(whole.content), type(chat).__name__

@@ -16,19 +16,18 @@ import signal
 import subprocess
 import sys
 import time
-
-import httpx
-import openai
 from pathlib import Path
 
+import httpx
+import make_gguf
+import openai
 import pytest
 import trio
+from test_llamacpp_engine import alive, wait_gone
 
 from appliance import config
 from appliance.node.engines.base import EngineError
 from appliance.node.engines.llamacpp import LlamaCppEngine
-import make_gguf
-from test_llamacpp_engine import alive, wait_gone
 
 pytestmark = [
     pytest.mark.llamacpp,
@@ -62,17 +61,20 @@ async def test_real_load_chat_stream_unload(nursery, gguf_pair):
     print(f"\nllamacpp real: cold start to ready {cold:.2f} s")
     (m,) = eng.models()
     assert (m.state, m.size_mb) == ("ready", 1)
-    client = openai.OpenAI(base_url=eng.upstream("tiny") + "/v1", api_key="none", timeout=30, max_retries=0)
+    client = openai.OpenAI(base_url=eng.upstream("tiny") + "/v1", api_key="none", timeout=30,
+                           max_retries=0)
 
     def chat() -> tuple[str, float, int, float]:
         t = time.monotonic()
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                    "content": "hi"}],
                                            max_tokens=16, seed=1)
         full = time.monotonic() - t
         t = time.monotonic()
         first = None
         pieces = []
-        for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+        for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                             "content": "hi"}],
                                                     max_tokens=32, stream=True, seed=1):
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.monotonic() - t
@@ -80,7 +82,8 @@ async def test_real_load_chat_stream_unload(nursery, gguf_pair):
         return r.choices[0].message.content or "", full, len(pieces), first or 0.0
 
     text, full, n_chunks, ttft = await trio.to_thread.run_sync(chat)
-    print(f"llamacpp real: chat 16 tokens {full * 1000:.0f} ms; stream {n_chunks} chunks, first token {ttft * 1000:.0f} ms")
+    print(
+        f"llamacpp real: chat 16 tokens {full * 1000:.0f} ms; stream {n_chunks} chunks, first token {ttft * 1000:.0f} ms")
     assert text
     assert n_chunks >= 2
     pid = eng.pid("tiny")
@@ -107,7 +110,8 @@ PARENT = str(Path(__file__).with_name("llama_parent.py"))  # a node-like parent 
 
 def test_real_sigkill_of_the_node_leaves_no_llama_server(gguf_pair):
     tiny, _ = gguf_pair
-    parent = subprocess.Popen([sys.executable, PARENT, COMMAND, str(tiny)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, PARENT, COMMAND, str(tiny)], stdout=subprocess.PIPE,
+                              text=True)
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 60)
         assert ready, "the node-like parent did not load its model in 60 s"
@@ -150,8 +154,10 @@ def test_real_node_process_loads_serves_refuses_kev_and_dies_clean(procs, gguf_p
         "Engine__Kind": "llamacpp", "Engine__Command": COMMAND, "Engine__StartTimeoutSeconds": "60",
         "Auth__NodeToken": token, "Node__HeartbeatSeconds": "0.5",
     })
-    with httpx.Client(base_url=node.url, headers={"authorization": f"Bearer {token}"}, timeout=60) as c:
-        assert c.get("/node/v1/state").json()["engines"] == [{"kind": "llamacpp", "version": "0.3.36"}]
+    with httpx.Client(base_url=node.url, headers={"authorization": f"Bearer {token}"},
+                      timeout=60) as c:
+        assert c.get("/node/v1/state").json()["engines"] == [{"kind": "llamacpp",
+                                                              "version": "0.3.36"}]
         t0 = time.monotonic()
         r = c.post("/node/v1/models/tiny/load", json={"source": str(tiny)})
         assert r.status_code == 200, r.text
@@ -162,10 +168,12 @@ def test_real_node_process_loads_serves_refuses_kev_and_dies_clean(procs, gguf_p
         assert models["tiny"]["state"] == "ready"
         assert models["kev"]["state"] == "failed" and KEV_LINE in models["kev"]["last_error"]
     client = openai.OpenAI(base_url=node.url + "/v1", api_key=token, timeout=30, max_retries=0)
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=8)
     assert r.choices[0].message.content
     chunks = [c.choices[0].delta.content for c in client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=True) if c.choices]
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=True)
+              if c.choices]
     assert len([c for c in chunks if c]) >= 2
     (engine,) = engine_children(node.pid)
     node.signal(signal.SIGKILL)

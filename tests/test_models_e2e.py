@@ -17,7 +17,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from procs import clean_env, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -25,8 +24,10 @@ pytestmark = pytest.mark.e2e
 KEV = "unknown model architecture: 'kev'"
 TOKEN, ADMIN = "node-secret", "admin-secret"
 SIM = {
-    "Sim__Models__0__Name": "sim-fit", "Sim__Models__0__SizeMb": "1000", "Sim__Models__0__LoadSeconds": "0.3",
-    "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "300", "Sim__Models__1__FailLoad": KEV,
+    "Sim__Models__0__Name": "sim-fit", "Sim__Models__0__SizeMb": "1000",
+    "Sim__Models__0__LoadSeconds": "0.3",
+    "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "300",
+    "Sim__Models__1__FailLoad": KEV,
     "Sim__Models__2__Name": "phi-4", "Sim__Models__2__SizeMb": "100",
 }
 
@@ -49,22 +50,28 @@ class Fleet:
         self.env_file.write_text(catalog("--ctx-size 2048"))
         self.audit = tmp_path / "audit.jsonl"
         self.hub = procs.start("hub", {
-            "Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0", "Node__HeartbeatSeconds": "0.5",
+            "Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0",
+            "Node__HeartbeatSeconds": "0.5",
             "Hub__DrainSeconds": "5", "Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN,
-            "Audit__Path": str(self.audit)}, args=["--env-file", str(self.env_file)], wait=("hub", "metrics"))
-        self.admin = httpx.Client(base_url=self.hub.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60)
-        self.client = openai.OpenAI(base_url=f"{self.hub.url}/v1", api_key="anyone", max_retries=0, timeout=60)
+            "Audit__Path": str(self.audit)}, args=["--env-file", str(self.env_file)],
+                               wait=("hub", "metrics"))
+        self.admin = httpx.Client(base_url=self.hub.url,
+                                  headers={"authorization": f"Bearer {ADMIN}"}, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{self.hub.url}/v1", api_key="anyone", max_retries=0,
+                                    timeout=60)
 
     def node(self, name: str, memory_mb: int) -> None:
         self.procs.node(name, {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
                                "Node__MemoryMb": str(memory_mb), **SIM})
-        wait_until(lambda: any(n["name"] == name and n["status"] == "up" for n in self.nodes()), what=f"{name} up")
+        wait_until(lambda: any(n["name"] == name and n["status"] == "up" for n in self.nodes()),
+                   what=f"{name} up")
 
     def nodes(self) -> list[dict]:
         return self.admin.get("/admin/nodes").json()["nodes"]
 
     def chat(self, model: str) -> str:
-        r = self.client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}])
+        r = self.client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                                        "content": "hello"}])
         return r.choices[0].message.content
 
     def refused(self, model: str) -> tuple[openai.APIStatusError, float]:
@@ -79,8 +86,10 @@ class Fleet:
         return {m["name"]: m for m in r.json()["models"]}
 
     def ctl(self, *args: str) -> tuple[int, str]:
-        r = subprocess.run([sys.executable, "-m", "appliance", "ctl", *args], capture_output=True, text=True,
-                           timeout=60, env=clean_env({"APPLIANCE_HUB_URL": self.hub.url, "APPLIANCE_ADMIN_KEY": ADMIN}))
+        r = subprocess.run([sys.executable, "-m", "appliance", "ctl", *args], capture_output=True,
+                           text=True,
+                           timeout=60, env=clean_env({"APPLIANCE_HUB_URL": self.hub.url,
+                                                      "APPLIANCE_ADMIN_KEY": ADMIN}))
         return r.returncode, r.stdout + r.stderr
 
     def metric(self, name: str, model: str) -> float | None:
@@ -96,10 +105,12 @@ class Fleet:
                 out.append(ev["kind"])
         return out
 
-    def check(self, model: str, *, desired: int, ready: int, parked: bool = False, unplaceable: bool = False,
+    def check(self, model: str, *, desired: int, ready: int, parked: bool = False,
+              unplaceable: bool = False,
               failures: int | None = None) -> dict:
         st = self.models()[model]
-        assert (st["desired"], st["ready"], st["parked"], st["unplaceable"]) == (desired, ready, parked, unplaceable), st
+        assert (st["desired"], st["ready"], st["parked"],
+                st["unplaceable"]) == (desired, ready, parked, unplaceable), st
         if failures is not None:
             assert st["consecutive_start_failures"] == failures, st
         assert self.metric("appliance_model_desired", model) == desired
@@ -109,7 +120,8 @@ class Fleet:
         code, out = self.ctl("--json", "models")
         assert code == 0
         [row] = [m for m in json.loads(out)["models"] if m["name"] == model]
-        assert (row["desired"], row["ready"], row["parked"], row["unplaceable"]) == (desired, ready, parked, unplaceable)
+        assert (row["desired"], row["ready"], row["parked"],
+                row["unplaceable"]) == (desired, ready, parked, unplaceable)
         return st
 
 
@@ -164,15 +176,18 @@ def test_models_on_demand_end_to_end(procs, tmp_path):
     # 4. `ctl retry` unparks, and the model is tried again.
     code, out = f.ctl("retry", "kev-0.5b")
     assert code == 0 and "unparked" in out
-    wait_until(lambda: f.audit_kinds("kev-0.5b").count("model_placing") >= 6, what="kev tried again")
+    wait_until(lambda: f.audit_kinds("kev-0.5b").count("model_placing") >= 6,
+               what="kev tried again")
     wait_until(lambda: f.models()["kev-0.5b"]["parked"], timeout=30, what="kev parked again")
     assert f.audit_kinds("kev-0.5b").count("model_placing") == 10
 
     # 5. A definition change (the profile's arguments) by SIGHUP unparks it.
     f.env_file.write_text(catalog("--ctx-size 4096"))
     f.hub.signal(signal.SIGHUP)
-    wait_until(lambda: "model_unparked" in f.audit_kinds("kev-0.5b"), what="kev unparked by the reload")
-    wait_until(lambda: f.audit_kinds("kev-0.5b").count("model_placing") >= 11, what="kev tried after the reload")
+    wait_until(lambda: "model_unparked" in f.audit_kinds("kev-0.5b"),
+               what="kev unparked by the reload")
+    wait_until(lambda: f.audit_kinds("kev-0.5b").count("model_placing") >= 11,
+               what="kev tried after the reload")
 
     # 6. A bigger node joins: the next request for the unplaceable model places it.
     f.node("gpu-c", 16000)

@@ -40,17 +40,20 @@ class Upstream:
 
     async def __call__(self, scope, receive, send):
         body = await read_body(receive, 1 << 20)
-        self.seen.append((scope["path"], body, dict((k.decode(), v.decode()) for k, v in scope["headers"])))
+        self.seen.append((scope["path"], body, dict((k.decode(), v.decode()) for k,
+                                                    v in scope["headers"])))
         self.arrived.set()
         if scope["path"] == "/v1/teapot":
-            await send({"type": "http.response.start", "status": 418, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.start", "status": 418,
+                        "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": b'{"error":"short and stout"}'})
             return
         sse = scope["path"] == "/v1/chat/completions"
         ct = b"text/event-stream" if sse else b"application/x-ndjson"
         chunks = [b'data: {"n":1}\n\n', b'data: {"n":2}\n\n', b"data: [DONE]\n\n"] if sse else \
                  [b'{"n":1}\n', b'{"n":2,"done":true}\n']
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ct)]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type",
+                                                                               ct)]})
         await send({"type": "http.response.body", "body": chunks[0], "more_body": True})
         async with trio.open_nursery() as n:
             async def disconnected():
@@ -71,7 +74,8 @@ class FakeEngine(Engine):
     def __init__(self, url: str) -> None:
         super().__init__()
         self.url = url
-        self._models = {n: ModelState(n, size_mb=500) for n in ("sim-small", "qwen2.5:0.5b", "org/model:q4", "broken")}
+        self._models = {n: ModelState(n, size_mb=500) for n in ("sim-small", "qwen2.5:0.5b",
+                                                                "org/model:q4", "broken")}
         self._models["sim-small"].state = "ready"
         self.loads: list[tuple[str, str, str]] = []
         self.hang: set[str] = set()
@@ -122,7 +126,8 @@ class Node:
 
 @asynccontextmanager
 async def running_node(**env):
-    environ = {"Auth__NodeToken": TOKEN, "Node__Name": "gpu-a", "Node__HeartbeatSeconds": "0.1", **env}
+    environ = {"Auth__NodeToken": TOKEN, "Node__Name": "gpu-a", "Node__HeartbeatSeconds": "0.1",
+               **env}
     cfg = load(environ)
     up = Upstream()
     async with trio.open_nursery() as nursery:
@@ -167,7 +172,8 @@ async def test_watch_full_state_first_then_heartbeats_and_changes():
             with trio.fail_after(5):
                 first = watch_decoder.decode(await lines.__anext__())
                 assert isinstance(first, StateEvent)
-                assert first.state.name == "gpu-a" and first.state.model("sim-small").state == "ready"
+                assert first.state.name == "gpu-a" and first.state.model(
+                    "sim-small").state == "ready"
                 beats = 0
                 while beats < 2:
                     ev = watch_decoder.decode(await lines.__anext__())
@@ -193,7 +199,8 @@ async def test_pause_leave_refuse_with_503_in_api_shape():
         assert (await n.http.post("/node/v1/pause")).status_code == 200
         r = await n.http.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "no_capacity" and "paused" in r.json()["error"]["message"]
+        assert r.json()[
+            "error"]["code"] == "no_capacity" and "paused" in r.json()["error"]["message"]
         r = await n.http.post("/api/chat", json=CHAT)
         assert r.status_code == 503 and "paused" in r.json()["error"]
         st = (await n.http.get("/node/v1/state")).json()
@@ -339,7 +346,8 @@ async def test_announce_repeats_and_logs_once_per_outage(autojump_clock, caplog)
     calls, hub_up = [], [False]
 
     def handler(req: httpx.Request) -> httpx.Response:
-        calls.append((trio.current_time(), str(req.url), req.headers["authorization"], json.loads(req.content)))
+        calls.append((trio.current_time(), str(req.url), req.headers["authorization"],
+                      json.loads(req.content)))
         if not hub_up[0]:
             raise httpx.ConnectError("connection refused")
         return httpx.Response(204)
@@ -348,7 +356,8 @@ async def test_announce_repeats_and_logs_once_per_outage(autojump_clock, caplog)
     start = trio.current_time()
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
         async with trio.open_nursery() as n:
-            await n.start(announce_loop, c, "http://hub:8080/", "tok", Announce("gpu-a", "http://gpu-a:9090"), 15.0)
+            await n.start(announce_loop, c, "http://hub:8080/", "tok",
+                          Announce("gpu-a", "http://gpu-a:9090"), 15.0)
             await trio.sleep(31)
             hub_up[0] = True
             await trio.sleep(15)
@@ -362,13 +371,15 @@ async def test_announce_repeats_and_logs_once_per_outage(autojump_clock, caplog)
 
 
 def test_advertise_url():
-    from appliance.node.run import advertise_url
     import socket
+
+    from appliance.node.run import advertise_url
 
     assert advertise_url(load({}), "0.0.0.0", 9090) == f"http://{socket.gethostname()}:9090"
     assert advertise_url(load({}), "127.0.0.1", 5) == "http://127.0.0.1:5"
     assert advertise_url(load({}), "::1", 5) == "http://[::1]:5"
-    assert advertise_url(load({"Node__AdvertiseUrl": "https://gpu-a.lan:9090/"}), "0.0.0.0", 1) == "https://gpu-a.lan:9090"
+    assert advertise_url(load({"Node__AdvertiseUrl": "https://gpu-a.lan:9090/"}), "0.0.0.0",
+                         1) == "https://gpu-a.lan:9090"
 
 
 async def test_reload_applies_limits_and_publishes():
@@ -396,7 +407,8 @@ async def test_run_node_in_process_sim_then_stop_drains():
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             host, port = await nursery.start(run_node, cfg, stop)
-            async with httpx.AsyncClient(base_url=f"http://{host}:{port}", headers=AUTH, timeout=10) as c:
+            async with httpx.AsyncClient(base_url=f"http://{host}:{port}", headers=AUTH,
+                                         timeout=10) as c:
                 assert (await c.get("/node/v1/state")).json()["name"] == "local"
                 async with c.stream("GET", "/node/v1/watch") as w:
                     lines = w.aiter_lines()
@@ -411,12 +423,16 @@ async def test_fencing_refuses_an_older_epoch_with_stale_leader():
     """HA: the highest epoch seen wins; an older leader's load/unload is refused (409)."""
     async with running_node() as n:
         path = f"/node/v1/models/{quote('m', safe='')}"
-        assert (await n.http.post(f"{path}/load", headers={"x-appliance-epoch": "7"})).status_code == 200
+        assert (await n.http.post(f"{path}/load",
+                                  headers={"x-appliance-epoch": "7"})).status_code == 200
         r = await n.http.post(f"{path}/unload", headers={"x-appliance-epoch": "5"})
-        assert r.status_code == 409 and r.json()["code"] == "stale_leader" and "older than 7" in r.json()["error"]
+        assert r.status_code == 409 and r.json()[
+            "code"] == "stale_leader" and "older than 7" in r.json()["error"]
         r = await n.http.post(f"{path}/load", headers={"x-appliance-epoch": "x"})
         assert r.status_code == 409 and r.json()["code"] == "stale_leader"
         assert n.engine.loads == [("m", "", "")]  # neither refused call reached the engine
-        assert (await n.http.post(f"{path}/unload", headers={"x-appliance-epoch": "9"})).status_code == 200
-        assert (await n.http.post(f"{path}/load", headers={"x-appliance-epoch": "7"})).status_code == 409
+        assert (await n.http.post(f"{path}/unload",
+                                  headers={"x-appliance-epoch": "9"})).status_code == 200
+        assert (await n.http.post(f"{path}/load",
+                                  headers={"x-appliance-epoch": "7"})).status_code == 409
         assert (await n.http.post(f"{path}/load")).status_code == 200  # one hub alone sends none

@@ -33,7 +33,8 @@ class StandInHub:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 with hub.got:
-                    hub.announces.append((self.path + " " + (self.headers.get("authorization") or ""), json.loads(body)))
+                    hub.announces.append((self.path + " " + (self.headers.get("authorization")
+                                                             or ""), json.loads(body)))
                     hub.got.notify_all()
                 self.send_response(204)
                 self.end_headers()
@@ -89,10 +90,12 @@ def test_node_process_serves_watches_announces_and_drains(procs, hub):
             assert isinstance(first, StateEvent)
             assert first.state.model("sim-small").state == "ready"
 
-        chat = {"model": "sim-small", "messages": [{"role": "user", "content": "hello"}], "stream": True,
+        chat = {"model": "sim-small", "messages": [{"role": "user", "content": "hello"}],
+                "stream": True,
                 "max_tokens": 5}
         with c.stream("POST", "/v1/chat/completions", json=chat) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert r.status_code == 200 and r.headers[
+                "content-type"].startswith("text/event-stream")
             text = "".join(r.iter_text())
         assert text.rstrip().endswith("data: [DONE]")
         r = c.post("/api/chat", json={**chat, "stream": False, "options": {"num_predict": 3}})

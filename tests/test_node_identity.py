@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from appliance.config import load
-from appliance.hub import announce
 from appliance.http.errors import ApiError
+from appliance.hub import announce
 from appliance.hub.nodes import Registry, supervise
 
 
@@ -62,7 +62,8 @@ def test_a_60kb_name_is_refused_and_not_echoed_whole():
 
 @pytest.mark.parametrize("url", [
     "http://10.0.0.1:9090/some/path", "http://10.0.0.1:9090/?q=1", "http://user:pw@10.0.0.1:9090",
-    "http://10.0.0.1", "ftp://10.0.0.1:21", "http://10.0.0.1:99999", "http://10.0.0.1:9090#x", "10.0.0.1:9090",
+    "http://10.0.0.1", "ftp://10.0.0.1:21", "http://10.0.0.1:99999", "http://10.0.0.1:9090#x",
+    "10.0.0.1:9090",
 ])
 def test_urls_with_path_query_credentials_or_no_port_are_400(url):
     assert refused(announce.check_shape, "gpu-a", url).status == 400
@@ -89,7 +90,8 @@ def test_a_reachable_node_keeps_its_name():
     e = refused(announce.check_identity, h, "http://127.0.0.1:19951", False, 1, 256)
     assert e.status == 409 and e.code == "node_name_taken"
     announce.check_identity(h, "http://10.0.0.3:9090", False, 1, 256)  # its own re-announcement
-    announce.check_identity(h, "http://10.0.0.9:9090", True, 1, 256)  # proven by its own token: it moves
+    announce.check_identity(h, "http://10.0.0.9:9090", True, 1,
+                            256)  # proven by its own token: it moves
 
 
 def test_a_lost_node_may_move_but_a_static_one_never():
@@ -97,7 +99,8 @@ def test_a_lost_node_may_move_but_a_static_one_never():
     lost = _handle(reg, "mover", "http://10.0.0.3:9090", connected=False)
     announce.check_identity(lost, "http://10.0.0.4:9090", False, 2, 256)
     static = _handle(reg, "fixed", "http://10.0.0.5:9090", static=True, connected=False)
-    assert refused(announce.check_identity, static, "http://10.0.0.6:9090", True, 2, 256).status == 409
+    assert refused(announce.check_identity, static, "http://10.0.0.6:9090", True, 2,
+                   256).status == 409
 
 
 def test_beyond_max_nodes_a_new_name_is_503_with_retry_after():
@@ -106,8 +109,10 @@ def test_beyond_max_nodes_a_new_name_is_503_with_retry_after():
 
 
 @pytest.mark.parametrize("addrs,ok", [
-    (["10.1.2.3"], True), (["127.0.0.1"], True), (["::1"], True), (["192.168.1.2"], True), (["fd12::1"], True),
-    (["169.254.169.254"], False), (["fe80::1"], False), (["8.8.8.8"], False), (["10.0.0.1", "8.8.8.8"], False),
+    (["10.1.2.3"], True), (["127.0.0.1"], True), (["::1"], True), (["192.168.1.2"], True),
+    (["fd12::1"], True),
+    (["169.254.169.254"], False), (["fe80::1"], False), (["8.8.8.8"], False), (["10.0.0.1",
+                                                                                "8.8.8.8"], False),
     (["0.0.0.0"], False), ([], False),
 ])
 def test_addresses_must_lie_in_node_networks(addrs, ok):
@@ -137,7 +142,8 @@ async def test_an_announced_ghost_is_forgotten_after_forget_seconds(autojump_clo
             for h in (ghost, static):
                 nursery.start_soon(lambda h=h: supervise(
                     client, h, reg, heartbeat=2.0, backoff_max=30.0, forget_after=600.0,
-                    on_event=lambda k, n, r: events.append((k, n.name, trio.current_time() - start))))
+                    on_event=lambda k, n, r: events.append((k, n.name,
+                                                            trio.current_time() - start))))
             await trio.sleep(599)
             assert "ghost" in reg.nodes
             await trio.sleep(31)  # the next failed attempt after 600 s forgets it (backoff <= 30 s)
@@ -157,7 +163,8 @@ async def test_forget_cancels_a_connected_supervisor(autojump_clock):
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         with trio.fail_after(5):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30.0,
+                nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0,
+                                                     backoff_max=30.0,
                                                      on_event=lambda *a: None))
                 await trio.sleep(1)
                 reg.forget(h)

@@ -12,10 +12,12 @@ from appliance.hub.placement import Load, Models, Unload
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 
-def node(name: str, total: int | None = 8000, used: int = 0, models=(), up: bool = True) -> NodeHandle:
+def node(name: str, total: int | None = 8000, used: int = 0, models=(),
+         up: bool = True) -> NodeHandle:
     """A connected node; `models` are (name, size_mb, state) or names (available, 1000 MiB)."""
     h = NodeHandle(name, f"http://{name}:9090", static=True)
-    ms = [ModelState(m, 1000) if isinstance(m, str) else ModelState(m[0], m[1], m[2]) for m in models]
+    ms = [ModelState(m, 1000) if isinstance(m, str) else ModelState(m[0], m[1], m[2])
+          for m in models]
     h.state = NodeState(name=name, engines=[EngineInstall("sim", "0.1")], memory_total_mb=total,
                         memory_used_mb=used, models=ms)
     h.connected = up
@@ -36,7 +38,8 @@ def set_state(h: NodeHandle, model: str, state: str, size: int | None = None) ->
     if m is None:
         h.state.models.append(m := ModelState(model, size or 1000))
     m.state = state
-    h.state.memory_used_mb = sum(x.size_mb for x in h.state.models if x.state in ("ready", "loading"))
+    h.state.memory_used_mb = sum(x.size_mb for x in h.state.models if x.state in ("ready",
+                                                                                  "loading"))
 
 
 def test_places_on_most_free_memory_with_size_headroom():
@@ -66,7 +69,8 @@ def test_unplaceable_names_the_numbers_and_a_reservation_counts():
 
 
 def test_no_node_up_and_no_node_with_the_model_are_reasons():
-    core = Models(cfg([{"Name": "m"}, {"Name": "src", "Source": "/models/src.gguf", "MemoryMb": 100}]))
+    core = Models(cfg([{"Name": "m"}, {"Name": "src", "Source": "/models/src.gguf",
+                                       "MemoryMb": 100}]))
     a = node("a", models=["other"], up=False)
     core.ask("m", [a], 0.0)
     assert core.health["m"].unplaceable == "no node is up (a lost)"
@@ -137,9 +141,11 @@ def test_retry_and_definition_change_unpark_and_success_resets():
     core.load_done("kev", "a", "boom", 3.0)
     assert core.health["kev"].parked
     # Same definition: still parked. A new Source: unparked.
-    assert core.reconfigure(cfg([{"Name": "kev", "Source": "a.gguf"}], Models__ParkAfterFailures=2)) == []
+    assert core.reconfigure(cfg([{"Name": "kev", "Source": "a.gguf"}],
+                                Models__ParkAfterFailures=2)) == []
     assert core.health["kev"].parked
-    assert core.reconfigure(cfg([{"Name": "kev", "Source": "b.gguf"}], Models__ParkAfterFailures=2)) == ["kev"]
+    assert core.reconfigure(cfg([{"Name": "kev", "Source": "b.gguf"}],
+                                Models__ParkAfterFailures=2)) == ["kev"]
     assert not core.health["kev"].parked
     # One failure, then a success: the count is back to 0.
     core.ask("kev", [a], 10.0)

@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -47,21 +46,27 @@ class Fleet:
         self.env_file = tmp_path / "hub.env"
         hub_env_file(self.env_file, 60)
         env = {
-            "Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0", "Node__HeartbeatSeconds": "0.5",
+            "Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0",
+            "Node__HeartbeatSeconds": "0.5",
             "Hub__DrainSeconds": "5", "Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN,
             "Auth__RequireKeys": "true", "Audit__Path": str(self.audit),
             "Priority__Enabled": "true", "Priority__ReserveSlots": "1",
             "Models__0__Name": MODEL, "Models__0__Replicas": "2",
         }
-        for i, (name, cls) in enumerate((("ops", "essential"), ("team", "normal"), ("batch", "background"))):
+        for i, (name, cls) in enumerate((("ops", "essential"), ("team", "normal"), ("batch",
+                                                                                    "background"))):
             env.update({f"Auth__Clients__{i}__Name": name, f"Auth__Clients__{i}__Key": KEYS[name],
                         f"Auth__Clients__{i}__Priority": cls})
-        self.hub = procs.start("hub", env, args=["--env-file", str(self.env_file)], wait=("hub", "metrics"))
-        self.admin = httpx.Client(base_url=self.hub.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
+        self.hub = procs.start("hub", env, args=["--env-file", str(self.env_file)],
+                               wait=("hub", "metrics"))
+        self.admin = httpx.Client(base_url=self.hub.url,
+                                  headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
         node_env = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__ModelSlots": "1",
-                    "Node__MemoryMb": "4000", "Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": str(TPS)}
+                    "Node__MemoryMb": "4000", "Node__AnnounceSeconds": "1",
+                    "Sim__TokensPerSecond": str(TPS)}
         self.nodes = {name: procs.node(name, node_env) for name in ("gpu-a", "gpu-b")}
-        wait_until(lambda: self.ready_on() == {"gpu-a", "gpu-b"}, timeout=30, what="sim-small ready on both nodes")
+        wait_until(lambda: self.ready_on() == {"gpu-a", "gpu-b"}, timeout=30,
+                   what="sim-small ready on both nodes")
 
     def status(self) -> dict:
         r = self.admin.get("/api/status")
@@ -81,7 +86,8 @@ class Fleet:
         return self.status()["priority"]["background"]
 
     def control(self, node: str, action: str) -> None:
-        r = httpx.post(f"{self.nodes[node].url}/node/v1/{action}", headers={"authorization": f"Bearer {TOKEN}"},
+        r = httpx.post(f"{self.nodes[node].url}/node/v1/{action}",
+                       headers={"authorization": f"Bearer {TOKEN}"},
                        timeout=10)
         assert r.status_code == 200, r.text
         want = "paused" if action == "pause" else "up"
@@ -91,11 +97,13 @@ class Fleet:
              path: str = "/v1/chat/completions") -> tuple[httpx.Response, float, float]:
         """(response, seconds it took, when it finished); `path` any inference route."""
         t = time.monotonic()
-        body = {"model": MODEL, "max_tokens": tokens, "messages": [{"role": "user", "content": client}]}
+        body = {"model": MODEL, "max_tokens": tokens, "messages": [{"role": "user",
+                                                                    "content": client}]}
         if path == "/v1/embeddings":
             body = {"model": MODEL, "input": client}
         r = httpx.post(f"{self.hub.url}{path}", timeout=120,
-                       headers={"authorization": f"Bearer {KEYS[client]}", **(headers or {})}, json=body)
+                       headers={"authorization": f"Bearer {KEYS[client]}", **(headers or {})},
+                       json=body)
         done = time.monotonic()
         return r, done - t, done
 
@@ -114,7 +122,8 @@ def test_priority_classes_live(procs, tmp_path):
 
     # 1. A long team request takes one of the two places; batch is held, ops answered.
     long_team = pool.submit(f.chat, "team", LONG_TOKENS)
-    wait_until(lambda: sum(n["in_flight"] for n in f.status()["nodes"]) == 1, what="the long request running")
+    wait_until(lambda: sum(n["in_flight"] for n in f.status()["nodes"]) == 1,
+               what="the long request running")
     batch = pool.submit(f.chat, "batch")
     wait_until(lambda: f.background()["waiting"] == 1, what="batch held")
     r, took, _ = f.chat("ops")
@@ -133,7 +142,8 @@ def test_priority_classes_live(procs, tmp_path):
     # Every inference route is held alike: embeddings and Anthropic messages too.
     embed = pool.submit(f.chat, "batch", 2, None, "/v1/embeddings")
     messages = pool.submit(f.chat, "batch", 2, None, "/v1/messages")
-    wait_until(lambda: f.background()["waiting"] == 4, what="batch, embeddings, messages and the lowered team request held")
+    wait_until(lambda: f.background()["waiting"] == 4,
+               what="batch, embeddings, messages and the lowered team request held")
     for client in ("ops", "team"):
         r, took, _ = f.chat(client)
         assert r.status_code == 200 and took < 3, (client, r.status_code, took)
@@ -148,7 +158,8 @@ def test_priority_classes_live(procs, tmp_path):
     # 3. A shorter background wait (SIGHUP), gpu-b paused again: 503 naming the client.
     hub_env_file(f.env_file, 2)
     f.hub.signal(signal.SIGHUP)
-    wait_until(lambda: f.status()["priority"]["background_max_wait_seconds"] == 2, what="the reload")
+    wait_until(lambda: f.status()["priority"]["background_max_wait_seconds"] == 2,
+               what="the reload")
     f.control("gpu-b", "pause")
     r, took, _ = f.chat("batch")
     assert r.status_code == 503 and 1.5 <= took < 10, (r.status_code, took)
@@ -183,11 +194,14 @@ def test_priority_off_changes_nothing(procs, tmp_path):
     procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__ModelSlots": "1",
                          "Node__MemoryMb": "4000", "Node__AnnounceSeconds": "1"})
     admin = {"authorization": f"Bearer {ADMIN}"}
-    wait_until(lambda: any(n["status"] == "up" for n in httpx.get(hub.url + "/api/status", headers=admin).json()["nodes"]),
+    wait_until(lambda: any(n["status"] == "up" for n in httpx.get(hub.url + "/api/status",
+                                                                  headers=admin).json()["nodes"]),
                what="gpu-a up")
     t = time.monotonic()
-    r = httpx.post(f"{hub.url}/v1/chat/completions", headers={"authorization": f"Bearer {KEYS['batch']}"},
-                   json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    r = httpx.post(f"{hub.url}/v1/chat/completions",
+                   headers={"authorization": f"Bearer {KEYS['batch']}"},
+                   json={"model": MODEL, "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert r.status_code == 200 and time.monotonic() - t < 15
     assert "priority" not in httpx.get(hub.url + "/api/status", headers=admin).json()
     assert "appliance_priority" not in httpx.get(f"{hub.urls['metrics']}/metrics").text

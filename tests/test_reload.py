@@ -23,7 +23,6 @@ import time
 
 import httpx
 import pytest
-
 from procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -46,8 +45,10 @@ def hub_file(key: str, reserve: int, extra: dict[str, str] | None = None) -> dic
 
 
 def chat(hub, key: str, **kw) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": "reload"}], **kw}
-    return httpx.post(hub.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"},
+    body = {"model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": "reload"}],
+            **kw}
+    return httpx.post(hub.url + "/v1/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {key}"},
                       timeout=30)
 
 
@@ -101,13 +102,17 @@ def count(proc, pattern: str) -> int:
 def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(procs, tmp_path):
     f = tmp_path / "hub.env"
     write_env(f, hub_file("key-a", 1))
-    hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Hub__DrainSeconds": "5",
-                              "Node__HeartbeatSeconds": "0.5", "Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN,
+    hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                              "Hub__DrainSeconds": "5",
+                              "Node__HeartbeatSeconds": "0.5", "Auth__NodeToken": TOKEN,
+                              "Auth__AdminKey": ADMIN,
                               "Auth__RequireKeys": "true"}, args=["--env-file", str(f)])
     admin = httpx.Client(base_url=hub.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
-    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
+                         "Node__AnnounceSeconds": "1",
                          "Sim__TokensPerSecond": str(TPS)})
-    wait_until(lambda: [n["status"] for n in admin.get("/api/status").json()["nodes"]] == ["up"], what="node up")
+    wait_until(lambda: [n["status"] for n in admin.get("/api/status").json()["nodes"]] == ["up"],
+               what="node up")
 
     assert chat(hub, "key-a").status_code == 200  # activates sim-small
     before = admin.get("/api/status").json()
@@ -123,7 +128,8 @@ def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(proc
                                        "Audit__Path": str(later_audit)}))
     hub.signal(signal.SIGHUP)
     # A setting the running hub cannot take is named in the same line, not silently kept.
-    hub.wait_stderr("configuration reloaded from .*hub.env; changed, applied only at the next start: Audit__Path$")
+    hub.wait_stderr(
+        "configuration reloaded from .*hub.env; changed, applied only at the next start: Audit__Path$")
     reloaded_at = time.monotonic()
 
     assert chat(hub, "key-b").status_code == 200
@@ -137,14 +143,18 @@ def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(proc
     s.join(30)
     assert not s.is_alive() and s.error is None, s.error
     assert s.events[-1][1] == "[DONE]"
-    assert any(t > reloaded_at for t, _ in s.events), "the stream ended before the reload; nothing was tested"
+    assert any(t > reloaded_at for t,
+               _ in s.events), "the stream ended before the reload; nothing was tested"
     # Intact: the same words a fresh request with the same input gets (the sim is deterministic).
-    fresh = chat(hub, "key-b", max_tokens=LONG_TOKENS, messages=[{"role": "user", "content": "a long answer"}])
+    fresh = chat(hub, "key-b", max_tokens=LONG_TOKENS, messages=[{"role": "user",
+                                                                  "content": "a long answer"}])
     assert s.text() == fresh.json()["choices"][0]["message"]["content"]
 
     # Broken files: one line each naming the variable; the configuration before them stays.
-    broken = [({**hub_file("key-c", 3), "Priority__ReserveSlots": "-1"}, r"Priority__ReserveSlots='-1'"),
-              ({**hub_file("key-c", 3), "Queue__MaxDeph": "5"}, r"Queue__MaxDeph.*did you mean \"MaxDepth\"")]
+    broken = [({**hub_file("key-c", 3), "Priority__ReserveSlots": "-1"},
+               r"Priority__ReserveSlots='-1'"),
+              ({**hub_file("key-c", 3), "Queue__MaxDeph": "5"},
+               r"Queue__MaxDeph.*did you mean \"MaxDepth\"")]
     for n, (lines, says) in enumerate(broken, 1):
         write_env(f, lines)
         hub.signal(signal.SIGHUP)
@@ -164,9 +174,12 @@ def test_node_sighup_applies_max_concurrency_and_refuses_a_bad_file(procs, tmp_p
     f = tmp_path / "node.env"
     write_env(f, {"Node__MaxConcurrency": "2"})
     hub = procs.hub({"Auth__NodeToken": TOKEN}, metrics=False)
-    node = procs.start("node", {"Node__Name": "gpu-r", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                                "Engine__Kind": "sim", "Node__HeartbeatSeconds": "0.5", "Sim__TokensPerSecond": "0",
-                                "Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+    node = procs.start("node", {"Node__Name": "gpu-r", "Node__Listen": "127.0.0.1:0",
+                                "Metrics__Listen": "",
+                                "Engine__Kind": "sim", "Node__HeartbeatSeconds": "0.5",
+                                "Sim__TokensPerSecond": "0",
+                                "Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
+                                "Node__AnnounceSeconds": "1",
                                 "APPLIANCE_ENV_FILE": str(f)})
     auth = {"authorization": f"Bearer {TOKEN}"}
 

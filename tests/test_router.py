@@ -30,9 +30,11 @@ class FakeNode:
 
     async def __call__(self, scope, receive, send):
         body = await read_body(receive, 1 << 20)
-        self.requests.append({"path": scope["path"], "body": body, "headers": dict(scope["headers"])})
+        self.requests.append({"path": scope["path"], "body": body,
+                              "headers": dict(scope["headers"])})
         self.connections.add(scope["client"])
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
         async with trio.open_nursery() as nursery:
             async def watch():
                 # As the real node does: the hub hanging up stops the generation.
@@ -42,7 +44,8 @@ class FakeNode:
 
             nursery.start_soon(watch)
             for i in range(self.chunks):
-                await send({"type": "http.response.body", "body": f"data: {self.name}-{i}\n\n".encode(), "more_body": True})
+                await send({"type": "http.response.body",
+                            "body": f"data: {self.name}-{i}\n\n".encode(), "more_body": True})
                 await trio.sleep(self.pause)
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
             nursery.cancel_scope.cancel()
@@ -62,7 +65,8 @@ def _ready(h, model="m"):
 
 
 async def _hub(nursery, env=None):
-    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": "/dev/null", **(env or {})})
+    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": "/dev/null",
+                **(env or {})})
     stop = trio.Event()
     hub, (host, port) = await nursery.start(run_hub, cfg, stop)
     return hub, f"http://{host}:{port}", stop
@@ -87,7 +91,8 @@ async def test_failed_node_before_first_byte_is_retried_on_another():
             r = await c.post(url + "/v1/chat/completions", json={"model": "m", "stream": True})
         assert r.status_code == 200
         assert "good-0" in r.text and r.text.endswith("data: [DONE]\n\n")
-        # The node got the client's bytes as they were, plus the node token header, not the client's key.
+        # The node got the client's bytes as they were, plus the node token header, not the client's
+        # key.
         assert json.loads(good.requests[0]["body"]) == {"model": "m", "stream": True}
         with trio.fail_after(5):
             while hub.registry.nodes["good"].in_flight_total:
@@ -117,7 +122,8 @@ async def test_client_disconnect_cancels_upstream_and_frees_the_place():
         hub, url, stop = await _hub(nursery)
         h = _static(hub, "slow", f"http://{host}:{port}")
         async with httpx.AsyncClient(timeout=10) as c:
-            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "stream": True}) as r:
+            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m",
+                                                                            "stream": True}) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: slow-2"):
                         assert h.in_flight_total == 1
@@ -146,7 +152,8 @@ async def test_kept_connections_are_reused():
 
 
 def test_authenticate_allowed_and_decode():
-    cfg = load({"Auth__RequireKeys": "true", "Auth__Clients__0__Name": "ops", "Auth__Clients__0__Key": "k1",
+    cfg = load({"Auth__RequireKeys": "true", "Auth__Clients__0__Name": "ops",
+                "Auth__Clients__0__Key": "k1",
                 "Auth__Clients__0__Models": "llama*,qwen2.5:0.5b"})
 
     class H:
@@ -166,7 +173,8 @@ def test_authenticate_allowed_and_decode():
             raise AssertionError("no 401")
     assert decode_request(b'{"model": "m", "stream": true, "messages": []}').stream is True
     deep = b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    for body, code in ((b"{", "invalid_json"), (b"[]", "invalid_request"), (b"{}", "invalid_request"),
+    for body, code in ((b"{", "invalid_json"), (b"[]", "invalid_request"), (b"{}",
+                                                                            "invalid_request"),
                        (b'{"model": 3}', "invalid_request"), (deep, "invalid_json")):
         try:
             decode_request(body)
@@ -178,10 +186,13 @@ def test_authenticate_allowed_and_decode():
 
 def test_error_shapes():
     o = json.loads(error_body("openai", 503, "model_parked", "parked: boom"))
-    assert o == {"error": {"message": "parked: boom", "type": "service_unavailable", "param": None, "code": "model_parked"}}
-    assert json.loads(error_body("ollama", 404, "model_not_found", "model 'x' not found")) == {"error": "model 'x' not found"}
+    assert o == {"error": {"message": "parked: boom", "type": "service_unavailable", "param": None,
+                           "code": "model_parked"}}
+    assert json.loads(error_body("ollama", 404, "model_not_found",
+                                 "model 'x' not found")) == {"error": "model 'x' not found"}
     e = ApiError(503, "model_loading", "loading; retry shortly", retry_after=2.4)
     assert e.headers() == [(b"retry-after", b"2")]
     # Refusals a retry cannot cure say so, and carry no Retry-After (DESIGN 9.1).
     assert ApiError(503, "model_parked", "x").headers() == [(b"x-should-retry", b"false")]
-    assert ApiError(503, "model_unplaceable", "x", retry_after=5).headers() == [(b"x-should-retry", b"false")]
+    assert ApiError(503, "model_unplaceable", "x", retry_after=5).headers() == [(b"x-should-retry",
+                                                                                 b"false")]

@@ -42,15 +42,19 @@ class StallNode:
                 await trio.sleep_forever()
             ndjson = scope["path"].startswith("/api/")
             ctype = b"application/x-ndjson" if ndjson else b"text/event-stream"
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type",
+                                                                                   ctype)]})
             for i in range(self.chunks):
                 if ndjson:
                     line = {"model": "m", "created_at": "2024-01-01T00:00:00Z",
-                            "message": {"role": "assistant", "content": f"{self.name}-{i} "}, "done": False}
+                            "message": {"role": "assistant", "content": f"{self.name}-{i} "},
+                            "done": False}
                     body = json.dumps(line).encode() + b"\n"
                 else:
-                    line = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                            "choices": [{"index": 0, "delta": {"content": f"{self.name}-{i} "}, "finish_reason": None}]}
+                    line = {"id": "c", "object": "chat.completion.chunk", "created": 0,
+                            "model": "m",
+                            "choices": [{"index": 0, "delta": {"content": f"{self.name}-{i} "},
+                                         "finish_reason": None}]}
                     body = b"data: " + json.dumps(line).encode() + b"\n\n"
                 await send({"type": "http.response.body", "body": body, "more_body": True})
             await trio.sleep_forever()
@@ -58,12 +62,14 @@ class StallNode:
 
 def _ready(hub, name, url, slots=4):
     h, _ = hub.registry.upsert(name, url, static=True)
-    hub.registry.apply_state(h, NodeState(name=name, slots=slots, models=[ModelState(name="m", state="ready")]))
+    hub.registry.apply_state(h, NodeState(name=name, slots=slots,
+                                          models=[ModelState(name="m", state="ready")]))
     return h
 
 
 async def _hub(nursery, tmp_path, env=None):
-    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": str(tmp_path / "audit.log"),
+    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                "Audit__Path": str(tmp_path / "audit.log"),
                 **(env or {})})
     stop = trio.Event()
     hub, (host, port) = await nursery.start(run_hub, cfg, stop)
@@ -82,7 +88,8 @@ def _requests(tmp_path) -> list[dict]:
 
 def _count(hub, status: str, model: str = "m") -> float:
     return hub.metrics_registry.get_sample_value(
-        "appliance_requests_total", {"client": "anonymous", "model": model, "status": status}) or 0.0
+        "appliance_requests_total", {"client": "anonymous", "model": model,
+                                     "status": status}) or 0.0
 
 
 async def _when(event: trio.Event) -> None:
@@ -97,7 +104,8 @@ async def test_lost_node_ends_openai_stream_with_node_lost_event(tmp_path):
         h = _ready(hub, "gpu-a", await _fake(nursery, node))
         oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=20)
         got = []
-        stream = await oc.chat.completions.create(model="m", stream=True, messages=[{"role": "user", "content": "x"}])
+        stream = await oc.chat.completions.create(model="m", stream=True,
+                                                  messages=[{"role": "user", "content": "x"}])
         with pytest.raises(openai.APIError) as e:
             async for chunk in stream:
                 got.append(chunk.choices[0].delta.content)
@@ -120,7 +128,8 @@ async def test_lost_node_ends_ollama_stream_that_the_ollama_client_raises(tmp_pa
         oc = ollama.AsyncClient(host=url, timeout=20)
         got = []
         with pytest.raises(ollama.ResponseError) as e:
-            async for part in await oc.chat(model="m", messages=[{"role": "user", "content": "x"}], stream=True):
+            async for part in await oc.chat(model="m", messages=[{"role": "user", "content": "x"}],
+                                            stream=True):
                 got.append(part.message.content)
                 if len(got) == 2:
                     hub.registry.mark_lost(h, "no heartbeat for 6 s")
@@ -146,7 +155,8 @@ async def test_request_not_yet_answered_by_a_lost_node_goes_to_another(tmp_path)
     good = StallNode("good", chunks=1)
     async with trio.open_nursery() as nursery:
         hub, url, _stop = await _hub(nursery, tmp_path)
-        h = _ready(hub, "stuck", await _fake(nursery, stuck), slots=8)  # most free places: first pick
+        h = _ready(hub, "stuck", await _fake(nursery, stuck),
+                   slots=8)  # most free places: first pick
         _ready(hub, "good", await _fake(nursery, good))
 
         async def lose_it():
@@ -155,7 +165,8 @@ async def test_request_not_yet_answered_by_a_lost_node_goes_to_another(tmp_path)
 
         nursery.start_soon(lose_it)
         async with httpx.AsyncClient(timeout=20) as c:
-            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "stream": True}) as r:
+            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m",
+                                                                            "stream": True}) as r:
                 async for line in r.aiter_lines():
                     if line:
                         break
@@ -170,7 +181,8 @@ async def test_drain_deadline_ends_streams_with_shutting_down_and_a_proper_end(t
         hub, url, stop = await _hub(nursery, tmp_path, {"Hub__DrainSeconds": "0.5"})
         _ready(hub, "gpu-a", await _fake(nursery, node))
         async with httpx.AsyncClient(timeout=20) as c:
-            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "stream": True}) as r:
+            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m",
+                                                                            "stream": True}) as r:
                 lines = []
                 async for line in r.aiter_lines():  # ends cleanly: a RemoteProtocolError otherwise
                     if line:
@@ -196,7 +208,8 @@ async def test_every_request_one_audit_line_and_one_count(tmp_path):
             assert r.status_code == 400
         # A client that sends half its body and hangs up: 499, counted and audited once.
         s = await trio.open_tcp_stream(host, int(port))
-        await s.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{\"model\"")
+        await s.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{\"model\"")
         await trio.sleep(0.2)
         await s.aclose()
         with trio.fail_after(10):
@@ -237,7 +250,8 @@ def test_audit_path_that_cannot_be_opened_is_refused_at_start(tmp_path):
 async def test_unwritable_audit_never_fails_a_request(tmp_path):
     node = StallNode("gpu-a", chunks=0)
     async with trio.open_nursery() as nursery:
-        cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": "/dev/full"})
+        cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                    "Audit__Path": "/dev/full"})
         hub, (host, port) = await nursery.start(run_hub, cfg, trio.Event())
         url = f"http://{host}:{port}"
         _ready(hub, "gpu-a", await _fake(nursery, node))
@@ -263,7 +277,8 @@ async def test_a_request_right_after_start_waits_for_the_fleet_instead_of_404(tm
 
         async def answers_later():
             await trio.sleep(0.5)
-            hub.registry.apply_state(h, NodeState(name="gpu-a", models=[ModelState(name="m", state="ready")]))
+            hub.registry.apply_state(h, NodeState(name="gpu-a", models=[ModelState(name="m",
+                                                                                   state="ready")]))
 
         nursery.start_soon(answers_later)
         async with httpx.AsyncClient(timeout=20) as c:
@@ -275,7 +290,8 @@ async def test_a_request_right_after_start_waits_for_the_fleet_instead_of_404(tm
 
 async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
     async def closer(stream):
-        await stream.receive_some(65536)  # read the request, then hang up: a node killed mid-request
+        await stream.receive_some(
+            65536)  # read the request, then hang up: a node killed mid-request
         await stream.aclose()
 
     good = StallNode("good", chunks=1)
@@ -285,10 +301,12 @@ async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
         _ready(hub, "gpu-a", f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}", slots=8)
         _ready(hub, "good", await _fake(nursery, good))
         async with httpx.AsyncClient(timeout=20) as c:
-            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m", "stream": True}) as r:
+            async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m",
+                                                                            "stream": True}) as r:
                 assert r.status_code == 200
         said = [r.getMessage() for r in caplog.records if r.name == "appliance.hub.router"]
-        assert said == ["node gpu-a closed the connection before answering: request for m from anonymous retried on good"]
+        assert said == [
+            "node gpu-a closed the connection before answering: request for m from anonymous retried on good"]
         nursery.cancel_scope.cancel()
 
 
@@ -298,7 +316,8 @@ def test_stream_error_framing_starts_on_its_own_line():
     sse = "text/event-stream"
     assert stream_error(sse, "openai", "node_lost", "m", b"}\n\n").startswith(b"data: {")
     assert stream_error(sse, "openai", "node_lost", "m", b"x}").startswith(b"\n\ndata: {")
-    assert stream_error(sse, "anthropic", "node_lost", "m", b"\n\n").startswith(b"event: error\ndata: {")
+    assert stream_error(sse, "anthropic", "node_lost", "m",
+                        b"\n\n").startswith(b"event: error\ndata: {")
     nd = "application/x-ndjson"
     line = stream_error(nd, "ollama", "node_lost", "gone", b"}\n")
     assert line == b'{"error":"gone"}\n'  # no leading blank line: every line is JSON
@@ -307,13 +326,15 @@ def test_stream_error_framing_starts_on_its_own_line():
 
 async def test_the_openai_client_does_not_retry_an_unplaceable_model(tmp_path):
     async with trio.open_nursery() as nursery:
-        hub, url, _stop = await _hub(nursery, tmp_path, {"Models__0__Name": "huge", "Models__0__MemoryMb": "90000"})
+        hub, url, _stop = await _hub(nursery, tmp_path, {"Models__0__Name": "huge",
+                                                         "Models__0__MemoryMb": "90000"})
         h, _ = hub.registry.upsert("gpu-a", "http://127.0.0.1:9", static=True)
         hub.registry.apply_state(h, NodeState(name="gpu-a", memory_total_mb=8000, memory_used_mb=0,
                                               models=[ModelState(name="huge", size_mb=75000)]))
         oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=20)
         with pytest.raises(openai.APIStatusError) as e:
-            await oc.chat.completions.create(model="huge", messages=[{"role": "user", "content": "x"}])
+            await oc.chat.completions.create(model="huge", messages=[{"role": "user",
+                                                                      "content": "x"}])
         assert e.value.status_code == 503 and e.value.body["code"] == "model_unplaceable"
         assert e.value.response.headers["x-should-retry"] == "false"
         assert "retry-after" not in e.value.response.headers

@@ -28,7 +28,8 @@ async def running_sim(**kw):
     app = make_sim_app(SimConfig(**kw))
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(serve_sim, app, "127.0.0.1:0")
-        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=NO_TIMEOUT) as client:
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}",
+                                     timeout=NO_TIMEOUT) as client:
             yield app.state, client
         nursery.cancel_scope.cancel()
 
@@ -53,7 +54,8 @@ async def test_ollama_chat_streams_ndjson_and_matches_the_whole_answer():
         lines = [json.loads(x) for x in r.text.splitlines()]
         assert len(lines) == 17 and all(not x["done"] for x in lines[:-1])
         last = lines[-1]
-        assert last["done"] and last["done_reason"] == "stop" and last["eval_count"] == 16 and last["x_simulated"]
+        assert last["done"] and last[
+            "done_reason"] == "stop" and last["eval_count"] == 16 and last["x_simulated"]
         streamed = "".join(x["message"]["content"] for x in lines)
         whole = (await c.post("/api/chat", json={**CHAT, "stream": False})).json()
         assert whole["message"] == {"role": "assistant", "content": streamed}
@@ -62,21 +64,25 @@ async def test_ollama_chat_streams_ndjson_and_matches_the_whole_answer():
 
 async def test_ollama_generate_num_predict_and_determinism():
     async with running_sim() as (_, c):
-        body = {"model": "sim-small", "prompt": "hello", "stream": False, "options": {"num_predict": 5}}
+        body = {"model": "sim-small", "prompt": "hello", "stream": False,
+                "options": {"num_predict": 5}}
         a = (await c.post("/api/generate", json=body)).json()
         b = (await c.post("/api/generate", json=body)).json()
         other = (await c.post("/api/generate", json={**body, "prompt": "goodbye"})).json()
         assert a["response"] == b["response"] and len(a["response"].split()) == 5
         assert other["response"] != a["response"]
         assert a["done_reason"] == "length" and a["eval_count"] == 5 and a["prompt_eval_count"] >= 1
-        big = (await c.post("/api/generate", json={**body, "options": {"num_predict": 100000}})).json()
+        big = (await c.post("/api/generate", json={**body,
+                                                   "options": {"num_predict": 100000}})).json()
         assert big["eval_count"] == 4096
 
 
 async def test_ollama_metadata_says_simulated():
-    async with running_sim(models=[SimModel(name="a", size_mb=300), SimModel(name="b:7b")]) as (_, c):
+    async with running_sim(models=[SimModel(name="a", size_mb=300), SimModel(name="b:7b")]) as (_,
+                                                                                                c):
         tags = (await c.get("/api/tags")).json()["models"]
-        assert [(t["name"], t["model"], t["size"]) for t in tags] == [("a", "a", 300 * 2**20), ("b:7b", "b:7b", 500 * 2**20)]
+        assert [(t["name"], t["model"], t["size"]) for t in tags] == [("a", "a", 300 * 2**20),
+                                                                      ("b:7b", "b:7b", 500 * 2**20)]
         assert all(t["details"]["family"] == "sim" for t in tags)
         assert (await c.get("/api/ps")).json() == {"models": []}
         assert (await c.get("/api/version")).json() == {"version": VERSION}
@@ -98,7 +104,8 @@ async def test_load_unload_and_ps():
         # A request loads an unloaded model first, as Ollama does; keep_alive 0 unloads after.
         await c.post("/api/generate", json={"model": "sim-small", "prompt": "x", "stream": False})
         assert state.statistics()["sim-small"]["loaded"]
-        await c.post("/api/generate", json={"model": "sim-small", "prompt": "x", "keep_alive": "0s"})
+        await c.post("/api/generate", json={"model": "sim-small", "prompt": "x",
+                                            "keep_alive": "0s"})
         assert not state.statistics()["sim-small"]["loaded"]
 
 
@@ -124,9 +131,12 @@ async def test_failing_load_answers_500_and_stays_unloaded(autojump_clock):
         r = await c.post("/api/chat", json={**CHAT, "model": "kev"})
         assert r.status_code == 500 and r.json() == {"error": FAIL}
         r = await c.post("/v1/chat/completions", json={**CHAT, "model": "kev"})
-        assert r.status_code == 500 and r.json()["error"] == {"message": FAIL, "type": "server_error", "param": None, "code": "model_load_failed"}
+        assert r.status_code == 500 and r.json()["error"] == {"message": FAIL,
+                                                              "type": "server_error", "param": None,
+                                                              "code": "model_load_failed"}
         assert (await c.get("/api/ps")).json()["models"] == []
-        assert state.statistics()["kev"] == {"loaded": False, "loads": 3, "generating": 0, "waiting": 0}
+        assert state.statistics()["kev"] == {"loaded": False, "loads": 3, "generating": 0,
+                                             "waiting": 0}
 
 
 async def test_ollama_embed():
@@ -137,7 +147,8 @@ async def test_ollama_embed():
         assert abs(sum(x * x for x in r["embeddings"][0]) - 1) < 1e-9
         one = (await c.post("/api/embed", json={"model": "sim-small", "input": "a"})).json()
         assert one["embeddings"] == r["embeddings"][:1]
-        legacy = (await c.post("/api/embeddings", json={"model": "sim-small", "prompt": "a"})).json()
+        legacy = (await c.post("/api/embeddings", json={"model": "sim-small",
+                                                        "prompt": "a"})).json()
         assert legacy["embedding"] == r["embeddings"][0]
 
 
@@ -148,40 +159,52 @@ async def test_openai_chat_stream_sse_with_usage():
     async with running_sim() as (_, c):
         body = {**CHAT, "stream": True, "max_tokens": 7, "stream_options": {"include_usage": True}}
         r = await c.post("/v1/chat/completions", json=body)
-        assert r.headers["content-type"] == "text/event-stream" and r.headers["x-appliance-engine"] == "sim"
+        assert r.headers[
+            "content-type"] == "text/event-stream" and r.headers["x-appliance-engine"] == "sim"
         ev = sse_events(r.text)
         assert ev[-1] == "[DONE]"
         chunks = ev[:-1]
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-        assert all(x["system_fingerprint"] == FINGERPRINT and x["object"] == "chat.completion.chunk" for x in chunks)
+        assert all(x["system_fingerprint"] == FINGERPRINT
+                   and x["object"] == "chat.completion.chunk" for x in chunks)
         text = "".join(x["choices"][0]["delta"].get("content", "") for x in chunks if x["choices"])
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 7
         whole = (await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 7})).json()
-        assert whole["choices"][0]["message"]["content"] == text and whole["object"] == "chat.completion"
+        assert whole[
+            "choices"][0]["message"]["content"] == text and whole["object"] == "chat.completion"
         assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + 7
         # The same conversation gives the same words over either API.
-        ollama = (await c.post("/api/chat", json={**CHAT, "stream": False, "options": {"num_predict": 7}})).json()
+        ollama = (await c.post("/api/chat", json={**CHAT, "stream": False,
+                                                  "options": {"num_predict": 7}})).json()
         assert ollama["message"]["content"] == text
 
 
 async def test_openai_completions_and_models():
     async with running_sim(models=[SimModel(name="a"), SimModel(name="b")]) as (_, c):
-        r = (await c.post("/v1/completions", json={"model": "a", "prompt": "once", "max_tokens": 3})).json()
+        r = (await c.post("/v1/completions", json={"model": "a", "prompt": "once",
+                                                   "max_tokens": 3})).json()
         assert r["object"] == "text_completion" and len(r["choices"][0]["text"].split()) == 3
-        ev = sse_events((await c.post("/v1/completions", json={"model": "a", "prompt": "once", "max_tokens": 3, "stream": True})).text)
+        ev = sse_events((await c.post("/v1/completions", json={"model": "a", "prompt": "once",
+                                                               "max_tokens": 3,
+                                                               "stream": True})).text)
         assert "".join(x["choices"][0]["text"] for x in ev[:-1]) == r["choices"][0]["text"]
         models = (await c.get("/v1/models")).json()
-        assert [m["id"] for m in models["data"]] == ["a", "b"] and models["data"][0]["owned_by"] == FINGERPRINT
+        assert [m["id"] for m in models["data"]] == ["a",
+                                                     "b"] and models[
+                                                         "data"][0]["owned_by"] == FINGERPRINT
 
 
 async def test_openai_embeddings_float_and_base64():
     async with running_sim() as (_, c):
-        f = (await c.post("/v1/embeddings", json={"model": "sim-small", "input": ["x", "y"]})).json()
+        f = (await c.post("/v1/embeddings", json={"model": "sim-small", "input": ["x",
+                                                                                  "y"]})).json()
         assert [d["index"] for d in f["data"]] == [0, 1] and len(f["data"][0]["embedding"]) == 16
-        b = (await c.post("/v1/embeddings", json={"model": "sim-small", "input": "x", "encoding_format": "base64"})).json()
+        b = (await c.post("/v1/embeddings", json={"model": "sim-small", "input": "x",
+                                                  "encoding_format": "base64"})).json()
         raw = base64.b64decode(b["data"][0]["embedding"])
-        assert list(struct.unpack("<16f", raw)) == pytest.approx(f["data"][0]["embedding"], rel=1e-6)
+        assert list(struct.unpack("<16f", raw)) == pytest.approx(f["data"][0]["embedding"],
+                                                                 rel=1e-6)
 
 
 async def test_errors_keep_each_apis_shape():
@@ -210,7 +233,8 @@ async def test_errors_keep_each_apis_shape():
 async def test_tokens_per_second_paces_the_stream(autojump_clock):
     async with running_sim(tokens_per_second=10) as (_, c):
         start = trio.current_time()
-        async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 20}) as r:
+        async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True,
+                                                                  "max_tokens": 20}) as r:
             seen = []
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
@@ -226,7 +250,8 @@ async def test_parallel_bounds_generation_per_model(autojump_clock):
         start = trio.current_time()
 
         async def one():
-            r = await c.post("/v1/completions", json={"model": "sim-small", "prompt": "p", "max_tokens": 10})
+            r = await c.post("/v1/completions", json={"model": "sim-small", "prompt": "p",
+                                                      "max_tokens": 10})
             assert r.status_code == 200
             done.append(trio.current_time() - start)
 
@@ -242,7 +267,8 @@ async def test_parallel_bounds_generation_per_model(autojump_clock):
 async def test_client_that_goes_away_frees_its_slot(autojump_clock):
     async with running_sim(tokens_per_second=1, parallel=1) as (state, c):
         with trio.move_on_after(3):
-            async with c.stream("POST", "/api/generate", json={"model": "sim-small", "prompt": "x"}) as r:
+            async with c.stream("POST", "/api/generate", json={"model": "sim-small",
+                                                               "prompt": "x"}) as r:
                 async for _ in r.aiter_lines():
                     pass
         await trio.sleep(0.5)
@@ -250,8 +276,10 @@ async def test_client_that_goes_away_frees_its_slot(autojump_clock):
 
 
 def test_keep_alive_zero_spellings():
-    assert is_zero_keep_alive(0) and is_zero_keep_alive("0") and is_zero_keep_alive("0s") and is_zero_keep_alive(0.0)
-    assert not is_zero_keep_alive(-1) and not is_zero_keep_alive("5m") and not is_zero_keep_alive(None)
+    assert is_zero_keep_alive(
+        0) and is_zero_keep_alive("0") and is_zero_keep_alive("0s") and is_zero_keep_alive(0.0)
+    assert not is_zero_keep_alive(
+        -1) and not is_zero_keep_alive("5m") and not is_zero_keep_alive(None)
     assert not is_zero_keep_alive(False) and not is_zero_keep_alive("soon")
 
 
@@ -264,14 +292,18 @@ def test_appliance_sim_process_with_official_clients(procs):
     import openai
 
     env = {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-           "Sim__Models__0__Name": "sim-small", "Sim__Models__1__Name": "kev", "Sim__Models__1__FailLoad": FAIL}
+           "Sim__Models__0__Name": "sim-small", "Sim__Models__1__Name": "kev",
+           "Sim__Models__1__FailLoad": FAIL}
     p = procs.start("sim", env)
     oc = openai.OpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     r = oc.chat.completions.create(model="sim-small", messages=CHAT["messages"], max_tokens=8)
     assert r.system_fingerprint == FINGERPRINT and len(r.choices[0].message.content.split()) == 8
-    chunks = list(oc.chat.completions.create(model="sim-small", messages=CHAT["messages"], max_tokens=8, stream=True))
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
-    assert len(oc.completions.create(model="sim-small", prompt="once", max_tokens=4).choices[0].text.split()) == 4
+    chunks = list(oc.chat.completions.create(model="sim-small", messages=CHAT["messages"],
+                                             max_tokens=8, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks
+                   if ch.choices) == r.choices[0].message.content
+    assert len(oc.completions.create(model="sim-small", prompt="once",
+                                     max_tokens=4).choices[0].text.split()) == 4
     emb = oc.embeddings.create(model="sim-small", input="vector")  # the client asks for base64
     assert len(emb.data[0].embedding) == 16
     assert {m.id for m in oc.models.list()} == {"sim-small", "kev"}

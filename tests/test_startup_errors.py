@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from procs import clean_env
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +41,8 @@ def cases(tmp: str, port: int):
         ({"Hub__Listen": "no-such-host.invalid:0"}, "Hub__Listen", "cannot listen"),
         ({"Hub__TlsCert": os.path.join(tmp, "missing.pem")}, "Hub__TlsCert", "No such file"),
         ({"Audit__Path": os.path.join(afile, "audit.log")}, "Audit__Path", "audit.log"),
-        ({"Hub__Listen": "127.0.0.1:18080", "Metrics__Listen": "127.0.0.1:18080"}, "Metrics__Listen", "API's port"),
+        ({"Hub__Listen": "127.0.0.1:18080", "Metrics__Listen": "127.0.0.1:18080"},
+         "Metrics__Listen", "API's port"),
     ]
 
 
@@ -51,7 +51,8 @@ def test_each_start_up_failure_is_one_line_and_exit_2(tmp_path, busy_port):
         code, lines = run_hub(env)
         assert code == 2, (env, lines)
         assert len(lines) == 1, (env, lines)
-        assert var in lines[0] and words in lines[0] and lines[0].startswith("appliance hub: "), lines
+        assert var in lines[
+            0] and words in lines[0] and lines[0].startswith("appliance hub: "), lines
 
 
 def test_the_audit_file_is_created_0600(tmp_path):

@@ -20,8 +20,11 @@ UNITS = ("appliance-hub.service", "appliance-node.service")
 INSTALLED_BINARY = "/usr/local/bin/appliance"
 MAX_HUB_EXPOSURE = 2.5
 
-systemd_analyze = shutil.which("systemd-analyze") or ("/usr/bin/systemd-analyze" if Path("/usr/bin/systemd-analyze").exists() else None)
-needs_systemd = pytest.mark.skipif(systemd_analyze is None, reason="systemd-analyze missing (make test installs Debian's systemd)")
+systemd_analyze = shutil.which("systemd-analyze") or ("/usr/bin/systemd-analyze"
+                                                      if Path("/usr/bin/systemd-analyze").exists()
+                                                      else None)
+needs_systemd = pytest.mark.skipif(systemd_analyze is None,
+                                   reason="systemd-analyze missing (make test installs Debian's systemd)")
 
 
 def local_executable() -> str:
@@ -44,7 +47,8 @@ def units_pointing_at(exe: str, dest: Path) -> list[Path]:
 
 def verify(paths: list[Path]) -> str:
     """`systemd-analyze verify` output (stdout and stderr); empty means clean."""
-    r = subprocess.run([systemd_analyze, "verify", *map(str, paths)], capture_output=True, text=True,
+    r = subprocess.run([systemd_analyze, "verify", *map(str, paths)], capture_output=True,
+                       text=True,
                        cwd=paths[0].parent, timeout=60)
     return (r.stdout + r.stderr).strip() + ("" if r.returncode == 0 else f"\n(exit {r.returncode})")
 
@@ -215,7 +219,8 @@ def test_install_sh_stages_files_and_keeps_operator_settings(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (stage / "usr/local/bin/appliance").stat().st_mode & 0o777 == 0o755
     for unit in UNITS:
-        assert (stage / "etc/systemd/system" / unit).read_text() == (ROOT / "systemd" / unit).read_text()
+        assert (stage / "etc/systemd/system" / unit).read_text() == (
+            ROOT / "systemd" / unit).read_text()
     hub_env = stage / "etc/appliance/hub.env"
     assert hub_env.stat().st_mode & 0o777 == 0o640  # it holds keys
     assert (stage / "etc/appliance/node.env.example").exists()

@@ -20,15 +20,16 @@ import time
 
 import httpx
 import pytest
-
 from procs import wait_until
 
 pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command line")]
+              pytest.mark.skipif(shutil.which("openssl") is None,
+                                 reason="needs the openssl command line")]
 
 TOKEN = "node-secret"
 DAYS = 30
-CHAT = {"model": "sim-small", "max_tokens": 8, "messages": [{"role": "user", "content": "over tls"}]}
+CHAT = {"model": "sim-small", "max_tokens": 8, "messages": [{"role": "user",
+                                                             "content": "over tls"}]}
 
 
 def _openssl(*args: str, cwd) -> None:
@@ -38,8 +39,10 @@ def _openssl(*args: str, cwd) -> None:
 def make_ca(d, name: str = "ca") -> tuple[str, str]:
     """A self-signed CA: (certificate path, key path)."""
     _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", str(DAYS), "-subj", f"/CN=appliance test {name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", str(DAYS), "-subj",
+             f"/CN=appliance test {name}",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext",
+             "keyUsage=critical,keyCertSign,cRLSign",
              cwd=d)
     return str(d / f"{name}.pem"), str(d / f"{name}.key")
 
@@ -76,10 +79,12 @@ def pki(tmp_path_factory):
 @pytest.fixture
 def tls_fleet(procs, pki, tmp_path):
     audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1], "Hub__TlsCa": pki["ca"],
+    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
+                     "Hub__TlsCa": pki["ca"],
                      "Auth__NodeToken": TOKEN, "Audit__Path": str(audit)})
     node = procs.node("gpu-tls", {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
-                                  "Node__TlsCa": pki["ca"], "Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
+                                  "Node__TlsCa": pki["ca"], "Hub__Url": hub.url,
+                                  "Auth__NodeToken": TOKEN,
                                   "Node__AnnounceSeconds": "1"})
     return hub, node, audit
 
@@ -126,8 +131,10 @@ def test_https_both_ways_with_mutual_verification(tls_fleet, pki):
     auth = {"authorization": f"Bearer {TOKEN}"}
     for who in (None, pki["stranger"]):
         with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
-            httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, who), timeout=5)
-    r = httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, pki["hub"]), timeout=5)
+            httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, who),
+                      timeout=5)
+    r = httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, pki["hub"]),
+                  timeout=5)
     assert r.status_code == 200 and r.json()["name"] == "gpu-tls"
 
     # Refused handshakes cost nothing: hub and node keep serving, the node stays up.
@@ -175,7 +182,8 @@ def test_untrusted_certificates_are_refused_and_the_logs_say_why(procs, pki):
     """Hub__TlsCa unset: the hub cannot verify a node's certificate and never follows it;
     Node__TlsCa unset: the node cannot verify the hub's and cannot announce. Both say
     CERTIFICATE_VERIFY_FAILED where the operator looks (`ctl nodes`, the node's log)."""
-    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1], "Auth__NodeToken": TOKEN},
+    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
+                     "Auth__NodeToken": TOKEN},
                     metrics=False)
     common = {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1], "Hub__Url": hub.url,
               "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}

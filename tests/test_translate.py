@@ -7,8 +7,15 @@ import json
 import pytest
 
 from appliance.http.errors import ApiError
-from appliance.hub.translate import Relay, engine_kind, prepare, resolve
-from appliance.hub.translate import anthropic, ollama, responses
+from appliance.hub.translate import (
+    Relay,
+    anthropic,
+    engine_kind,
+    ollama,
+    prepare,
+    resolve,
+    responses,
+)
 from appliance.hub.translate.common import ErrorConverter, SSEReader
 from appliance.wire import EngineInstall, NodeState
 
@@ -16,7 +23,8 @@ PNG = "iVBORw0KGgo="
 
 
 def sse(*objs) -> bytes:
-    return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
+    return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n"
+                    for o in objs) + b"data: [DONE]\n\n"
 
 
 def chunk(content=None, finish=None, tool_calls=None):
@@ -30,7 +38,8 @@ def chunk(content=None, finish=None, tool_calls=None):
 
 USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
 TOOL_STREAM = [
-    chunk(tool_calls=[{"index": 0, "id": "call_a", "type": "function", "function": {"name": "weather", "arguments": ""}}]),
+    chunk(tool_calls=[{"index": 0, "id": "call_a", "type": "function",
+                       "function": {"name": "weather", "arguments": ""}}]),
     chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"city": '}}]),
     chunk(tool_calls=[{"index": 0, "function": {"arguments": '"Paris"}'}}]),
     chunk(finish="tool_calls"), USAGE]
@@ -51,20 +60,26 @@ def ticks():
 
 def test_ollama_chat_request_maps_options_format_images_and_tools():
     body = {"model": "m", "stream": False, "format": "json", "keep_alive": "5m",
-            "options": {"temperature": 0.2, "top_k": 5, "num_predict": 9, "stop": ["\n"], "seed": 4, "num_ctx": 4096},
-            "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
+            "options": {"temperature": 0.2, "top_k": 5, "num_predict": 9, "stop": ["\n"], "seed": 4,
+                        "num_ctx": 4096},
+            "tools": [{"type": "function", "function": {"name": "weather",
+                                                        "parameters": {"type": "object"}}}],
             "messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": "look", "images": [PNG]},
-                         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+                         {"role": "assistant", "content": "",
+                          "tool_calls": [{"function": {"name": "weather",
+                                                       "arguments": {"city": "Paris"}}}]},
                          {"role": "tool", "content": "sunny", "tool_name": "weather"}]}
     req, stream = ollama.chat_request(body, "m:latest")
     assert stream is False and "stream_options" not in req
     assert req["model"] == "m:latest"
-    assert (req["temperature"], req["top_k"], req["max_tokens"], req["stop"], req["seed"]) == (0.2, 5, 9, ["\n"], 4)
+    assert (req["temperature"], req["top_k"], req["max_tokens"], req["stop"],
+            req["seed"]) == (0.2, 5, 9, ["\n"], 4)
     assert "num_ctx" not in req and "keep_alive" not in req
     assert req["response_format"] == {"type": "json_object"}
     assert req["messages"][1]["content"] == [{"type": "text", "text": "look"},
-                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}}]
+                                             {"type": "image_url",
+                                              "image_url": {"url": "data:image/png;base64," + PNG}}]
     call = req["messages"][2]["tool_calls"][0]
     assert call["function"] == {"name": "weather", "arguments": '{"city":"Paris"}'}
     assert req["messages"][3] == {"role": "tool", "content": "sunny", "tool_call_id": call["id"]}
@@ -73,16 +88,19 @@ def test_ollama_chat_request_maps_options_format_images_and_tools():
 
 def test_ollama_generate_request_streams_by_default_and_takes_a_schema():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    req, stream = ollama.generate_request({"model": "m", "prompt": "hi", "system": "sys", "format": schema}, "m")
+    req, stream = ollama.generate_request({"model": "m", "prompt": "hi", "system": "sys",
+                                           "format": schema}, "m")
     assert stream is True and req["stream_options"] == {"include_usage": True}
-    assert req["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    assert req["messages"] == [{"role": "system", "content": "sys"}, {"role": "user",
+                                                                      "content": "hi"}]
     assert req["response_format"]["json_schema"]["schema"] == schema
 
 
 @pytest.mark.parametrize("body,param", [
     ({"messages": "x"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": "x"}], "options": {"temperature": "hot"}}, "options.temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "options": {"temperature": "hot"}},
+     "options.temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "format": 3}, "format"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
 ])
@@ -103,7 +121,8 @@ def test_ollama_chat_stream_becomes_ndjson_with_a_final_done_line_whatever_the_c
         last = lines[-1]
         assert last["done_reason"] == "length"
         assert (last["prompt_eval_count"], last["eval_count"]) == (7, 3)
-        assert last["total_duration"] > 0 and last["total_duration"] == last["prompt_eval_duration"] + last["eval_duration"]
+        assert last["total_duration"] > 0 and last[
+            "total_duration"] == last["prompt_eval_duration"] + last["eval_duration"]
 
 
 def test_ollama_stream_gathers_tool_call_pieces_into_one_call():
@@ -115,13 +134,15 @@ def test_ollama_stream_gathers_tool_call_pieces_into_one_call():
 
 
 def test_ollama_whole_answers_chat_and_generate():
-    body = json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi"}}],
+    body = json.dumps({"choices": [{"index": 0, "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": "Hi"}}],
                        "usage": {"prompt_tokens": 2, "completion_tokens": 1},
                        "timings": {"prompt_ms": 1.5, "predicted_ms": 2.0}}).encode()
     conv = ollama.ChatConverter("m", stream=False, chat=False)
     out = json.loads(feed_in_pieces(conv, body, 3))
     assert out["response"] == "Hi" and out["done"] is True and out["done_reason"] == "stop"
-    assert (out["prompt_eval_duration"], out["eval_duration"], out["eval_count"]) == (1_500_000, 2_000_000, 1)
+    assert (out["prompt_eval_duration"], out["eval_duration"], out["eval_count"]) == (1_500_000,
+                                                                                      2_000_000, 1)
     assert conv.content_type == b"application/json"
 
 
@@ -151,11 +172,13 @@ def test_prepare_passes_native_bytes_through_and_translates_for_openai_engines()
         assert (p.path, p.body, p.converter(200)) == ("/api/chat", body, None)
     for kind in ("llamacpp", "openai"):
         p = prep.for_engine(kind)
-        assert p.path == "/v1/chat/completions" and json.loads(p.body)["messages"] == [{"role": "user", "content": "x"}]
+        assert p.path == "/v1/chat/completions" and json.loads(
+            p.body)["messages"] == [{"role": "user", "content": "x"}]
         assert isinstance(p.converter(200), ollama.ChatConverter)
         assert isinstance(p.converter(500), ErrorConverter)
     chat = b'{"model":"m","messages":[{"role":"user","content":"x"}]}'
-    assert prepare("/v1/chat/completions", "openai", chat, "m", "m").for_engine("llamacpp").body == chat
+    assert prepare("/v1/chat/completions", "openai", chat, "m",
+                   "m").for_engine("llamacpp").body == chat
     # A name the hub resolved is written into the forwarded body.
     p = prepare("/v1/chat/completions", "openai", chat, "m", "m:latest").for_engine("ollama")
     assert json.loads(p.body)["model"] == "m:latest"
@@ -166,7 +189,8 @@ def test_prepare_refuses_bad_types_at_once_and_missing_fields_for_openai_engines
         prepare("/v1/chat/completions", "openai", b'{"model":"m","messages":"x"}', "m", "m")
     assert ei.value.param == "messages"
     with pytest.raises(ApiError) as ei:
-        prepare("/v1/chat/completions", "openai", b'{"model":"m","messages":[{"role":"user"}],"temperature":"hot"}', "m", "m")
+        prepare("/v1/chat/completions", "openai",
+                b'{"model":"m","messages":[{"role":"user"}],"temperature":"hot"}', "m", "m")
     assert ei.value.param == "temperature"
     prep = prepare("/v1/chat/completions", "openai", b'{"model":"m"}', "m", "m")
     assert prep.for_engine("sim").body == b'{"model":"m"}'
@@ -178,7 +202,8 @@ def test_prepare_refuses_bad_types_at_once_and_missing_fields_for_openai_engines
     with pytest.raises(ApiError):
         embed.for_engine("openai")
     with pytest.raises(ApiError) as ei:
-        prepare("/v1/messages", "anthropic", b'{"model":"m","messages":[{"role":"user","content":"x"}]}', "m", "m")
+        prepare("/v1/messages", "anthropic",
+                b'{"model":"m","messages":[{"role":"user","content":"x"}]}', "m", "m")
     assert ei.value.param == "max_tokens"
 
 
@@ -186,7 +211,8 @@ def test_ollama_load_request_on_an_openai_engine_answers_done_load():
     p = prepare("/api/generate", "ollama", b'{"model":"m"}', "m", "m").for_engine("llamacpp")
     assert json.loads(p.body)["max_tokens"] == 1
     conv = p.converter(200)
-    conv.feed(json.dumps({"choices": [{"message": {"content": "tok"}, "finish_reason": "length"}]}).encode())
+    conv.feed(json.dumps({"choices": [{"message": {"content": "tok"},
+                                       "finish_reason": "length"}]}).encode())
     out = json.loads(conv.end())
     assert (out["response"], out["done"], out["done_reason"]) == ("", True, "load")
 
@@ -208,9 +234,11 @@ def test_engine_kind_and_error_converter_and_sse_reader():
     assert json.loads(conv.end()) == {"error": "File Not Found"}
     conv = ErrorConverter("anthropic", 500)
     conv.feed(b'{"detail":"boom"}')
-    assert json.loads(conv.end()) == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+    assert json.loads(conv.end()) == {"type": "error", "error": {"type": "api_error",
+                                                                 "message": "boom"}}
     r = SSEReader()
-    assert r.feed(b"data: {\"a\"") == [] and r.feed(b":1}\r\n\r\nevent: x\ndata: [DONE]\n") == [b'{"a":1}', b"[DONE]"]
+    assert r.feed(b"data: {\"a\"") == [] and r.feed(
+        b":1}\r\n\r\nevent: x\ndata: [DONE]\n") == [b'{"a":1}', b"[DONE]"]
 
 
 async def test_relay_hands_out_converted_chunks_and_the_tail():
@@ -229,34 +257,44 @@ async def test_relay_hands_out_converted_chunks_and_the_tail():
 
 
 def test_anthropic_request_maps_system_tools_and_tool_results():
-    body = {"model": "m", "max_tokens": 50, "system": [{"type": "text", "text": "sys"}], "stop_sequences": ["END"],
+    body = {"model": "m", "max_tokens": 50, "system": [{"type": "text", "text": "sys"}],
+            "stop_sequences": ["END"],
             "tools": [{"name": "weather", "description": "d", "input_schema": {"type": "object"}}],
             "tool_choice": {"type": "any"},
             "messages": [{"role": "user", "content": "weather?"},
                          {"role": "assistant", "content": [{"type": "text", "text": "checking"},
-                                                           {"type": "tool_use", "id": "tu1", "name": "weather", "input": {"city": "Paris"}}]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": "sunny"},
+                                                           {"type": "tool_use", "id": "tu1",
+                                                            "name": "weather",
+                                                            "input": {"city": "Paris"}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1",
+                                                       "content": "sunny"},
                                                       {"type": "text", "text": "thanks"}]}]}
     req, stream = anthropic.request(body, "m")
     assert stream is False and req["max_tokens"] == 50 and req["stop"] == ["END"]
     assert req["tool_choice"] == "required"
-    assert req["tools"][0]["function"] == {"name": "weather", "description": "d", "parameters": {"type": "object"}}
+    assert req["tools"][0]["function"] == {"name": "weather", "description": "d",
+                                           "parameters": {"type": "object"}}
     assert req["messages"] == [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": "checking", "tool_calls": [
-            {"id": "tu1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "tu1", "content": "sunny"}, {"role": "user", "content": "thanks"}]
+            {"id": "tu1", "type": "function", "function": {"name": "weather",
+                                                           "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "tu1", "content": "sunny"}, {"role": "user",
+                                                                      "content": "thanks"}]
 
 
 def test_anthropic_whole_answer_with_a_tool_call():
     conv = anthropic.MessagesConverter("m", stream=False)
-    conv.feed(json.dumps({"choices": [{"finish_reason": "tool_calls", "message": {"content": "ok", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]}}],
+    conv.feed(json.dumps({"choices": [{"finish_reason": "tool_calls", "message": {"content": "ok",
+                                                                                  "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather",
+                                                      "arguments": '{"city":"Paris"}'}}]}}],
         "usage": {"prompt_tokens": 5, "completion_tokens": 2}}).encode())
     out = json.loads(conv.end())
     assert out["type"] == "message" and out["stop_reason"] == "tool_use"
     assert out["content"] == [{"type": "text", "text": "ok"},
-                              {"type": "tool_use", "id": "c1", "name": "weather", "input": {"city": "Paris"}}]
+                              {"type": "tool_use", "id": "c1", "name": "weather",
+                               "input": {"city": "Paris"}}]
     assert out["usage"] == {"input_tokens": 5, "output_tokens": 2}
 
 
@@ -272,13 +310,18 @@ def test_anthropic_stream_event_sequence():
     conv = anthropic.MessagesConverter("m", stream=True)
     evs = events(feed_in_pieces(conv, sse(chunk("Hi"), chunk(" there"), *TOOL_STREAM), 9))
     names = [e for e, _ in evs]
-    assert names == ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
-                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
+    assert names == ["message_start", "ping", "content_block_start", "content_block_delta",
+                     "content_block_delta",
+                     "content_block_stop", "content_block_start", "content_block_delta",
+                     "content_block_delta",
                      "content_block_stop", "message_delta", "message_stop"]
-    assert evs[6][1]["content_block"] == {"type": "tool_use", "id": "call_a", "name": "weather", "input": {}}
-    assert "".join(d["delta"]["partial_json"] for e, d in evs if d.get("delta", {}).get("type") == "input_json_delta") \
+    assert evs[6][1]["content_block"] == {"type": "tool_use", "id": "call_a", "name": "weather",
+                                          "input": {}}
+    assert "".join(d["delta"]["partial_json"] for e, d in evs
+                   if d.get("delta", {}).get("type") == "input_json_delta") \
         == '{"city": "Paris"}'
-    assert evs[-2][1]["delta"]["stop_reason"] == "tool_use" and evs[-2][1]["usage"]["output_tokens"] == 3
+    assert evs[
+        -2][1]["delta"]["stop_reason"] == "tool_use" and evs[-2][1]["usage"]["output_tokens"] == 3
 
 
 # --- OpenAI Responses --------------------------------------------------------------------
@@ -288,11 +331,13 @@ def test_responses_request_items_and_function_tools():
     body = {"model": "m", "instructions": "sys", "max_output_tokens": 20,
             "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
             "input": [{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
-                      {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+                      {"type": "function_call", "call_id": "c1", "name": "weather",
+                       "arguments": "{}"},
                       {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}
     req, stream, _ = responses.request(body, "m")
     assert req["max_tokens"] == 20 and req["tools"][0]["function"]["name"] == "weather"
-    assert req["messages"][:2] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "weather?"}]
+    assert req["messages"][:2] == [{"role": "system", "content": "sys"}, {"role": "user",
+                                                                          "content": "weather?"}]
     assert req["messages"][2]["tool_calls"][0]["id"] == "c1"
     assert req["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
     with pytest.raises(ApiError) as ei:
@@ -305,8 +350,10 @@ def test_responses_stream_events_and_completed_response():
     evs = events(feed_in_pieces(conv, sse(chunk("Hi"), chunk("!"), USAGE), 4))
     names = [e for e, _ in evs]
     assert names == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
-                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done",
                      "response.completed"]
     assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
     done = evs[-1][1]["response"]
@@ -322,10 +369,13 @@ def test_keep_alive_durations():
 
     from appliance.hub.translate.ollama import keep_alive_seconds
     assert keep_alive_seconds(None) is None
-    assert keep_alive_seconds(0) == 0 and keep_alive_seconds("0") == 0 and keep_alive_seconds("0s") == 0
-    assert keep_alive_seconds(300) == 300 and keep_alive_seconds("5m") == 300 and keep_alive_seconds("1h30m") == 5400
+    assert keep_alive_seconds(
+        0) == 0 and keep_alive_seconds("0") == 0 and keep_alive_seconds("0s") == 0
+    assert keep_alive_seconds(
+        300) == 300 and keep_alive_seconds("5m") == 300 and keep_alive_seconds("1h30m") == 5400
     assert keep_alive_seconds("250ms") == 0.25
-    assert keep_alive_seconds(-1) == math.inf and keep_alive_seconds("-1") == math.inf and keep_alive_seconds("-1m") == math.inf
+    assert keep_alive_seconds(-1) == math.inf and keep_alive_seconds(
+        "-1") == math.inf and keep_alive_seconds("-1m") == math.inf
     for bad_value in ("soon", "5", "5x", True, [], ""):
         if bad_value == "5":
             assert keep_alive_seconds(bad_value) == 5  # a bare number string is seconds

@@ -25,7 +25,6 @@ import threading
 
 import httpx
 import pytest
-
 from procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +35,8 @@ SIM = {
     "Sim__Models__0__Name": "sim-fit", "Sim__Models__0__SizeMb": "1000",
     # Each failed start takes a second: after a retry the model stays out of parked for
     # five starts and their backoff (about 12 s), long enough for a 2 s poll to show it.
-    "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "300", "Sim__Models__1__FailLoad": KEV,
+    "Sim__Models__1__Name": "kev-0.5b", "Sim__Models__1__SizeMb": "300",
+    "Sim__Models__1__FailLoad": KEV,
     "Sim__Models__1__LoadSeconds": "1",
     "Sim__Models__2__Name": "phi-4", "Sim__Models__2__SizeMb": "100",
 }
@@ -55,14 +55,19 @@ class Fleet:
     def __init__(self, tmp) -> None:
         self.procs = Procs()
         self.audit = tmp / "audit.jsonl"
-        self.hub = self.procs.hub({"Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN, "Audit__Path": str(self.audit),
+        self.hub = self.procs.hub({"Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN,
+                                   "Audit__Path": str(self.audit),
                                    **CATALOG})
-        self.admin = httpx.Client(base_url=self.hub.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
+        self.admin = httpx.Client(base_url=self.hub.url,
+                                  headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
         self.nodes = {}
         for name, mb in (("gpu-a", 4000), ("gpu-b", 8000)):
-            self.nodes[name] = self.procs.node(name, {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
-                                                      "Node__MemoryMb": str(mb), "Node__MaxConcurrency": "4", **SIM})
-        wait_until(lambda: sorted(n["name"] for n in self.status()["nodes"] if n["status"] == "up") == ["gpu-a", "gpu-b"],
+            self.nodes[name] = self.procs.node(name, {"Hub__Url": self.hub.url,
+                                                      "Auth__NodeToken": TOKEN,
+                                                      "Node__MemoryMb": str(mb),
+                                                      "Node__MaxConcurrency": "4", **SIM})
+        wait_until(lambda: sorted(n["name"] for n in self.status()["nodes"]
+                                  if n["status"] == "up") == ["gpu-a", "gpu-b"],
                    what="both nodes up")
 
     def status(self) -> dict:
@@ -96,10 +101,12 @@ def test_browsers_are_sent_to_the_page_and_the_page_is_served(fleet):
     page = httpx.get(url + "/ui/")  # no key: the page itself holds no data
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
-    assert '<script src="app.js">' in page.text and "http" not in page.text.split("<body>")[1].split("<footer>")[0]
+    assert '<script src="app.js">' in page.text and "http" not in page.text.split(
+        "<body>")[1].split("<footer>")[0]
     for name, ctype in (("app.js", "text/javascript"), ("style.css", "text/css")):
         r = httpx.get(f"{url}/ui/{name}")
-        assert r.status_code == 200 and r.headers["content-type"].startswith(ctype) and len(r.content) > 1000
+        assert r.status_code == 200 and r.headers[
+            "content-type"].startswith(ctype) and len(r.content) > 1000
     for bad in ("/ui/../app.py", "/ui/%2e%2e/__init__.py", "/ui/nothing.js", "/ui/static/app.js"):
         assert httpx.get(url + bad).status_code == 404, bad
     assert httpx.post(url + "/ui/").status_code == 405
@@ -116,20 +123,25 @@ def test_feeds_need_the_admin_key_and_carry_no_secrets(fleet):
                        headers={"authorization": "Bearer sk-client-secret", "x-custom": "hush"},
                        json={"model": "sim-fit", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, r.text
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "no-such", "messages": []}, timeout=30)
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "no-such", "messages": []},
+                   timeout=30)
     assert r.status_code == 404
     recent = fleet.admin.get("/api/requests/recent", params={"limit": 3}).json()["requests"]
     assert len(recent) == 3
     assert recent[0]["model"] == "no-such" and recent[0]["status"] == 404  # newest first
-    assert [r["model"] for r in recent[1:]] == ["sim-fit", "sim-fit"] and all(r["status"] == 200 for r in recent[1:])
+    assert [r["model"] for r in recent[1:]] == ["sim-fit", "sim-fit"] and all(r["status"] == 200
+                                                                              for r in recent[1:])
     assert recent[1]["priority"] == "normal" and recent[1]["client"] == "anonymous"
-    assert recent[1]["node"] in ("gpu-a", "gpu-b") and recent[1]["ttfb_ms"] > 0 and recent[1]["ms"] >= recent[1]["ttfb_ms"]
+    assert recent[1]["node"] in ("gpu-a",
+                                 "gpu-b") and recent[
+                                     1]["ttfb_ms"] > 0 and recent[1]["ms"] >= recent[1]["ttfb_ms"]
     text = json.dumps(fleet.admin.get("/api/requests/recent", params={"limit": 10_000}).json())
     assert "sk-client-secret" not in text and "hush" not in text and "authorization" not in text.lower()
     assert fleet.admin.get("/api/requests/recent", params={"limit": "x"}).status_code == 200
     hist = fleet.admin.get("/api/status/history").json()
     assert hist["step_seconds"] == 5 and hist["window_seconds"] == 900
-    wait_until(lambda: any(p["rps"].get("200") for p in fleet.admin.get("/api/status/history").json()["points"]),
+    wait_until(lambda: any(p["rps"].get("200")
+                           for p in fleet.admin.get("/api/status/history").json()["points"]),
                timeout=20, what="a history point with the 200s")
 
 
@@ -138,7 +150,8 @@ def test_feeds_need_the_admin_key_and_carry_no_secrets(fleet):
 @pytest.fixture(scope="module")
 def browser():
     if not (os.path.exists(CHROMEDRIVER) and os.path.exists(CHROMIUM)):
-        pytest.skip("Debian's chromium and chromium-driver are missing (make test-deps installs them)")
+        pytest.skip(
+            "Debian's chromium and chromium-driver are missing (make test-deps installs them)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -173,7 +186,8 @@ def _trickle(url: str, stop: threading.Event) -> None:
         i = 0
         while not stop.wait(0.25):
             model = "no-such" if i % 7 == 6 else "sim-fit"
-            c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+            c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user",
+                                                                               "content": "hi"}]})
             i += 1
 
 
@@ -207,28 +221,34 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     assert d.execute_script("return sessionStorage.getItem('appliance.adminKey')") == ADMIN
 
     # Both nodes up, with what the hub knows of them.
-    _wait(d, lambda d: len(d.find_elements(By.CSS_SELECTOR, "article.node[data-status=up]")) == 2, "two nodes up")
+    _wait(d, lambda d: len(d.find_elements(By.CSS_SELECTOR, "article.node[data-status=up]")) == 2,
+          "two nodes up")
     for name, total in (("gpu-a", "3.9 GiB"), ("gpu-b", "7.8 GiB")):
         card = _text(d, f"article.node[data-node={name}]")
         assert name in card and "up" in card and "sim" in card and total in card and "of 4" in card, card
 
-    # Loud at the top: the parked model with its error and count, the unplaceable one with its numbers.
+    # Loud at the top: the parked model with its error and count, the unplaceable one with its
+    # numbers.
     parked = _text(d, "#attention li[data-model='kev-0.5b'][data-state=parked]")
     assert KEV in parked and "parked after 5 failed starts" in parked, parked
     unpl = _text(d, "#attention li[data-model='phi-4'][data-state=unplaceable]")
     assert "needs 12000 MiB" in unpl and "the most free is" in unpl and "MiB on gpu-" in unpl, unpl
     row = _text(d, "#models tr[data-model='kev-0.5b']")
     assert "parked" in row and KEV in row and " 5 " in f" {row} ", row
-    _wait(d, lambda d: "sim-fit" in _text(d, "#models tr[data-model='sim-fit'][data-state=ready]"), "sim-fit ready")
+    _wait(d, lambda d: "sim-fit" in _text(d, "#models tr[data-model='sim-fit'][data-state=ready]"),
+          "sim-fit ready")
     # The requests above, in the last-requests table and the requests-per-second chart.
-    _wait(d, lambda d: "sim-fit" in _text(d, "#recent tbody") and "404" in _text(d, "#recent tbody"), "recent rows")
+    _wait(d, lambda d: "sim-fit" in _text(d, "#recent tbody")
+          and "404" in _text(d, "#recent tbody"), "recent rows")
     _wait(d, lambda d: "200" in _text(d, "#charts"), "the requests chart's legend")
     # Priority is on: the classes and the reserve.
     assert "Reserve: 1 place" in d.find_element(By.ID, "priority").text
     normal = _text(d, "#priority-table tr[data-class=normal]").split()
     assert normal[0] == "normal" and int(normal[-1]) >= 2, normal  # requests: at least the two 200s
 
-    _wait(d, lambda d: len(d.execute_script("return document.querySelectorAll('#charts polyline').length ? "
+    _wait(d,
+          lambda d: len(
+              d.execute_script("return document.querySelectorAll('#charts polyline').length ? "
                                             "document.querySelector('#charts polyline').getAttribute('points').split(' ') : []")) >= 3,
           "three points on the requests chart", timeout=30)
     stop.set()
@@ -249,7 +269,8 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         return d.execute_script("return getComputedStyle(document.body).backgroundColor")
 
     light = background()
-    d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme",
+                                                                   "value": "dark"}]})
     dark = background()
     d.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
     assert light == "rgb(247, 247, 245)" and dark == "rgb(18, 20, 22)", (light, dark)
@@ -264,25 +285,30 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         "return [...document.querySelectorAll('button[data-action=retry]')].map(b => b.getAttribute('aria-label')).join()")
 
     # Retry (confirmed) takes the model out of parked; the audit names the admin.
-    d.find_element(By.CSS_SELECTOR, "#attention button[data-action=retry][data-model='kev-0.5b']").click()
+    d.find_element(By.CSS_SELECTOR,
+                   "#attention button[data-action=retry][data-model='kev-0.5b']").click()
     _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
     _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "#attention li[data-model='kev-0.5b']")
-          and d.find_elements(By.CSS_SELECTOR, "#models tr[data-model='kev-0.5b']:not([data-state=parked])"),
+          and d.find_elements(By.CSS_SELECTOR,
+                              "#models tr[data-model='kev-0.5b']:not([data-state=parked])"),
           "kev out of parked", timeout=10)
     assert "Retry model kev-0.5b: done" in d.find_element(By.ID, "notice").text
     admin = [x for x in fleet.audit_lines() if x["kind"] == "admin"]
-    assert admin and admin[-1]["action"] == "retry" and admin[-1]["actor"] == "admin" and admin[-1]["model"] == "kev-0.5b"
+    assert admin and admin[-1][
+        "action"] == "retry" and admin[-1]["actor"] == "admin" and admin[-1]["model"] == "kev-0.5b"
 
     # Cordon through the page: confirmed, applied, audited.
     d.find_element(By.CSS_SELECTOR, "button[data-action=cordon][data-node=gpu-b]").click()
     _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
-    _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-b][data-status=cordoned]"),
+    _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR,
+                                       "article.node[data-node=gpu-b][data-status=cordoned]"),
           "gpu-b cordoned", timeout=10)
     assert [x["node"] for x in fleet.audit_lines() if x.get("action") == "cordon"] == ["gpu-b"]
 
     # A node that stops turns lost on the page within a few seconds.
     fleet.nodes["gpu-a"].kill()
-    _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a][data-status=lost]"),
+    _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR,
+                                       "article.node[data-node=gpu-a][data-status=lost]"),
           "gpu-a lost on the page", timeout=10)
     assert "gpu-a" in _text(d, "#attention li[data-state=lost]")
 
@@ -291,7 +317,8 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     d.find_element(By.CSS_SELECTOR, "button[data-action=forget][data-node=gpu-a]").click()
     _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
     _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]")
-          or "Forget node gpu-a failed: " in d.find_element(By.ID, "notice").text, "gpu-a forgotten or refused",
+          or "Forget node gpu-a failed: " in d.find_element(By.ID, "notice").text,
+          "gpu-a forgotten or refused",
           timeout=10)
     if d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]"):
         assert "no such admin path" in d.find_element(By.ID, "notice").text
@@ -309,7 +336,8 @@ def test_no_prompt_without_an_admin_key(browser, tmp_path):
     try:
         hub = procs.hub(metrics=False)
         browser.get(hub.url + "/ui/")
-        _wait(browser, lambda d: "0 of 0 nodes up" in d.find_element(By.ID, "summary").text, "the summary")
+        _wait(browser, lambda d: "0 of 0 nodes up" in d.find_element(By.ID, "summary").text,
+              "the summary")
         assert not browser.find_element(By.ID, "keyform").is_displayed()
         assert "No nodes known yet." in browser.find_element(By.ID, "nodes").text
         assert browser.execute_script("return sessionStorage.length") == 0

@@ -12,7 +12,8 @@ import trio.testing
 from appliance.upstream import Pool, UpstreamError
 
 
-async def _serve_one_per_connection(stream, *, served: list, close_after: bool, chunks: list[bytes], stall: bool = False):
+async def _serve_one_per_connection(stream, *, served: list, close_after: bool, chunks: list[bytes],
+                                    stall: bool = False):
     """Answer one request on this connection, then close it (as an idle timeout would)."""
     conn = h11.Connection(h11.SERVER)
     while True:
@@ -44,7 +45,9 @@ async def _serve_one_per_connection(stream, *, served: list, close_after: bool, 
 
 async def _start(nursery, **kw):
     served: list = []
-    listeners = await nursery.start(partial(trio.serve_tcp, partial(_serve_one_per_connection, served=served, **kw), 0, host="127.0.0.1"))
+    listeners = await nursery.start(partial(trio.serve_tcp, partial(_serve_one_per_connection,
+                                                                    served=served, **kw), 0,
+                                            host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]
     return f"http://127.0.0.1:{port}/x", served
 

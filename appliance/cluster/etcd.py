@@ -64,7 +64,8 @@ def _kv(d: dict) -> KV:
 
 
 class Etcd:
-    def __init__(self, endpoints: list[str], client: httpx.AsyncClient, user: str = "", password: str = "") -> None:
+    def __init__(self, endpoints: list[str], client: httpx.AsyncClient, user: str = "",
+                 password: str = "") -> None:
         if not endpoints:
             raise ValueError("no etcd endpoints")
         self.endpoints = list(endpoints)
@@ -90,7 +91,8 @@ class Etcd:
             try:
                 data = resp.json()
             except ValueError:
-                raise EtcdError(f"etcd {path} answered {resp.status_code}: {resp.text[:200]}") from None
+                raise EtcdError(
+                    f"etcd {path} answered {resp.status_code}: {resp.text[:200]}") from None
             if resp.status_code != 200 or "error" in data:
                 msg = str(data.get("error") or data.get("message") or resp.text[:200])
                 if retry_auth and self.user and "token" in msg.lower():
@@ -98,10 +100,12 @@ class Etcd:
                     return await self._post(path, body, retry_auth=False)
                 raise EtcdError(f"etcd {path} answered {resp.status_code}: {msg}")
             return data
-        raise EtcdUnavailable(f"no etcd endpoint answered ({', '.join(self.endpoints)}): {type(last).__name__}: {last}")
+        raise EtcdUnavailable(
+            f"no etcd endpoint answered ({', '.join(self.endpoints)}): {type(last).__name__}: {last}")
 
     async def _authenticate(self) -> None:
-        data = await self._post("/v3/auth/authenticate", {"name": self.user, "password": self.password},
+        data = await self._post("/v3/auth/authenticate", {"name": self.user,
+                                                          "password": self.password},
                                 retry_auth=False)
         self._token = data.get("token") or None
         if self._token is None:

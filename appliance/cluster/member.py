@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 
@@ -43,7 +43,8 @@ MAX_TICK = 0.5
 
 
 class Member:
-    def __init__(self, cfg: Config, etcd: Etcd, control, registry, add_node: Callable[[str, str], None]) -> None:
+    def __init__(self, cfg: Config, etcd: Etcd, control, registry,
+                 add_node: Callable[[str, str], None]) -> None:
         self.name = cfg.hub_name()
         self.keys = state.Keys(cfg.cluster.prefix)
         self.lease_seconds = float(cfg.cluster.lease_seconds)
@@ -100,7 +101,8 @@ class Member:
         return rec.decided if rec is not None else 0
 
     def status(self) -> dict:
-        return {"name": self.name, "leader": self.leader() or None, "epoch": self.epoch, "leading": self.leading,
+        return {"name": self.name, "leader": self.leader() or None, "epoch": self.epoch,
+                "leading": self.leading,
                 "hubs": sorted(set(self.snapshot.hubs) | {self.name}), "etcd_up": self.up}
 
     # --- what the rest of the hub asks for ---------------------------------------------
@@ -108,10 +110,12 @@ class Member:
     async def ask_leader(self, model: str) -> int:
         """A follower needs `model` placed: the ask's revision (the leader's record says
         `decided` >= it once the leader made its decision). Raises EtcdError."""
-        return await self.etcd.put(self.keys.ask(model), json.dumps({"hub": self.name, "at": time.time()}))
+        return await self.etcd.put(self.keys.ask(model), json.dumps({"hub": self.name,
+                                                                     "at": time.time()}))
 
     async def request_retry(self, model: str) -> None:
-        await self.etcd.put(self.keys.retry(model), json.dumps({"hub": self.name, "at": time.time()}))
+        await self.etcd.put(self.keys.retry(model), json.dumps({"hub": self.name,
+                                                                "at": time.time()}))
 
     async def set_cordon(self, node: str, cordoned: bool) -> None:
         if cordoned:
@@ -165,7 +169,8 @@ class Member:
                     if not lease:
                         lease_sent = self.now()
                         lease, _ttl = await self.etcd.grant(int(self.lease_seconds))
-                        await self.etcd.put(self.keys.hub(self.name), json.dumps({"name": self.name}), lease)
+                        await self.etcd.put(self.keys.hub(self.name),
+                                            json.dumps({"name": self.name}), lease)
                     if not self.tenure.epoch:
                         won, rev, held = await self.etcd.create(self.keys.leader, self.name, lease)
                         if won:
@@ -263,7 +268,8 @@ class Member:
                 if h is not None and h.static:
                     continue  # this hub's own configuration names it: another hub's word does not move it
                 if h is None and len(self.registry.nodes) >= self.max_nodes:
-                    log.warning("node %s announced to another hub, not dialled here: Hub__MaxNodes=%d reached",
+                    log.warning(
+                        "node %s announced to another hub, not dialled here: Hub__MaxNodes=%d reached",
                                 name, self.max_nodes)
                     continue
                 if h is None or h.url != url.rstrip("/"):

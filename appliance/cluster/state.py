@@ -126,7 +126,8 @@ def parse(keys: Keys, revision: int, kvs) -> Snapshot:
 
 def record_of(h, definition: tuple[str, ...], decided: int) -> HealthRecord:
     """The shared record of one placement.Health."""
-    return HealthRecord(failures=h.failures, parked=h.parked, last_error=h.last_error, unplaceable=h.unplaceable,
+    return HealthRecord(failures=h.failures, parked=h.parked, last_error=h.last_error,
+                        unplaceable=h.unplaceable,
                         definition=list(definition), decided=decided)
 
 

@@ -31,9 +31,8 @@ from typing import Protocol
 
 import trio
 
-from appliance.http.errors import ApiError
-
 from appliance.cluster.etcd import EtcdError
+from appliance.http.errors import ApiError
 
 # The seed's poll period: a load takes tens of seconds, so 250 ms is noise against it.
 POLL_SECONDS = 0.25
@@ -86,11 +85,14 @@ class Leader(Protocol):
 
 
 def no_leader(leader: Leader, why: str) -> ApiError:
-    return ApiError(503, "no_leader", f"no hub leads the fleet now ({why}); models already ready keep "
-                      f"serving, placing a model must wait for a leader", retry_after=leader.lease_seconds)
+    return ApiError(503, "no_leader",
+                    f"no hub leads the fleet now ({why}); models already ready keep "
+                      f"serving, placing a model must wait for a leader",
+                    retry_after=leader.lease_seconds)
 
 
-async def activate_via_leader(leader: Leader, source: Source, model: str, wait_seconds: float) -> None:
+async def activate_via_leader(leader: Leader, source: Source, model: str,
+                              wait_seconds: float) -> None:
     """A follower's activation: ask the leader through etcd, wait for its decision and a
     ready replica (seen on this hub's own watch streams); ApiError otherwise.
 

@@ -40,7 +40,8 @@ def node_row(h) -> dict:
         "name": h.name, "url": h.url, "status": h.status(), "cordoned": h.cordoned,
         "paused": bool(st and st.paused), "lost_reason": "" if h.connected else h.lost_reason,
         "over_limits_reason": st.over_limits_reason if st is not None else "",
-        "engines": [{"kind": e.kind, "version": e.version} for e in st.engines] if st is not None else [],
+        "engines": [{"kind": e.kind, "version": e.version} for e in st.engines] if st is not None
+        else [],
         "memory_total_mb": st.memory_total_mb if st is not None else None,
         "memory_used_mb": st.memory_used_mb if st is not None else None,
         "max_concurrency": st.max_concurrency if st is not None else None,
@@ -49,7 +50,8 @@ def node_row(h) -> dict:
 
 
 def nodes(hub) -> list[dict]:
-    return [node_row(h) for h in sorted(hub.registry.nodes.values(), key=lambda h: h.name) if not h.removed]
+    return [node_row(h) for h in sorted(hub.registry.nodes.values(), key=lambda h: h.name)
+            if not h.removed]
 
 
 def status(hub) -> dict:
@@ -58,7 +60,8 @@ def status(hub) -> dict:
     problems = []
     for m in models:
         if m["parked"]:
-            problems.append(f"model {m['name']} is parked after {m['consecutive_start_failures']} failed starts;"
+            problems.append(
+                f"model {m['name']} is parked after {m['consecutive_start_failures']} failed starts;"
                             f" last error: {m['last_error']} (fix it, then `appliance ctl retry {m['name']}`)")
         elif not m["satisfied"]:
             why = m["reason"] or ("loading" if m["loading"] else "nothing ready")
@@ -92,7 +95,8 @@ async def handle(hub, scope, receive, send) -> None:
     if rest in (["status"], ["models"], ["nodes"]):
         if method != "GET":
             return await send_json(send, 405, {"error": f"{method} not allowed; use GET"})
-        body = {"status": lambda: status(hub), "models": lambda: {"models": hub.control.model_details()},
+        body = {"status": lambda: status(hub),
+                "models": lambda: {"models": hub.control.model_details()},
                 "nodes": lambda: {"nodes": nodes(hub)}}[rest[0]]()
         return await send_json(send, 200, body)
     if len(rest) >= 3 and rest[0] == "models" and rest[-1] == "retry":
@@ -106,20 +110,23 @@ async def handle(hub, scope, receive, send) -> None:
             try:  # a follower: the leader applies it (and every hub sees the result)
                 await hub.cluster.request_retry(model)
             except EtcdError as e:
-                return await send_json(send, 503, {"error": f"no leader to retry {echo(model)!r}: etcd: {e}"})
+                return await send_json(send, 503,
+                                       {"error": f"no leader to retry {echo(model)!r}: etcd: {e}"})
         elif not hub.control.retry(model):
             return await send_json(send, 404, {"error": f"model {echo(model)!r} not found"})
         _event(hub, "retry", model=model, was_parked=parked)
         return await send_json(send, 200, {"model": model, "retried": True, "was_parked": parked})
     if len(rest) == 2 and rest[0] == "nodes":
         if method != "DELETE":
-            return await send_json(send, 405, {"error": f"{method} not allowed; use DELETE to forget the node"})
+            return await send_json(send, 405,
+                                   {"error": f"{method} not allowed; use DELETE to forget the node"})
         return await _forget(hub, rest[1], send)
     if len(rest) == 3 and rest[0] == "nodes" and rest[2] in NODE_ACTIONS:
         if method != "POST":
             return await send_json(send, 405, {"error": f"{method} not allowed; use POST"})
         return await _node_action(hub, rest[1], rest[2], send)
-    await send_json(send, 404, {"error": "no such admin path; see GET /admin/status, /admin/models, /admin/nodes,"
+    await send_json(send, 404,
+                    {"error": "no such admin path; see GET /admin/status, /admin/models, /admin/nodes,"
                                          " POST /admin/models/MODEL/retry, /admin/nodes/NODE/{cordon,uncordon,pause,resume},"
                                          " DELETE /admin/nodes/NODE"})
 
@@ -153,12 +160,14 @@ async def _node_action(hub, name: str, action: str, send) -> None:
             try:
                 await hub.cluster.set_cordon(name, h.cordoned)
             except EtcdError as e:
-                return await send_json(send, 503, {"error": f"node {name} {action}ed on this hub only: etcd: {e}"})
+                return await send_json(send, 503,
+                                       {"error": f"node {name} {action}ed on this hub only: etcd: {e}"})
     else:
         try:
             code, err = await hub.control.ops.control(h, action)
         except httpx.TransportError as e:
-            return await send_json(send, 502, {"error": f"node {name} did not answer {action}: {type(e).__name__}: {e}"})
+            return await send_json(send, 502,
+                                   {"error": f"node {name} did not answer {action}: {type(e).__name__}: {e}"})
         if code != 200:
             return await send_json(send, 502, {"error": f"node {name} refused {action}: {err}"})
         log.warning("node %s %sd by an operator", name, action)

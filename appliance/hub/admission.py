@@ -26,7 +26,7 @@ is on, so with it off the scrape is exactly what it was without the feature.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -34,7 +34,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from appliance.config import Config
 from appliance.hub import priority
-from appliance.hub.priority import CLASSES, ESSENTIAL, AdmissionCore, Fleet, SlotQueues, count, ready_nodes
+from appliance.hub.priority import (
+    CLASSES,
+    ESSENTIAL,
+    AdmissionCore,
+    Fleet,
+    SlotQueues,
+    count,
+    ready_nodes,
+)
 
 
 class Ticket:
@@ -84,7 +92,8 @@ class Admission:
                 self._metrics.unregister(self._priority_collector)
         self._on_change()
 
-    def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes, bytes]]) -> str:
+    def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes,
+                                                                              bytes]]) -> str:
         return priority.effective_class(self.enabled, client_cls, headers)
 
     # --- the capacity queue and the reserve ----------------------------------------------
@@ -92,7 +101,8 @@ class Admission:
     async def admit(self, model: str, cls: str, client: str) -> Ticket:
         core = self.core
         ready = self._ready_nodes(model)
-        w = core.arrive(model, cls, client, lambda places_need, room_need: count(ready, model, places_need, room_need))
+        w = core.arrive(model, cls, client, lambda places_need,
+                        room_need: count(ready, model, places_need, room_need))
         if w is None:
             return Ticket(model, cls, client)
         w.event = trio.Event()
@@ -161,7 +171,8 @@ class Admission:
         if h is None or h.state is None:
             woken = self.slots.dispatch(name, model, 0, None, False)
         else:
-            woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0), h.state.slots, h.routable())
+            woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0), h.state.slots,
+                                        h.routable())
         for w in woken:
             w.event.set()
 
@@ -187,11 +198,14 @@ class QueueCollector:
         self.core = core
 
     def collect(self):
-        waiting = GaugeMetricFamily("appliance_queue_waiting", "Requests waiting for admission, by model.",
+        waiting = GaugeMetricFamily("appliance_queue_waiting",
+                                    "Requests waiting for admission, by model.",
                                     labels=["model"])
-        timeouts = CounterMetricFamily("appliance_queue_timeouts", "Waits for admission that ran out (503), by model.",
+        timeouts = CounterMetricFamily("appliance_queue_timeouts",
+                                       "Waits for admission that ran out (503), by model.",
                                        labels=["model"])
-        rejected = CounterMetricFamily("appliance_queue_rejected", "Requests refused at once because "
+        rejected = CounterMetricFamily("appliance_queue_rejected",
+                                       "Requests refused at once because "
                                        "Queue__MaxDepth requests already waited (queue_full), by model.",
                                        labels=["model"])
         for model, s in sorted(self.core.models.items()):
@@ -213,13 +227,18 @@ class PriorityCollector:
         yield GaugeMetricFamily("appliance_priority_reserve_slots",
                                 "Free places background work may not take (Priority__ReserveSlots).",
                                 value=self.core.reserve)
-        waiting = GaugeMetricFamily("appliance_priority_waiting", "Requests waiting now, by class.", labels=["class"])
-        held = CounterMetricFamily("appliance_priority_held", "Requests that had to wait, by class.", labels=["class"])
-        released = CounterMetricFamily("appliance_priority_released", "Waiting requests that went, by class.",
+        waiting = GaugeMetricFamily("appliance_priority_waiting", "Requests waiting now, by class.",
+                                    labels=["class"])
+        held = CounterMetricFamily("appliance_priority_held",
+                                   "Requests that had to wait, by class.", labels=["class"])
+        released = CounterMetricFamily("appliance_priority_released",
+                                       "Waiting requests that went, by class.",
                                        labels=["class"])
-        timed_out = CounterMetricFamily("appliance_priority_timed_out", "Waits that ran out (503), by class.",
+        timed_out = CounterMetricFamily("appliance_priority_timed_out",
+                                        "Waits that ran out (503), by class.",
                                         labels=["class"])
-        requests = CounterMetricFamily("appliance_priority_requests", "Requests admitted or refused, by class.",
+        requests = CounterMetricFamily("appliance_priority_requests",
+                                       "Requests admitted or refused, by class.",
                                        labels=["class"])
         for c in CLASSES:
             s = self.core.classes[c]

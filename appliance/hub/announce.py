@@ -58,7 +58,8 @@ def authorize(auth: AuthConfig, token: str, name: str) -> bool:
 def check_shape(name: str, url: str) -> tuple[str, int]:
     """(host, port) of a well-formed announcement; ApiError 400 otherwise."""
     if not valid_node_name(name):
-        raise ApiError(400, "invalid_request", f"bad announcement: name {cut(name)!r}: {NODE_NAME_RULE}")
+        raise ApiError(400, "invalid_request",
+                       f"bad announcement: name {cut(name)!r}: {NODE_NAME_RULE}")
     bad = f"bad announcement: url {cut(url)!r} is not http(s)://HOST:PORT"
     try:
         u = urlsplit(url)
@@ -67,7 +68,8 @@ def check_shape(name: str, url: str) -> tuple[str, int]:
         raise ApiError(400, "invalid_request", bad + " (bad port)") from None
     if u.scheme not in ("http", "https") or not u.hostname or port is None:
         raise ApiError(400, "invalid_request", bad)
-    if u.path not in ("", "/") or u.query or u.fragment or u.username is not None or u.password is not None:
+    if u.path not in ("",
+                      "/") or u.query or u.fragment or u.username is not None or u.password is not None:
         raise ApiError(400, "invalid_request", bad + " (no path, query or credentials)")
     if len(url) > 300:
         raise ApiError(400, "invalid_request", bad + " (too long)")
@@ -78,13 +80,15 @@ def check_identity(existing, url: str, proven: bool, count: int, max_nodes: int)
     """`existing`: the node handle of that name or None. 409 when the name is taken, 503 when full."""
     if existing is None:
         if count >= max_nodes:
-            raise ApiError(503, "too_many_nodes", f"the hub knows {count} nodes (Hub__MaxNodes={max_nodes})",
+            raise ApiError(503, "too_many_nodes",
+                           f"the hub knows {count} nodes (Hub__MaxNodes={max_nodes})",
                              retry_after=FULL_RETRY_AFTER)
         return
     if existing.url == url.rstrip("/"):
         return
     if existing.static:
-        raise ApiError(409, "node_name_taken", f"node {existing.name!r} is configured statically at another URL")
+        raise ApiError(409, "node_name_taken",
+                       f"node {existing.name!r} is configured statically at another URL")
     if proven:
         return
     if existing.status() != "lost":
@@ -100,11 +104,14 @@ def check_addresses(host: str, addresses: list[str], cidrs: list[str]) -> None:
     """Every address `host` resolved to must lie in `cidrs` and not be link-local (403)."""
     nets = _networks(cidrs)
     if not addresses:
-        raise ApiError(400, "invalid_request", f"bad announcement: host {cut(host)!r} does not resolve")
+        raise ApiError(400, "invalid_request",
+                       f"bad announcement: host {cut(host)!r} does not resolve")
     for a in addresses:
         ip = ipaddress.ip_address(a.split("%", 1)[0])
         if getattr(ip, "ipv4_mapped", None):
             ip = ip.ipv4_mapped
-        if ip.is_link_local or ip.is_multicast or ip.is_unspecified or not any(ip in n for n in nets if n.version == ip.version):
+        if ip.is_link_local or ip.is_multicast or ip.is_unspecified or not any(ip in n
+                                                                               for n in nets
+                                                                               if n.version == ip.version):
             raise ApiError(403, "node_network_refused",
                              f"host {cut(host)!r} resolves to {ip}, outside Hub__NodeNetworks ({','.join(cidrs)})")

@@ -32,8 +32,8 @@ import trio
 from appliance import __version__
 from appliance.asgi import BodyTooLarge, bearer, header, read_body, send_json, send_text
 from appliance.bounds import echo
-from appliance.hub import modelops, status
 from appliance.http.errors import ApiError, error_body
+from appliance.hub import modelops, status
 from appliance.hub.requestid import request_id
 from appliance.hub.router import allowed, authenticate
 from appliance.hub.translate import OPENAI_ONLY, engine_kind, resolve
@@ -55,7 +55,8 @@ UNSUPPORTED = {
     "/api/push": "pushing models is not done through the hub; push from the node's engine",
 }
 CORS_METHODS = b"GET, POST, HEAD, OPTIONS, DELETE"
-CORS_HEADERS = (b"authorization, content-type, x-api-key, x-request-id, x-priority, anthropic-version, "
+CORS_HEADERS = (
+    b"authorization, content-type, x-api-key, x-request-id, x-priority, anthropic-version, "
                 b"anthropic-beta, openai-organization, openai-project, x-stainless-os, x-stainless-lang, "
                 b"x-stainless-package-version, x-stainless-runtime, x-stainless-runtime-version, x-stainless-arch, "
                 b"x-stainless-retry-count, x-stainless-timeout, user-agent")
@@ -112,8 +113,10 @@ def with_cors(app, origins: list[str]):
         if scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method"):
             headers = [(b"content-length", b"0"), (b"vary", b"origin")]
             if allow is not None:
-                headers += [(b"access-control-allow-origin", allow), (b"access-control-allow-methods", CORS_METHODS),
-                            (b"access-control-allow-headers", CORS_HEADERS), (b"access-control-max-age", b"600")]
+                headers += [(b"access-control-allow-origin", allow),
+                            (b"access-control-allow-methods", CORS_METHODS),
+                            (b"access-control-allow-headers", CORS_HEADERS),
+                            (b"access-control-max-age", b"600")]
             await send({"type": "http.response.start", "status": 204 if allow is not None else 403,
                         "headers": headers})
             await send({"type": "http.response.body", "body": b""})
@@ -124,8 +127,10 @@ def with_cors(app, origins: list[str]):
 
         async def send_cors(msg):
             if msg["type"] == "http.response.start":
-                msg = {**msg, "headers": [*msg.get("headers", []), (b"access-control-allow-origin", allow),
-                                          (b"access-control-expose-headers", b"x-request-id, retry-after"),
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"access-control-allow-origin",
+                                                                    allow),
+                                          (b"access-control-expose-headers",
+                                           b"x-request-id, retry-after"),
                                           (b"vary", b"origin")]}
             await send(msg)
 
@@ -154,9 +159,11 @@ async def handle(hub, scope, receive, send) -> bool:
         return True
     if path == "/api/version":
         if method not in ("GET", "HEAD"):
-            await _error(send, "ollama", ApiError(405, "method_not_allowed", "/api/version takes GET"))
+            await _error(send, "ollama", ApiError(405, "method_not_allowed",
+                                                  "/api/version takes GET"))
         else:
-            await send_json(send, 200, {"version": OLLAMA_API_VERSION, "appliance_version": __version__})
+            await send_json(send, 200, {"version": OLLAMA_API_VERSION,
+                                        "appliance_version": __version__})
         return True
     if path.startswith("/v1/models/"):
         await _one_model(hub, scope, send, unquote(path[len("/v1/models/"):]))
@@ -168,7 +175,8 @@ async def handle(hub, scope, receive, send) -> bool:
         await modelops.handle(hub, scope, receive, send, path[len("/api/"):])
         return True
     if path in UNSUPPORTED or path.startswith("/api/blobs/"):
-        msg = UNSUPPORTED.get(path, "blobs are not stored by the hub; send them to the node's engine")
+        msg = UNSUPPORTED.get(path,
+                              "blobs are not stored by the hub; send them to the node's engine")
         await send_json(send, 501, error_body("ollama", 501, "not_implemented", msg))
         return True
     return False
@@ -209,7 +217,8 @@ async def _show(hub, scope, receive, send) -> None:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
         except RecursionError:
-            raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+            raise ApiError(400, "invalid_json",
+                           "body is not valid JSON: nested too deeply") from None
         given = req.model or req.name
         model = resolve(given, hub.control.known)
         if not given or not allowed(client, model) or not hub.control.known(model):
@@ -226,12 +235,15 @@ async def _show_from_node(hub, model: str) -> bytes | None:
     """A node with an Ollama-speaking engine that knows the model answers for it."""
     for node in list(hub.registry.nodes.values()):
         st = node.state
-        if not node.connected or st is None or st.model(model) is None or engine_kind(st) in OPENAI_ONLY:
+        if not node.connected or st is None or st.model(
+            model) is None or engine_kind(st) in OPENAI_ONLY:
             continue
         with trio.move_on_after(SHOW_READ_SECONDS):
             try:
-                resp = await hub.upstream.request("POST", node.url + "/api/show", [(b"content-type", b"application/json"), *node.auth_raw],
-                                                  msgspec.json.encode({"model": model}), SHOW_READ_SECONDS)
+                resp = await hub.upstream.request("POST", node.url + "/api/show", [(b"content-type",
+                                                                                    b"application/json"), *node.auth_raw],
+                                                  msgspec.json.encode({"model": model}),
+                                                  SHOW_READ_SECONDS)
                 try:
                     data = await resp.read()
                 finally:
@@ -248,7 +260,8 @@ def _show_synth(hub, model: str) -> dict:
     kinds = sorted({engine_kind(n.state) for n in hub.registry.nodes.values()
                     if n.state is not None and n.state.model(model) is not None} - {""})
     meta = status.model_meta(hub, model)
-    family = (meta.family if meta is not None and meta.family else "") or (kinds[0] if kinds else "")
+    family = (meta.family if meta is not None and meta.family else "") or (kinds[0] if kinds
+                                                                           else "")
     info: dict = {"general.architecture": family}
     if meta is not None and meta.context_length:
         info[f"{family}.context_length"] = meta.context_length
@@ -256,6 +269,8 @@ def _show_synth(hub, model: str) -> dict:
     details = status.details(meta)
     details["family"] = family
     details["families"] = details["families"] or ([family] if family else None)
-    return {"license": "", "modelfile": f"# served by appliance {__version__} on {', '.join(kinds) or 'no engine yet'}\n",
-            "parameters": "", "template": "", "details": details, "model_info": info, "capabilities": caps,
+    return {"license": "",
+            "modelfile": f"# served by appliance {__version__} on {', '.join(kinds) or 'no engine yet'}\n",
+            "parameters": "", "template": "", "details": details, "model_info": info,
+            "capabilities": caps,
             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -17,10 +17,10 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
-from appliance.cluster.etcd import EtcdError
 from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
-from appliance.hub import announce, apiroutes, status, ui
+from appliance.cluster.etcd import EtcdError
 from appliance.http.errors import ApiError, error_body
+from appliance.hub import announce, apiroutes, status, ui
 from appliance.hub.router import allowed, authenticate, handle_inference
 from appliance.metricsapp import render
 from appliance.wire import announce_decoder
@@ -55,7 +55,8 @@ def _api(path: str) -> str:
 async def _error(send, path: str, status: int, code: str, message: str, headers=()) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), *headers]})
-    await send({"type": "http.response.body", "body": error_body(_api(path), status, code, message)})
+    await send({"type": "http.response.body", "body": error_body(_api(path), status, code,
+                                                                 message)})
 
 
 def make_app(hub):
@@ -116,7 +117,8 @@ async def _get(hub, scope, send, path: str) -> None:
             await _error(send, "/v1/", 401, "invalid_api_key", "the admin key is required")
             return
         if path == "/metrics":
-            await send_text(send, 200, render(hub.metrics_registry, hub.before_scrape), CONTENT_TYPE_LATEST.encode())
+            await send_text(send, 200, render(hub.metrics_registry, hub.before_scrape),
+                            CONTENT_TYPE_LATEST.encode())
         else:
             await send_json(send, 200, status.status_payload(hub))
         return
@@ -147,13 +149,15 @@ async def _announce(hub, scope, receive, send) -> None:
         except BodyTooLarge:
             raise ApiError(413, "body_too_large", "announcement too large") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ApiError(400, "invalid_request", f"bad announcement: {announce.cut(str(e))}") from None
+            raise ApiError(400, "invalid_request",
+                           f"bad announcement: {announce.cut(str(e))}") from None
         except RecursionError:
             raise ApiError(400, "invalid_request", "bad announcement: nested too deeply") from None
         proven = announce.authorize(hub.cfg.auth, bearer(scope) or "", ann.name)
         host, _port = announce.check_shape(ann.name, ann.url)
         existing = hub.registry.nodes.get(ann.name)
-        announce.check_identity(existing, ann.url, proven, len(hub.registry.nodes), hub.cfg.hub.max_nodes)
+        announce.check_identity(existing, ann.url, proven, len(hub.registry.nodes),
+                                hub.cfg.hub.max_nodes)
         if existing is None or existing.url != ann.url.rstrip("/"):
             announce.check_addresses(host, await _resolve(host), hub.cfg.hub.node_networks)
     except ApiError as e:

@@ -19,7 +19,8 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import msgspec
 
@@ -35,14 +36,16 @@ def check_path(path: str) -> str | None:
         return None
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))  # created 0600, as _open does
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                         0o600))  # created 0600, as _open does
     except OSError as e:
         return f"cannot open Audit__Path {path!r} for appending: {e.strerror or e}"
     return None
 
 
 class AuditLog:
-    def __init__(self, path: str = "", max_bytes: int = 100 * 1024 * 1024, backups: int = 5) -> None:
+    def __init__(self, path: str = "", max_bytes: int = 100 * 1024 * 1024,
+                 backups: int = 5) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
@@ -105,7 +108,8 @@ class AuditLog:
         now = time.monotonic()
         if now - self._logged_at >= ERROR_LOG_SECONDS:
             self._logged_at = now
-            log.error("audit line not written to %s: %s (%d lost so far; said at most once a minute)",
+            log.error(
+                "audit line not written to %s: %s (%d lost so far; said at most once a minute)",
                       self.path or "stdout", self.last_error, self.write_errors)
 
     def request(self, **fields: Any) -> None:

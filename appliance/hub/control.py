@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 import msgspec
 import trio
 
 from appliance.config import Config
-from appliance.hub import activation
 from appliance.http.errors import ApiError
+from appliance.hub import activation
 from appliance.hub.placement import Load, Models, Unload
 from appliance.wire import EPOCH_HEADER, LoadRequest
 
@@ -95,24 +95,29 @@ class NodeOps:
     async def load(self, h, model: str, req: LoadRequest, read_seconds: float) -> str | None:
         """None when ready; else the engine's own words. Raises httpx.TransportError."""
         resp = await self.client.post(
-            f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load", content=_enc.encode(req),
+            f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load",
+            content=_enc.encode(req),
             headers=self._headers(**{"content-type": "application/json"}, **h.auth),
             timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
         return self._answer(resp)
 
     async def unload(self, h, model: str) -> str | None:
-        resp = await self.client.post(f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
-                                      headers=self._headers(**h.auth), timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
+        resp = await self.client.post(
+            f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
+                                      headers=self._headers(**h.auth),
+                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
         return self._answer(resp)
 
     async def control(self, h, action: str) -> tuple[int, str]:
         """`pause`/`resume`/`leave`/`join`: (status, error text or "")."""
-        resp = await self.client.post(f"{h.url}/node/v1/{action}", headers=h.auth, timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
+        resp = await self.client.post(f"{h.url}/node/v1/{action}", headers=h.auth,
+                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
         return resp.status_code, "" if resp.status_code == 200 else _error_of(resp)
 
 
 class Control:
-    def __init__(self, cfg: Config, registry, node_client, metrics_registry, audit, *, ops=None) -> None:
+    def __init__(self, cfg: Config, registry, node_client, metrics_registry, audit, *,
+                 ops=None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.audit = audit
@@ -206,10 +211,13 @@ class Control:
                 raise httpx.ConnectError(f"node {act.node} is gone")
             for victim in act.victims:
                 if h.in_flight.get(victim, 0):
-                    raise httpx.ConnectError(f"{victim} on {act.node} took work while room was being made")
-                log.info("unloading idle %s from %s to make room for %s", victim, act.node, act.model)
+                    raise httpx.ConnectError(
+                        f"{victim} on {act.node} took work while room was being made")
+                log.info("unloading idle %s from %s to make room for %s", victim, act.node,
+                         act.model)
                 if self.audit is not None:
-                    self.audit.event("model_unload", model=victim, node=act.node, why=f"room for {act.model}")
+                    self.audit.event("model_unload", model=victim, node=act.node,
+                                     why=f"room for {act.model}")
                 await self.ops.unload(h, victim)
             with trio.move_on_after(bound) as scope:
                 error = await self.ops.load(h, act.model, act.request, bound)
@@ -273,7 +281,8 @@ class Control:
                               f"model {model!r} is parked after {h.failures} failed starts in a row; last error: "
                               f"{h.last_error}; fix it, then `appliance ctl retry {model}`")
         if h.unplaceable:
-            return ApiError(503, "model_unplaceable", f"model {model!r} fits on no node: {h.unplaceable}")
+            return ApiError(503, "model_unplaceable",
+                            f"model {model!r} fits on no node: {h.unplaceable}")
         return None
 
     def unservable(self, model: str) -> ApiError | None:
@@ -291,8 +300,10 @@ class Control:
         if self.leading():
             await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
         else:
-            self.core.requested(model, self.now())  # wanted: this hub's status counts it as the leader's does
-            await activation.activate_via_leader(self.cluster, self, model, self.cfg.router.activation_wait_seconds)
+            self.core.requested(model,
+                                self.now())  # wanted: this hub's status counts it as the leader's does
+            await activation.activate_via_leader(self.cluster, self, model,
+                                                 self.cfg.router.activation_wait_seconds)
 
     def touch(self, model: str, keep: float | None = None) -> None:
         """A request used `model`; `keep`: its keep_alive in seconds (None: the catalog's)."""
@@ -334,7 +345,8 @@ class Control:
         out = []
         for st in self.models_status():
             spec = self.core.spec(st["name"])
-            out.append({**st, "on_demand": spec.replicas == 0, "configured": spec.configured, "source": spec.source,
+            out.append({**st, "on_demand": spec.replicas == 0, "configured": spec.configured,
+                        "source": spec.source,
                         "profile": spec.profile, "memory_mb": spec.memory_mb,
                         "satisfied": st["ready"] >= st["desired"] and not st["parked"]})
         return out

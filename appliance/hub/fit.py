@@ -14,7 +14,7 @@ flight. When that fails too, the answer is a reason that names the numbers an op
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 # Headroom over a model's size when no MemoryMb is declared (DESIGN 4).
 SIZE_FACTOR = 1.2
@@ -41,7 +41,8 @@ def free_on(h, pending: list) -> int | None:
     return free
 
 
-def victims(h, model: str, spec_of: Callable, last_used_of: Callable, pending: list) -> list[tuple[str, int]]:
+def victims(h, model: str, spec_of: Callable, last_used_of: Callable,
+            pending: list) -> list[tuple[str, int]]:
     """Idle on-demand replicas on `h` that may be unloaded for `model`, least recently used
     first, with the MiB each frees."""
     busy = {m for p in pending if p.node == h.name for m in (p.model, *p.victims)}
@@ -51,7 +52,8 @@ def victims(h, model: str, spec_of: Callable, last_used_of: Callable, pending: l
                 or m.in_flight or h.in_flight.get(m.name, 0)):
             continue
         last = last_used_of(m.name)
-        out.append((m.name, m.size_mb or spec_of(m.name).memory_mb or 0, -math.inf if last is None else last))
+        out.append((m.name, m.size_mb or spec_of(m.name).memory_mb or 0, -math.inf if last is None
+                    else last))
     out.sort(key=lambda v: v[2])
     return [(n, f) for n, f, _ in out]
 
@@ -64,7 +66,8 @@ def choose(spec, nodes: list, holding: set[str], pending: list, spec_of: Callabl
     if not up:
         known = ", ".join(f"{h.name} {h.status()}" for h in nodes) or "none known"
         return f"no node is up ({known})"
-    cands = [h for h in up if h.name not in holding and (spec.source or h.state.model(name) is not None)]
+    cands = [h for h in up if h.name not in holding and (spec.source
+                                                         or h.state.model(name) is not None)]
     if not cands:
         if holding:
             return f"needs {spec.replicas or 1} replicas; every node that can hold it has one ({len(holding)})"

@@ -16,7 +16,7 @@ the only wait, woken by registry changes (no polling) and bounded by the grace's
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 

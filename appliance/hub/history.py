@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -35,7 +35,8 @@ POINTS = int(WINDOW_SECONDS / STEP_SECONDS)
 # The page shows the last few dozen; 200 is a screenful of scrolling and ~60 kB at most.
 RECENT_MAX = 200
 # The audit fields a recent-requests row may carry; anything else in a record stays out.
-RECENT_FIELDS = ("ts", "client", "model", "path", "status", "node", "ms", "ttfb_ms", "error", "priority",
+RECENT_FIELDS = ("ts", "client", "model", "path", "status", "node", "ms", "ttfb_ms", "error",
+                 "priority",
                  "request_id")
 _RECENT_SET = frozenset(RECENT_FIELDS)
 # Longer than any real model name, client name or error code.
@@ -59,7 +60,8 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
                 return lower_bound  # past the last finite bucket: its bound, as Prometheus does
             if count == lower_count:
                 return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+            return lower_bound + (
+                bound - lower_bound) * (rank - lower_count) / (count - lower_count)
         lower_bound, lower_count = bound, count
     return lower_bound
 
@@ -70,7 +72,8 @@ class Reading:
 
     __slots__ = ("requests", "ttfb", "waiting", "in_flight", "nodes_up")
 
-    def __init__(self, requests: dict[str, float], ttfb: dict[float, float], waiting: dict[str, float],
+    def __init__(self, requests: dict[str, float], ttfb: dict[float, float], waiting: dict[str,
+                                                                                           float],
                  in_flight: float = 0.0, nodes_up: int = 0) -> None:
         self.requests, self.ttfb, self.waiting = requests, ttfb, waiting
         self.in_flight, self.nodes_up = in_flight, nodes_up
@@ -107,7 +110,8 @@ class History:
         return point
 
     def payload(self) -> dict:
-        return {"step_seconds": STEP_SECONDS, "window_seconds": WINDOW_SECONDS, "points": list(self.points)}
+        return {"step_seconds": STEP_SECONDS, "window_seconds": WINDOW_SECONDS,
+                "points": list(self.points)}
 
 
 class Recent:
@@ -156,7 +160,8 @@ def read_hub(metrics, admission, registry) -> Reading:
 
 
 async def run_sampler(history: History, read: Callable[[], Reading], step: float = STEP_SECONDS,
-                      wall: Callable[[], float] = time.time, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                      wall: Callable[[], float] = time.time, *,
+                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Sample every `step` seconds until cancelled; the first reading is the baseline."""
     history.sample(wall(), read())
     task_status.started()

@@ -19,27 +19,39 @@ class HubMetrics:
     def __init__(self, registry: CollectorRegistry, nodes) -> None:
         self.nodes = nodes
         r = registry
-        self.requests = Counter("appliance_requests", "Client requests by client, model and status.",
+        self.requests = Counter("appliance_requests",
+                                "Client requests by client, model and status.",
                                 ["client", "model", "status"], registry=r)
-        self.latency = Histogram("appliance_request_duration_seconds", "Request duration, first byte in to last byte out.",
+        self.latency = Histogram("appliance_request_duration_seconds",
+                                 "Request duration, first byte in to last byte out.",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfb = Histogram("appliance_time_to_first_byte_seconds", "Time to the first response byte.",
+        self.ttfb = Histogram("appliance_time_to_first_byte_seconds",
+                              "Time to the first response byte.",
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("appliance_in_flight", "Requests in flight by model.", ["model"], registry=r)
-        self.node_up = Gauge("appliance_node_up", "1 while the node is connected and up.", ["node"], registry=r)
-        self.node_paused = Gauge("appliance_node_paused", "1 while the node's owner paused it.", ["node"], registry=r)
-        self.node_cordoned = Gauge("appliance_node_cordoned", "1 while the node is cordoned.", ["node"], registry=r)
-        self.node_over = Gauge("appliance_node_over_limits", "1 while the node is over its own limits.", ["node"], registry=r)
-        self.node_lost = Gauge("appliance_node_lost", "1 while the node is not connected.", ["node"], registry=r)
-        self.audit_write_errors = Counter("appliance_audit_write_errors_total", "Audit lines that could not be written.",
+        self.in_flight = Gauge("appliance_in_flight", "Requests in flight by model.", ["model"],
+                               registry=r)
+        self.node_up = Gauge("appliance_node_up", "1 while the node is connected and up.", ["node"],
+                             registry=r)
+        self.node_paused = Gauge("appliance_node_paused", "1 while the node's owner paused it.",
+                                 ["node"], registry=r)
+        self.node_cordoned = Gauge("appliance_node_cordoned", "1 while the node is cordoned.",
+                                   ["node"], registry=r)
+        self.node_over = Gauge("appliance_node_over_limits",
+                               "1 while the node is over its own limits.", ["node"], registry=r)
+        self.node_lost = Gauge("appliance_node_lost", "1 while the node is not connected.",
+                               ["node"], registry=r)
+        self.audit_write_errors = Counter("appliance_audit_write_errors_total",
+                                          "Audit lines that could not be written.",
                                           registry=r)
-        self.node_age = Gauge("appliance_node_heartbeat_age_seconds", "Seconds since the node's last watch line.",
+        self.node_age = Gauge("appliance_node_heartbeat_age_seconds",
+                              "Seconds since the node's last watch line.",
                               ["node"], registry=r)
 
     def refresh(self) -> None:
         now = trio.current_time()
         # Rebuilt at each scrape: a forgotten node's series go with it.
-        for g in (self.node_up, self.node_lost, self.node_paused, self.node_cordoned, self.node_over, self.node_age):
+        for g in (self.node_up, self.node_lost, self.node_paused, self.node_cordoned,
+                  self.node_over, self.node_age):
             g.clear()
         for h in list(self.nodes.nodes.values()):
             st = h.status()
@@ -47,6 +59,7 @@ class HubMetrics:
             self.node_lost.labels(h.name).set(1 if st == "lost" else 0)
             self.node_paused.labels(h.name).set(1 if st == "paused" else 0)
             self.node_cordoned.labels(h.name).set(1 if h.cordoned else 0)
-            self.node_over.labels(h.name).set(1 if h.state is not None and h.state.over_limits else 0)
+            self.node_over.labels(h.name).set(1 if h.state is not None and h.state.over_limits
+                                              else 0)
             if h.last_line:
                 self.node_age.labels(h.name).set(round(now - h.last_line, 3))

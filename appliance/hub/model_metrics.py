@@ -21,11 +21,15 @@ from appliance.tlsinfo import cert_not_after
 log = logging.getLogger("appliance.hub.model_metrics")
 
 _MODEL = [
-    ("appliance_model_desired", "Replicas the model should have now (always-on count; 1 for an on-demand model asked for).", "desired"),
+    ("appliance_model_desired",
+     "Replicas the model should have now (always-on count; 1 for an on-demand model asked for).",
+     "desired"),
     ("appliance_model_ready", "Ready replicas of the model; 0 while nothing serves it.", "ready"),
-    ("appliance_model_consecutive_start_failures", "Start failures of the model in a row (a success resets it).",
+    ("appliance_model_consecutive_start_failures",
+     "Start failures of the model in a row (a success resets it).",
      "consecutive_start_failures"),
-    ("appliance_model_parked", "1 while the model is parked after repeated start failures.", "parked"),
+    ("appliance_model_parked", "1 while the model is parked after repeated start failures.",
+     "parked"),
     ("appliance_model_unplaceable", "1 while the model fits on no node.", "unplaceable"),
 ]
 
@@ -40,12 +44,16 @@ class ControlCollector:
 
     def _families(self):
         model = [GaugeMetricFamily(n, h, labels=["model"]) for n, h, _ in _MODEL]
-        engine = GaugeMetricFamily("appliance_node_engine_info", "Engine installs per node (kind, version); value 1.",
+        engine = GaugeMetricFamily("appliance_node_engine_info",
+                                   "Engine installs per node (kind, version); value 1.",
                                    labels=["node", "kind", "version"])
-        leader = GaugeMetricFamily("appliance_leader", "1 while this hub leads the fleet (a single hub always does).",
+        leader = GaugeMetricFamily("appliance_leader",
+                                   "1 while this hub leads the fleet (a single hub always does).",
                                    labels=["hub"])
-        changes = CounterMetricFamily("appliance_leader_changes_total", "Leader changes this hub has seen (epochs).")
-        up = GaugeMetricFamily("appliance_cluster_up", "1 while etcd answers this hub (always 1 for a hub alone).")
+        changes = CounterMetricFamily("appliance_leader_changes_total",
+                                      "Leader changes this hub has seen (epochs).")
+        up = GaugeMetricFamily("appliance_cluster_up",
+                               "1 while etcd answers this hub (always 1 for a hub alone).")
         tls = GaugeMetricFamily("appliance_tls_cert_expiry_seconds",
                                 "notAfter of the certificate file, as Unix time, read from disk at each scrape.",
                                 labels=["path"])

@@ -76,7 +76,8 @@ async def handle(hub, scope, receive, send, action: str) -> None:
         return
     if not targets:
         what = f"node {node!r} is not connected or its engine does not" if node else "no connected node's engine does"
-        await send_json(send, 501, {"error": f"{what} {action} models (ollama engines do; llama.cpp and openai "
+        await send_json(send, 501,
+                        {"error": f"{what} {action} models (ollama engines do; llama.cpp and openai "
                                              f"engines read model files the operator puts in place)"})
         return
     hub.audit.event(f"model_{action}", model=model, nodes=[h.name for h in targets])
@@ -92,7 +93,9 @@ async def _delete(hub, send, model: str, targets: list, body: bytes) -> None:
     for h in targets:
         with trio.move_on_after(DELETE_SECONDS):
             try:
-                resp = await hub.upstream.request("POST", h.url + "/node/v1/delete", [(b"content-type", b"application/json"), *h.auth_raw],
+                resp = await hub.upstream.request("POST", h.url + "/node/v1/delete",
+                                                  [(b"content-type", b"application/json"),
+                                                   *h.auth_raw],
                                                   body, DELETE_SECONDS)
                 await resp.read()
                 await resp.aclose()
@@ -121,7 +124,8 @@ async def _pull(hub, send, model: str, targets: list, body: bytes, stream: bool)
     last = ({"status": "success"} if not failed
             else {"error": f"pull of {model} failed on {', '.join(failed)}"})
     if stream:
-        await send({"type": "http.response.body", "body": _enc.encode(last) + b"\n", "more_body": False})
+        await send({"type": "http.response.body", "body": _enc.encode(last) + b"\n",
+                    "more_body": False})
     else:
         await send_json(send, 200 if not failed else 502, last)
 
@@ -131,7 +135,8 @@ async def _pull_one(hub, h, body: bytes, send) -> tuple[int, str]:
     n, buf, error = 0, b"", ""
     resp = None
     try:
-        resp = await hub.upstream.request("POST", h.url + "/node/v1/pull", [(b"content-type", b"application/json"), *h.auth_raw],
+        resp = await hub.upstream.request("POST", h.url + "/node/v1/pull",
+                                          [(b"content-type", b"application/json"), *h.auth_raw],
                                           body, PULL_READ_SECONDS)
         async for chunk in resp.chunks():
             buf += chunk
@@ -151,7 +156,8 @@ async def _pull_one(hub, h, body: bytes, send) -> tuple[int, str]:
     return n, error
 
 
-async def _relay_line(line: bytes, node: str, send, n: int, error: str, status: int) -> tuple[int, str]:
+async def _relay_line(line: bytes, node: str, send, n: int, error: str, status: int) -> tuple[int,
+                                                                                              str]:
     try:
         obj = msgspec.json.decode(line)
     except msgspec.DecodeError:
@@ -163,5 +169,6 @@ async def _relay_line(line: bytes, node: str, send, n: int, error: str, status: 
     if obj.get("status") == "success":
         return n, error  # the fleet's own success line comes last
     if send is not None:
-        await send({"type": "http.response.body", "body": _enc.encode({**obj, "node": node}) + b"\n", "more_body": True})
+        await send({"type": "http.response.body",
+                    "body": _enc.encode({**obj, "node": node}) + b"\n", "more_body": True})
     return n + 1, error

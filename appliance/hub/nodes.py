@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 import msgspec
@@ -251,7 +251,8 @@ class Registry:
         if was:
             log.warning("node %s lost: %s", h.name, reason)
         elif reason != before:
-            log.warning("node %s at %s unreachable: %s (retrying with backoff)", h.name, h.url, reason)
+            log.warning("node %s at %s unreachable: %s (retrying with backoff)", h.name, h.url,
+                        reason)
         self.changed()
 
 
@@ -277,14 +278,16 @@ def count_other_hubs(h: NodeHandle, state: NodeState) -> None:
 # --- the supervisor (trio shell) ----------------------------------------------------------
 
 
-async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, heartbeat: float,
+async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Registry,
+                      heartbeat: float,
                       on_event: Callable[[str, NodeHandle, str], None]) -> None:
     """Follow one watch stream until it ends; raise on transport errors and silences."""
     silence = MISSED_HEARTBEATS * heartbeat
     async with client.stream("GET", f"{h.url}/node/v1/watch", headers=h.auth) as resp:
         if resp.status_code != 200:
             body = (await resp.aread())[:200].decode(errors="replace")
-            raise httpx.HTTPStatusError(f"watch answered {resp.status_code}: {body}", request=resp.request, response=resp)
+            raise httpx.HTTPStatusError(f"watch answered {resp.status_code}: {body}",
+                                        request=resp.request, response=resp)
         lines = resp.aiter_lines().__aiter__()
         while True:
             with trio.fail_after(silence):
@@ -305,7 +308,8 @@ async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Regist
                 pass
 
 
-async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *, heartbeat: float,
+async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *,
+                    heartbeat: float,
                     backoff_max: float, on_event: Callable[[str, NodeHandle, str], None],
                     forget_after: float | None = None) -> None:
     """Connect, follow, mark lost, back off (capped, jittered), reconnect -- until removed
@@ -315,7 +319,8 @@ async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry
         await _supervise(client, h, registry, heartbeat, backoff_max, on_event, forget_after)
 
 
-async def _supervise(client, h: NodeHandle, registry: Registry, heartbeat: float, backoff_max: float,
+async def _supervise(client, h: NodeHandle, registry: Registry, heartbeat: float,
+                     backoff_max: float,
                      on_event, forget_after: float | None) -> None:
     backoff = BACKOFF_START
     while not h.removed:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from appliance.config import Config, ModelDef
 from appliance.hub import fit
@@ -171,7 +171,8 @@ class Models:
                 h.parked, h.failures, h.next_attempt, h.unplaceable = False, 0, 0.0, ""
                 if was:
                     unparked.append(name)
-                    self.events.append(("model_unparked", {"model": name, "why": "definition changed"}))
+                    self.events.append(("model_unparked", {"model": name,
+                                                           "why": "definition changed"}))
                     log.warning("model %s: definition changed; unparked", name)
         for name in set(self.specs) - set(new):
             self.health.pop(name, None)
@@ -255,7 +256,8 @@ class Models:
                 return acts
             h.unplaceable, h.warned_reason = "", ""
             acts.append(got)
-            self.events.append(("model_placing", {"model": name, "node": got.node, "unload": got.victims}))
+            self.events.append(("model_placing", {"model": name, "node": got.node,
+                                                  "unload": got.victims}))
 
     def _unplaceable(self, name: str, reason: str, now: float) -> None:
         h = self._h(name)
@@ -292,7 +294,8 @@ class Models:
 
     def next_due(self, now: float) -> float | None:
         """The earliest end of a backoff still ahead (the loop wakes for it)."""
-        due = [h.next_attempt for h in self.health.values() if h.next_attempt > now and not h.parked]
+        due = [h.next_attempt for h in self.health.values() if h.next_attempt > now
+               and not h.parked]
         return min(due) if due else None
 
     def plan(self, nodes: list, now: float) -> list[Action]:
@@ -353,13 +356,16 @@ class Models:
         h.failures += 1
         h.last_error = error
         park = self.cfg.models.park_after_failures
-        fields = {"model": model, "node": node, "error": error, "consecutive_start_failures": h.failures}
+        fields = {"model": model, "node": node, "error": error,
+                  "consecutive_start_failures": h.failures}
         if h.failures >= park:
             h.parked = True
-            log.error("model %s: parked after %d failed starts in a row; last error: %s", model, h.failures, error)
+            log.error("model %s: parked after %d failed starts in a row; last error: %s", model,
+                      h.failures, error)
             self.events.append(("model_parked", fields))
             return
-        delay = min(BACKOFF_START * 2 ** (h.failures - 1), self.cfg.models.retry_backoff_max_seconds)
+        delay = min(BACKOFF_START * 2 ** (h.failures - 1),
+                    self.cfg.models.retry_backoff_max_seconds)
         h.next_attempt = now + delay
         log.warning("model %s: start %d/%d failed on %s: %s; next attempt in %g s",
                     model, h.failures, park, node, error, delay)
@@ -400,6 +406,9 @@ class Models:
     def status(self, name: str, nodes: list, now: float) -> dict:
         h = self.health.get(name) or Health()
         ready, loading = self.replicas(name, nodes)
-        return {"name": name, "desired": self.desired(name, now), "ready": len(ready), "loading": len(loading),
-                "parked": h.parked, "unplaceable": bool(h.unplaceable), "reason": self.reason(name, now),
-                "last_error": h.last_error, "consecutive_start_failures": h.failures, "nodes": sorted(ready)}
+        return {"name": name, "desired": self.desired(name, now), "ready": len(ready),
+                "loading": len(loading),
+                "parked": h.parked, "unplaceable": bool(h.unplaceable), "reason": self.reason(name,
+                                                                                              now),
+                "last_error": h.last_error, "consecutive_start_failures": h.failures,
+                "nodes": sorted(ready)}

@@ -35,7 +35,8 @@ whose node has more requests sent for the model than slots waits for one to fini
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from appliance.http.errors import ApiError
 
@@ -49,7 +50,8 @@ PRIORITY_HEADERS = (b"x-priority", b"x-inferhub-priority")
 QUEUE_RETRY_AFTER = 5.0
 
 
-def effective_class(enabled: bool, client_cls: str | None, headers: Iterable[tuple[bytes, bytes]]) -> str:
+def effective_class(enabled: bool, client_cls: str | None, headers: Iterable[tuple[bytes,
+                                                                                   bytes]]) -> str:
     """The request's class: the client's, lowered (never raised) by X-Priority headers."""
     if not enabled:
         return NORMAL
@@ -92,7 +94,8 @@ def ready_nodes(nodes: Iterable, model: str) -> list:
     return [h for h in nodes if h.ready(model)]
 
 
-def count(ready: Iterable, model: str, places_need: int | None = None, room_need: int | None = None) -> Fleet:
+def count(ready: Iterable, model: str, places_need: int | None = None,
+          room_need: int | None = None) -> Fleet:
     """`fleet_of` over nodes already known ready, in plain arithmetic.
 
     With `places_need`/`room_need` it stops as soon as both are exceeded (or unbounded):
@@ -351,7 +354,8 @@ class SlotQueues:
     def __init__(self) -> None:
         self.queues: dict[tuple[str, str], Lanes] = {}
 
-    def enter(self, node: str, model: str, cls: str, in_flight: int, slots: int | None) -> Waiter | None:
+    def enter(self, node: str, model: str, cls: str, in_flight: int,
+              slots: int | None) -> Waiter | None:
         """None: send now. A Waiter: wait on it (essential never waits)."""
         if cls == ESSENTIAL or slots is None:
             return None
@@ -366,7 +370,8 @@ class SlotQueues:
         q.add(w)
         return w
 
-    def dispatch(self, node: str, model: str, in_flight: int, slots: int | None, routable: bool) -> list[Waiter]:
+    def dispatch(self, node: str, model: str, in_flight: int, slots: int | None,
+                 routable: bool) -> list[Waiter]:
         """The waiters that may be sent now: slots freed, or the node gone (sent anyway)."""
         q = self.queues.get((node, model))
         if q is None:

@@ -23,17 +23,17 @@ import msgspec
 import trio
 
 from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
-from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.keys import request_key
-from appliance.config import ClientConfig
 from appliance.bounds import OTHER_LABEL, echo
-from appliance.listener import Refusal
-from appliance.hub import translate
+from appliance.config import ClientConfig
+from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError
-from appliance.hub.relay import cut_before_answer
+from appliance.http.keys import request_key
 from appliance.http.stream import Cut, relay_chunks, stream_error
+from appliance.hub import translate
+from appliance.hub.relay import cut_before_answer
 from appliance.hub.requestid import request_id
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
+from appliance.listener import Refusal
 from appliance.upstream import UpstreamError
 
 log = logging.getLogger("appliance.hub.router")
@@ -89,7 +89,8 @@ def decode_request(body: bytes) -> _Req:
 class Outcome:
     """What the audit line and the metrics say about one request."""
 
-    __slots__ = ("t0", "client", "cls", "model", "label", "path", "status", "node", "ttfb", "error", "done", "tried",
+    __slots__ = ("t0", "client", "cls", "model", "label", "path", "status", "node", "ttfb", "error",
+                 "done", "tried",
                  "request_id")
 
     def __init__(self, path: str, request_id: str = "") -> None:
@@ -160,7 +161,8 @@ async def handle_inference(hub, scope, receive, send, api: str) -> None:
         log.exception("request for %r from %s failed inside the hub", out.model, out.client)
         if not out.done:
             try:
-                await send_error(hub, send, api, out, ApiError(500, "internal_error", "the hub failed on this request"))
+                await send_error(hub, send, api, out, ApiError(500, "internal_error",
+                                                               "the hub failed on this request"))
             except Exception:  # the response had already started: the connection just ends
                 pass
     finally:
@@ -176,7 +178,8 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
         try:
             body = await read_body(receive, hub.cfg.hub.max_body_bytes)
         except BodyTooLarge:
-            raise ApiError(413, "body_too_large", f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
+            raise ApiError(413, "body_too_large",
+                           f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
         req = decode_request(body)
         if not hub.grace.over() and not _ready(hub, req.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
@@ -247,7 +250,8 @@ async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: tra
         record(hub, out)
         body = unload_answer(model, scope["path"] == "/api/chat")
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *_rid(out)]})
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            *_rid(out)]})
         await send({"type": "http.response.body", "body": body})
         return
     err = hub.control.unservable(model)
@@ -260,7 +264,8 @@ async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: tra
         await hub.control.activate(model)
     ticket = await hub.admission.admit(model, out.cls, out.client)
     try:
-        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS and k != b"x-request-id"]
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_HEADERS
+                   and k != b"x-request-id"]
         headers += _rid(out)
         await _proxy(hub, send, api, out, model, prep, headers)
     finally:
@@ -268,7 +273,8 @@ async def _route(hub, scope, send, api: str, out: Outcome, model: str, prep: tra
         hub.control.touch(model, keep)  # idle time counts from the end of the work
 
 
-async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepared, headers) -> None:
+async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepared,
+                 headers) -> None:
     """Send to the best node; once more on the least loaded other one if it fails before
     the first byte. The operator's log line says what happened to whom."""
     registry = hub.registry
@@ -294,10 +300,12 @@ async def _proxy(hub, send, api, out: Outcome, model: str, prep: translate.Prepa
         log.warning("%s: request for %s from %s %s", last, model, out.client,
                     f"retried on {nxt.name}" if nxt is not None else "has no other node to go to")
         node = nxt
-    raise ApiError(503, "no_capacity", f"no node can serve {model!r} now ({last})", retry_after=NO_CAPACITY_RETRY_AFTER)
+    raise ApiError(503, "no_capacity", f"no node can serve {model!r} now ({last})",
+                   retry_after=NO_CAPACITY_RETRY_AFTER)
 
 
-async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan, headers) -> tuple[bool, str]:
+async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan,
+                       headers) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first
     byte -- including the node being declared lost while the request waited on it."""
     cut = Cut()
@@ -310,7 +318,8 @@ async def _stream_from(hub, send, api, out: Outcome, node, plan: translate.Plan,
             watchers.cancel_scope.cancel()
 
 
-async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, headers, cut: Cut) -> tuple[bool, str]:
+async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, headers,
+                 cut: Cut) -> tuple[bool, str]:
     resp = None
     headers = [*headers, *node.auth_raw]  # a per-node token replaces the shared one
     with cut.reading():
@@ -344,18 +353,22 @@ async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, heade
         out.node = node.name
         out.status = resp.status_code
         out.ttfb = time.perf_counter() - out.t0
-        ctype = resp.headers.get("content-type", "application/json") if conv is None else conv.content_type.decode()
+        ctype = resp.headers.get("content-type",
+                                 "application/json") if conv is None else conv.content_type.decode()
         start_headers = [(b"content-type", ctype.encode()), *_rid(out)]
-        clen = resp.headers.get("content-length") if conv is None else (str(len(first)) if chunks.ended else None)
+        clen = resp.headers.get("content-length") if conv is None else (str(len(first))
+                                                                        if chunks.ended else None)
         if clen is not None and clen.isdigit() and int(clen) == len(first):
             # A whole answer in the first read (every short, non-streamed one): one
             # body message with its length, no chunked framing, fewer writes.
             start_headers.append((b"content-length", clen.encode()))
             record(hub, out)
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": start_headers})
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": start_headers})
             await send({"type": "http.response.body", "body": first, "more_body": False})
             return True, ""
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": start_headers})
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": start_headers})
         tail = b""
         if first:
             await send({"type": "http.response.body", "body": first, "more_body": True})
@@ -374,7 +387,8 @@ async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, heade
             log.warning("%s: request for %s from %s ends with %s", msg, out.model, out.client, code)
             record(hub, out)
             if clen is None:  # a sized body cannot carry an error event; it just ends short
-                await send({"type": "http.response.body", "body": stream_error(ctype, api, code, msg, tail),
+                await send({"type": "http.response.body", "body": stream_error(ctype, api, code,
+                                                                               msg, tail),
                             "more_body": False})
             return True, ""
         record(hub, out)

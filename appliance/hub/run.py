@@ -16,8 +16,8 @@ import logging
 import signal
 import ssl
 import sys
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import httpx
 import trio
@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
 from appliance.asgi import same_port, serve
-from appliance.listener import Limits
 from appliance.config import Config
 from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
@@ -35,6 +34,7 @@ from appliance.hub.grace import StartupGrace
 from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
+from appliance.listener import Limits
 from appliance.upstream import Pool
 
 log = logging.getLogger("appliance.hub")
@@ -98,7 +98,8 @@ class Hub:
 
 def hub_limits(cfg: Config) -> Limits:
     h = cfg.hub
-    return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections, h.max_buffered_bytes)
+    return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections,
+                  h.max_buffered_bytes)
 
 
 def _auth_headers(cfg: Config) -> dict[str, str]:
@@ -121,8 +122,10 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
         headers=_auth_headers(cfg),
         verify=_client_ssl(cfg) or True,
         # Connect fast or fail over; reads may wait a long time between tokens.
-        timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0, pool=10.0),
-        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=60),
+        timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0,
+                              pool=10.0),
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200,
+                            keepalive_expiry=60),
     )
 
 
@@ -132,12 +135,14 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
         same_port(metrics_listen, cfg.hub.listen, "Hub__Listen")
         if not cfg.auth.node_token and not cfg.auth.nodes:
-            log.warning("Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
+            log.warning(
+                "Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
                         "only); set Auth__NodeToken on the hub and its nodes to let nodes announce themselves")
         if cfg.cluster.etcd:
             await nursery.start(_cluster, hub)
         await nursery.start(hub.control.run)
-        await nursery.start(run_sampler, hub.history, partial(read_hub, hub.metrics, hub.admission, hub.registry))
+        await nursery.start(run_sampler, hub.history, partial(read_hub, hub.metrics, hub.admission,
+                                                              hub.registry))
         api_done = trio.Event()
 
         async def drain_deadline() -> None:
@@ -150,9 +155,12 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
-                await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait, limits=hub_limits(cfg),
-                            drain_seconds=cfg.hub.drain_seconds + DRAIN_CUT_SECONDS, certfile=cfg.hub.tls_cert,
-                            keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca, task_status=task_status)
+                await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
+                            limits=hub_limits(cfg),
+                            drain_seconds=cfg.hub.drain_seconds + DRAIN_CUT_SECONDS,
+                            certfile=cfg.hub.tls_cert,
+                            keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca,
+                            task_status=task_status)
             finally:
                 api_done.set()
 
@@ -161,7 +169,8 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
             from appliance.metricsapp import metrics_app
 
             await nursery.start(partial(serve, metrics_app(hub.metrics_registry, hub.before_scrape),
-                                        metrics_listen, "metrics", shutdown_trigger=stop.wait, drain_seconds=1,
+                                        metrics_listen, "metrics", shutdown_trigger=stop.wait,
+                                        drain_seconds=1,
                                         limits=hub_limits(cfg)))
         for n in cfg.nodes:
             hub.add_node(n.name, n.url, static=True)
@@ -209,13 +218,15 @@ async def handle_signals(signals, stop: trio.Event, notifier, on_reload, what: s
 AT_NEXT_START = {
     "Hub__Listen": lambda c: c.hub.listen, "Hub__TlsCert": lambda c: c.hub.tls_cert,
     "Hub__TlsKey": lambda c: c.hub.tls_key, "Hub__TlsCa": lambda c: c.hub.tls_ca,
-    "Hub__DrainSeconds": lambda c: c.hub.drain_seconds, "Metrics__Listen": lambda c: c.metrics.listen,
+    "Hub__DrainSeconds": lambda c: c.hub.drain_seconds,
+    "Metrics__Listen": lambda c: c.metrics.listen,
     "Auth__NodeToken": lambda c: c.auth.node_token, "Audit__Path": lambda c: c.audit.path,
     "Hub__Name": lambda c: c.hub.name, "Cluster": lambda c: c.cluster,
 }
 
 
-def reload_hub(hub: Hub, env_file: str | None, adjust: Callable[[Config], Config] | None = None) -> None:
+def reload_hub(hub: Hub, env_file: str | None, adjust: Callable[[Config],
+                                                                Config] | None = None) -> None:
     """One log line either way: refused (the old configuration stays), or reloaded --
     naming any changed setting that only applies at the next start. `adjust` makes the
     new Config what the caller made of the first one (`appliance up`)."""
@@ -256,7 +267,8 @@ async def _main(cfg: Config, env_file: str | None) -> None:
             notifier.ready()
             hub.control.beat = heartbeat.beat  # the control loop's every turn feeds the watchdog
             nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
-            nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub, env_file), "hub")
+            nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub,
+                                                                                env_file), "hub")
             await hub_done.wait()
             nursery.cancel_scope.cancel()
 

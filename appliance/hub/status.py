@@ -21,7 +21,8 @@ def node_entry(h) -> dict:
     models = []
     if st is not None:
         models = [{"name": m.name, "state": m.state, "size_mb": m.size_mb,
-                   "in_flight": h.in_flight.get(m.name, 0), "last_error": m.last_error} for m in st.models]
+                   "in_flight": h.in_flight.get(m.name, 0), "last_error": m.last_error}
+                  for m in st.models]
     return {
         "name": h.name,
         "url": h.url,
@@ -72,9 +73,11 @@ def model_meta(hub, model: str):
 
 def details(meta) -> dict:
     if meta is None:
-        return {"parent_model": "", "format": "", "family": "", "families": None, "parameter_size": "",
+        return {"parent_model": "", "format": "", "family": "", "families": None,
+                "parameter_size": "",
                 "quantization_level": ""}
-    return {"parent_model": "", "format": meta.format, "family": meta.family, "families": meta.families,
+    return {"parent_model": "", "format": meta.format, "family": meta.family,
+            "families": meta.families,
             "parameter_size": meta.parameter_size, "quantization_level": meta.quantization_level}
 
 
@@ -105,8 +108,10 @@ def openai_models(hub, client_allowed) -> dict:
     for m in hub.control.models_status():
         if not client_allowed(m["name"]):
             continue
-        data.append({"id": m["name"], "object": "model", "created": created, "owned_by": "appliance",
-                     "status": _health(m), "ready_replicas": m["ready"], "last_error": m["last_error"],
+        data.append({"id": m["name"], "object": "model", "created": created,
+                     "owned_by": "appliance",
+                     "status": _health(m), "ready_replicas": m["ready"],
+                     "last_error": m["last_error"],
                      "reason": m["reason"]})
     return {"object": "list", "data": data}
 
@@ -119,8 +124,10 @@ def ollama_tags(hub, client_allowed) -> dict:
         meta = model_meta(hub, m["name"])
         models.append({"name": m["name"], "model": m["name"],
                        "modified_at": (meta.modified_at if meta is not None and meta.modified_at
-                                       else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(STARTED_AT))),
-                       "size": _size_bytes(hub, m["name"]), "digest": meta.digest if meta is not None else "",
+                                       else time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                          time.gmtime(STARTED_AT))),
+                       "size": _size_bytes(hub, m["name"]), "digest": meta.digest
+                       if meta is not None else "",
                        "details": details(meta),
                        "status": _health(m), "last_error": m["last_error"], "reason": m["reason"]})
     return {"models": models}

@@ -39,13 +39,15 @@ def hub_client(cfg: Config) -> httpx.AsyncClient:
     return httpx.AsyncClient(verify=verify, timeout=httpx.Timeout(10.0))
 
 
-async def announce_once(client: httpx.AsyncClient, hub_url: str, token: str, me: Announce) -> str | None:
+async def announce_once(client: httpx.AsyncClient, hub_url: str, token: str,
+                        me: Announce) -> str | None:
     """One announcement; None when the hub took it, else what went wrong."""
     headers = {"content-type": "application/json"}
     if token:
         headers["authorization"] = f"Bearer {token}"
     try:
-        r = await client.post(f"{hub_url.rstrip('/')}/api/nodes/announce", content=_enc.encode(me), headers=headers)
+        r = await client.post(f"{hub_url.rstrip('/')}/api/nodes/announce", content=_enc.encode(me),
+                              headers=headers)
     except httpx.HTTPError as e:
         return describe(e)
     if r.status_code >= 300:
@@ -53,7 +55,8 @@ async def announce_once(client: httpx.AsyncClient, hub_url: str, token: str, me:
     return None
 
 
-async def announce_loop(client: httpx.AsyncClient, hub_url: str, token: str, me: Announce, every: float,
+async def announce_loop(client: httpx.AsyncClient, hub_url: str, token: str, me: Announce,
+                        every: float,
                         *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Announce now and every `every` seconds, until cancelled."""
     task_status.started()
@@ -62,7 +65,8 @@ async def announce_loop(client: httpx.AsyncClient, hub_url: str, token: str, me:
     while True:
         problem = await announce_once(client, hub_url, token, me)
         if problem is not None and (failing is None or first):
-            log.warning("cannot announce %s to the hub at %s: %s (retrying every %g s; logged once until it works)",
+            log.warning(
+                "cannot announce %s to the hub at %s: %s (retrying every %g s; logged once until it works)",
                         me.url, hub_url, problem, every)
         elif problem is None and (failing is not None or first):
             log.info("announced %s as %s to the hub at %s", me.name, me.url, hub_url)

@@ -33,20 +33,36 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    bearer,
+    read_body,
+    send_json,
+    send_text,
+)
 from appliance.bounds import OTHER_LABEL, echo
-from appliance.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read_body, send_json, send_text
 from appliance.config import Config
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import error_body
 from appliance.http.stream import relay_chunks, stream_error
-from appliance.node.changes import ChangeWaiter
 from appliance.metricsapp import render
-from appliance.node.engines.base import Engine, EngineError
 from appliance.node import modelops
+from appliance.node.changes import ChangeWaiter
+from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
 from appliance.upstream import Pool, UpstreamError
-from appliance.wire import EPOCH_HEADER, Heartbeat, LoadRequest, StateEvent, encode_event, load_request_decoder
+from appliance.wire import (
+    EPOCH_HEADER,
+    Heartbeat,
+    LoadRequest,
+    StateEvent,
+    encode_event,
+    load_request_decoder,
+)
 
 log = logging.getLogger("appliance.node.app")
 
@@ -90,7 +106,8 @@ class NodeApp:
         # The highest leader epoch a load/unload carried (HA fencing); 0: none seen.
         self.epoch = 0
         if not self.token:
-            log.warning("Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach them")
+            log.warning(
+                "Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach them")
 
     # --- dispatch ----------------------------------------------------------------------
 
@@ -105,14 +122,16 @@ class NodeApp:
         is_proxy = path.startswith(("/v1/", "/api/"))
         api = _api_of(path) if is_proxy else "node"
         if not self._authorized(scope):
-            await self._error(send, api, 401, "invalid_api_key", "missing or wrong node token (Auth__NodeToken)")
+            await self._error(send, api, 401, "invalid_api_key",
+                              "missing or wrong node token (Auth__NodeToken)")
             return
         if path.startswith("/node/v1/"):
             await self._node_api(scope, receive, send, path[len("/node/v1/"):], method)
         elif is_proxy:
             await self._client_api(scope, receive, send, path, method, api)
         elif path == "/metrics" and self.metrics is not None:
-            await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]), CONTENT_TYPE_LATEST.encode())
+            await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]),
+                            CONTENT_TYPE_LATEST.encode())
         else:
             await self._error(send, "node", 404, "not_found", f"no route {method} {path}")
 
@@ -124,17 +143,22 @@ class NodeApp:
 
     async def _error(self, send: Send, api: str, status: int, code: str, message: str,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        body = msgspec.json.encode({"error": message}) if api == "node" else error_body(api, status, code, message)
+        body = msgspec.json.encode({"error": message}) if api == "node" else error_body(api, status,
+                                                                                        code,
+                                                                                        message)
         await send_json(send, status, body, headers)
 
     # --- /node/v1/ -----------------------------------------------------------------------
 
-    async def _node_api(self, scope: Scope, receive: Receive, send: Send, rest: str, method: str) -> None:
+    async def _node_api(self, scope: Scope, receive: Receive, send: Send, rest: str,
+                        method: str) -> None:
         k = self.keeper
-        simple = {"watch": "GET", "state": "GET", "pause": "POST", "resume": "POST", "leave": "POST", "join": "POST"}
+        simple = {"watch": "GET", "state": "GET", "pause": "POST", "resume": "POST",
+                  "leave": "POST", "join": "POST"}
         if rest in simple:
             if method != simple[rest]:
-                await self._error(send, "node", 405, "method_not_allowed", f"{rest} takes {simple[rest]}")
+                await self._error(send, "node", 405, "method_not_allowed",
+                                  f"{rest} takes {simple[rest]}")
             elif rest == "watch":
                 await self._watch(receive, send)
             elif rest == "state":
@@ -162,10 +186,12 @@ class NodeApp:
             body = await read_body(receive, CONTROL_BODY_LIMIT)
             req = load_request_decoder.decode(body) if body.strip() else LoadRequest()
         except BodyTooLarge:
-            await self._error(send, "node", 413, "body_too_large", f"body over {CONTROL_BODY_LIMIT} bytes")
+            await self._error(send, "node", 413, "body_too_large",
+                              f"body over {CONTROL_BODY_LIMIT} bytes")
             return
         except (msgspec.DecodeError, RecursionError) as e:
-            await self._error(send, "node", 400, "invalid_json", f"body is not a LoadRequest: {e or 'nested too deeply'}")
+            await self._error(send, "node", 400, "invalid_json",
+                              f"body is not a LoadRequest: {e or 'nested too deeply'}")
             return
         stale = self._fence(scope)
         if stale:
@@ -243,7 +269,8 @@ class NodeApp:
             await self._error(send, "node", 502, "unload_failed", str(e) or type(e).__name__)
             return
         if cs.cancelled_caught:
-            await self._error(send, "node", 504, "unload_timeout", f"unload took over {timeout:g} s")
+            await self._error(send, "node", 504, "unload_timeout",
+                              f"unload took over {timeout:g} s")
             return
         self.keeper.unloaded(model)
         log.info("%s unloaded", model)
@@ -281,7 +308,8 @@ class NodeApp:
 
     # --- the engine's client paths -------------------------------------------------------
 
-    async def _client_api(self, scope: Scope, receive: Receive, send: Send, path: str, method: str, api: str) -> None:
+    async def _client_api(self, scope: Scope, receive: Receive, send: Send, path: str, method: str,
+                          api: str) -> None:
         if method == "GET":
             listing = self._listing(path)
             if listing is None:
@@ -318,14 +346,16 @@ class NodeApp:
         try:
             body = await read_body(receive, limit)
         except BodyTooLarge:
-            await self._error(send, api, 413, "body_too_large", f"request body is over Hub__MaxBodyBytes ({limit} bytes)")
+            await self._error(send, api, 413, "body_too_large",
+                              f"request body is over Hub__MaxBodyBytes ({limit} bytes)")
             return
         except trio.BrokenResourceError:
             return
         try:
             model = _model_decoder.decode(body).model
         except msgspec.ValidationError:
-            await self._error(send, api, 400, "invalid_request", "body must be a JSON object with a string `model`")
+            await self._error(send, api, 400, "invalid_request",
+                              "body must be a JSON object with a string `model`")
             return
         except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
             await self._error(send, api, 400, "invalid_json", "body is not JSON")
@@ -333,11 +363,13 @@ class NodeApp:
         upstream = self.engine.upstream(model)
         if upstream is None:
             if any(m.name == model for m in self.engine.models()):
-                await self._error(send, api, 503, "no_capacity", f"model {model} is not loaded on node {self.keeper.name}",
+                await self._error(send, api, 503, "no_capacity",
+                                  f"model {model} is not loaded on node {self.keeper.name}",
                                   [(b"retry-after", b"1")])
                 self._count(model, "503")
             else:
-                await self._error(send, api, 404, "model_not_found", f"model {echo(model)} not found on node {self.keeper.name}")
+                await self._error(send, api, 404, "model_not_found",
+                                  f"model {echo(model)} not found on node {self.keeper.name}")
                 self._count(OTHER_LABEL, "404")  # a client-chosen name never becomes a label
             return
         refused = self.keeper.try_start(model)
@@ -361,13 +393,16 @@ class NodeApp:
         """Stream `body` to the engine and its answer back; the status for metrics goes
         into `outcome` just before the last byte goes out."""
         raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        url = upstream + raw + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
+        url = upstream + raw + (("?" + scope["query_string"].decode("latin-1"))
+                                if scope.get("query_string") else "")
         headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_REQUEST]
         started = False
         resp = None
         try:
-            resp = await self.pool.request(scope["method"], url, headers, body, self.cfg.hub.upstream_read_seconds)
-            out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE if k in resp.headers]
+            resp = await self.pool.request(scope["method"], url, headers, body,
+                                           self.cfg.hub.upstream_read_seconds)
+            out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE
+                   if k in resp.headers]
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
             started = True
             chunks = resp.chunks()

@@ -20,18 +20,25 @@ class NodeMetrics:
         self.keeper = keeper
         self.registry = registry
         r = registry
-        self.requests = Counter("appliance_node_requests", "Requests proxied to the engine, by model and status.",
+        self.requests = Counter("appliance_node_requests",
+                                "Requests proxied to the engine, by model and status.",
                                 ["model", "status"], registry=r)
-        self.in_flight = Gauge("appliance_node_in_flight", "Requests in flight on this node, by model.",
+        self.in_flight = Gauge("appliance_node_in_flight",
+                               "Requests in flight on this node, by model.",
                                ["model"], registry=r)
-        self.paused = Gauge("appliance_node_owner_paused", "1 while the owner has paused this node.", registry=r)
-        self.left = Gauge("appliance_node_left_fleet", "1 while the owner has taken this node out of the fleet.",
+        self.paused = Gauge("appliance_node_owner_paused",
+                            "1 while the owner has paused this node.", registry=r)
+        self.left = Gauge("appliance_node_left_fleet",
+                          "1 while the owner has taken this node out of the fleet.",
                           registry=r)
-        self.over = Gauge("appliance_node_over_own_limits", "1 while this node is over its declared limits.",
+        self.over = Gauge("appliance_node_over_own_limits",
+                          "1 while this node is over its declared limits.",
                           registry=r)
-        self.mem_total = Gauge("appliance_node_memory_total_mib", "Memory for models, MiB (measured or declared).",
+        self.mem_total = Gauge("appliance_node_memory_total_mib",
+                               "Memory for models, MiB (measured or declared).",
                                registry=r)
-        self.mem_used = Gauge("appliance_node_memory_used_mib", "Memory used, MiB (measured or the engine's account).",
+        self.mem_used = Gauge("appliance_node_memory_used_mib",
+                              "Memory used, MiB (measured or the engine's account).",
                               registry=r)
 
     def request(self, model: str, status: str) -> None:

@@ -40,7 +40,8 @@ async def handle(app, scope, receive, send, action: str) -> None:
     """`app` is the NodeApp (its engine, pool and config)."""
     engine = app.engine
     if engine.kind not in MANAGING_KINDS or not getattr(engine, "url", ""):
-        await send_json(send, 501, {"error": f"a {engine.kind or 'missing'} engine does not {action} models; "
+        await send_json(send, 501,
+                        {"error": f"a {engine.kind or 'missing'} engine does not {action} models; "
                                              f"put the model file where the engine reads it"})
         return
     try:
@@ -58,24 +59,28 @@ async def handle(app, scope, receive, send, action: str) -> None:
     method, path = ("POST", "/api/pull") if action == "pull" else ("DELETE", "/api/delete")
     resp = None
     try:
-        resp = await app.pool.request(method, engine.url + path, [(b"content-type", b"application/json")], body,
+        resp = await app.pool.request(method, engine.url + path, [(b"content-type",
+                                                                   b"application/json")], body,
                                       app.cfg.hub.upstream_read_seconds)
         ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": [(b"content-type", ctype)]})
         async for chunk in resp.chunks():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         log.info("node: %s %s on the engine: %s", action, req.model or req.name, resp.status_code)
         with trio.move_on_after(REFRESH_SECONDS):
             try:
                 await engine.refresh()
-            except (*POLL_ERRORS, EngineError) as e:  # the next poll tells; this only made it sooner
+            except (*POLL_ERRORS,
+                    EngineError) as e:  # the next poll tells; this only made it sooner
                 log.info("node: reading the model list after %s failed: %s", action, e)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except UpstreamError as e:
         if resp is None:
             await send_json(send, 502, {"error": f"engine at {engine.url} failed: {e}"})
         else:
-            await send({"type": "http.response.body", "body": msgspec.json.encode({"error": str(e)}) + b"\n",
+            await send({"type": "http.response.body",
+                        "body": msgspec.json.encode({"error": str(e)}) + b"\n",
                         "more_body": False})
     finally:
         if resp is not None:

@@ -35,8 +35,8 @@ from prometheus_client import CollectorRegistry
 from appliance import config as config_mod
 from appliance import sdnotify
 from appliance.asgi import same_port, serve
-from appliance.listener import Limits
 from appliance.config import Config
+from appliance.listener import Limits
 from appliance.metricsapp import metrics_app
 from appliance.node.announce import announce_loop, hub_client
 from appliance.node.app import NodeApp
@@ -76,7 +76,8 @@ def advertise_url(cfg: Config, host: str, port: int) -> str:
 
 def _read_nvidia_smi(exe: str) -> str:
     """Blocking; runs in a worker thread."""
-    out = subprocess.run([exe, *NVIDIA_SMI[1:]], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT)
+    out = subprocess.run([exe, *NVIDIA_SMI[1:]], capture_output=True, text=True,
+                         timeout=NVIDIA_SMI_TIMEOUT)
     if out.returncode != 0:
         raise OSError(f"exit {out.returncode}: {(out.stderr or out.stdout).strip()[:200]}")
     return out.stdout
@@ -107,7 +108,8 @@ async def poll_gpu_memory(keeper: NodeStateKeeper, every: float,
         await trio.sleep(every)
 
 
-async def apply_reloads(keeper: NodeStateKeeper, engine, reloads: trio.MemoryReceiveChannel) -> None:
+async def apply_reloads(keeper: NodeStateKeeper, engine,
+                        reloads: trio.MemoryReceiveChannel) -> None:
     """Apply each reloaded Config: the node's limits, and the engine's own settings where
     the adapter takes them (`reconfigure`, e.g. the sim's model list)."""
     async with reloads:
@@ -119,14 +121,16 @@ async def apply_reloads(keeper: NodeStateKeeper, engine, reloads: trio.MemoryRec
             if changes:
                 log.info("configuration reloaded: %s", "; ".join(changes))
             else:
-                log.info("configuration reloaded: no node limit changed (Node__MaxConcurrency, ModelSlots "
+                log.info(
+                    "configuration reloaded: no node limit changed (Node__MaxConcurrency, ModelSlots "
                          "and MemoryMb apply at once; other settings at the next start)")
 
 
 async def run_node(cfg: Config, stop: trio.Event | None = None, *,
                    reloads: trio.MemoryReceiveChannel | None = None,
                    registry: CollectorRegistry | None = None,
-                   task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
+                   task_status: trio.TaskStatus[tuple[str,
+                                                      int]] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a node until `stop` is set, then drain and return. Reports the bound
     (host, port) of the node API once every listener is bound."""
     stop = stop if stop is not None else trio.Event()
@@ -144,9 +148,11 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
-                await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait, limits=node_limits(cfg),
+                await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait,
+                            limits=node_limits(cfg),
                             drain_seconds=cfg.hub.drain_seconds, certfile=cfg.node.tls_cert,
-                            keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca, require_client_cert=True,
+                            keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca,
+                            require_client_cert=True,
                             task_status=task_status)
             finally:
                 api_done.set()
@@ -155,7 +161,8 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         same_port(metrics_listen, cfg.node.listen, "Node__Listen")
         host, port = await nursery.start(api_server)
         if metrics_listen:
-            await nursery.start(partial(serve, metrics_app(metrics.registry, [metrics.refresh]), metrics_listen,
+            await nursery.start(partial(serve, metrics_app(metrics.registry, [metrics.refresh]),
+                                        metrics_listen,
                                         "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1,
                                         limits=node_limits(cfg)))
         url = advertise_url(cfg, host, port)
@@ -169,7 +176,8 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         task_status.started((host, port))
 
         await stop.wait()
-        log.info("node %s draining: %d request(s) in flight, up to %g s", name, keeper.in_flight_total,
+        log.info("node %s draining: %d request(s) in flight, up to %g s", name,
+                 keeper.in_flight_total,
                  cfg.hub.drain_seconds)
         keeper.drain()
         api_stop.set()

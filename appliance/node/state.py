@@ -26,7 +26,8 @@ output into numbers and `set_gpu_memory` hands them in.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from appliance.config import NodeConfig
 from appliance.wire import EngineInstall, ModelState, NodeState

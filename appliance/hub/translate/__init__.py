@@ -20,12 +20,20 @@ body; otherwise a forwarded body is the client's own bytes.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
-from appliance.hub.translate import anthropic, ollama, responses
 from appliance.http.errors import ApiError
-from appliance.hub.translate.common import (ErrorConverter, bad, check_openai_chat, check_openai_completion,
-                                            check_openai_embedding, decode_object, enc)
+from appliance.hub.translate import anthropic, ollama, responses
+from appliance.hub.translate.common import (
+    ErrorConverter,
+    bad,
+    check_openai_chat,
+    check_openai_completion,
+    check_openai_embedding,
+    decode_object,
+    enc,
+)
 
 # Engine kinds that speak only OpenAI's API (DESIGN 6); the others speak Ollama's too.
 OPENAI_ONLY = frozenset({"llamacpp", "openai"})
@@ -66,7 +74,8 @@ class Plan:
 class Prepared:
     __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only")
 
-    def __init__(self, path: str, api: str, body: bytes, translated: tuple[str, bytes] | None = None,
+    def __init__(self, path: str, api: str, body: bytes, translated: tuple[str,
+                                                                           bytes] | None = None,
                  make: Callable[[], Converter] | None = None, always: bool = False,
                  refused: ApiError | None = None) -> None:
         self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
@@ -87,7 +96,8 @@ class Prepared:
         return Plan(path, body, self.api, self.make)
 
 
-def _openai_check(check: Callable[[dict], None], required: str) -> Callable[[dict], ApiError | None]:
+def _openai_check(check: Callable[[dict], None], required: str) -> Callable[[dict],
+                                                                            ApiError | None]:
     """Wrong types are a 400 at once, whatever the engine; a missing `required` field only
     for OpenAI-only engines (llama.cpp answers a chat without messages with a 200, the
     sim and Ollama with their own error)."""
@@ -132,7 +142,8 @@ def _translated(path: str, api: str, obj: dict, fwd: bytes, given: str, model: s
         load_only = not (obj.get("messages") if chat else obj.get("prompt"))
         if load_only:
             # Ollama's "load the model" request: one token asked and thrown away.
-            req, stream = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            req, stream = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 1,
                            "stream": False}, False
         else:
             req, stream = (ollama.chat_request if chat else ollama.generate_request)(obj, model)
@@ -192,7 +203,7 @@ class Relay:
         self._conv = conv
         self.ended = False
 
-    def __aiter__(self) -> "Relay":
+    def __aiter__(self) -> Relay:
         return self
 
     async def __anext__(self) -> bytes:

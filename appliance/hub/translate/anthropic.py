@@ -19,10 +19,19 @@ from typing import Any
 
 import msgspec
 
-from appliance.hub.translate.common import (SSEReader, bad, enc, integer, number,
-                                            parse_args, stop_list, usage_of)
+from appliance.hub.translate.common import (
+    SSEReader,
+    bad,
+    enc,
+    integer,
+    number,
+    parse_args,
+    stop_list,
+    usage_of,
+)
 
-_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "end_turn"}
+_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+         "content_filter": "end_turn"}
 _ids = itertools.count(1)
 
 
@@ -43,7 +52,9 @@ def _text_of(content: Any, where: str) -> str:
 def _image(b: dict, where: str) -> dict:
     src = b.get("source")
     if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
-        return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"}}
+        return {"type": "image_url",
+                "image_url": {
+                    "url": f"data:{src.get('media_type', 'image/png')};base64,{src['data']}"}}
     if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
         return {"type": "image_url", "image_url": {"url": src["url"]}}
     raise bad(f"'{where}.source' must be a base64 or url image source", f"{where}.source")
@@ -57,7 +68,8 @@ def _turn(m: Any, i: int) -> list[dict]:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
-        raise bad(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
+        raise bad(f"{where}.content must be a string or an array of content blocks",
+                  f"{where}.content")
     parts: list[dict] = []
     calls: list[dict] = []
     results: list[dict] = []
@@ -74,7 +86,8 @@ def _turn(m: Any, i: int) -> list[dict]:
             if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                 raise bad(f"{bw}: tool_use needs a string id and name", bw)
             calls.append({"id": b["id"], "type": "function",
-                          "function": {"name": b["name"], "arguments": enc.encode(b.get("input", {})).decode()}})
+                          "function": {"name": b["name"],
+                                       "arguments": enc.encode(b.get("input", {})).decode()}})
         elif t == "tool_result" and role == "user":
             if not isinstance(b.get("tool_use_id"), str):
                 raise bad(f"{bw}.tool_use_id must be a string", f"{bw}.tool_use_id")
@@ -88,13 +101,15 @@ def _turn(m: Any, i: int) -> list[dict]:
             raise bad(f"{bw}: unsupported content block type {t!r}", f"{bw}.type")
     out = list(results)
     if role == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(p["text"] for p in parts if p["type"] == "text")}
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(p["text"] for p in parts
+                                                                       if p["type"] == "text")}
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
     elif parts:
         only_text = all(p["type"] == "text" for p in parts)
-        out.append({"role": "user", "content": "".join(p["text"] for p in parts) if only_text else parts})
+        out.append({"role": "user", "content": "".join(p["text"] for p in parts) if only_text
+                    else parts})
     return out
 
 
@@ -108,7 +123,8 @@ def _tools(obj: dict, out: dict) -> None:
             if not isinstance(t, dict) or not isinstance(t.get("name"), str):
                 raise bad(f"tools.{i}.name must be a string", f"tools.{i}.name")
             schema = t.get("input_schema", {"type": "object"})
-            conv.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+            conv.append({"type": "function", "function": {"name": t["name"],
+                                                          "description": t.get("description", ""),
                                                           "parameters": schema}})
         if conv:
             out["tools"] = conv
@@ -185,7 +201,8 @@ class MessagesConverter:
         self._done = False
 
     def _message(self, content: list, stop: str | None, usage: tuple[int, int]) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content,
                 "stop_reason": stop, "stop_sequence": None,
                 "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
 
@@ -208,7 +225,8 @@ class MessagesConverter:
             content.append({"type": "tool_use", "id": c.get("id") or f"toolu_{next(_ids)}",
                             "name": fn.get("name", ""), "input": parse_args(fn.get("arguments"))})
         finish = ch.get("finish_reason") or "stop"
-        stop = "tool_use" if any(b["type"] == "tool_use" for b in content) else _STOP.get(finish, "end_turn")
+        stop = "tool_use" if any(b["type"] == "tool_use"
+                                 for b in content) else _STOP.get(finish, "end_turn")
         return enc.encode(self._message(content, stop, usage_of(obj)))
 
     # --- stream ----------------------------------------------------------------------
@@ -231,7 +249,8 @@ class MessagesConverter:
         if self._started:
             return []
         self._started = True
-        return [_sse("message_start", {"type": "message_start", "message": self._message([], None, (0, 0))}),
+        return [_sse("message_start", {"type": "message_start", "message": self._message([], None,
+                                                                                         (0, 0))}),
                 _sse("ping", {"type": "ping"})]
 
     def _chunk(self, obj: dict) -> list[bytes]:
@@ -249,7 +268,8 @@ class MessagesConverter:
         if isinstance(text, str) and text:
             if self._kind != "text" or self._block is None:
                 out += self._open("text", {"type": "text", "text": ""})
-            out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
+            out.append(_sse("content_block_delta", {"type": "content_block_delta",
+                                                    "index": self._block,
                                                     "delta": {"type": "text_delta", "text": text}}))
         for d in delta.get("tool_calls") or []:
             if not isinstance(d, dict):
@@ -258,12 +278,15 @@ class MessagesConverter:
             fn = d.get("function") if isinstance(d.get("function"), dict) else {}
             if self._kind != kind or self._block is None:
                 self._finish = "tool_calls"
-                out += self._open(kind, {"type": "tool_use", "id": d.get("id") or f"toolu_{next(_ids)}",
+                out += self._open(kind, {"type": "tool_use", "id": d.get("id")
+                                         or f"toolu_{next(_ids)}",
                                          "name": fn.get("name") or "", "input": {}})
             piece = fn.get("arguments")
             if isinstance(piece, str) and piece:
-                out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self._block,
-                                                        "delta": {"type": "input_json_delta", "partial_json": piece}}))
+                out.append(_sse("content_block_delta", {"type": "content_block_delta",
+                                                        "index": self._block,
+                                                        "delta": {"type": "input_json_delta",
+                                                                  "partial_json": piece}}))
         return out
 
     def _finish_events(self) -> list[bytes]:
@@ -272,9 +295,11 @@ class MessagesConverter:
         self._done = True
         out = self._start() + self._close()
         out.append(_sse("message_delta", {"type": "message_delta",
-                                          "delta": {"stop_reason": _STOP.get(self._finish, "end_turn"),
+                                          "delta": {"stop_reason": _STOP.get(self._finish,
+                                                                             "end_turn"),
                                                     "stop_sequence": None},
-                                          "usage": {"input_tokens": self._usage[0], "output_tokens": self._usage[1]}}))
+                                          "usage": {"input_tokens": self._usage[0],
+                                                    "output_tokens": self._usage[1]}}))
         out.append(_sse("message_stop", {"type": "message_stop"}))
         return out
 

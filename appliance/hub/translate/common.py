@@ -90,7 +90,8 @@ def check_openai_chat(obj: dict) -> None:
             raise bad(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
-            raise bad(f"'messages[{i}].content' must be a string or an array", f"messages[{i}].content")
+            raise bad(f"'messages[{i}].content' must be a string or an array",
+                      f"messages[{i}].content")
     check_sampling(obj)
 
 

@@ -17,13 +17,24 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 
-from appliance.hub.translate.common import (SSEReader, ToolCallAccumulator, bad, enc, image_url, integer,
-                                            number, parse_args, stop_list, usage_of)
+from appliance.hub.translate.common import (
+    SSEReader,
+    ToolCallAccumulator,
+    bad,
+    enc,
+    image_url,
+    integer,
+    number,
+    parse_args,
+    stop_list,
+    usage_of,
+)
 
 # Ollama's options that are sampling fields of an OpenAI request, by their OpenAI name.
 # top_k, min_p, repeat_penalty are llama.cpp's and vLLM's extensions of the same body.
@@ -34,7 +45,7 @@ _DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "cont
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _options(obj: dict, out: dict) -> None:
@@ -62,7 +73,8 @@ def _format(obj: dict, out: dict) -> None:
     if f == "json":
         out["response_format"] = {"type": "json_object"}
     elif isinstance(f, dict):
-        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": f}}
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "response",
+                                                                         "schema": f}}
     else:
         raise bad("'format' must be \"json\" or a JSON schema object", "format")
 
@@ -97,15 +109,19 @@ def _message(m: Any, i: int, ids: list[str]) -> dict:
         for j, c in enumerate(calls):
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise bad(f"'{where}.tool_calls[{j}].function.name' must be a string", f"{where}.tool_calls")
+                raise bad(f"'{where}.tool_calls[{j}].function.name' must be a string",
+                          f"{where}.tool_calls")
             args = fn.get("arguments", {})
-            cid = c.get("id") if isinstance(c.get("id"), str) and c.get("id") else f"call_{len(ids)}"
+            cid = c.get("id") if isinstance(c.get("id"),
+                                            str) and c.get("id") else f"call_{len(ids)}"
             ids.append(cid)
             out["tool_calls"].append({"id": cid, "type": "function", "function": {
-                "name": fn["name"], "arguments": args if isinstance(args, str) else enc.encode(args).decode()}})
+                "name": fn["name"], "arguments": args if isinstance(args, str)
+                else enc.encode(args).decode()}})
     if m["role"] == "tool":
         tid = m.get("tool_call_id")
-        out["tool_call_id"] = tid if isinstance(tid, str) and tid else (ids.pop(0) if ids else "call_0")
+        out["tool_call_id"] = tid if isinstance(tid, str) and tid else (ids.pop(0) if ids
+                                                                        else "call_0")
     return out
 
 
@@ -115,7 +131,8 @@ def chat_request(obj: dict, model: str) -> tuple[dict, bool]:
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array", "messages")
     ids: list[str] = []
-    out: dict[str, Any] = {"model": model, "messages": [_message(m, i, ids) for i, m in enumerate(msgs)]}
+    out: dict[str, Any] = {"model": model, "messages": [_message(m, i, ids) for i,
+                                                        m in enumerate(msgs)]}
     tools = obj.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -134,7 +151,8 @@ def generate_request(obj: dict, model: str) -> tuple[dict, bool]:
     if isinstance(system, str) and system:
         msgs.append({"role": "system", "content": system})
     parts = _images(obj.get("images"), "images")
-    msgs.append({"role": "user", "content": ([{"type": "text", "text": prompt}] + parts) if parts else prompt})
+    msgs.append({"role": "user", "content": ([{"type": "text", "text": prompt}] + parts) if parts
+                 else prompt})
     return _common(obj, {"model": model, "messages": msgs})
 
 
@@ -158,7 +176,8 @@ def embed_request(obj: dict, model: str, legacy: bool) -> dict:
     if legacy:
         if not isinstance(x, str):
             raise bad("'prompt' must be a string", "prompt")
-    elif not (isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(i, str) for i in x))):
+    elif not (isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(i, str)
+                                                                       for i in x))):
         raise bad("'input' must be a string or a non-empty array of strings", "input")
     out: dict[str, Any] = {"model": model, "input": x}
     dims = integer(obj, "dimensions")
@@ -175,14 +194,16 @@ def _ollama_calls(calls: Any) -> list[dict]:
     out = []
     for c in calls if isinstance(calls, list) else []:
         fn = c.get("function", c) if isinstance(c, dict) else {}
-        out.append({"function": {"name": fn.get("name", ""), "arguments": parse_args(fn.get("arguments"))}})
+        out.append({"function": {"name": fn.get("name", ""),
+                                 "arguments": parse_args(fn.get("arguments"))}})
     return out
 
 
 class ChatConverter:
     """An engine's chat-completions answer as Ollama's /api/chat or /api/generate answer."""
 
-    def __init__(self, model: str, stream: bool, chat: bool, clock: Callable[[], int] = time.perf_counter_ns,
+    def __init__(self, model: str, stream: bool, chat: bool,
+                 clock: Callable[[], int] = time.perf_counter_ns,
                  load_only: bool = False) -> None:
         self.model = model
         self.load_only = load_only  # Ollama's load request: the engine's token is not the answer
@@ -217,7 +238,8 @@ class ChatConverter:
         total = end - self._t0
         prompt_ns = (self._first or end) - self._t0
         t = self._timings or {}
-        if isinstance(t.get("prompt_ms"), (int, float)) and isinstance(t.get("predicted_ms"), (int, float)):
+        if isinstance(t.get("prompt_ms"), (int, float)) and isinstance(t.get("predicted_ms"),
+                                                                       (int, float)):
             prompt_ns, eval_ns = int(t["prompt_ms"] * 1e6), int(t["predicted_ms"] * 1e6)
         else:
             eval_ns = total - prompt_ns
@@ -300,7 +322,8 @@ class EmbedConverter:
 
     content_type = b"application/json"
 
-    def __init__(self, model: str, legacy: bool, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+    def __init__(self, model: str, legacy: bool,
+                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
         self.model = model
         self.legacy = legacy
         self._clock = clock
@@ -317,12 +340,15 @@ class EmbedConverter:
         except msgspec.DecodeError:
             obj = {}
         data = obj.get("data") if isinstance(obj, dict) else None
-        rows = sorted((d for d in data or [] if isinstance(d, dict)), key=lambda d: d.get("index", 0))
+        rows = sorted((d for d in data or [] if isinstance(d, dict)), key=lambda d: d.get("index",
+                                                                                          0))
         vecs = [d.get("embedding", []) for d in rows]
         if self.legacy:
             return enc.encode({"embedding": vecs[0] if vecs else []})
-        return enc.encode({"model": self.model, "embeddings": vecs, "total_duration": self._clock() - self._t0,
-                           "load_duration": 0, "prompt_eval_count": usage_of(obj if isinstance(obj, dict) else {})[0]})
+        return enc.encode({"model": self.model, "embeddings": vecs,
+                           "total_duration": self._clock() - self._t0,
+                           "load_duration": 0,
+                           "prompt_eval_count": usage_of(obj if isinstance(obj, dict) else {})[0]})
 
 
 def unload_answer(model: str, chat: bool) -> bytes:
@@ -347,7 +373,8 @@ def keep_alive_seconds(v) -> float | None:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return math.inf if v < 0 else float(v)
     if not isinstance(v, str) or not v.strip():
-        raise bad("'keep_alive' must be a number of seconds or a duration like \"5m\"", "keep_alive")
+        raise bad("'keep_alive' must be a number of seconds or a duration like \"5m\"",
+                  "keep_alive")
     text = v.strip()
     sign = -1.0 if text.startswith("-") else 1.0
     text = text.lstrip("+-")
@@ -363,7 +390,8 @@ def keep_alive_seconds(v) -> float | None:
             num += c
             i += 1
             continue
-        unit = next((u for u in ("ns", "us", "µs", "ms", "h", "m", "s") if text.startswith(u, i)), None)
+        unit = next((u for u in ("ns", "us", "µs", "ms", "h", "m", "s") if text.startswith(u, i)),
+                    None)
         if unit is None or not num:
             raise bad(f"'keep_alive' {v!r} is not a duration", "keep_alive")
         total += float(num) * _UNITS[unit]

@@ -21,8 +21,15 @@ from typing import Any
 
 import msgspec
 
-from appliance.hub.translate.common import (SSEReader, ToolCallAccumulator, bad, enc, integer, number,
-                                            usage_of)
+from appliance.hub.translate.common import (
+    SSEReader,
+    ToolCallAccumulator,
+    bad,
+    enc,
+    integer,
+    number,
+    usage_of,
+)
 
 _ids = itertools.count(1)
 
@@ -46,13 +53,15 @@ def _items(items: list) -> list[dict]:
         if t == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise bad(f"'{where}.role' must be user, assistant, system or developer", f"{where}.role")
+                raise bad(f"'{where}.role' must be user, assistant, system or developer",
+                          f"{where}.role")
             c = it.get("content")
             if isinstance(c, str):
                 content: Any = c
             elif isinstance(c, list):
                 parts = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(c)]
-                content = ("".join(p["text"] for p in parts) if all(p["type"] == "text" for p in parts) else parts)
+                content = ("".join(p["text"] for p in parts) if all(p["type"] == "text"
+                                                                    for p in parts) else parts)
             else:
                 raise bad(f"'{where}.content' must be a string or an array", f"{where}.content")
             out.append({"role": "system" if role == "developer" else role, "content": content})
@@ -81,7 +90,8 @@ def _items(items: list) -> list[dict]:
 def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
     """(OpenAI chat body, stream, the request fields the response object echoes)."""
     if obj.get("previous_response_id") is not None:
-        raise bad("previous_response_id is not supported: this hub stores no responses; send the whole "
+        raise bad(
+            "previous_response_id is not supported: this hub stores no responses; send the whole "
                   "conversation in 'input'", "previous_response_id")
     msgs: list[dict] = []
     instr = obj.get("instructions")
@@ -110,8 +120,11 @@ def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
             raise bad("'tools' must be an array", "tools")
         conv = []
         for i, t in enumerate(tools):
-            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-                raise bad(f"'tools[{i}]' must be a function tool with a name (only function tools are served)",
+            if not isinstance(t,
+                              dict) or t.get("type") != "function" or not isinstance(t.get("name"),
+                                                                                     str):
+                raise bad(
+                    f"'tools[{i}]' must be a function tool with a name (only function tools are served)",
                           f"tools[{i}]")
             fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
             if isinstance(t.get("description"), str):
@@ -130,7 +143,8 @@ def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
             out["response_format"] = {"type": "json_object"}
         elif fmt.get("type") == "json_schema":
             out["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": fmt.get("name", "response"), "schema": fmt.get("schema", {}), "strict": fmt.get("strict", False)}}
+                "name": fmt.get("name", "response"), "schema": fmt.get("schema", {}),
+                "strict": fmt.get("strict", False)}}
     stream = obj.get("stream", False)
     if stream is None:
         stream = False
@@ -173,17 +187,22 @@ class ResponsesConverter:
              "model": self.model, "output": output, "parallel_tool_calls": True, "error": None,
              "incomplete_details": None, "text": {"format": {"type": "text"}}, **self.echo}
         r["usage"] = None if usage is None else {
-            "input_tokens": usage[0], "output_tokens": usage[1], "total_tokens": usage[0] + usage[1],
-            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+            "input_tokens": usage[0], "output_tokens": usage[1],
+            "total_tokens": usage[0] + usage[1],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
         return r
 
     def _message_item(self, text: str, status: str) -> dict:
-        content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}]
-        return {"type": "message", "id": self._msg_id, "status": status, "role": "assistant", "content": content}
+        content = [] if status == "in_progress" else [{"type": "output_text", "text": text,
+                                                       "annotations": []}]
+        return {"type": "message", "id": self._msg_id, "status": status, "role": "assistant",
+                "content": content}
 
     @staticmethod
     def _call_item(call: dict, status: str) -> dict:
-        return {"type": "function_call", "id": f"fc_{call['id'] or 'call'}", "call_id": call["id"] or "call_0",
+        return {"type": "function_call", "id": f"fc_{call['id'] or 'call'}", "call_id": call["id"]
+                or "call_0",
                 "name": call["name"], "arguments": call["arguments"], "status": status}
 
     def _ev(self, kind: str, **data: Any) -> bytes:
@@ -218,7 +237,8 @@ class ResponsesConverter:
             return []
         self._started = True
         r = self._response("in_progress", [], None)
-        return [self._ev("response.created", response=r), self._ev("response.in_progress", response=r)]
+        return [self._ev("response.created", response=r), self._ev("response.in_progress",
+                                                                   response=r)]
 
     def _chunk(self, obj: dict) -> list[bytes]:
         out: list[bytes] = []
@@ -236,19 +256,24 @@ class ResponsesConverter:
                 self._outputs += 1
                 out.append(self._ev("response.output_item.added", output_index=self._msg_index,
                                     item=self._message_item("", "in_progress")))
-                out.append(self._ev("response.content_part.added", item_id=self._msg_id, output_index=self._msg_index,
-                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                out.append(self._ev("response.content_part.added", item_id=self._msg_id,
+                                    output_index=self._msg_index,
+                                    content_index=0, part={"type": "output_text", "text": "",
+                                                           "annotations": []}))
             self._text += text
-            out.append(self._ev("response.output_text.delta", item_id=self._msg_id, output_index=self._msg_index,
+            out.append(self._ev("response.output_text.delta", item_id=self._msg_id,
+                                output_index=self._msg_index,
                                 content_index=0, delta=text))
         for idx, call, piece in self._tools.add(delta.get("tool_calls")):
             if idx not in self._tool_items:
                 self._tool_items[idx] = self._outputs
                 self._outputs += 1
-                out.append(self._ev("response.output_item.added", output_index=self._tool_items[idx],
+                out.append(self._ev("response.output_item.added",
+                                    output_index=self._tool_items[idx],
                                     item=self._call_item({**call, "arguments": ""}, "in_progress")))
             if piece:
-                out.append(self._ev("response.function_call_arguments.delta", item_id=f"fc_{call['id'] or 'call'}",
+                out.append(self._ev("response.function_call_arguments.delta",
+                                    item_id=f"fc_{call['id'] or 'call'}",
                                     output_index=self._tool_items[idx], delta=piece))
         return out
 
@@ -261,20 +286,25 @@ class ResponsesConverter:
         if self._text is not None:
             item = self._message_item(self._text, "completed")
             part = item["content"][0]
-            out.append(self._ev("response.output_text.done", item_id=self._msg_id, output_index=self._msg_index,
+            out.append(self._ev("response.output_text.done", item_id=self._msg_id,
+                                output_index=self._msg_index,
                                 content_index=0, text=self._text))
-            out.append(self._ev("response.content_part.done", item_id=self._msg_id, output_index=self._msg_index,
+            out.append(self._ev("response.content_part.done", item_id=self._msg_id,
+                                output_index=self._msg_index,
                                 content_index=0, part=part))
-            out.append(self._ev("response.output_item.done", output_index=self._msg_index, item=item))
+            out.append(self._ev("response.output_item.done", output_index=self._msg_index,
+                                item=item))
             output.append((self._msg_index, item))
         for idx, call in sorted(self._tools.calls.items()):
             item = self._call_item(call, "completed")
             oi = self._tool_items[idx]
-            out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=oi,
+            out.append(self._ev("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=oi,
                                 arguments=call["arguments"]))
             out.append(self._ev("response.output_item.done", output_index=oi, item=item))
             output.append((oi, item))
-        resp = self._response("completed", [i for _, i in sorted(output, key=lambda p: p[0])], self._usage)
+        resp = self._response("completed", [i for _, i in sorted(output, key=lambda p: p[0])],
+                              self._usage)
         out.append(self._ev("response.completed", response=resp))
         return out
 

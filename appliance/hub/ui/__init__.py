@@ -32,7 +32,8 @@ FILES = {
 }
 # The page loads only its own files and talks only to this hub.
 PAGE_HEADERS = [
-    (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'"),
+    (b"content-security-policy",
+     b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'"),
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"no-referrer"),
     (b"cache-control", b"no-cache"),
@@ -51,7 +52,8 @@ def _file(name: str) -> bytes:
 
 async def _redirect(send, location: bytes) -> None:
     await send({"type": "http.response.start", "status": 303,
-                "headers": [(b"location", location), (b"content-type", b"text/plain; charset=utf-8")]})
+                "headers": [(b"location", location), (b"content-type",
+                                                      b"text/plain; charset=utf-8")]})
     await send({"type": "http.response.body", "body": b"see " + location + b"\n"})
 
 
@@ -71,14 +73,16 @@ async def handle(hub, scope, send, admin_ok) -> bool:
     if not (path == "/ui" or path.startswith("/ui/") or path in FEEDS):
         return False
     if method not in ("GET", "HEAD"):
-        await send_json(send, 405, error_body("ollama", 405, "method_not_allowed", f"{path} takes GET"))
+        await send_json(send, 405, error_body("ollama", 405, "method_not_allowed",
+                                              f"{path} takes GET"))
         return True
     if path == "/ui":
         await _redirect(send, b"/ui/")
         return True
     if path in FEEDS:
         if not admin_ok():
-            await send_json(send, 401, error_body("openai", 401, "invalid_api_key", "the admin key is required"))
+            await send_json(send, 401, error_body("openai", 401, "invalid_api_key",
+                                                  "the admin key is required"))
             return True
         body = hub.history.payload() if path == FEEDS[0] else hub.recent.payload(_limit(scope))
         await send_json(send, 200, body)
@@ -86,8 +90,10 @@ async def handle(hub, scope, send, admin_ok) -> bool:
     name = path[len("/ui/"):] or "index.html"
     ctype = FILES.get(name)
     if ctype is None:
-        await send_json(send, 404, error_body("ollama", 404, "not_found", f"no file {name!r} in the page"))
+        await send_json(send, 404, error_body("ollama", 404, "not_found",
+                                              f"no file {name!r} in the page"))
         return True
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype), *PAGE_HEADERS]})
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype),
+                                                                          *PAGE_HEADERS]})
     await send({"type": "http.response.body", "body": b"" if method == "HEAD" else _file(name)})
     return True

@@ -11,7 +11,7 @@ the node can publish a new `NodeState` on its watch stream.
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 

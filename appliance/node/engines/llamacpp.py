@@ -107,7 +107,8 @@ def expand_command(template: str, model: str, port: int, args: str) -> list[str]
         if word == "{args}":
             argv.extend(shlex.split(args))
             continue
-        argv.append(word.replace("{model}", model).replace("{port}", str(port)).replace("{args}", args))
+        argv.append(word.replace("{model}", model).replace("{port}", str(port)).replace("{args}",
+                                                                                        args))
     return argv
 
 
@@ -175,7 +176,8 @@ class LlamaCppEngine(Engine):
         return list(self._installs)
 
     def models(self) -> list[ModelState]:
-        return [ModelState(name=m.name, size_mb=m.size_mb, state=m.state, last_error=m.last_error, meta=m.meta)
+        return [ModelState(name=m.name, size_mb=m.size_mb, state=m.state, last_error=m.last_error,
+                           meta=m.meta)
                 for m in self._models.values()]
 
     def upstream(self, model: str) -> str | None:
@@ -216,7 +218,8 @@ class LlamaCppEngine(Engine):
 
     # --- one model's process -----------------------------------------------------------
 
-    async def _run_model(self, m: _Model, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_model(self, m: _Model, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with m.scope:
             try:
                 m.port = free_port()
@@ -227,7 +230,8 @@ class LlamaCppEngine(Engine):
                     m.last_error = f"cannot start {argv[0] if argv else '(empty Engine__Command)'}: {e}"
                     m.state = "failed"
                 else:
-                    log.info("llamacpp: pid %d serves %s on port %d: %s", m.child.pid, m.name, m.port, shlex.join(argv))
+                    log.info("llamacpp: pid %d serves %s on port %d: %s", m.child.pid, m.name,
+                             m.port, shlex.join(argv))
                     await self._serve(m, task_status)
             finally:
                 if m.state == "loading" and m.unloading:
@@ -333,15 +337,18 @@ class LlamaCppEngine(Engine):
                         self.command, argv[0] if argv else "")
             return []
         if argv[1:3] == ["-m", "llama_cpp.server"]:
-            probe = [argv[0], "-c", "import importlib.metadata as m; print(m.version('llama_cpp_python'))"]
+            probe = [argv[0], "-c",
+                     "import importlib.metadata as m; print(m.version('llama_cpp_python'))"]
         else:
             probe = [argv[0], "--version"]
         version = ""
         with trio.move_on_after(10):
             try:
-                done = await trio.run_process(probe, capture_stdout=True, capture_stderr=True, check=False)
+                done = await trio.run_process(probe, capture_stdout=True, capture_stderr=True,
+                                              check=False)
                 out = (done.stdout + done.stderr).decode("utf-8", "replace")
-                found = re.search(r"version:\s*(\S+)", out) or re.match(r"\s*(\d+\.\d+\S*)\s*$", out)
+                found = re.search(r"version:\s*(\S+)", out) or re.match(r"\s*(\d+\.\d+\S*)\s*$",
+                                                                        out)
                 version = found.group(1) if found else ""
             except OSError:
                 pass

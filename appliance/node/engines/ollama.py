@@ -21,13 +21,13 @@ it asked for. Profile `args` mean nothing to Ollama and are ignored.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import msgspec
 import trio
 
-from appliance.config import MiB, Config
+from appliance.config import Config, MiB
 from appliance.node.engines.base import Engine, EngineError
 from appliance.wire import EngineInstall, ModelMeta, ModelState
 
@@ -106,9 +106,11 @@ class _Tag(msgspec.Struct):
 
     def meta(self) -> ModelMeta:
         d = self.details or _Details()
-        return ModelMeta(digest=self.digest, modified_at=self.modified_at, format=d.format, family=d.family,
+        return ModelMeta(digest=self.digest, modified_at=self.modified_at, format=d.format,
+                         family=d.family,
                          families=d.families, parameter_size=d.parameter_size,
-                         quantization_level=d.quantization_level, context_length=self.context_length)
+                         quantization_level=d.quantization_level,
+                         context_length=self.context_length)
 
 
 class _Tags(msgspec.Struct):
@@ -149,7 +151,8 @@ class PolledEngine(Engine):
         async with httpx.AsyncClient(base_url=self.url, timeout=CLIENT_TIMEOUT) as client:
             self._client = client
             try:
-                await poll_engine(self.refresh, self.poll_seconds, self._away, task_status=task_status)
+                await poll_engine(self.refresh, self.poll_seconds, self._away,
+                                  task_status=task_status)
             finally:
                 self._client = None
 
@@ -202,7 +205,8 @@ class OllamaEngine(PolledEngine):
             r = await client.get("/api/version")
             r.raise_for_status()
             self._version = _version_decoder.decode(r.content).version
-            log.info("%s at %s answers (version %s)", self.kind, self.url, self._version or "unknown")
+            log.info("%s at %s answers (version %s)", self.kind, self.url, self._version
+                     or "unknown")
         self._up = True
         self._tags = {t.name or t.model: mib(t.size) for t in tags}
         self._ps = {t.name or t.model: mib(t.size) for t in ps}
@@ -247,7 +251,8 @@ class OllamaEngine(PolledEngine):
         else:
             state = "available"
         size = self._tags.get(target) or self._ps.get(target, 0)
-        return ModelState(name=name, size_mb=size, state=state, last_error=self._failed.get(target, ""),
+        return ModelState(name=name, size_mb=size, state=state, last_error=self._failed.get(target,
+                                                                                            ""),
                           meta=self._meta.get(target))
 
     def models(self) -> list[ModelState]:
@@ -280,9 +285,11 @@ class OllamaEngine(PolledEngine):
         done = False
         try:
             try:
-                r = await client.post("/api/generate", json={"model": source or model, "keep_alive": -1})
+                r = await client.post("/api/generate", json={"model": source or model,
+                                                             "keep_alive": -1})
             except httpx.HTTPError as e:
-                raise EngineError(f"{self.kind} at {self.url} did not answer: {type(e).__name__}: {e}") from None
+                raise EngineError(
+                    f"{self.kind} at {self.url} did not answer: {type(e).__name__}: {e}") from None
             if r.status_code != 200:
                 raise EngineError(error_text(r))
             self._ps.setdefault(target, self._tags.get(target, 0))
@@ -304,7 +311,8 @@ class OllamaEngine(PolledEngine):
         try:
             r = await client.post("/api/generate", json={"model": target, "keep_alive": 0})
         except httpx.HTTPError as e:
-            raise EngineError(f"{self.kind} at {self.url} did not answer: {type(e).__name__}: {e}") from None
+            raise EngineError(
+                f"{self.kind} at {self.url} did not answer: {type(e).__name__}: {e}") from None
         if r.status_code not in (200, 404):  # 404: Ollama does not know it, so nothing is loaded
             raise EngineError(error_text(r))
         self._ps.pop(target, None)

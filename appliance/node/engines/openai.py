@@ -50,7 +50,8 @@ class OpenAIEngine(PolledEngine):
         models = [m.id for m in _models_decoder.decode(r.content).data or [] if m.id]
         if not self._up:
             self._version = await self._read_version(client)
-            log.info("openai upstream at %s answers, serving %s", self.url, ", ".join(models) or "nothing")
+            log.info("openai upstream at %s answers, serving %s", self.url, ", ".join(models)
+                     or "nothing")
         self._up, self._models = True, models
         self._notify()
 
@@ -82,7 +83,8 @@ class OpenAIEngine(PolledEngine):
                 with trio.fail_after(POLL_TIMEOUT_SECONDS):
                     await self.refresh()
             except (*POLL_ERRORS, EngineError) as e:
-                raise EngineError(f"openai upstream at {self.url} did not answer: {type(e).__name__}: {e}") from None
+                raise EngineError(
+                    f"openai upstream at {self.url} did not answer: {type(e).__name__}: {e}") from None
         if name not in self._models:
             raise EngineError(f"openai upstream at {self.url} does not serve {name!r}; "
                               f"it serves: {', '.join(self._models) or 'nothing'}")
