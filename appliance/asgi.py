@@ -168,7 +168,8 @@ async def serve(
                                                                                     keyfile),
                                                            ("TlsCa", ca_certs)) if v)
             raise StartupError(f"{names}={certfile!r}{f', {keyfile!r}' if keyfile else ''}"
-                               f"{f', {ca_certs!r}' if ca_certs else ''}: cannot load: {e.strerror or e}") from None
+                               f"{f', {ca_certs!r}' if ca_certs else ''}: cannot load: "
+                               f"{e.strerror or e}") from None
 
     async def _serve(*, task_status=trio.TASK_STATUS_IGNORED):
         await serve_guarded(http_only(app), cfg, limits, shutdown_trigger=shutdown_trigger

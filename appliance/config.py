@@ -452,7 +452,8 @@ def _duplicates(var: str, values: list[str], what: str) -> None:
     for i, v in enumerate(values):
         if v and v in seen:
             raise ConfigError(
-                f"{var.format(seen[v])} and {var.format(i)} have the same {what}: each must be unique")
+                f"{var.format(seen[v])} and {var.format(i)} have the same {what}: each must be "
+                "unique")
         seen.setdefault(v, i)
 
 

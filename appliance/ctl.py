@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                                                "--key-file or APPLIANCE_ADMIN_KEY")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status",
-                   help="models against what they should have now, and nodes; exit 1 if not satisfied")
+                   help="models against what they should have now, and nodes; exit 1 if not "
+                        "satisfied")
     sub.add_parser("models", help="every model's health")
     sub.add_parser("nodes", help="every node")
     sp = sub.add_parser("retry", help="unpark a model and try it again")
@@ -159,7 +160,8 @@ def admin_key(args, err) -> str:
             return fh.read().strip()
     if args.key is not None:
         print(
-            "appliance ctl: warning: --key shows the admin key in the process list; use --key-file or "
+            "appliance ctl: warning: --key shows the admin key in the process list; use --key-file "
+            "or "
               "APPLIANCE_ADMIN_KEY", file=err)
         return args.key
     return os.environ.get("APPLIANCE_ADMIN_KEY", "")
@@ -179,7 +181,8 @@ def model_op(args, client: httpx.Client, out, err) -> int:
                                                "").startswith("application/json") else {}
         if resp.status_code != 200:
             print(
-                f"appliance ctl rm: the hub answered {resp.status_code}: {body.get('error', resp.text[:300])}", file=err)
+                f"appliance ctl rm: the hub answered {resp.status_code}: "
+                f"{body.get('error', resp.text[:300])}", file=err)
             return 1
         print(json.dumps(body) if args.json
               else f"{args.model}: deleted on {', '.join(body.get('deleted', []))}", file=out)

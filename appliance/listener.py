@@ -330,7 +330,8 @@ class _Shed:
                 if now - self._logged >= self.LOG_EVERY:
                     self._logged = now
                     log.warning(
-                        "%d connections open (the bound): closing the oldest that serve no request to "
+                        "%d connections open (the bound): closing the oldest that serve no request "
+                        "to "
                                 "take new ones (%d so far)", limit, self.count)
                 return True
         return False

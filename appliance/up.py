@@ -65,7 +65,8 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         print(f"appliance up: using the local Ollama at {OLLAMA_URL}", file=sys.stderr, flush=True)
     else:
         print("appliance up: NO OLLAMA at 127.0.0.1:11434 -- using the built-in SIMULATED engine "
-              f"(models: {', '.join(m.name for m in cfg.sim.effective_models())}); answers are not from a real model",
+              f"(models: {', '.join(m.name for m in cfg.sim.effective_models())}); answers are not "
+              "from a real model",
               file=sys.stderr, flush=True)
     notifier = sdnotify.Notifier.from_env()
     stop = trio.Event()

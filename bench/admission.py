@@ -95,7 +95,8 @@ async def bench_decisions(cap: int, what: str) -> None:
         await hold_waiters(adm, r, nursery)
         assert core.classes["background"].waiting == WAITERS
         print(
-            f"{what}: {NODES} nodes (MaxConcurrency={cap}, ModelSlots=2), {WAITERS:,} background requests held")
+            f"{what}: {NODES} nodes (MaxConcurrency={cap}, ModelSlots=2), {WAITERS:,} background "
+            "requests held")
 
         def decide(cls: str):
             ready = adm._ready_nodes(MODEL)
@@ -126,7 +127,8 @@ async def bench_decisions(cap: int, what: str) -> None:
                 await adm.admit(MODEL, "essential", "ops")
             rounds.append((time.perf_counter_ns() - t0) / n / 1000)
         print(
-            f"  {'await Admission.admit, essential goes at once':<56} {statistics.median(rounds):7.2f} us")
+            f"  {'await Admission.admit, essential goes at once':<56} "
+            f"{statistics.median(rounds):7.2f} us")
 
         # A request finishes: the registry's listener (shape check, dispatch) grants the
         # head of the 10,000 its place; its task then starts, and one more is held.
@@ -140,7 +142,8 @@ async def bench_decisions(cap: int, what: str) -> None:
             await hold_waiters(adm, r, nursery, 1)
         assert core.classes["background"].released == 500
         print(
-            f"  {'a request finishes: the listener wakes the next waiter':<56} {statistics.median(samples):7.2f} us")
+            f"  {'a request finishes: the listener wakes the next waiter':<56} "
+            f"{statistics.median(samples):7.2f} us")
         nursery.cancel_scope.cancel()
 
 
@@ -159,7 +162,8 @@ def bench_memory() -> None:
             t1 = tracemalloc.get_traced_memory()[0]
             tracemalloc.stop()
             print(
-                f"memory: {WAITERS:,} requests held, each a trio task (task, coroutine frames, cancel scope,"
+                f"memory: {WAITERS:,} requests held, each a trio task (task, coroutine frames, "
+                "cancel scope,"
                   f" Event, Waiter, queue entry): {(t1 - t0) / WAITERS:,.0f} B per waiting request")
             nursery.cancel_scope.cancel()
 

@@ -55,7 +55,8 @@ def main() -> None:
     t0 = time.monotonic()
     exe = build_binary()
     print(
-        f"binary: {exe} ({exe.stat().st_size / 1e6:.1f} MB; build or cache lookup took {time.monotonic() - t0:.0f} s)")
+        f"binary: {exe} ({exe.stat().st_size / 1e6:.1f} MB; build or cache lookup took "
+        f"{time.monotonic() - t0:.0f} s)")
     source_env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     print(
         f"{'role':<6}{'how':<8}{'READY=1 s (median)':>20}{'RSS MiB':>10}{'+boot MiB':>11}{'READY x':>9}")

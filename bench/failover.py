@@ -106,7 +106,8 @@ def main() -> None:
             wait_until(lambda: cluster(hubs[leader]).get("leader") == survivor, timeout=30,
                        what="rejoined")
         print(f"\nlease {args.lease} s, {args.kills} kills: time to a new leader "
-              f"min {min(took):.2f} / median {statistics.median(took):.2f} / max {max(took):.2f} s; "
+              f"min {min(took):.2f} / median {statistics.median(took):.2f} / max {max(took):.2f} "
+              "s; "
               f"requests for a ready model: {sent_all} sent, {lost_all} lost")
     finally:
         procs.close()

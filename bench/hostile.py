@@ -76,7 +76,8 @@ def main() -> None:
                 c.post("/v1/chat/completions", json={"model": f"unknown-{i}", "messages": []})
         after = len(httpx.get(metrics).content)
         print(
-            f"1. /metrics: {before} bytes before, {after} after 2,000 unknown names (+{after - before} bytes)")
+            f"1. /metrics: {before} bytes before, {after} after 2,000 unknown names "
+            f"(+{after - before} bytes)")
 
         base = fds(pid)
         socks = []
@@ -107,7 +108,8 @@ def main() -> None:
         for s in socks:
             s.close()
         print(
-            f"2. 900 slow heads: hub fds {base} idle, peak {max(peak)} (Hub__MaxConnections={args.max_connections});"
+            f"2. 900 slow heads: hub fds {base} idle, peak {max(peak)} "
+            f"(Hub__MaxConnections={args.max_connections});"
               f" an ordinary request answered {code} in {took:.1f} s")
 
         s = socket.create_connection((host, port))
@@ -133,7 +135,8 @@ def main() -> None:
                 break
         s.close()
         print(
-            f"3. one byte a second: cut after {time.monotonic() - t0:.1f} s with {got.split(b' ', 2)[1].decode() if got else 'no answer'}"
+            f"3. one byte a second: cut after {time.monotonic() - t0:.1f} s with "
+            f"{got.split(b' ', 2)[1].decode() if got else 'no answer'}"
               f" (Hub__BodyReadSeconds={args.body_seconds:g})")
 
         idle = rss_mb(pid)

@@ -191,29 +191,36 @@ def main() -> None:
           f"hub + 1 node on loopback, {os.cpu_count()} CPUs, load average {load:.2f} at the start")
     print("\ncold model, first request through the hub (streamed, openai client):")
     print(
-        f"  {'placement':<14}{cold['placement'] * ms:>9.0f} ms  request sent -> node logs `loading tiny`"
+        f"  {'placement':<14}{cold['placement'] * ms:>9.0f} ms  request sent -> node logs `loading "
+        "tiny`"
           f" (hub's placement decision at +{cold['decided'] * ms:.0f} ms)")
     print(
-        f"  {'engine start':<14}{cold['engine'] * ms:>9.0f} ms  node `loading tiny` -> `tiny is ready`"
+        f"  {'engine start':<14}{cold['engine'] * ms:>9.0f} ms  node `loading tiny` -> `tiny is "
+        "ready`"
           f" (llama_cpp.server spawned at +{cold['spawned'] * ms:.0f} ms)")
     print(
-        f"  {'first token':<14}{cold['first'] * ms:>9.0f} ms  `tiny is ready` -> first content token at the client"
+        f"  {'first token':<14}{cold['first'] * ms:>9.0f} ms  `tiny is ready` -> first content "
+        "token at the client"
           f" (hub has the load answer at +{cold['loaded'] * ms:.0f} ms)")
     print(f"  {'total':<14}{cold['total'] * ms:>9.0f} ms  request sent -> first content token")
     med = tok["median"]
     e, h = med["engine alone"], med["hub+node"]
     print(
-        f"\nstreamed chats, {args.requests} per target, alternating, max_tokens {args.tokens}, medians"
-          f" (events per request: engine {tok['event_counts']['engine alone']}, hub {tok['event_counts']['hub+node']}):")
+        f"\nstreamed chats, {args.requests} per target, alternating, max_tokens {args.tokens}, "
+        "medians"
+          f" (events per request: engine {tok['event_counts']['engine alone']}, hub "
+          f"{tok['event_counts']['hub+node']}):")
     print(f"  {'target':<14}{'first event ms':>15}{'gap/event ms':>14}{'wall/event ms':>15}")
     for name, m in med.items():
         print(f"  {name:<14}{m[0] * ms:>15.2f}{m[1] * ms:>14.3f}{m[2] * ms:>15.3f}")
     print(
-        f"  {'hub+node adds':<14}{(h[0] - e[0]) * ms:>15.2f}{(h[1] - e[1]) * ms:>14.3f}{(h[2] - e[2]) * ms:>15.3f}")
+        "  "
+        f"{'hub+node adds':<14}{(h[0] - e[0]) * ms:>15.2f}{(h[1] - e[1]) * ms:>14.3f}{(h[2] - e[2]) * ms:>15.3f}")
     print(f"  {'ratio':<14}{h[0] / e[0]:>14.2f}x{h[1] / e[1]:>13.2f}x{h[2] / e[2]:>14.2f}x")
     cpr, cpe = tok["cpu_per_request"], tok["cpu_per_event"]
     print(
-        f"  CPU spent through hub+node: hub {cpr['hub'] * ms:.1f} ms per request = {cpe['hub'] * 1e6:.0f} us per event,"
+        f"  CPU spent through hub+node: hub {cpr['hub'] * ms:.1f} ms per request = "
+        f"{cpe['hub'] * 1e6:.0f} us per event,"
           f" node {cpr['node'] * ms:.1f} ms = {cpe['node'] * 1e6:.0f} us")
     print(f"\n(run took {time.monotonic() - t_run:.0f} s)")
 

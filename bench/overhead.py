@@ -208,31 +208,40 @@ def main() -> None:
             floor.kill()
         translated = translated_rows(hub.url, hub.pid, args)
         print(
-            f"\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: {floor_cpu * 1e3:.3f} ms CPU per request,"
+            "\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: "
+            f"{floor_cpu * 1e3:.3f} ms CPU per request,"
               f" p50 {statistics.median(lat) * 1e3:.2f} ms")
         if args.ui_polling:
             print(
-                f"page polling on: {polls[0]} page requests to the hub during the run; one poll round costs the"
-                  f" idle hub {poll_cpu * 1e3:.2f} ms CPU ({poll_cpu / PAGE_POLL_SECONDS * 100:.2f}% of a core at one"
+                f"page polling on: {polls[0]} page requests to the hub during the run; one poll "
+                "round costs the"
+                  f" idle hub {poll_cpu * 1e3:.2f} ms CPU "
+                  f"({poll_cpu / PAGE_POLL_SECONDS * 100:.2f}% of a core at one"
                   f" round every {PAGE_POLL_SECONDS:.0f} s)")
         print(
-            f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine {idle_rss['engine']:.1f} MB")
+            f"idle RSS: hub {idle_rss['hub']:.1f} MB, node {idle_rss['node']:.1f} MB, sim engine "
+            f"{idle_rss['engine']:.1f} MB")
         print(
-            f"{'request':<10}{'conc':>5} {'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
+            f"{'request':<10}{'conc':>5} "
+            f"{'target':<9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'+p50 ms':>9}"
               f"{'p50 x':>7}{'rps x':>7}{'hub ms/req':>11}{'node ms/req':>12}{'eng ms/req':>11}{'hub us/chunk':>13}{'node us/chunk':>14}")
         for (kind, conc, tname, p50, p99, rps, dp50, rp50, rrps, hcpu, ncpu, ecpu, hch,
              nch) in rows:
             print(
-                f"{kind:<10}{conc:>5} {tname:<9}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{rps:>9.0f}{dp50 * 1e3:>9.2f}"
+                f"{kind:<10}{conc:>5} "
+                f"{tname:<9}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{rps:>9.0f}{dp50 * 1e3:>9.2f}"
                   f"{rp50:>7.2f}{rrps:>7.2f}{hcpu * 1e3:>11.3f}{ncpu * 1e3:>12.3f}{ecpu * 1e3:>11.3f}"
                   f"{(hch * 1e6 if hch is not None else 0):>13.1f}{(nch * 1e6 if nch is not None else 0):>14.1f}")
         print(
-            "\ntranslation, through the hub, concurrency 1 (base: OpenAI chat passed through to the openai engine)")
+            "\ntranslation, through the hub, concurrency 1 (base: OpenAI chat passed through to "
+            "the openai engine)")
         print(
-            f"{'request':<10} {'route':<24}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'hub ms/req':>11}{'hub us/event':>13}")
+            f"{'request':<10} "
+            f"{'route':<24}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'hub ms/req':>11}{'hub us/event':>13}")
         for kind, label, p50, p99, dp50, hcpu, hch in translated:
             print(
-                f"{kind:<10} {label:<24}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{dp50 * 1e3:>9.2f}{hcpu * 1e3:>11.3f}"
+                f"{kind:<10} "
+                f"{label:<24}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{dp50 * 1e3:>9.2f}{hcpu * 1e3:>11.3f}"
                   f"{(hch * 1e6 if hch is not None else 0):>13.1f}")
     finally:
         stop_polling.set()

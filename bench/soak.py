@@ -237,10 +237,12 @@ def main() -> int:
         for name in ("hub", "gpu-a", "gpu-c"):
             if settled[name]["close_wait"] > 5:
                 failures.append(
-                    f"{name}: {settled[name]['close_wait']} sockets in CLOSE-WAIT 5 s after the load")
+                    f"{name}: {settled[name]['close_wait']} sockets in CLOSE-WAIT 5 s after the "
+                    "load")
             if idle_again[name]["fds"] > before[name]["fds"] + 5:
                 failures.append(
-                    f"{name}: {idle_again[name]['fds']} fds 20 s after the load ({before[name]['fds']} before)")
+                    f"{name}: {idle_again[name]['fds']} fds 20 s after the load "
+                    f"({before[name]['fds']} before)")
     finally:
         for p in procs.all:
             p.kill()

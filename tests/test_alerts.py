@@ -14,7 +14,8 @@ RULES = ROOT / "packaging" / "prometheus"
 PROMTOOL = shutil.which("promtool")
 
 needs_promtool = pytest.mark.skipif(PROMTOOL is None,
-                                    reason="promtool missing (make test installs Debian's prometheus)")
+                                    reason="promtool missing (make test installs Debian's "
+                                           "prometheus)")
 
 
 def promtool(*args: str, cwd: pathlib.Path = RULES) -> subprocess.CompletedProcess:

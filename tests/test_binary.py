@@ -78,7 +78,8 @@ def build_binary() -> Path:
                            timeout=1200)
         assert r.returncode == 0, f"build failed:\n{r.stdout}\n{r.stderr}"
         print(
-            f"\nbinary built in {time.monotonic() - t0:.0f} s: {(tmp / 'appliance').stat().st_size / 1e6:.1f} MB")
+            f"\nbinary built in {time.monotonic() - t0:.0f} s: "
+            f"{(tmp / 'appliance').stat().st_size / 1e6:.1f} MB")
         tmp.rename(CACHE / key)
         for old in sorted((d for d in CACHE.iterdir() if d.is_dir() and d.name != key),
                           key=lambda d: d.stat().st_mtime)[:-2]:

@@ -79,7 +79,8 @@ def test_bad_values_name_the_variable(env, expect):
 def test_env_file_then_environment(tmp_path):
     f = tmp_path / "hub.env"
     f.write_text(
-        "# comment\nHub__Listen=127.0.0.1:1234\nexport Queue__MaxDepth='9'\nAuth__AdminKey=\"s3cret\"\n")
+        "# comment\nHub__Listen=127.0.0.1:1234\nexport "
+        "Queue__MaxDepth='9'\nAuth__AdminKey=\"s3cret\"\n")
     c = load({"Queue__MaxDepth": "10"}, env_file=str(f))
     assert c.hub.listen == "127.0.0.1:1234"
     assert c.queue.max_depth == 10

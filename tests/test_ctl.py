@@ -130,7 +130,9 @@ async def test_ctl_table_json_and_exit_codes(nursery, autojump_clock):
                                           (200, {"model": "qwen/small:1b", "retried": True,
                                                  "was_parked": False}),
                                       ("POST", "/admin/nodes/gpu-z/cordon"): (404,
-                                                                              {"error": "node 'gpu-z' not found"})},
+                                                                              {"error": "node "
+                                                                                        "'gpu-z' "
+                                                                                        "not found"})},
                                      seen), out, err)
         return code, out.getvalue(), err.getvalue()
 

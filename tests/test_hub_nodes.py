@@ -170,7 +170,8 @@ async def test_a_node_never_reached_is_logged_once_per_reason(autojump_clock, ca
                             on_event=lambda *a: None)
     said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert said == [
-        "node far at http://far:1 unreachable: ConnectError: connection refused (retrying with backoff)"]
+        "node far at http://far:1 unreachable: ConnectError: connection refused (retrying with "
+        "backoff)"]
 
 
 def test_pick_spreads_equal_nodes_evenly():

@@ -83,7 +83,8 @@ async def test_real_load_chat_stream_unload(nursery, gguf_pair):
 
     text, full, n_chunks, ttft = await trio.to_thread.run_sync(chat)
     print(
-        f"llamacpp real: chat 16 tokens {full * 1000:.0f} ms; stream {n_chunks} chunks, first token {ttft * 1000:.0f} ms")
+        f"llamacpp real: chat 16 tokens {full * 1000:.0f} ms; stream {n_chunks} chunks, first "
+        f"token {ttft * 1000:.0f} ms")
     assert text
     assert n_chunks >= 2
     pid = eng.pid("tiny")

@@ -129,7 +129,8 @@ def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(proc
     hub.signal(signal.SIGHUP)
     # A setting the running hub cannot take is named in the same line, not silently kept.
     hub.wait_stderr(
-        "configuration reloaded from .*hub.env; changed, applied only at the next start: Audit__Path$")
+        "configuration reloaded from .*hub.env; changed, applied only at the next start: "
+        "Audit__Path$")
     reloaded_at = time.monotonic()
 
     assert chat(hub, "key-b").status_code == 200

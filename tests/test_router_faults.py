@@ -209,7 +209,8 @@ async def test_every_request_one_audit_line_and_one_count(tmp_path):
         # A client that sends half its body and hangs up: 499, counted and audited once.
         s = await trio.open_tcp_stream(host, int(port))
         await s.send_all(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{\"model\"")
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: "
+            b"1000\r\n\r\n{\"model\"")
         await trio.sleep(0.2)
         await s.aclose()
         with trio.fail_after(10):
@@ -306,7 +307,8 @@ async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
                 assert r.status_code == 200
         said = [r.getMessage() for r in caplog.records if r.name == "appliance.hub.router"]
         assert said == [
-            "node gpu-a closed the connection before answering: request for m from anonymous retried on good"]
+            "node gpu-a closed the connection before answering: request for m from anonymous "
+            "retried on good"]
         nursery.cancel_scope.cancel()
 
 

@@ -24,7 +24,8 @@ systemd_analyze = shutil.which("systemd-analyze") or ("/usr/bin/systemd-analyze"
                                                       if Path("/usr/bin/systemd-analyze").exists()
                                                       else None)
 needs_systemd = pytest.mark.skipif(systemd_analyze is None,
-                                   reason="systemd-analyze missing (make test installs Debian's systemd)")
+                                   reason="systemd-analyze missing (make test installs Debian's "
+                                          "systemd)")
 
 
 def local_executable() -> str:

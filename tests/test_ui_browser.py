@@ -249,7 +249,8 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     _wait(d,
           lambda d: len(
               d.execute_script("return document.querySelectorAll('#charts polyline').length ? "
-                                            "document.querySelector('#charts polyline').getAttribute('points').split(' ') : []")) >= 3,
+                                            "document.querySelector('#charts "
+                                            "polyline').getAttribute('points').split(' ') : []")) >= 3,
           "three points on the requests chart", timeout=30)
     stop.set()
     trickle.join(10)
@@ -282,7 +283,8 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         return bad;""")
     assert unnamed == []
     assert "Retry model kev-0.5b" in d.execute_script(
-        "return [...document.querySelectorAll('button[data-action=retry]')].map(b => b.getAttribute('aria-label')).join()")
+        "return [...document.querySelectorAll('button[data-action=retry]')].map(b => "
+        "b.getAttribute('aria-label')).join()")
 
     # Retry (confirmed) takes the model out of parked; the audit names the admin.
     d.find_element(By.CSS_SELECTOR,

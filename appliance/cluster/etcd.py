@@ -101,7 +101,8 @@ class Etcd:
                 raise EtcdError(f"etcd {path} answered {resp.status_code}: {msg}")
             return data
         raise EtcdUnavailable(
-            f"no etcd endpoint answered ({', '.join(self.endpoints)}): {type(last).__name__}: {last}")
+            f"no etcd endpoint answered ({', '.join(self.endpoints)}): {type(last).__name__}: "
+            f"{last}")
 
     async def _authenticate(self) -> None:
         data = await self._post("/v3/auth/authenticate", {"name": self.user,

@@ -269,7 +269,8 @@ class Member:
                     continue  # this hub's own configuration names it: another hub's word does not move it
                 if h is None and len(self.registry.nodes) >= self.max_nodes:
                     log.warning(
-                        "node %s announced to another hub, not dialled here: Hub__MaxNodes=%d reached",
+                        "node %s announced to another hub, not dialled here: Hub__MaxNodes=%d "
+                        "reached",
                                 name, self.max_nodes)
                     continue
                 if h is None or h.url != url.rstrip("/"):

@@ -61,8 +61,10 @@ def status(hub) -> dict:
     for m in models:
         if m["parked"]:
             problems.append(
-                f"model {m['name']} is parked after {m['consecutive_start_failures']} failed starts;"
-                            f" last error: {m['last_error']} (fix it, then `appliance ctl retry {m['name']}`)")
+                f"model {m['name']} is parked after {m['consecutive_start_failures']} failed "
+                "starts;"
+                            f" last error: {m['last_error']} (fix it, then `appliance ctl retry "
+                            f"{m['name']}`)")
         elif not m["satisfied"]:
             why = m["reason"] or ("loading" if m["loading"] else "nothing ready")
             problems.append(f"model {m['name']} has {m['ready']} of {m['desired']} ready: {why}")
@@ -126,8 +128,10 @@ async def handle(hub, scope, receive, send) -> None:
             return await send_json(send, 405, {"error": f"{method} not allowed; use POST"})
         return await _node_action(hub, rest[1], rest[2], send)
     await send_json(send, 404,
-                    {"error": "no such admin path; see GET /admin/status, /admin/models, /admin/nodes,"
-                                         " POST /admin/models/MODEL/retry, /admin/nodes/NODE/{cordon,uncordon,pause,resume},"
+                    {"error": "no such admin path; see GET /admin/status, /admin/models, "
+                              "/admin/nodes,"
+                                         " POST /admin/models/MODEL/retry, "
+                                         "/admin/nodes/NODE/{cordon,uncordon,pause,resume},"
                                          " DELETE /admin/nodes/NODE"})
 
 
@@ -161,13 +165,15 @@ async def _node_action(hub, name: str, action: str, send) -> None:
                 await hub.cluster.set_cordon(name, h.cordoned)
             except EtcdError as e:
                 return await send_json(send, 503,
-                                       {"error": f"node {name} {action}ed on this hub only: etcd: {e}"})
+                                       {"error": f"node {name} {action}ed on this hub only: etcd: "
+                                                 f"{e}"})
     else:
         try:
             code, err = await hub.control.ops.control(h, action)
         except httpx.TransportError as e:
             return await send_json(send, 502,
-                                   {"error": f"node {name} did not answer {action}: {type(e).__name__}: {e}"})
+                                   {"error": f"node {name} did not answer {action}: "
+                                             f"{type(e).__name__}: {e}"})
         if code != 200:
             return await send_json(send, 502, {"error": f"node {name} refused {action}: {err}"})
         log.warning("node %s %sd by an operator", name, action)

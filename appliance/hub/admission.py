@@ -206,7 +206,8 @@ class QueueCollector:
                                        labels=["model"])
         rejected = CounterMetricFamily("appliance_queue_rejected",
                                        "Requests refused at once because "
-                                       "Queue__MaxDepth requests already waited (queue_full), by model.",
+                                       "Queue__MaxDepth requests already waited (queue_full), by "
+                                       "model.",
                                        labels=["model"])
         for model, s in sorted(self.core.models.items()):
             waiting.add_metric([model], s.waiting)

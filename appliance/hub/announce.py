@@ -44,7 +44,8 @@ def authorize(auth: AuthConfig, token: str, name: str) -> bool:
     per_node = {c.name: c.token for c in auth.nodes}
     if not auth.node_token and not per_node:
         raise ApiError(401, "invalid_node_token",
-                         "this hub accepts no announcements: set Auth__NodeToken (or Auth__Nodes__N__Token) on hub and node")
+                         "this hub accepts no announcements: set Auth__NodeToken (or "
+                         "Auth__Nodes__N__Token) on hub and node")
     given = token.encode()
     own = per_node.get(name)
     if own is not None:
@@ -93,7 +94,8 @@ def check_identity(existing, url: str, proven: bool, count: int, max_nodes: int)
         return
     if existing.status() != "lost":
         raise ApiError(409, "node_name_taken",
-                         f"node {existing.name!r} is connected at another URL; a moving node is lost first")
+                         f"node {existing.name!r} is connected at another URL; a moving node is "
+                         "lost first")
 
 
 def _networks(cidrs: list[str]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
@@ -114,4 +116,5 @@ def check_addresses(host: str, addresses: list[str], cidrs: list[str]) -> None:
                                                                                for n in nets
                                                                                if n.version == ip.version):
             raise ApiError(403, "node_network_refused",
-                             f"host {cut(host)!r} resolves to {ip}, outside Hub__NodeNetworks ({','.join(cidrs)})")
+                             f"host {cut(host)!r} resolves to {ip}, outside Hub__NodeNetworks "
+                             f"({','.join(cidrs)})")

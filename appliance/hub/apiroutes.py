@@ -57,8 +57,10 @@ UNSUPPORTED = {
 CORS_METHODS = b"GET, POST, HEAD, OPTIONS, DELETE"
 CORS_HEADERS = (
     b"authorization, content-type, x-api-key, x-request-id, x-priority, anthropic-version, "
-                b"anthropic-beta, openai-organization, openai-project, x-stainless-os, x-stainless-lang, "
-                b"x-stainless-package-version, x-stainless-runtime, x-stainless-runtime-version, x-stainless-arch, "
+                b"anthropic-beta, openai-organization, openai-project, x-stainless-os, "
+                b"x-stainless-lang, "
+                b"x-stainless-package-version, x-stainless-runtime, x-stainless-runtime-version, "
+                b"x-stainless-arch, "
                 b"x-stainless-retry-count, x-stainless-timeout, user-agent")
 
 
@@ -270,7 +272,8 @@ def _show_synth(hub, model: str) -> dict:
     details["family"] = family
     details["families"] = details["families"] or ([family] if family else None)
     return {"license": "",
-            "modelfile": f"# served by appliance {__version__} on {', '.join(kinds) or 'no engine yet'}\n",
+            "modelfile": f"# served by appliance {__version__} on "
+                         f"{', '.join(kinds) or 'no engine yet'}\n",
             "parameters": "", "template": "", "details": details, "model_info": info,
             "capabilities": caps,
             "modified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

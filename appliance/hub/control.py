@@ -278,7 +278,8 @@ class Control:
             return None
         if h.parked:
             return ApiError(503, "model_parked",
-                              f"model {model!r} is parked after {h.failures} failed starts in a row; last error: "
+                              f"model {model!r} is parked after {h.failures} failed starts in a "
+                              "row; last error: "
                               f"{h.last_error}; fix it, then `appliance ctl retry {model}`")
         if h.unplaceable:
             return ApiError(503, "model_unplaceable",

@@ -55,7 +55,8 @@ class ControlCollector:
         up = GaugeMetricFamily("appliance_cluster_up",
                                "1 while etcd answers this hub (always 1 for a hub alone).")
         tls = GaugeMetricFamily("appliance_tls_cert_expiry_seconds",
-                                "notAfter of the certificate file, as Unix time, read from disk at each scrape.",
+                                "notAfter of the certificate file, as Unix time, read from disk at "
+                                "each scrape.",
                                 labels=["path"])
         return [*model, engine, leader, changes, up, tls], model, engine, (leader, changes, up), tls
 

@@ -253,7 +253,8 @@ class AdmissionCore:
         if ahead >= self.max_depth:
             ms.full += 1
             raise ApiError(503, "queue_full",
-                             f"the queue for model {model!r} is full ({ahead} waiting, Queue__MaxDepth={self.max_depth})",
+                             f"the queue for model {model!r} is full ({ahead} waiting, "
+                             f"Queue__MaxDepth={self.max_depth})",
                              retry_after=QUEUE_RETRY_AFTER)
         if q is None:
             q = self.queues[model] = Lanes()
@@ -310,11 +311,14 @@ class AdmissionCore:
     def timeout_error(self, w: Waiter) -> ApiError:
         if self.held_by_reserve(w.cls):
             return ApiError(503, "priority_wait_timeout",
-                              f"background work of client {w.client!r} waited {self.background_max_wait:g} s "
-                              f"(Priority__BackgroundMaxWaitSeconds) for more than {self.reserve} free place(s) "
+                              f"background work of client {w.client!r} waited "
+                              f"{self.background_max_wait:g} s "
+                              f"(Priority__BackgroundMaxWaitSeconds) for more than {self.reserve} "
+                              "free place(s) "
                               f"for model {w.model!r}; retry later")
         return ApiError(503, "queue_timeout",
-                          f"no free place for model {w.model!r} within {self.max_wait:g} s (Queue__MaxWaitSeconds)",
+                          f"no free place for model {w.model!r} within {self.max_wait:g} s "
+                          "(Queue__MaxWaitSeconds)",
                           retry_after=QUEUE_RETRY_AFTER)
 
     def waiting_models(self) -> list[str]:

@@ -137,7 +137,8 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         if not cfg.auth.node_token and not cfg.auth.nodes:
             log.warning(
                 "Auth__NodeToken is empty: this hub accepts no node announcements (static nodes "
-                        "only); set Auth__NodeToken on the hub and its nodes to let nodes announce themselves")
+                        "only); set Auth__NodeToken on the hub and its nodes to let nodes announce "
+                        "themselves")
         if cfg.cluster.etcd:
             await nursery.start(_cluster, hub)
         await nursery.start(hub.control.run)

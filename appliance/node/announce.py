@@ -66,7 +66,8 @@ async def announce_loop(client: httpx.AsyncClient, hub_url: str, token: str, me:
         problem = await announce_once(client, hub_url, token, me)
         if problem is not None and (failing is None or first):
             log.warning(
-                "cannot announce %s to the hub at %s: %s (retrying every %g s; logged once until it works)",
+                "cannot announce %s to the hub at %s: %s (retrying every %g s; logged once until "
+                "it works)",
                         me.url, hub_url, problem, every)
         elif problem is None and (failing is not None or first):
             log.info("announced %s as %s to the hub at %s", me.name, me.url, hub_url)

@@ -107,7 +107,8 @@ class NodeApp:
         self.epoch = 0
         if not self.token:
             log.warning(
-                "Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach them")
+                "Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach "
+                "them")
 
     # --- dispatch ----------------------------------------------------------------------
 
@@ -314,7 +315,8 @@ class NodeApp:
             listing = self._listing(path)
             if listing is None:
                 await self._error(send, api, 405, "method_not_allowed",
-                                  f"GET serves /v1/models, /api/tags, /api/ps, /api/version; {path} takes POST")
+                                  "GET serves /v1/models, /api/tags, /api/ps, /api/version; "
+                                  f"{path} takes POST")
             else:
                 await send_json(send, 200, listing)
             return

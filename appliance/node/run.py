@@ -122,7 +122,8 @@ async def apply_reloads(keeper: NodeStateKeeper, engine,
                 log.info("configuration reloaded: %s", "; ".join(changes))
             else:
                 log.info(
-                    "configuration reloaded: no node limit changed (Node__MaxConcurrency, ModelSlots "
+                    "configuration reloaded: no node limit changed (Node__MaxConcurrency, "
+                    "ModelSlots "
                          "and MemoryMb apply at once; other settings at the next start)")
 
 

@@ -124,7 +124,8 @@ def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
                               dict) or t.get("type") != "function" or not isinstance(t.get("name"),
                                                                                      str):
                 raise bad(
-                    f"'tools[{i}]' must be a function tool with a name (only function tools are served)",
+                    f"'tools[{i}]' must be a function tool with a name (only function tools are "
+                    "served)",
                           f"tools[{i}]")
             fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object"}}
             if isinstance(t.get("description"), str):
