@@ -35,6 +35,8 @@ _json = msgspec.json.Encoder()
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
+DEFAULT_LIMITS = Limits()
+
 # Connections the kernel holds for us before we accept them (see serve).
 LISTEN_BACKLOG = 4096
 
@@ -121,7 +123,7 @@ async def serve(
     keyfile: str = "",
     ca_certs: str = "",
     require_client_cert: bool = False,
-    limits: Limits = Limits(),
+    limits: Limits = DEFAULT_LIMITS,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on `listen` until `shutdown_trigger` returns, then drain.

@@ -483,13 +483,13 @@ def _check(cfg: Config) -> None:
             raise ConfigError(
                 f"Auth__Nodes__{i}__Token is empty: every per-node credential needs a token")
     _duplicates("Auth__Nodes__{}__Name", [c.name for c in cfg.auth.nodes], "name")
-    for i, net in enumerate(cfg.hub.node_networks):
+    for net in cfg.hub.node_networks:
         try:
             ipaddress.ip_network(net, strict=False)
         except ValueError:
             raise ConfigError(
                 f"Hub__NodeNetworks={','.join(cfg.hub.node_networks)!r}: {net!r} is not a CIDR"
-                              " (e.g. 10.0.0.0/8)") from None
+                " (e.g. 10.0.0.0/8)") from None
     for i, n in enumerate(cfg.nodes):
         if not n.url.startswith(("http://", "https://")):
             raise ConfigError(f"Nodes__{i}__Url={n.url!r}: expected an http:// or https:// URL")

@@ -5,8 +5,9 @@ http://127.0.0.1:8080) with `APPLIANCE_ADMIN_KEY` as the bearer; a readable tabl
 default, the hub's JSON with `--json` for scripts. `status` is a deploy gate: its exit code
 is 0 only while the fleet is satisfied (every model has what it should have now, nothing
 parked, no node lost), 1 otherwise. Exit codes: 0 done / satisfied, 1 not satisfied or the
-hub refused the command, 2 usage error or the hub could not be reached. `pull` and `rm` go through the hub's /api/pull and /api/delete
-(the admin key), printing the pull's progress line by line.
+hub refused the command, 2 usage error or the hub could not be reached. `pull` and `rm`
+go through the hub's /api/pull and /api/delete (the admin key), printing the pull's
+progress line by line.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                          ("pause", "the node refuses new work (its owner's switch)"),
                          ("resume", "undo pause")):
         sub.add_parser(action, help=text).add_argument("node")
-    sub.add_parser("forget",
-                   help="drop a node now (an announced one returns only by announcing again)").add_argument("node")
+    forget = "drop a node now (an announced one returns only by announcing again)"
+    sub.add_parser("forget", help=forget).add_argument("node")
     for action, text in (("pull",
                           "pull a model onto every Ollama node (or --node), showing progress"),
                          ("rm", "delete a model from every Ollama node (or --node)")):
@@ -76,7 +77,8 @@ def _options_anywhere(p: argparse.ArgumentParser, sub) -> None:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _model_state(m: dict) -> str:
@@ -94,7 +96,8 @@ def models_table(models: list[dict]) -> str:
     for m in models:
         why = m["reason"]
         if m["last_error"] and (m["parked"] or m["consecutive_start_failures"]):
-            why = f"{why}; last error: {m['last_error']}" if why else f"last error: {m['last_error']}"
+            last = f"last error: {m['last_error']}"
+            why = f"{why}; {last}" if why else last
         rows.append([m["name"], str(m["desired"]), str(m["ready"]), str(m["loading"]),
                      str(m["consecutive_start_failures"]), _model_state(m), ",".join(m["nodes"])
                      or "-", why or ""])
@@ -118,7 +121,8 @@ def cluster_line(c: dict) -> str:
     """Several hubs: who leads, by which epoch, which hubs, and whether etcd answers."""
     leader = f"leader {c['leader']} (epoch {c['epoch']})" if c.get("leader") else "NO LEADER"
     etcd = "etcd up" if c.get("etcd_up") else "etcd UNREACHABLE"
-    return f"cluster: {leader}; hubs {', '.join(c.get('hubs') or [])}; this hub {c.get('name')}; {etcd}"
+    hubs = ", ".join(c.get("hubs") or [])
+    return f"cluster: {leader}; hubs {hubs}; this hub {c.get('name')}; {etcd}"
 
 
 def render(cmd: str, body: dict) -> str:
@@ -168,7 +172,9 @@ def admin_key(args, err) -> str:
 def _progress(line: dict) -> str:
     node = f"{line['node']}: " if line.get("node") else ""
     total, done = line.get("total"), line.get("completed")
-    size = f" {done * 100 // total}% of {total // (1024 * 1024)} MiB" if total and done is not None else ""
+    size = ""
+    if total and done is not None:
+        size = f" {done * 100 // total}% of {total // (1024 * 1024)} MiB"
     return f"{node}{line.get('status', '')}{size}"
 
 

@@ -369,7 +369,8 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         live[guard] = None
         try:
             with guard.cancel:
-                async with stream:  # closed whatever TCPServer did (a failed handshake returns early)
+                # closed whatever TCPServer did (a failed handshake returns early)
+                async with stream:
                     await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard},
                                      _GuardedStream(stream, guard))
         finally:

@@ -233,7 +233,8 @@ def ollama_frame(model: str, chat: bool) -> Frame:
     created = iso(time.time())
     start = b'{"model":' + _enc.encode(model) + b',"created_at":' + _enc.encode(created)
     if chat:
-        f.prefix, f.suffix = start + b',"message":{"role":"assistant","content":', b'},"done":false}\n'
+        f.prefix = start + b',"message":{"role":"assistant","content":'
+        f.suffix = b'},"done":false}\n'
     else:
         f.prefix, f.suffix = start + b',"response":', b',"done":false}\n'
 

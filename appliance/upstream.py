@@ -246,7 +246,8 @@ class Pool:
             raise UpstreamError(f"refused the connection at {host}:{port}") from None
         except trio.TooSlowError:
             raise UpstreamError(
-                f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s") from None
+                f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s"
+            ) from None
         except (OSError, trio.BrokenResourceError) as e:
             raise UpstreamError(
                 f"could not be connected to at {host}:{port} ({type(e).__name__}: {e})") from None

@@ -214,8 +214,10 @@ def test_install_sh_stages_files_and_keeps_operator_settings(tmp_path):
     exe.write_text("#!/bin/sh\necho 'appliance 0.1.0 (test)'\n")
     exe.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "DESTDIR": str(stage)}
-    run = lambda: subprocess.run([str(ROOT / "packaging" / "install.sh"), str(exe)], env=env,
-                                 capture_output=True, text=True, timeout=60)
+    def run():
+        return subprocess.run([str(ROOT / "packaging" / "install.sh"), str(exe)], env=env,
+                              capture_output=True, text=True, timeout=60)
+
     r = run()
     assert r.returncode == 0, r.stderr
     assert (stage / "usr/local/bin/appliance").stat().st_mode & 0o777 == 0o755

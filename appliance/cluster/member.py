@@ -266,7 +266,8 @@ class Member:
                 self._nodes[name] = snap.node_revs[name]
                 h = self.registry.nodes.get(name)
                 if h is not None and h.static:
-                    continue  # this hub's own configuration names it: another hub's word does not move it
+                    # this hub's own configuration names it: another hub's word does not move it
+                    continue
                 if h is None and len(self.registry.nodes) >= self.max_nodes:
                     log.warning(
                         "node %s announced to another hub, not dialled here: Hub__MaxNodes=%d "

@@ -120,8 +120,8 @@ async def handle(hub, scope, receive, send) -> None:
         return await send_json(send, 200, {"model": model, "retried": True, "was_parked": parked})
     if len(rest) == 2 and rest[0] == "nodes":
         if method != "DELETE":
-            return await send_json(send, 405,
-                                   {"error": f"{method} not allowed; use DELETE to forget the node"})
+            error = f"{method} not allowed; use DELETE to forget the node"
+            return await send_json(send, 405, {"error": error})
         return await _forget(hub, rest[1], send)
     if len(rest) == 3 and rest[0] == "nodes" and rest[2] in NODE_ACTIONS:
         if method != "POST":

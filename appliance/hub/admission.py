@@ -226,7 +226,8 @@ class PriorityCollector:
 
     def collect(self):
         yield GaugeMetricFamily("appliance_priority_reserve_slots",
-                                "Free places background work may not take (Priority__ReserveSlots).",
+                                "Free places background work may not take "
+                                "(Priority__ReserveSlots).",
                                 value=self.core.reserve)
         waiting = GaugeMetricFamily("appliance_priority_waiting", "Requests waiting now, by class.",
                                     labels=["class"])

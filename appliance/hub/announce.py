@@ -69,8 +69,8 @@ def check_shape(name: str, url: str) -> tuple[str, int]:
         raise ApiError(400, "invalid_request", bad + " (bad port)") from None
     if u.scheme not in ("http", "https") or not u.hostname or port is None:
         raise ApiError(400, "invalid_request", bad)
-    if u.path not in ("",
-                      "/") or u.query or u.fragment or u.username is not None or u.password is not None:
+    extra = u.query or u.fragment or u.username is not None or u.password is not None
+    if u.path not in ("", "/") or extra:
         raise ApiError(400, "invalid_request", bad + " (no path, query or credentials)")
     if len(url) > 300:
         raise ApiError(400, "invalid_request", bad + " (too long)")
@@ -78,7 +78,8 @@ def check_shape(name: str, url: str) -> tuple[str, int]:
 
 
 def check_identity(existing, url: str, proven: bool, count: int, max_nodes: int) -> None:
-    """`existing`: the node handle of that name or None. 409 when the name is taken, 503 when full."""
+    """`existing`: the node handle of that name or None. 409 when the name is taken, 503
+    when full."""
     if existing is None:
         if count >= max_nodes:
             raise ApiError(503, "too_many_nodes",
@@ -112,9 +113,8 @@ def check_addresses(host: str, addresses: list[str], cidrs: list[str]) -> None:
         ip = ipaddress.ip_address(a.split("%", 1)[0])
         if getattr(ip, "ipv4_mapped", None):
             ip = ip.ipv4_mapped
-        if ip.is_link_local or ip.is_multicast or ip.is_unspecified or not any(ip in n
-                                                                               for n in nets
-                                                                               if n.version == ip.version):
+        listed = any(ip in n for n in nets if n.version == ip.version)
+        if ip.is_link_local or ip.is_multicast or ip.is_unspecified or not listed:
             raise ApiError(403, "node_network_refused",
                              f"host {cut(host)!r} resolves to {ip}, outside Hub__NodeNetworks "
                              f"({','.join(cidrs)})")

@@ -242,8 +242,8 @@ async def _show_from_node(hub, model: str) -> bytes | None:
             continue
         with trio.move_on_after(SHOW_READ_SECONDS):
             try:
-                resp = await hub.upstream.request("POST", node.url + "/api/show", [(b"content-type",
-                                                                                    b"application/json"), *node.auth_raw],
+                headers = [(b"content-type", b"application/json"), *node.auth_raw]
+                resp = await hub.upstream.request("POST", node.url + "/api/show", headers,
                                                   msgspec.json.encode({"model": model}),
                                                   SHOW_READ_SECONDS)
                 try:

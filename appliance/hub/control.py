@@ -301,8 +301,8 @@ class Control:
         if self.leading():
             await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
         else:
-            self.core.requested(model,
-                                self.now())  # wanted: this hub's status counts it as the leader's does
+            # wanted: this hub's status counts it as the leader's does
+            self.core.requested(model, self.now())
             await activation.activate_via_leader(self.cluster, self, model,
                                                  self.cfg.router.activation_wait_seconds)
 
@@ -313,7 +313,8 @@ class Control:
             self._wake_up()
 
     def forget(self, model: str) -> None:
-        """`/api/delete` removed `model` from the engines: out of the catalog once gone from every node."""
+        """`/api/delete` removed `model` from the engines: out of the catalog once gone from
+        every node."""
         self.core.forget(model)
         self._wake_up()
 

@@ -70,7 +70,8 @@ def choose(spec, nodes: list, holding: set[str], pending: list, spec_of: Callabl
                                                          or h.state.model(name) is not None)]
     if not cands:
         if holding:
-            return f"needs {spec.replicas or 1} replicas; every node that can hold it has one ({len(holding)})"
+            return (f"needs {spec.replicas or 1} replicas; every node that can hold it has one "
+                    f"({len(holding)})")
         return "no node that is up has it (and the catalog gives no Source to load it from)"
     fits, short = [], []
     for h in cands:

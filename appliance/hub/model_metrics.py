@@ -63,7 +63,7 @@ class ControlCollector:
     def collect(self):
         fams, model, engine, leader, tls = self._families()
         for st in self.control.models_status():
-            for fam, (_, _, key) in zip(model, _MODEL):
+            for fam, (_, _, key) in zip(model, _MODEL, strict=True):
                 fam.add_metric([st["name"]], float(st[key]))
         for h in self.control.registry.nodes.values():
             if h.state is not None and not h.removed:

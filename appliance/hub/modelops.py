@@ -75,11 +75,13 @@ async def handle(hub, scope, receive, send, action: str) -> None:
         await send_json(send, 400, {"error": "model is required"})
         return
     if not targets:
-        what = f"node {node!r} is not connected or its engine does not" if node else "no connected node's engine does"
+        if node:
+            what = f"node {node!r} is not connected or its engine does not"
+        else:
+            what = "no connected node's engine does"
         await send_json(send, 501,
                         {"error": f"{what} {action} models (ollama engines do; llama.cpp and "
-                                  "openai "
-                                             f"engines read model files the operator puts in place)"})
+                                  "openai engines read model files the operator puts in place)"})
         return
     hub.audit.event(f"model_{action}", model=model, nodes=[h.name for h in targets])
     body = _enc.encode({"model": model})

@@ -400,7 +400,8 @@ class Models:
         if h.unplaceable:
             return h.unplaceable
         if h.failures and now < h.next_attempt:
-            return f"start failed {h.failures} time(s); next attempt in {h.next_attempt - now:.0f} s"
+            wait = h.next_attempt - now
+            return f"start failed {h.failures} time(s); next attempt in {wait:.0f} s"
         return ""
 
     def status(self, name: str, nodes: list, now: float) -> dict:

@@ -178,8 +178,9 @@ async def _handle(hub, scope, receive, send, api: str, out: Outcome) -> None:
         try:
             body = await read_body(receive, hub.cfg.hub.max_body_bytes)
         except BodyTooLarge:
+            limit = hub.cfg.hub.max_body_bytes
             raise ApiError(413, "body_too_large",
-                           f"body over Hub__MaxBodyBytes ({hub.cfg.hub.max_body_bytes} bytes)") from None
+                           f"body over Hub__MaxBodyBytes ({limit} bytes)") from None
         req = decode_request(body)
         if not hub.grace.over() and not _ready(hub, req.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
@@ -378,7 +379,8 @@ async def _relay(hub, send, api, out: Outcome, node, plan: translate.Plan, heade
         if not relayed.ended:
             code = cut.reason or "node_lost"
             if code == "shutting_down":
-                msg = "the hub is shutting down: stream cut at the end of the drain (Hub__DrainSeconds)"
+                msg = ("the hub is shutting down: stream cut at the end of the drain "
+                       "(Hub__DrainSeconds)")
             elif cut.reason:
                 msg = f"node {node.name} was declared lost mid-stream ({node.lost_reason})"
             else:

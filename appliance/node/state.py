@@ -144,7 +144,8 @@ class NodeStateKeeper:
         if self.paused:
             return f"node {self.name} is paused by its owner"
         if self.max_concurrency is not None and self.in_flight_total >= self.max_concurrency:
-            return f"node {self.name} is at Node__MaxConcurrency {self.max_concurrency} ({self.in_flight_total} in flight)"
+            return (f"node {self.name} is at Node__MaxConcurrency {self.max_concurrency} "
+                    f"({self.in_flight_total} in flight)")
         return None
 
     def try_start(self, model: str) -> str | None:
@@ -206,7 +207,8 @@ class NodeStateKeeper:
         if self.gpu is not None and self.memory_mb is not None and self.gpu[1] > self.memory_mb:
             return f"GPU memory used {self.gpu[1]} MiB is over Node__MemoryMb {self.memory_mb}"
         if self.max_concurrency is not None and self.in_flight_total > self.max_concurrency:
-            return f"{self.in_flight_total} requests in flight is over Node__MaxConcurrency {self.max_concurrency}"
+            return (f"{self.in_flight_total} requests in flight is over Node__MaxConcurrency "
+                    f"{self.max_concurrency}")
         return ""
 
     def memory(self) -> tuple[int | None, int | None]:

@@ -206,7 +206,8 @@ class ToolCallAccumulator:
         self.calls: dict[int, dict] = {}
 
     def add(self, deltas: Any) -> list[tuple[int, dict, str]]:
-        """Returns (index, call-so-far, new argument text) per delta, for relays that stream them."""
+        """Returns (index, call-so-far, new argument text) per delta, for relays that stream
+        them."""
         out = []
         if not isinstance(deltas, list):
             return out

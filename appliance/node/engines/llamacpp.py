@@ -227,7 +227,8 @@ class LlamaCppEngine(Engine):
                 try:
                     m.child = Child(argv)
                 except (OSError, IndexError) as e:
-                    m.last_error = f"cannot start {argv[0] if argv else '(empty Engine__Command)'}: {e}"
+                    what = argv[0] if argv else "(empty Engine__Command)"
+                    m.last_error = f"cannot start {what}: {e}"
                     m.state = "failed"
                 else:
                     log.info("llamacpp: pid %d serves %s on port %d: %s", m.child.pid, m.name,

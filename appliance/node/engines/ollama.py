@@ -197,7 +197,8 @@ class OllamaEngine(PolledEngine):
     # --- the long-lived part -------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Read tags, ps (and the version once per connection); tell the node if anything changed."""
+        """Read tags, ps (and the version once per connection); tell the node if anything
+        changed."""
         client = self._require_client()
         tags = await self._get_tags(client, "/api/tags")
         ps = await self._get_tags(client, "/api/ps")

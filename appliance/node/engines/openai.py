@@ -84,7 +84,8 @@ class OpenAIEngine(PolledEngine):
                     await self.refresh()
             except (*POLL_ERRORS, EngineError) as e:
                 raise EngineError(
-                    f"openai upstream at {self.url} did not answer: {type(e).__name__}: {e}") from None
+                    f"openai upstream at {self.url} did not answer: "
+                    f"{type(e).__name__}: {e}") from None
         if name not in self._models:
             raise EngineError(f"openai upstream at {self.url} does not serve {name!r}; "
                               f"it serves: {', '.join(self._models) or 'nothing'}")
