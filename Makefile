@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv unit clean binary llamacpp-wheel test-deps
+.PHONY: run test venv unit lint clean binary llamacpp-wheel test-deps
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
@@ -55,7 +55,13 @@ test-deps:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
 	    --no-install-recommends etcd-server; }
 
-test: $(STAMP) $(LLAMA_STAMP) test-deps
+# The checks first: ruff, mypy (configured in pyproject.toml), then the suite
+# (tests/test_layers.py walks the imports: which layer may import what).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: $(STAMP) $(LLAMA_STAMP) test-deps lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 unit: $(STAMP)

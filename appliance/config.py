@@ -298,8 +298,9 @@ def _place(tree: dict, cls: type, segs: list[str], value: str, var: str, path: l
     """Put `value` at `segs` under the Struct `cls` into `tree`, canonicalising names."""
     fields = _pascal_fields(cls)
     head = segs[0]
-    if _INDEX.match(head) and getattr(cls, "INDEXED", None):
-        name, tp = fields[cls.INDEXED.lower()]
+    indexed: str | None = getattr(cls, "INDEXED", None)
+    if _INDEX.match(head) and indexed:
+        name, tp = fields[indexed.lower()]
         segs = [name.lower(), *segs]
         head = segs[0]
     if head.lower() not in fields:
@@ -328,6 +329,8 @@ def _place_typed(tree: dict, name: str, tp: typing.Any, rest: list[str], value: 
         if not _INDEX.match(rest[0]):
             raise ConfigError(f"{var}: expected an index after {'__'.join(path)}, got {rest[0]!r}")
         item = _strip(typing.get_args(tp)[0])
+        if len(rest) > 1 and not (isinstance(item, type) and issubclass(item, msgspec.Struct)):
+            raise ConfigError(f"{var}: {'__'.join([*path, rest[0]])} is a value, not a section")
         slot = tree.setdefault(name, {}).setdefault(int(rest[0]), {} if len(rest) > 1 else None)
         if len(rest) == 1:
             tree[name][int(rest[0])] = value
@@ -476,10 +479,10 @@ def _check(cfg: Config) -> None:
             c.name = f"client-{i}"
     _duplicates("Auth__Clients__{}__Key", [c.key for c in cfg.auth.clients], "key")
     _duplicates("Auth__Clients__{}__Name", [c.name for c in cfg.auth.clients], "name")
-    for i, c in enumerate(cfg.auth.nodes):
-        if not valid_node_name(c.name):
-            raise ConfigError(f"Auth__Nodes__{i}__Name={c.name[:200]!r}: {NODE_NAME_RULE}")
-        if not c.token:
+    for i, cred in enumerate(cfg.auth.nodes):
+        if not valid_node_name(cred.name):
+            raise ConfigError(f"Auth__Nodes__{i}__Name={cred.name[:200]!r}: {NODE_NAME_RULE}")
+        if not cred.token:
             raise ConfigError(
                 f"Auth__Nodes__{i}__Token is empty: every per-node credential needs a token")
     _duplicates("Auth__Nodes__{}__Name", [c.name for c in cfg.auth.nodes], "name")
@@ -506,8 +509,8 @@ def _check(cfg: Config) -> None:
                 f"Models__{i}__Profile={m.profile!r}: no such profile"
                 f"{_did_you_mean(m.profile, cfg.profiles)}; define Profiles__{m.profile}__Args"
             )
-    for i, m in enumerate(cfg.sim.models):
-        if not m.name:
+    for i, sm in enumerate(cfg.sim.models):
+        if not sm.name:
             raise ConfigError(
                 f"Sim__Models__{i}__Name is empty: every simulated model needs a name")
     for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen),

@@ -227,6 +227,7 @@ def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None)
             return 2
         headers = {"authorization": f"Bearer {key}"} if key else {}
         client = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=TIMEOUT)
+    assert client is not None
     if args.cmd in ("pull", "rm"):
         try:
             return model_op(args, client, out, err)

@@ -30,5 +30,5 @@ def apply() -> None:
         if idle is not None:
             await idle.stop()  # the peer is gone: no keep-alive to time out
 
-    cls._read_data = _read_data
+    cls._read_data = _read_data  # type: ignore[method-assign]
     setattr(cls, _PATCHED, True)

@@ -126,7 +126,7 @@ def _raw_408() -> bytes:
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
 
 
-def _load_trim() -> Callable[[], Any]:
+def _load_trim() -> Callable[..., Any]:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to hand back
@@ -350,7 +350,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
     for sock in sockets.secure_sockets:
         sock.listen(cfg.backlog)
         listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
-                                          ssl_context,
+                                          ssl_context,  # type: ignore[arg-type]  # secure: set
                                           https_compatible=True))
         binds.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
     for sock in sockets.insecure_sockets:
@@ -372,7 +372,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
                 # closed whatever TCPServer did (a failed handshake returns early)
                 async with stream:
                     await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard},
-                                     _GuardedStream(stream, guard))
+                                     _GuardedStream(stream, guard))  # type: ignore[arg-type]
         finally:
             live.pop(guard, None)
             slots.release()

@@ -9,14 +9,14 @@ expiry, seconds since a heartbeat) are fresh at each scrape rather than polled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from appliance.asgi import send_text
 
 
-def render(registry: CollectorRegistry, before_scrape: list[Callable[[], None]] = ()) -> bytes:
+def render(registry: CollectorRegistry, before_scrape: Sequence[Callable[[], None]] = ()) -> bytes:
     for fn in before_scrape:
         fn()
     return generate_latest(registry)

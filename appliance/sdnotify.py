@@ -182,7 +182,7 @@ class Heartbeat:
     def __call__(self) -> bool:
         if self._last is None:
             self.beat()
-        return trio.current_time() - self._last <= self.max_age
+        return self._last is not None and trio.current_time() - self._last <= self.max_age
 
 
 async def watchdog_loop(notifier: Notifier, alive: Callable[[], bool]) -> None:

@@ -48,9 +48,10 @@ import msgspec
 import trio
 
 from appliance import __version__, simtools
-from appliance.asgi import BodyTooLarge, read_body, serve, wait_disconnect
+from appliance.asgi import BodyTooLarge, read_body, serve
 from appliance.config import ConfigError, MiB, SimConfig
 from appliance.config import load as load_config
+from appliance.http.disconnect import wait_disconnect
 from appliance.http.errors import error_body
 from appliance.simcore import (
     EMBED_DIM,
@@ -168,7 +169,7 @@ class SimApp:
         await self.state.ensure_loaded(m)  # ApiError from here is still a clean refusal
         load_ns = int((trio.current_time() - t_load) * 1e9)
         toks = tokens(seed, n)
-        st = {"finish": finish, "prompt": max(1, len(seed) // 4), "completion": n,
+        st: dict[str, Any] = {"finish": finish, "prompt": max(1, len(seed) // 4), "completion": n,
               "load_ns": load_ns}
         tps = self.state.tokens_per_second
         async with trio.open_nursery() as nursery:
@@ -185,9 +186,8 @@ class SimApp:
                     for i, (_, tok) in enumerate(toks):
                         if tps > 0:
                             await trio.sleep_until(start + (i + 1) / tps)
-                        await send({"type": "http.response.body", "body": b"".join((prefix, tok,
-                                                                                    suffix)),
-                                    "more_body": True})
+                        body = b"".join((prefix, tok, suffix))
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
                     st["eval_ns"] = int((trio.current_time() - start) * 1e9)
                     st["total_ns"] = st["eval_ns"] + load_ns
                     if unload_after:
@@ -223,7 +223,9 @@ class SimApp:
                                    "completion": 0, "eval_ns": 0})
             await _send_json(send, 200, out)
             return
-        call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role) if chat else None
+        call = None
+        if chat and req.messages:
+            call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role)
         if call is not None:
             await self.state.ensure_loaded(m)
             await self._send_tool_call(send, NDJSON if req.stream is not False else _JSON,
@@ -328,7 +330,9 @@ class SimApp:
         if chat and not req.messages:
             raise ApiError(400, "invalid_request", "'messages' is required and must not be empty")
         usage = req.stream_options is not None and req.stream_options.include_usage
-        call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role) if chat else None
+        call = None
+        if chat and req.messages:
+            call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role)
         if call is not None:
             await self.state.ensure_loaded(m)
             await self._send_tool_call(send, SSE if req.stream else _JSON, simtools.openai_answer(
@@ -355,9 +359,10 @@ class SimApp:
         data = []
         for i, item in enumerate(x):
             vec = embedding(_enc.encode([m.spec.name, item]))
+            shown: list[float] | str = vec
             if req.encoding_format == "base64":
-                vec = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
-            data.append({"object": "embedding", "index": i, "embedding": vec})
+                shown = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": shown})
         n = sum(len(_enc.encode(item)) // 4 + 1 for item in x)
         await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
                                      "usage": {"prompt_tokens": n, "total_tokens": n}})

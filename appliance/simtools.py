@@ -40,9 +40,9 @@ def pick(tools: Any, tool_choice: Any, last_role: str) -> tuple[str, dict] | Non
         want = (tool_choice.get("function")
                 or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
         fn = next((f for f in fns if f["name"] == want), fn)
-    params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = params.get("required") if isinstance(params.get("required"), list) else []
+    params: Any = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+    props: Any = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required: Any = params.get("required") if isinstance(params.get("required"), list) else []
     args = {k: _VALUES.get((props.get(k) or {}).get("type", "string"), "sim") for k in required
             if isinstance(k, str)}
     return fn["name"], args
@@ -53,7 +53,7 @@ def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool,
     name, args = call
     meta = {"id": f"chatcmpl-sim{ident}", "created": int(time.time()), "model": model,
             "system_fingerprint": "appliance-sim"}
-    tc = {"id": f"call_sim{ident}", "type": "function",
+    tc: dict[str, Any] = {"id": f"call_sim{ident}", "type": "function",
           "function": {"name": name, "arguments": _enc.encode(args).decode()}}
     usage = {"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16}
     if not stream:
@@ -63,9 +63,8 @@ def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool,
     chunk = {**meta, "object": "chat.completion.chunk"}
 
     def ev(delta: dict, finish: str | None) -> bytes:
-        return b"data: " + _enc.encode({**chunk, "choices": [{"index": 0, "delta": delta,
-                                                              "logprobs": None,
-                                                               "finish_reason": finish}]}) + b"\n\n"
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return b"data: " + _enc.encode({**chunk, "choices": [choice]}) + b"\n\n"
     first = {**tc, "index": 0, "function": {"name": name, "arguments": ""}}
     out = [ev({"role": "assistant", "content": None, "tool_calls": [first]}, None),
            ev({"tool_calls": [{"index": 0,

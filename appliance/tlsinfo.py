@@ -14,7 +14,7 @@ from __future__ import annotations
 import ssl
 
 try:
-    from _ssl import _test_decode_cert
+    from _ssl import _test_decode_cert  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - every CPython build with ssl has it
     _test_decode_cert = None
 

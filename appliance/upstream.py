@@ -23,7 +23,7 @@ from __future__ import annotations
 import select
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from urllib.parse import urlsplit
 
 import h11
@@ -111,7 +111,7 @@ class Response:
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
         self._read_timeout = read_timeout
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives. Everything one read brought is yielded as one chunk:
         a node that is ahead of us costs one write to the client, not one per event."""
         conn = self._conn
@@ -143,7 +143,7 @@ class Response:
                     await self._discard()
                     raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
                                         before_response=False) from None
-                conn.h11.receive_data(data)
+                conn.h11.receive_data(bytes(data))
             elif isinstance(ev, h11.EndOfMessage):
                 self._release()
                 return
@@ -235,6 +235,7 @@ class Pool:
 
     async def _connect(self, key) -> _Conn:
         scheme, host, port = key
+        stream: trio.abc.Stream
         try:
             with trio.fail_after(CONNECT_SECONDS):
                 if scheme == "https":
@@ -291,7 +292,7 @@ class Pool:
                 if ev is h11.NEED_DATA:
                     with trio.fail_after(read_timeout):
                         data = await conn.stream.receive_some(READ_BYTES)
-                    c.receive_data(data)
+                    c.receive_data(bytes(data))
                     continue
                 if isinstance(ev, h11.InformationalResponse):
                     continue

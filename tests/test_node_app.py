@@ -13,8 +13,9 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from appliance.asgi import read_body, serve, wait_disconnect
+from appliance.asgi import read_body, serve
 from appliance.config import load
+from appliance.http.disconnect import wait_disconnect
 from appliance.node.app import NodeApp
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError

@@ -9,8 +9,9 @@ from functools import partial
 import httpx
 import trio
 
-from appliance.asgi import read_body, serve, wait_disconnect
+from appliance.asgi import read_body, serve
 from appliance.config import load
+from appliance.http.disconnect import wait_disconnect
 from appliance.http.errors import ApiError, error_body
 from appliance.hub.router import allowed, authenticate, decode_request
 from appliance.hub.run import run_hub

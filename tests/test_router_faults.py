@@ -13,8 +13,9 @@ import openai
 import pytest
 import trio
 
-from appliance.asgi import read_body, serve, wait_disconnect
+from appliance.asgi import read_body, serve
 from appliance.config import load
+from appliance.http.disconnect import wait_disconnect
 from appliance.hub.run import run_hub
 from appliance.wire import ModelState, NodeState
 

@@ -111,7 +111,7 @@ def check_addresses(host: str, addresses: list[str], cidrs: list[str]) -> None:
                        f"bad announcement: host {cut(host)!r} does not resolve")
     for a in addresses:
         ip = ipaddress.ip_address(a.split("%", 1)[0])
-        if getattr(ip, "ipv4_mapped", None):
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         listed = any(ip in n for n in nets if n.version == ip.version)
         if ip.is_link_local or ip.is_multicast or ip.is_unspecified or not listed:

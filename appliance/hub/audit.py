@@ -20,9 +20,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import IO, TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from appliance.hub.history import Recent
 
 log = logging.getLogger("appliance.hub.audit")
 _enc = msgspec.json.Encoder()
@@ -49,14 +52,14 @@ class AuditLog:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
-        self._fh: TextIO | None = None
+        self._fh: IO[bytes] | None = None
         self._size = 0
         self.write_errors = 0
         self.last_error = ""
         self.on_error: Callable[[], None] = lambda: None
         self._logged_at = float("-inf")
         # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
-        self.recent = None
+        self.recent: Recent | None = None
 
     def _open(self):
         if not self.path:
@@ -71,7 +74,8 @@ class AuditLog:
         return self._fh
 
     def _rotate(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
         self._fh = None
         for i in range(self.backups - 1, 0, -1):
             src = f"{self.path}.{i}"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import urllib.parse
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
@@ -42,6 +43,9 @@ from appliance.http.errors import ApiError
 from appliance.hub import activation
 from appliance.hub.placement import Load, Models, Unload
 from appliance.wire import EPOCH_HEADER, LoadRequest
+
+if TYPE_CHECKING:
+    from appliance.cluster.member import Member
 
 log = logging.getLogger("appliance.hub.control")
 
@@ -132,7 +136,8 @@ class Control:
         self._decided = trio.Event()
         self._unloading: set[tuple[str, str]] = set()
         self._last_now = 0.0
-        self.cluster = None  # appliance.cluster.member.Member when Cluster__Etcd is set
+        # appliance.cluster.member.Member when Cluster__Etcd is set
+        self.cluster: Member | None = None
         registry.add_listener(self._wake_up)
         if metrics_registry is not None:
             from appliance.hub.model_metrics import ControlCollector
@@ -303,6 +308,7 @@ class Control:
         else:
             # wanted: this hub's status counts it as the leader's does
             self.core.requested(model, self.now())
+            assert self.cluster is not None  # not leading: there is a cluster
             await activation.activate_via_leader(self.cluster, self, model,
                                                  self.cfg.router.activation_wait_seconds)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 # Headroom over a model's size when no MemoryMb is declared (DESIGN 4).
 SIZE_FACTOR = 1.2
@@ -59,7 +60,7 @@ def victims(h, model: str, spec_of: Callable, last_used_of: Callable,
 
 
 def choose(spec, nodes: list, holding: set[str], pending: list, spec_of: Callable,
-           last_used_of: Callable) -> tuple[object, list[str]] | str:
+           last_used_of: Callable) -> tuple[Any, list[str]] | str:
     """(node handle, models to unload from it first) for one more replica, or why none fits."""
     name = spec.name
     up = [h for h in nodes if h.routable()]

@@ -97,7 +97,7 @@ class NodeHandle:
     def ready(self, model: str) -> bool:
         if not self.routable():
             return False
-        m = self.state.model(model)
+        m = self.state.model(model) if self.state is not None else None
         return m is not None and m.state == "ready"
 
     def free_places(self, model: str) -> int | None:
@@ -110,6 +110,8 @@ class NodeHandle:
         sent past a full slot wait): how far over, which spreading must see."""
         st = self.state
         left: list[int] = []
+        if st is None:
+            return None
         if st.max_concurrency is not None:
             left.append(st.max_concurrency - self.in_flight_total)
         if st.slots is not None:
@@ -183,7 +185,8 @@ class Registry:
             total += free
         return total
 
-    def pick(self, model: str, exclude: set[str] = frozenset()) -> NodeHandle | None:
+    def pick(self, model: str,
+             exclude: set[str] | frozenset[str] = frozenset()) -> NodeHandle | None:
         """Where the next request for `model` goes (DESIGN 3 step 5), among the nodes that
         can take it now: the most places left (a node that declares no bound counts as
         unbounded), then the fewest requests in flight, then the next in turn -- so equal

@@ -28,6 +28,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from appliance.config import Config, ModelDef
 from appliance.hub import fit
@@ -225,7 +226,7 @@ class Models:
 
     # --- placement ---------------------------------------------------------------------
 
-    def place(self, name: str, nodes: list) -> Load | str:
+    def place(self, name: str, nodes: list[Any]) -> Load | str:
         """One replica of `name`: a Load (reserving its memory), or why it fits nowhere."""
         spec = self.spec(name)
         ready, loading = self.replicas(name, nodes)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from appliance.http.errors import ApiError
 
@@ -124,7 +124,7 @@ def count(ready: Iterable, model: str, places_need: int | None = None,
                     free = slots - h.in_flight.get(model, 0)
                     left = free if free < left else left
                 places += left if left > 0 else 0
-        if (places_need is not None and (room is None or room > room_need)
+        if (places_need is not None and (room is None or room_need is None or room > room_need)
                 and (places is None or places > places_need)):
             break
     return Fleet(places, room)
@@ -143,7 +143,7 @@ class Waiter:
         self.cls = cls
         self.client = client
         self.granted = False
-        self.event = None
+        self.event: Any = None  # the shell's trio.Event
 
 
 class Lanes:

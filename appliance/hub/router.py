@@ -22,10 +22,10 @@ import time
 import msgspec
 import trio
 
-from appliance.asgi import BodyTooLarge, read_body, wait_disconnect
+from appliance.asgi import BodyTooLarge, read_body
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import ClientConfig
-from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.disconnect import cancel_on_disconnect, wait_disconnect
 from appliance.http.errors import ApiError
 from appliance.http.keys import request_key
 from appliance.http.stream import Cut, relay_chunks, stream_error

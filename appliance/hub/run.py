@@ -18,6 +18,7 @@ import ssl
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import httpx
 import trio
@@ -36,6 +37,9 @@ from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry, supervise
 from appliance.listener import Limits
 from appliance.upstream import Pool
+
+if TYPE_CHECKING:
+    from appliance.cluster.member import Member
 
 log = logging.getLogger("appliance.hub")
 
@@ -70,7 +74,8 @@ class Hub:
         self.history = History()
         self.recent = Recent()
         self.audit.recent = self.recent
-        self.cluster = None  # appliance.cluster.member.Member with Cluster__Etcd (run_hub sets it)
+        # with Cluster__Etcd (run_hub sets it)
+        self.cluster: Member | None = None
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         per_node = {c.name: c.token for c in self.cfg.auth.nodes}

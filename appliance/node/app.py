@@ -423,6 +423,7 @@ class NodeApp:
                 await self._error(send, api, 502, "engine_error", why)
             else:
                 outcome.append("engine_error")
+                assert resp is not None  # started: it answered
                 if "content-length" not in resp.headers:  # a sized body cannot carry an error event
                     ctype = resp.headers.get("content-type", "")
                     event = stream_error(ctype, api, "engine_error", why, status=502)

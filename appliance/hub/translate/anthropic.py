@@ -101,7 +101,7 @@ def _turn(m: Any, i: int) -> list[dict]:
             raise bad(f"{bw}: unsupported content block type {t!r}", f"{bw}.type")
     out = list(results)
     if role == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(p["text"] for p in parts
+        msg: Any = {"role": "assistant", "content": "".join(p["text"] for p in parts
                                                                        if p["type"] == "text")}
         if calls:
             msg["tool_calls"] = calls
@@ -216,7 +216,7 @@ class MessagesConverter:
         obj = obj if isinstance(obj, dict) else {}
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
-        msg = ch.get("message") if isinstance(ch.get("message"), dict) else {}
+        msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
         content: list[dict] = []
         if isinstance(msg.get("content"), str) and msg["content"]:
             content.append({"type": "text", "text": msg["content"]})
@@ -263,7 +263,7 @@ class MessagesConverter:
         ch = choices[0]
         if isinstance(ch.get("finish_reason"), str):
             self._finish = ch["finish_reason"]
-        delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+        delta: Any = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
         text = delta.get("content")
         if isinstance(text, str) and text:
             if self._kind != "text" or self._block is None:
@@ -275,7 +275,7 @@ class MessagesConverter:
             if not isinstance(d, dict):
                 continue
             kind = f"tool:{d.get('index', 0)}"
-            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            fn: Any = d.get("function") if isinstance(d.get("function"), dict) else {}
             if self._kind != kind or self._block is None:
                 self._finish = "tool_calls"
                 out += self._open(kind, {"type": "tool_use", "id": d.get("id")

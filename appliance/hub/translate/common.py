@@ -208,7 +208,7 @@ class ToolCallAccumulator:
     def add(self, deltas: Any) -> list[tuple[int, dict, str]]:
         """Returns (index, call-so-far, new argument text) per delta, for relays that stream
         them."""
-        out = []
+        out: list[tuple[int, dict, str]] = []
         if not isinstance(deltas, list):
             return out
         for d in deltas:
@@ -220,10 +220,10 @@ class ToolCallAccumulator:
             call = self.calls.setdefault(idx, {"id": "", "name": "", "arguments": ""})
             if isinstance(d.get("id"), str) and d["id"]:
                 call["id"] = d["id"]
-            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            fn: Any = d.get("function") if isinstance(d.get("function"), dict) else {}
             if isinstance(fn.get("name"), str) and fn["name"]:
                 call["name"] = fn["name"]
-            piece = fn.get("arguments") if isinstance(fn.get("arguments"), str) else ""
+            piece: Any = fn.get("arguments") if isinstance(fn.get("arguments"), str) else ""
             call["arguments"] += piece
             out.append((idx, call, piece))
         return out

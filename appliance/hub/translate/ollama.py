@@ -224,7 +224,7 @@ class ChatConverter:
     def _line(self, text: str, calls: list[dict] | None = None) -> dict:
         base: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
         if self.chat:
-            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            msg: Any = {"role": "assistant", "content": text}
             if calls:
                 msg["tool_calls"] = calls
             base["message"] = msg
@@ -266,7 +266,7 @@ class ChatConverter:
         part = ch.get("delta") if self.stream else ch.get("message")
         if not isinstance(part, dict):
             return "", []
-        text = part.get("content") if isinstance(part.get("content"), str) else ""
+        text: Any = part.get("content") if isinstance(part.get("content"), str) else ""
         if self.stream:
             self._tools.add(part.get("tool_calls"))
             return text, []

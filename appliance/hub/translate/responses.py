@@ -154,7 +154,8 @@ def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
     out["stream"] = stream
     if stream:
         out["stream_options"] = {"include_usage": True}
-    echo = {"instructions": instr, "max_output_tokens": mx, "temperature": out.get("temperature"),
+    echo: dict[str, Any] = {
+            "instructions": instr, "max_output_tokens": mx, "temperature": out.get("temperature"),
             "top_p": out.get("top_p"), "tools": tools or [], "tool_choice": tc or "auto",
             "metadata": obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}}
     return out, stream, echo
@@ -221,7 +222,7 @@ class ResponsesConverter:
         obj = obj if isinstance(obj, dict) else {}
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
-        msg = ch.get("message") if isinstance(ch.get("message"), dict) else {}
+        msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
         output = []
         if isinstance(msg.get("content"), str) and msg["content"]:
             output.append(self._message_item(msg["content"], "completed"))
@@ -248,7 +249,8 @@ class ResponsesConverter:
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return out
-        delta = choices[0].get("delta") if isinstance(choices[0].get("delta"), dict) else {}
+        delta: Any = (choices[0].get("delta")
+                                 if isinstance(choices[0].get("delta"), dict) else {})
         text = delta.get("content")
         if isinstance(text, str) and text:
             if self._text is None:

@@ -43,7 +43,7 @@ from appliance.config import Config
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.childproc import Child
 from appliance.node.engines.gguf import read_meta
-from appliance.wire import EngineInstall, ModelState
+from appliance.wire import EngineInstall, ModelState, ModelStatus
 
 log = logging.getLogger("appliance.node.llamacpp")
 
@@ -107,8 +107,8 @@ def expand_command(template: str, model: str, port: int, args: str) -> list[str]
         if word == "{args}":
             argv.extend(shlex.split(args))
             continue
-        argv.append(word.replace("{model}", model).replace("{port}", str(port)).replace("{args}",
-                                                                                        args))
+        word = word.replace("{model}", model).replace("{port}", str(port))
+        argv.append(word.replace("{args}", args))
     return argv
 
 
@@ -121,7 +121,7 @@ def free_port() -> int:
 class _Model:
     def __init__(self, name: str, source: str, args: str) -> None:
         self.name, self.source, self.args = name, source or name, args
-        self.state = "loading"
+        self.state: ModelStatus = "loading"
         self.last_error = ""
         self.port = 0
         self.child: Child | None = None

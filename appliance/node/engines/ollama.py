@@ -29,7 +29,7 @@ import trio
 
 from appliance.config import Config, MiB
 from appliance.node.engines.base import Engine, EngineError
-from appliance.wire import EngineInstall, ModelMeta, ModelState
+from appliance.wire import EngineInstall, ModelMeta, ModelState, ModelStatus
 
 log = logging.getLogger("appliance.node.engine")
 
@@ -243,6 +243,7 @@ class OllamaEngine(PolledEngine):
         return tagged if tagged in self._tags or tagged in self._ps else name
 
     def _state(self, name: str, target: str) -> ModelState:
+        state: ModelStatus
         if target in self._loading:
             state = "loading"
         elif target in self._ps:
