@@ -21,17 +21,14 @@ def make(r, **env) -> tuple[Admission, CollectorRegistry]:
 
 async def go(adm: Admission, r, model: str, cls: str, client: str, log: list,
              hold: trio.Event | None = None):
-    """What the router does: admit, pick, start (no checkpoint), then finish when told."""
-    ticket = await adm.admit(model, cls, client)
-    node = r.pick(model)
-    r.start(node, model)
-    log.append((client, trio.current_time()))
-    try:
+    """What the router does: one place (admitted, a node picked and counted in flight with
+    no checkpoint between), given back when told."""
+    async with adm.place(model, cls, client) as place:
+        assert place.node is not None and place.tried == [place.node.name]
+        assert place.node.in_flight[model] >= 1
+        log.append((client, trio.current_time()))
         if hold is not None:
             await hold.wait()
-    finally:
-        r.finish(node, model)
-        adm.release(ticket)
 
 
 async def test_reserve_held_and_released_by_a_finishing_request(autojump_clock):
@@ -300,3 +297,24 @@ async def test_reload_turns_the_series_on_and_off():
     adm.reload(config.load({}))
     assert b"priority" not in generate_latest(metrics)
     assert adm.status_block() is None
+
+
+async def test_a_place_is_given_back_on_any_exit_and_moves_to_the_least_loaded_other(
+        autojump_clock):
+    a, b = handle("a"), handle("b")
+    r = registry(a, b)
+    adm, _ = make(r)
+    with pytest.raises(RuntimeError):
+        async with adm.place(MODEL, "normal", "c") as p:
+            first = p.node
+            assert first.in_flight[MODEL] == 1 and p.tried == [first.name]
+            second = p.next(2)  # the first given back, the other taken
+            assert second is not None and second is not first
+            assert first.in_flight[MODEL] == 0 and second.in_flight[MODEL] == 1
+            raise RuntimeError("a bug while on the second node")
+    assert a.in_flight_total == b.in_flight_total == 0
+    async with adm.place(MODEL, "normal", "c") as p:
+        p.next(2)
+        assert p.next(2) is None  # two nodes tried: no third attempt
+        assert p.tried == [p.tried[0], p.tried[1]] and len(set(p.tried)) == 2
+    assert a.in_flight_total == b.in_flight_total == 0

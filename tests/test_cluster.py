@@ -13,7 +13,7 @@ import shutil
 import pytest
 import trio
 from etcd_proc import EtcdProc, free_port, needs_etcd
-from test_control import FakeAudit, FakeOps, add_node
+from test_control import FakeAudit, FakeOps, add_node, error_of
 from test_placement import cfg
 
 from appliance.cluster import state
@@ -221,7 +221,7 @@ async def test_parked_survives_failover_and_is_not_tried_again(nursery, autojump
     a.etcd.down = True
     while not b.member.leading:
         await trio.sleep(0.1)
-    assert b.control.unservable("kev").code == "model_parked"
+    assert (await error_of(b.control.make_servable("kev"))).code == "model_parked"
     await trio.sleep(600)
     assert b.ops.loads == [] and len(a.ops.loads) == 5
     # `ctl retry` written by a follower (a, back) reaches the leader b.

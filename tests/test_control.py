@@ -102,12 +102,13 @@ async def test_parks_after_five_failed_starts_then_answers_at_once(nursery, auto
         "model_start_failed") == 4 and audit.kinds().count("model_parked") == 1
     # The next request: 503 at once naming the error, and nothing is started.
     now = trio.current_time()
-    assert control.unservable("kev-0.5b").code == "model_parked"
+    assert (await error_of(control.make_servable("kev-0.5b"))).code == "model_parked"
     assert (await error_of(control.activate("kev-0.5b"))).code == "model_parked"
     await trio.sleep(600)
     assert trio.current_time() == now + 600 and len(ops.loads) == 5
     assert control.models_status()[0]["desired"] == 0  # nobody asked for ten minutes
-    assert control.unservable("kev-0.5b").code == "model_parked"  # a refused request still wants it
+    # a refused request still wants it
+    assert (await error_of(control.make_servable("kev-0.5b"))).code == "model_parked"
     [st] = control.models_status()
     assert st["parked"] and st["last_error"] == KEV_ERROR and st["consecutive_start_failures"] == 5
     assert st["desired"] == 1 and st["ready"] == 0
@@ -137,12 +138,12 @@ async def test_definition_change_by_reload_unparks(nursery, autojump_clock):
     await nursery.start(control.run)
     assert (await error_of(control.activate("kev"))).code == "model_parked"
     control.reload(cfg([{"Name": "kev", "Source": "/m/kev.gguf"}], Models__ParkAfterFailures=2))
-    assert control.unservable("kev").code == "model_parked"  # same definition: still parked
+    # same definition: still parked
+    assert (await error_of(control.make_servable("kev"))).code == "model_parked"
     ops.fail["kev"] = ""  # the new file loads
     control.reload(cfg([{"Name": "kev", "Source": "/m/kev-fixed.gguf"}],
                        Models__ParkAfterFailures=2))
-    assert control.unservable("kev") is None
-    await control.activate("kev")
+    await control.make_servable("kev")  # asks once, waits for that decision
     assert len(ops.loads) == 3
 
 
@@ -169,14 +170,13 @@ async def test_unplaceable_is_answered_at_once_then_a_bigger_node_places_it(nurs
     assert trio.current_time() == start
     assert err.code == "model_unplaceable" and err.retry_after is None
     assert "needs 9800 MiB; the most free is 8000 MiB on gpu-a" in err.message
-    assert control.unservable("phi-4").code == "model_unplaceable"
+    assert (await error_of(control.make_servable("phi-4"))).code == "model_unplaceable"
     st = control.models_status()[0]
     assert st["unplaceable"] and st["desired"] == 1 and st["reason"].startswith("needs 9800 MiB")
     add_node(registry, "gpu-c", 16000, {"phi-4": 100})
     ops.load_seconds = 0.9  # ready between two polls
     # The stored result is stale; a request decides afresh and is not refused.
-    assert control.unservable("phi-4") is None
-    await control.activate("phi-4")
+    await control.make_servable("phi-4")  # decides afresh, waits for that decision
     assert trio.current_time() == start + 1 and [n.name
                                                  for n in registry.ready_nodes(
                                                      "phi-4")] == ["gpu-c"]
@@ -194,8 +194,7 @@ async def test_room_made_when_busy_replica_finishes(nursery, autojump_clock):
     err = await error_of(control.activate("big"))
     assert err.code == "model_unplaceable" and "needs 6000 MiB; the most free is 4000 MiB on a" in err.message
     registry.finish(a, "small")
-    assert control.unservable("big") is None
-    await control.activate("big")
+    await control.make_servable("big")  # decides afresh, waits for that decision
     assert ops.unloads == [("a", "small")] and registry.ready_nodes("big")
 
 

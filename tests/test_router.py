@@ -156,18 +156,12 @@ def test_authenticate_allowed_and_decode():
     cfg = load({"Auth__RequireKeys": "true", "Auth__Clients__0__Name": "ops",
                 "Auth__Clients__0__Key": "k1",
                 "Auth__Clients__0__Models": "llama*,qwen2.5:0.5b"})
-
-    class H:
-        pass
-
-    hub = H()
-    hub.cfg = cfg
-    c = authenticate(hub, "k1")
+    c = authenticate(cfg.auth, "k1")
     assert c.name == "ops"
     assert allowed(c, "llama3:8b") and allowed(c, "qwen2.5:0.5b") and not allowed(c, "phi-4")
     for key in (None, "", "k2"):
         try:
-            authenticate(hub, key)
+            authenticate(cfg.auth, key)
         except ApiError as e:
             assert e.status == 401 and e.code == "invalid_api_key"
         else:

@@ -53,9 +53,12 @@ class Source(Protocol):
         """Parked or unplaceable now (no fresh attempt)."""
 
 
-async def activate(source: Source, model: str, wait_seconds: float) -> None:
-    """Returns once a replica of `model` is ready; raises ApiError otherwise."""
-    generation = source.ask(model)
+async def activate(source: Source, model: str, wait_seconds: float,
+                   generation: int | None = None) -> None:
+    """Returns once a replica of `model` is ready; raises ApiError otherwise. `generation`:
+    the decision already asked for (else one is asked for here)."""
+    if generation is None:
+        generation = source.ask(model)
     with trio.move_on_after(wait_seconds):
         await source.wait_decided(model, generation)
         while True:

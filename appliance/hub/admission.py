@@ -9,12 +9,14 @@ site (`trio.move_on_after`). A waiter whose client hangs up is cancelled: it lea
 queue at once, and a place it was already granted goes to the next waiter. Running work
 is never touched.
 
-Interface the router relies on:
+A request's place is one `async with admission.place(model, cls, client, in_flight) as p`:
+admitted on entry (or ApiError: queue_full, queue_timeout, priority_wait_timeout), then
+on one node at a time -- `p.node`, picked and counted in flight without a checkpoint
+after admission, so no other request can take the same place -- `await p.wait_slot()`
+before sending to it, `p.next(max_attempts)` to give that node back and take the least
+loaded other, and on any exit everything given back. Its parts:
 - `Admission(cfg, registry, metrics_registry)`; `enabled`; `effective_class(cls, headers)`
-- `await admit(model, cls, client) -> Ticket`: returns when the request may be sent;
-  raises ApiError (queue_full, queue_timeout, priority_wait_timeout). The router picks a
-  node and counts it in flight without a checkpoint after this returns.
-- `release(ticket)`: the request ended (any way).
+- `await admit(model, cls, client) -> Ticket`: returns when the request may be sent.
 - `await wait_slot(node, model, cls)`: Queue__SlotWaitSeconds before sending.
 - `status_block() -> dict | None`: `priority` for /api/status (None while off).
 - `reload(cfg)`: new numbers for new waiters (SIGHUP).
@@ -26,7 +28,9 @@ is on, so with it off the scrape is exactly what it was without the feature.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -43,6 +47,48 @@ from appliance.hub.priority import (
     count,
     ready_nodes,
 )
+
+
+class Place:
+    """A request's place: the node it is on now (`node`, counted in flight) and the
+    nodes it was on (`tried`). Made by `Admission.place`."""
+
+    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried")
+
+    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Any) -> None:
+        self._admission, self.model, self.cls = admission, model, cls
+        self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
+        self.node: Any = None
+        self.tried: list[str] = []
+
+    def _take(self) -> None:
+        registry = self._admission.registry
+        node = registry.pick(self.model, exclude=set(self.tried))
+        if node is not None:
+            self.tried.append(node.name)
+            registry.start(node, self.model)
+            if self._in_flight is not None:
+                self._in_flight.inc()
+        self.node = node
+
+    def _give_back(self) -> None:
+        node, self.node = self.node, None
+        if node is not None:
+            if self._in_flight is not None:
+                self._in_flight.dec()
+            self._admission.registry.finish(node, self.model)
+
+    async def wait_slot(self) -> None:
+        """Hold a non-essential request while its node's slots for the model are all sent."""
+        await self._admission.wait_slot(self.node, self.model, self.cls)
+
+    def next(self, max_attempts: int) -> Any:
+        """Give the current node back; take the least loaded other (None: none left, or
+        `max_attempts` nodes tried)."""
+        self._give_back()
+        if len(self.tried) < max_attempts:
+            self._take()
+        return self.node
 
 
 class Ticket:
@@ -122,8 +168,18 @@ class Admission:
         core.leave(w, timed_out=True)
         raise core.timeout_error(w)
 
-    def release(self, ticket: Ticket) -> None:
-        """Nothing to give back: the registry's in-flight count (finish) is the place."""
+    @asynccontextmanager
+    async def place(self, model: str, cls: str, client: str,
+                    in_flight: Any = None) -> AsyncIterator[Place]:
+        """Admit, then take the best node for `model` (`Place.node`, None when no node can
+        take it); the node is given back on any exit."""
+        await self.admit(model, cls, client)
+        p = Place(self, model, cls, in_flight)
+        p._take()  # no checkpoint since admit returned: this place is ours
+        try:
+            yield p
+        finally:
+            p._give_back()
 
     def _ready_nodes(self, model: str) -> list:
         ready = self._ready.get(model)

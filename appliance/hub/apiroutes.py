@@ -185,7 +185,7 @@ async def handle(hub, scope, receive, send) -> bool:
 
 
 def _client(hub, scope):
-    return authenticate(hub, bearer(scope))
+    return authenticate(hub.cfg.auth, bearer(scope))
 
 
 async def _one_model(hub, scope, send, model_id: str) -> None:

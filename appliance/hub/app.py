@@ -123,7 +123,7 @@ async def _get(hub, scope, send, path: str) -> None:
             await send_json(send, 200, status.status_payload(hub))
         return
     try:
-        client = authenticate(hub, bearer(scope))
+        client = authenticate(hub.cfg.auth, bearer(scope))
     except ApiError as e:
         await _error(send, path, e.status, e.code, e.message)
         return

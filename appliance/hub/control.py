@@ -12,9 +12,10 @@ answer (502/504 with the engine's words) is what normally ends it.
 Interface the router and status rely on:
 - `Control(cfg, registry, node_client, metrics_registry, audit)`, `await run(task_status=)`
 - `known(model)`: in the catalog or discovered on a node.
-- `unservable(model) -> ApiError | None`: parked, or unplaceable by a fresh attempt
-  (a stored unplaceable result is never trusted: the request asks again).
-- `await activate(model)`: the activation waiter (activation.py).
+- `await make_servable(model, keep)`: the one call a request makes: returns once a replica
+  is ready, or raises ApiError (parked; unplaceable by a fresh attempt -- a stored
+  unplaceable result is never trusted -- or still loading after the wait). It asks for a
+  placement at most once and waits for that very decision (activation.py).
 - `touch(model)`: a request used it (idle unload counts from the last one).
 - `models_status()`: the `models` list of /api/status (DESIGN 9 keys exactly).
 - `reload(cfg)` (SIGHUP), `retry(model) -> bool` (`appliance ctl retry`).
@@ -291,20 +292,35 @@ class Control:
                             f"model {model!r} fits on no node: {h.unplaceable}")
         return None
 
-    def unservable(self, model: str) -> ApiError | None:
+    async def make_servable(self, model: str, keep: float | None = None) -> None:
+        """Return once `model` has a ready replica; raise ApiError when it cannot have one
+        (parked, unplaceable) or not within Router__ActivationWaitSeconds (model_loading).
+        A placement is asked for at most once: an unplaceable answer is decided afresh
+        (never refused on a stale one) and the activation waits for that very decision.
+        `keep`: the request's keep_alive (a request that is served uses the model)."""
+        asked = None
         err = self.why_unservable(model)
         if err is not None and err.code == "model_unplaceable":
             if not self.leading():
-                return None  # the activation asks the leader for a fresh decision
-            self.ask(model)  # never refuse on a stale answer: decide afresh
-            err = self.why_unservable(model)
+                err = None  # the activation asks the leader for a fresh decision
+            else:
+                asked = self.ask(model)
+                err = self.why_unservable(model)
         if err is not None:
             self.core.requested(model, self.now())  # still wanted: status keeps counting it
-        return err
+            raise err
+        # In use: the request's own keep_alive shows at once (a client's `ps` right after
+        # its answer sees it); 0 applies only once the work is done.
+        self.touch(model, None if keep == 0 else keep)
+        if not self.registry.ready_nodes(model):
+            await self.activate(model, asked)
 
-    async def activate(self, model: str) -> None:
+    async def activate(self, model: str, asked: int | None = None) -> None:
+        """Wait for a ready replica of `model`: for the decision `asked` (a generation
+        `ask` returned) or, without one, for a fresh one."""
         if self.leading():
-            await activation.activate(self, model, self.cfg.router.activation_wait_seconds)
+            await activation.activate(self, model, self.cfg.router.activation_wait_seconds,
+                                      asked)
         else:
             # wanted: this hub's status counts it as the leader's does
             self.core.requested(model, self.now())

@@ -1,19 +1,37 @@
-"""Ending a relayed stream early, cleanly: the node was lost, or the drain ran out.
+"""Copying one node's answer to the client: the hub's half of the stream relay.
 
-Theory of operation: the router copies a node's answer to the client chunk by chunk
-(`appliance.http.stream.relay_chunks`). Two events may end that copy before the node
-does -- the node declared lost (its handle's `lost` event: a SIGSTOPped node would
-otherwise hold its streams for Hub__UpstreamReadSeconds) and the end of the drain
-(`Hub.drain_over`). A `Cut` watches both and cancels only the read in progress. What the
-client then gets is decided here: before the first byte, a lost node means "try another
-node" and a drain a 503 `shutting_down`; after it, the error event in the stream's own
-framing (`appliance.http.stream.stream_error`) and a proper end of the response.
+Theory of operation: `relay_from(node, ...)` sends one attempt of a request to one node and
+copies its answer to the client byte for byte (`appliance.http.stream.relay_chunks`), with
+the API translation `plan` asks for. It waits for the node's first body chunk before it
+answers the client, so a node that fails before the first byte -- refused (503), broke off,
+was declared lost -- is reported back as `(False, why)` and the router may try another.
+Two events may end the copy before the node does: the node declared lost (its handle's
+`lost` event: a SIGSTOPped node would otherwise hold its streams for
+Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` watches both
+and cancels only the read in progress, never a write to the client. Before the first byte a
+lost node means "try another node" and a drain a 503 `shutting_down`; after it, the error
+event in the stream's own framing (`stream_error`) and a proper end of the response.
+The request's audit line and count are written (`Request.finish`) before its last byte.
 """
 
 from __future__ import annotations
 
-from appliance.http.errors import ApiError
-from appliance.http.stream import Cut
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from appliance.http.errors import ApiError, Headers
+from appliance.http.stream import Cut, relay_chunks, stream_error
+from appliance.hub import translate
+from appliance.upstream import Pool, UpstreamError
+
+if TYPE_CHECKING:
+    from appliance.hub.nodes import NodeHandle
+    from appliance.hub.request import Request
+
+log = logging.getLogger("appliance.hub.router")
 
 # Retry-After of a request cut by the drain before its first byte: another hub, or this
 # one restarted, takes it a moment later.
@@ -25,3 +43,99 @@ def cut_before_answer(cut: Cut) -> tuple[bool, str]:
         raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
                        retry_after=SHUTTING_DOWN_RETRY_AFTER)
     return False, "was declared lost before answering"
+
+
+async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
+                     read_seconds: float, drain_over: trio.Event) -> tuple[bool, str]:
+    """(True, "") once the response went out; (False, why) when it failed before the first
+    byte -- including the node being declared lost while the request waited on it."""
+    cut = Cut()
+    async with trio.open_nursery() as watchers:
+        watchers.start_soon(cut.watch, node.lost, "node_lost")
+        watchers.start_soon(cut.watch, drain_over, "shutting_down")
+        try:
+            return await _relay(node, req, plan, upstream, read_seconds, cut)
+        finally:
+            watchers.cancel_scope.cancel()
+
+
+async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
+                 read_seconds: float, cut: Cut) -> tuple[bool, str]:
+    resp = None
+    headers: Headers = [*req.forward_headers(), *node.auth_raw]  # a per-node token wins
+    with cut.reading():
+        try:
+            resp = await upstream.request("POST", node.url + plan.path, headers, plan.body,
+                                          read_seconds)
+        except UpstreamError as e:
+            return False, str(e)
+    if resp is None:
+        return cut_before_answer(cut)
+    raw = resp.chunks()
+    conv = plan.converter(resp.status_code)
+    chunks = raw if conv is None else translate.Relay(raw, conv)
+    try:
+        if resp.status_code == 503:
+            # The node (paused, full) or its engine (still loading) refused: try another.
+            why = b""
+            with cut.reading():
+                why = (await resp.read())[:200]
+            return False, f"answered 503 ({why.decode(errors='replace')})"
+        first = None
+        with cut.reading():
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except UpstreamError as e:
+                return False, str(e)
+        if first is None:
+            return cut_before_answer(cut)
+        req.node = node.name
+        req.status = resp.status_code
+        req.ttfb = time.perf_counter() - req.t0
+        if conv is None:
+            ctype = resp.headers.get("content-type", "application/json")
+            clen = resp.headers.get("content-length")
+        else:
+            ctype = conv.content_type.decode()
+            ended = isinstance(chunks, translate.Relay) and chunks.ended
+            clen = str(len(first)) if ended else None
+        start_headers = [(b"content-type", ctype.encode()), *req.id_headers()]
+        if clen is not None and clen.isdigit() and int(clen) == len(first):
+            # A whole answer in the first read (every short, non-streamed one): one
+            # body message with its length, no chunked framing, fewer writes.
+            start_headers.append((b"content-length", clen.encode()))
+            await req.send_start(resp.status_code, start_headers)
+            await req.send_last(first)
+            return True, ""
+        await req.send_start(resp.status_code, start_headers)
+        tail = b""
+        if first:
+            await req.send({"type": "http.response.body", "body": first, "more_body": True})
+            tail = first[-2:]
+        relayed = await relay_chunks(chunks, req.send, cut, (UpstreamError,), tail)
+        if relayed.ended:
+            await req.send_last(b"")
+            return True, ""
+        code = cut.reason or "node_lost"
+        if code == "shutting_down":
+            msg = ("the hub is shutting down: stream cut at the end of the drain "
+                   "(Hub__DrainSeconds)")
+        elif cut.reason:
+            msg = f"node {node.name} was declared lost mid-stream ({node.lost_reason})"
+        else:
+            msg = f"node {node.name} {relayed.failure}"
+        req.error = code
+        log.warning("%s: request for %s from %s ends with %s", msg, req.model, req.client, code)
+        # A sized body cannot carry an error event; it just ends short.
+        event = b"" if clen is not None else stream_error(ctype, req.api, code, msg, relayed.tail)
+        if clen is None:
+            await req.send_last(event)
+        else:
+            req.finish()
+        return True, ""
+    finally:
+        with trio.move_on_after(1, shield=True):
+            await raw.aclose()
+            await resp.aclose()
