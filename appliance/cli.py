@@ -16,8 +16,6 @@ import sys
 from appliance import __version__
 from appliance.config import ConfigError, load
 
-ROLES = ("hub", "node", "up", "sim")
-
 
 def version_string() -> str:
     try:

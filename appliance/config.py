@@ -142,6 +142,11 @@ class NodeConfig(_Section):
     # The node API's twins of Hub__HeaderReadSeconds / Hub__BodyReadSeconds.
     header_read_seconds: PosFloat = 10.0
     body_read_seconds: PosFloat = 60.0
+    # The node's own twins of the hub's settings (it read Hub__* before; those are still
+    # read when these are unset, with a warning: NODE_OWN).
+    max_body_bytes: PosInt = 32 * MiB
+    upstream_read_seconds: PosFloat = 600.0
+    drain_seconds: NonNeg = 30.0
 
 
 class EngineConfig(_Section):
@@ -390,6 +395,29 @@ def _path_to_var(path: str) -> str:
     return "__".join(s for s in p.split(".") if s)
 
 
+# Settings the node once read from the Hub__ section: Node__X now; Hub__X is still read by
+# the node when Node__X is unset, for one release, with a warning (node_deprecations).
+NODE_OWN = (("MaxBodyBytes", "max_body_bytes"), ("UpstreamReadSeconds", "upstream_read_seconds"),
+            ("DrainSeconds", "drain_seconds"))
+
+
+def _set_names(merged: typing.Mapping[str, str]) -> set[str]:
+    return {(k[len(ENV_PREFIX):] if k.upper().startswith(ENV_PREFIX) else k).lower()
+            for k in merged}
+
+
+def node_deprecations(environ: typing.Mapping[str, str] | None = None,
+                      env_file: str | None = None) -> list[str]:
+    """One warning line per Hub__X the node still reads in place of an unset Node__X."""
+    environ = os.environ if environ is None else environ
+    merged = {**(read_env_file(env_file) if env_file else {}), **environ}
+    names = _set_names(merged)
+    return [f"Hub__{var} is read by the node because Node__{var} is unset: deprecated, "
+            f"set Node__{var} (Hub__{var} stops applying to the node in the next release)"
+            for var, _ in NODE_OWN if f"hub__{var.lower()}" in names
+            and f"node__{var.lower()}" not in names]
+
+
 def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None = None) -> Config:
     """Parse the env (and env file) into a Config, or raise ConfigError."""
     environ = os.environ if environ is None else environ
@@ -423,6 +451,10 @@ def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None =
             allowed = _enum_hint(var, em.group(1))
         raise ConfigError(f"{shown}={value!r}: {reason}{allowed}") from None
     _check_finite(cfg, [], originals, merged)
+    names = _set_names(merged)
+    for var, attr in NODE_OWN:  # the deprecated fallback (node_deprecations warns)
+        if f"hub__{var.lower()}" in names and f"node__{var.lower()}" not in names:
+            setattr(cfg.node, attr, getattr(cfg.hub, attr))
     _check(cfg)
     return cfg
 

@@ -141,24 +141,6 @@ class Notifier:
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
 
-    def status(self, text: str) -> bool:
-        return self.notify(f"STATUS={text}")
-
-
-def notify(msg: str) -> bool:
-    """Send one notification to $NOTIFY_SOCKET (no-op without it). Never raises."""
-    return _default().notify(msg)
-
-
-_DEFAULT: Notifier | None = None
-
-
-def _default() -> Notifier:
-    global _DEFAULT
-    if _DEFAULT is None or _DEFAULT.socket_path != (os.environ.get("NOTIFY_SOCKET") or None):
-        _DEFAULT = Notifier(os.environ.get("NOTIFY_SOCKET"))
-    return _DEFAULT
-
 
 def _positive_int(text: str | None) -> int | None:
     try:

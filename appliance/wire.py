@@ -87,16 +87,9 @@ class Announce(msgspec.Struct):
     url: str
 
 
-class ErrorBody(msgspec.Struct):
-    """What a node answers on a failed control call: `{"error": "..."}`."""
-
-    error: str
-
-
 watch_encoder = msgspec.json.Encoder()
 watch_decoder = msgspec.json.Decoder(WatchEvent)
 announce_decoder = msgspec.json.Decoder(Announce)
-state_decoder = msgspec.json.Decoder(NodeState)
 
 
 def encode_event(ev: StateEvent | Heartbeat) -> bytes:

@@ -142,3 +142,20 @@ def test_per_node_token_falls_back_to_the_shared_one():
     a = load({"Auth__NodeToken": "shared", "Auth__Nodes__0__Name": "gpu-b",
               "Auth__Nodes__0__Token": "bee"}).auth
     assert a.node_token_for("gpu-b") == "bee" and a.node_token_for("gpu-a") == "shared"
+
+
+def test_node_reads_its_own_settings_and_the_old_hub_names_with_a_warning():
+    from appliance.config import node_deprecations
+
+    cfg = load({"Node__MaxBodyBytes": "1000", "Node__UpstreamReadSeconds": "7",
+                "Node__DrainSeconds": "3", "Hub__MaxBodyBytes": "5000"})
+    assert (cfg.node.max_body_bytes, cfg.node.upstream_read_seconds,
+            cfg.node.drain_seconds) == (1000, 7.0, 3.0)
+    assert cfg.hub.max_body_bytes == 5000  # the hub keeps its own
+    assert node_deprecations({"Node__MaxBodyBytes": "1000", "Hub__MaxBodyBytes": "5000"}) == []
+    old = {"Hub__MaxBodyBytes": "2000", "APPLIANCE_Hub__DrainSeconds": "4"}
+    cfg = load(old)
+    assert (cfg.node.max_body_bytes, cfg.node.drain_seconds) == (2000, 4.0)
+    assert cfg.node.upstream_read_seconds == 600.0  # neither set: the default
+    lines = node_deprecations(old)
+    assert len(lines) == 2 and "Hub__MaxBodyBytes" in lines[0] and "Node__DrainSeconds" in lines[1]

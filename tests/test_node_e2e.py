@@ -67,7 +67,7 @@ def test_node_process_serves_watches_announces_and_drains(procs, hub):
         "Node__Name": "gpu-e2e", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0",
         "Engine__Kind": "sim", "Auth__NodeToken": TOKEN, "Node__HeartbeatSeconds": "0.2",
         "Node__MaxConcurrency": "4", "Hub__Url": hub.url, "Node__AnnounceSeconds": "0.2",
-        "Sim__TokensPerSecond": "50", "Hub__DrainSeconds": "20",
+        "Sim__TokensPerSecond": "50", "Node__DrainSeconds": "20",
     }, wait=("node", "metrics"))
     url = node.url
     with httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:

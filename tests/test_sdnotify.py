@@ -60,16 +60,9 @@ def test_abstract_namespace():
         s.close()
 
 
-def test_module_level_notify(sock, monkeypatch):
-    path, s = sock
-    monkeypatch.setenv("NOTIFY_SOCKET", path)
-    assert sdnotify.notify("STATUS=hello")
-    assert drain(s) == ["STATUS=hello"]
-
-
 def test_missing_socket_is_not_fatal(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    assert sdnotify.notify("READY=1") is False
+    assert Notifier.from_env().notify("READY=1") is False
     n = Notifier.from_env({})
     assert n.ready() is False and n.stopping() is False
     # A socket path nobody listens on: logged once, never raised.

@@ -125,7 +125,3 @@ class AuditLog:
     def event(self, kind: str, **fields: Any) -> None:
         self.write({"ts": round(time.time(), 3), "kind": kind, **fields})
 
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None

@@ -13,7 +13,7 @@ or anyone on the network could walk past the hub's keys and priorities.
 - `POST /node/v1/models/{model}/load|unload`: the model is percent-encoded (it holds ':'
   and '/'), so it is cut out of the raw path. Loads run inside
   `Engine__StartTimeoutSeconds`; the outcome is published as the model's state.
-- The proxy reads the body (bounded by `Hub__MaxBodyBytes`), decodes only `model`, asks
+- The proxy reads the body (bounded by `Node__MaxBodyBytes`), decodes only `model`, asks
   the keeper for a place and streams the same bytes to the engine and the engine's bytes
   back, chunk by chunk. The copy races the client's disconnect in one nursery: whichever
   ends first cancels the other, so a client that goes away frees its place at once.
@@ -344,12 +344,12 @@ class NodeApp:
             self.metrics.request(model, status)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
-        limit = self.cfg.hub.max_body_bytes
+        limit = self.cfg.node.max_body_bytes
         try:
             body = await read_body(receive, limit)
         except BodyTooLarge:
             await self._error(send, api, 413, "body_too_large",
-                              f"request body is over Hub__MaxBodyBytes ({limit} bytes)")
+                              f"request body is over Node__MaxBodyBytes ({limit} bytes)")
             return
         except trio.BrokenResourceError:
             return
@@ -402,7 +402,7 @@ class NodeApp:
         resp = None
         try:
             resp = await self.pool.request(scope["method"], url, headers, body,
-                                           self.cfg.hub.upstream_read_seconds)
+                                           self.cfg.node.upstream_read_seconds)
             out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE
                    if k in resp.headers]
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})

@@ -61,7 +61,7 @@ async def handle(app, scope, receive, send, action: str) -> None:
     try:
         resp = await app.pool.request(method, engine.url + path, [(b"content-type",
                                                                    b"application/json")], body,
-                                      app.cfg.hub.upstream_read_seconds)
+                                      app.cfg.node.upstream_read_seconds)
         ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
         await send({"type": "http.response.start", "status": resp.status_code,
                     "headers": [(b"content-type", ctype)]})

@@ -10,8 +10,8 @@ bound API address to `task_status.started` only once all of it listens.
 one `trio.run`: a stop is the caller's `stop` event, a reload a new Config sent on the
 caller's `reloads` channel. On stop the keeper drains (new requests get 503, watch
 streams end, so the hub stops routing here), the API server stops accepting and lets
-in-flight work finish for `Hub__DrainSeconds` (the hub's drain bound serves the node
-too), then everything else is cancelled. `main` owns the signals: SIGTERM/SIGINT stop,
+in-flight work finish for `Node__DrainSeconds`, then everything else is cancelled. `main`
+owns the signals: SIGTERM/SIGINT stop,
 SIGHUP re-reads the env file -- the node's limits (Node__MaxConcurrency, ModelSlots,
 MemoryMb) apply at once, anything else at the next start -- and the exit code is 0.
 
@@ -151,7 +151,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
             try:
                 await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait,
                             limits=node_limits(cfg),
-                            drain_seconds=cfg.hub.drain_seconds, certfile=cfg.node.tls_cert,
+                            drain_seconds=cfg.node.drain_seconds, certfile=cfg.node.tls_cert,
                             keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca,
                             require_client_cert=True,
                             task_status=task_status)
@@ -179,7 +179,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         await stop.wait()
         log.info("node %s draining: %d request(s) in flight, up to %g s", name,
                  keeper.in_flight_total,
-                 cfg.hub.drain_seconds)
+                 cfg.node.drain_seconds)
         keeper.drain()
         api_stop.set()
         await api_done.wait()
@@ -200,6 +200,8 @@ async def _signals(stop: trio.Event, notifier: sdnotify.Notifier, env_file: str 
                 log.info("SIGHUP: re-reading %s", env_file or "the environment")
                 try:
                     reload_send.send_nowait(config_mod.load(env_file=env_file))
+                    for line in config_mod.node_deprecations(env_file=env_file):
+                        log.warning("%s", line)
                 except config_mod.ConfigError as e:
                     log.error("reload refused, keeping the old configuration: %s", e)
                 except trio.WouldBlock:
@@ -239,5 +241,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 def main(cfg: Config, env_file: str | None = None) -> int:
     # httpx logs every request at INFO; the engine adapters poll, so that is noise.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    for line in config_mod.node_deprecations(env_file=env_file):
+        log.warning("%s", line)
     trio.run(_main, cfg, env_file)
     return 0
