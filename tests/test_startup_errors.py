@@ -61,7 +61,6 @@ def test_the_audit_file_is_created_0600(tmp_path):
     path = tmp_path / "audit.log"
     log = AuditLog(str(path))
     log.event("x")
-    log.close()
     assert (path.stat().st_mode & 0o777) == 0o600
     checked = tmp_path / "checked.log"  # the start-up check creates it, 0600 too
     assert check_path(str(checked)) is None and (checked.stat().st_mode & 0o777) == 0o600
