@@ -3,7 +3,8 @@
 import httpx
 import trio
 
-from appliance.hub.nodes import BACKOFF_START, NodeHandle, Registry, supervise
+from appliance.hub.nodes import NodeHandle, Registry
+from appliance.hub.supervisor import BACKOFF_START, supervise
 from appliance.wire import Heartbeat, ModelState, NodeState, StateEvent, encode_event
 
 

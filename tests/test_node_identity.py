@@ -14,7 +14,8 @@ import trio
 from appliance.config import load
 from appliance.http.errors import ApiError
 from appliance.hub import announce
-from appliance.hub.nodes import Registry, supervise
+from appliance.hub.nodes import Registry
+from appliance.hub.supervisor import supervise
 
 
 def auth(**env):

@@ -34,7 +34,8 @@ from appliance.hub.control import Control
 from appliance.hub.grace import StartupGrace
 from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
-from appliance.hub.nodes import Registry, supervise
+from appliance.hub.nodes import Registry
+from appliance.hub.supervisor import supervise
 from appliance.listener import Limits
 from appliance.upstream import Pool
 

@@ -13,10 +13,8 @@ or anyone on the network could walk past the hub's keys and priorities.
 - `POST /node/v1/models/{model}/load|unload`: the model is percent-encoded (it holds ':'
   and '/'), so it is cut out of the raw path. Loads run inside
   `Engine__StartTimeoutSeconds`; the outcome is published as the model's state.
-- The proxy reads the body (bounded by `Node__MaxBodyBytes`), decodes only `model`, asks
-  the keeper for a place and streams the same bytes to the engine and the engine's bytes
-  back, chunk by chunk. The copy races the client's disconnect in one nursery: whichever
-  ends first cancels the other, so a client that goes away frees its place at once.
+- The engine's client paths (/v1/..., /api/...) go to the proxy (proxy.py); model
+  pulls and deletes to modelops.py.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from typing import Any
 from urllib.parse import unquote
 
 import httpx
@@ -32,7 +29,6 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from appliance import __version__
 from appliance.asgi import (
     BodyTooLarge,
     Receive,
@@ -43,18 +39,15 @@ from appliance.asgi import (
     send_json,
     send_text,
 )
-from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import Config
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.errors import error_body
-from appliance.http.stream import relay_chunks, stream_error
 from appliance.metricsapp import render
 from appliance.node import modelops
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
+from appliance.node.proxy import EngineProxy, send_error
 from appliance.node.state import NodeStateKeeper
-from appliance.upstream import Pool, UpstreamError
 from appliance.wire import (
     EPOCH_HEADER,
     Heartbeat,
@@ -70,18 +63,7 @@ log = logging.getLogger("appliance.node.app")
 CONTROL_BODY_LIMIT = 64 * 1024
 # Bound on closing an upstream response after the client went away (STYLE 6).
 CLEANUP_SECONDS = 5.0
-# Request headers the engine needs; everything else (our bearer above all) stays here.
-FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding", b"x-request-id", b"user-agent")
-# Response headers the client needs to read the bytes as the engine meant them.
-FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry-after")
 NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
-
-
-class _ModelOnly(msgspec.Struct):
-    model: str
-
-
-_model_decoder = msgspec.json.Decoder(_ModelOnly)
 
 
 def _api_of(path: str) -> str:
@@ -97,9 +79,7 @@ class NodeApp:
         self.keeper = keeper
         self.changes = ChangeWaiter(keeper)
         self.engine = engine
-        # The proxy's own lean client to the engine (appliance/upstream.py): no proxies
-        # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
-        self.pool = Pool()
+        self.proxy = EngineProxy(cfg, keeper, engine, metrics)
         self.metrics = metrics
         # Auth__Nodes__N__Token for this node's name, else the shared Auth__NodeToken.
         self.token = cfg.auth.node_token_for(cfg.node_name()).encode()
@@ -113,7 +93,7 @@ class NodeApp:
     # --- dispatch ----------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        await self.proxy.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -129,7 +109,7 @@ class NodeApp:
         if path.startswith("/node/v1/"):
             await self._node_api(scope, receive, send, path[len("/node/v1/"):], method)
         elif is_proxy:
-            await self._client_api(scope, receive, send, path, method, api)
+            await self.proxy.handle(scope, receive, send, path, method, api)
         elif path == "/metrics" and self.metrics is not None:
             await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]),
                             CONTENT_TYPE_LATEST.encode())
@@ -144,10 +124,7 @@ class NodeApp:
 
     async def _error(self, send: Send, api: str, status: int, code: str, message: str,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        body = msgspec.json.encode({"error": message}) if api == "node" else error_body(api, status,
-                                                                                        code,
-                                                                                        message)
-        await send_json(send, status, body, headers)
+        await send_error(send, api, status, code, message, headers)
 
     # --- /node/v1/ -----------------------------------------------------------------------
 
@@ -308,128 +285,3 @@ class NodeApp:
                 next_beat = trio.current_time() + every
 
     # --- the engine's client paths -------------------------------------------------------
-
-    async def _client_api(self, scope: Scope, receive: Receive, send: Send, path: str, method: str,
-                          api: str) -> None:
-        if method == "GET":
-            listing = self._listing(path)
-            if listing is None:
-                await self._error(send, api, 405, "method_not_allowed",
-                                  "GET serves /v1/models, /api/tags, /api/ps, /api/version; "
-                                  f"{path} takes POST")
-            else:
-                await send_json(send, 200, listing)
-            return
-        if method != "POST":
-            await self._error(send, api, 405, "method_not_allowed", f"{path} takes POST")
-            return
-        await self._proxy(scope, receive, send, api)
-
-    def _listing(self, path: str) -> Any:
-        """GET /v1/models, /api/tags, /api/ps, /api/version: answered from the node's state."""
-        models = self.keeper.snapshot().models
-        if path == "/v1/models":
-            return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0,
-                                                "owned_by": self.keeper.name} for m in models]}
-        if path in ("/api/tags", "/api/ps"):
-            shown = models if path == "/api/tags" else [m for m in models if m.state == "ready"]
-            return {"models": [{"name": m.name, "model": m.name, "size": m.size_mb * 1024 * 1024,
-                                "details": {}} for m in shown]}
-        if path == "/api/version":
-            return {"version": __version__}
-        return None
-
-    def _count(self, model: str, status: str) -> None:
-        if self.metrics is not None:
-            self.metrics.request(model, status)
-
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
-        limit = self.cfg.node.max_body_bytes
-        try:
-            body = await read_body(receive, limit)
-        except BodyTooLarge:
-            await self._error(send, api, 413, "body_too_large",
-                              f"request body is over Node__MaxBodyBytes ({limit} bytes)")
-            return
-        except trio.BrokenResourceError:
-            return
-        try:
-            model = _model_decoder.decode(body).model
-        except msgspec.ValidationError:
-            await self._error(send, api, 400, "invalid_request",
-                              "body must be a JSON object with a string `model`")
-            return
-        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
-            await self._error(send, api, 400, "invalid_json", "body is not JSON")
-            return
-        upstream = self.engine.upstream(model)
-        if upstream is None:
-            if any(m.name == model for m in self.engine.models()):
-                await self._error(send, api, 503, "no_capacity",
-                                  f"model {model} is not loaded on node {self.keeper.name}",
-                                  [(b"retry-after", b"1")])
-                self._count(model, "503")
-            else:
-                await self._error(send, api, 404, "model_not_found",
-                                  f"model {echo(model)} not found on node {self.keeper.name}")
-                self._count(OTHER_LABEL, "404")  # a client-chosen name never becomes a label
-            return
-        refused = self.keeper.try_start(model)
-        if refused is not None:
-            await self._error(send, api, 503, "no_capacity", refused, [(b"retry-after", b"1")])
-            self._count(model, "503")
-            return
-        outcome: list[str] = []  # _forward appends the status once the last byte is out
-        client = None
-        try:
-            # After the last byte a disconnect is just the end (`outcome` is set then).
-            async with cancel_on_disconnect(receive, lambda: bool(outcome)) as client:
-                await self._forward(scope, send, api, upstream, body, outcome)
-        finally:
-            self.keeper.finish(model)
-            gone = client is not None and client.gone
-            self._count(model, outcome[0] if outcome else ("client_gone" if gone else "cancelled"))
-
-    async def _forward(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
-                       outcome: list[str]) -> None:
-        """Stream `body` to the engine and its answer back; the status for metrics goes
-        into `outcome` just before the last byte goes out."""
-        raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        url = upstream + raw + (("?" + scope["query_string"].decode("latin-1"))
-                                if scope.get("query_string") else "")
-        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_REQUEST]
-        started = False
-        resp = None
-        try:
-            resp = await self.pool.request(scope["method"], url, headers, body,
-                                           self.cfg.node.upstream_read_seconds)
-            out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE
-                   if k in resp.headers]
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
-            started = True
-            chunks = resp.chunks()
-            try:
-                await relay_chunks(chunks, send, None, ())  # an UpstreamError goes through
-            finally:
-                with trio.move_on_after(1, shield=True):
-                    await chunks.aclose()
-            outcome.append(str(resp.status_code))
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except UpstreamError as e:
-            why = f"engine at {upstream} {e}"
-            log.warning("%s %s: %s", scope["method"], raw, why)
-            if not started:
-                outcome.append("502")
-                await self._error(send, api, 502, "engine_error", why)
-            else:
-                outcome.append("engine_error")
-                assert resp is not None  # started: it answered
-                if "content-length" not in resp.headers:  # a sized body cannot carry an error event
-                    ctype = resp.headers.get("content-type", "")
-                    event = stream_error(ctype, api, "engine_error", why, status=502)
-                    await send({"type": "http.response.body", "body": event, "more_body": False})
-        finally:
-            if resp is not None:
-                with trio.move_on_after(1, shield=True):
-                    await resp.aclose()
-

@@ -59,7 +59,7 @@ async def handle(app, scope, receive, send, action: str) -> None:
     method, path = ("POST", "/api/pull") if action == "pull" else ("DELETE", "/api/delete")
     resp = None
     try:
-        resp = await app.pool.request(method, engine.url + path, [(b"content-type",
+        resp = await app.proxy.pool.request(method, engine.url + path, [(b"content-type",
                                                                    b"application/json")], body,
                                       app.cfg.node.upstream_read_seconds)
         ctype = resp.headers.get("content-type", "application/json").encode("latin-1")

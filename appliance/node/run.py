@@ -144,7 +144,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         await nursery.start(engine.run)
         await nursery.start(poll_gpu_memory, keeper, GPU_POLL_SECONDS)
         app = NodeApp(cfg, keeper, engine, metrics)
-        nursery.start_soon(app.pool.sweep_every)  # idle engine connections closed promptly
+        nursery.start_soon(app.proxy.pool.sweep_every)  # idle engine connections closed promptly
         api_stop, api_done = trio.Event(), trio.Event()
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):

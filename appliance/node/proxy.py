@@ -1,0 +1,192 @@
+"""The node's proxy: the engine's client paths (/v1/..., /api/...), relayed.
+
+Theory of operation: `EngineProxy.handle` answers the listings (GET /v1/models, /api/tags,
+/api/ps, /api/version) from the node's state and relays every POST to the engine that
+serves its model. It reads the body (bounded by `Node__MaxBodyBytes`), decodes only
+`model`, asks the keeper for a place (`try_start`) and streams the same bytes to the engine
+and the engine's bytes back, chunk by chunk (`appliance.http.stream.relay_chunks`). The
+copy is cancelled when the client hangs up (`appliance.http.disconnect`), so a client that
+goes away frees its place at once; an engine that breaks off mid-stream ends the stream
+with an error event in its own framing. Every request is counted once (NodeMetrics).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import trio
+
+from appliance import __version__
+from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
+from appliance.bounds import OTHER_LABEL, echo
+from appliance.config import Config
+from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.errors import Headers, error_body
+from appliance.http.stream import relay_chunks, stream_error
+from appliance.node.engines.base import Engine
+from appliance.node.metrics import NodeMetrics
+from appliance.node.state import NodeStateKeeper
+from appliance.upstream import Pool, UpstreamError
+
+log = logging.getLogger("appliance.node.app")
+
+# Request headers the engine needs; everything else (our bearer above all) stays here.
+FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding", b"x-request-id", b"user-agent")
+# Response headers the client needs to read the bytes as the engine meant them.
+FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry-after")
+
+
+class _ModelOnly(msgspec.Struct):
+    model: str
+
+
+_model_decoder = msgspec.json.Decoder(_ModelOnly)
+
+
+async def send_error(send: Send, api: str, status: int, code: str, message: str,
+                     headers: Headers | None = None) -> None:
+    """An error in the shape of `api`: "node" (the node API's `{"error"}`), or a client API."""
+    if api == "node":
+        body = msgspec.json.encode({"error": message})
+    else:
+        body = error_body(api, status, code, message)
+    await send_json(send, status, body, headers)
+
+
+class EngineProxy:
+    def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine,
+                 metrics: NodeMetrics | None) -> None:
+        self.cfg, self.keeper, self.engine, self.metrics = cfg, keeper, engine, metrics
+        # The proxy's own lean client to the engine (appliance/upstream.py): no proxies
+        # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
+        self.pool = Pool()
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, path: str, method: str,
+                     api: str) -> None:
+        if method == "GET":
+            listing = self._listing(path)
+            if listing is None:
+                await send_error(send, api, 405, "method_not_allowed",
+                                  "GET serves /v1/models, /api/tags, /api/ps, /api/version; "
+                                  f"{path} takes POST")
+            else:
+                await send_json(send, 200, listing)
+            return
+        if method != "POST":
+            await send_error(send, api, 405, "method_not_allowed", f"{path} takes POST")
+            return
+        await self._proxy(scope, receive, send, api)
+
+    def _listing(self, path: str) -> Any:
+        """GET /v1/models, /api/tags, /api/ps, /api/version: answered from the node's state."""
+        models = self.keeper.snapshot().models
+        if path == "/v1/models":
+            return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0,
+                                                "owned_by": self.keeper.name} for m in models]}
+        if path in ("/api/tags", "/api/ps"):
+            shown = models if path == "/api/tags" else [m for m in models if m.state == "ready"]
+            return {"models": [{"name": m.name, "model": m.name, "size": m.size_mb * 1024 * 1024,
+                                "details": {}} for m in shown]}
+        if path == "/api/version":
+            return {"version": __version__}
+        return None
+
+    def _count(self, model: str, status: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request(model, status)
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
+        limit = self.cfg.node.max_body_bytes
+        try:
+            body = await read_body(receive, limit)
+        except BodyTooLarge:
+            await send_error(send, api, 413, "body_too_large",
+                              f"request body is over Node__MaxBodyBytes ({limit} bytes)")
+            return
+        except trio.BrokenResourceError:
+            return
+        try:
+            model = _model_decoder.decode(body).model
+        except msgspec.ValidationError:
+            await send_error(send, api, 400, "invalid_request",
+                              "body must be a JSON object with a string `model`")
+            return
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
+            await send_error(send, api, 400, "invalid_json", "body is not JSON")
+            return
+        upstream = self.engine.upstream(model)
+        if upstream is None:
+            if any(m.name == model for m in self.engine.models()):
+                await send_error(send, api, 503, "no_capacity",
+                                  f"model {model} is not loaded on node {self.keeper.name}",
+                                  [(b"retry-after", b"1")])
+                self._count(model, "503")
+            else:
+                await send_error(send, api, 404, "model_not_found",
+                                  f"model {echo(model)} not found on node {self.keeper.name}")
+                self._count(OTHER_LABEL, "404")  # a client-chosen name never becomes a label
+            return
+        refused = self.keeper.try_start(model)
+        if refused is not None:
+            await send_error(send, api, 503, "no_capacity", refused, [(b"retry-after", b"1")])
+            self._count(model, "503")
+            return
+        outcome: list[str] = []  # _forward appends the status once the last byte is out
+        client = None
+        try:
+            # After the last byte a disconnect is just the end (`outcome` is set then).
+            async with cancel_on_disconnect(receive, lambda: bool(outcome)) as client:
+                await self._forward(scope, send, api, upstream, body, outcome)
+        finally:
+            self.keeper.finish(model)
+            gone = client is not None and client.gone
+            self._count(model, outcome[0] if outcome else ("client_gone" if gone else "cancelled"))
+
+    async def _forward(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
+                       outcome: list[str]) -> None:
+        """Stream `body` to the engine and its answer back; the status for metrics goes
+        into `outcome` just before the last byte goes out."""
+        raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        url = upstream + raw + (("?" + scope["query_string"].decode("latin-1"))
+                                if scope.get("query_string") else "")
+        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_REQUEST]
+        started = False
+        resp = None
+        try:
+            resp = await self.pool.request(scope["method"], url, headers, body,
+                                           self.cfg.node.upstream_read_seconds)
+            out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE
+                   if k in resp.headers]
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
+            started = True
+            chunks = resp.chunks()
+            try:
+                await relay_chunks(chunks, send, None, ())  # an UpstreamError goes through
+            finally:
+                with trio.move_on_after(1, shield=True):
+                    await chunks.aclose()
+            outcome.append(str(resp.status_code))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except UpstreamError as e:
+            why = f"engine at {upstream} {e}"
+            log.warning("%s %s: %s", scope["method"], raw, why)
+            if not started:
+                outcome.append("502")
+                await send_error(send, api, 502, "engine_error", why)
+            else:
+                outcome.append("engine_error")
+                assert resp is not None  # started: it answered
+                if "content-length" not in resp.headers:  # a sized body cannot carry an error event
+                    ctype = resp.headers.get("content-type", "")
+                    event = stream_error(ctype, api, "engine_error", why, status=502)
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
+        finally:
+            if resp is not None:
+                with trio.move_on_after(1, shield=True):
+                    await resp.aclose()
+
