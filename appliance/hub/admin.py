@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
+from typing import TYPE_CHECKING
 
 import httpx
 
-from appliance.asgi import send_json
+from appliance.asgi import Receive, Scope, Send, send_json
 from appliance.bounds import echo
 from appliance.cluster.etcd import EtcdError
+
+if TYPE_CHECKING:
+    from appliance.hub.run import Hub
 
 log = logging.getLogger("appliance.hub.admin")
 
@@ -49,12 +53,12 @@ def node_row(h) -> dict:
     }
 
 
-def nodes(hub) -> list[dict]:
+def nodes(hub: Hub) -> list[dict]:
     return [node_row(h) for h in sorted(hub.registry.nodes.values(), key=lambda h: h.name)
             if not h.removed]
 
 
-def status(hub) -> dict:
+def status(hub: Hub) -> dict:
     models = hub.control.model_details()
     rows = nodes(hub)
     problems = []
@@ -72,26 +76,26 @@ def status(hub) -> dict:
         if n["status"] == "lost":
             problems.append(f"node {n['name']} is lost: {n['lost_reason']}")
     out = {"satisfied": not problems, "problems": problems, "models": models, "nodes": rows}
-    if getattr(hub, "cluster", None) is not None:
-        out["cluster"] = hub.cluster.status()
-        if not out["cluster"]["leader"]:
+    if (cluster := getattr(hub, "cluster", None)) is not None:
+        out["cluster"] = cstatus = cluster.status()
+        if not cstatus["leader"]:
             problems.append("no hub leads the fleet: models cannot be placed (is etcd reachable?)")
             out["satisfied"] = False
     return out
 
 
-def _segments(scope) -> list[str]:
+def _segments(scope: Scope) -> list[str]:
     raw = scope.get("raw_path") or scope["path"].encode()
     path = raw.decode("latin-1").split("?", 1)[0]
     return [urllib.parse.unquote(s) for s in path.strip("/").split("/")]
 
 
-def _event(hub, action: str, **fields) -> None:
+def _event(hub: Hub, action: str, **fields) -> None:
     if hub.audit is not None:
         hub.audit.event("admin", actor="admin", action=action, **fields)
 
 
-async def handle(hub, scope, receive, send) -> None:
+async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     method, segs = scope["method"], _segments(scope)
     rest = segs[1:]  # after "admin"
     if rest in (["status"], ["models"], ["nodes"]):
@@ -108,9 +112,9 @@ async def handle(hub, scope, receive, send) -> None:
         parked = bool(hub.control.core.health.get(model) and hub.control.core.health[model].parked)
         if not hub.control.known(model):
             return await send_json(send, 404, {"error": f"model {echo(model)!r} not found"})
-        if getattr(hub, "cluster", None) is not None and not hub.cluster.leading:
+        if (cluster := getattr(hub, "cluster", None)) is not None and not cluster.leading:
             try:  # a follower: the leader applies it (and every hub sees the result)
-                await hub.cluster.request_retry(model)
+                await cluster.request_retry(model)
             except EtcdError as e:
                 return await send_json(send, 503,
                                        {"error": f"no leader to retry {echo(model)!r}: etcd: {e}"})
@@ -135,7 +139,7 @@ async def handle(hub, scope, receive, send) -> None:
                                          " DELETE /admin/nodes/NODE"})
 
 
-async def _forget(hub, name: str, send) -> None:
+async def _forget(hub: Hub, name: str, send: Send) -> None:
     """Drop a node now (`ctl forget`): an announced one comes back only by announcing again,
     a static one at the next reload or start."""
     h = hub.registry.nodes.get(name)
@@ -143,16 +147,17 @@ async def _forget(hub, name: str, send) -> None:
         return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
     hub.registry.forget(h)
     log.warning("node %s at %s forgotten by an operator", name, h.url)
-    if getattr(hub, "cluster", None) is not None:  # every hub drops it (until it announces again)
+    if (cluster := getattr(hub, "cluster",
+                           None)) is not None:  # every hub drops it (until it announces again)
         try:
-            await hub.cluster.forgot(name)
+            await cluster.forgot(name)
         except EtcdError as e:
             log.warning("node %s forgotten here only, not on the other hubs: etcd: %s", name, e)
     _event(hub, "forget", node=name, url=h.url, static=h.static)
     await send_json(send, 200, {"node": name, "action": "forget", "status": "forgotten"})
 
 
-async def _node_action(hub, name: str, action: str, send) -> None:
+async def _node_action(hub: Hub, name: str, action: str, send: Send) -> None:
     h = hub.registry.nodes.get(name)
     if h is None or h.removed:
         return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
@@ -160,9 +165,10 @@ async def _node_action(hub, name: str, action: str, send) -> None:
         h.cordoned = action == "cordon"
         log.warning("node %s %sed by an operator", name, action)
         hub.registry.changed()
-        if getattr(hub, "cluster", None) is not None:  # every hub routes by the same cordons
+        if (cluster := getattr(hub, "cluster",
+                               None)) is not None:  # every hub routes by the same cordons
             try:
-                await hub.cluster.set_cordon(name, h.cordoned)
+                await cluster.set_cordon(name, h.cordoned)
             except EtcdError as e:
                 return await send_json(send, 503,
                                        {"error": f"node {name} {action}ed on this hub only: etcd: "

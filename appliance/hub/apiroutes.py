@@ -24,13 +24,24 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import msgspec
 import trio
 
 from appliance import __version__
-from appliance.asgi import BodyTooLarge, bearer, header, read_body, send_json, send_text
+from appliance.asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    bearer,
+    header,
+    read_body,
+    send_json,
+    send_text,
+)
 from appliance.bounds import echo
 from appliance.http.errors import ApiError, error_body
 from appliance.hub import modelops, status
@@ -38,6 +49,9 @@ from appliance.hub.requestid import request_id
 from appliance.hub.router import allowed, authenticate
 from appliance.hub.translate import OPENAI_ONLY, engine_kind, resolve
 from appliance.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from appliance.hub.run import Hub
 
 log = logging.getLogger("appliance.hub.apiroutes")
 
@@ -64,11 +78,11 @@ CORS_HEADERS = (
                 b"x-stainless-retry-count, x-stainless-timeout, user-agent")
 
 
-def _header(scope, name: bytes) -> str:
+def _header(scope: Scope, name: bytes) -> str:
     return header(scope, name) or ""
 
 
-def cors_origin(origins: list[str], scope) -> bytes | None:
+def cors_origin(origins: list[str], scope: Scope) -> bytes | None:
     """The Access-Control-Allow-Origin value for this request, None: no CORS headers."""
     origin = _header(scope, b"origin")
     if not origin or not origins:
@@ -82,7 +96,7 @@ def with_request_id(app):
     """Every answer carries `x-request-id`: the router sets it on inference answers (it also
     forwards and audits it); this fills it in on every other one."""
 
-    async def rid_app(scope, receive, send):
+    async def rid_app(scope: Scope, receive: Receive, send: Send):
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
@@ -107,7 +121,7 @@ def with_cors(app, origins: list[str]):
     if not origins:
         return app
 
-    async def cors_app(scope, receive, send):
+    async def cors_app(scope: Scope, receive: Receive, send: Send):
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
@@ -141,13 +155,13 @@ def with_cors(app, origins: list[str]):
     return cors_app
 
 
-async def _error(send, api: str, e: ApiError) -> None:
+async def _error(send: Send, api: str, e: ApiError) -> None:
     await send({"type": "http.response.start", "status": e.status,
                 "headers": [(b"content-type", b"application/json"), *e.headers()]})
     await send({"type": "http.response.body", "body": e.body(api)})
 
 
-async def handle(hub, scope, receive, send) -> bool:
+async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> bool:
     path, method = scope["path"], scope["method"]
     if path == "/":
         if method not in ("GET", "HEAD"):
@@ -184,11 +198,11 @@ async def handle(hub, scope, receive, send) -> bool:
     return False
 
 
-def _client(hub, scope):
+def _client(hub: Hub, scope: Scope):
     return authenticate(hub.cfg.auth, bearer(scope))
 
 
-async def _one_model(hub, scope, send, model_id: str) -> None:
+async def _one_model(hub: Hub, scope: Scope, send: Send, model_id: str) -> None:
     try:
         if scope["method"] not in ("GET", "HEAD"):
             raise ApiError(405, "method_not_allowed", "/v1/models/{id} takes GET")
@@ -207,7 +221,7 @@ class _Show(msgspec.Struct):
     name: str = ""
 
 
-async def _show(hub, scope, receive, send) -> None:
+async def _show(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     try:
         if scope["method"] != "POST":
             raise ApiError(405, "method_not_allowed", "/api/show takes POST")
@@ -233,7 +247,7 @@ async def _show(hub, scope, receive, send) -> None:
         await _error(send, "ollama", e)
 
 
-async def _show_from_node(hub, model: str) -> bytes | None:
+async def _show_from_node(hub: Hub, model: str) -> bytes | None:
     """A node with an Ollama-speaking engine that knows the model answers for it."""
     for node in list(hub.registry.nodes.values()):
         st = node.state
@@ -257,7 +271,7 @@ async def _show_from_node(hub, model: str) -> bytes | None:
     return None
 
 
-def _show_synth(hub, model: str) -> dict:
+def _show_synth(hub: Hub, model: str) -> dict:
     """What the hub knows of a model on an OpenAI-only engine (a GGUF's header for llama.cpp)."""
     kinds = sorted({engine_kind(n.state) for n in hub.registry.nodes.values()
                     if n.state is not None and n.state.model(model) is not None} - {""})

@@ -11,19 +11,32 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
-from appliance.asgi import BodyTooLarge, bearer, read_body, send_json, send_text
+from appliance.asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    bearer,
+    read_body,
+    send_json,
+    send_text,
+)
 from appliance.cluster.etcd import EtcdError
 from appliance.http.errors import ApiError, error_body
 from appliance.hub import announce, apiroutes, status, ui
 from appliance.hub.router import allowed, authenticate, handle_inference
 from appliance.metricsapp import render
 from appliance.wire import announce_decoder
+
+if TYPE_CHECKING:
+    from appliance.hub.run import Hub
 
 log = logging.getLogger("appliance.hub.app")
 
@@ -52,15 +65,15 @@ def _api(path: str) -> str:
     return "openai" if path.startswith("/v1/") else "ollama"
 
 
-async def _error(send, path: str, status: int, code: str, message: str, headers=()) -> None:
+async def _error(send: Send, path: str, status: int, code: str, message: str, headers=()) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), *headers]})
     await send({"type": "http.response.body", "body": error_body(_api(path), status, code,
                                                                  message)})
 
 
-def make_app(hub):
-    async def app(scope, receive, send):
+def make_app(hub: Hub):
+    async def app(scope: Scope, receive: Receive, send: Send):
         path = scope["path"]
         method = scope["method"]
         api = INFERENCE.get(path)
@@ -100,7 +113,7 @@ def make_app(hub):
     return apiroutes.with_cors(apiroutes.with_request_id(app), origins)
 
 
-def _admin_ok(hub, scope) -> bool:
+def _admin_ok(hub: Hub, scope: Scope) -> bool:
     key = hub.cfg.auth.admin_key
     if not key:
         return True
@@ -108,7 +121,7 @@ def _admin_ok(hub, scope) -> bool:
     return hmac.compare_digest(given.encode(), key.encode())
 
 
-async def _get(hub, scope, send, path: str) -> None:
+async def _get(hub: Hub, scope: Scope, send: Send, path: str) -> None:
     if path == "/health":
         await send_json(send, 200, {"status": "ok", "version": __version__})
         return
@@ -139,7 +152,7 @@ async def _get(hub, scope, send, path: str) -> None:
         await send_json(send, 200, status.ollama_ps(hub, may))
 
 
-async def _announce(hub, scope, receive, send) -> None:
+async def _announce(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     source = (scope.get("client") or ("unknown", 0))[0]
     ann = None
     try:
@@ -170,9 +183,10 @@ async def _announce(hub, scope, receive, send) -> None:
         return
     fresh = ann.name not in hub.registry.nodes
     hub.add_node(ann.name, ann.url, static=False)
-    if getattr(hub, "cluster", None) is not None:  # every hub dials a node that announced to one
+    if (cluster := getattr(hub, "cluster",
+                           None)) is not None:  # every hub dials a node that announced to one
         try:
-            await hub.cluster.announced(ann.name, ann.url, fresh)
+            await cluster.announced(ann.name, ann.url, fresh)
         except EtcdError as e:
             log.warning("node %s announced, not shared with the other hubs: etcd: %s", ann.name, e)
     await send_json(send, 200, {"ok": True, "name": ann.name})

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 import msgspec
 import trio
 
-from appliance.asgi import BodyTooLarge, bearer, read_body, send_json
+from appliance.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read_body, send_json
 from appliance.hub.translate import engine_kind
 from appliance.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from appliance.hub.nodes import NodeHandle
+    from appliance.hub.run import Hub
 
 log = logging.getLogger("appliance.hub.modelops")
 
@@ -41,18 +46,18 @@ class _Body(msgspec.Struct):
     stream: bool | None = None
 
 
-def admin_ok(hub, scope) -> bool:
+def admin_ok(hub: Hub, scope: Scope) -> bool:
     key = hub.cfg.auth.admin_key
     return not key or hmac.compare_digest((bearer(scope) or "").encode(), key.encode())
 
 
-def _targets(hub, node: str | None) -> list:
+def _targets(hub: Hub, node: str | None) -> list:
     return [h for h in list(hub.registry.nodes.values())
             if h.connected and h.state is not None and engine_kind(h.state) in MANAGING_KINDS
             and (node is None or h.name == node)]
 
 
-async def handle(hub, scope, receive, send, action: str) -> None:
+async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send, action: str) -> None:
     want = "POST" if action == "pull" else "DELETE"
     if scope["method"] != want and not (action == "delete" and scope["method"] == "POST"):
         await send_json(send, 405, {"error": f"/api/{action} takes {want}"})
@@ -91,7 +96,7 @@ async def handle(hub, scope, receive, send, action: str) -> None:
         await _pull(hub, send, model, targets, body, req.stream is not False)
 
 
-async def _delete(hub, send, model: str, targets: list, body: bytes) -> None:
+async def _delete(hub: Hub, send: Send, model: str, targets: list, body: bytes) -> None:
     found = []
     for h in targets:
         with trio.move_on_after(DELETE_SECONDS):
@@ -113,7 +118,7 @@ async def _delete(hub, send, model: str, targets: list, body: bytes) -> None:
         await send_json(send, 404, {"error": f"model '{model}' not found"})
 
 
-async def _pull(hub, send, model: str, targets: list, body: bytes, stream: bool) -> None:
+async def _pull(hub: Hub, send: Send, model: str, targets: list, body: bytes, stream: bool) -> None:
     failed: list[str] = []
     if stream:
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
@@ -133,7 +138,7 @@ async def _pull(hub, send, model: str, targets: list, body: bytes, stream: bool)
         await send_json(send, 200 if not failed else 502, last)
 
 
-async def _pull_one(hub, h, body: bytes, send) -> tuple[int, str]:
+async def _pull_one(hub: Hub, h: NodeHandle, body: bytes, send: Send | None) -> tuple[int, str]:
     """(lines relayed, error or "") for one node; progress lines to `send` when streaming."""
     n, buf, error = 0, b"", ""
     resp = None
@@ -159,8 +164,8 @@ async def _pull_one(hub, h, body: bytes, send) -> tuple[int, str]:
     return n, error
 
 
-async def _relay_line(line: bytes, node: str, send, n: int, error: str, status: int) -> tuple[int,
-                                                                                              str]:
+async def _relay_line(line: bytes, node: str, send: Send | None, n: int, error: str,
+                      status: int) -> tuple[int, str]:
     try:
         obj = msgspec.json.decode(line)
     except msgspec.DecodeError:

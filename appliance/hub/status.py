@@ -8,8 +8,12 @@ control plane and admission -- nothing is cached, so nothing goes stale. The key
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from appliance import __version__
+
+if TYPE_CHECKING:
+    from appliance.hub.run import Hub
 
 MiB = 1024 * 1024
 # A model whose engine names no date of its own is as new as this hub.
@@ -33,7 +37,7 @@ def node_entry(h) -> dict:
     }
 
 
-def status_payload(hub) -> dict:
+def status_payload(hub: Hub) -> dict:
     out = {
         "version": __version__,
         "nodes": [node_entry(h) for h in hub.registry.nodes.values()],
@@ -41,15 +45,16 @@ def status_payload(hub) -> dict:
         "audit": {"path": hub.audit.path or "stdout", "write_errors": hub.audit.write_errors,
                   "last_error": hub.audit.last_error},
     }
-    if getattr(hub, "cluster", None) is not None:  # several hubs: who leads, by which epoch
-        out["cluster"] = hub.cluster.status()
+    if (cluster := getattr(hub, "cluster",
+                           None)) is not None:  # several hubs: who leads, by which epoch
+        out["cluster"] = cluster.status()
     block = hub.admission.status_block()
     if block is not None:
         out["priority"] = block
     return out
 
 
-def _size_bytes(hub, model: str) -> int:
+def _size_bytes(hub: Hub, model: str) -> int:
     for h in hub.registry.nodes.values():
         if h.state is not None:
             m = h.state.model(model)
@@ -58,7 +63,7 @@ def _size_bytes(hub, model: str) -> int:
     return 0
 
 
-def model_meta(hub, model: str):
+def model_meta(hub: Hub, model: str):
     """What an engine said about `model` (wire.ModelMeta), from the first node that says it."""
     best = None
     for h in hub.registry.nodes.values():
@@ -81,7 +86,7 @@ def details(meta) -> dict:
             "parameter_size": meta.parameter_size, "quantization_level": meta.quantization_level}
 
 
-def _expires_at(hub, model: str) -> str:
+def _expires_at(hub: Hub, model: str) -> str:
     """When an idle model will be unloaded, as Ollama's /api/ps says it; far ahead for
     one that stays (always-on, keep_alive -1, no idle unload)."""
     secs = hub.control.expires_in(model)
@@ -102,7 +107,7 @@ def _health(m: dict) -> str:
     return "available"
 
 
-def openai_models(hub, client_allowed) -> dict:
+def openai_models(hub: Hub, client_allowed) -> dict:
     created = int(time.time())
     data = []
     for m in hub.control.models_status():
@@ -116,7 +121,7 @@ def openai_models(hub, client_allowed) -> dict:
     return {"object": "list", "data": data}
 
 
-def ollama_tags(hub, client_allowed) -> dict:
+def ollama_tags(hub: Hub, client_allowed) -> dict:
     models = []
     for m in hub.control.models_status():
         if not client_allowed(m["name"]):
@@ -133,7 +138,7 @@ def ollama_tags(hub, client_allowed) -> dict:
     return {"models": models}
 
 
-def ollama_ps(hub, client_allowed) -> dict:
+def ollama_ps(hub: Hub, client_allowed) -> dict:
     models = []
     for m in hub.control.models_status():
         if m["ready"] and client_allowed(m["name"]):

@@ -18,11 +18,15 @@ sent to `/ui/` there); `/ui` without the slash is sent to `/ui/` here.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
-from appliance.asgi import send_json
+from appliance.asgi import Scope, Send, send_json
 from appliance.http.errors import error_body
 from appliance.hub.history import RECENT_MAX
+
+if TYPE_CHECKING:
+    from appliance.hub.run import Hub
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 FILES = {
@@ -50,14 +54,14 @@ def _file(name: str) -> bytes:
     return body
 
 
-async def _redirect(send, location: bytes) -> None:
+async def _redirect(send: Send, location: bytes) -> None:
     await send({"type": "http.response.start", "status": 303,
                 "headers": [(b"location", location), (b"content-type",
                                                       b"text/plain; charset=utf-8")]})
     await send({"type": "http.response.body", "body": b"see " + location + b"\n"})
 
 
-def _limit(scope) -> int:
+def _limit(scope: Scope) -> int:
     raw = parse_qs((scope.get("query_string") or b"").decode("latin-1")).get("limit", [""])[0]
     try:
         return min(max(int(raw), 0), RECENT_MAX) if raw else 50
@@ -65,7 +69,7 @@ def _limit(scope) -> int:
         return 50
 
 
-async def handle(hub, scope, send, admin_ok) -> bool:
+async def handle(hub: Hub, scope: Scope, send: Send, admin_ok) -> bool:
     """Answer a /ui/ path or a feed; False: not ours.
 
     `admin_ok()` says whether the request carries the admin key (or none is set)."""
