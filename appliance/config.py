@@ -22,7 +22,7 @@ import os
 import re
 import socket
 import typing
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -299,7 +299,8 @@ def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
     return f' (did you mean "{by_lower[close[0]]}"?)'
 
 
-def _place(tree: dict, cls: type, segs: list[str], value: str, var: str, path: list) -> None:
+def _place(tree: dict[str, Any], cls: type, segs: list[str], value: str, var: str,
+           path: list[str]) -> None:
     """Put `value` at `segs` under the Struct `cls` into `tree`, canonicalising names."""
     fields = _pascal_fields(cls)
     head = segs[0]
@@ -317,8 +318,8 @@ def _place(tree: dict, cls: type, segs: list[str], value: str, var: str, path: l
     _place_typed(tree, name, _strip(tp), segs[1:], value, var, [*path, name])
 
 
-def _place_typed(tree: dict, name: str, tp: typing.Any, rest: list[str], value: str, var: str,
-                 path: list) -> None:
+def _place_typed(tree: dict[str, Any], name: str, tp: typing.Any, rest: list[str], value: str,
+                 var: str, path: list[str]) -> None:
     origin = typing.get_origin(tp)
     if not rest:
         if origin is list:
@@ -426,7 +427,7 @@ def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None =
         merged.update(read_env_file(env_file))
     merged.update(environ)
     sections = _pascal_fields(Config)
-    tree: dict = {}
+    tree: dict[str, Any] = {}
     originals: dict[str, str] = {}
     for raw, value in merged.items():
         var = raw[len(ENV_PREFIX):] if raw.upper().startswith(ENV_PREFIX) else raw

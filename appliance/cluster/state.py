@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -90,7 +91,7 @@ class Snapshot:
     raw: dict[str, str] = field(default_factory=dict)
 
 
-def parse(keys: Keys, revision: int, kvs) -> Snapshot:
+def parse(keys: Keys, revision: int, kvs: Any) -> Snapshot:
     """`kvs`: objects with key, value, create_revision, mod_revision (etcd.KV). Unreadable
     records are skipped: another version's writing must not stop this one."""
     s = Snapshot(revision=revision)
@@ -124,7 +125,7 @@ def parse(keys: Keys, revision: int, kvs) -> Snapshot:
     return s
 
 
-def record_of(h, definition: tuple[str, ...], decided: int) -> HealthRecord:
+def record_of(h: Any, definition: tuple[str, ...], decided: int) -> HealthRecord:
     """The shared record of one placement.Health."""
     return HealthRecord(failures=h.failures, parked=h.parked, last_error=h.last_error,
                         unplaceable=h.unplaceable,
@@ -135,7 +136,7 @@ def encode(rec: HealthRecord) -> str:
     return _enc.encode(rec).decode()
 
 
-def adopt(h, rec: HealthRecord, definition: tuple[str, ...], configured: bool) -> bool:
+def adopt(h: Any, rec: HealthRecord, definition: tuple[str, ...], configured: bool) -> bool:
     """Take `rec` into the placement.Health `h`. Returns True when the record's failures were
     against another definition (a reload changed Source/Profile since): then they do not
     count here and the model is not parked, as a reload on one hub would have done."""

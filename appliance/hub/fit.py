@@ -21,17 +21,17 @@ from typing import Any
 SIZE_FACTOR = 1.2
 
 
-def need_on(spec, h) -> int:
+def need_on(spec: Any, h: Any) -> int:
     """MiB the model of `spec` needs on node `h`: declared, else the node's size x 1.2."""
     if spec.memory_mb is not None:
-        return spec.memory_mb
+        return int(spec.memory_mb)
     m = h.state.model(spec.name) if h.state is not None else None
     return math.ceil(m.size_mb * SIZE_FACTOR) if m is not None and m.size_mb else 0
 
 
-def free_on(h, pending: list) -> int | None:
+def free_on(h: Any, pending: list[Any]) -> int | None:
     """Free MiB on `h` less what loads in progress reserve; None: the node declares none."""
-    free = h.memory_free_mb()
+    free: int | None = h.memory_free_mb()
     if free is None:
         return None
     for p in pending:
@@ -42,8 +42,9 @@ def free_on(h, pending: list) -> int | None:
     return free
 
 
-def victims(h, model: str, spec_of: Callable, last_used_of: Callable,
-            pending: list) -> list[tuple[str, int]]:
+def victims(h: Any, model: str, spec_of: Callable[[str], Any],
+            last_used_of: Callable[[str], float | None],
+            pending: list[Any]) -> list[tuple[str, int]]:
     """Idle on-demand replicas on `h` that may be unloaded for `model`, least recently used
     first, with the MiB each frees."""
     busy = {m for p in pending if p.node == h.name for m in (p.model, *p.victims)}
@@ -59,8 +60,9 @@ def victims(h, model: str, spec_of: Callable, last_used_of: Callable,
     return [(n, f) for n, f, _ in out]
 
 
-def choose(spec, nodes: list, holding: set[str], pending: list, spec_of: Callable,
-           last_used_of: Callable) -> tuple[Any, list[str]] | str:
+def choose(spec: Any, nodes: list[Any], holding: set[str], pending: list[Any],
+           spec_of: Callable[[str], Any],
+           last_used_of: Callable[[str], float | None]) -> tuple[Any, list[str]] | str:
     """(node handle, models to unload from it first) for one more replica, or why none fits."""
     name = spec.name
     up = [h for h in nodes if h.routable()]

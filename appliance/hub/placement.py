@@ -129,14 +129,14 @@ class Models:
         # them, unless one lists them again (a new pull).
         self.deleted: dict[str, bool] = {}  # name -> gone from every node since
         self.pending: list[Pending] = []
-        self.events: list[tuple[str, dict]] = []  # audit events for the shell to write
+        self.events: list[tuple[str, dict[str, Any]]] = []  # audit events for the shell to write
 
     # --- the catalog -------------------------------------------------------------------
 
     def spec(self, name: str) -> Spec:
         return self.specs.get(name) or Spec(name)
 
-    def names(self, nodes: Iterable) -> list[str]:
+    def names(self, nodes: Iterable[Any]) -> list[str]:
         listed: set[str] = set()
         for h in nodes:
             if h.state is not None:
@@ -211,7 +211,7 @@ class Models:
         idle = self.spec(name).idle_unload_seconds
         return math.inf if idle == 0 else idle
 
-    def replicas(self, name: str, nodes: Iterable) -> tuple[list[str], list[str]]:
+    def replicas(self, name: str, nodes: Iterable[Any]) -> tuple[list[str], list[str]]:
         """(ready node names, loading node names) counted for `name` now."""
         ready, loading = [], []
         for h in nodes:
@@ -240,7 +240,7 @@ class Models:
         self.pending.append(Pending(name, h.name, fit.need_on(spec, h), victims=tuple(victims)))
         return Load(name, h.name, LoadRequest(source=spec.source, args=spec.args), victims)
 
-    def _place_needed(self, name: str, nodes: list, now: float) -> list[Action]:
+    def _place_needed(self, name: str, nodes: list[Any], now: float) -> list[Action]:
         """Place replicas up to what `name` should have now; record the decision."""
         h = self._h(name)
         if h.parked or now < h.next_attempt:
@@ -271,7 +271,7 @@ class Models:
 
     # --- what the shell calls ----------------------------------------------------------
 
-    def ask(self, name: str, nodes: list, now: float) -> tuple[int, list[Action]]:
+    def ask(self, name: str, nodes: list[Any], now: float) -> tuple[int, list[Action]]:
         """A request wants `name`: clear the previous result and decide afresh, now."""
         self._settle(nodes, now)
         h = self._h(name)
@@ -299,7 +299,7 @@ class Models:
                and not h.parked]
         return min(due) if due else None
 
-    def plan(self, nodes: list, now: float) -> list[Action]:
+    def plan(self, nodes: list[Any], now: float) -> list[Action]:
         """One pass of the control loop: settle loads, place what is missing, unload idle."""
         self._settle(nodes, now)
         acts: list[Action] = []
@@ -314,7 +314,7 @@ class Models:
                 acts += self._place_needed(name, nodes, now)
         return acts
 
-    def _settle(self, nodes: list, now: float) -> None:
+    def _settle(self, nodes: list[Any], now: float) -> None:
         """Loads the node answered stop counting once its state shows them (or after a while)."""
         by_name = {h.name: h for h in nodes}
         for p in list(self.pending):
@@ -325,7 +325,7 @@ class Models:
             if now >= p.settle_until or (m is not None and m.state in ("ready", "failed")):
                 self.pending.remove(p)
 
-    def _idle_unloads(self, name: str, nodes: list, now: float) -> list[Action]:
+    def _idle_unloads(self, name: str, nodes: list[Any], now: float) -> list[Action]:
         spec = self.spec(name)
         limit = self._idle_limit(name)
         if spec.replicas or limit == math.inf:
@@ -405,7 +405,7 @@ class Models:
             return f"start failed {h.failures} time(s); next attempt in {wait:.0f} s"
         return ""
 
-    def status(self, name: str, nodes: list, now: float) -> dict:
+    def status(self, name: str, nodes: list[Any], now: float) -> dict[str, Any]:
         h = self.health.get(name) or Health()
         ready, loading = self.replicas(name, nodes)
         return {"name": name, "desired": self.desired(name, now), "ready": len(ready),

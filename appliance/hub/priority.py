@@ -69,7 +69,7 @@ class Fleet(NamedTuple):
     room: int | None
 
 
-def fleet_of(nodes: Iterable, model: str) -> Fleet:
+def fleet_of(nodes: Iterable[Any], model: str) -> Fleet:
     """`places` and `room` for `model` over the nodes it can be routed to now.
 
     The reference definition, in terms of `NodeHandle.free_places`; `count` is the fast
@@ -89,12 +89,12 @@ def fleet_of(nodes: Iterable, model: str) -> Fleet:
     return Fleet(places, room)
 
 
-def ready_nodes(nodes: Iterable, model: str) -> list:
+def ready_nodes(nodes: Iterable[Any], model: str) -> list[Any]:
     """The nodes `model` can be routed to now (what `count` walks)."""
     return [h for h in nodes if h.ready(model)]
 
 
-def count(ready: Iterable, model: str, places_need: int | None = None,
+def count(ready: Iterable[Any], model: str, places_need: int | None = None,
           room_need: int | None = None) -> Fleet:
     """`fleet_of` over nodes already known ready, in plain arithmetic.
 
@@ -152,7 +152,8 @@ class Lanes:
     __slots__ = ("lanes", "pending")
 
     def __init__(self) -> None:
-        self.lanes: tuple[OrderedDict, ...] = (OrderedDict(), OrderedDict(), OrderedDict())
+        self.lanes: tuple[OrderedDict[Waiter, None], ...] = (OrderedDict(), OrderedDict(),
+                                                             OrderedDict())
         self.pending = 0
 
     def __len__(self) -> int:
@@ -324,7 +325,7 @@ class AdmissionCore:
     def waiting_models(self) -> list[str]:
         return [m for m, q in self.queues.items() if len(q)]
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, Any]:
         return {"classes": {c: s.as_dict() for c, s in self.classes.items()},
                 "models": {m: {"waiting": s.waiting, "timeouts": s.timeouts, "full": s.full}
                            for m, s in self.models.items()}}
