@@ -21,7 +21,7 @@ How the hub's and the node's `run.py` use it (the whole integration)::
     from appliance import sdnotify
 
     notifier = sdnotify.Notifier.from_env()
-    heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.hub.control_interval_seconds)
+    heartbeat = sdnotify.Liveness(max_age=3 * cfg.hub.control_interval_seconds)
     async with trio.open_nursery() as nursery:
         ...                                   # nursery.start(...) every listener
         notifier.ready()                      # after the last listener is bound
@@ -150,9 +150,10 @@ def _positive_int(text: str | None) -> int | None:
     return n if n > 0 else None
 
 
-class Heartbeat:
+class Liveness:
     """`beat()` from the loop that must stay alive; calling the object asks whether it did
-    within `max_age` seconds (trio time). A fresh Heartbeat counts as alive."""
+    within `max_age` seconds (trio time). A fresh Liveness counts as alive. (The watch
+    stream's `wire.Heartbeat` line is another thing: this is systemd's watchdog.)"""
 
     def __init__(self, max_age: float) -> None:
         self.max_age = max_age
@@ -184,7 +185,7 @@ async def watchdog_loop(notifier: Notifier, alive: Callable[[], bool]) -> None:
         await trio.sleep(interval)
 
 
-async def beat_loop(heartbeat: Heartbeat, interval: float) -> None:
+async def beat_loop(heartbeat: Liveness, interval: float) -> None:
     """Proves the trio loop turns: the watchdog is fed only while this runs on time."""
     while True:
         heartbeat.beat()

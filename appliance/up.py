@@ -78,7 +78,7 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
     from appliance import sdnotify
     from appliance.node.run import run_node
 
-    heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.hub.control_interval_seconds)
+    heartbeat = sdnotify.Liveness(max_age=3 * cfg.hub.control_interval_seconds)
     # One metrics listener per process: the hub's. Both binding Metrics__Listen is EADDRINUSE.
     node_only = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics,
                                                                              listen=""))

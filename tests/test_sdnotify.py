@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from appliance import sdnotify
-from appliance.sdnotify import Heartbeat, Notifier, watchdog_loop
+from appliance.sdnotify import Liveness, Notifier, watchdog_loop
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ async def test_watchdog_loop_pings_at_half_usec_while_alive(sock, autojump_clock
 async def test_watchdog_loop_resumes_when_alive_again(sock, autojump_clock):
     path, s = sock
     n = Notifier(path, watchdog_usec=2_000_000)
-    hb = Heartbeat(max_age=3)
+    hb = Liveness(max_age=3)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watchdog_loop, n, hb)
         await trio.sleep(0.5)

@@ -141,7 +141,7 @@ class Control:
         self.cluster: Member | None = None
         registry.add_listener(self._wake_up)
         if metrics_registry is not None:
-            from appliance.hub.model_metrics import ControlCollector
+            from appliance.hub.fleet_metrics import ControlCollector
 
             metrics_registry.register(ControlCollector(self))
 

@@ -258,7 +258,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
     from appliance import sdnotify
 
     notifier = sdnotify.Notifier.from_env()
-    heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.hub.control_interval_seconds)
+    heartbeat = sdnotify.Liveness(max_age=3 * cfg.hub.control_interval_seconds)
     stop = trio.Event()
     hub_done = trio.Event()
 

@@ -216,7 +216,7 @@ async def _signals(stop: trio.Event, notifier: sdnotify.Notifier, env_file: str 
 
 async def _main(cfg: Config, env_file: str | None) -> None:
     notifier = sdnotify.Notifier.from_env()
-    heartbeat = sdnotify.Heartbeat(max_age=3 * cfg.node.heartbeat_seconds)
+    heartbeat = sdnotify.Liveness(max_age=3 * cfg.node.heartbeat_seconds)
     stop, node_done = trio.Event(), trio.Event()
     # One pending reload is enough: a second SIGHUP before it is applied reads the same file.
     reload_send, reload_recv = trio.open_memory_channel[Config](1)
