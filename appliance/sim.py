@@ -51,8 +51,7 @@ from appliance import __version__, simtools
 from appliance.asgi import BodyTooLarge, read_body, serve
 from appliance.config import ConfigError, MiB, SimConfig
 from appliance.config import load as load_config
-from appliance.http.disconnect import wait_disconnect
-from appliance.http.errors import error_body
+from appliance.http.disconnect import cancel_on_disconnect
 from appliance.simcore import (
     EMBED_DIM,
     FINGERPRINT,
@@ -131,7 +130,7 @@ class SimApp:
                 raise ApiError(404, "not_found", f"no such path {path} on the simulated engine")
             await handler(scope, receive, send, path)
         except ApiError as e:  # raised only before a response starts
-            await _send_json(send, e.status, error_body(api, e.status, e.code, e.message))
+            await _send_json(send, e.status, e.body(api))
 
     # --- shared ------------------------------------------------------------------------
 
@@ -169,11 +168,10 @@ class SimApp:
         await self.state.ensure_loaded(m)  # ApiError from here is still a clean refusal
         load_ns = int((trio.current_time() - t_load) * 1e9)
         toks = tokens(seed, n)
-        st: dict[str, Any] = {"finish": finish, "prompt": max(1, len(seed) // 4), "completion": n,
-              "load_ns": load_ns}
+        st: dict[str, Any] = {"finish": finish, "prompt": max(1, len(seed) // 4),
+                              "completion": n, "load_ns": load_ns}
         tps = self.state.tokens_per_second
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+        async with cancel_on_disconnect(receive):  # a client gone frees its slot at once
             async with m.slots:
                 start = trio.current_time()
                 if stream:
@@ -202,7 +200,6 @@ class SimApp:
                     if unload_after:
                         self.state.unload(m)
                     await _send_json(send, 200, frame.whole(text, st))
-            nursery.cancel_scope.cancel()
 
     # --- Ollama ------------------------------------------------------------------------
 
@@ -372,11 +369,6 @@ class SimApp:
         await _send_json(send, 200, {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": FINGERPRINT}
             for name in self.state.models]})
-
-
-async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
-    await wait_disconnect(receive)
-    scope.cancel()
 
 
 def make_sim_app(sim_cfg: SimConfig) -> SimApp:

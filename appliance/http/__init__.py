@@ -8,6 +8,7 @@ it). What they have in common when answering a request lives in this package, on
 - `stream`: ending a relayed stream -- the mid-stream error event, framed as a valid SSE
   event or a valid NDJSON line -- and `Cut`, which interrupts a relay's read (never its
   write) when something outside the relay decides it must stop.
+- `respond`: an `ApiError` sent as the response (before it has started).
 - `keys`: the client's key, from `Authorization: Bearer` or `x-api-key`.
 - `disconnect`: a scope cancelled when the client hangs up.
 

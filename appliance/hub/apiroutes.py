@@ -43,7 +43,8 @@ from appliance.asgi import (
     send_text,
 )
 from appliance.bounds import echo
-from appliance.http.errors import ApiError, error_body
+from appliance.http.errors import ApiError
+from appliance.http.respond import send_api_error
 from appliance.hub import modelops, status
 from appliance.hub.requestid import request_id
 from appliance.hub.router import allowed, authenticate
@@ -193,7 +194,7 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> bool:
     if path in UNSUPPORTED or path.startswith("/api/blobs/"):
         msg = UNSUPPORTED.get(path,
                               "blobs are not stored by the hub; send them to the node's engine")
-        await send_json(send, 501, error_body("ollama", 501, "not_implemented", msg))
+        await send_api_error(send, "ollama", ApiError(501, "not_implemented", msg))
         return True
     return False
 

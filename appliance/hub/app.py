@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -29,7 +30,8 @@ from appliance.asgi import (
     send_text,
 )
 from appliance.cluster.etcd import EtcdError
-from appliance.http.errors import ApiError, error_body
+from appliance.http.errors import ApiError
+from appliance.http.respond import send_api_error
 from appliance.hub import announce, apiroutes, status, ui
 from appliance.hub.router import allowed, authenticate, handle_inference
 from appliance.metricsapp import render
@@ -65,11 +67,9 @@ def _api(path: str) -> str:
     return "openai" if path.startswith("/v1/") else "ollama"
 
 
-async def _error(send: Send, path: str, status: int, code: str, message: str, headers=()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), *headers]})
-    await send({"type": "http.response.body", "body": error_body(_api(path), status, code,
-                                                                 message)})
+async def _error(send: Send, path: str, status: int, code: str, message: str,
+                 headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    await send_api_error(send, _api(path), ApiError(status, code, message), headers)
 
 
 def make_app(hub: Hub):

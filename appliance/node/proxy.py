@@ -23,7 +23,8 @@ from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_j
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import Config
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.errors import Headers, error_body
+from appliance.http.errors import ApiError, Headers
+from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_chunks, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
@@ -49,10 +50,9 @@ async def send_error(send: Send, api: str, status: int, code: str, message: str,
                      headers: Headers | None = None) -> None:
     """An error in the shape of `api`: "node" (the node API's `{"error"}`), or a client API."""
     if api == "node":
-        body = msgspec.json.encode({"error": message})
+        await send_json(send, status, msgspec.json.encode({"error": message}), headers)
     else:
-        body = error_body(api, status, code, message)
-    await send_json(send, status, body, headers)
+        await send_api_error(send, api, ApiError(status, code, message), headers or ())
 
 
 class EngineProxy:

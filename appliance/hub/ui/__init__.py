@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 from appliance.asgi import Scope, Send, send_json
-from appliance.http.errors import error_body
+from appliance.http.errors import ApiError
+from appliance.http.respond import send_api_error
 from appliance.hub.history import RECENT_MAX
 
 if TYPE_CHECKING:
@@ -77,16 +78,16 @@ async def handle(hub: Hub, scope: Scope, send: Send, admin_ok) -> bool:
     if not (path == "/ui" or path.startswith("/ui/") or path in FEEDS):
         return False
     if method not in ("GET", "HEAD"):
-        await send_json(send, 405, error_body("ollama", 405, "method_not_allowed",
-                                              f"{path} takes GET"))
+        await send_api_error(send, "ollama",
+                             ApiError(405, "method_not_allowed", f"{path} takes GET"))
         return True
     if path == "/ui":
         await _redirect(send, b"/ui/")
         return True
     if path in FEEDS:
         if not admin_ok():
-            await send_json(send, 401, error_body("openai", 401, "invalid_api_key",
-                                                  "the admin key is required"))
+            await send_api_error(send, "openai",
+                                 ApiError(401, "invalid_api_key", "the admin key is required"))
             return True
         body = hub.history.payload() if path == FEEDS[0] else hub.recent.payload(_limit(scope))
         await send_json(send, 200, body)
@@ -94,8 +95,8 @@ async def handle(hub: Hub, scope: Scope, send: Send, admin_ok) -> bool:
     name = path[len("/ui/"):] or "index.html"
     ctype = FILES.get(name)
     if ctype is None:
-        await send_json(send, 404, error_body("ollama", 404, "not_found",
-                                              f"no file {name!r} in the page"))
+        await send_api_error(send, "ollama",
+                             ApiError(404, "not_found", f"no file {name!r} in the page"))
         return True
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype),
                                                                           *PAGE_HEADERS]})
