@@ -46,6 +46,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr
 
+from appliance.http.fastio import DIRECT_KEY
+
 log = logging.getLogger("appliance.listener")
 
 MiB = 1024 * 1024
@@ -371,8 +373,11 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
             with guard.cancel:
                 # closed whatever TCPServer did (a failed handshake returns early)
                 async with stream:
-                    await _TCPServer(wrapped, cfg, context, {GUARD_KEY: guard},
-                                     _GuardedStream(stream, guard))  # type: ignore[arg-type]
+                    state: dict[str, Any] = {GUARD_KEY: guard}
+                    server = _TCPServer(wrapped, cfg, context, state,
+                                        _GuardedStream(stream, guard))  # type: ignore[arg-type]
+                    state[DIRECT_KEY] = server  # a streamed body's fast path (appliance/http/fastio.py)
+                    await server
         finally:
             live.pop(guard, None)
             slots.release()

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from appliance.http.fastio import plain_socket, recv_some
+
 # Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
 CONNECT_SECONDS = 5.0
 # Idle connections are closed well before the peer's keep-alive (75 s, appliance.asgi)
@@ -68,10 +70,11 @@ def _before_answer(e: BaseException, read_timeout: float) -> str:
 
 
 class _Conn:
-    __slots__ = ("stream", "h11", "idle_since")
+    __slots__ = ("stream", "h11", "idle_since", "sock")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
+        self.sock = plain_socket(stream)  # body reads skip trio's per-call reschedule (fastio)
         self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
         self.idle_since = 0.0
 
@@ -134,7 +137,10 @@ class Response:
             if ev is h11.NEED_DATA:
                 try:
                     with trio.fail_after(self._read_timeout):
-                        data = await conn.stream.receive_some(READ_BYTES)
+                        if conn.sock is not None:
+                            data = await recv_some(conn.sock, READ_BYTES)
+                        else:
+                            data = await conn.stream.receive_some(READ_BYTES)
                 except trio.TooSlowError:
                     await self._discard()
                     raise UpstreamError(f"sent nothing for {self._read_timeout:g} s mid-response",

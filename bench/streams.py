@@ -47,7 +47,8 @@ MODEL = "sim-small"
 P99_BUDGET = 0.005
 
 
-def cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds(pids: list[int], kernel_only: bool = False) -> float:
+    """utime + stime of `pids` (stime only with kernel_only: the syscalls' share)."""
     total = 0.0
     for pid in pids:
         try:
@@ -55,7 +56,7 @@ def cpu_seconds(pids: list[int]) -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / TICKS
+        total += ((0 if kernel_only else int(fields[11])) + int(fields[12])) / TICKS
     return total
 
 
@@ -318,6 +319,7 @@ def main() -> None:
                 pids = {"engine": children(sim.pid), "node": [node.pid],
                         "proxy": [p for pid in proxy_pids if pid != node.pid for p in children(pid)]}
                 before = {k: cpu_seconds(v) for k, v in pids.items()}
+                before_sys = cpu_seconds(pids["proxy"], kernel_only=True)
                 spies = []
                 if args.profile and tname.startswith("hub") and n == ns[0]:
                     spies = start_profiles(args.profile, {"hub": proxy_pids[0], "node": node.pid}, args.seconds)
@@ -326,6 +328,7 @@ def main() -> None:
                     spy.wait(30)
                     summarize(role, path)
                 cpu = {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
+                proxy_sys = cpu_seconds(pids["proxy"], kernel_only=True) - before_sys
                 ev = max(1, load.events)
                 p50, p99 = pct(load.gaps, 0.5), pct(load.gaps, 0.99)
                 if tname == "engine":
@@ -335,7 +338,8 @@ def main() -> None:
                 hub_us = proxy_us if tname.startswith("hub") else 0.0
                 print(f"{n:>5} {tname:<14}{load.events / args.seconds:>10.0f}{p50 * 1e3:>11.2f}{p99 * 1e3:>11.2f}"
                       f"{load.errors:>7}{load.events / max(1, load.reads):>8.2f}{cpu['engine'] / ev * 1e6:>13.1f}"
-                      f"{(proxy_us if not tname.startswith('hub') else 0):>12.1f}{node_us:>11.1f}{hub_us:>10.1f}",
+                      f"{(proxy_us if not tname.startswith('hub') else 0):>12.1f}{node_us:>11.1f}{hub_us:>10.1f}"
+                      f"{(proxy_sys / cpu['proxy'] * 100 if cpu['proxy'] else 0):>15.0f}",
                       flush=True)
                 if tname.startswith("hub") and base_p99 is not None:
                     hub_worst = max(hub_worst, p99 - base_p99)

@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from appliance.http.fastio import DirectBody
 from appliance.http.errors import error_body
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -80,10 +81,13 @@ class Relayed:
 
 
 async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None,
-                       errors: tuple[type[BaseException], ...], tail: bytes = b"") -> Relayed:
+                       errors: tuple[type[BaseException], ...], tail: bytes = b"",
+                       direct: DirectBody | None = None) -> Relayed:
     """Copy `chunks` to the client as `more_body` messages until they end, a read raises
     one of `errors`, or `cut` trips. Does not send the final message: the caller ends the
-    response (normally, or with `stream_error`)."""
+    response (normally, or with `stream_error`). With `direct` (appliance/http/fastio.py) the
+    chunks go straight to the client's connection; once a direct write fails (the client
+    is gone) the rest go through `send`, which meets the closed connection as before."""
     r = Relayed()
     r.tail = tail
     while True:
@@ -97,5 +101,7 @@ async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None
                 r.failure = str(e) or type(e).__name__
         if r.ended or r.failure or chunk is None:
             return r
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if direct is None or not await direct.write(chunk):
+            direct = None
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         r.tail = (r.tail + chunk)[-2:]

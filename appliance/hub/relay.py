@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from appliance.http.errors import ApiError, Headers
+from appliance.http.fastio import DirectBody
 from appliance.http.stream import Cut, relay_chunks, stream_error
 from appliance.hub import translate
 from appliance.upstream import Pool, UpstreamError
@@ -114,7 +115,8 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         if first:
             await req.send({"type": "http.response.body", "body": first, "more_body": True})
             tail = first[-2:]
-        relayed = await relay_chunks(chunks, req.send, cut, (UpstreamError,), tail)
+        relayed = await relay_chunks(chunks, req.send, cut, (UpstreamError,), tail,
+                                     DirectBody.open(req.scope))
         if relayed.ended:
             await req.send_last(b"")
             return True, ""

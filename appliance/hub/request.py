@@ -58,7 +58,7 @@ class Request:
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
-                 "_recorder")
+                 "scope", "_recorder")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
@@ -67,6 +67,7 @@ class Request:
         self.headers: Headers = scope["headers"]
         self.request_id = request_id(self.headers)
         self.send = send
+        self.scope = scope  # a streamed body's fast path (appliance/http/fastio.py)
         self.t0 = time.perf_counter()
         # who
         self.client = "anonymous"

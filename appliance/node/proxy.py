@@ -25,6 +25,7 @@ from appliance.config import Config
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, Headers
 from appliance.http.respond import send_api_error
+from appliance.http.fastio import DirectBody
 from appliance.http.stream import relay_chunks, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
@@ -166,7 +167,8 @@ class EngineProxy:
             started = True
             chunks = resp.chunks()
             try:
-                await relay_chunks(chunks, send, None, ())  # an UpstreamError goes through
+                # an UpstreamError goes through
+                await relay_chunks(chunks, send, None, (), direct=DirectBody.open(scope))
             finally:
                 with trio.move_on_after(1, shield=True):
                     await chunks.aclose()

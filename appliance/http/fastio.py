@@ -1,0 +1,128 @@
+"""A relayed stream's fast path: one wait and one syscall per read, one syscall per write.
+
+Theory of operation: a relayed token costs the hub (and the node) one read from the peer
+and one write to the client. bench/streams.py --profile showed where ~100-180 us of CPU
+per paced event went (docs/streams-profile.md): the write crossed five layers (our
+request-id and guard wrappers, hypercorn's HTTPStream.app_send, its H11Protocol, h11's
+chunked writer, TCPServer.protocol_send), and trio's socket calls pay a scheduler round
+trip around every call (`_nonblocking_helper`: a checkpoint before, a cancel-shielded
+checkpoint after a success) -- a read is a failed recv, an epoll re-arm, a park, the
+recv, a reschedule; a write is a send and a reschedule. This module keeps the first and
+the last of those only:
+
+- `recv_some` (reads from a node or an engine, appliance/upstream.py): wait until the
+  socket is readable (the one checkpoint: cancellation and deadlines work as before),
+  then recv on the plain socket. A stream whose last read emptied the socket is not
+  readable yet, so a first, failing recv would be a syscall for nothing.
+- `DirectBody` (writes to the client): once hypercorn has sent the response head with
+  chunked framing on an HTTP/1.1 connection, each later body message is, on the wire,
+  `<hex size>\\r\\n<data>\\r\\n`; h11's ChunkedWriter keeps no count, so frames we write
+  between its own are indistinguishable from its own. They go out under the
+  connection's send lock (taken without a checkpoint when free), with a plain send; only
+  a full socket buffer waits (shielded, as hypercorn's own writes are: a write cut
+  half-way would leave the client's connection in an unknown state). The response still
+  ends through ASGI (`more_body: False`: h11 writes the last chunk, hypercorn's
+  keep-alive bookkeeping runs as before).
+
+The listener (appliance/listener.py) puts the connection's TCPServer in the request's
+`state` under DIRECT_KEY. `DirectBody.open` returns None -- use ASGI as before -- for
+anything else: HTTP/2, HTTP/1.0, a sized (content-length) response, TLS (the write goes
+through the TLS stream then, still skipping the ASGI layers), no server in state. A
+client gone mid-write makes `write` return False: the caller sends that chunk, and the
+rest, through ASGI, where hypercorn meets the closed connection and tells the app
+(`http.disconnect`) exactly as before.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import trio
+
+DIRECT_KEY = "appliance.direct"
+
+
+def plain_socket(stream: Any) -> socket.socket | None:
+    """The OS socket under a plain trio TCP stream (through the listener's guard), or
+    None (TLS, anything else)."""
+    s = getattr(stream, "_inner", stream)  # appliance.listener._GuardedStream
+    if not isinstance(s, trio.SocketStream):
+        return None
+    sock = getattr(s.socket, "_sock", None)  # trio's socket wraps the stdlib one
+    return sock if isinstance(sock, socket.socket) else None
+
+
+async def recv_some(sock: socket.socket, max_bytes: int) -> bytes:
+    """Like trio's receive_some on `sock` (b"" at the end of the stream; OSError when it
+    broke), with one checkpoint: the wait."""
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        try:
+            return sock.recv(max_bytes)
+        except BlockingIOError:
+            continue
+
+
+class DirectBody:
+    """A streamed body's chunks, written straight to the client's connection."""
+
+    __slots__ = ("_lock", "_stream", "_sock", "broken")
+
+    def __init__(self, server: Any) -> None:
+        self._lock: trio.Lock = server.send_lock
+        self._stream = server.stream
+        self._sock = plain_socket(server.stream)
+        self.broken = False
+
+    @classmethod
+    def open(cls, scope: dict) -> "DirectBody | None":
+        """A direct writer for this response's body, or None (then use ASGI). Call it
+        after `http.response.start` went out through ASGI."""
+        if scope.get("http_version") != "1.1":
+            return None
+        server = (scope.get("state") or {}).get(DIRECT_KEY)
+        if server is None:
+            return None
+        proto = getattr(getattr(server, "protocol", None), "protocol", None)  # ProtocolWrapper -> H11Protocol
+        writer = getattr(getattr(proto, "connection", None), "_writer", None)
+        if type(writer).__name__ != "ChunkedWriter":
+            return None  # a sized body, a close-delimited HTTP/1.0 one, not h11
+        return cls(server)
+
+    async def write(self, data: bytes) -> bool:
+        """One chunk on the wire; False (and nothing more is written) once the client is gone."""
+        if self.broken:
+            return False
+        if not data:
+            return True
+        frame = b"%x\r\n%b\r\n" % (len(data), data)
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+        try:
+            if self._sock is None:
+                with trio.CancelScope(shield=True):
+                    await self._stream.send_all(frame)
+            else:
+                await _send_all(self._sock, frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self.broken = True
+            return False
+        finally:
+            self._lock.release()
+        return True
+
+
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    """All of `data` on `sock`; waits (shielded) only while its buffer is full."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = sock.send(view)
+        except BlockingIOError:
+            with trio.CancelScope(shield=True):
+                await trio.lowlevel.wait_writable(sock)
+            continue
+        view = view[n:]
