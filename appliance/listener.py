@@ -376,7 +376,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
                     state: dict[str, Any] = {GUARD_KEY: guard}
                     server = _TCPServer(wrapped, cfg, context, state,
                                         _GuardedStream(stream, guard))  # type: ignore[arg-type]
-                    state[DIRECT_KEY] = server  # a streamed body's fast path (appliance/http/fastio.py)
+                    state[DIRECT_KEY] = server  # a streamed body's fast path (http/fastio.py)
                     await server
         finally:
             live.pop(guard, None)

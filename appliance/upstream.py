@@ -137,6 +137,7 @@ class Response:
             if ev is h11.NEED_DATA:
                 try:
                     with trio.fail_after(self._read_timeout):
+                        data: bytes | bytearray
                         if conn.sock is not None:
                             data = await recv_some(conn.sock, READ_BYTES)
                         else:

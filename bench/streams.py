@@ -144,7 +144,7 @@ async def run_target(host: str, port: int, n: int, seconds: float, tokens: int) 
     load = Load(host, port, tokens)
     until = time.monotonic() + seconds
     async with trio.open_nursery() as nursery:
-        for i in range(n):
+        for _ in range(n):
             nursery.start_soon(load.stream_loop, until)
             await trio.sleep(0.3 / n)  # spread the starts: streams' tokens do not all fall together
     return load

@@ -76,7 +76,7 @@ class DirectBody:
         self.broken = False
 
     @classmethod
-    def open(cls, scope: dict) -> "DirectBody | None":
+    def open(cls, scope: dict[str, Any]) -> DirectBody | None:
         """A direct writer for this response's body, or None (then use ASGI). Call it
         after `http.response.start` went out through ASGI."""
         if scope.get("http_version") != "1.1":
@@ -84,7 +84,8 @@ class DirectBody:
         server = (scope.get("state") or {}).get(DIRECT_KEY)
         if server is None:
             return None
-        proto = getattr(getattr(server, "protocol", None), "protocol", None)  # ProtocolWrapper -> H11Protocol
+        # ProtocolWrapper -> H11Protocol -> h11.Connection -> its writer
+        proto = getattr(getattr(server, "protocol", None), "protocol", None)
         writer = getattr(getattr(proto, "connection", None), "_writer", None)
         if type(writer).__name__ != "ChunkedWriter":
             return None  # a sized body, a close-delimited HTTP/1.0 one, not h11

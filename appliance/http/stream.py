@@ -17,8 +17,8 @@ from typing import Any
 
 import trio
 
-from appliance.http.fastio import DirectBody
 from appliance.http.errors import error_body
+from appliance.http.fastio import DirectBody
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
