@@ -24,8 +24,8 @@ from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import Config
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, Headers
-from appliance.http.respond import send_api_error
 from appliance.http.fastio import DirectBody
+from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_chunks, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
