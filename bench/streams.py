@@ -318,6 +318,7 @@ def main() -> None:
             base_p99 = None
             hub_worst = 0.0
             row_hub = None
+            nginx_us = 0.0
             for tname, (host, port, proxy_pids) in targets.items():
                 pids = {"engine": children(sim.pid), "node": [node.pid],
                         "proxy": [p for pid in proxy_pids if pid != node.pid for p in children(pid)]}
@@ -339,6 +340,8 @@ def main() -> None:
                 node_us = cpu["node"] / ev * 1e6 if node.pid in proxy_pids else 0.0
                 proxy_us = cpu["proxy"] / ev * 1e6 if tname not in ("engine",) else 0.0
                 hub_us = proxy_us if tname.startswith("hub") else 0.0
+                if tname == "nginx":
+                    nginx_us = proxy_us
                 print(f"{n:>5} {tname:<14}{load.events / load.wall:>10.0f}{p50 * 1e3:>11.2f}{p99 * 1e3:>11.2f}"
                       f"{load.errors:>7}{load.events / max(1, load.reads):>8.2f}{cpu['engine'] / ev * 1e6:>13.1f}"
                       f"{(proxy_us if not tname.startswith('hub') else 0):>12.1f}{node_us:>11.1f}{hub_us:>10.1f}"
@@ -346,7 +349,7 @@ def main() -> None:
                       flush=True)
                 if tname.startswith("hub") and base_p99 is not None:
                     hub_worst = max(hub_worst, p99 - base_p99)
-                    row_hub = (n, load.events / load.wall, hub_us, node_us)
+                    row_hub = (n, load.events / load.wall, hub_us, node_us, nginx_us)
             if row_hub is not None:
                 knee = row_hub
                 if hub_worst > P99_BUDGET:
@@ -354,12 +357,15 @@ def main() -> None:
                           " stop", flush=True)
                     break
         if knee:
-            n, evs, hub_us, node_us = knee
+            n, evs, hub_us, node_us, nginx_us = knee
             print(f"\nat N={n}: {evs:.0f} events/s through hub + node;"
                   f" {1e6 / hub_us if hub_us else 0:,.0f} events/s per hub core,"
                   f" {1e6 / node_us if node_us else 0:,.0f} per node core;"
                   f" a 16-core hub box: ~{16e6 / hub_us if hub_us else 0:,.0f} events/s"
                   f" (~{16e6 / hub_us / args.rate if hub_us else 0:,.0f} streams at {args.rate:g} tokens/s)")
+            if nginx_us:
+                print(f"CPU per event against nginx's {nginx_us:.1f} us: hub {hub_us / nginx_us:.1f}x,"
+                      f" node {node_us / nginx_us:.1f}x")
     finally:
         if nginx:
             nginx[0].terminate()
