@@ -228,17 +228,9 @@ def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None)
         headers = {"authorization": f"Bearer {key}"} if key else {}
         client = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=TIMEOUT)
     assert client is not None
-    if args.cmd in ("pull", "rm"):
-        try:
-            return model_op(args, client, out, err)
-        except httpx.HTTPError as e:
-            print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}",
-                  file=err)
-            return 2
-        finally:
-            if own:
-                client.close()
     try:
+        if args.cmd in ("pull", "rm"):
+            return model_op(args, client, out, err)
         resp = request(args, client)
     except httpx.HTTPError as e:
         print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}",

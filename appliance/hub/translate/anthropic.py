@@ -17,12 +17,13 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import msgspec
-
 from appliance.hub.translate.common import (
+    Buffered,
+    EventsConverter,
     SSEReader,
     bad,
     enc,
+    engine_object,
     integer,
     number,
     parse_args,
@@ -182,7 +183,7 @@ def _sse(event: str, data: dict) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + enc.encode(data) + b"\n\n"
 
 
-class MessagesConverter:
+class MessagesConverter(EventsConverter):
     """An engine's chat-completions answer as an Anthropic message (or its event stream)."""
 
     def __init__(self, model: str, stream: bool) -> None:
@@ -209,11 +210,7 @@ class MessagesConverter:
     # --- whole -----------------------------------------------------------------------
 
     def _whole(self) -> bytes:
-        try:
-            obj = msgspec.json.decode(self._buf)
-        except msgspec.DecodeError:
-            obj = {}
-        obj = obj if isinstance(obj, dict) else {}
+        obj = engine_object(self._buf)
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
         msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
@@ -303,28 +300,6 @@ class MessagesConverter:
         out.append(_sse("message_stop", {"type": "message_stop"}))
         return out
 
-    def feed(self, chunk: bytes) -> bytes:
-        if not self.stream:
-            self._buf += chunk
-            return b""
-        out = self._start()
-        for data in self._sse.feed(chunk):
-            if data == b"[DONE]":
-                out += self._finish_events()
-                continue
-            try:
-                obj = msgspec.json.decode(data)
-            except msgspec.DecodeError:
-                continue
-            if isinstance(obj, dict):
-                out += self._chunk(obj)
-        return b"".join(out)
-
-    def end(self) -> bytes:
-        if not self.stream:
-            return self._whole()
-        return b"".join(self._finish_events())
-
 
 def count_request(obj: dict, model: str) -> dict:
     """`/v1/messages/count_tokens`: the same conversation asked for one token, so the engine
@@ -333,21 +308,8 @@ def count_request(obj: dict, model: str) -> dict:
     return req
 
 
-class CountConverter:
+class CountConverter(Buffered):
     """An engine's one-token answer as `{"input_tokens": N}`."""
 
-    content_type = b"application/json"
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        self._buf += chunk
-        return b""
-
-    def end(self) -> bytes:
-        try:
-            obj = msgspec.json.decode(self._buf)
-        except msgspec.DecodeError:
-            obj = {}
-        return enc.encode({"input_tokens": usage_of(obj if isinstance(obj, dict) else {})[0]})
+    def _answer(self, obj: dict[str, Any]) -> bytes:
+        return enc.encode({"input_tokens": usage_of(obj)[0]})

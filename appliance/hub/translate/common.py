@@ -120,6 +120,16 @@ def check_openai_embedding(obj: dict) -> None:
         raise bad("'input' must be a string or a non-empty array", "input")
 
 
+def engine_object(body: bytes) -> dict[str, Any]:
+    """An engine's JSON answer as an object; anything else (not JSON, nested too deeply, not
+    an object) as {}, so what is missing reads as empty rather than failing the request."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
 class SSEReader:
     """Feed raw bytes, get the `data:` payloads of complete events (b"[DONE]" included)."""
 
@@ -230,3 +240,64 @@ class ToolCallAccumulator:
 
     def whole(self) -> list[dict]:
         return [self.calls[i] for i in sorted(self.calls)]
+
+
+class EventsConverter:
+    """An engine's chat-completions answer as another API's answer: buffered whole and
+    rendered by `_whole`, or, streamed, each engine chunk through `_chunk` after `_start`, and
+    `_finish_events` once at `[DONE]` or the end. Subclasses set `stream`, `_buf`, `_sse`."""
+
+    stream: bool
+    _buf: bytes
+    _sse: SSEReader
+
+    def _whole(self) -> bytes:
+        raise NotImplementedError
+
+    def _start(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def _chunk(self, obj: dict) -> list[bytes]:
+        raise NotImplementedError
+
+    def _finish_events(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.stream:
+            self._buf += chunk
+            return b""
+        out = self._start()
+        for data in self._sse.feed(chunk):
+            if data == b"[DONE]":
+                out += self._finish_events()
+                continue
+            try:
+                obj = msgspec.json.decode(data)
+            except (msgspec.DecodeError, RecursionError):
+                continue
+            if isinstance(obj, dict):
+                out += self._chunk(obj)
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        if not self.stream:
+            return self._whole()
+        return b"".join(self._finish_events())
+
+
+class Buffered:
+    """A converter that answers once the engine's whole body is in (`_answer`)."""
+
+    content_type = b"application/json"
+    _buf = b""
+
+    def _answer(self, obj: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        return b""
+
+    def end(self) -> bytes:
+        return self._answer(engine_object(self._buf))

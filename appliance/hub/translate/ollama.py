@@ -24,10 +24,12 @@ from typing import Any
 import msgspec
 
 from appliance.hub.translate.common import (
+    Buffered,
     SSEReader,
     ToolCallAccumulator,
     bad,
     enc,
+    engine_object,
     image_url,
     integer,
     number,
@@ -307,20 +309,14 @@ class ChatConverter:
     def end(self) -> bytes:
         if self.stream:
             return self._end_line()
-        try:
-            obj = msgspec.json.decode(self._buf)
-        except msgspec.DecodeError:
-            obj = {}
-        text, calls = self._take(obj if isinstance(obj, dict) else {})
+        text, calls = self._take(engine_object(self._buf))
         if self.load_only:
             text, calls, self._finish, self._usage = "", [], "load", (0, 0)
         return enc.encode(self._final(self._line(text, calls)))
 
 
-class EmbedConverter:
+class EmbedConverter(Buffered):
     """An engine's /v1/embeddings answer as Ollama's /api/embed (or legacy /api/embeddings)."""
-
-    content_type = b"application/json"
 
     def __init__(self, model: str, legacy: bool,
                  clock: Callable[[], int] = time.perf_counter_ns) -> None:
@@ -328,27 +324,18 @@ class EmbedConverter:
         self.legacy = legacy
         self._clock = clock
         self._t0 = clock()
-        self._buf = b""
 
-    def feed(self, chunk: bytes) -> bytes:
-        self._buf += chunk
-        return b""
-
-    def end(self) -> bytes:
-        try:
-            obj = msgspec.json.decode(self._buf)
-        except msgspec.DecodeError:
-            obj = {}
-        data = obj.get("data") if isinstance(obj, dict) else None
-        rows = sorted((d for d in data or [] if isinstance(d, dict)), key=lambda d: d.get("index",
-                                                                                          0))
+    def _answer(self, obj: dict[str, Any]) -> bytes:
+        data = obj.get("data")
+        rows = sorted((d for d in data if isinstance(d, dict)) if isinstance(data, list) else (),
+                      key=lambda d: d.get("index", 0))
         vecs = [d.get("embedding", []) for d in rows]
         if self.legacy:
             return enc.encode({"embedding": vecs[0] if vecs else []})
         return enc.encode({"model": self.model, "embeddings": vecs,
                            "total_duration": self._clock() - self._t0,
                            "load_duration": 0,
-                           "prompt_eval_count": usage_of(obj if isinstance(obj, dict) else {})[0]})
+                           "prompt_eval_count": usage_of(obj)[0]})
 
 
 def unload_answer(model: str, chat: bool) -> bytes:

@@ -19,13 +19,13 @@ import itertools
 import time
 from typing import Any
 
-import msgspec
-
 from appliance.hub.translate.common import (
+    EventsConverter,
     SSEReader,
     ToolCallAccumulator,
     bad,
     enc,
+    engine_object,
     integer,
     number,
     usage_of,
@@ -161,7 +161,7 @@ def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
     return out, stream, echo
 
 
-class ResponsesConverter:
+class ResponsesConverter(EventsConverter):
     """An engine's chat-completions answer as a Responses `response` (or its event stream)."""
 
     def __init__(self, model: str, stream: bool, echo: dict) -> None:
@@ -215,11 +215,7 @@ class ResponsesConverter:
     # --- whole -----------------------------------------------------------------------
 
     def _whole(self) -> bytes:
-        try:
-            obj = msgspec.json.decode(self._buf)
-        except msgspec.DecodeError:
-            obj = {}
-        obj = obj if isinstance(obj, dict) else {}
+        obj = engine_object(self._buf)
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
         msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
@@ -280,7 +276,7 @@ class ResponsesConverter:
                                     output_index=self._tool_items[idx], delta=piece))
         return out
 
-    def _finish(self) -> list[bytes]:
+    def _finish_events(self) -> list[bytes]:
         if self._done:
             return []
         self._done = True
@@ -310,25 +306,3 @@ class ResponsesConverter:
                               self._usage)
         out.append(self._ev("response.completed", response=resp))
         return out
-
-    def feed(self, chunk: bytes) -> bytes:
-        if not self.stream:
-            self._buf += chunk
-            return b""
-        out = self._start()
-        for data in self._sse.feed(chunk):
-            if data == b"[DONE]":
-                out += self._finish()
-                continue
-            try:
-                obj = msgspec.json.decode(data)
-            except msgspec.DecodeError:
-                continue
-            if isinstance(obj, dict):
-                out += self._chunk(obj)
-        return b"".join(out)
-
-    def end(self) -> bytes:
-        if not self.stream:
-            return self._whole()
-        return b"".join(self._finish())
