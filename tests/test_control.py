@@ -52,6 +52,8 @@ class FakeOps:
 
 
 class FakeAudit:
+    failing = False  # what admin.status reads of the real AuditLog
+
     def __init__(self) -> None:
         self.events: list[tuple[str, dict]] = []
 

@@ -236,6 +236,7 @@ def test_audit_write_failures_are_counted_and_said_once_a_minute(caplog, monkeyp
     clock[0] += 61
     log.request(client="c", status=200)
     assert log.write_errors == 4 and len(seen) == 4 and "No space left" in log.last_error
+    assert log.failing
     said = [r for r in caplog.records if "audit line not written" in r.getMessage()]
     assert len(said) == 2
 
@@ -264,7 +265,11 @@ async def test_unwritable_audit_never_fails_a_request(tmp_path):
             assert r.status_code == 404
             st = (await c.get(url + "/api/status")).json()
             metrics = (await c.get(url + "/metrics")).text
+            admin = (await c.get(url + "/admin/status")).json()  # what `ctl status` shows
         assert st["audit"]["write_errors"] >= 2 and "No space left" in st["audit"]["last_error"]
+        assert st["audit"]["failing"] and not admin["satisfied"]
+        assert any("audit lines are not being written to /dev/full" in p
+                   for p in admin["problems"])
         assert "appliance_audit_write_errors_total" in metrics
         assert hub.metrics_registry.get_sample_value("appliance_audit_write_errors_total") >= 2
         nursery.cancel_scope.cancel()

@@ -75,6 +75,9 @@ def status(hub: Hub) -> dict:
     for n in rows:
         if n["status"] == "lost":
             problems.append(f"node {n['name']} is lost: {n['lost_reason']}")
+    if hub.audit is not None and hub.audit.failing:
+        problems.append(f"audit lines are not being written to {hub.audit.path or 'stdout'}: "
+                        f"{hub.audit.last_error} ({hub.audit.write_errors} lost so far)")
     out = {"satisfied": not problems, "problems": problems, "models": models, "nodes": rows}
     if (cluster := getattr(hub, "cluster", None)) is not None:
         out["cluster"] = cstatus = cluster.status()

@@ -56,6 +56,7 @@ class AuditLog:
         self._size = 0
         self.write_errors = 0
         self.last_error = ""
+        self.failing = False  # the last write failed (cleared by the next that succeeds)
         self.on_error: Callable[[], None] = lambda: None
         self._logged_at = float("-inf")
         # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
@@ -96,11 +97,13 @@ class AuditLog:
                 self._size += len(line)
                 if self._size >= self.max_bytes:
                     self._rotate()
+            self.failing = False
         except (OSError, ValueError) as e:  # ValueError: a file closed under us
             self._failed(e)
 
     def _failed(self, e: Exception) -> None:
         self.write_errors += 1
+        self.failing = True
         self.last_error = f"{type(e).__name__}: {e}"
         self.on_error()
         if self._fh is not None:

@@ -43,7 +43,7 @@ def status_payload(hub: Hub) -> dict:
         "nodes": [node_entry(h) for h in hub.registry.nodes.values()],
         "models": hub.control.models_status(),
         "audit": {"path": hub.audit.path or "stdout", "write_errors": hub.audit.write_errors,
-                  "last_error": hub.audit.last_error},
+                  "last_error": hub.audit.last_error, "failing": hub.audit.failing},
     }
     if (cluster := getattr(hub, "cluster",
                            None)) is not None:  # several hubs: who leads, by which epoch
