@@ -124,6 +124,8 @@ async def serve(
     ca_certs: str = "",
     require_client_cert: bool = False,
     limits: Limits = DEFAULT_LIMITS,
+    bind: str = "",
+    announce: bool = True,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on `listen` until `shutdown_trigger` returns, then drain.
@@ -140,6 +142,8 @@ async def serve(
     host, port = parse_listen(listen, f"{section}__Listen")
     cfg = HyperConfig()
     cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    if bind:  # hypercorn's own forms: an inherited socket (fd://N) or unix:PATH (hub/workers.py)
+        cfg.bind = [bind]
     cfg.graceful_timeout = drain_seconds
     cfg.accesslog = None
     # hypercorn's own "Running on" line duplicates ours; keep its warnings and errors.
@@ -184,6 +188,9 @@ async def serve(
         except OSError as e:
             raise StartupError(
                 f"{section}__Listen={listen!r}: cannot listen: {e.strerror or e}") from None
+        if not announce:  # a hub worker, or the hub's private socket: no line, no address
+            task_status.started(("", 0))
+            return
         scheme, _, addr = binds[0].partition("://")
         h, _, p = addr.rpartition(":")
         print(f"appliance {role} listening on {scheme}://{addr}", file=sys.stderr, flush=True)

@@ -59,6 +59,9 @@ class HubConfig(_Section):
     # 32 MiB: a long chat history with a few images fits; a runaway upload does not.
     max_body_bytes: PosInt = 32 * MiB
     drain_seconds: NonNeg = 30.0
+    # Processes serving the client listener: 1 is one process; N>1 adds N-1 relay workers
+    # (appliance/hub/workers.py). 1..8.
+    workers: int = 1
     # Cap of the jittered reconnect backoff of a node supervisor.
     reconnect_max_seconds: PosFloat = 30.0
     # Longest silence between two chunks from a node before the request is failed.
@@ -546,6 +549,11 @@ def _check(cfg: Config) -> None:
         if not sm.name:
             raise ConfigError(
                 f"Sim__Models__{i}__Name is empty: every simulated model needs a name")
+    if not 1 <= cfg.hub.workers <= 8:
+        raise ConfigError(f"Hub__Workers={cfg.hub.workers}: must be 1..8")
+    if cfg.hub.workers > 1 and cfg.hub.tls_cert:
+        raise ConfigError("Hub__Workers>1 with Hub__TlsCert: not supported yet; use "
+                          "Hub__Workers=1 or terminate TLS in front of the hub")
     for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen),
                         ("Sim__Listen", cfg.sim.listen)):
         parse_listen(listen, var)

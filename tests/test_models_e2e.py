@@ -44,7 +44,7 @@ def catalog(kev_args: str) -> str:
 
 
 class Fleet:
-    def __init__(self, procs, tmp_path) -> None:
+    def __init__(self, procs, tmp_path, workers: int = 1) -> None:
         self.procs, self.tmp = procs, tmp_path
         self.env_file = tmp_path / "hub.env"
         self.env_file.write_text(catalog("--ctx-size 2048"))
@@ -53,7 +53,7 @@ class Fleet:
             "Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0",
             "Node__HeartbeatSeconds": "0.5",
             "Hub__DrainSeconds": "5", "Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN,
-            "Audit__Path": str(self.audit)}, args=["--env-file", str(self.env_file)],
+            "Audit__Path": str(self.audit), "Hub__Workers": str(workers)}, args=["--env-file", str(self.env_file)],
                                wait=("hub", "metrics"))
         self.admin = httpx.Client(base_url=self.hub.url,
                                   headers={"authorization": f"Bearer {ADMIN}"}, timeout=60)
@@ -125,8 +125,9 @@ class Fleet:
         return st
 
 
-def test_models_on_demand_end_to_end(procs, tmp_path):
-    f = Fleet(procs, tmp_path)
+@pytest.mark.parametrize("workers", [1, 2])  # 2: a relay worker in the hub (hub/workers.py)
+def test_models_on_demand_end_to_end(procs, tmp_path, workers):
+    f = Fleet(procs, tmp_path, workers)
     f.node("gpu-a", 4000)
     f.node("gpu-b", 8000)
 

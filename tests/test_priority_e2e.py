@@ -41,7 +41,7 @@ def hub_env_file(path, wait: int) -> None:
 
 
 class Fleet:
-    def __init__(self, procs, tmp_path) -> None:
+    def __init__(self, procs, tmp_path, workers: int = 1) -> None:
         self.audit = tmp_path / "audit.jsonl"
         self.env_file = tmp_path / "hub.env"
         hub_env_file(self.env_file, 60)
@@ -52,6 +52,7 @@ class Fleet:
             "Auth__RequireKeys": "true", "Audit__Path": str(self.audit),
             "Priority__Enabled": "true", "Priority__ReserveSlots": "1",
             "Models__0__Name": MODEL, "Models__0__Replicas": "2",
+            "Hub__Workers": str(workers),
         }
         for i, (name, cls) in enumerate((("ops", "essential"), ("team", "normal"), ("batch",
                                                                                     "background"))):
@@ -115,8 +116,11 @@ class Fleet:
         raise AssertionError(f"{name}{labels} not in the scrape")
 
 
-def test_priority_classes_live(procs, tmp_path):
-    f = Fleet(procs, tmp_path)
+# Hub__Workers=2: the same order, reserve and counts with a relay worker in the hub (most
+# requests land on whichever process accepts first; hub/workers.py).
+@pytest.mark.parametrize("workers", [1, 2])
+def test_priority_classes_live(procs, tmp_path, workers):
+    f = Fleet(procs, tmp_path, workers)
     assert f.status()["priority"]["reserve_slots"] == 1
     pool = ThreadPoolExecutor(6)
 

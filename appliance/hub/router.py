@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import hmac
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -39,6 +40,7 @@ from appliance.listener import Refusal
 
 if TYPE_CHECKING:
     from appliance.hub.admission import Place
+    from appliance.hub.nodes import NodeHandle
     from appliance.hub.run import Hub
 
 log = logging.getLogger("appliance.hub.router")
@@ -57,6 +59,11 @@ class _Req(msgspec.Struct):
 
 
 _req_decoder = msgspec.json.Decoder(_Req)
+
+# One attempt on one node: (True, "") answered, (False, why) failed before the first byte.
+# Today's process copies the answer itself (relay_from); the main process of a hub with
+# workers hands the place to the worker holding the client (hub/workers.py).
+RelayFn = Callable[["NodeHandle", Request, translate.Plan], Awaitable[tuple[bool, str]]]
 
 
 def authenticate(auth: AuthConfig, key: str | None) -> ClientConfig:
@@ -90,13 +97,13 @@ def decode_request(body: bytes) -> _Req:
 
 
 async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
-                           api: str) -> None:
+                           api: str, relay: RelayFn | None = None) -> None:
     """One POST to an inference route: exactly one audit line and one count, whatever ends
     it (refused, malformed, client gone, node lost, drained, or a bug -- a 500 in the
     API's shape)."""
     req = Request(scope, send, api, Recorder(hub.audit, hub.metrics, hub.admission.enabled))
     try:
-        await _handle(hub, req, receive)
+        await _handle(hub, req, receive, relay)
     except ApiError as e:  # raised while the watcher was cancelling: still answered
         await req.send_error(e)
     except Refusal as e:  # a body too slow, or too many bodies held: the listener answers
@@ -115,7 +122,7 @@ async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
             req.finish()
 
 
-async def _handle(hub: Hub, req: Request, receive: Receive) -> None:
+async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | None) -> None:
     try:
         client = authenticate(hub.cfg.auth, request_key(req.headers))
         req.client = client.name
@@ -151,7 +158,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive) -> None:
     # interrupt its recycling of the connection (then it never reads as idle).
     async with cancel_on_disconnect(receive, lambda: req.done) as gone:
         try:
-            await _route(hub, req, model, prep, keep)
+            await _route(hub, req, model, prep, keep, relay)
         except ApiError as e:
             await req.send_error(e)
     if gone.gone:
@@ -170,7 +177,7 @@ async def _wait_grace(hub: Hub, receive: Receive, name: str) -> bool:
 
 
 async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
-                 keep: float | None) -> None:
+                 keep: float | None, relay: RelayFn | None) -> None:
     if prep.load_only and keep == 0:
         # Ollama's unload request: the control loop unloads the model once it is idle,
         # and does not load it again until asked; no node needs to see this one.
@@ -186,13 +193,13 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
     try:
         in_flight = hub.metrics.in_flight.labels(model)
         async with hub.admission.place(model, req.cls, req.client, in_flight) as place:
-            await _proxy(hub, req, place, model, prep)
+            await _proxy(hub, req, place, model, prep, relay)
     finally:
         hub.control.touch(model, keep)  # idle time counts from the end of the work
 
 
 async def _proxy(hub: Hub, req: Request, place: Place, model: str,
-                 prep: translate.Prepared) -> None:
+                 prep: translate.Prepared, relay: RelayFn | None) -> None:
     """Send to the best node; once more on the least loaded other one if it fails before
     the first byte. The operator's log line says what happened to whom."""
     last = "no node has the model ready"
@@ -201,8 +208,11 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
         req.tried = place.tried
         await place.wait_slot()
         plan = prep.for_engine(translate.engine_kind(node.state))
-        ok, why = await relay_from(node, req, plan, hub.upstream,
-                                   hub.cfg.hub.upstream_read_seconds, hub.drain_over)
+        if relay is not None:
+            ok, why = await relay(node, req, plan)
+        else:
+            ok, why = await relay_from(node, req, plan, hub.upstream,
+                                       hub.cfg.hub.upstream_read_seconds, hub.drain_over)
         if ok:
             return
         last = f"node {node.name} {why}"

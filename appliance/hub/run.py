@@ -13,6 +13,7 @@ the old configuration stays.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -27,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from appliance import config as config_mod
 from appliance.asgi import same_port, serve
 from appliance.config import Config
+from appliance.hub import workers
 from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
 from appliance.hub.audit import AuditLog, check_path
@@ -135,7 +137,8 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
     )
 
 
-async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
         hub = Hub(cfg, client, nursery)
         metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
@@ -160,6 +163,14 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         nursery.start_soon(drain_deadline)
         nursery.start_soon(hub.upstream.sweep_every)  # idle node connections closed promptly
 
+        shared = None
+        if cfg.hub.workers > 1:  # hub/workers.py: one listener, N-1 relay workers
+            shared, where = workers.bind_listener(cfg.hub.listen), workers.private_dir()
+            nursery.start_soon(partial(serve, make_app(hub), cfg.hub.listen, "hub",
+                                       bind=f"unix:{where}/http.sock", announce=False,
+                                       shutdown_trigger=stop.wait, limits=hub_limits(cfg)))
+            await nursery.start(workers.serve_leases, hub, f"{where}/lease.sock")
+
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
                 await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
@@ -167,11 +178,16 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
                             drain_seconds=cfg.hub.drain_seconds + DRAIN_CUT_SECONDS,
                             certfile=cfg.hub.tls_cert,
                             keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca,
+                            bind=f"fd://{shared.fileno()}" if shared is not None else "",
                             task_status=task_status)
             finally:
                 api_done.set()
 
         addr = await nursery.start(api_server)
+        procs: list = []
+        if shared is not None:
+            procs = workers.spawn(cfg.hub.workers - 1, shared.fileno(), where, env_file)
+            nursery.start_soon(workers.watch_workers, procs)
         if metrics_listen:
             from appliance.metricsapp import metrics_app
 
@@ -182,7 +198,11 @@ async def run_hub(cfg: Config, stop: trio.Event, *, task_status=trio.TASK_STATUS
         for n in cfg.nodes:
             hub.add_node(n.name, n.url, static=True)
         task_status.started((hub, addr))
-        await api_done.wait()
+        try:
+            await api_done.wait()
+        finally:
+            if shared is not None:
+                workers.stop_workers(procs, where)
         nursery.cancel_scope.cancel()
         with trio.move_on_after(2, shield=True):
             await hub.upstream.aclose()
@@ -264,7 +284,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
     async def hub_task(*, task_status=trio.TASK_STATUS_IGNORED):
         try:
-            await run_hub(cfg, stop, task_status=task_status)
+            await run_hub(cfg, stop, env_file=env_file, task_status=task_status)
         finally:
             hub_done.set()
 
@@ -281,6 +301,11 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
 
 def main(cfg: Config, env_file: str | None = None) -> int:
+    spec = os.environ.pop(workers.WORKER_ENV, "")
+    if spec:  # started by a hub with Hub__Workers>1: relay only (hub/worker.py)
+        from appliance.hub import worker
+
+        return worker.main(cfg, spec)
     err = check_path(cfg.audit.path)
     if err is not None:
         print(f"appliance hub: {err}", file=sys.stderr)

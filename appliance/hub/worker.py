@@ -1,0 +1,265 @@
+"""A hub worker process (`Hub__Workers=N>1`): accepts on the shared listener and relays.
+
+Theory of operation (hub/workers.py has the main process's side): the worker serves the
+inherited listening socket with the same listener defences as the hub. An inference POST:
+read the body (bounded by Hub__MaxBodyBytes), open a lease to the main process (lease.py)
+and do what it says: replay an `Answer`, or relay from the node in `Go` with the hub's own
+`relay_from` (translation, stream errors, the node-lost and drain cuts as `Cut` messages);
+a failure before the first byte goes back as `Failed`, the end as `Done`, acknowledged
+before the last byte goes out (the audit line is written when the client has its answer).
+The client hanging up cancels the lease, which gives the place back in the main process.
+Every other route is proxied to the main process's private HTTP socket: status, metrics,
+admin and the UI are the main's answers, whole-hub. The worker exits when the main does
+(PR_SET_PDEATHSIG, SIGTERM, or its lease socket gone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import httpx
+import trio
+
+from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, serve
+from appliance.config import Config
+from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.errors import ApiError
+from appliance.http.respond import send_api_error
+from appliance.hub import translate
+from appliance.hub.app import INFERENCE, _api
+from appliance.hub.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go
+from appliance.hub.relay import relay_from
+from appliance.hub.request import Recorder, Request
+from appliance.hub.router import decode_request
+from appliance.listener import Refusal
+from appliance.upstream import Pool
+
+log = logging.getLogger("appliance.hub.worker")
+
+HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
+       b"proxy-connection", b"trailer"}
+ACK_SECONDS = 5.0
+
+
+class _NoRecord(Recorder):
+    """The main process writes the audit line and the metrics (from `Done`)."""
+
+    def __init__(self) -> None:  # noqa: D107 -- nothing to hold
+        pass
+
+    def record(self, req: Request) -> None:
+        pass
+
+
+class _Cuts:
+    """What the main's `Cut` messages said: the current node lost, the drain over."""
+
+    def __init__(self) -> None:
+        self.lost, self.drain, self.why = trio.Event(), trio.Event(), ""
+
+
+class _Node:
+    """What relay_from needs of a node, from `Go`; `lost` is set by a `Cut`."""
+
+    def __init__(self, go: Go, cuts: _Cuts) -> None:
+        self.name, self.url, self.auth_raw = go.node, go.url.rstrip("/"), go.auth
+        if cuts.lost.is_set():
+            cuts.lost = trio.Event()  # a new attempt, a new node
+        self.lost = cuts.lost
+        self._cuts = cuts
+
+    @property
+    def lost_reason(self) -> str:
+        return self._cuts.why
+
+
+class Worker:
+    def __init__(self, cfg: Config, where: str) -> None:
+        self.cfg = cfg
+        self.lease_path = os.path.join(where, "lease.sock")
+        from appliance.hub.run import _auth_headers, _client_ssl
+
+        self.upstream = Pool(headers=_auth_headers(cfg), ssl_context=_client_ssl(cfg))
+        self.main = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=os.path.join(where, "http.sock")),
+            timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0,
+                                  pool=10.0))
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = INFERENCE.get(scope["path"])
+        if api is not None and scope["method"] == "POST":
+            await self.inference(scope, receive, send, api)
+        else:
+            await self.proxy(scope, receive, send)
+
+    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        try:
+            body = await read_body(receive, self.cfg.hub.max_body_bytes)
+        except BodyTooLarge:
+            await send_api_error(send, _api(path), ApiError(413, "body_too_large",
+                                                            "body over Hub__MaxBodyBytes"))
+            return
+        qs = scope.get("query_string") or b""
+        url = "http://hub" + scope.get("raw_path", path.encode()).decode("latin-1")
+        if qs and b"?" not in url.encode():
+            url += "?" + qs.decode("latin-1")
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP and k != b"content-length"]
+        try:
+            resp = await self.main.send(self.main.build_request(scope["method"], url,
+                                                                headers=headers, content=body),
+                                        stream=True)
+        except httpx.HTTPError as e:
+            await send_api_error(send, _api(path), ApiError(503, "shutting_down",
+                                                            f"the hub is not answering: {e}"))
+            return
+        try:
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP]})
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await resp.aclose()
+
+    async def inference(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
+        fail, body, refusal = "", b"", None
+        try:
+            body = await read_body(receive, self.cfg.hub.max_body_bytes)
+        except BodyTooLarge:
+            fail = "too_large"
+        except Refusal as e:
+            fail, refusal = e.code, e
+        except trio.BrokenResourceError:
+            fail = "gone"
+        stream = await trio.open_unix_socket(self.lease_path)
+        conn = Conn(stream, self.cfg.hub.max_body_bytes + 256 * 1024)
+        async with stream:
+            await conn.send(Ask(scope["path"], api, list(scope["headers"]), body, fail))
+            if fail in ("", "too_large"):
+                await self._held(conn, scope, receive, send, api, body)
+            else:
+                with trio.move_on_after(ACK_SECONDS):  # the main records it, then closes
+                    try:
+                        await conn.recv()
+                    except GONE:
+                        pass
+        if refusal is not None:
+            raise refusal
+
+    async def _held(self, conn: Conn, scope: Scope, receive: Receive, send: Send, api: str,
+                    body: bytes) -> None:
+        cuts, acked = _Cuts(), trio.Event()
+        done_sent = False
+        inbox_in, inbox = trio.open_memory_channel[Any](4)
+
+        async def reader() -> None:
+            try:
+                async with inbox_in:
+                    while True:
+                        msg = await conn.recv()
+                        if isinstance(msg, Cut):
+                            cuts.why = msg.lost_reason
+                            (cuts.drain if msg.reason == "shutting_down" else cuts.lost).set()
+                        elif isinstance(msg, Ack):
+                            acked.set()
+                        else:
+                            await inbox_in.send(msg)
+            except GONE:
+                pass
+
+        async def report() -> None:
+            nonlocal done_sent
+            if done_sent:
+                return
+            done_sent = True
+            with trio.move_on_after(ACK_SECONDS, shield=True):
+                try:
+                    await conn.send(Done(req.node, req.status, req.ttfb, req.error))
+                except GONE:
+                    return
+                await acked.wait()
+
+        async def send_last_reported(msg: dict) -> None:
+            if msg["type"] == "http.response.body" and not msg.get("more_body"):
+                await report()
+            await send(msg)
+
+        req = Request(scope, send_last_reported, api, _NoRecord())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            try:
+                async with cancel_on_disconnect(receive, lambda: req.done) as client:
+                    await self._serve(conn, req, inbox, cuts, send, body, report)
+                if client.gone and req.status:
+                    req.error = "client_disconnected"
+                    await report()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _serve(self, conn: Conn, req: Request, inbox: trio.MemoryReceiveChannel,
+                     cuts: _Cuts, send: Send, body: bytes, report) -> None:
+        while True:
+            try:
+                msg = await inbox.receive()
+            except trio.EndOfChannel:
+                return  # the main process went away: the connection just ends
+            if isinstance(msg, Answer):
+                await send({"type": "http.response.start", "status": msg.status,
+                            "headers": msg.headers})
+                await send({"type": "http.response.body", "body": msg.body})
+                return
+            if not isinstance(msg, Go):
+                return
+            req.model = msg.model
+            given = decode_request(body).model
+            plan = translate.prepare(req.path, req.api, body, given, msg.model).for_engine(
+                msg.kind)
+            try:
+                ok, failed = await relay_from(_Node(msg, cuts),  # type: ignore[arg-type]
+                                              req, plan, self.upstream,
+                                              self.cfg.hub.upstream_read_seconds, cuts.drain)
+            except ApiError as e:
+                await conn.send(Failed(e.message, drain=e.code == "shutting_down"))
+                continue
+            if ok:
+                await report()
+                return
+            await conn.send(Failed(failed))
+
+
+async def run_worker(cfg: Config, fd: int, where: str) -> None:
+    from appliance.hub.run import hub_limits
+
+    w = Worker(cfg, where)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.upstream.sweep_every)
+        await nursery.start(lambda task_status: serve(
+            w.app, cfg.hub.listen, "hub", shutdown_trigger=trio.sleep_forever,
+            limits=hub_limits(cfg), drain_seconds=cfg.hub.drain_seconds, bind=f"fd://{fd}",
+            announce=False, task_status=task_status))
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        sys.exit(0)
+
+
+def main(cfg: Config, spec: str) -> int:
+    fd, _, where = spec.partition(":")
+    _die_with_parent()
+    try:
+        trio.run(run_worker, cfg, int(fd), where)
+    except KeyboardInterrupt:
+        pass
+    return 0

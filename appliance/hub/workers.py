@@ -1,0 +1,234 @@
+"""`Hub__Workers=N>1`: the main process's side -- the shared listener, the leases, the workers.
+
+Theory of operation (docs/hub-workers-design.md): the main process is today's hub, whole
+(control loop, registry, admission, admin API, status, metrics, audit), and serves every
+route on the client listener itself. With N>1 it binds that listener once and starts N-1
+workers (the same executable; `APPLIANCE_HUB_WORKER` in their environment) that inherit
+the listening socket (pass_fds) and accept from the same queue. A worker relays: for an
+inference request it holds a lease (lease.py) on the private Unix socket `lease.sock`; the
+main process runs the router's usual path for it (`handle_inference`: auth, resolve,
+make_servable, Admission.place, wait_slot, the retry rule) with the copy of the answer
+replaced by `LeaseRelay` -- "worker, relay from this node" -- and writes the audit line and
+the metrics once, when the worker reports `Done`, or when the lease ends without it
+(client gone: 499; worker died: the connection drops the same way). Any other route a
+worker receives is proxied to the main process's private HTTP socket `http.sock` (same app).
+Both sockets live in a 0700 directory. Workers die with the main process (PR_SET_PDEATHSIG,
+and SIGTERM at the main's exit). Not built: restarting a worker that died (logged as an
+error), SIGHUP reaching the workers (they keep their start-up config; every decision is
+the main's, which reloads), TLS on the listener (refused at config time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from appliance.asgi import LISTEN_BACKLOG, StartupError
+from appliance.config import parse_listen
+from appliance.http.errors import ApiError
+from appliance.hub import translate
+from appliance.hub.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go, LeaseError
+from appliance.hub.relay import SHUTTING_DOWN_RETRY_AFTER
+from appliance.hub.router import handle_inference
+from appliance.listener import Busy, Refusal, RequestTimeout
+
+if TYPE_CHECKING:
+    from appliance.hub.nodes import NodeHandle
+    from appliance.hub.request import Request
+    from appliance.hub.run import Hub
+
+log = logging.getLogger("appliance.hub.workers")
+
+WORKER_ENV = "APPLIANCE_HUB_WORKER"  # "FD:DIR" in a worker's environment
+# A lease's frames: the body (Hub__MaxBodyBytes) and its headers.
+FRAME_SLACK = 256 * 1024
+# How long the main waits for its workers to exit after it told them to.
+STOP_SECONDS = 5.0
+
+
+def bind_listener(listen: str) -> socket.socket:
+    """The client listener, bound once here and shared with the workers."""
+    host, port = parse_listen(listen, "Hub__Listen")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as e:
+        raise StartupError(f"Hub__Listen={listen!r}: cannot listen: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def private_dir() -> str:
+    return tempfile.mkdtemp(prefix="appliance-hub-")  # 0700
+
+
+def spawn(n: int, fd: int, where: str, env_file: str | None) -> list[subprocess.Popen]:
+    exe = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m",
+                                                                   "appliance"]
+    args = [*exe, "hub", "--log-level", logging.getLevelName(logging.getLogger().level)]
+    if env_file:
+        args += ["--env-file", env_file]
+    env = {**os.environ, WORKER_ENV: f"{fd}:{where}"}
+    return [subprocess.Popen(args, env=env, pass_fds=(fd,)) for _ in range(n)]
+
+
+async def watch_workers(procs: list[subprocess.Popen]) -> None:
+    """Log loudly when a worker dies (it is not restarted: the others keep serving)."""
+    alive = list(procs)
+    while alive:
+        await trio.sleep(1)
+        for p in list(alive):
+            if p.poll() is not None:
+                alive.remove(p)
+                log.error("hub worker pid %d exited with %s: not restarted; %d of %d left "
+                          "(restart the hub to get it back)", p.pid, p.returncode, len(alive),
+                          len(procs))
+
+
+def stop_workers(procs: list[subprocess.Popen], where: str) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    shutil.rmtree(where, ignore_errors=True)
+
+
+async def serve_leases(hub: Hub, path: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    listener = trio.SocketListener(await _unix_listener(path))
+    task_status.started()
+    await trio.serve_listeners(lambda s: _lease(hub, s), [listener])  # type: ignore[arg-type]
+
+
+async def _unix_listener(path: str) -> trio.socket.SocketType:
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await sock.bind(path)
+    sock.listen(LISTEN_BACKLOG)
+    return sock
+
+
+_REFUSALS: dict[str, type[Refusal]] = {"request_timeout": RequestTimeout, "busy": Busy}
+
+
+async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
+    """One inference request held by a worker: the router's path, relayed by the worker."""
+    limit = hub.cfg.hub.max_body_bytes
+    conn = Conn(stream, limit + FRAME_SLACK)
+    async with stream:
+        try:
+            ask = await conn.recv()
+        except GONE:
+            return
+        if not isinstance(ask, Ask):
+            return
+        gone = trio.Event()
+        inbox_in, inbox = trio.open_memory_channel[Any](4)
+
+        async def reader() -> None:
+            try:
+                async with inbox_in:
+                    while True:
+                        await inbox_in.send(await conn.recv())
+            except GONE:
+                pass
+            finally:
+                gone.set()
+
+        handed = False
+
+        async def receive() -> dict:
+            nonlocal handed
+            if not handed:
+                handed = True
+                if ask.fail == "gone":
+                    raise trio.BrokenResourceError("client went away")
+                if ask.fail in _REFUSALS:
+                    raise _REFUSALS[ask.fail]()
+                body = bytes(limit + 1) if ask.fail == "too_large" else ask.body
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        start: dict = {}
+
+        async def send(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                start.update(msg)
+                return
+            try:
+                await conn.send(Answer(start.get("status", 500), list(start.get("headers", [])),
+                                       bytes(msg.get("body", b""))))
+            except GONE:
+                pass
+
+        scope = {"type": "http", "method": "POST", "path": ask.path,
+                 "headers": [(bytes(k), bytes(v)) for k, v in ask.headers], "state": {}}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            try:
+                await handle_inference(hub, scope, receive, send, ask.api,
+                                       LeaseRelay(hub, conn, inbox))
+            except Refusal:
+                pass  # recorded; the worker's listener answers it
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+class LeaseRelay:
+    """The router's relay step for a request held by a worker: send `Go`, wait for its end."""
+
+    def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel) -> None:
+        self.hub, self.conn, self.inbox = hub, conn, inbox
+
+    async def __call__(self, node: NodeHandle, req: Request,
+                       plan: translate.Plan) -> tuple[bool, str]:
+        await self.conn.send(Go(node.name, node.url, node.auth_raw,
+                                translate.engine_kind(node.state), req.label))
+
+        async def cut(ev: trio.Event, reason: str) -> None:
+            await ev.wait()
+            try:
+                await self.conn.send(Cut(reason, node.lost_reason))
+            except GONE:
+                pass
+
+        async with trio.open_nursery() as watchers:
+            watchers.start_soon(cut, node.lost, "node_lost")
+            watchers.start_soon(cut, self.hub.drain_over, "shutting_down")
+            try:
+                while True:
+                    try:
+                        msg = await self.inbox.receive()
+                    except trio.EndOfChannel:
+                        # The worker is gone: the disconnect cancels this (router's watcher).
+                        await trio.sleep_forever()
+                    if isinstance(msg, Failed):
+                        if msg.drain:
+                            raise ApiError(503, "shutting_down",
+                                           "the hub is shutting down; retry shortly",
+                                           retry_after=SHUTTING_DOWN_RETRY_AFTER)
+                        return False, msg.why
+                    if isinstance(msg, Done):
+                        req.node, req.status, req.ttfb = msg.node, msg.status, msg.ttfb
+                        req.error = msg.error or req.error
+                        req.finish()
+                        try:
+                            await self.conn.send(Ack())
+                        except GONE:
+                            pass
+                        return True, ""
+                    raise LeaseError(f"unexpected {type(msg).__name__} from a worker")
+            finally:
+                watchers.cancel_scope.cancel()
