@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/streams.py [--rate 50] [--streams 8,16,32,64,128] [--seconds 6]
      .venv/bin/python bench/streams.py --rate 1000 --streams 4,8 --seconds 5     # the stress
-     .venv/bin/python bench/streams.py --hub-workers 1,2 ...                     # compare hubs
+     .venv/bin/python bench/streams.py --workers 1,2 ...                         # compare hubs
 
 Starts real processes on loopback: `appliance sim` paced at R tokens/s per stream
 (Sim__TokensPerSecond, the engine), an `appliance node` in front of it (Engine__Kind=openai:
@@ -272,7 +272,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0, help="tokens/s per stream (the engine's pace)")
     ap.add_argument("--streams", default="8,16,32,64,128", help="the N to try, in order")
     ap.add_argument("--seconds", type=float, default=6.0, help="per target and N")
-    ap.add_argument("--hub-workers", default="", help="Hub__Workers values to compare, e.g. 1,2 (default: hub's default)")
+    ap.add_argument("--workers", "--hub-workers", dest="hub_workers", default="",
+                    help="Hub__Workers values to compare, e.g. 1,2 (default: the hub's default)")
     ap.add_argument("--no-nginx", action="store_true")
     ap.add_argument("--profile", default="", help="DIR: py-spy records the hub and the node (collapsed stacks)"
                     " during hub+node at the first N, and prints where their time goes")
