@@ -188,6 +188,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
         if shared is not None:
             procs = workers.spawn(cfg.hub.workers - 1, shared.fileno(), where, env_file)
             nursery.start_soon(workers.watch_workers, procs)
+            nursery.start_soon(workers.drain_workers, stop, procs)
         if metrics_listen:
             from appliance.metricsapp import metrics_app
 
@@ -202,7 +203,9 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
             await api_done.wait()
         finally:
             if shared is not None:
-                workers.stop_workers(procs, where)
+                with trio.CancelScope(shield=True):
+                    await workers.reap_workers(procs, where, cfg.hub.drain_seconds
+                                               + DRAIN_CUT_SECONDS + workers.STOP_SECONDS)
         nursery.cancel_scope.cancel()
         with trio.move_on_after(2, shield=True):
             await hub.upstream.aclose()

@@ -237,12 +237,22 @@ async def run_worker(cfg: Config, fd: int, where: str) -> None:
     from appliance.hub.run import hub_limits
 
     w = Worker(cfg, where)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(w.upstream.sweep_every)
-        await nursery.start(lambda task_status: serve(
-            w.app, cfg.hub.listen, "hub", shutdown_trigger=trio.sleep_forever,
-            limits=hub_limits(cfg), drain_seconds=cfg.hub.drain_seconds, bind=f"fd://{fd}",
-            announce=False, task_status=task_status))
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(w.upstream.sweep_every)
+
+            async def on_signal() -> None:
+                async for _ in signals:
+                    stop.set()  # stop accepting; the main's drain cuts what still runs
+                    return
+
+            nursery.start_soon(on_signal)
+            # The main's drain, plus the time its `Cut` needs to end the streams here.
+            await serve(w.app, cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
+                        limits=hub_limits(cfg), drain_seconds=cfg.hub.drain_seconds + 2.0,
+                        bind=f"fd://{fd}", announce=False)
+            nursery.cancel_scope.cancel()
 
 
 def _die_with_parent() -> None:

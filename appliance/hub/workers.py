@@ -50,7 +50,7 @@ log = logging.getLogger("appliance.hub.workers")
 WORKER_ENV = "APPLIANCE_HUB_WORKER"  # "FD:DIR" in a worker's environment
 # A lease's frames: the body (Hub__MaxBodyBytes) and its headers.
 FRAME_SLACK = 256 * 1024
-# How long the main waits for its workers to exit after it told them to.
+# Past the workers' own drain, how long the main waits for them to exit.
 STOP_SECONDS = 5.0
 
 
@@ -93,14 +93,25 @@ async def watch_workers(procs: list[subprocess.Popen]) -> None:
                           len(procs))
 
 
-def stop_workers(procs: list[subprocess.Popen], where: str) -> None:
+async def drain_workers(stop: trio.Event, procs: list[subprocess.Popen]) -> None:
+    """A stop: the workers stop accepting and drain like the main (their SIGTERM)."""
+    await stop.wait()
     for p in procs:
         if p.poll() is None:
             p.terminate()
+
+
+async def reap_workers(procs: list[subprocess.Popen], where: str, seconds: float) -> None:
+    """Wait (leases still answered meanwhile) for the workers' drain, then kill what is left."""
     for p in procs:
-        try:
-            p.wait(STOP_SECONDS)
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
+            p.terminate()
+    with trio.move_on_after(seconds):
+        while any(p.poll() is None for p in procs):
+            await trio.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            log.error("hub worker pid %d did not exit after its drain: killed", p.pid)
             p.kill()
             p.wait()
     shutil.rmtree(where, ignore_errors=True)
