@@ -66,18 +66,14 @@ class Member:
         self._read_once = False
         self._cordons: dict[str, bool] = {}  # etcd's word on each node's cordon, as last applied
         self._problem = ""
-        self._last_now = 0.0
         control.cluster = self
         registry.shared = True  # other hubs' work on our nodes counts in admission (nodes.py)
 
     # --- what the rest of the hub reads ------------------------------------------------
 
     def now(self) -> float:
-        try:
-            self._last_now = trio.current_time()
-        except RuntimeError:
-            pass
-        return self._last_now
+        """The control loop's clock (trio's; its last reading outside a trio run)."""
+        return float(self.control.now())
 
     @property
     def leading(self) -> bool:
