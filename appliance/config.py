@@ -551,9 +551,6 @@ def _check(cfg: Config) -> None:
                 f"Sim__Models__{i}__Name is empty: every simulated model needs a name")
     if not 1 <= cfg.hub.workers <= 8:
         raise ConfigError(f"Hub__Workers={cfg.hub.workers}: must be 1..8")
-    if cfg.hub.workers > 1 and cfg.hub.tls_cert:
-        raise ConfigError("Hub__Workers>1 with Hub__TlsCert: not supported yet; use "
-                          "Hub__Workers=1 or terminate TLS in front of the hub")
     for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen),
                         ("Sim__Listen", cfg.sim.listen)):
         parse_listen(listen, var)

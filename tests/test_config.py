@@ -69,7 +69,6 @@ def test_lists_sections_profiles_and_prefix():
     ({"Auth__Clients__0__Name": "x"}, "Auth__Clients__0__Key is empty"),
     ({"Hub__Workers": "0"}, "Hub__Workers=0: must be 1..8"),
     ({"Hub__Workers": "9"}, "Hub__Workers=9: must be 1..8"),
-    ({"Hub__Workers": "2", "Hub__TlsCert": "/x.pem"}, "Hub__Workers>1 with Hub__TlsCert"),
 ])
 def test_bad_values_name_the_variable(env, expect):
     with pytest.raises(ConfigError) as e:

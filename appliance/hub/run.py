@@ -43,6 +43,7 @@ from appliance.upstream import Pool
 
 if TYPE_CHECKING:
     from appliance.cluster.member import Member
+    from appliance.hub.workerset import WorkerSet
 
 log = logging.getLogger("appliance.hub")
 
@@ -79,6 +80,8 @@ class Hub:
         self.audit.recent = self.recent
         # with Cluster__Etcd (run_hub sets it)
         self.cluster: Member | None = None
+        # with Hub__Workers>1 (hub/workers.py sets it)
+        self.workers: WorkerSet | None = None
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         per_node = {c.name: c.token for c in self.cfg.auth.nodes}
@@ -102,6 +105,8 @@ class Hub:
         self.control.reload(cfg)
         for n in cfg.nodes:
             self.add_node(n.name, n.url, static=True)
+        if self.workers is not None:
+            self.workers.reload()  # each worker re-reads it (hub/worker.py)
 
 
 def hub_limits(cfg: Config) -> Limits:
@@ -184,11 +189,10 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
                 api_done.set()
 
         addr = await nursery.start(api_server)
-        procs: list = []
         if shared is not None:
-            procs = workers.spawn(cfg.hub.workers - 1, shared.fileno(), where, env_file)
-            nursery.start_soon(workers.watch_workers, procs)
-            nursery.start_soon(workers.drain_workers, stop, procs)
+            await nursery.start(workers.start_workers, hub, cfg.hub.workers, shared.fileno(),
+                                where, env_file)
+            nursery.start_soon(workers.drain_workers, stop, hub.workers)
         if metrics_listen:
             from appliance.metricsapp import metrics_app
 
@@ -204,7 +208,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
         finally:
             if shared is not None:
                 with trio.CancelScope(shield=True):
-                    await workers.reap_workers(procs, where, cfg.hub.drain_seconds
+                    await workers.reap_workers(hub.workers, where, cfg.hub.drain_seconds
                                                + DRAIN_CUT_SECONDS + workers.STOP_SECONDS)
         nursery.cancel_scope.cancel()
         with trio.move_on_after(2, shield=True):
@@ -308,7 +312,7 @@ def main(cfg: Config, env_file: str | None = None) -> int:
     if spec:  # started by a hub with Hub__Workers>1: relay only (hub/worker.py)
         from appliance.hub import worker
 
-        return worker.main(cfg, spec)
+        return worker.main(cfg, spec, env_file)
     err = check_path(cfg.audit.path)
     if err is not None:
         print(f"appliance hub: {err}", file=sys.stderr)

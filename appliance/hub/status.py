@@ -48,6 +48,8 @@ def status_payload(hub: Hub) -> dict:
     if (cluster := getattr(hub, "cluster",
                            None)) is not None:  # several hubs: who leads, by which epoch
         out["cluster"] = cluster.status()
+    if (ws := getattr(hub, "workers", None)) is not None:  # Hub__Workers>1: every process
+        out["workers"] = ws.status()
     block = hub.admission.status_block()
     if block is not None:
         out["priority"] = block

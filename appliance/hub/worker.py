@@ -20,11 +20,13 @@ import logging
 import os
 import signal
 import sys
+from functools import partial
 from typing import Any
 
 import httpx
 import trio
 
+from appliance import config as config_mod
 from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, serve
 from appliance.config import Config
 from appliance.http.disconnect import cancel_on_disconnect
@@ -44,6 +46,8 @@ log = logging.getLogger("appliance.hub.worker")
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
        b"proxy-connection", b"trailer"}
 ACK_SECONDS = 5.0
+# A listener retired by a reload lets its requests finish (a stop bounds them all).
+RETIRED_DRAIN_SECONDS = 7 * 24 * 3600.0
 
 
 class _NoRecord(Recorder):
@@ -79,8 +83,9 @@ class _Node:
 
 
 class Worker:
-    def __init__(self, cfg: Config, where: str) -> None:
+    def __init__(self, cfg: Config, where: str, env_file: str | None = None) -> None:
         self.cfg = cfg
+        self.env_file = env_file
         self.lease_path = os.path.join(where, "lease.sock")
         from appliance.hub.run import _auth_headers, _client_ssl
 
@@ -89,6 +94,19 @@ class Worker:
             transport=httpx.AsyncHTTPTransport(uds=os.path.join(where, "http.sock")),
             timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0,
                                   pool=10.0))
+
+    def reload(self) -> bool:
+        """SIGHUP (the main reloaded): the body bound, the read timeouts and the listener
+        limits follow for what comes next; a configuration the main would refuse is
+        refused here too (logged, the old one stays)."""
+        try:
+            new = config_mod.load(env_file=self.env_file)
+        except config_mod.ConfigError as e:
+            log.error("hub worker: reload refused, keeping the old configuration: %s", e)
+            return False
+        self.cfg = new
+        log.info("hub worker %d: configuration reloaded", os.getpid())
+        return True
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = INFERENCE.get(scope["path"])
@@ -233,25 +251,43 @@ class Worker:
             await conn.send(Failed(failed))
 
 
-async def run_worker(cfg: Config, fd: int, where: str) -> None:
+async def run_worker(cfg: Config, fd: int, where: str, env_file: str | None = None) -> None:
+    """Serve the inherited listener until SIGTERM; SIGHUP re-reads the configuration and
+    serves new connections with it (`Worker.reload`)."""
     from appliance.hub.run import hub_limits
 
-    w = Worker(cfg, where)
-    stop = trio.Event()
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    w = Worker(cfg, where, env_file)
+    tls = cfg.hub  # the listener's TLS files, as the main's: they change at the next start
+    events_in, events = trio.open_memory_channel[str](8)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(w.upstream.sweep_every)
 
             async def on_signal() -> None:
-                async for _ in signals:
-                    stop.set()  # stop accepting; the main's drain cuts what still runs
-                    return
+                async for sig in signals:
+                    if sig != signal.SIGHUP:
+                        await events_in.send("stop")
+                        return
+                    if w.reload():
+                        await events_in.send("reload")
 
             nursery.start_soon(on_signal)
-            # The main's drain, plus the time its `Cut` needs to end the streams here.
-            await serve(w.app, cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
-                        limits=hub_limits(cfg), drain_seconds=cfg.hub.drain_seconds + 2.0,
-                        bind=f"fd://{fd}", announce=False)
+            async with trio.open_nursery() as listeners:
+                while True:
+                    retire = trio.Event()
+                    # Its own dup of the shared socket: a retired listener closes only its copy.
+                    await listeners.start(partial(
+                        serve, w.app, w.cfg.hub.listen, "hub", shutdown_trigger=retire.wait,
+                        limits=hub_limits(w.cfg), drain_seconds=RETIRED_DRAIN_SECONDS,
+                        bind=f"fd://{os.dup(fd)}", announce=False, certfile=tls.tls_cert,
+                        keyfile=tls.tls_key, ca_certs=tls.tls_ca))
+                    what = await events.receive()
+                    retire.set()  # stops accepting; its requests run on (to the stop's bound)
+                    if what == "stop":
+                        break
+                # The main's drain, plus the time its `Cut` needs to end the streams here.
+                listeners.cancel_scope.deadline = (trio.current_time() + w.cfg.hub.drain_seconds
+                                                   + 2.0)
             nursery.cancel_scope.cancel()
 
 
@@ -265,11 +301,11 @@ def _die_with_parent() -> None:
         sys.exit(0)
 
 
-def main(cfg: Config, spec: str) -> int:
+def main(cfg: Config, spec: str, env_file: str | None = None) -> int:
     fd, _, where = spec.partition(":")
     _die_with_parent()
     try:
-        trio.run(run_worker, cfg, int(fd), where)
+        trio.run(run_worker, cfg, int(fd), where, env_file)
     except KeyboardInterrupt:
         pass
     return 0

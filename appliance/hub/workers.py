@@ -13,9 +13,9 @@ the metrics once, when the worker reports `Done`, or when the lease ends without
 (client gone: 499; worker died: the connection drops the same way). Any other route a
 worker receives is proxied to the main process's private HTTP socket `http.sock` (same app).
 Both sockets live in a 0700 directory. Workers die with the main process (PR_SET_PDEATHSIG,
-and SIGTERM at the main's exit). Not built: restarting a worker that died (logged as an
-error), SIGHUP reaching the workers (they keep their start-up config; every decision is
-the main's, which reloads), TLS on the listener (refused at config time).
+and SIGTERM at the main's exit); one that dies is restarted (workerset.py), a SIGHUP on
+the main reaches them (each re-reads the configuration), and with Hub__TlsCert each wraps
+the shared socket in its own TLS context from the same files.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -38,6 +38,7 @@ from appliance.hub import translate
 from appliance.hub.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go, LeaseError
 from appliance.hub.relay import SHUTTING_DOWN_RETRY_AFTER
 from appliance.hub.router import handle_inference
+from appliance.hub.workerset import WorkerSet
 from appliance.listener import Busy, Refusal, RequestTimeout
 
 if TYPE_CHECKING:
@@ -70,50 +71,41 @@ def private_dir() -> str:
     return tempfile.mkdtemp(prefix="appliance-hub-")  # 0700
 
 
-def spawn(n: int, fd: int, where: str, env_file: str | None) -> list[subprocess.Popen]:
+def starter(fd: int, where: str, env_file: str | None) -> Callable[[], Awaitable[trio.Process]]:
+    """How the main process starts one worker (workerset.py keeps them running)."""
     exe = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m",
                                                                    "appliance"]
     args = [*exe, "hub", "--log-level", logging.getLevelName(logging.getLogger().level)]
     if env_file:
         args += ["--env-file", env_file]
     env = {**os.environ, WORKER_ENV: f"{fd}:{where}"}
-    return [subprocess.Popen(args, env=env, pass_fds=(fd,)) for _ in range(n)]
+
+    async def start() -> trio.Process:
+        return await trio.lowlevel.open_process(args, env=env, pass_fds=(fd,))
+
+    return start
 
 
-async def watch_workers(procs: list[subprocess.Popen]) -> None:
-    """Log loudly when a worker dies (it is not restarted: the others keep serving)."""
-    alive = list(procs)
-    while alive:
-        await trio.sleep(1)
-        for p in list(alive):
-            if p.poll() is not None:
-                alive.remove(p)
-                log.error("hub worker pid %d exited with %s: not restarted; %d of %d left "
-                          "(restart the hub to get it back)", p.pid, p.returncode, len(alive),
-                          len(procs))
+async def start_workers(hub: Hub, n: int, fd: int, where: str, env_file: str | None, *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The N-1 workers, kept running until the hub stops (`hub.workers`)."""
+    ws = WorkerSet(n, starter(fd, where, env_file))
+    hub.workers = ws
+    hub.metrics_registry.register(ws)
+    await ws.run(task_status=task_status)
 
 
-async def drain_workers(stop: trio.Event, procs: list[subprocess.Popen]) -> None:
+async def drain_workers(stop: trio.Event, ws: WorkerSet | None) -> None:
     """A stop: the workers stop accepting and drain like the main (their SIGTERM)."""
     await stop.wait()
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
+    if ws is not None:
+        ws.drain()
 
 
-async def reap_workers(procs: list[subprocess.Popen], where: str, seconds: float) -> None:
+async def reap_workers(ws: WorkerSet | None, where: str, seconds: float) -> None:
     """Wait (leases still answered meanwhile) for the workers' drain, then kill what is left."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    with trio.move_on_after(seconds):
-        while any(p.poll() is None for p in procs):
-            await trio.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            log.error("hub worker pid %d did not exit after its drain: killed", p.pid)
-            p.kill()
-            p.wait()
+    if ws is not None:
+        await ws.stop(seconds)
     shutil.rmtree(where, ignore_errors=True)
 
 
