@@ -138,6 +138,7 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
             return
         gone = trio.Event()
         inbox_in, inbox = trio.open_memory_channel[Any](4)
+        relay = LeaseRelay(hub, conn, inbox)
 
         async def reader() -> None:
             try:
@@ -147,7 +148,10 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
             except GONE:
                 pass
             finally:
-                gone.set()
+                # While the worker relays, its silence is the relay's to report (worker_lost);
+                # before (queued, loading), it is the client's: the router's disconnect.
+                if not relay.relaying:
+                    gone.set()
 
         handed = False
 
@@ -181,8 +185,7 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
             try:
-                await handle_inference(hub, scope, receive, send, ask.api,
-                                       LeaseRelay(hub, conn, inbox))
+                await handle_inference(hub, scope, receive, send, ask.api, relay)
             except Refusal:
                 pass  # recorded; the worker's listener answers it
             finally:
@@ -194,9 +197,17 @@ class LeaseRelay:
 
     def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel) -> None:
         self.hub, self.conn, self.inbox = hub, conn, inbox
+        self.relaying = False  # a `Go` is out: the worker copies the answer
 
     async def __call__(self, node: NodeHandle, req: Request,
                        plan: translate.Plan) -> tuple[bool, str]:
+        self.relaying = True
+        try:
+            return await self._relay(node, req)
+        finally:
+            self.relaying = False
+
+    async def _relay(self, node: NodeHandle, req: Request) -> tuple[bool, str]:
         await self.conn.send(Go(node.name, node.url, node.auth_raw,
                                 translate.engine_kind(node.state), req.label))
 
@@ -207,31 +218,44 @@ class LeaseRelay:
             except GONE:
                 pass
 
+        outcome: tuple[bool, str] | ApiError
         async with trio.open_nursery() as watchers:
             watchers.start_soon(cut, node.lost, "node_lost")
             watchers.start_soon(cut, self.hub.drain_over, "shutting_down")
             try:
-                while True:
-                    try:
-                        msg = await self.inbox.receive()
-                    except trio.EndOfChannel:
-                        # The worker is gone: the disconnect cancels this (router's watcher).
-                        await trio.sleep_forever()
-                    if isinstance(msg, Failed):
-                        if msg.drain:
-                            raise ApiError(503, "shutting_down",
-                                           "the hub is shutting down; retry shortly",
-                                           retry_after=SHUTTING_DOWN_RETRY_AFTER)
-                        return False, msg.why
-                    if isinstance(msg, Done):
-                        req.node, req.status, req.ttfb = msg.node, msg.status, msg.ttfb
-                        req.error = msg.error or req.error
-                        req.finish()
-                        try:
-                            await self.conn.send(Ack())
-                        except GONE:
-                            pass
-                        return True, ""
-                    raise LeaseError(f"unexpected {type(msg).__name__} from a worker")
+                outcome = await self._end(node, req)
+            except ApiError as e:  # raised outside the nursery: not an ExceptionGroup
+                outcome = e
             finally:
                 watchers.cancel_scope.cancel()
+        if isinstance(outcome, ApiError):
+            raise outcome
+        return outcome
+
+    async def _end(self, node: NodeHandle, req: Request) -> tuple[bool, str]:
+        """What the worker says next: failed before the first byte, or done."""
+        while True:
+            try:
+                msg = await self.inbox.receive()
+            except trio.EndOfChannel:
+                # The worker died (or was cut) holding the client: recorded as such, the
+                # place given back as this returns.
+                log.error("a hub worker's lease for %s on node %s dropped mid-request",
+                          req.label, node.name)
+                raise ApiError(502, "worker_lost",
+                               "the hub worker relaying this request exited") from None
+            if isinstance(msg, Failed):
+                if msg.drain:
+                    raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
+                                   retry_after=SHUTTING_DOWN_RETRY_AFTER)
+                return False, msg.why
+            if isinstance(msg, Done):
+                req.node, req.status, req.ttfb = msg.node, msg.status, msg.ttfb
+                req.error = msg.error or req.error
+                req.finish()
+                try:
+                    await self.conn.send(Ack())
+                except GONE:
+                    pass
+                return True, ""
+            raise LeaseError(f"unexpected {type(msg).__name__} from a worker")
