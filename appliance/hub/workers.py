@@ -208,6 +208,7 @@ class LeaseRelay:
             self.relaying = False
 
     async def _relay(self, node: NodeHandle, req: Request) -> tuple[bool, str]:
+        req.node = node.name
         await self.conn.send(Go(node.name, node.url, node.auth_raw,
                                 translate.engine_kind(node.state), req.label))
 
