@@ -1,0 +1,167 @@
+"""What a request through a hub worker costs: the lease's round trip, at concurrency 1.
+
+Run: .venv/bin/python bench/workers.py [--requests N] [--stream-requests N]
+
+Starts `appliance sim` (no delay), an `appliance node` fronting it and, one after the
+other, a hub with `Hub__Workers=1` and one with `Hub__Workers=2`. Sends N short chats (and
+streamed ones of 200 chunks) back to back on one kept-alive connection: to the node
+directly (the base), to the one-process hub, and to the two-process hub on a connection
+its main process accepted and on one its worker accepted (which process accepted a
+connection is read off /proc/net/tcp and /proc/PID/fd). Prints p50, p50 added over the
+node alone, and the CPU of the whole hub (main + workers, /proc utime+stime) per request
+-- the worker row less the main row is what the lease adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from procs import Procs  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+SHORT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+STREAM = {"model": "sim-small", "messages": [{"role": "user", "content": "tell"}],
+          "max_tokens": 200, "stream": True}
+
+
+def tree(pid: int) -> list[int]:
+    out = [pid]
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / TICKS
+    return total
+
+
+def sockets(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found.add(link[8:-1])
+    return found
+
+
+def owner(c: httpx.Client, url: str, pids: list[int]) -> int:
+    """The pid (of `pids`) that accepted the client's kept connection."""
+    assert c.get(url + "/health").status_code == 200
+    conn = c._transport._pool.connections[0]  # type: ignore[attr-defined]
+    mine = conn._connection._network_stream.get_extra_info("socket").getsockname()[1]
+    port = int(url.rsplit(":", 1)[1])
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            p = line.split()
+            if (p[1].endswith(f":{port:04X}") and p[2].endswith(f":{mine:04X}")
+                    and p[3] == "01"):
+                for pid in pids:
+                    if p[9] in sockets(pid):
+                        return pid
+    return 0
+
+
+def client_on(url: str, want: int, pids: list[int]) -> httpx.Client:
+    for _ in range(200):
+        c = httpx.Client(timeout=60)
+        if owner(c, url, pids) == want:
+            return c
+        c.close()
+    raise SystemExit(f"no connection accepted by pid {want} in 200 tries")
+
+
+def run(c: httpx.Client, url: str, body: dict, n: int, pids: list[int]) -> tuple[float, float]:
+    """(p50 seconds, CPU seconds of `pids` per request)."""
+    def one() -> None:
+        if body.get("stream"):
+            with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                for _ in r.iter_raw():
+                    pass
+        else:
+            r = c.post(url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+
+    for _ in range(max(10, n // 10)):
+        one()
+    lat = []
+    before = cpu(pids)
+    for _ in range(n):
+        t = time.perf_counter()
+        one()
+        lat.append(time.perf_counter() - t)
+    return statistics.median(lat), (cpu(pids) - before) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--stream-requests", type=int, default=60)
+    args = ap.parse_args()
+    procs = Procs()
+    rows = []
+    try:
+        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                  "Sim__Parallel": "64"})
+        node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0",
+                                    "Metrics__Listen": "", "Engine__Kind": "ollama",
+                                    "Engine__Url": sim.url, "Node__ModelSlots": "64"})
+        base = {}
+        for kind, body, n in (("short", SHORT, args.requests),
+                              ("stream200", STREAM, args.stream_requests)):
+            with httpx.Client(timeout=60) as c:
+                base[kind] = run(c, node.url, body, n, [node.pid])[0]
+                rows.append((kind, "node alone", base[kind], 0.0, None))
+        for workers in (1, 2):
+            hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                                      "Audit__Path": os.devnull, "Hub__Workers": str(workers),
+                                      "Nodes__0__Name": "bench", "Nodes__0__Url": node.url},
+                              wait=("hub",))
+            deadline = time.monotonic() + 60
+            while httpx.post(hub.url + "/v1/chat/completions", json=SHORT,
+                             timeout=60).status_code != 200:
+                assert time.monotonic() < deadline, "the hub never served sim-small"
+                time.sleep(0.2)
+            while len(tree(hub.pid)) < workers:
+                time.sleep(0.1)
+            pids = tree(hub.pid)
+            for who in pids:
+                label = (f"hub, Hub__Workers={workers}" if workers == 1 else
+                         f"hub, Hub__Workers=2, {'main' if who == hub.pid else 'worker'}")
+                for kind, body, n in (("short", SHORT, args.requests),
+                                      ("stream200", STREAM, args.stream_requests)):
+                    c = client_on(hub.url, who, pids)
+                    try:
+                        p50, per = run(c, hub.url, body, n, pids)
+                    finally:
+                        c.close()
+                    rows.append((kind, label, p50, p50 - base[kind], per))
+            hub.signal(15)
+            hub.wait_exit()
+    finally:
+        procs.close()
+    print(f"{'kind':10} {'target (connection accepted by)':42} {'p50 ms':>8} "
+          f"{'+p50 ms':>8} {'hub CPU/req ms':>15}")
+    for kind, label, p50, added, per in rows:
+        print(f"{kind:10} {label:42} {p50 * 1e3:8.3f} {added * 1e3:8.3f} "
+              f"{'' if per is None else f'{per * 1e3:15.3f}'}")
+
+
+if __name__ == "__main__":
+    main()
