@@ -139,7 +139,6 @@ def test_sighup_reaches_the_workers(procs, tmp_path):
         hub.wait_stderr(f"hub worker {worker}: configuration reloaded")
         r = c.post("/v1/chat/completions", json=big)
         assert r.status_code == 200, r.text
-        # New connections to the worker are served by the reloaded listener.
     with closing(connect_to(hub, worker)) as c:
         assert c.post("/v1/chat/completions", json=big).status_code == 200
     assert children(hub.pid) == [worker]  # reloaded in place, not restarted

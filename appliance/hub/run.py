@@ -256,6 +256,12 @@ AT_NEXT_START = {
     "Metrics__Listen": lambda c: c.metrics.listen,
     "Auth__NodeToken": lambda c: c.auth.node_token, "Audit__Path": lambda c: c.audit.path,
     "Hub__Name": lambda c: c.hub.name, "Cluster": lambda c: c.cluster,
+    "Hub__Workers": lambda c: c.hub.workers,
+    # the listener's own limits (every hub process's)
+    "Hub__HeaderReadSeconds": lambda c: c.hub.header_read_seconds,
+    "Hub__BodyReadSeconds": lambda c: c.hub.body_read_seconds,
+    "Hub__MaxConnections": lambda c: c.hub.max_connections,
+    "Hub__MaxBufferedBytes": lambda c: c.hub.max_buffered_bytes,
 }
 
 

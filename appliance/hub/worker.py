@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import sys
-from functools import partial
 from typing import Any
 
 import httpx
@@ -46,8 +45,6 @@ log = logging.getLogger("appliance.hub.worker")
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
        b"proxy-connection", b"trailer"}
 ACK_SECONDS = 5.0
-# A listener retired by a reload lets its requests finish (a stop bounds them all).
-RETIRED_DRAIN_SECONDS = 7 * 24 * 3600.0
 
 
 class _NoRecord(Recorder):
@@ -96,9 +93,9 @@ class Worker:
                                   pool=10.0))
 
     def reload(self) -> bool:
-        """SIGHUP (the main reloaded): the body bound, the read timeouts and the listener
-        limits follow for what comes next; a configuration the main would refuse is
-        refused here too (logged, the old one stays)."""
+        """SIGHUP (the main reloaded): the body bound and the node read timeout follow for
+        the next request; a configuration the main would refuse is refused here too
+        (logged, the old one stays)."""
         try:
             new = config_mod.load(env_file=self.env_file)
         except config_mod.ConfigError as e:
@@ -252,42 +249,32 @@ class Worker:
 
 
 async def run_worker(cfg: Config, fd: int, where: str, env_file: str | None = None) -> None:
-    """Serve the inherited listener until SIGTERM; SIGHUP re-reads the configuration and
-    serves new connections with it (`Worker.reload`)."""
+    """Serve the inherited listener until SIGTERM; SIGHUP re-reads the configuration
+    (`Worker.reload`)."""
     from appliance.hub.run import hub_limits
 
     w = Worker(cfg, where, env_file)
-    tls = cfg.hub  # the listener's TLS files, as the main's: they change at the next start
-    events_in, events = trio.open_memory_channel[str](8)
+    stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(w.upstream.sweep_every)
 
             async def on_signal() -> None:
                 async for sig in signals:
-                    if sig != signal.SIGHUP:
-                        await events_in.send("stop")
-                        return
-                    if w.reload():
-                        await events_in.send("reload")
+                    if sig == signal.SIGHUP:
+                        w.reload()
+                        continue
+                    stop.set()  # stop accepting; the main's drain cuts what still runs
+                    return
 
             nursery.start_soon(on_signal)
-            async with trio.open_nursery() as listeners:
-                while True:
-                    retire = trio.Event()
-                    # Its own dup of the shared socket: a retired listener closes only its copy.
-                    await listeners.start(partial(
-                        serve, w.app, w.cfg.hub.listen, "hub", shutdown_trigger=retire.wait,
-                        limits=hub_limits(w.cfg), drain_seconds=RETIRED_DRAIN_SECONDS,
-                        bind=f"fd://{os.dup(fd)}", announce=False, certfile=tls.tls_cert,
-                        keyfile=tls.tls_key, ca_certs=tls.tls_ca))
-                    what = await events.receive()
-                    retire.set()  # stops accepting; its requests run on (to the stop's bound)
-                    if what == "stop":
-                        break
-                # The main's drain, plus the time its `Cut` needs to end the streams here.
-                listeners.cancel_scope.deadline = (trio.current_time() + w.cfg.hub.drain_seconds
-                                                   + 2.0)
+            # The listener's limits and TLS files are the main's at start (they change at
+            # the next start, as the main's own listener's do). The drain: the main's, plus
+            # the time its `Cut` needs to end the streams here.
+            await serve(w.app, cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
+                        limits=hub_limits(cfg), drain_seconds=cfg.hub.drain_seconds + 2.0,
+                        bind=f"fd://{fd}", announce=False, certfile=cfg.hub.tls_cert,
+                        keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca)
             nursery.cancel_scope.cancel()
 
 

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -71,7 +72,7 @@ def private_dir() -> str:
     return tempfile.mkdtemp(prefix="appliance-hub-")  # 0700
 
 
-def starter(fd: int, where: str, env_file: str | None) -> Callable[[], Awaitable[trio.Process]]:
+def starter(fd: int, where: str, env_file: str | None) -> Callable[[], Awaitable[Child]]:
     """How the main process starts one worker (workerset.py keeps them running)."""
     exe = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m",
                                                                    "appliance"]
@@ -80,10 +81,48 @@ def starter(fd: int, where: str, env_file: str | None) -> Callable[[], Awaitable
         args += ["--env-file", env_file]
     env = {**os.environ, WORKER_ENV: f"{fd}:{where}"}
 
-    async def start() -> trio.Process:
-        return await trio.lowlevel.open_process(args, env=env, pass_fds=(fd,))
+    async def start() -> Child:
+        # Not trio's open_process: it forks from a thread of its pool, and a worker's
+        # PR_SET_PDEATHSIG fires when that thread ends (seconds later), not the hub.
+        return Child(subprocess.Popen(args, env=env, pass_fds=(fd,)))
 
     return start
+
+
+class Child:
+    """A worker process, awaited without blocking (its pidfd; else polled)."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            pidfd = -1
+        try:
+            while self.popen.poll() is None:
+                if pidfd >= 0:
+                    await trio.lowlevel.wait_readable(pidfd)
+                else:
+                    await trio.sleep(0.2)
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        return self.popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
 
 
 async def start_workers(hub: Hub, n: int, fd: int, where: str, env_file: str | None, *,
