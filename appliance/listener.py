@@ -46,7 +46,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr
 
-from appliance.http.fastio import DIRECT_KEY
+from appliance.http.fastio import DIRECT_KEY, plain_socket
 
 log = logging.getLogger("appliance.listener")
 
@@ -159,6 +159,7 @@ class _Guard:
         self.in_request = False
         self.scope: trio.CancelScope | None = None
         self.cancel = trio.CancelScope()  # the whole connection: shed at max_connections
+        self.lean = False  # served by appliance/http/h1.py
 
     def _set(self, deadline: float) -> None:
         self.deadline = deadline
@@ -359,8 +360,14 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         sock.listen(cfg.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+    from appliance.http import h1  # (it uses this module's rules)
+
     context = WorkerContext(None)
-    wrapped = ASGIWrapper(guard_app(app, limits, Budget(limits.max_buffered_bytes)))
+    budget = Budget(limits.max_buffered_bytes)
+    wrapped = ASGIWrapper(guard_app(app, limits, budget))
+    lean = h1.Shared(app, limits, budget, keep_alive=cfg.keep_alive_timeout,
+                     max_head=cfg.h11_max_incomplete_size,
+                     max_requests=cfg.keep_alive_max_requests)
     slots = trio.Semaphore(limits.max_connections)
 
     live: dict[_Guard, None] = {}  # open connections, oldest first
@@ -371,6 +378,12 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         live[guard] = None
         try:
             with guard.cancel:
+                sock = plain_socket(stream)
+                if sock is not None:  # plain HTTP/1.1: the lean server (appliance/http/h1.py)
+                    guard.lean = True
+                    async with stream:
+                        await h1.Conn(sock, lean, guard).run()
+                    return
                 # closed whatever TCPServer did (a failed handshake returns early)
                 async with stream:
                     state: dict[str, Any] = {GUARD_KEY: guard}
@@ -415,4 +428,8 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
             await context.terminated.set()
+            lean.terminating = True  # lean connections: idle ones close now, busy ones after
+            for g in list(live):
+                if g.lean and not g.in_request:
+                    g.cancel.cancel()
             handlers.cancel_scope.deadline = trio.current_time() + cfg.graceful_timeout

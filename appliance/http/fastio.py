@@ -25,7 +25,10 @@ the last of those only:
   keep-alive bookkeeping runs as before).
 
 The listener (appliance/listener.py) puts the connection's TCPServer in the request's
-`state` under DIRECT_KEY. `DirectBody.open` returns None -- use ASGI as before -- for
+`state` under DIRECT_KEY -- or, on a plain connection, the lean server's `Conn`
+(appliance/http/h1.py), which says it explicitly: `chunked_socket()` returns a
+`ChunkedSocket` (send lock, socket, and the response head it has not written yet, sent
+with the first chunk) when the body is chunked on a plain socket. `DirectBody.open` returns None -- use ASGI as before -- for
 anything else: HTTP/2, HTTP/1.0, a sized (content-length) response, TLS (the write goes
 through the TLS stream then, still skipping the ASGI layers), no server in state. A
 client gone mid-write makes `write` return False: the caller sends that chunk, and the
@@ -36,7 +39,8 @@ rest, through ASGI, where hypercorn meets the closed connection and tells the ap
 from __future__ import annotations
 
 import socket
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import trio
 
@@ -64,15 +68,30 @@ async def recv_some(sock: socket.socket, max_bytes: int) -> bytes:
             continue
 
 
+class ChunkedSocket(NamedTuple):
+    """A server's word that this response's body is chunked on a plain socket: the
+    connection's send lock, the socket, and `head()` -- the response head not written yet
+    (b"" once it is), to go out with the first chunk."""
+
+    lock: trio.Lock
+    sock: socket.socket
+    head: Callable[[], bytes]
+
+
 class DirectBody:
     """A streamed body's chunks, written straight to the client's connection."""
 
-    __slots__ = ("_lock", "_stream", "_sock", "broken")
+    __slots__ = ("_lock", "_stream", "_sock", "_head", "broken")
 
     def __init__(self, server: Any) -> None:
-        self._lock: trio.Lock = server.send_lock
-        self._stream = server.stream
-        self._sock = plain_socket(server.stream)
+        if isinstance(server, ChunkedSocket):
+            self._lock, self._sock, self._head = server.lock, server.sock, server.head
+            self._stream = None
+        else:
+            self._lock = server.send_lock
+            self._stream = server.stream
+            self._sock = plain_socket(server.stream)
+            self._head = None
         self.broken = False
 
     @classmethod
@@ -84,6 +103,10 @@ class DirectBody:
         server = (scope.get("state") or {}).get(DIRECT_KEY)
         if server is None:
             return None
+        lean = getattr(server, "chunked_socket", None)  # appliance/http/h1.py
+        if lean is not None:
+            target = lean()
+            return None if target is None else cls(target)
         # ProtocolWrapper -> H11Protocol -> h11.Connection -> its writer
         proto = getattr(getattr(server, "protocol", None), "protocol", None)
         writer = getattr(getattr(proto, "connection", None), "_writer", None)
@@ -103,6 +126,9 @@ class DirectBody:
         except trio.WouldBlock:
             await self._lock.acquire()
         try:
+            if self._head is not None:
+                frame = self._head() + frame
+                self._head = None
             if self._sock is None:
                 with trio.CancelScope(shield=True):
                     await self._stream.send_all(frame)

@@ -1,0 +1,554 @@
+"""A lean HTTP/1.1 server for the plain-TCP connections of our listeners.
+
+Theory of operation: hypercorn costs about half a millisecond of CPU per request (a task
+per request, an event queue each way, h11's state machine, trio's socket wrapper). For
+a plain (non-TLS) connection, appliance/listener.py runs `Conn.run` instead: one task
+per connection, and the app is called in it, request after request. The connection is
+the socket itself (`recv`/`send` on the stdlib socket, trio only to wait while it would
+block, as appliance/http/fastio.py does); heads and chunked bodies are parsed by
+appliance/http/h1parse.py (strict; a refusal is answered in the API's shape and the
+connection closed, read side drained a moment first so the answer is not lost to a
+reset). The listener's rules are kept here natively (appliance/listener.py names them):
+
+- Head deadline: `header_read_seconds` from the connection's start, or from the first
+  byte of a later request; a partial head is answered 408, an idle connection closed.
+  Between requests the connection waits `keep_alive` seconds at most; a drain
+  (`Shared.terminating`) closes it, and an in-flight response ends with `connection:
+  close`.
+- Body: read only when the app asks (`receive`), each read bounded by the body deadline
+  (408 `request_timeout`); the bytes the apps hold count against the listener's
+  `Budget` (503 `busy`). `Expect: 100-continue` is answered on the first body read.
+- Once the body is read, `receive` waits for the client to go (EOF, an error, a write
+  that failed) or for the response to end, and says `http.disconnect` -- what hypercorn
+  says, so a hub relaying a stream cancels the upstream when its client leaves.
+  Pipelined bytes read meanwhile are kept for the next request (up to a bound).
+- A response: the head waits for the first body message, so a small answer is one
+  `send` (head + body, with a content-length); a streamed one (`more_body`) is chunked
+  (HTTP/1.1) or delimited by the close (HTTP/1.0). HEAD, 1xx, 204 and 304 carry no body.
+  A streamed body may also be written by `DirectBody` (fastio.py) through
+  `chunked_socket`: the connection's send lock, its socket, and the head not yet sent.
+- The connection is kept for the next request unless either side said `close`, it was
+  HTTP/1.0, a body was left unread (and not already buffered whole), the response did
+  not end cleanly, or the server drains.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import unquote
+
+import trio
+
+from appliance.http.fastio import DIRECT_KEY, ChunkedSocket
+from appliance.http.h1parse import BadRequest, Chunks, Head, parse_head
+from appliance.listener import (BUSY_RETRY_AFTER, TRIM_AFTER_BYTES, Budget, Busy, Limits, Refusal,
+                                RequestTimeout, _trim, error_json)
+
+log = logging.getLogger("appliance.listener")
+
+MAX_RECV = 65536
+# Pipelined bytes held while a response is written; past this the connection stops reading.
+MAX_PIPELINED = 64 * 1024
+# A closing connection reads (and drops) what the client still sends for at most this long,
+# so our last answer is not destroyed by a reset.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 1024 * 1024
+_WRITE_408_SECONDS = 1.0
+_ASGI = {"spec_version": "2.1", "version": "3.0"}
+_DISCONNECT = {"type": "http.disconnect"}
+_EMPTY_END = {"type": "http.request", "body": b"", "more_body": False}
+_NO_BODY_STATUS = frozenset({204, 304})
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _status_line(code: int) -> bytes:
+    try:
+        phrase = HTTPStatus(code).phrase
+    except ValueError:
+        phrase = ""
+    return f"HTTP/1.1 {code} {phrase}\r\n".encode("latin-1")
+
+
+_STATUS = {s.value: _status_line(s.value) for s in HTTPStatus}
+_date = [0, b""]
+
+
+def _date_header() -> bytes:
+    now = int(time.time())
+    if now != _date[0]:
+        _date[0], _date[1] = now, b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+    return _date[1]
+
+
+class Shared:
+    """What a listener's lean connections share: its rules, its budget, its drain."""
+
+    def __init__(self, app: Callable, limits: Limits, budget: Budget, *, keep_alive: float,
+                 max_head: int, max_requests: int) -> None:
+        self.app = app
+        self.limits = limits
+        self.budget = budget
+        self.keep_alive = keep_alive
+        self.max_head = max_head
+        self.max_requests = max_requests
+        self.terminating = False
+
+
+class Conn:
+    """One plain connection (see the module's docstring)."""
+
+    def __init__(self, sock: socket.socket, shared: Shared, guard: Any) -> None:
+        self.sock = sock
+        self.shared = shared
+        self.guard = guard  # appliance.listener._Guard: in_request (shedding)
+        self.buf = b""
+        self.lock = trio.Lock()
+        self.eof = False  # the client closed (or broke) its side
+        self.broken = False  # a write failed
+        self.requests = 0
+        self.linger = False  # an answer refused the request: drain its read side before the close
+        self._waiter: trio.CancelScope | None = None  # receive() waiting for the disconnect
+        try:
+            peer = sock.getpeername()
+            here = sock.getsockname()
+        except OSError:
+            peer = here = None
+        inet = sock.family in (socket.AF_INET, socket.AF_INET6)
+        self.client = (peer[0], peer[1]) if inet and peer else None
+        self.server = (here[0], here[1]) if inet and here else None
+        self._reset(None)
+
+    def _reset(self, head: Head | None) -> None:
+        self.head = head
+        self.body_left = head.length if head is not None else 0
+        self.chunks = Chunks() if head is not None and head.chunked else None
+        self.body_ended = head is None or (not head.chunked and head.length == 0)
+        self.end_given = False  # the last http.request message went to the app
+        self.bad: BadRequest | None = None
+        self.held = 0
+        self.reads = 0
+        self.continued = False
+        self.started = False
+        self.status = 0
+        self.head_headers: list = []
+        self.pending = b""  # the response head, not written yet
+        self.framing = ""  # "sized", "chunked", "close", "none"
+        self.out_left = 0
+        self.done = False
+        self.close_after = False
+
+    # --- the connection ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        started = trio.current_time()
+        while True:
+            head = await self._read_head(started if self.requests == 0 else None)
+            if head is None:
+                break
+            self.requests += 1
+            if not await self._serve(head):
+                break
+        if not self.eof and (self.linger or self.buf or not self.body_ended):
+            await self._linger()
+
+    async def _wait(self, deadline: float) -> bytes | None:
+        """The next bytes (b"" at the end), or None past `deadline`."""
+        sock = self.sock
+        with trio.CancelScope(deadline=deadline):
+            while True:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(MAX_RECV)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self.eof = True
+                return data
+        return None
+
+    async def _read_head(self, started: float | None) -> Head | None:
+        sh = self.shared
+        limits = sh.limits
+        deadline = (started + limits.header_read_seconds if started is not None
+                    else trio.current_time() + limits.header_read_seconds if self.buf else None)
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(self.buf) > sh.max_head:
+                await self._refuse_raw(431, "request head too large")
+                return None
+            if sh.terminating and not self.buf:
+                return None
+            if deadline is None:  # kept alive, idle: its bound; the first byte starts the head's
+                data = await self._wait(trio.current_time() + sh.keep_alive)
+                if data:
+                    deadline = trio.current_time() + limits.header_read_seconds
+            else:
+                data = await self._wait(deadline)
+                if data is None and self.buf:
+                    await self._refuse_raw(408, "request head not received in time")
+            if not data:
+                return None
+            self.buf += data
+        if end > sh.max_head:
+            await self._refuse_raw(431, "request head too large")
+            return None
+        raw, self.buf = self.buf[:end], self.buf[end + 4:]
+        try:
+            return parse_head(raw)
+        except BadRequest as e:
+            path = raw.split(b" ", 2)[1] if raw.count(b" ") >= 2 else b"/"
+            await self._refuse_raw(e.status, e.message, path.decode("latin-1"))
+            return None
+
+    async def _refuse_raw(self, status: int, message: str, path: str = "/v1/") -> None:
+        self.linger = True
+        code = "request_timeout" if status == 408 else "invalid_request"
+        body = error_json(path, status, code, message)
+        data = (_STATUS.get(status) or _status_line(status)) + _date_header() + (
+            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % len(body)) + body
+        with trio.move_on_after(_WRITE_408_SECONDS):
+            await self._write(data)
+
+    async def _serve(self, head: Head) -> bool:
+        """One request; whether the connection may serve another."""
+        sh = self.shared
+        self._reset(head)
+        self.body_deadline = trio.current_time() + sh.limits.body_read_seconds
+        target = head.target
+        path, _, query = target.partition(b"?")
+        scope = {
+            "type": "http", "asgi": _ASGI, "http_version": head.version, "method": head.method,
+            "scheme": "http",
+            "path": unquote(path.decode("ascii")) if b"%" in path else path.decode("ascii"),
+            "raw_path": path, "query_string": query, "root_path": "", "headers": head.headers,
+            "client": self.client, "server": self.server, "state": {DIRECT_KEY: self},
+            "extensions": {},
+        }
+        self.guard.in_request = True
+        try:
+            await sh.app(scope, self.receive, self.send)
+        except Refusal as e:
+            await self._refuse(scope["path"], e)
+        except Exception:
+            log.exception("error in the app serving %s %s", head.method, scope["path"])
+        finally:
+            self.guard.in_request = False
+            sh.budget.give(self.held)
+            if self.held >= TRIM_AFTER_BYTES and sh.budget.held == 0:
+                _trim()
+            self._stop_waiting()
+        if self.bad is not None:
+            if not self.started:
+                await self._refuse_raw(self.bad.status, self.bad.message, scope["path"])
+            return False
+        if not self.started:  # the app returned without an answer: hypercorn's 500
+            self.started, self.status = True, 500
+            self.head_headers = [(b"connection", b"close")]
+            await self.send({"type": "http.response.body", "body": b""})
+        elif not self.done:
+            return False  # an answer cut short: only a close tells the client
+        if self.close_after or self.broken or self.eof:
+            return False
+        return self._skip_unread_body()
+
+    def _skip_unread_body(self) -> bool:
+        """Drop a body the app did not read if it is already here whole; else False."""
+        if self.body_ended:
+            return True
+        if self.chunks is not None:
+            try:
+                _, used = self.chunks.feed(self.buf)
+            except BadRequest:
+                return False
+            if not self.chunks.done:
+                return False
+            self.buf = self.buf[used:]
+            return True
+        if len(self.buf) < self.body_left:
+            return False
+        self.buf = self.buf[self.body_left:]
+        return True
+
+    async def _refuse(self, path: str, e: Refusal) -> None:
+        if isinstance(e, Busy):
+            b = self.shared.budget
+            log.warning("refusing a request body: %d bytes of bodies held, the bound is %d",
+                        b.held, b.limit)
+            message = "the server holds too many request bodies now; retry shortly"
+            extra = [(b"retry-after", str(BUSY_RETRY_AFTER).encode())]
+        elif isinstance(e, RequestTimeout):
+            message = (f"request body not received within "
+                       f"{self.shared.limits.body_read_seconds:g} s")
+            extra = []
+        else:
+            message, extra = str(e) or e.code, []
+        self.close_after = self.linger = True
+        if self.started:
+            return
+        body = error_json(path, e.status, e.code, message)
+        await self.send({"type": "http.response.start", "status": e.status,
+                         "headers": [(b"content-type", b"application/json"),
+                                     (b"connection", b"close"), *extra]})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def _linger(self) -> None:
+        """Close gently: our side first, then drop what the client still sends (bounded),
+        so the last answer reaches it rather than a reset."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        dropped = 0
+        with trio.move_on_after(LINGER_SECONDS):
+            while dropped < LINGER_BYTES:
+                data = await self._wait(float("inf"))
+                if not data:
+                    return
+                dropped += len(data)
+
+    # --- the app's receive ---------------------------------------------------------------
+
+    async def receive(self) -> dict:
+        if self.bad is not None or self.broken:
+            return _DISCONNECT
+        if not self.body_ended:
+            return await self._body()
+        if not self.end_given:
+            self.end_given = True
+            return _EMPTY_END
+        return await self._wait_disconnect()
+
+    async def _body(self) -> dict:
+        if self.head is not None and self.head.expect_continue and not self.continued:
+            self.continued = True
+            if not self.started and not self.buf:
+                await self._write(_CONTINUE)
+        while True:
+            if self.chunks is not None:
+                try:
+                    data, used = self.chunks.feed(self.buf)
+                except BadRequest as e:
+                    self.bad = e
+                    self.linger = True
+                    return _DISCONNECT
+                self.buf = self.buf[used:]
+                if data or self.chunks.done:
+                    self.body_ended = self.chunks.done
+                    return self._deliver(data)
+            elif self.buf:
+                data = self.buf[:self.body_left]
+                self.buf = self.buf[len(data):]
+                self.body_left -= len(data)
+                self.body_ended = self.body_left == 0
+                return self._deliver(data)
+            got = await self._read_body()
+            if not got:
+                return _DISCONNECT  # the client left (eof set)
+            if self.chunks is None and len(got) <= self.body_left:
+                self.body_left -= len(got)
+                self.body_ended = self.body_left == 0
+                return self._deliver(got)
+            self.buf += got
+
+    async def _read_body(self) -> bytes:
+        self.reads += 1
+        if self.reads == 1:  # the body most often followed its head: no wait for it
+            try:
+                return self.sock.recv(MAX_RECV) or self._eof()
+            except BlockingIOError:
+                pass
+            except OSError:
+                return self._eof()
+        data = await self._wait(self.body_deadline)
+        if data is None:
+            raise RequestTimeout()
+        return data
+
+    def _eof(self) -> bytes:
+        self.eof = True
+        return b""
+
+    def _deliver(self, data: bytes) -> dict:
+        n = len(data)
+        if n:
+            if not self.shared.budget.take(n):
+                raise Busy()
+            self.held += n
+        if self.body_ended:
+            self.end_given = True
+        return {"type": "http.request", "body": data, "more_body": not self.body_ended}
+
+    async def _wait_disconnect(self) -> dict:
+        """The body is read: wait for the client to go or the response to end."""
+        if self.done or self.eof:
+            return _DISCONNECT
+        sock = self.sock
+        with trio.CancelScope() as cs:
+            self._waiter = cs
+            while True:
+                if len(self.buf) >= MAX_PIPELINED:
+                    await trio.sleep_forever()  # read no further until the answer is out
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(MAX_RECV)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self.eof = True
+                    break
+                self.buf += data
+        self._waiter = None
+        return _DISCONNECT
+
+    def _stop_waiting(self) -> None:
+        if self._waiter is not None:
+            self._waiter.cancel()
+
+    # --- the app's send ------------------------------------------------------------------
+
+    async def send(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "http.response.body":
+            if not self.started:
+                raise RuntimeError("http.response.body before http.response.start")
+            if self.done:
+                return
+            more = msg.get("more_body", False)
+            body = msg.get("body", b"")
+            if not self.framing:
+                self._frame(body, more)
+            await self._body_out(body, more)
+        elif kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("the response has already started")
+            self.started = True
+            self.status = int(msg["status"])
+            self.head_headers = msg.get("headers") or []
+        # other messages (trailers, push, early hints) mean nothing on HTTP/1.1 here
+
+    def _frame(self, body: bytes, more: bool) -> None:
+        """Decides the body's framing and builds the head (in `pending`)."""
+        head = self.head
+        assert head is not None
+        status = self.status
+        lines = [_STATUS.get(status) or _status_line(status), _date_header()]
+        sized = -1
+        close = not head.keep_alive or self.shared.terminating or (
+            self.requests >= self.shared.max_requests)
+        for k, v in self.head_headers:
+            k = k.lower()
+            if b"\n" in v or b"\r" in v or b"\n" in k or b"\r" in k or b":" in k:
+                raise RuntimeError(f"invalid response header {k!r}")
+            if k == b"content-length":
+                sized = int(v)
+            elif k == b"connection":
+                if b"close" in v.lower():
+                    close = True
+                continue  # ours below
+            elif k == b"transfer-encoding":
+                continue  # the framing is ours to choose
+            lines.append(k + b": " + v + b"\r\n")
+        if head.method == "HEAD" or status in _NO_BODY_STATUS or status < 200:
+            self.framing = "none"
+            if sized >= 0:
+                lines.append(b"content-length: %d\r\n" % sized)
+            elif not more and body and status >= 200 and status not in _NO_BODY_STATUS:
+                lines.append(b"content-length: %d\r\n" % len(body))
+        elif sized >= 0:
+            self.framing, self.out_left = "sized", sized
+            lines.append(b"content-length: %d\r\n" % sized)
+        elif not more:
+            self.framing, self.out_left = "sized", len(body)
+            lines.append(b"content-length: %d\r\n" % len(body))
+        elif head.version == "1.1":
+            self.framing = "chunked"
+            lines.append(b"transfer-encoding: chunked\r\n")
+        else:
+            self.framing, close = "close", True
+        if close:
+            lines.append(b"connection: close\r\n")
+            self.close_after = True
+        lines.append(b"\r\n")
+        self.pending = b"".join(lines)
+
+    def _take_head(self) -> bytes:
+        head, self.pending = self.pending, b""
+        return head
+
+    async def _body_out(self, body: bytes, more: bool) -> None:
+        framing = self.framing
+        if framing == "chunked":
+            if body:
+                data = b"%x\r\n%b\r\n" % (len(body), body)
+                if not more:
+                    data += b"0\r\n\r\n"
+            else:
+                data = b"" if more else b"0\r\n\r\n"
+        elif framing == "none":
+            data = b""
+        else:
+            data = body
+            if framing == "sized":
+                if len(body) > self.out_left:
+                    data = body[:self.out_left]
+                    self.close_after = True  # the app wrote more than it said: cut
+                self.out_left -= len(data)
+                if not more and self.out_left:
+                    self.close_after = True  # ... or less
+        if not more:
+            self.done = True
+        if self.pending:
+            data = self._take_head() + data
+        if data:
+            await self._write(data)
+        if not more:
+            self._stop_waiting()
+
+    def chunked_socket(self) -> ChunkedSocket | None:
+        """For DirectBody (appliance/http/fastio.py): the socket, if this response's body is
+        chunked on it. Decides the framing now (chunked) unless a body went out already."""
+        if not self.started or self.done or self.broken:
+            return None
+        if not self.framing:
+            self._frame(b"", True)
+        if self.framing != "chunked":
+            return None
+        return ChunkedSocket(self.lock, self.sock, self._take_head)
+
+    async def _write(self, data: bytes) -> None:
+        if self.broken:
+            return
+        sock = self.sock
+        lock = self.lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            view = memoryview(data)
+            while view:
+                try:
+                    n = sock.send(view)
+                except BlockingIOError:
+                    with trio.CancelScope(shield=True):
+                        await trio.lowlevel.wait_writable(sock)
+                    continue
+                view = view[n:]
+        except OSError:
+            self.broken = True
+            self._stop_waiting()  # receive() says http.disconnect now
+        finally:
+            lock.release()
