@@ -341,11 +341,12 @@ class _Shed:
 
 
 async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
-                        shutdown_trigger: Callable[[], Awaitable[Any]],
+                        shutdown_trigger: Callable[[], Awaitable[Any]], lean: bool = True,
                         task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Like `hypercorn.trio.serve` (no lifespan), with the limits above; returns after the
     drain (`cfg.graceful_timeout`) once `shutdown_trigger` returned. Binding errors
-    (OSError, ssl.SSLError) propagate before `started`."""
+    (OSError, ssl.SSLError) propagate before `started`. Plain connections are served by
+    appliance/http/h1.py (`lean=False`: by hypercorn, as TLS ones are; bench/floor_app.py)."""
     sockets = cfg.create_sockets()
     ssl_context = cfg.create_ssl_context()
     listeners: list = []
@@ -365,7 +366,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
     context = WorkerContext(None)
     budget = Budget(limits.max_buffered_bytes)
     wrapped = ASGIWrapper(guard_app(app, limits, budget))
-    lean = h1.Shared(app, limits, budget, keep_alive=cfg.keep_alive_timeout,
+    shared = h1.Shared(app, limits, budget, keep_alive=cfg.keep_alive_timeout,
                      max_head=cfg.h11_max_incomplete_size,
                      max_requests=cfg.keep_alive_max_requests)
     slots = trio.Semaphore(limits.max_connections)
@@ -378,11 +379,11 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         live[guard] = None
         try:
             with guard.cancel:
-                sock = plain_socket(stream)
+                sock = plain_socket(stream) if lean else None
                 if sock is not None:  # plain HTTP/1.1: the lean server (appliance/http/h1.py)
                     guard.lean = True
                     async with stream:
-                        await h1.Conn(sock, lean, guard).run()
+                        await h1.Conn(sock, shared, guard).run()
                     return
                 # closed whatever TCPServer did (a failed handshake returns early)
                 async with stream:
@@ -428,7 +429,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
             await context.terminated.set()
-            lean.terminating = True  # lean connections: idle ones close now, busy ones after
+            shared.terminating = True  # lean connections: idle ones close now, busy ones after
             for g in list(live):
                 if g.lean and not g.in_request:
                     g.cancel.cancel()

@@ -193,24 +193,15 @@ def main() -> None:
                                  cpu["hub"] / n, cpu["node"] / n, cpu["engine"] / n,
                                  (cpu["hub"] / chunks if chunks else None), (cpu["node"] / chunks
                                                                              if chunks else None)))
-        # The floor: hypercorn itself, answering two bytes (bench/floor_app.py).
-        floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                               "floor_app.py")],
-                                 stderr=subprocess.PIPE)
-        try:
-            floor_url = floor.stderr.readline().decode().split()[-1]
-            trio.run(run_load, floor_url + "/v1/chat/completions", short, 100, 1, False)
-            before = cpu_seconds(floor.pid)
-            lat, _wall, _ = trio.run(run_load, floor_url + "/v1/chat/completions", short,
-                                     args.requests, 1, False)
-            floor_cpu = (cpu_seconds(floor.pid) - before) / args.requests
-        finally:
-            floor.kill()
+        # The floors: an app answering two bytes behind our listener, served by the lean
+        # server (plain TCP) and by hypercorn (TLS) (bench/floor_app.py).
+        floors = {server: floor_run(server, short, args.requests)
+                  for server in ("hypercorn", "lean server")}
         translated = translated_rows(hub.url, hub.pid, args)
-        print(
-            "\nhypercorn floor (an ASGI app answering 2 bytes), concurrency 1: "
-            f"{floor_cpu * 1e3:.3f} ms CPU per request,"
-              f" p50 {statistics.median(lat) * 1e3:.2f} ms")
+        print()
+        for server, (floor_cpu, floor_p50) in floors.items():
+            print(f"{server} floor (an ASGI app answering 2 bytes), concurrency 1: "
+                  f"{floor_cpu * 1e3:.3f} ms CPU per request, p50 {floor_p50 * 1e3:.2f} ms")
         if args.ui_polling:
             print(
                 f"page polling on: {polls[0]} page requests to the hub during the run; one poll "
@@ -246,6 +237,22 @@ def main() -> None:
     finally:
         stop_polling.set()
         procs.close()
+
+
+def floor_run(server: str, body: dict, n: int) -> tuple[float, float]:
+    """(CPU seconds per request, p50) of bench/floor_app.py served by `server`."""
+    floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                           "floor_app.py"), server.split()[0]],
+                             stderr=subprocess.PIPE)
+    try:
+        url = floor.stderr.readline().decode().split()[-1]  # type: ignore[union-attr]
+        trio.run(run_load, url + "/v1/chat/completions", body, 100, 1, False)
+        before = cpu_seconds(floor.pid)
+        lat, _wall, _ = trio.run(run_load, url + "/v1/chat/completions", body, n, 1, False)
+        return (cpu_seconds(floor.pid) - before) / n, statistics.median(lat)
+    finally:
+        floor.kill()
+        floor.wait()
 
 
 def translated_rows(hub_url: str, hub_pid: int, args) -> list[tuple]:

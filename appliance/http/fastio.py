@@ -28,9 +28,10 @@ The listener (appliance/listener.py) puts the connection's TCPServer in the requ
 `state` under DIRECT_KEY -- or, on a plain connection, the lean server's `Conn`
 (appliance/http/h1.py), which says it explicitly: `chunked_socket()` returns a
 `ChunkedSocket` (send lock, socket, and the response head it has not written yet, sent
-with the first chunk) when the body is chunked on a plain socket. `DirectBody.open` returns None -- use ASGI as before -- for
-anything else: HTTP/2, HTTP/1.0, a sized (content-length) response, TLS (the write goes
-through the TLS stream then, still skipping the ASGI layers), no server in state. A
+with the first chunk) when the body is chunked on a plain socket. `DirectBody.open`
+returns None -- use ASGI as before -- for anything else: HTTP/2, HTTP/1.0, a sized
+(content-length) response, TLS (the write goes through the TLS stream then, still
+skipping the ASGI layers), no server in state. A
 client gone mid-write makes `write` return False: the caller sends that chunk, and the
 rest, through ASGI, where hypercorn meets the closed connection and tells the app
 (`http.disconnect`) exactly as before.
@@ -84,6 +85,9 @@ class DirectBody:
     __slots__ = ("_lock", "_stream", "_sock", "_head", "broken")
 
     def __init__(self, server: Any) -> None:
+        self._sock: socket.socket | None
+        self._head: Callable[[], bytes] | None
+        self._stream: Any
         if isinstance(server, ChunkedSocket):
             self._lock, self._sock, self._head = server.lock, server.sock, server.head
             self._stream = None

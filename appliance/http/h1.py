@@ -47,8 +47,17 @@ import trio
 
 from appliance.http.fastio import DIRECT_KEY, ChunkedSocket
 from appliance.http.h1parse import BadRequest, Chunks, Head, parse_head
-from appliance.listener import (BUSY_RETRY_AFTER, TRIM_AFTER_BYTES, Budget, Busy, Limits, Refusal,
-                                RequestTimeout, _trim, error_json)
+from appliance.listener import (
+    BUSY_RETRY_AFTER,
+    TRIM_AFTER_BYTES,
+    Budget,
+    Busy,
+    Limits,
+    Refusal,
+    RequestTimeout,
+    _trim,
+    error_json,
+)
 
 log = logging.getLogger("appliance.listener")
 
@@ -76,21 +85,25 @@ def _status_line(code: int) -> bytes:
 
 
 _STATUS = {s.value: _status_line(s.value) for s in HTTPStatus}
-_date = [0, b""]
+_date_second = 0
+_date_line = b""
 
 
 def _date_header() -> bytes:
+    """The `date` header line, made once a second."""
+    global _date_second, _date_line
     now = int(time.time())
-    if now != _date[0]:
-        _date[0], _date[1] = now, b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-    return _date[1]
+    if now != _date_second:
+        _date_second = now
+        _date_line = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+    return _date_line
 
 
 class Shared:
     """What a listener's lean connections share: its rules, its budget, its drain."""
 
-    def __init__(self, app: Callable, limits: Limits, budget: Budget, *, keep_alive: float,
-                 max_head: int, max_requests: int) -> None:
+    def __init__(self, app: Callable[..., Any], limits: Limits, budget: Budget, *,
+                 keep_alive: float, max_head: int, max_requests: int) -> None:
         self.app = app
         self.limits = limits
         self.budget = budget
@@ -136,7 +149,7 @@ class Conn:
         self.continued = False
         self.started = False
         self.status = 0
-        self.head_headers: list = []
+        self.head_headers: list[tuple[bytes, bytes]] = []
         self.pending = b""  # the response head, not written yet
         self.framing = ""  # "sized", "chunked", "close", "none"
         self.out_left = 0
@@ -227,7 +240,7 @@ class Conn:
         self.body_deadline = trio.current_time() + sh.limits.body_read_seconds
         target = head.target
         path, _, query = target.partition(b"?")
-        scope = {
+        scope: dict[str, Any] = {
             "type": "http", "asgi": _ASGI, "http_version": head.version, "method": head.method,
             "scheme": "http",
             "path": unquote(path.decode("ascii")) if b"%" in path else path.decode("ascii"),
@@ -319,7 +332,7 @@ class Conn:
 
     # --- the app's receive ---------------------------------------------------------------
 
-    async def receive(self) -> dict:
+    async def receive(self) -> dict[str, Any]:
         if self.bad is not None or self.broken:
             return _DISCONNECT
         if not self.body_ended:
@@ -329,7 +342,7 @@ class Conn:
             return _EMPTY_END
         return await self._wait_disconnect()
 
-    async def _body(self) -> dict:
+    async def _body(self) -> dict[str, Any]:
         if self.head is not None and self.head.expect_continue and not self.continued:
             self.continued = True
             if not self.started and not self.buf:
@@ -379,7 +392,7 @@ class Conn:
         self.eof = True
         return b""
 
-    def _deliver(self, data: bytes) -> dict:
+    def _deliver(self, data: bytes) -> dict[str, Any]:
         n = len(data)
         if n:
             if not self.shared.budget.take(n):
@@ -389,7 +402,7 @@ class Conn:
             self.end_given = True
         return {"type": "http.request", "body": data, "more_body": not self.body_ended}
 
-    async def _wait_disconnect(self) -> dict:
+    async def _wait_disconnect(self) -> dict[str, Any]:
         """The body is read: wait for the client to go or the response to end."""
         if self.done or self.eof:
             return _DISCONNECT
@@ -419,7 +432,7 @@ class Conn:
 
     # --- the app's send ------------------------------------------------------------------
 
-    async def send(self, msg: dict) -> None:
+    async def send(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if kind == "http.response.body":
             if not self.started:
@@ -454,6 +467,7 @@ class Conn:
                 raise RuntimeError(f"invalid response header {k!r}")
             if k == b"content-length":
                 sized = int(v)
+                continue  # written below
             elif k == b"connection":
                 if b"close" in v.lower():
                     close = True
