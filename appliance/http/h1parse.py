@@ -14,7 +14,7 @@ less than h11 does, never more (tests/test_h1parse.py checks that against h11):
 - At most `max_headers` fields (431); the caller bounds the head's size (431).
 - Content-Length: digits only, one field only; Transfer-Encoding: `chunked` only (501
   for anything else), one field, not on HTTP/1.0; both together: 400 (RFC 9112 6.1).
-- HTTP/1.1 needs exactly one Host.
+- One Host at most; HTTP/1.1 needs exactly one.
 
 `Chunks` decodes a chunked body incrementally with the same strictness: sizes are at most
 16 hex digits, extensions are skipped (bounded lines), CRLF must follow each chunk's
@@ -118,8 +118,8 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
                               "Content-Length (RFC 9112 section 6.1)")
     if te and version == "1.0":
         raise BadRequest(400, "Transfer-Encoding on an HTTP/1.0 request")
-    if version == "1.1" and hosts != 1:
-        raise BadRequest(400, "an HTTP/1.1 request needs exactly one Host header")
+    if hosts > 1 or (version == "1.1" and hosts == 0):
+        raise BadRequest(400, "a request has one Host header (HTTP/1.1: exactly one)")
     return Head(method.decode("ascii"), target, version, headers, max(length, 0), chunked,
                 keep_alive, expect and version == "1.1")
 

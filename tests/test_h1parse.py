@@ -1,0 +1,156 @@
+"""The lean server's parser (appliance/http/h1parse.py) against h11 as the oracle: it never
+accepts what h11 refuses, reads what it accepts the same way, and raises nothing but
+BadRequest. Hypothesis builds heads from parts (duplicates, odd white space, obs-fold,
+framing headers) and mutates bytes; chunked bodies are split and fed in random pieces."""
+
+from __future__ import annotations
+
+import h11
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from appliance.http.h1parse import BadRequest, Chunks, parse_head
+
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Mostly valid parts, so that both acceptance and refusal are exercised.
+names = st.sampled_from([b"Content-Length", b"Transfer-Encoding", b"Connection", b"Expect",
+                         b"X-A", b"x-b", b"Accept", b"Host", b"Bad Name", b"", b"X\x00",
+                         b"\tX-Fold"])
+values = st.one_of(
+    st.sampled_from([b"x", b"chunked", b"Chunked", b"gzip, chunked", b"5", b"05", b"-1", b"1 1",
+                     b"close", b"keep-alive, close", b"100-continue", b"", b"  v  ", b"\xff",
+                     b"a\rb", b"a\nb", b"a\x00b", b"99999999999999999999", b"a b\tc"]),
+    st.binary(max_size=12))
+seps = st.sampled_from([b": ", b": ", b":", b":\t", b" : "])
+plain = st.tuples(st.sampled_from([b"X-A", b"x-b", b"Accept", b"User-Agent"]), seps,
+                  st.sampled_from([b"x", b"a b\tc", b"", b"  v  ", b"\xff"]))
+header_lists = st.lists(st.one_of(plain, plain, st.tuples(names, seps, values)), max_size=5)
+request_lines = st.one_of(
+    st.tuples(st.sampled_from([b"GET", b"POST", b"HEAD", b"get", b"M-SEARCH"]),
+              st.sampled_from([b"/", b"/a?b=c", b"*", b"/%20", b"http://h/x", b"/~!$&'()*+,;="]),
+              st.sampled_from([b"HTTP/1.1", b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0"]))
+    .map(lambda t: b" ".join(t)),
+    st.tuples(st.sampled_from([b"GET", b"G T", b"", b"GET\t"]),
+              st.sampled_from([b"/", b"", b"/\x7f", b"/ /", b"/\x80"]),
+              st.sampled_from([b"HTTP/1.1", b"HTTP/1.10", b"http/1.1", b"HTTP/1", b"HTTP/1.1 "]))
+    .map(lambda t: b" ".join(t)),
+    st.binary(max_size=30))
+
+
+def h11_head(head: bytes):
+    """h11's reading of the same head: (method, target, version, headers), or None."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(head + b"\r\n\r\n")
+    try:
+        ev = conn.next_event()
+    except h11.RemoteProtocolError:
+        return None
+    if not isinstance(ev, h11.Request):
+        return None
+    return (ev.method.decode(), ev.target, ev.http_version.decode(),
+            [(k, v) for k, v in ev.headers])
+
+
+def check(head: bytes) -> None:
+    try:
+        ours = parse_head(head)
+    except BadRequest as e:
+        assert e.status in (400, 431, 501, 505)
+        return
+    theirs = h11_head(head)
+    assert theirs is not None, head  # never accept what h11 refuses
+    assert (ours.method, ours.target, ours.version, ours.headers) == theirs
+    if ours.chunked:
+        assert b"chunked" in dict(ours.headers)[b"transfer-encoding"].lower()
+
+
+@FAST
+@given(request_lines, st.sampled_from([b"Host: hub", b"", b"Host: a\r\nHost: b"]), header_lists)
+def test_heads_built_from_parts_are_read_as_h11_reads_them_or_refused(line, host, headers):
+    fields = ([(b"", b"", host)] if host else []) + headers
+    head = line + b"".join(b"\r\n" + n + sep + v for n, sep, v in fields)
+    check(head)
+
+
+@FAST
+@given(st.data())
+def test_mutated_heads_are_read_as_h11_reads_them_or_refused(data):
+    head = bytearray(b"POST /v1/chat?x=1 HTTP/1.1\r\nHost: hub\r\nContent-Length: 12\r\n"
+                     b"Connection: keep-alive\r\nX-Trace: a b c")
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(head) - 1))
+        op = data.draw(st.sampled_from(["set", "insert", "delete"]))
+        byte = data.draw(st.sampled_from([0, 9, 10, 13, 32, 44, 58, 127, 128, 255])
+                         | st.integers(0, 255))
+        if op == "set":
+            head[i] = byte
+        elif op == "insert":
+            head.insert(i, byte)
+        else:
+            del head[i]
+    check(bytes(head))
+
+
+def test_framing_and_connection_fields():
+    h = parse_head(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 007\r\nExpect: 100-Continue")
+    assert (h.length, h.chunked, h.keep_alive, h.expect_continue) == (7, False, True, True)
+    h = parse_head(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n"
+                   b"Connection: Keep-Alive, Close")
+    assert (h.chunked, h.keep_alive) == (True, False)
+    h = parse_head(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\nExpect: 100-continue")
+    assert (h.version, h.keep_alive, h.expect_continue) == ("1.0", False, False)
+    for bad, status in ((b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+                         b"Transfer-Encoding: chunked", 400),
+                        (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1",
+                         400),
+                        (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                         b"Transfer-Encoding: chunked", 400),
+                        (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity", 501),
+                        (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y", 400),
+                        (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"A: b\r\n" * 200 + b"A: b", 431)):
+        with pytest.raises(BadRequest) as e:
+            parse_head(bad)
+        assert e.value.status == status
+
+
+def encode_chunked(body: bytes, sizes: list[int], ext: bool) -> bytes:
+    out, i = [], 0
+    for n in sizes:
+        part = body[i:i + n]
+        if not part:
+            break
+        i += len(part)
+        out.append(b"%x%s\r\n%s\r\n" % (len(part), b";a=b" if ext else b"", part))
+    if i < len(body):
+        out.append(b"%X\r\n%s\r\n" % (len(body) - i, body[i:]))
+    return b"".join(out) + b"0\r\nX-Trailer: t\r\n\r\n"
+
+
+@FAST
+@given(st.binary(max_size=3000), st.lists(st.integers(1, 700), max_size=8), st.booleans(),
+       st.lists(st.integers(1, 400), min_size=1, max_size=30), st.binary(max_size=20))
+def test_chunked_bodies_read_whole_whatever_pieces_they_come_in(body, sizes, ext, cuts, after):
+    wire = encode_chunked(body, sizes, ext)
+    c, got, buf, pos = Chunks(), b"", b"", 0
+    for n in cuts * (len(wire) // sum(cuts) + 2):
+        buf += wire[pos:pos + n] + (after if pos + n >= len(wire) else b"")
+        pos += n
+        data, used = c.feed(buf)
+        got += data
+        buf = buf[used:]
+        if c.done:
+            break
+    assert c.done and got == body and buf.startswith(after[:len(buf)])
+
+
+@FAST
+@given(st.binary(max_size=200))
+def test_garbage_chunked_bodies_raise_only_bad_request_and_never_invent_data(wire):
+    c = Chunks()
+    try:
+        data, used = c.feed(wire)
+    except BadRequest:
+        return
+    assert len(data) <= used <= len(wire)
