@@ -1,13 +1,16 @@
 """Every listener's defences against clients that are slow, greedy or ambiguous.
 
-Theory of operation: hypercorn parses HTTP/1.1 (h11) and runs the app; it does not bound
-how long a request head or body may take to arrive (its `read_timeout` is per read, so
-one byte a second passes), how many connections are open, or how many body bytes are
-held at once, and h11 frames a request that carries both `Transfer-Encoding` and
-`Content-Length` by the former and keeps the connection. This module owns the accept
-loop (`serve_guarded`, which replaces `hypercorn.trio.serve`) and wraps each
-connection and each request, so the hub API, the node API and both metrics listeners
-get the same rules:
+Theory of operation: this module owns the accept loop (`serve_guarded`, which replaces
+`hypercorn.trio.serve`). A plain-TCP connection is served by our lean HTTP/1.1 server
+(appliance/http/h1.py: a task per connection, the app called in it, about a fifth of
+hypercorn's CPU per request), which keeps every rule below natively. A TLS connection is
+served by hypercorn (ALPN, HTTP/2), which parses HTTP/1.1 (h11) and runs the app but does
+not bound how long a request head or body may take to arrive (its `read_timeout` is per
+read, so one byte a second passes), how many connections are open, or how many body
+bytes are held at once, and h11 frames a request that carries both `Transfer-Encoding`
+and `Content-Length` by the former and keeps the connection: for those this module wraps
+each connection and each request (`_GuardedStream`, `guard_app`), so the hub API, the
+node API and both metrics listeners get the same rules on either path:
 
 - A connection the client closed is let go at once (appliance/hyperfix.py), and the
   close hypercorn starts from the read side waits for an answer being written.

@@ -271,7 +271,7 @@ class Conn:
             await self.send({"type": "http.response.body", "body": b""})
         elif not self.done:
             return False  # an answer cut short: only a close tells the client
-        if self.close_after or self.broken or self.eof:
+        if self.close_after or self.broken or self.eof or sh.terminating:
             return False
         return self._skip_unread_body()
 
