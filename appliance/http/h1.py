@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Callable
-from email.utils import formatdate
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
 import trio
 
 from appliance.http.fastio import DIRECT_KEY, ChunkedSocket
+from appliance.http.h1head import refusal, response_head
 from appliance.http.h1parse import BadRequest, Chunks, Head, parse_head
 from appliance.listener import (
     BUSY_RETRY_AFTER,
@@ -72,31 +70,7 @@ _WRITE_408_SECONDS = 1.0
 _ASGI = {"spec_version": "2.1", "version": "3.0"}
 _DISCONNECT = {"type": "http.disconnect"}
 _EMPTY_END = {"type": "http.request", "body": b"", "more_body": False}
-_NO_BODY_STATUS = frozenset({204, 304})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-def _status_line(code: int) -> bytes:
-    try:
-        phrase = HTTPStatus(code).phrase
-    except ValueError:
-        phrase = ""
-    return f"HTTP/1.1 {code} {phrase}\r\n".encode("latin-1")
-
-
-_STATUS = {s.value: _status_line(s.value) for s in HTTPStatus}
-_date_second = 0
-_date_line = b""
-
-
-def _date_header() -> bytes:
-    """The `date` header line, made once a second."""
-    global _date_second, _date_line
-    now = int(time.time())
-    if now != _date_second:
-        _date_second = now
-        _date_line = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-    return _date_line
 
 
 class Shared:
@@ -227,11 +201,10 @@ class Conn:
         self.linger = True
         code = "request_timeout" if status == 408 else "invalid_request"
         body = error_json(path, status, code, message)
-        data = (_STATUS.get(status) or _status_line(status)) + _date_header() + (
-            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % len(body)) + body
-        with trio.move_on_after(_WRITE_408_SECONDS):
-            await self._write(data)
+        with trio.move_on_after(_WRITE_408_SECONDS) as cs:
+            await self._write(refusal(status, body), shield=False)
+        if cs.cancelled_caught:  # a client that does not read: not worth more
+            self.broken = True
 
     async def _serve(self, head: Head) -> bool:
         """One request; whether the connection may serve another."""
@@ -456,47 +429,13 @@ class Conn:
         """Decides the body's framing and builds the head (in `pending`)."""
         head = self.head
         assert head is not None
-        status = self.status
-        lines = [_STATUS.get(status) or _status_line(status), _date_header()]
-        sized = -1
-        close = not head.keep_alive or self.shared.terminating or (
-            self.requests >= self.shared.max_requests)
-        for k, v in self.head_headers:
-            k = k.lower()
-            if b"\n" in v or b"\r" in v or b"\n" in k or b"\r" in k or b":" in k:
-                raise RuntimeError(f"invalid response header {k!r}")
-            if k == b"content-length":
-                sized = int(v)
-                continue  # written below
-            elif k == b"connection":
-                if b"close" in v.lower():
-                    close = True
-                continue  # ours below
-            elif k == b"transfer-encoding":
-                continue  # the framing is ours to choose
-            lines.append(k + b": " + v + b"\r\n")
-        if head.method == "HEAD" or status in _NO_BODY_STATUS or status < 200:
-            self.framing = "none"
-            if sized >= 0:
-                lines.append(b"content-length: %d\r\n" % sized)
-            elif not more and body and status >= 200 and status not in _NO_BODY_STATUS:
-                lines.append(b"content-length: %d\r\n" % len(body))
-        elif sized >= 0:
-            self.framing, self.out_left = "sized", sized
-            lines.append(b"content-length: %d\r\n" % sized)
-        elif not more:
-            self.framing, self.out_left = "sized", len(body)
-            lines.append(b"content-length: %d\r\n" % len(body))
-        elif head.version == "1.1":
-            self.framing = "chunked"
-            lines.append(b"transfer-encoding: chunked\r\n")
-        else:
-            self.framing, close = "close", True
-        if close:
-            lines.append(b"connection: close\r\n")
-            self.close_after = True
-        lines.append(b"\r\n")
-        self.pending = b"".join(lines)
+        sh = self.shared
+        f = response_head(self.status, self.head_headers, method=head.method,
+                          version=head.version, body=body, more=more,
+                          close=(not head.keep_alive or sh.terminating
+                                 or self.requests >= sh.max_requests))
+        self.pending, self.framing, self.out_left = f.head, f.framing, f.length
+        self.close_after = self.close_after or f.close
 
     def _take_head(self) -> bytes:
         head, self.pending = self.pending, b""
@@ -542,7 +481,9 @@ class Conn:
             return None
         return ChunkedSocket(self.lock, self.sock, self._take_head)
 
-    async def _write(self, data: bytes) -> None:
+    async def _write(self, data: bytes, shield: bool = True) -> None:
+        """All of `data`, waiting only while the socket's buffer is full -- shielded unless
+        told otherwise: a write cut half-way leaves the client's connection unknown."""
         if self.broken:
             return
         sock = self.sock
@@ -557,7 +498,7 @@ class Conn:
                 try:
                     n = sock.send(view)
                 except BlockingIOError:
-                    with trio.CancelScope(shield=True):
+                    with trio.CancelScope(shield=shield):
                         await trio.lowlevel.wait_writable(sock)
                     continue
                 view = view[n:]
