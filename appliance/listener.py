@@ -2,7 +2,7 @@
 
 Theory of operation: this module owns the accept loop (`serve_guarded`, which replaces
 `hypercorn.trio.serve`). A plain-TCP connection is served by our lean HTTP/1.1 server
-(appliance/http/h1.py: a task per connection, the app called in it, about a fifth of
+(appliance/h1server.py: a task per connection, the app called in it, about a fifth of
 hypercorn's CPU per request), which keeps every rule below natively. A TLS connection is
 served by hypercorn (ALPN, HTTP/2), which parses HTTP/1.1 (h11) and runs the app but does
 not bound how long a request head or body may take to arrive (its `read_timeout` is per
@@ -162,7 +162,7 @@ class _Guard:
         self.in_request = False
         self.scope: trio.CancelScope | None = None
         self.cancel = trio.CancelScope()  # the whole connection: shed at max_connections
-        self.lean = False  # served by appliance/http/h1.py
+        self.lean = False  # served by appliance/h1server.py
 
     def _set(self, deadline: float) -> None:
         self.deadline = deadline
@@ -349,7 +349,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
     """Like `hypercorn.trio.serve` (no lifespan), with the limits above; returns after the
     drain (`cfg.graceful_timeout`) once `shutdown_trigger` returned. Binding errors
     (OSError, ssl.SSLError) propagate before `started`. Plain connections are served by
-    appliance/http/h1.py (`lean=False`: by hypercorn, as TLS ones are; bench/floor_app.py)."""
+    appliance/h1server.py (`lean=False`: by hypercorn, as TLS ones are; bench/floor_app.py)."""
     sockets = cfg.create_sockets()
     ssl_context = cfg.create_ssl_context()
     listeners: list = []
@@ -364,14 +364,14 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         sock.listen(cfg.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-    from appliance.http import h1  # (it uses this module's rules)
+    from appliance import h1server  # (it uses this module's rules: imported here)
 
     context = WorkerContext(None)
     budget = Budget(limits.max_buffered_bytes)
     wrapped = ASGIWrapper(guard_app(app, limits, budget))
-    shared = h1.Shared(app, limits, budget, keep_alive=cfg.keep_alive_timeout,
-                     max_head=cfg.h11_max_incomplete_size,
-                     max_requests=cfg.keep_alive_max_requests)
+    shared = h1server.Shared(app, limits, budget, keep_alive=cfg.keep_alive_timeout,
+                             max_head=cfg.h11_max_incomplete_size,
+                             max_requests=cfg.keep_alive_max_requests)
     slots = trio.Semaphore(limits.max_connections)
 
     live: dict[_Guard, None] = {}  # open connections, oldest first
@@ -383,10 +383,10 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
         try:
             with guard.cancel:
                 sock = plain_socket(stream) if lean else None
-                if sock is not None:  # plain HTTP/1.1: the lean server (appliance/http/h1.py)
+                if sock is not None:  # plain HTTP/1.1: the lean server (appliance/h1server.py)
                     guard.lean = True
                     async with stream:
-                        await h1.Conn(sock, shared, guard).run()
+                        await h1server.Conn(sock, shared, guard).run()
                     return
                 # closed whatever TCPServer did (a failed handshake returns early)
                 async with stream:

@@ -1,6 +1,6 @@
 """The floor under the hub's CPU per request: an ASGI app that reads the body and answers
 two bytes, behind our listener (appliance/listener.py) -- served by the lean HTTP/1.1
-server (appliance/http/h1.py, what plain-TCP listeners use), or with `hypercorn` as the
+server (appliance/h1server.py, what plain-TCP listeners use), or with `hypercorn` as the
 first argument by hypercorn's trio worker (what TLS listeners use). bench/overhead.py runs
 both beside the real hub so the hub's own share (routing, proxying, audit, metrics) can
 be read off in one run."""

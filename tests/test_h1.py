@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 server under the plain-TCP listeners (appliance/http/h1.py), spoken to
+"""The lean HTTP/1.1 server under the plain-TCP listeners (appliance/h1server.py), spoken to
 over real loopback sockets: framing and refusals, keep-alive, pipelining, 100-continue,
 HEAD, HTTP/1.0, the disconnect reaching the app, deadlines, bounds and the drain."""
 

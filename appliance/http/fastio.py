@@ -26,7 +26,7 @@ the last of those only:
 
 The listener (appliance/listener.py) puts the connection's TCPServer in the request's
 `state` under DIRECT_KEY -- or, on a plain connection, the lean server's `Conn`
-(appliance/http/h1.py), which says it explicitly: `chunked_socket()` returns a
+(appliance/h1server.py), which says it explicitly: `chunked_socket()` returns a
 `ChunkedSocket` (send lock, socket, and the response head it has not written yet, sent
 with the first chunk) when the body is chunked on a plain socket. `DirectBody.open`
 returns None -- use ASGI as before -- for anything else: HTTP/2, HTTP/1.0, a sized
@@ -107,7 +107,7 @@ class DirectBody:
         server = (scope.get("state") or {}).get(DIRECT_KEY)
         if server is None:
             return None
-        lean = getattr(server, "chunked_socket", None)  # appliance/http/h1.py
+        lean = getattr(server, "chunked_socket", None)  # appliance/h1server.py
         if lean is not None:
             target = lean()
             return None if target is None else cls(target)

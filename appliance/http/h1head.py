@@ -1,4 +1,4 @@
-"""Response heads for the lean HTTP/1.1 server (appliance/http/h1.py): plain functions.
+"""Response heads for the lean HTTP/1.1 server (appliance/h1server.py): plain functions.
 
 Theory of operation: the server holds a response's head until its first body message,
 then `response_head` decides the framing and writes the head's bytes at once:

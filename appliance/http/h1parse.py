@@ -1,6 +1,6 @@
 """Strict HTTP/1.1 request heads and chunked bodies: plain functions over bytes.
 
-Theory of operation: appliance/http/h1.py reads bytes and asks this module what they
+Theory of operation: appliance/h1server.py reads bytes and asks this module what they
 say. A head is whatever precedes the first CRLF CRLF; `parse_head` either returns it as
 a `Head` (method, target, version, headers with lower-case names, the body's framing,
 keep-alive, Expect: 100-continue) or raises `BadRequest` with the status to answer --
