@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Container
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
@@ -93,12 +94,13 @@ def cors_origin(origins: list[str], scope: Scope) -> bytes | None:
     return origin.encode("latin-1") if origin in origins else None
 
 
-def with_request_id(app):
+def with_request_id(app, own: Container[str] = ()):
     """Every answer carries `x-request-id`: the router sets it on inference answers (it also
-    forwards and audits it); this fills it in on every other one."""
+    forwards and audits it); this fills it in on every other one. A POST to a path in `own`
+    (the inference routes) goes to `app` as it is: no wrapper per message on the hot path."""
 
     async def rid_app(scope: Scope, receive: Receive, send: Send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (scope["path"] in own and scope["method"] == "POST"):
             await app(scope, receive, send)
             return
         rid = None

@@ -110,7 +110,8 @@ def make_app(hub: Hub):
         await _error(send, path, 404, "not_found", f"no route {method} {path}")
 
     origins = [o.strip() for o in hub.cfg.hub.cors_origins.split(",") if o.strip()]
-    return apiroutes.with_cors(apiroutes.with_request_id(app), origins)
+    # Inference answers carry the id the router made (forwarded and audited too).
+    return apiroutes.with_cors(apiroutes.with_request_id(app, own=INFERENCE), origins)
 
 
 def _admin_ok(hub: Hub, scope: Scope) -> bool:

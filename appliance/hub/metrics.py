@@ -1,7 +1,7 @@
 """The hub's request and node series on its own CollectorRegistry.
 
-Theory of operation: request series are updated on the request path (a label lookup
-and an add); node series are derived from the registry at each scrape (`refresh`, a
+Theory of operation: request series are updated on the request path (a label lookup,
+remembered by `Children`, and an add); node series are derived from the registry at each scrape (`refresh`, a
 before-scrape hook), so they can never go stale and cost nothing between scrapes.
 Other parts (admission, control) register their own series on the same registry.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from appliance.children import Children
 
 # Buckets from 5 ms (a proxied short answer) to 5 min (a long generation).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -30,6 +32,11 @@ class HubMetrics:
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("appliance_in_flight", "Requests in flight by model.", ["model"],
                                registry=r)
+        # The request path's lookups (children.py): these series are never removed.
+        self.requests_of = Children(self.requests)
+        self.latency_of = Children(self.latency)
+        self.ttfb_of = Children(self.ttfb)
+        self.in_flight_of = Children(self.in_flight)
         self.node_up = Gauge("appliance_node_up", "1 while the node is connected and up.", ["node"],
                              registry=r)
         self.node_paused = Gauge("appliance_node_paused", "1 while the node's owner paused it.",

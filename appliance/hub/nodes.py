@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import trio
 
+from appliance.hub.flag import Flag
 from appliance.wire import NodeState
 
 log = logging.getLogger("appliance.hub.nodes")
@@ -49,7 +50,7 @@ class NodeHandle:
         self.dial_now = trio.Event()
         # Set when this connection of the node is declared lost; a fresh one per connection.
         # Requests on the node watch it: their streams end at once with `node_lost`.
-        self.lost = trio.Event()
+        self.lost = Flag()
         self.answered = False  # sent a NodeState at least once (the start-up grace waits for it)
         # Other hubs' requests on this node, as the node last counted them (HA only).
         self.others: dict[str, int] = {}
@@ -219,7 +220,7 @@ class Registry:
             count_other_hubs(h, state)
         h.state = state
         if not h.connected:
-            h.lost = trio.Event()
+            h.lost = Flag()
         h.connected = True
         h.lost_since = None
         h.answered = True

@@ -7,8 +7,10 @@ answers the client, so a node that fails before the first byte -- refused (503),
 was declared lost -- is reported back as `(False, why)` and the router may try another.
 Two events may end the copy before the node does: the node declared lost (its handle's
 `lost` event: a SIGSTOPped node would otherwise hold its streams for
-Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` watches both
-and cancels only the read in progress, never a write to the client. Before the first byte a
+Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` is tripped by
+both -- called from their setters when they are `Flag`s (hub/flag.py: no task per
+request), else watched by two tasks -- and cancels only the read in progress, never a
+write to the client. Before the first byte a
 lost node means "try another node" and a drain a 503 `shutting_down`; after it, the error
 event in the stream's own framing (`stream_error`) and a proper end of the response.
 The request's audit line and count are written (`Request.finish`) before its last byte.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -26,6 +29,7 @@ from appliance.http.errors import ApiError, Headers
 from appliance.http.fastio import DirectBody
 from appliance.http.stream import Cut, relay_chunks, stream_error
 from appliance.hub import translate
+from appliance.hub.flag import Flag
 from appliance.upstream import Pool, UpstreamError
 
 if TYPE_CHECKING:
@@ -47,10 +51,22 @@ def cut_before_answer(cut: Cut) -> tuple[bool, str]:
 
 
 async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
-                     read_seconds: float, drain_over: trio.Event) -> tuple[bool, str]:
+                     read_seconds: float, drain_over: trio.Event | Flag) -> tuple[bool, str]:
     """(True, "") once the response went out; (False, why) when it failed before the first
     byte -- including the node being declared lost while the request waited on it."""
     cut = Cut()
+    lost, drain = node.lost, drain_over
+    if isinstance(lost, Flag) and isinstance(drain, Flag):
+        # The hub's own nodes and drain: the cut is called when they are set (flag.py),
+        # no watcher tasks.
+        on_lost, on_drain = partial(cut.trip, "node_lost"), partial(cut.trip, "shutting_down")
+        lost.subscribe(on_lost)
+        drain.subscribe(on_drain)
+        try:
+            return await _relay(node, req, plan, upstream, read_seconds, cut)
+        finally:
+            lost.unsubscribe(on_lost)
+            drain.unsubscribe(on_drain)
     async with trio.open_nursery() as watchers:
         watchers.start_soon(cut.watch, node.lost, "node_lost")
         watchers.start_soon(cut.watch, drain_over, "shutting_down")

@@ -46,11 +46,11 @@ class Recorder:
             fields["priority"] = req.cls
         self.audit.request(**fields)
         m = self.metrics
-        m.requests.labels(req.client, req.label, str(req.status)).inc()
+        m.requests_of(req.client, req.label, str(req.status)).inc()
         if req.label and req.label != OTHER_LABEL:  # no histogram for names nobody serves
-            m.latency.labels(req.label).observe(elapsed)
+            m.latency_of(req.label).observe(elapsed)
             if req.ttfb is not None:
-                m.ttfb.labels(req.label).observe(req.ttfb)
+                m.ttfb_of(req.label).observe(req.ttfb)
 
 
 class Request:

@@ -191,7 +191,7 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
         return
     await hub.control.make_servable(model, keep)
     try:
-        in_flight = hub.metrics.in_flight.labels(model)
+        in_flight = hub.metrics.in_flight_of(model)
         async with hub.admission.place(model, req.cls, req.client, in_flight) as place:
             await _proxy(hub, req, place, model, prep, relay)
     finally:

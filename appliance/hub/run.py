@@ -33,6 +33,7 @@ from appliance.hub.admission import Admission
 from appliance.hub.app import make_app
 from appliance.hub.audit import AuditLog, check_path
 from appliance.hub.control import Control
+from appliance.hub.flag import Flag
 from appliance.hub.grace import StartupGrace
 from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
@@ -72,7 +73,7 @@ class Hub:
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
         # a `shutting_down` error event and a proper end, before the server cancels.
-        self.drain_over = trio.Event()
+        self.drain_over = Flag()  # hub/flag.py: streams are cut by it without a task each
         self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
         # The page's memory (history.py): 15 minutes of counters, the last request records.
         self.history = History()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from appliance.children import Children
+
 from appliance.node.state import NodeStateKeeper
 
 
@@ -23,6 +25,7 @@ class NodeMetrics:
         self.requests = Counter("appliance_node_requests",
                                 "Requests proxied to the engine, by model and status.",
                                 ["model", "status"], registry=r)
+        self._requests_of = Children(self.requests)  # never removed: remembered children
         self.in_flight = Gauge("appliance_node_in_flight",
                                "Requests in flight on this node, by model.",
                                ["model"], registry=r)
@@ -42,7 +45,7 @@ class NodeMetrics:
                               registry=r)
 
     def request(self, model: str, status: str) -> None:
-        self.requests.labels(model, status).inc()
+        self._requests_of(model, status).inc()
 
     def refresh(self) -> None:
         st = self.keeper.snapshot()
