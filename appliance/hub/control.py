@@ -2,7 +2,7 @@
 
 Theory of operation: `Control.run` is the control loop in the hub's nursery. Each pass
 (every `Hub__ControlIntervalSeconds`, and at once when the fleet changes, a model is asked
-for or a load ends) hands the node handles and the time to the synchronous core, which
+for or a load ends -- a request's end only while a model waits for room) hands the node handles and the time to the synchronous core, which
 answers with loads and unloads; the shell carries each out as its own task and reports the
 node's answer back. All node calls go through `NodeOps` (injectable: the unit tests use a
 fake, so they need no sockets), each with its bound at the call site: a load may take
@@ -139,7 +139,7 @@ class Control:
         self._last_now = 0.0
         # appliance.cluster.member.Member when Cluster__Etcd is set
         self.cluster: Member | None = None
-        registry.add_listener(self._wake_up)
+        registry.add_listener(self._wake_up, on_finish=self._finished)
         if metrics_registry is not None:
             from appliance.hub.fleet_metrics import ControlCollector
 
@@ -176,6 +176,12 @@ class Control:
 
     def _wake_up(self) -> None:
         self._wake.set()
+
+    def _finished(self) -> None:
+        """A request finished: a plan can change only for a placement waiting for room
+        (an idle victim); idle unloads count from the touch that follows."""
+        if self.core.waiting_for_room():
+            self._wake.set()
 
     def leading(self) -> bool:
         return self.cluster is None or self.cluster.leading

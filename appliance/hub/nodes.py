@@ -126,18 +126,27 @@ class Registry:
 
     def __init__(self) -> None:
         self.nodes: dict[str, NodeHandle] = {}
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[tuple[Callable[[], None], Callable[[], None]]] = []
         # Several hubs send to the same nodes (HA): each node's own in-flight counts are
         # folded into ours, so priority's reserve holds across hubs (a heartbeat late).
         self.shared = False
         self._changed = trio.Event()
         self._turn = 0  # rotates ties in pick
 
-    def add_listener(self, fn: Callable[[], None]) -> None:
-        self._listeners.append(fn)
+    def add_listener(self, fn: Callable[[], None],
+                     on_finish: Callable[[], None] | None = None) -> None:
+        """`fn()` on every change; when a request finishes, `on_finish()` instead if given
+        (the control loop, which cares about a finish only while it waits for room)."""
+        self._listeners.append((fn, on_finish or fn))
 
     def changed(self) -> None:
-        for fn in self._listeners:
+        for fn, _ in self._listeners:
+            fn()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _finished(self) -> None:
+        for _, fn in self._listeners:
             fn()
         self._changed.set()
         self._changed = trio.Event()
@@ -213,7 +222,7 @@ class Registry:
     def finish(self, h: NodeHandle, model: str) -> None:
         h.in_flight[model] = max(0, h.in_flight.get(model, 0) - 1)
         h.in_flight_total = max(0, h.in_flight_total - 1)
-        self.changed()
+        self._finished()
 
     def apply_state(self, h: NodeHandle, state: NodeState) -> None:
         if self.shared:
