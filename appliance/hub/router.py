@@ -135,7 +135,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         asked = decode_request(body)
         if not hub.grace.over() and not _ready(hub, asked.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
-            if not await _wait_grace(hub, receive, asked.model):
+            if not await _wait_grace(hub, receive, asked.model, req.scope):
                 req.status, req.error = 499, "client_disconnected"
                 return
         model = translate.resolve(asked.model, hub.control.known)
@@ -156,7 +156,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
 
     # hypercorn says "disconnect" as the last byte goes out; cancelling then would
     # interrupt its recycling of the connection (then it never reads as idle).
-    async with cancel_on_disconnect(receive, lambda: req.done) as gone:
+    async with cancel_on_disconnect(receive, lambda: req.done, req.scope) as gone:
         try:
             await _route(hub, req, model, prep, keep, relay)
         except ApiError as e:
@@ -169,9 +169,9 @@ def _ready(hub: Hub, name: str) -> bool:
     return bool(hub.registry.ready_nodes(translate.resolve(name, hub.control.known)))
 
 
-async def _wait_grace(hub: Hub, receive: Receive, name: str) -> bool:
+async def _wait_grace(hub: Hub, receive: Receive, name: str, scope: Scope) -> bool:
     """Wait out the start-up grace for `name`; False when the client went away meanwhile."""
-    async with cancel_on_disconnect(receive) as client:
+    async with cancel_on_disconnect(receive, scope=scope) as client:
         await hub.grace.wait_settled(lambda: _ready(hub, name))
     return not client.gone
 

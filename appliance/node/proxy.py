@@ -141,7 +141,7 @@ class EngineProxy:
         client = None
         try:
             # After the last byte a disconnect is just the end (`outcome` is set then).
-            async with cancel_on_disconnect(receive, lambda: bool(outcome)) as client:
+            async with cancel_on_disconnect(receive, lambda: bool(outcome), scope) as client:
                 await self._forward(scope, send, api, upstream, body, outcome)
         finally:
             self.keeper.finish(model)

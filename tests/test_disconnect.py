@@ -1,0 +1,116 @@
+"""Cancel on disconnect (appliance/http/disconnect.py): the socket watcher and the task."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+
+from appliance.asgi import serve
+from appliance.http import disconnect
+from appliance.http.disconnect import Hangups, cancel_on_disconnect, client_socket
+
+REQUEST = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
+
+
+def _app(seen: dict, finished: bool = False, use_scope: bool = True):
+    """Waits (forever) inside cancel_on_disconnect; records how it ended."""
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()  # the body
+        seen["socket"] = client_socket(scope) is not None
+        try:
+            async with cancel_on_disconnect(receive, (lambda: True) if finished else None,
+                                            scope if use_scope else None) as g:
+                if use_scope:  # watched by the one task, not by a watcher of its own
+                    h = disconnect._watcher()
+                    seen["watched"] = h.watching() if h is not None else 0
+                seen["entered"].set()
+                await trio.sleep_forever()
+        finally:
+            seen["gone"] = g.gone
+            seen["ended"].set()
+    return app
+
+
+async def _start(nursery, app) -> tuple[str, int]:
+    stop = trio.Event()
+    host, port = await nursery.start(lambda task_status: serve(
+        app, "127.0.0.1:0", "sim", shutdown_trigger=stop.wait, drain_seconds=0.1,
+        task_status=task_status))
+    return host, port
+
+
+@pytest.mark.parametrize("use_scope", [True, False])
+async def test_a_client_that_hangs_up_cancels_the_work(use_scope):
+    seen: dict = {"entered": trio.Event(), "ended": trio.Event()}
+    async with trio.open_nursery() as nursery:
+        host, port = await _start(nursery, _app(seen, use_scope=use_scope))
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(REQUEST)
+        with trio.fail_after(10):
+            await seen["entered"].wait()
+            await stream.aclose()
+            await seen["ended"].wait()
+        nursery.cancel_scope.cancel()
+    assert seen["socket"] is True  # a plain TCP connection
+    assert seen.get("watched", 1) == 1
+    assert seen["gone"] is True
+
+
+async def test_a_finished_answer_is_not_cut_by_the_hang_up():
+    seen: dict = {"entered": trio.Event(), "ended": trio.Event()}
+    async with trio.open_nursery() as nursery:
+        host, port = await _start(nursery, _app(seen, finished=True))
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(REQUEST)
+        with trio.fail_after(10):
+            await seen["entered"].wait()
+        await stream.aclose()
+        with trio.move_on_after(0.5):  # nothing ends it: the work goes on
+            await seen["ended"].wait()
+        assert not seen["ended"].is_set()
+        nursery.cancel_scope.cancel()
+    assert seen["gone"] is False
+
+
+async def test_the_watcher_calls_only_for_a_hang_up_and_forgets_the_socket():
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    h = Hangups()
+    calls: list[str] = []
+    fa = h.add(a, lambda: calls.append("a"))
+    fc = h.add(c, lambda: calls.append("c"))
+    assert fa is not None and fc is not None
+    assert h.add(a, lambda: calls.append("again")) is None  # one watch per socket
+    b.send(b"GET / HTTP/1.1\r\n")  # bytes (a pipelined request) are no hang-up
+    h.fire()
+    assert calls == []
+    d.close()  # c's peer hangs up
+    h.fire()
+    assert calls == ["c"]
+    h.fire()
+    assert calls == ["c"]  # once
+    h.remove(fa)
+    b.close()
+    h.fire()
+    assert calls == ["c"] and h.watching() == 0
+    h.remove(fc)  # already gone: nothing to do
+    for s in (a, b, c):
+        s.close()
+
+
+async def test_fake_scopes_fall_back_to_the_watcher_task():
+    msgs = [{"type": "http.disconnect"}]
+
+    async def receive():
+        if msgs:
+            return msgs.pop()
+        await trio.sleep_forever()
+
+    with trio.fail_after(5):
+        async with cancel_on_disconnect(receive, scope={"state": {}}) as g:
+            await trio.sleep_forever()
+    assert g.gone
