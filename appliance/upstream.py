@@ -11,7 +11,9 @@ of a response: that (and only that) is retried once on a fresh connection. Conne
 the pool no longer needs are closed at once, never left to the garbage collector: the
 extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by a
 non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
--- otherwise each sits in CLOSE-WAIT holding an fd.
+-- otherwise each sits in CLOSE-WAIT holding an fd. On a plain TCP connection the request
+goes out with a plain send and every read waits once, then reads (appliance/http/fastio.py):
+trio's socket calls would add a scheduler round trip to each.
 
 Timeouts belong to the caller's configuration: connecting is bounded by
 CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
@@ -101,6 +103,24 @@ class _Conn:
         sock = self._socket()
         if sock is not None:
             sock.close()
+
+
+async def _send_all(conn: _Conn, data: bytes) -> None:
+    """The request on the wire. On a plain socket: sent at once, a wait only while the
+    socket's buffer is full (trio's send_all pays a scheduler round trip per call; the
+    wait for the answer that follows is the checkpoint)."""
+    sock = conn.sock
+    if sock is None:
+        await conn.stream.send_all(data)
+        return
+    view = memoryview(data)
+    while view:
+        try:
+            n = sock.send(view)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        view = view[n:]
 
 
 class Response:
@@ -293,12 +313,16 @@ class Pool:
             out += c.send(h11.Data(data=body))
         out += c.send(h11.EndOfMessage())
         try:
-            await conn.stream.send_all(out)
+            await _send_all(conn, out)
             while True:
                 ev = c.next_event()
                 if ev is h11.NEED_DATA:
                     with trio.fail_after(read_timeout):
-                        data = await conn.stream.receive_some(READ_BYTES)
+                        data: bytes | bytearray
+                        if conn.sock is not None:
+                            data = await recv_some(conn.sock, READ_BYTES)
+                        else:
+                            data = await conn.stream.receive_some(READ_BYTES)
                     c.receive_data(bytes(data))
                     continue
                 if isinstance(ev, h11.InformationalResponse):
