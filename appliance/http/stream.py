@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -22,6 +22,12 @@ from appliance.http.errors import error_body
 from appliance.http.fastio import DirectBody
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Waitable(Protocol):
+    """A trio.Event, or anything else waited on the same way (appliance/hub/flag.py)."""
+
+    async def wait(self) -> None: ...
 
 
 class Cut:
@@ -48,7 +54,7 @@ class Cut:
         self._scope = cs
         return cs
 
-    async def watch(self, event: trio.Event, reason: str) -> None:
+    async def watch(self, event: Waitable, reason: str) -> None:
         await event.wait()
         self.trip(reason)
 

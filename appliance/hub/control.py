@@ -2,12 +2,13 @@
 
 Theory of operation: `Control.run` is the control loop in the hub's nursery. Each pass
 (every `Hub__ControlIntervalSeconds`, and at once when the fleet changes, a model is asked
-for or a load ends -- a request's end only while a model waits for room) hands the node handles and the time to the synchronous core, which
-answers with loads and unloads; the shell carries each out as its own task and reports the
-node's answer back. All node calls go through `NodeOps` (injectable: the unit tests use a
-fake, so they need no sockets), each with its bound at the call site: a load may take
-minutes, so it is bounded generously from `Engine__StartTimeoutSeconds` and the node's own
-answer (502/504 with the engine's words) is what normally ends it.
+for or a load ends -- a request's end only while a model waits for room) hands the node
+handles and the time to the synchronous core, which answers with loads and unloads; the
+shell carries each out as its own task and reports the node's answer back. All node calls
+go through `NodeOps` (injectable: the unit tests use a fake, so they need no sockets), each
+with its bound at the call site: a load may take minutes, so it is bounded generously from
+`Engine__StartTimeoutSeconds` and the node's own answer (502/504 with the engine's words)
+is what normally ends it.
 
 Interface the router and status rely on:
 - `Control(cfg, registry, node_client, metrics_registry, audit)`, `await run(task_status=)`

@@ -1,9 +1,10 @@
 """The hub's request and node series on its own CollectorRegistry.
 
 Theory of operation: request series are updated on the request path (a label lookup,
-remembered by `Children`, and an add); node series are derived from the registry at each scrape (`refresh`, a
-before-scrape hook), so they can never go stale and cost nothing between scrapes.
-Other parts (admission, control) register their own series on the same registry.
+remembered by `Children`, and an add); node series are derived from the registry at each
+scrape (`refresh`, a before-scrape hook), so they can never go stale and cost nothing
+between scrapes. Other parts (admission, control) register their own series on the same
+registry.
 """
 
 from __future__ import annotations

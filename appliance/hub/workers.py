@@ -43,6 +43,7 @@ from appliance.hub.workerset import WorkerSet
 from appliance.listener import Busy, Refusal, RequestTimeout
 
 if TYPE_CHECKING:
+    from appliance.hub.flag import Flag
     from appliance.hub.nodes import NodeHandle
     from appliance.hub.request import Request
     from appliance.hub.run import Hub
@@ -251,7 +252,7 @@ class LeaseRelay:
         await self.conn.send(Go(node.name, node.url, node.auth_raw,
                                 translate.engine_kind(node.state), req.label))
 
-        async def cut(ev: trio.Event, reason: str) -> None:
+        async def cut(ev: trio.Event | Flag, reason: str) -> None:
             await ev.wait()
             try:
                 await self.conn.send(Cut(reason, node.lost_reason))

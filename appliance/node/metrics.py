@@ -13,7 +13,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from appliance.children import Children
-
 from appliance.node.state import NodeStateKeeper
 
 
