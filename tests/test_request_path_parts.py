@@ -1,0 +1,90 @@
+"""Small parts of the request path: Flag, remembered metric children, the finish listener."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from appliance.children import Children
+from appliance.http.stream import Cut
+from appliance.hub.flag import Flag
+from appliance.hub.nodes import Registry
+
+
+async def test_a_flag_calls_its_subscribers_once_and_wakes_its_waiters():
+    f = Flag()
+    calls: list[str] = []
+    a, b = partial(calls.append, "a"), partial(calls.append, "b")
+    f.subscribe(a)
+    f.subscribe(b)
+    f.unsubscribe(b)
+    woke = []
+
+    async def waiter():
+        await f.wait()
+        woke.append(True)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(waiter)
+        await trio.sleep(0)
+        assert not f.is_set() and calls == []
+        f.set()
+        f.set()  # once
+        assert calls == ["a"]
+    assert woke == [True] and f.is_set() and f.subscribers() == 0
+    f.subscribe(partial(calls.append, "late"))  # already set: at once
+    assert calls == ["a", "late"]
+
+
+async def test_a_cut_subscribed_to_a_flag_cancels_the_read_in_progress():
+    f, cut = Flag(), Cut()
+    f.subscribe(partial(cut.trip, "node_lost"))
+    async with trio.open_nursery() as n:
+        n.start_soon(lambda: _set_soon(f))
+        with cut.reading():
+            await trio.sleep_forever()
+    assert cut.reason == "node_lost"
+
+
+async def _set_soon(f: Flag) -> None:
+    await trio.sleep(0)
+    f.set()
+
+
+def _value(reg: CollectorRegistry, name: str, labels: dict) -> float | None:
+    return reg.get_sample_value(name, labels)
+
+
+def test_remembered_children_still_count_per_label():
+    reg = CollectorRegistry()
+    c = Counter("x_requests", "", ["client", "status"], registry=reg)
+    h = Histogram("x_seconds", "", ["model"], buckets=(1, 2), registry=reg)
+    cs, hs = Children(c), Children(h)
+    for _ in range(3):
+        cs("a", "200").inc()
+    cs("a", "503").inc()
+    cs("b", "200").inc()
+    hs("m").observe(0.5)
+    hs("m").observe(1.5)
+    assert cs("a", "200") is c.labels("a", "200")  # the same child the metric holds
+    assert _value(reg, "x_requests_total", {"client": "a", "status": "200"}) == 3
+    assert _value(reg, "x_requests_total", {"client": "a", "status": "503"}) == 1
+    assert _value(reg, "x_requests_total", {"client": "b", "status": "200"}) == 1
+    assert _value(reg, "x_seconds_bucket", {"model": "m", "le": "1.0"}) == 1
+    assert _value(reg, "x_seconds_count", {"model": "m"}) == 2
+
+
+def test_a_finish_calls_the_finish_listener_and_a_change_every_listener():
+    r = Registry()
+    every, finishes, control = [], [], []
+    r.add_listener(lambda: every.append(1))
+    r.add_listener(lambda: control.append(1), on_finish=lambda: finishes.append(1))
+    h, _ = r.upsert("n", "http://n:1", static=True)
+    every.clear(), control.clear()
+    r.start(h, "m")
+    r.finish(h, "m")
+    assert (len(every), len(finishes), len(control)) == (1, 1, 0)
+    r.changed()
+    assert (len(every), len(finishes), len(control)) == (2, 1, 1)
