@@ -143,20 +143,22 @@ async def cancel_on_disconnect(receive: Receive, finished: Callable[[], bool] | 
     sock = client_socket(scope)
     hangups = _watcher() if sock is not None else None
     if hangups is not None and sock is not None:
-        with trio.CancelScope() as cs:
-            def hung_up() -> None:
-                if finished is not None and finished():
-                    return
-                g.gone = True
-                cs.cancel()
+        cs = trio.CancelScope()
 
-            fd = hangups.add(sock, hung_up)
-            if fd is not None:
-                try:
-                    yield g
-                finally:
-                    hangups.remove(fd)
+        def hung_up() -> None:
+            if finished is not None and finished():
                 return
+            g.gone = True
+            cs.cancel()
+
+        fd = hangups.add(sock, hung_up)
+        if fd is not None:
+            try:
+                with cs:
+                    yield g
+            finally:
+                hangups.remove(fd)
+            return  # (also after our own cancel: the generator must not yield again)
     async with trio.open_nursery() as nursery:
         async def watch() -> None:
             await wait_disconnect(receive)
