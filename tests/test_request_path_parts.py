@@ -88,3 +88,16 @@ def test_a_finish_calls_the_finish_listener_and_a_change_every_listener():
     assert (len(every), len(finishes), len(control)) == (1, 1, 0)
     r.changed()
     assert (len(every), len(finishes), len(control)) == (2, 1, 1)
+
+
+def test_made_request_ids_are_unique_hex_and_a_clients_sane_one_is_kept():
+    from appliance.hub.requestid import MAX_LEN, make, request_id
+
+    ids = {make() for _ in range(20000)}
+    assert len(ids) == 20000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert request_id([(b"x-request-id", b"abc-123")]) == "abc-123"
+    assert request_id([(b"x-request-id", b"x" * MAX_LEN)]) == "x" * MAX_LEN
+    for bad in (b"", b"a b", b"a\r\nb", b"x" * (MAX_LEN + 1), "é".encode()):
+        made = request_id([(b"x-request-id", bad)])
+        assert made != bad.decode("latin-1") and len(made) == 32
