@@ -86,8 +86,9 @@ def client_on(url: str, want: int, pids: list[int]) -> httpx.Client:
     raise SystemExit(f"no connection accepted by pid {want} in 200 tries")
 
 
-def run(c: httpx.Client, url: str, body: dict, n: int, pids: list[int]) -> tuple[float, float]:
-    """(p50 seconds, CPU seconds of `pids` per request)."""
+def run(c: httpx.Client, url: str, body: dict, n: int,
+        pids: list[int]) -> tuple[float, list[float]]:
+    """(p50 seconds, CPU seconds of each of `pids` per request)."""
     def one() -> None:
         if body.get("stream"):
             with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -101,12 +102,12 @@ def run(c: httpx.Client, url: str, body: dict, n: int, pids: list[int]) -> tuple
     for _ in range(max(10, n // 10)):
         one()
     lat = []
-    before = cpu(pids)
+    before = [cpu([p]) for p in pids]
     for _ in range(n):
         t = time.perf_counter()
         one()
         lat.append(time.perf_counter() - t)
-    return statistics.median(lat), (cpu(pids) - before) / n
+    return statistics.median(lat), [(cpu([p]) - b) / n for p, b in zip(pids, before, strict=True)]
 
 
 def main() -> None:
@@ -127,7 +128,7 @@ def main() -> None:
                               ("stream200", STREAM, args.stream_requests)):
             with httpx.Client(timeout=60) as c:
                 base[kind] = run(c, node.url, body, n, [node.pid])[0]
-                rows.append((kind, "node alone", base[kind], 0.0, None))
+                rows.append((kind, "node alone", base[kind], 0.0, []))
         for workers in (1, 2):
             hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
                                       "Audit__Path": os.devnull, "Hub__Workers": str(workers),
@@ -157,10 +158,11 @@ def main() -> None:
     finally:
         procs.close()
     print(f"{'kind':10} {'target (connection accepted by)':42} {'p50 ms':>8} "
-          f"{'+p50 ms':>8} {'hub CPU/req ms':>15}")
+          f"{'+p50 ms':>8} {'hub CPU/req ms':>15} {'(main + worker)':>16}")
     for kind, label, p50, added, per in rows:
+        split = " + ".join(f"{x * 1e3:.3f}" for x in per) if len(per) > 1 else ""
         print(f"{kind:10} {label:42} {p50 * 1e3:8.3f} {added * 1e3:8.3f} "
-              f"{'' if per is None else f'{per * 1e3:15.3f}'}")
+              f"{f'{sum(per) * 1e3:15.3f}' if per else '':15} {split:>16}")
 
 
 if __name__ == "__main__":
