@@ -33,6 +33,7 @@ from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
 from appliance.hub import translate
 from appliance.hub.app import INFERENCE, _api
+from appliance.hub.flag import Flag
 from appliance.hub.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go
 from appliance.hub.relay import relay_from
 from appliance.hub.request import Recorder, Request
@@ -61,7 +62,8 @@ class _Cuts:
     """What the main's `Cut` messages said: the current node lost, the drain over."""
 
     def __init__(self) -> None:
-        self.lost, self.drain, self.why = trio.Event(), trio.Event(), ""
+        # Flags (hub/flag.py): relay_from's cut subscribes to them, no watcher tasks.
+        self.lost, self.drain, self.why = Flag(), Flag(), ""
 
 
 class _Node:
@@ -70,7 +72,7 @@ class _Node:
     def __init__(self, go: Go, cuts: _Cuts) -> None:
         self.name, self.url, self.auth_raw = go.node, go.url.rstrip("/"), go.auth
         if cuts.lost.is_set():
-            cuts.lost = trio.Event()  # a new attempt, a new node
+            cuts.lost = Flag()  # a new attempt, a new node
         self.lost = cuts.lost
         self._cuts = cuts
 
@@ -209,7 +211,7 @@ class Worker:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
             try:
-                async with cancel_on_disconnect(receive, lambda: req.done) as client:
+                async with cancel_on_disconnect(receive, lambda: req.done, scope) as client:
                     await self._serve(conn, req, inbox, cuts, send, body, report)
                 if client.gone and req.status:
                     req.error = "client_disconnected"

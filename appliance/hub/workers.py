@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -36,6 +37,7 @@ from appliance.asgi import LISTEN_BACKLOG, StartupError
 from appliance.config import parse_listen
 from appliance.http.errors import ApiError
 from appliance.hub import translate
+from appliance.hub.flag import Flag
 from appliance.hub.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go, LeaseError
 from appliance.hub.relay import SHUTTING_DOWN_RETRY_AFTER
 from appliance.hub.router import handle_inference
@@ -43,7 +45,6 @@ from appliance.hub.workerset import WorkerSet
 from appliance.listener import Busy, Refusal, RequestTimeout
 
 if TYPE_CHECKING:
-    from appliance.hub.flag import Flag
     from appliance.hub.nodes import NodeHandle
     from appliance.hub.request import Request
     from appliance.hub.run import Hub
@@ -224,6 +225,7 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
                  "headers": [(bytes(k), bytes(v)) for k, v in ask.headers], "state": {}}
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
+            relay.nursery = nursery
             try:
                 await handle_inference(hub, scope, receive, send, ask.api, relay)
             except Refusal:
@@ -238,6 +240,7 @@ class LeaseRelay:
     def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel) -> None:
         self.hub, self.conn, self.inbox = hub, conn, inbox
         self.relaying = False  # a `Go` is out: the worker copies the answer
+        self.nursery: trio.Nursery | None = None  # the lease's: where a `Cut` is sent from
 
     async def __call__(self, node: NodeHandle, req: Request,
                        plan: translate.Plan) -> tuple[bool, str]:
@@ -252,26 +255,46 @@ class LeaseRelay:
         await self.conn.send(Go(node.name, node.url, node.auth_raw,
                                 translate.engine_kind(node.state), req.label))
 
-        async def cut(ev: trio.Event | Flag, reason: str) -> None:
-            await ev.wait()
-            try:
-                await self.conn.send(Cut(reason, node.lost_reason))
-            except GONE:
-                pass
-
         outcome: tuple[bool, str] | ApiError
-        async with trio.open_nursery() as watchers:
-            watchers.start_soon(cut, node.lost, "node_lost")
-            watchers.start_soon(cut, self.hub.drain_over, "shutting_down")
+        lost, drain = node.lost, self.hub.drain_over
+        if isinstance(lost, Flag) and isinstance(drain, Flag) and self.nursery is not None:
+            # The hub's own flags (hub/flag.py): a `Cut` is sent when one is set, no task
+            # waits for it meanwhile.
+            nursery = self.nursery
+            on_lost = partial(nursery.start_soon, self._cut, node, "node_lost")
+            on_drain = partial(nursery.start_soon, self._cut, node, "shutting_down")
+            lost.subscribe(on_lost)
+            drain.subscribe(on_drain)
             try:
                 outcome = await self._end(node, req)
-            except ApiError as e:  # raised outside the nursery: not an ExceptionGroup
+            except ApiError as e:
                 outcome = e
             finally:
-                watchers.cancel_scope.cancel()
+                lost.unsubscribe(on_lost)
+                drain.unsubscribe(on_drain)
+        else:
+            async with trio.open_nursery() as watchers:
+                watchers.start_soon(self._cut_when, lost, node, "node_lost")
+                watchers.start_soon(self._cut_when, drain, node, "shutting_down")
+                try:
+                    outcome = await self._end(node, req)
+                except ApiError as e:  # raised outside the nursery: not an ExceptionGroup
+                    outcome = e
+                finally:
+                    watchers.cancel_scope.cancel()
         if isinstance(outcome, ApiError):
             raise outcome
         return outcome
+
+    async def _cut(self, node: NodeHandle, reason: str) -> None:
+        try:
+            await self.conn.send(Cut(reason, node.lost_reason))
+        except GONE:
+            pass
+
+    async def _cut_when(self, ev: trio.Event | Flag, node: NodeHandle, reason: str) -> None:
+        await ev.wait()
+        await self._cut(node, reason)
 
     async def _end(self, node: NodeHandle, req: Request) -> tuple[bool, str]:
         """What the worker says next: failed before the first byte, or done."""
