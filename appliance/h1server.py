@@ -235,10 +235,10 @@ class Conn:
                 _trim()
             self._stop_waiting()
         if self.bad is not None:
-            if not self.started:
+            if not self.framing:
                 await self._refuse_raw(self.bad.status, self.bad.message, scope["path"])
             return False
-        if not self.started:  # the app returned without an answer: hypercorn's 500
+        if not self.framing:  # the app returned (or failed) before its answer: hypercorn's 500
             self.started, self.status = True, 500
             self.head_headers = [(b"connection", b"close")]
             await self.send({"type": "http.response.body", "body": b""})
@@ -280,8 +280,9 @@ class Conn:
         else:
             message, extra = str(e) or e.code, []
         self.close_after = self.linger = True
-        if self.started:
-            return
+        if self.framing:
+            return  # the answer has begun: the close tells the client
+        self.started = False
         body = error_json(path, e.status, e.code, message)
         await self.send({"type": "http.response.start", "status": e.status,
                          "headers": [(b"content-type", b"application/json"),

@@ -367,3 +367,23 @@ async def test_a_client_half_close_after_its_request_still_gets_the_answer():
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(s))
         raw = await until_closed(stream)
     assert raw.startswith(b"HTTP/1.1 200")
+
+
+async def test_app_heads_are_written_once_and_a_bad_one_is_a_500():
+    async def app(scope, receive, send):
+        await read_body(receive, 10)
+        value = b"a\r\nx-smuggled: 1" if scope["path"] == "/bad" else b"ok"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"Content-Length", b"2"), (b"X-Value", value),
+                                (b"Transfer-Encoding", b"chunked")]})
+        await send({"type": "http.response.body", "body": b"hi"})
+
+    async with running(app) as (host, port, _):
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /bad HTTP/1.1\r\nHost: x"
+                              b"\r\n\r\n")
+        raw = await until_closed(stream)
+    first, _, second = raw.partition(b"hi")
+    assert first.count(b"content-length: 2\r\n") == 1 and b"x-value: ok\r\n" in first
+    assert b"transfer-encoding" not in first  # the framing is the server's
+    assert second.startswith(b"HTTP/1.1 500") and b"smuggled" not in second
