@@ -68,9 +68,11 @@ LINGER_SECONDS = 2.0
 LINGER_BYTES = 1024 * 1024
 _WRITE_408_SECONDS = 1.0
 _ASGI = {"spec_version": "2.1", "version": "3.0"}
-_DISCONNECT = {"type": "http.disconnect"}
-_EMPTY_END = {"type": "http.request", "body": b"", "more_body": False}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _disconnect() -> dict[str, Any]:  # a fresh dict each time: an app may change what it got
+    return {"type": "http.disconnect"}
 
 
 class Shared:
@@ -308,12 +310,12 @@ class Conn:
 
     async def receive(self) -> dict[str, Any]:
         if self.bad is not None or self.broken:
-            return _DISCONNECT
+            return _disconnect()
         if not self.body_ended:
             return await self._body()
         if not self.end_given:
             self.end_given = True
-            return _EMPTY_END
+            return {"type": "http.request", "body": b"", "more_body": False}
         return await self._wait_disconnect()
 
     async def _body(self) -> dict[str, Any]:
@@ -328,7 +330,7 @@ class Conn:
                 except BadRequest as e:
                     self.bad = e
                     self.linger = True
-                    return _DISCONNECT
+                    return _disconnect()
                 self.buf = self.buf[used:]
                 if data or self.chunks.done:
                     self.body_ended = self.chunks.done
@@ -341,7 +343,7 @@ class Conn:
                 return self._deliver(data)
             got = await self._read_body()
             if not got:
-                return _DISCONNECT  # the client left (eof set)
+                return _disconnect()  # the client left (eof set)
             if self.chunks is None and len(got) <= self.body_left:
                 self.body_left -= len(got)
                 self.body_ended = self.body_left == 0
@@ -379,7 +381,7 @@ class Conn:
     async def _wait_disconnect(self) -> dict[str, Any]:
         """The body is read: wait for the client to go or the response to end."""
         if self.done or self.eof:
-            return _DISCONNECT
+            return _disconnect()
         sock = self.sock
         with trio.CancelScope() as cs:
             self._waiter = cs
@@ -398,7 +400,7 @@ class Conn:
                     break
                 self.buf += data
         self._waiter = None
-        return _DISCONNECT
+        return _disconnect()
 
     def _stop_waiting(self) -> None:
         if self._waiter is not None:
