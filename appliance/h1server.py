@@ -22,11 +22,8 @@ reset). The listener's rules are kept here natively (appliance/listener.py names
   that failed) or for the response to end, and says `http.disconnect` -- what hypercorn
   says, so a hub relaying a stream cancels the upstream when its client leaves.
   Pipelined bytes read meanwhile are kept for the next request (up to a bound).
-- A response: the head waits for the first body message, so a small answer is one
-  `send` (head + body, with a content-length); a streamed one (`more_body`) is chunked
-  (HTTP/1.1) or delimited by the close (HTTP/1.0). HEAD, 1xx, 204 and 304 carry no body.
-  A streamed body may also be written by `DirectBody` (fastio.py) through
-  `chunked_socket`: the connection's send lock, its socket, and the head not yet sent.
+- A response is written by `Sender` (appliance/h1send.py): a small answer in one `send`,
+  a streamed one chunked.
 - The connection is kept for the next request unless either side said `close`, it was
   HTTP/1.0, a body was left unread (and not already buffered whole), the response did
   not end cleanly, or the server drains.
@@ -42,8 +39,9 @@ from urllib.parse import unquote
 
 import trio
 
-from appliance.http.fastio import DIRECT_KEY, ChunkedSocket
-from appliance.http.h1head import refusal, response_head
+from appliance.h1send import Sender
+from appliance.http.fastio import DIRECT_KEY
+from appliance.http.h1head import refusal
 from appliance.http.h1parse import BadRequest, Chunks, Head, parse_head
 from appliance.listener import (
     BUSY_RETRY_AFTER,
@@ -89,17 +87,15 @@ class Shared:
         self.terminating = False
 
 
-class Conn:
+class Conn(Sender):
     """One plain connection (see the module's docstring)."""
 
     def __init__(self, sock: socket.socket, shared: Shared, guard: Any) -> None:
-        self.sock = sock
+        super().__init__(sock)
         self.shared = shared
         self.guard = guard  # appliance.listener._Guard: in_request (shedding)
         self.buf = b""
-        self.lock = trio.Lock()
         self.eof = False  # the client closed (or broke) its side
-        self.broken = False  # a write failed
         self.requests = 0
         self.linger = False  # an answer refused the request: drain its read side before the close
         self._waiter: trio.CancelScope | None = None  # receive() waiting for the disconnect
@@ -123,14 +119,13 @@ class Conn:
         self.held = 0
         self.reads = 0
         self.continued = False
-        self.started = False
-        self.status = 0
-        self.head_headers: list[tuple[bytes, bytes]] = []
-        self.pending = b""  # the response head, not written yet
-        self.framing = ""  # "sized", "chunked", "close", "none"
-        self.out_left = 0
-        self.done = False
-        self.close_after = False
+        self.new_response(head.method if head is not None else "GET",
+                          head.version if head is not None else "1.1")
+
+    def closing(self) -> bool:
+        head, sh = self.head, self.shared
+        return (head is None or not head.keep_alive or sh.terminating
+                or self.requests >= sh.max_requests)
 
     # --- the connection ----------------------------------------------------------------------
 
@@ -235,7 +230,7 @@ class Conn:
             sh.budget.give(self.held)
             if self.held >= TRIM_AFTER_BYTES and sh.budget.held == 0:
                 _trim()
-            self._stop_waiting()
+            self.stop_waiting()
         if self.bad is not None:
             if not self.framing:
                 await self._refuse_raw(self.bad.status, self.bad.message, scope["path"])
@@ -402,111 +397,6 @@ class Conn:
         self._waiter = None
         return _disconnect()
 
-    def _stop_waiting(self) -> None:
+    def stop_waiting(self) -> None:
         if self._waiter is not None:
             self._waiter.cancel()
-
-    # --- the app's send ------------------------------------------------------------------
-
-    async def send(self, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        if kind == "http.response.body":
-            if not self.started:
-                raise RuntimeError("http.response.body before http.response.start")
-            if self.done:
-                return
-            more = msg.get("more_body", False)
-            body = msg.get("body", b"")
-            if not self.framing:
-                self._frame(body, more)
-            await self._body_out(body, more)
-        elif kind == "http.response.start":
-            if self.started:
-                raise RuntimeError("the response has already started")
-            self.started = True
-            self.status = int(msg["status"])
-            self.head_headers = msg.get("headers") or []
-        # other messages (trailers, push, early hints) mean nothing on HTTP/1.1 here
-
-    def _frame(self, body: bytes, more: bool) -> None:
-        """Decides the body's framing and builds the head (in `pending`)."""
-        head = self.head
-        assert head is not None
-        sh = self.shared
-        f = response_head(self.status, self.head_headers, method=head.method,
-                          version=head.version, body=body, more=more,
-                          close=(not head.keep_alive or sh.terminating
-                                 or self.requests >= sh.max_requests))
-        self.pending, self.framing, self.out_left = f.head, f.framing, f.length
-        self.close_after = self.close_after or f.close
-
-    def _take_head(self) -> bytes:
-        head, self.pending = self.pending, b""
-        return head
-
-    async def _body_out(self, body: bytes, more: bool) -> None:
-        framing = self.framing
-        if framing == "chunked":
-            if body:
-                data = b"%x\r\n%b\r\n" % (len(body), body)
-                if not more:
-                    data += b"0\r\n\r\n"
-            else:
-                data = b"" if more else b"0\r\n\r\n"
-        elif framing == "none":
-            data = b""
-        else:
-            data = body
-            if framing == "sized":
-                if len(body) > self.out_left:
-                    data = body[:self.out_left]
-                    self.close_after = True  # the app wrote more than it said: cut
-                self.out_left -= len(data)
-                if not more and self.out_left:
-                    self.close_after = True  # ... or less
-        if not more:
-            self.done = True
-        if self.pending:
-            data = self._take_head() + data
-        if data:
-            await self._write(data)
-        if not more:
-            self._stop_waiting()
-
-    def chunked_socket(self) -> ChunkedSocket | None:
-        """For DirectBody (appliance/http/fastio.py): the socket, if this response's body is
-        chunked on it. Decides the framing now (chunked) unless a body went out already."""
-        if not self.started or self.done or self.broken:
-            return None
-        if not self.framing:
-            self._frame(b"", True)
-        if self.framing != "chunked":
-            return None
-        return ChunkedSocket(self.lock, self.sock, self._take_head)
-
-    async def _write(self, data: bytes, shield: bool = True) -> None:
-        """All of `data`, waiting only while the socket's buffer is full -- shielded unless
-        told otherwise: a write cut half-way leaves the client's connection unknown."""
-        if self.broken:
-            return
-        sock = self.sock
-        lock = self.lock
-        try:
-            lock.acquire_nowait()
-        except trio.WouldBlock:
-            await lock.acquire()
-        try:
-            view = memoryview(data)
-            while view:
-                try:
-                    n = sock.send(view)
-                except BlockingIOError:
-                    with trio.CancelScope(shield=shield):
-                        await trio.lowlevel.wait_writable(sock)
-                    continue
-                view = view[n:]
-        except OSError:
-            self.broken = True
-            self._stop_waiting()  # receive() says http.disconnect now
-        finally:
-            lock.release()
