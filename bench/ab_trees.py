@@ -1,0 +1,96 @@
+"""Two source trees side by side, interleaved in one run, so both see the same load.
+
+Run: .venv/bin/python bench/ab_trees.py TREE_A TREE_B [ROUNDS]
+
+TREE_A and TREE_B are checkouts of this repository (e.g. `git worktree add /tmp/a main~3`,
+or a copy with one switch flipped: `lean: bool = False` in appliance/listener.py's
+serve_guarded serves plain connections by hypercorn). Starts one sim engine and, per tree,
+a node and a hub in front of it (the processes import that tree's `appliance`), then for
+ROUNDS rounds (default 10) sends 100 short chats at concurrency 1 to the engine, each
+node and each hub, alternating A and B, and prints p50, the added p50 and the CPU per
+request of each process, read from /proc. On a box with other work the figures swing from
+run to run; the difference between A and B, measured in the same minutes, does not.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import httpx
+import trio
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
+from overhead import cpu_seconds, run_load  # noqa: E402
+from procs import Proc  # noqa: E402
+
+PER_ROUND = 100
+SHORT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+CHAT = "/v1/chat/completions"
+
+
+def start(procs: list[Proc], role: str, env: dict[str, str], tree: str,
+          wait: tuple[str, ...] | None = None) -> Proc:
+    p = Proc(role, dict(env, PYTHONPATH=tree), cwd=tree)
+    procs.append(p)
+    p.wait_listening(*(wait or (role,)))
+    return p
+
+
+def main() -> None:
+    trees = {"A": sys.argv[1], "B": sys.argv[2]}
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    procs: list[Proc] = []
+    try:
+        sim = start(procs, "sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                   "Sim__Parallel": "64"}, trees["A"])
+        stacks = {}
+        for name, tree in trees.items():
+            node = start(procs, "node", {"Node__Name": "n" + name, "Node__Listen": "127.0.0.1:0",
+                                         "Metrics__Listen": "", "Engine__Kind": "ollama",
+                                         "Engine__Url": sim.url, "Node__ModelSlots": "64"}, tree)
+            hub = start(procs, "hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                                       "Audit__Path": os.devnull, "Nodes__0__Name": "n" + name,
+                                       "Nodes__0__Url": node.url}, tree, wait=("hub",))
+            stacks[name] = (node, hub)
+        for node, hub in stacks.values():  # the model loaded, both paths warm
+            deadline = time.monotonic() + 60
+            while httpx.post(hub.url + CHAT, json=SHORT, timeout=60).status_code != 200:
+                assert time.monotonic() < deadline, "the hub never answered 200"
+                time.sleep(0.2)
+            for url in (hub.url, node.url):
+                trio.run(run_load, url + CHAT, SHORT, PER_ROUND, 1, False)
+        res = {(n, t): {"lat": [], "hub": 0.0, "node": 0.0, "eng": 0.0, "n": 0}
+               for n in stacks for t in ("direct", "node", "hub")}
+        for _ in range(rounds):
+            for name, (node, hub) in stacks.items():
+                for t, url in (("direct", sim.url), ("node", node.url), ("hub", hub.url)):
+                    who = (("hub", hub), ("node", node), ("eng", sim))
+                    before = {k: cpu_seconds(p.pid) for k, p in who}
+                    lat, _, _ = trio.run(run_load, url + CHAT, SHORT, PER_ROUND, 1, False)
+                    after = {k: cpu_seconds(p.pid) for k, p in who}
+                    x = res[(name, t)]
+                    x["lat"] += lat
+                    x["n"] += PER_ROUND
+                    for k in ("hub", "node", "eng"):
+                        x[k] += after[k] - before[k]
+        print(f"{rounds} rounds x {PER_ROUND} short requests at concurrency 1, interleaved; "
+              f"A={trees['A']} B={trees['B']}")
+        for name in stacks:
+            base = statistics.median(res[(name, "direct")]["lat"])
+            for t in ("direct", "node", "hub"):
+                x = res[(name, t)]
+                p50 = statistics.median(x["lat"])
+                print(f"{name} {t:<7} p50 {p50 * 1e3:6.2f} ms  +{(p50 - base) * 1e3:5.2f} ms"
+                      f"  CPU ms/req: hub {x['hub'] / x['n'] * 1e3:6.3f}"
+                      f"  node {x['node'] / x['n'] * 1e3:6.3f}  eng {x['eng'] / x['n'] * 1e3:6.3f}")
+    finally:
+        for p in procs:
+            p.kill()
+
+
+if __name__ == "__main__":
+    main()
