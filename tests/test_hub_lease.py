@@ -48,9 +48,10 @@ class FakeWorker:
 
         nursery.start_soon(main_side)
 
-    async def ask(self) -> None:
+    async def ask(self, rid: str = "", seq: int = 0) -> None:
         await self.conn.send(Ask("/v1/chat/completions", "openai",
-                                 [(b"x-request-id", self.rid.encode())], body()))
+                                 [(b"x-request-id", (rid or self.rid).encode())], body(), "",
+                                 seq))
 
     async def drop(self) -> None:
         await self.stream.aclose()
@@ -179,6 +180,31 @@ async def test_cut_reaches_the_worker(autojump_clock, tmp_path, how):
         assert node.in_flight_total == 0
         [line] = audit_lines(tmp_path, how)
         assert line["error"] == how
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_carries_one_lease_after_another(autojump_clock, tmp_path):
+    """A worker keeps its connection: the next `Ask` is the next lease; a `Cut` names its
+    lease (`seq`), so a late one is not taken for the next lease's."""
+    async with trio.open_nursery() as nursery:
+        hub = await make_hub(nursery, tmp_path)
+        node = hub.registry.nodes["a"]
+        w = FakeWorker(hub, nursery, "")
+        for seq, rid in enumerate(("first", "second"), 1):
+            await w.ask(rid, seq)
+            assert isinstance(await w.conn.recv(), Go)
+            assert node.in_flight_total == 1
+            if rid == "second":
+                hub.registry.mark_lost(node, "watch stream ended")
+                cut = await w.conn.recv()
+                assert isinstance(cut, Cut) and cut.seq == 2
+            await w.conn.send(Done("a", 200, 0.01, ""))
+            assert isinstance(await w.conn.recv(), Ack)
+            await settle()
+            assert node.in_flight_total == 0 and not w.handler_done.is_set()
+        await w.drop()
+        for rid in ("first", "second"):
+            assert [x["status"] for x in audit_lines(tmp_path, rid)] == [200]
         nursery.cancel_scope.cancel()
 
 

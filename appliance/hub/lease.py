@@ -11,6 +11,10 @@ place (`Go`: the node to relay from). A failed attempt before the first byte is 
 the audit line says), acknowledged with `Ack` once the main wrote it, before the worker
 sends the last byte. `Cut` tells the worker the node was declared lost or the drain ran
 out. A connection that ends gives the place back (the main's `async with place` exits).
+A lease that ended cleanly (`Answer` replayed, or `Done` acknowledged) leaves its
+connection open for the worker's next request: the next `Ask` starts the next lease on it
+(no connect and accept per request); a `Cut` carries its lease's `seq`, so one sent as its
+lease ended is not taken for the next one's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Ask(msgspec.Struct, tag=True):
     body: bytes
     # "" read whole; "too_large"; "gone" (client left mid-body); a Refusal's code
     fail: str = ""
+    seq: int = 0  # the lease's number on its connection (a `Cut` names it)
 
 
 class Go(msgspec.Struct, tag=True):
@@ -65,6 +70,7 @@ class Ack(msgspec.Struct, tag=True):
 class Cut(msgspec.Struct, tag=True):
     reason: str  # "node_lost" or "shutting_down"
     lost_reason: str = ""
+    seq: int = 0  # the lease it is for: one sent as the lease ended is ignored by the next
 
 
 Message = Ask | Go | Answer | Failed | Done | Ack | Cut
@@ -83,6 +89,7 @@ class Conn:
     def __init__(self, stream: trio.abc.Stream, max_bytes: int) -> None:
         self.stream = stream
         self.max_bytes = max_bytes
+        self.seq = 0  # leases held on it so far (the worker's count)
         self._buf = bytearray()
         self._lock = trio.Lock()
 

@@ -81,11 +81,51 @@ class _Node:
         return self._cuts.why
 
 
+class _Leases:
+    """The worker's connections to the main's lease socket, kept between requests (at
+    most KEEP idle): a lease that ended cleanly leaves its connection for the next."""
+
+    KEEP = 64
+
+    def __init__(self, path: str, max_bytes) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.idle: list[Conn] = []
+
+    async def ask(self, ask: Ask) -> Conn:
+        """A connection with `ask` sent on it (and `ask.seq` set): a kept one, else new."""
+        while self.idle:
+            conn = self.idle.pop()
+            conn.seq += 1
+            ask.seq = conn.seq
+            try:
+                await conn.send(ask)
+                return conn
+            except GONE:
+                await trio.aclose_forcefully(conn.stream)
+        conn = Conn(await trio.open_unix_socket(self.path), self.max_bytes())
+        conn.seq = ask.seq = 1
+        try:
+            await conn.send(ask)
+        except BaseException:
+            await trio.aclose_forcefully(conn.stream)
+            raise
+        return conn
+
+    def done(self, conn: Conn, clean: bool) -> None:
+        if clean and len(self.idle) < self.KEEP:
+            conn.max_bytes = self.max_bytes()
+            self.idle.append(conn)
+        else:
+            conn.stream.socket.close()  # type: ignore[attr-defined]  # no await: finally-safe
+
+
 class Worker:
     def __init__(self, cfg: Config, where: str, env_file: str | None = None) -> None:
         self.cfg = cfg
         self.env_file = env_file
-        self.lease_path = os.path.join(where, "lease.sock")
+        self.leases = _Leases(os.path.join(where, "lease.sock"),
+                              lambda: self.cfg.hub.max_body_bytes + 256 * 1024)
         from appliance.hub.run import _auth_headers, _client_ssl
 
         self.upstream = Pool(headers=_auth_headers(cfg), ssl_context=_client_ssl(cfg))
@@ -154,23 +194,27 @@ class Worker:
             fail, refusal = e.code, e
         except trio.BrokenResourceError:
             fail = "gone"
-        stream = await trio.open_unix_socket(self.lease_path)
-        conn = Conn(stream, self.cfg.hub.max_body_bytes + 256 * 1024)
-        async with stream:
-            await conn.send(Ask(scope["path"], api, list(scope["headers"]), body, fail))
+        ask = Ask(scope["path"], api, list(scope["headers"]), body, fail)
+        conn = await self.leases.ask(ask)
+        clean = False
+        try:
             if fail in ("", "too_large"):
-                await self._held(conn, scope, receive, send, api, body)
+                clean = await self._held(conn, ask.seq, scope, receive, send, api, body)
             else:
                 with trio.move_on_after(ACK_SECONDS):  # the main records it, then closes
                     try:
                         await conn.recv()
                     except GONE:
                         pass
+        finally:
+            self.leases.done(conn, clean)
         if refusal is not None:
             raise refusal
 
-    async def _held(self, conn: Conn, scope: Scope, receive: Receive, send: Send, api: str,
-                    body: bytes) -> None:
+    async def _held(self, conn: Conn, seq: int, scope: Scope, receive: Receive, send: Send,
+                    api: str, body: bytes) -> bool:
+        """The lease after `Ask`; True when it ended cleanly (the answer replayed, or the
+        `Done` acknowledged, the client still there): the connection may serve another."""
         cuts, acked = _Cuts(), trio.Event()
         done_sent = False
         inbox_in, inbox = trio.open_memory_channel[Any](4)
@@ -181,6 +225,8 @@ class Worker:
                     while True:
                         msg = await conn.recv()
                         if isinstance(msg, Cut):
+                            if msg.seq != seq:
+                                continue  # sent as an earlier lease on this connection ended
                             cuts.why = msg.lost_reason
                             (cuts.drain if msg.reason == "shutting_down" else cuts.lost).set()
                         elif isinstance(msg, Ack):
@@ -208,31 +254,34 @@ class Worker:
             await send(msg)
 
         req = Request(scope, send_last_reported, api, _NoRecord())
+        ended = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
             try:
                 async with cancel_on_disconnect(receive, lambda: req.done, scope) as client:
-                    await self._serve(conn, req, inbox, cuts, send, body, report)
+                    ended = await self._serve(conn, req, inbox, cuts, send, body, report)
                 if client.gone and req.status:
                     req.error = "client_disconnected"
                     await report()
             finally:
                 nursery.cancel_scope.cancel()
+        return ended and not client.gone and (acked.is_set() or not done_sent)
 
     async def _serve(self, conn: Conn, req: Request, inbox: trio.MemoryReceiveChannel,
-                     cuts: _Cuts, send: Send, body: bytes, report) -> None:
+                     cuts: _Cuts, send: Send, body: bytes, report) -> bool:
+        """Do what the main says; True once the lease ended as it should."""
         while True:
             try:
                 msg = await inbox.receive()
             except trio.EndOfChannel:
-                return  # the main process went away: the connection just ends
+                return False  # the main process went away: the connection just ends
             if isinstance(msg, Answer):
                 await send({"type": "http.response.start", "status": msg.status,
                             "headers": msg.headers})
                 await send({"type": "http.response.body", "body": msg.body})
-                return
+                return True
             if not isinstance(msg, Go):
-                return
+                return False
             req.model = msg.model
             given = decode_request(body).model
             plan = translate.prepare(req.path, req.api, body, given, msg.model).for_engine(
@@ -246,7 +295,7 @@ class Worker:
                 continue
             if ok:
                 await report()
-                return
+                return True
             await conn.send(Failed(failed))
 
 

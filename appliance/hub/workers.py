@@ -167,80 +167,92 @@ _REFUSALS: dict[str, type[Refusal]] = {"request_timeout": RequestTimeout, "busy"
 
 
 async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
-    """One inference request held by a worker: the router's path, relayed by the worker."""
-    limit = hub.cfg.hub.max_body_bytes
-    conn = Conn(stream, limit + FRAME_SLACK)
-    async with stream:
+    """One worker connection: its leases, one after another (lease.py), each an inference
+    request held by the worker -- the router's path, relayed by the worker."""
+    conn = Conn(stream, hub.cfg.hub.max_body_bytes + FRAME_SLACK)
+    gone = trio.Event()
+    inbox_in, inbox = trio.open_memory_channel[Any](4)
+    current: list[LeaseRelay] = []  # the lease in progress
+
+    async def reader() -> None:
         try:
-            ask = await conn.recv()
+            async with inbox_in:
+                while True:
+                    await inbox_in.send(await conn.recv())
         except GONE:
+            pass
+        finally:
+            # While the worker relays, its silence is the relay's to report (worker_lost);
+            # before (queued, loading), it is the client's: the router's disconnect.
+            if not (current and current[0].relaying):
+                gone.set()
+
+    async with stream, trio.open_nursery() as nursery:
+        nursery.start_soon(reader)
+        try:
+            while True:
+                try:
+                    ask = await inbox.receive()
+                except trio.EndOfChannel:
+                    return
+                if not isinstance(ask, Ask):
+                    return
+                relay = LeaseRelay(hub, conn, inbox, nursery, ask.seq)
+                current[:] = [relay]
+                if not await _one(hub, conn, ask, relay, gone) or gone.is_set():
+                    return
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Event) -> bool:
+    """One lease; True when it ended cleanly (the connection may carry the next)."""
+    limit = hub.cfg.hub.max_body_bytes
+    handed = False
+
+    async def receive() -> dict:
+        nonlocal handed
+        if not handed:
+            handed = True
+            if ask.fail == "gone":
+                raise trio.BrokenResourceError("client went away")
+            if ask.fail in _REFUSALS:
+                raise _REFUSALS[ask.fail]()
+            body = bytes(limit + 1) if ask.fail == "too_large" else ask.body
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    start: dict = {}
+
+    async def send(msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            start.update(msg)
             return
-        if not isinstance(ask, Ask):
-            return
-        gone = trio.Event()
-        inbox_in, inbox = trio.open_memory_channel[Any](4)
-        relay = LeaseRelay(hub, conn, inbox)
+        try:
+            await conn.send(Answer(start.get("status", 500), list(start.get("headers", [])),
+                                   bytes(msg.get("body", b""))))
+        except GONE:
+            pass
 
-        async def reader() -> None:
-            try:
-                async with inbox_in:
-                    while True:
-                        await inbox_in.send(await conn.recv())
-            except GONE:
-                pass
-            finally:
-                # While the worker relays, its silence is the relay's to report (worker_lost);
-                # before (queued, loading), it is the client's: the router's disconnect.
-                if not relay.relaying:
-                    gone.set()
-
-        handed = False
-
-        async def receive() -> dict:
-            nonlocal handed
-            if not handed:
-                handed = True
-                if ask.fail == "gone":
-                    raise trio.BrokenResourceError("client went away")
-                if ask.fail in _REFUSALS:
-                    raise _REFUSALS[ask.fail]()
-                body = bytes(limit + 1) if ask.fail == "too_large" else ask.body
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        start: dict = {}
-
-        async def send(msg: dict) -> None:
-            if msg["type"] == "http.response.start":
-                start.update(msg)
-                return
-            try:
-                await conn.send(Answer(start.get("status", 500), list(start.get("headers", [])),
-                                       bytes(msg.get("body", b""))))
-            except GONE:
-                pass
-
-        scope = {"type": "http", "method": "POST", "path": ask.path,
-                 "headers": [(bytes(k), bytes(v)) for k, v in ask.headers], "state": {}}
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader)
-            relay.nursery = nursery
-            try:
-                await handle_inference(hub, scope, receive, send, ask.api, relay)
-            except Refusal:
-                pass  # recorded; the worker's listener answers it
-            finally:
-                nursery.cancel_scope.cancel()
+    scope = {"type": "http", "method": "POST", "path": ask.path,
+             "headers": [(bytes(k), bytes(v)) for k, v in ask.headers], "state": {}}
+    try:
+        await handle_inference(hub, scope, receive, send, ask.api, relay)
+    except Refusal:
+        return False  # recorded; the worker's listener answers it (and closes this)
+    return ask.fail in ("", "too_large")
 
 
 class LeaseRelay:
     """The router's relay step for a request held by a worker: send `Go`, wait for its end."""
 
-    def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel) -> None:
+    def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel,
+                 nursery: trio.Nursery | None = None, seq: int = 0) -> None:
         self.hub, self.conn, self.inbox = hub, conn, inbox
         self.relaying = False  # a `Go` is out: the worker copies the answer
-        self.nursery: trio.Nursery | None = None  # the lease's: where a `Cut` is sent from
+        self.nursery = nursery  # the connection's: where a `Cut` is sent from
+        self.seq = seq
 
     async def __call__(self, node: NodeHandle, req: Request,
                        plan: translate.Plan) -> tuple[bool, str]:
@@ -288,7 +300,7 @@ class LeaseRelay:
 
     async def _cut(self, node: NodeHandle, reason: str) -> None:
         try:
-            await self.conn.send(Cut(reason, node.lost_reason))
+            await self.conn.send(Cut(reason, node.lost_reason, self.seq))
         except GONE:
             pass
 
