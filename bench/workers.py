@@ -86,10 +86,15 @@ def client_on(url: str, want: int, pids: list[int]) -> httpx.Client:
     raise SystemExit(f"no connection accepted by pid {want} in 200 tries")
 
 
-def run(c: httpx.Client, url: str, body: dict, n: int,
-        pids: list[int]) -> tuple[float, list[float]]:
-    """(p50 seconds, CPU seconds of each of `pids` per request)."""
-    def one() -> None:
+# Requests per kept connection here: the servers close one after 1,000 (then the client's
+# next connection may go to the other process).
+BLOCK = 400
+
+
+def run(connect, url: str, body: dict, n: int, pids: list[int]) -> tuple[float, list[float]]:
+    """(p50 seconds, CPU seconds of each of `pids` per request), on connections `connect()`
+    opens (a fresh one per BLOCK requests, outside the measured time)."""
+    def one(c: httpx.Client) -> None:
         if body.get("stream"):
             with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
@@ -99,15 +104,23 @@ def run(c: httpx.Client, url: str, body: dict, n: int,
             r = c.post(url + "/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
 
-    for _ in range(max(10, n // 10)):
-        one()
-    lat = []
-    before = [cpu([p]) for p in pids]
-    for _ in range(n):
-        t = time.perf_counter()
-        one()
-        lat.append(time.perf_counter() - t)
-    return statistics.median(lat), [(cpu([p]) - b) / n for p, b in zip(pids, before, strict=True)]
+    lat: list[float] = []
+    used = [0.0] * len(pids)
+    while len(lat) < n:
+        c = connect()
+        try:
+            for _ in range(10):
+                one(c)
+            time.sleep(0.5)  # the connections not taken (the other process's) are closed
+            before = [cpu([p]) for p in pids]
+            for _ in range(min(BLOCK, n - len(lat))):
+                t = time.perf_counter()
+                one(c)
+                lat.append(time.perf_counter() - t)
+            used = [u + cpu([p]) - b for u, p, b in zip(used, pids, before, strict=True)]
+        finally:
+            c.close()
+    return statistics.median(lat), [u / n for u in used]
 
 
 def main() -> None:
@@ -126,9 +139,8 @@ def main() -> None:
         base = {}
         for kind, body, n in (("short", SHORT, args.requests),
                               ("stream200", STREAM, args.stream_requests)):
-            with httpx.Client(timeout=60) as c:
-                base[kind] = run(c, node.url, body, n, [node.pid])[0]
-                rows.append((kind, "node alone", base[kind], 0.0, []))
+            base[kind] = run(lambda: httpx.Client(timeout=60), node.url, body, n, [node.pid])[0]
+            rows.append((kind, "node alone", base[kind], 0.0, []))
         for workers in (1, 2):
             hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
                                       "Audit__Path": os.devnull, "Hub__Workers": str(workers),
@@ -147,11 +159,8 @@ def main() -> None:
                          f"hub, Hub__Workers=2, {'main' if who == hub.pid else 'worker'}")
                 for kind, body, n in (("short", SHORT, args.requests),
                                       ("stream200", STREAM, args.stream_requests)):
-                    c = client_on(hub.url, who, pids)
-                    try:
-                        p50, per = run(c, hub.url, body, n, pids)
-                    finally:
-                        c.close()
+                    p50, per = run(lambda w=who: client_on(hub.url, w, pids), hub.url, body, n,
+                                   pids)
                     rows.append((kind, label, p50, p50 - base[kind], per))
             hub.signal(15)
             hub.wait_exit()
