@@ -2,12 +2,14 @@
 
 Theory of operation (hub/workers.py has the main process's side): the worker serves the
 inherited listening socket with the same listener defences as the hub. An inference POST:
-read the body (bounded by Hub__MaxBodyBytes), open a lease to the main process (lease.py)
-and do what it says: replay an `Answer`, or relay from the node in `Go` with the hub's own
-`relay_from` (translation, stream errors, the node-lost and drain cuts as `Cut` messages);
+read the body (bounded by Hub__MaxBodyBytes), hold a lease from the main process (lease.py:
+`Ask` on one of the worker's kept connections to it, `_Leases`) and do what it says:
+replay an `Answer`, or relay from the node in `Go` with the hub's own `relay_from`
+(translation, stream errors, the node-lost and drain cuts as `Cut` messages);
 a failure before the first byte goes back as `Failed`, the end as `Done`, acknowledged
 before the last byte goes out (the audit line is written when the client has its answer).
-The client hanging up cancels the lease, which gives the place back in the main process.
+The client hanging up cancels the lease, which gives the place back in the main process
+(that connection is closed, not kept). SIGHUP re-reads the configuration (`reload`).
 Every other route is proxied to the main process's private HTTP socket: status, metrics,
 admin and the UI are the main's answers, whole-hub. The worker exits when the main does
 (PR_SET_PDEATHSIG, SIGTERM, or its lease socket gone).
