@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from appliance.http.chunked import BodyError, ChunkedBody, SizedBody
 from appliance.http.fastio import plain_socket, recv_some
 
 # Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
@@ -71,13 +72,17 @@ def _before_answer(e: BaseException, read_timeout: float) -> str:
     return f"failed before answering ({type(e).__name__}: {e})"
 
 
+def _new_h11() -> h11.Connection:
+    return h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
+
+
 class _Conn:
     __slots__ = ("stream", "h11", "idle_since", "sock")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.sock = plain_socket(stream)  # body reads skip trio's per-call reschedule (fastio)
-        self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
+        self.h11 = _new_h11()
         self.idle_since = 0.0
 
     def _socket(self):
@@ -124,7 +129,13 @@ async def _send_all(conn: _Conn, data: bytes) -> None:
 
 
 class Response:
-    """Status and headers of a node's answer; `chunks()` yields the body as it arrives."""
+    """Status and headers of a node's answer; the body as it arrives: `receive()` (one
+    read's payload at a time, no deadline of its own: the caller's relay loop keeps one,
+    appliance/http/stream.py) or `chunks()` (each read bounded by `read_timeout`).
+
+    A chunked or sized body is read by appliance/http/chunked.py (the payload is passed
+    on, h11 never sees the body: its per-event cost was ~8% of a relayed token's); any
+    other framing (close-delimited, TLS peers included) through h11 as before."""
 
     def __init__(self, pool: Pool, key, conn: _Conn, ev: h11.Response, read_timeout: float) -> None:
         self._pool = pool
@@ -132,14 +143,83 @@ class Response:
         self._conn: _Conn | None = conn
         self.status_code = ev.status_code
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
-        self._read_timeout = read_timeout
+        self.read_timeout = read_timeout
+        # trio time the read in progress (or the last one) began waiting: a relay's deadline
+        self.waited_at = 0.0
+        self._body = _body_reader(conn.h11)
+        self._early = b""  # body bytes that came with the head
+        if self._body is not None:
+            self._early = conn.h11.trailing_data[0]
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """The body as it arrives. Everything one read brought is yielded as one chunk:
-        a node that is ahead of us costs one write to the client, not one per event."""
+    async def receive(self) -> bytes:
+        """The payload the next read brings (b"" once the body ended; at most one wait).
+        Raises UpstreamError when the peer breaks off or breaks the framing; safe to cancel
+        (nothing read is lost)."""
         conn = self._conn
         if conn is None:
-            return
+            return b""
+        body = self._body
+        if body is None:
+            return await self._receive_h11(conn)
+        while True:
+            if self._early:
+                data, self._early = self._early, b""
+            elif body.done:
+                self._finish(body)
+                return b""
+            else:
+                self.waited_at = trio.current_time()
+                try:
+                    if conn.sock is not None:
+                        data = await recv_some(conn.sock, READ_BYTES)
+                    else:
+                        data = bytes(await conn.stream.receive_some(READ_BYTES))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                    await self._discard()
+                    raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
+                                        before_response=False) from None
+                if not data:
+                    await self._discard()
+                    raise UpstreamError("closed the connection mid-response",
+                                        before_response=False)
+            try:
+                out = body.feed(data)
+            except BodyError as e:
+                await self._discard()
+                raise UpstreamError(f"broke off the response ({e})",
+                                    before_response=False) from None
+            if body.done:
+                self._finish(body)
+            if out:
+                return out
+            if self._conn is None:
+                return b""
+
+    async def timed_out(self) -> UpstreamError:
+        """The error for a read that waited `read_timeout`; the connection is closed."""
+        await self._discard()
+        return UpstreamError(f"sent nothing for {self.read_timeout:g} s mid-response",
+                             before_response=False)
+
+    async def receive_within(self) -> bytes:
+        """`receive`, bounded by `read_timeout` (UpstreamError when it runs out)."""
+        try:
+            with trio.fail_after(self.read_timeout):
+                return await self.receive()
+        except trio.TooSlowError:
+            raise await self.timed_out() from None
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives, each read bounded by `read_timeout`. Everything one
+        read brought is yielded as one chunk: a node that is ahead of us costs one write
+        to the client, not one per event."""
+        while True:
+            chunk = await self.receive_within()
+            if not chunk:
+                return
+            yield chunk
+
+    async def _receive_h11(self, conn: _Conn) -> bytes:
         pending: list[bytes] = []
         while True:
             try:
@@ -151,35 +231,43 @@ class Response:
             if isinstance(ev, h11.Data):
                 pending.append(ev.data)
                 continue
-            if pending and (ev is h11.NEED_DATA or isinstance(ev, h11.EndOfMessage)):
-                yield b"".join(pending)
-                pending.clear()
+            if isinstance(ev, h11.EndOfMessage):
+                self._release()
+                return b"".join(pending)
             if ev is h11.NEED_DATA:
+                if pending:
+                    return b"".join(pending)
+                self.waited_at = trio.current_time()
                 try:
-                    with trio.fail_after(self._read_timeout):
-                        data: bytes | bytearray
-                        if conn.sock is not None:
-                            data = await recv_some(conn.sock, READ_BYTES)
-                        else:
-                            data = await conn.stream.receive_some(READ_BYTES)
-                except trio.TooSlowError:
-                    await self._discard()
-                    raise UpstreamError(f"sent nothing for {self._read_timeout:g} s mid-response",
-                                        before_response=False) from None
+                    data: bytes | bytearray
+                    if conn.sock is not None:
+                        data = await recv_some(conn.sock, READ_BYTES)
+                    else:
+                        data = await conn.stream.receive_some(READ_BYTES)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
                     await self._discard()
                     raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
                                         before_response=False) from None
                 conn.h11.receive_data(bytes(data))
-            elif isinstance(ev, h11.EndOfMessage):
-                self._release()
-                return
-            elif isinstance(ev, h11.ConnectionClosed):
+            else:  # ConnectionClosed, or anything a response should not hold
                 await self._discard()
                 raise UpstreamError("closed the connection mid-response", before_response=False)
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.chunks()])
+
+    def _finish(self, body: ChunkedBody | SizedBody) -> None:
+        """The body ended by its framing: the connection goes back to the pool with a
+        fresh h11 state (h11 never saw the body), unless the peer sent more than it framed."""
+        conn = self._conn
+        if conn is None:
+            return
+        if body.leftover or self._early:
+            self._conn = None
+            conn.close_now()
+            return
+        conn.h11 = _new_h11()
+        self._release()
 
     def _release(self) -> None:
         conn, self._conn = self._conn, None
@@ -197,10 +285,27 @@ class Response:
         conn = self._conn
         if conn is None:
             return
-        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
+        c = conn.h11
+        if self._body is None and c.our_state is h11.DONE and c.their_state is h11.DONE:
             self._release()
         else:
             await self._discard()
+
+
+def _body_reader(c: h11.Connection) -> ChunkedBody | SizedBody | None:
+    """The reader for the framing h11 chose from the response's head (it knows HEAD, 204,
+    304 and Transfer-Encoding's precedence), or None: let h11 read the body."""
+    if c.trailing_data[1]:
+        return None  # the peer already closed: h11 tells how the body ends
+    reader = getattr(c, "_reader", None)
+    name = type(reader).__name__
+    if name == "ChunkedReader":
+        return ChunkedBody()
+    if name == "ContentLengthReader":
+        remaining = getattr(reader, "_remaining", None)
+        if isinstance(remaining, int) and remaining >= 0:
+            return SizedBody(remaining)
+    return None
 
 
 class Pool:
@@ -211,11 +316,12 @@ class Pool:
         self._ssl = ssl_context
 
     def _put(self, key, conn: _Conn) -> None:
-        try:
-            conn.h11.start_next_cycle()
-        except h11.LocalProtocolError:
-            conn.close_now()
-            return
+        if conn.h11.our_state is not h11.IDLE:  # IDLE: a fresh state (Response._finish)
+            try:
+                conn.h11.start_next_cycle()
+            except h11.LocalProtocolError:
+                conn.close_now()
+                return
         conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(key, [])
         if len(idle) < MAX_IDLE_PER_PEER:

@@ -128,7 +128,8 @@ class DirectBody:
         try:
             self._lock.acquire_nowait()
         except trio.WouldBlock:
-            await self._lock.acquire()
+            with trio.CancelScope(shield=True):  # a cut interrupts reads, never a write
+                await self._lock.acquire()
         try:
             if self._head is not None:
                 frame = self._head() + frame

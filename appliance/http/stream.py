@@ -8,6 +8,16 @@ client's connection in an unknown state). A stream that ends before its end gets
 error event, in the stream's own framing (`stream_error`): an SSE `data:` event
 (`event: error` first for Anthropic's), or one valid NDJSON line -- which the `ollama`
 client raises as ResponseError -- never a blank line an NDJSON reader would choke on.
+
+`relay_body` is the same copy for a body passed through unchanged (appliance/upstream.py's
+Response), written as one plain loop for the cost of a relayed token (issue 15): one
+cancel scope for the whole relay, not one per read -- it is the Cut's scope, and it also
+carries the read deadline, lazily: its deadline is "read_timeout after some read began",
+never moved per read; when it fires, a read that began less than read_timeout ago (the
+body's `waited_at`) means it fired early, and a fresh scope continues with the deadline
+of the read in progress. So the deadline is exact and costs nothing per event. Writes
+never checkpoint unless they must wait, and every wait in a write is shielded: a cut or a
+deadline interrupts only a read (where nothing is lost), never a write half-way.
 """
 
 from __future__ import annotations
@@ -113,3 +123,54 @@ async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None
             direct = None
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         r.tail = (r.tail + chunk)[-2:]
+
+
+class Body(Protocol):
+    """What `relay_body` reads (appliance.upstream.Response)."""
+
+    read_timeout: float
+    waited_at: float  # trio time the read in progress began waiting
+
+    async def receive(self) -> bytes: ...  # b"" at the end; safe to cancel
+
+    async def timed_out(self) -> Exception: ...  # the error for a read that waited too long
+
+
+async def relay_body(body: Body, send: Send, cut: Cut | None,
+                     errors: tuple[type[BaseException], ...], tail: bytes = b"",
+                     direct: DirectBody | None = None) -> Relayed:
+    """`relay_chunks` for a body read with `receive()`, each read bounded by
+    `body.read_timeout` (`body.timed_out()` is then the failure, or raised when it is not
+    one of `errors`)."""
+    r = Relayed()
+    r.tail = tail
+    receive = body.receive
+    deadline = trio.current_time() + body.read_timeout
+    while True:
+        scope = cut.reading() if cut is not None else trio.CancelScope()
+        scope.deadline = deadline
+        with scope:
+            try:
+                while True:
+                    chunk = await receive()
+                    if not chunk:
+                        r.ended = True
+                        return r
+                    if direct is None or not await direct.write(chunk):
+                        direct = None
+                        with trio.CancelScope(shield=True):
+                            await send({"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+                    r.tail = chunk[-2:] if len(chunk) > 1 else (r.tail + chunk)[-2:]
+            except errors as e:
+                r.failure = str(e) or type(e).__name__
+                return r
+        if cut is not None and cut.reason:
+            return r
+        deadline = body.waited_at + body.read_timeout
+        if trio.current_time() >= deadline:
+            late = await body.timed_out()
+            if isinstance(late, errors):
+                r.failure = str(late)
+                return r
+            raise late

@@ -1,8 +1,9 @@
 """Copying one node's answer to the client: the hub's half of the stream relay.
 
 Theory of operation: `relay_from(node, ...)` sends one attempt of a request to one node and
-copies its answer to the client byte for byte (`appliance.http.stream.relay_chunks`), with
-the API translation `plan` asks for. It waits for the node's first body chunk before it
+copies its answer to the client byte for byte (`appliance.http.stream.relay_body`: one plain
+loop, no parsing), or with the API translation `plan` asks for (`relay_chunks` over the
+converter). It waits for the node's first body chunk before it
 answers the client, so a node that fails before the first byte -- refused (503), broke off,
 was declared lost -- is reported back as `(False, why)` and the router may try another.
 Two events may end the copy before the node does: the node declared lost (its handle's
@@ -27,7 +28,7 @@ import trio
 
 from appliance.http.errors import ApiError, Headers
 from appliance.http.fastio import DirectBody
-from appliance.http.stream import Cut, relay_chunks, stream_error
+from appliance.http.stream import Cut, relay_body, relay_chunks, stream_error
 from appliance.hub import translate
 from appliance.hub.flag import Flag
 from appliance.upstream import Pool, UpstreamError
@@ -88,9 +89,11 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             return False, str(e)
     if resp is None:
         return cut_before_answer(cut)
-    raw = resp.chunks()
     conv = plan.converter(resp.status_code)
-    chunks = raw if conv is None else translate.Relay(raw, conv)
+    # Passed through: read with resp.receive (relay_body); translated: the converter
+    # parses the events (an iterator over resp.chunks()).
+    raw = None if conv is None else resp.chunks()
+    chunks = None if raw is None or conv is None else translate.Relay(raw, conv)
     try:
         if resp.status_code == 503:
             # The node (paused, full) or its engine (still loading) refused: try another.
@@ -101,7 +104,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         first = None
         with cut.reading():
             try:
-                first = await chunks.__anext__()
+                first = await (resp.receive_within() if chunks is None else chunks.__anext__())
             except StopAsyncIteration:
                 first = b""
             except UpstreamError as e:
@@ -116,7 +119,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             clen = resp.headers.get("content-length")
         else:
             ctype = conv.content_type.decode()
-            ended = isinstance(chunks, translate.Relay) and chunks.ended
+            ended = chunks is not None and chunks.ended
             clen = str(len(first)) if ended else None
         start_headers = [(b"content-type", ctype.encode()), *req.id_headers()]
         if clen is not None and clen.isdigit() and int(clen) == len(first):
@@ -131,8 +134,11 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         if first:
             await req.send({"type": "http.response.body", "body": first, "more_body": True})
             tail = first[-2:]
-        relayed = await relay_chunks(chunks, req.send, cut, (UpstreamError,), tail,
-                                     DirectBody.open(req.scope))
+        direct = DirectBody.open(req.scope)
+        if chunks is None:
+            relayed = await relay_body(resp, req.send, cut, (UpstreamError,), tail, direct)
+        else:
+            relayed = await relay_chunks(chunks, req.send, cut, (UpstreamError,), tail, direct)
         if relayed.ended:
             await req.send_last(b"")
             return True, ""
@@ -155,5 +161,6 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         return True, ""
     finally:
         with trio.move_on_after(1, shield=True):
-            await raw.aclose()
+            if raw is not None:
+                await raw.aclose()
             await resp.aclose()

@@ -4,7 +4,7 @@ Theory of operation: `EngineProxy.handle` answers the listings (GET /v1/models, 
 /api/ps, /api/version) from the node's state and relays every POST to the engine that
 serves its model. It reads the body (bounded by `Node__MaxBodyBytes`), decodes only
 `model`, asks the keeper for a place (`try_start`) and streams the same bytes to the engine
-and the engine's bytes back, chunk by chunk (`appliance.http.stream.relay_chunks`). The
+and the engine's bytes back, chunk by chunk (`appliance.http.stream.relay_body`). The
 copy is cancelled when the client hangs up (`appliance.http.disconnect`), so a client that
 goes away frees its place at once; an engine that breaks off mid-stream ends the stream
 with an error event in its own framing. Every request is counted once (NodeMetrics).
@@ -26,7 +26,7 @@ from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, Headers
 from appliance.http.fastio import DirectBody
 from appliance.http.respond import send_api_error
-from appliance.http.stream import relay_chunks, stream_error
+from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
@@ -165,13 +165,8 @@ class EngineProxy:
                    if k in resp.headers]
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
             started = True
-            chunks = resp.chunks()
-            try:
-                # an UpstreamError goes through
-                await relay_chunks(chunks, send, None, (), direct=DirectBody.open(scope))
-            finally:
-                with trio.move_on_after(1, shield=True):
-                    await chunks.aclose()
+            # an UpstreamError (the engine broke off, or its read deadline) goes through
+            await relay_body(resp, send, None, (), direct=DirectBody.open(scope))
             outcome.append(str(resp.status_code))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as e:
