@@ -11,7 +11,8 @@ the stream is passed through), an `appliance hub` knowing that node, and -- when
 so) -- nginx as a plain streaming proxy to the same sim (proxy_buffering off), the floor
 a proxy hop can reach. For each N in --streams, side by side in one run (the ratios
 matter on a shared machine), N concurrent streamed chat requests run for --seconds
-against each target, each restarted as soon as it ends (max_tokens = 2 s of tokens).
+against each target, each restarted as soon as it ends (max_tokens = 2 s of tokens, or
+--stream-seconds: the CPU per event includes each request's own cost, spread over its events).
 
 The load generator is a raw-socket trio client (no httpx: its per-chunk cost would be
 the bottleneck at 1 kHz): it counts SSE `data:` events and the gap between consecutive
@@ -278,9 +279,12 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="DIR: py-spy records the hub and the node (collapsed stacks)"
                     " during hub+node at the first N, and prints where their time goes")
     ap.add_argument("--targets", default="engine,nginx,node,hub+node")
+    ap.add_argument("--stream-seconds", type=float, default=2.0,
+                    help="each stream's length in seconds of tokens (max_tokens = rate x this): the"
+                    " request's own cost is spread over its events; longer streams show the relay's")
     args = ap.parse_args()
     ns = [int(x) for x in args.streams.split(",")]
-    tokens = max(4, int(args.rate * 2))
+    tokens = max(4, int(args.rate * args.stream_seconds))
     procs = Procs()
     nginx = None
     try:

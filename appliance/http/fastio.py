@@ -130,15 +130,21 @@ class DirectBody:
         except trio.WouldBlock:
             with trio.CancelScope(shield=True):  # a cut interrupts reads, never a write
                 await self._lock.acquire()
+        sock = self._sock
         try:
             if self._head is not None:
                 frame = self._head() + frame
                 self._head = None
-            if self._sock is None:
+            if sock is None:
                 with trio.CancelScope(shield=True):
                     await self._stream.send_all(frame)
             else:
-                await _send_all(self._sock, frame)
+                try:
+                    n = sock.send(frame)  # the whole frame, unless the buffer is full
+                except BlockingIOError:
+                    n = 0
+                if n < len(frame):
+                    await _send_all(sock, frame[n:])
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.broken = True
             return False
