@@ -145,8 +145,11 @@ class Response:
         self.status_code = ev.status_code
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
         self.read_timeout = read_timeout
-        # trio time the read in progress (or the last one) began waiting: a relay's deadline
+        # trio time the read in progress (or the last one) began waiting: a relay's deadline.
+        # A wait cancelled and taken up again (the relay's lazy deadline fired early) is the
+        # same wait: `_waiting` keeps its start.
         self.waited_at = 0.0
+        self._waiting = False
         self._body = _body_reader(conn.h11)
         self._early = b""  # body bytes that came with the head
         if self._body is not None:
@@ -168,8 +171,12 @@ class Response:
             elif body.done:
                 self._finish(body)
                 return b""
+            elif body.error is not None:
+                data = b""  # the framing broke after the payload returned last: raise now
             else:
-                self.waited_at = trio.current_time()
+                if not self._waiting:  # not a wait a relay's lazy deadline interrupted
+                    self._waiting = True
+                    self.waited_at = trio.current_time()
                 sock = conn.sock
                 try:
                     if sock is not None:
@@ -185,6 +192,7 @@ class Response:
                     await self._discard()
                     raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
                                         before_response=False) from None
+                self._waiting = False
                 if not data:
                     await self._discard()
                     raise UpstreamError("closed the connection mid-response",
@@ -244,7 +252,9 @@ class Response:
             if ev is h11.NEED_DATA:
                 if pending:
                     return b"".join(pending)
-                self.waited_at = trio.current_time()
+                if not self._waiting:
+                    self._waiting = True
+                    self.waited_at = trio.current_time()
                 try:
                     data: bytes | bytearray
                     if conn.sock is not None:
@@ -255,6 +265,7 @@ class Response:
                     await self._discard()
                     raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
                                         before_response=False) from None
+                self._waiting = False
                 conn.h11.receive_data(bytes(data))
             else:  # ConnectionClosed, or anything a response should not hold
                 await self._discard()

@@ -44,7 +44,7 @@ class BodyError(Exception):
 class ChunkedBody:
     """Incremental, strict reader of a `Transfer-Encoding: chunked` body."""
 
-    __slots__ = ("_state", "_owed", "_buf", "_trailers", "leftover")
+    __slots__ = ("_state", "_owed", "_buf", "_trailers", "leftover", "error")
 
     def __init__(self) -> None:
         self._state = _SIZE
@@ -52,6 +52,9 @@ class ChunkedBody:
         self._buf = b""  # an incomplete size line, CRLF or trailer line
         self._trailers = 0
         self.leftover = b""
+        # Broken framing after some payload in the same read: that payload is returned
+        # first, the error is raised by the next `feed` (call it at once, with b"").
+        self.error: BodyError | None = None
 
     @property
     def done(self) -> bool:
@@ -59,7 +62,10 @@ class ChunkedBody:
         return self._state == _DONE
 
     def feed(self, data: bytes) -> bytes:
-        """The payload in `data` (b"" when it held none); raises BodyError."""
+        """The payload in `data` (b"" when it held none); raises BodyError -- at once, or,
+        when `data` held payload before the break, from the next call (see `error`)."""
+        if self.error is not None:
+            raise self.error
         if self._state == _DONE:
             self.leftover += data
             return b""
@@ -77,6 +83,17 @@ class ChunkedBody:
                     if n and len(data) == end + 2 and data[end:] == b"\r\n":
                         return data[i + 2:end]
         out: list[bytes] = []
+        try:
+            self._frames(data, out)
+        except BodyError as e:
+            if not out:
+                raise
+            self.error = e
+        if not out:
+            return b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _frames(self, data: bytes, out: list[bytes]) -> None:
         pos = 0
         size = len(data)
         while pos < size:
@@ -134,9 +151,6 @@ class ChunkedBody:
                 self._trailers += len(line) + 2
                 if self._trailers > MAX_TRAILERS:
                     raise BodyError(f"trailers are over {MAX_TRAILERS} bytes")
-        if not out:
-            return b""
-        return out[0] if len(out) == 1 else b"".join(out)
 
 
 def _chunk_size(line: bytes) -> int:
@@ -157,11 +171,12 @@ def _chunk_size(line: bytes) -> int:
 class SizedBody:
     """A `Content-Length` body: payload until `length` bytes were read."""
 
-    __slots__ = ("_owed", "leftover")
+    __slots__ = ("_owed", "leftover", "error")
 
     def __init__(self, length: int) -> None:
         self._owed = length
         self.leftover = b""
+        self.error: BodyError | None = None  # never set: a count cannot be broken
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,179 @@
+"""The pass-through relay (appliance/http/stream.py `relay_body` over appliance/upstream.py's
+Response) against raw trio peers that send exact bytes: the read deadline is exact though
+it is kept lazily (one cancel scope per relay), a cut interrupts a read but never a write,
+broken framing is an error and not a hang, and a body that ended by its framing hands its
+connection back to the pool."""
+
+from functools import partial
+
+import h11
+import pytest
+import trio
+import trio.testing
+
+from appliance.http.stream import Cut, relay_body
+from appliance.upstream import Pool, UpstreamError
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def frame(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def _peer(stream, *, script: list, served: list) -> None:
+    """Answer each request on the connection with `script`: bytes are sent, a number is
+    slept, "CLOSE" closes, "STALL" sleeps forever; after the script, the next request."""
+    while True:
+        conn = h11.Connection(h11.SERVER)
+        while True:
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                conn.receive_data(data)
+                continue
+            if isinstance(ev, h11.EndOfMessage):
+                break
+        served.append(trio.current_time())
+        for step in script:
+            if step == "CLOSE":
+                await stream.aclose()
+                return
+            if step == "STALL":
+                await trio.sleep_forever()
+            if isinstance(step, (int, float)):
+                await trio.sleep(step)
+            else:
+                await stream.send_all(step)
+
+
+async def _start(nursery, script: list):
+    served: list = []
+    listeners = await nursery.start(partial(trio.serve_tcp, partial(_peer, script=script,
+                                                                    served=served), 0,
+                                            host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}/x", served
+
+
+class Client:
+    """The ASGI `send` of a client; `delay` makes each write wait (a slow client)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.body = b""
+        self.delay = delay
+
+    async def send(self, msg) -> None:
+        if self.delay:
+            await trio.sleep(self.delay)
+        self.body += msg["body"]
+
+
+async def _relay(script, *, read_timeout=5.0, cut=None, errors=(UpstreamError,), client=None,
+                 trip_at=None):
+    async with trio.open_nursery() as nursery:
+        url, served = await _start(nursery, script)
+        pool = Pool()
+        resp = await pool.request("POST", url, [], b"{}", read_timeout=read_timeout)
+        client = client or Client()
+        if trip_at is not None:
+            async def trip():
+                await trio.sleep(trip_at)
+                cut.trip("node_lost")
+            nursery.start_soon(trip)
+        raised = None
+        try:
+            r = await relay_body(resp, client.send, cut, errors, b"")
+        except UpstreamError as e:  # raised outside the nursery: not in an ExceptionGroup
+            raised = e
+        finally:
+            await resp.aclose()
+        nursery.cancel_scope.cancel()
+    if raised is not None:
+        raise raised
+    return r, client, pool, served
+
+
+async def test_the_read_deadline_counts_from_the_last_read_not_from_the_start(autojump_clock):
+    t0 = trio.current_time()
+    script = [HEAD + frame(b"a"), 3, frame(b"b"), 3, frame(b"c"), "STALL"]
+    r, client, _, _ = await _relay(script, read_timeout=5)
+    # 6 s of tokens, then silence: it ends 5 s after the last byte, not at 5 s (the first
+    # deadline, moved lazily) nor ever later.
+    assert client.body == b"abc"
+    assert not r.ended and "sent nothing for 5 s" in r.failure
+    assert 11 <= trio.current_time() - t0 < 11.1
+
+
+async def test_a_read_deadline_not_in_errors_is_raised(autojump_clock):
+    with pytest.raises(UpstreamError, match="sent nothing for 2 s"):
+        await _relay([HEAD + frame(b"a"), "STALL"], read_timeout=2, errors=())
+
+
+async def test_a_body_that_ends_by_its_framing_ends_the_relay_and_its_connection_is_kept():
+    r, client, pool, _ = await _relay([HEAD + frame(b"a") + frame(b"b"), frame(b"c") + b"0\r\n\r\n",
+                                       "STALL"])
+    assert r.ended and client.body == b"abc" and r.tail == b"bc"[-2:]
+    assert pool.idle_count() == 1
+
+
+async def test_a_kept_connection_serves_the_next_request():
+    async with trio.open_nursery() as nursery:
+        url, served = await _start(nursery, [HEAD + frame(b"hi") + b"0\r\n\r\n"])
+        pool = Pool()
+        for _ in range(3):
+            resp = await pool.request("POST", url, [], b"{}", read_timeout=5)
+            assert await resp.read() == b"hi"
+            await resp.aclose()
+        assert len(served) == 3 and pool.idle_count() == 1  # one connection, three exchanges
+        await pool.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_bytes_after_the_body_close_the_connection():
+    _, client, pool, _ = await _relay([HEAD + frame(b"a") + b"0\r\n\r\nJUNK", "STALL"])
+    assert client.body == b"a" and pool.idle_count() == 0
+
+
+@pytest.mark.parametrize(("bad", "passed"), [
+    (b"zz\r\nhello\r\n", b"ok"), (b"1" * 9000, b"ok"), (b"5\nhello\r\n", b"ok"),
+    (b"5\r\nhelloXX", b"okhello"),  # the payload before the break is passed on, then the error
+])
+async def test_broken_framing_is_an_error_not_a_hang(bad, passed, autojump_clock):
+    t0 = trio.current_time()
+    r, client, pool, _ = await _relay([HEAD + frame(b"ok") + bad, "STALL"], read_timeout=60)
+    assert client.body == passed
+    assert "broke off the response" in r.failure and not r.ended
+    assert trio.current_time() - t0 < 1  # at once, not at the read deadline
+    assert pool.idle_count() == 0
+
+
+async def test_a_peer_gone_mid_body_is_an_error():
+    r, client, _, _ = await _relay([HEAD + frame(b"a") + b"5\r\nhe", "CLOSE"])
+    assert client.body == b"ahe" and "closed the connection mid-response" in r.failure
+
+
+async def test_a_cut_interrupts_the_read_at_once(autojump_clock):
+    t0 = trio.current_time()
+    cut = Cut()
+    r, client, _, _ = await _relay([HEAD + frame(b"a"), 1, frame(b"b"), "STALL"], cut=cut,
+                                   read_timeout=100, trip_at=3)
+    assert client.body == b"ab" and not r.ended and not r.failure and cut.reason == "node_lost"
+    assert 3 <= trio.current_time() - t0 < 3.1
+
+
+async def test_a_cut_never_interrupts_a_write(autojump_clock):
+    cut = Cut()
+    client = Client(delay=2)  # each write takes 2 s; the cut comes in the middle of one
+    r, client, _, _ = await _relay([HEAD + frame(b"a") + frame(b"b"), "STALL"], cut=cut,
+                                   client=client, read_timeout=100, trip_at=1)
+    assert client.body == b"ab" and cut.reason == "node_lost" and not r.ended
+
+
+async def test_a_slow_write_does_not_count_against_the_read_deadline(autojump_clock):
+    client = Client(delay=4)  # longer than half the deadline, twice
+    r, client, _, _ = await _relay([HEAD + frame(b"a"), frame(b"b"), frame(b"c") + b"0\r\n\r\n",
+                                    "STALL"], client=client, read_timeout=5)
+    assert r.ended and client.body == b"abc"
