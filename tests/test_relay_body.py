@@ -4,6 +4,7 @@ it is kept lazily (one cancel scope per relay), a cut interrupts a read but neve
 broken framing is an error and not a hang, and a body that ended by its framing hands its
 connection back to the pool."""
 
+import socket
 from functools import partial
 
 import h11
@@ -11,6 +12,8 @@ import pytest
 import trio
 import trio.testing
 
+from appliance.http.chunked import ChunkedBody
+from appliance.http.fastio import ChunkedSocket, DirectBody
 from appliance.http.stream import Cut, relay_body
 from appliance.upstream import Pool, UpstreamError
 
@@ -59,47 +62,89 @@ async def _start(nursery, script: list):
 
 
 class Client:
-    """The ASGI `send` of a client; `delay` makes each write wait (a slow client)."""
+    """The client: `direct` -- a DirectBody on a socket pair, its frames decoded by a
+    reader (the relay's fast path) -- or, with direct=False, the ASGI `send`. `delay`
+    makes each write slow: the ASGI send sleeps, the direct reader sleeps between reads
+    of a socket whose buffer is small."""
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, direct: bool, delay: float = 0.0) -> None:
         self.body = b""
         self.delay = delay
+        self.direct: DirectBody | None = None
+        self._sock = self._peer = None
+        if direct:
+            self._sock, self._peer = socket.socketpair()
+            self._sock.setblocking(False)
+            self._peer.setblocking(False)
+            if delay:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                self._peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            self.direct = DirectBody(ChunkedSocket(trio.Lock(), self._sock, lambda: b""))
 
     async def send(self, msg) -> None:
         if self.delay:
             await trio.sleep(self.delay)
         self.body += msg["body"]
 
+    async def read_frames(self) -> None:
+        frames = ChunkedBody()
+        while True:
+            if self.delay:
+                await trio.sleep(self.delay)
+            await trio.lowlevel.wait_readable(self._peer)
+            data = self._peer.recv(1024)
+            if not data:
+                return
+            self.body += frames.feed(data)
 
-async def _relay(script, *, read_timeout=5.0, cut=None, errors=(UpstreamError,), client=None,
-                 trip_at=None):
+    def end(self) -> None:
+        if self._sock is not None:
+            self._sock.shutdown(socket.SHUT_WR)
+
+
+async def _relay(script, *, direct, read_timeout=5.0, cut=None, errors=(UpstreamError,),
+                 client=None, trip_at=None):
+    client = client or Client(direct)
     async with trio.open_nursery() as nursery:
         url, served = await _start(nursery, script)
         pool = Pool()
         resp = await pool.request("POST", url, [], b"{}", read_timeout=read_timeout)
-        client = client or Client()
         if trip_at is not None:
             async def trip():
                 await trio.sleep(trip_at)
                 cut.trip("node_lost")
             nursery.start_soon(trip)
+        reader = trio.Event()
+        if client.direct is not None:
+            async def read():
+                await client.read_frames()
+                reader.set()
+            nursery.start_soon(read)
+        else:
+            reader.set()
         raised = None
         try:
-            r = await relay_body(resp, client.send, cut, errors, b"")
+            r = await relay_body(resp, client.send, cut, errors, b"", client.direct)
         except UpstreamError as e:  # raised outside the nursery: not in an ExceptionGroup
             raised = e
         finally:
             await resp.aclose()
+            client.end()
+        await reader.wait()
         nursery.cancel_scope.cancel()
     if raised is not None:
         raise raised
     return r, client, pool, served
 
 
-async def test_the_read_deadline_counts_from_the_last_read_not_from_the_start(autojump_clock):
+both = pytest.mark.parametrize("direct", [True, False], ids=["direct", "asgi"])
+
+
+@both
+async def test_the_read_deadline_counts_from_the_last_read_not_from_the_start(direct, autojump_clock):
     t0 = trio.current_time()
     script = [HEAD + frame(b"a"), 3, frame(b"b"), 3, frame(b"c"), "STALL"]
-    r, client, _, _ = await _relay(script, read_timeout=5)
+    r, client, _, _ = await _relay(direct=direct, script=script, read_timeout=5)
     # 6 s of tokens, then silence: it ends 5 s after the last byte, not at 5 s (the first
     # deadline, moved lazily) nor ever later.
     assert client.body == b"abc"
@@ -107,13 +152,15 @@ async def test_the_read_deadline_counts_from_the_last_read_not_from_the_start(au
     assert 11 <= trio.current_time() - t0 < 11.1
 
 
-async def test_a_read_deadline_not_in_errors_is_raised(autojump_clock):
+@both
+async def test_a_read_deadline_not_in_errors_is_raised(direct, autojump_clock):
     with pytest.raises(UpstreamError, match="sent nothing for 2 s"):
-        await _relay([HEAD + frame(b"a"), "STALL"], read_timeout=2, errors=())
+        await _relay(direct=direct, script=[HEAD + frame(b"a"), "STALL"], read_timeout=2, errors=())
 
 
-async def test_a_body_that_ends_by_its_framing_ends_the_relay_and_its_connection_is_kept():
-    r, client, pool, _ = await _relay([HEAD + frame(b"a") + frame(b"b"), frame(b"c") + b"0\r\n\r\n",
+@both
+async def test_a_body_that_ends_by_its_framing_ends_the_relay_and_its_connection_is_kept(direct):
+    r, client, pool, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + frame(b"b"), frame(b"c") + b"0\r\n\r\n",
                                        "STALL"])
     assert r.ended and client.body == b"abc" and r.tail == b"bc"[-2:]
     assert pool.idle_count() == 1
@@ -132,8 +179,9 @@ async def test_a_kept_connection_serves_the_next_request():
         nursery.cancel_scope.cancel()
 
 
-async def test_bytes_after_the_body_close_the_connection():
-    _, client, pool, _ = await _relay([HEAD + frame(b"a") + b"0\r\n\r\nJUNK", "STALL"])
+@both
+async def test_bytes_after_the_body_close_the_connection(direct):
+    _, client, pool, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + b"0\r\n\r\nJUNK", "STALL"])
     assert client.body == b"a" and pool.idle_count() == 0
 
 
@@ -141,39 +189,49 @@ async def test_bytes_after_the_body_close_the_connection():
     (b"zz\r\nhello\r\n", b"ok"), (b"1" * 9000, b"ok"), (b"5\nhello\r\n", b"ok"),
     (b"5\r\nhelloXX", b"okhello"),  # the payload before the break is passed on, then the error
 ])
-async def test_broken_framing_is_an_error_not_a_hang(bad, passed, autojump_clock):
+@both
+async def test_broken_framing_is_an_error_not_a_hang(direct, bad, passed, autojump_clock):
     t0 = trio.current_time()
-    r, client, pool, _ = await _relay([HEAD + frame(b"ok") + bad, "STALL"], read_timeout=60)
+    r, client, pool, _ = await _relay(direct=direct, script=[HEAD + frame(b"ok") + bad, "STALL"], read_timeout=60)
     assert client.body == passed
     assert "broke off the response" in r.failure and not r.ended
     assert trio.current_time() - t0 < 1  # at once, not at the read deadline
     assert pool.idle_count() == 0
 
 
-async def test_a_peer_gone_mid_body_is_an_error():
-    r, client, _, _ = await _relay([HEAD + frame(b"a") + b"5\r\nhe", "CLOSE"])
+@both
+async def test_a_peer_gone_mid_body_is_an_error(direct):
+    r, client, _, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + b"5\r\nhe", "CLOSE"])
     assert client.body == b"ahe" and "closed the connection mid-response" in r.failure
 
 
-async def test_a_cut_interrupts_the_read_at_once(autojump_clock):
+@both
+async def test_a_cut_interrupts_the_read_at_once(direct, autojump_clock):
     t0 = trio.current_time()
     cut = Cut()
-    r, client, _, _ = await _relay([HEAD + frame(b"a"), 1, frame(b"b"), "STALL"], cut=cut,
+    r, client, _, _ = await _relay(direct=direct, script=[HEAD + frame(b"a"), 1, frame(b"b"), "STALL"], cut=cut,
                                    read_timeout=100, trip_at=3)
     assert client.body == b"ab" and not r.ended and not r.failure and cut.reason == "node_lost"
     assert 3 <= trio.current_time() - t0 < 3.1
 
 
-async def test_a_cut_never_interrupts_a_write(autojump_clock):
+BIG = b"x" * 60000  # many times the small socket buffers: a direct write of it waits
+
+
+@both
+async def test_a_cut_never_interrupts_a_write(direct, autojump_clock):
     cut = Cut()
-    client = Client(delay=2)  # each write takes 2 s; the cut comes in the middle of one
-    r, client, _, _ = await _relay([HEAD + frame(b"a") + frame(b"b"), "STALL"], cut=cut,
-                                   client=client, read_timeout=100, trip_at=1)
-    assert client.body == b"ab" and cut.reason == "node_lost" and not r.ended
+    # each write is slow (the ASGI send sleeps 2 s; the direct reader takes 1 KiB per 0.05 s
+    # from a 4 KiB buffer, ~3 s for BIG): the cut comes in the middle of one
+    client = Client(direct, delay=2 if not direct else 0.05)
+    r, client, _, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + frame(BIG), "STALL"],
+                                   cut=cut, client=client, read_timeout=100, trip_at=1)
+    assert client.body == b"a" + BIG and cut.reason == "node_lost" and not r.ended
 
 
-async def test_a_slow_write_does_not_count_against_the_read_deadline(autojump_clock):
-    client = Client(delay=4)  # longer than half the deadline, twice
-    r, client, _, _ = await _relay([HEAD + frame(b"a"), frame(b"b"), frame(b"c") + b"0\r\n\r\n",
-                                    "STALL"], client=client, read_timeout=5)
-    assert r.ended and client.body == b"abc"
+@both
+async def test_a_slow_write_does_not_count_against_the_read_deadline(direct, autojump_clock):
+    client = Client(direct, delay=4 if not direct else 0.05)  # each write > half the deadline
+    script = [HEAD + frame(BIG), frame(BIG), frame(b"c") + b"0\r\n\r\n", "STALL"]
+    r, client, _, _ = await _relay(direct=direct, script=script, client=client, read_timeout=2)
+    assert r.ended and client.body == BIG + BIG + b"c"

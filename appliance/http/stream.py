@@ -141,10 +141,28 @@ async def relay_body(body: Body, send: Send, cut: Cut | None,
                      direct: DirectBody | None = None) -> Relayed:
     """`relay_chunks` for a body read with `receive()`, each read bounded by
     `body.read_timeout` (`body.timed_out()` is then the failure, or raised when it is not
-    one of `errors`)."""
+    one of `errors`). With `direct`, the plain loop under one scope; without it (or once
+    the client is gone) the writes go through `send`, outside any scope of the relay's,
+    exactly as `relay_chunks` does."""
     r = Relayed()
     r.tail = tail
+    if direct is not None:
+        left = await _relay_direct(body, cut, errors, direct, r)
+        if left is None:
+            return r
+        # The client is gone: this chunk, and the rest, through ASGI (which meets the
+        # closed connection and tells the app, as before).
+        await send({"type": "http.response.body", "body": left, "more_body": True})
+        r.tail = (r.tail + left)[-2:]
+    return await relay_chunks(_Reads(body), send, cut, errors, r.tail)
+
+
+async def _relay_direct(body: Body, cut: Cut | None, errors: tuple[type[BaseException], ...],
+                        direct: DirectBody, r: Relayed) -> bytes | None:
+    """The plain loop: until the body ends (`r.ended`), fails (`r.failure`) or is cut --
+    then None -- or a direct write fails: then the chunk it did not write."""
     receive = body.receive
+    write = direct.write
     deadline = trio.current_time() + body.read_timeout
     while True:
         scope = cut.reading() if cut is not None else trio.CancelScope()
@@ -155,22 +173,42 @@ async def relay_body(body: Body, send: Send, cut: Cut | None,
                     chunk = await receive()
                     if not chunk:
                         r.ended = True
-                        return r
-                    if direct is None or not await direct.write(chunk):
-                        direct = None
-                        with trio.CancelScope(shield=True):
-                            await send({"type": "http.response.body", "body": chunk,
-                                        "more_body": True})
+                        return None
+                    if not await write(chunk):  # waits in a write are shielded (fastio)
+                        return chunk
                     r.tail = chunk[-2:] if len(chunk) > 1 else (r.tail + chunk)[-2:]
             except errors as e:
                 r.failure = str(e) or type(e).__name__
-                return r
+                return None
         if cut is not None and cut.reason:
-            return r
+            return None
         deadline = body.waited_at + body.read_timeout
         if trio.current_time() >= deadline:
             late = await body.timed_out()
             if isinstance(late, errors):
                 r.failure = str(late)
-                return r
+                return None
             raise late
+
+
+class _Reads:
+    """A Body as `relay_chunks`' iterator: each read bounded by the body's read_timeout."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: Body) -> None:
+        self._body = body
+
+    def __aiter__(self) -> _Reads:
+        return self
+
+    async def __anext__(self) -> bytes:
+        body = self._body
+        try:
+            with trio.fail_after(body.read_timeout):
+                chunk = await body.receive()
+        except trio.TooSlowError:
+            raise await body.timed_out() from None
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
