@@ -17,9 +17,10 @@ the last of those only:
 - `DirectBody` (writes to the client): once hypercorn has sent the response head with
   chunked framing on an HTTP/1.1 connection, each later body message is, on the wire,
   `<hex size>\\r\\n<data>\\r\\n`; h11's ChunkedWriter keeps no count, so frames we write
-  between its own are indistinguishable from its own. They go out under the
-  connection's send lock (taken without a checkpoint when free), with a plain send; only
-  a full socket buffer waits (shielded, as hypercorn's own writes are: a write cut
+  between its own are indistinguishable from its own. They go out with a plain send
+  while the connection's send lock is free (no checkpoint between the look and the
+  send: no other writer can start), under the lock when they must wait; only a full
+  socket buffer waits (shielded, as hypercorn's own writes are: a write cut
   half-way would leave the client's connection in an unknown state). The response still
   ends through ASGI (`more_body: False`: h11 writes the last chunk, hypercorn's
   keep-alive bookkeeping runs as before).
@@ -125,17 +126,23 @@ class DirectBody:
         if not data:
             return True
         frame = b"%x\r\n%b\r\n" % (len(data), data)
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
+        lock = self._lock
+        # The lock is taken only to wait: a write that does not wait has no checkpoint, so
+        # no other task can run (and write) while it is on the wire -- trio is cooperative.
+        held = False
+        if lock.locked():
             with trio.CancelScope(shield=True):  # a cut interrupts reads, never a write
-                await self._lock.acquire()
+                await lock.acquire()
+            held = True
         sock = self._sock
         try:
             if self._head is not None:
                 frame = self._head() + frame
                 self._head = None
             if sock is None:
+                if not held:
+                    lock.acquire_nowait()  # free: no checkpoint since it was seen free
+                    held = True
                 with trio.CancelScope(shield=True):
                     await self._stream.send_all(frame)
             else:
@@ -144,12 +151,16 @@ class DirectBody:
                 except BlockingIOError:
                     n = 0
                 if n < len(frame):
+                    if not held:
+                        lock.acquire_nowait()
+                        held = True
                     await _send_all(sock, frame[n:])
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.broken = True
             return False
         finally:
-            self._lock.release()
+            if held:
+                lock.release()
         return True
 
 
