@@ -14,6 +14,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.config import load
 from appliance.hub import workerset
@@ -208,6 +209,22 @@ async def test_a_connection_carries_one_lease_after_another(autojump_clock, tmp_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_body_the_worker_found_too_large_is_answered_413(autojump_clock, tmp_path):
+    async with trio.open_nursery() as nursery:
+        hub = await make_hub(nursery, tmp_path)
+        w = FakeWorker(hub, nursery, "big")
+        await w.conn.send(Ask("/v1/chat/completions", "openai", [(b"x-request-id", b"big")],
+                              b"", "too_large", 1))
+        answer = await w.conn.recv()
+        assert isinstance(answer, Answer) and answer.status == 413
+        assert json.loads(answer.body)["error"]["code"] == "body_too_large"
+        await w.ask("after", 2)  # the connection carries the next lease
+        assert isinstance(await w.conn.recv(), Go)
+        await w.drop()
+        assert [x["status"] for x in audit_lines(tmp_path, "big")] == [413]
+        nursery.cancel_scope.cancel()
+
+
 # --- the worker set: decisions and shell ---------------------------------------------------
 
 
@@ -278,4 +295,35 @@ async def test_a_dead_worker_is_restarted_with_backoff(autojump_clock):
         assert all(p.returncode == 0 for p in (started[1], started[3]))
         await trio.sleep(60)
         assert len(started) == 4
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_worker_set_says_every_process_in_metrics_and_status(autojump_clock):
+    procs = [FakeProc(), FakeProc()]
+    it = iter(procs)
+
+    async def start() -> FakeProc:
+        return next(it)
+
+    ws = workerset.WorkerSet(3, start)
+    registry = CollectorRegistry()
+    registry.register(ws)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ws.run)
+        procs[1].die(1)
+        await settle()
+        st = ws.status()
+        assert (st["configured"], st["alive"]) == (3, 2)
+        assert [(p["worker"], p["alive"]) for p in st["processes"]] == [
+            ("main", True), ("1", True), ("2", False)]
+        text = generate_latest(registry).decode()
+        assert "appliance_hub_workers 3.0" in text and "appliance_hub_workers_alive 2.0" in text
+        assert "appliance_hub_worker_restarts_total 0.0" in text
+        # The fake pids are not processes: their CPU reads 0; the main's is this process's.
+        assert 'appliance_hub_worker_cpu_seconds{worker="main"}' in text
+        assert 'appliance_hub_worker_cpu_seconds{worker="1"} 0.0' in text
+        assert 'worker="2"' not in text  # a dead worker has no series until it is back
+        [total] = [ln for ln in text.splitlines()
+                   if ln.startswith("appliance_hub_cpu_seconds_total ")]
+        assert float(total.split()[1]) > 0
         nursery.cancel_scope.cancel()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from appliance.asgi import LISTEN_BACKLOG, StartupError
+from appliance.asgi import LISTEN_BACKLOG, BodyTooLarge, StartupError
 from appliance.config import parse_listen
 from appliance.http.errors import ApiError
 from appliance.hub import translate
@@ -218,8 +218,9 @@ async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Eve
                 raise trio.BrokenResourceError("client went away")
             if ask.fail in _REFUSALS:
                 raise _REFUSALS[ask.fail]()
-            body = bytes(limit + 1) if ask.fail == "too_large" else ask.body
-            return {"type": "http.request", "body": body, "more_body": False}
+            if ask.fail == "too_large":  # the router's read_body answers 413 to it
+                raise BodyTooLarge(limit + 1)
+            return {"type": "http.request", "body": ask.body, "more_body": False}
         await gone.wait()
         return {"type": "http.disconnect"}
 
