@@ -5,6 +5,8 @@ framing headers) and mutates bytes; chunked bodies are split and fed in random p
 
 from __future__ import annotations
 
+import re
+
 import h11
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -154,3 +156,85 @@ def test_garbage_chunked_bodies_raise_only_bad_request_and_never_invent_data(wir
     except BadRequest:
         return
     assert len(data) <= used <= len(wire)
+
+
+# --- the live server under mutated requests ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live_server():
+    """A lean server in a thread (hypothesis drives blocking sockets at it)."""
+    import threading
+    from functools import partial
+
+    import trio
+
+    from appliance.asgi import read_body, serve
+
+    async def echo(scope, receive, send):
+        body = await read_body(receive, 1 << 16)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"%d" % len(body)})
+
+    ready: dict = {}
+    started = threading.Event()
+
+    async def main():
+        stop = trio.Event()
+        ready["stop"], ready["token"] = stop, trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as n:
+            ready["addr"] = await n.start(partial(serve, echo, "127.0.0.1:0", "fuzz",
+                                                  shutdown_trigger=stop.wait, drain_seconds=1))
+            started.set()
+
+    t = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    t.start()
+    assert started.wait(10)
+    yield ready["addr"]
+    trio.from_thread.run_sync(ready["stop"].set, trio_token=ready["token"])
+    t.join(10)
+
+
+def _exchange(addr, data: bytes, cuts: list[int]) -> bytes:
+    import socket
+    import time
+
+    s = socket.create_connection(addr, timeout=10)
+    try:
+        pos = 0
+        for c in cuts + [len(data)]:
+            s.sendall(data[pos:pos + c])
+            pos += c
+            if pos >= len(data):
+                break
+            time.sleep(0.001)
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return got
+    except ConnectionResetError:
+        return got
+    finally:
+        s.close()
+
+
+GOOD = (b"POST /v1/x HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello"
+        b"POST /v1/y HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_the_live_server_answers_mutated_requests_or_closes_and_stays_up(live_server, data):
+    raw = bytearray(GOOD)
+    for _ in range(data.draw(st.integers(0, 3))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.sampled_from([0, 10, 13, 32, 48, 58, 70, 255]))
+    cuts = data.draw(st.lists(st.integers(1, 40), max_size=4))
+    got = _exchange(live_server, bytes(raw), cuts)
+    statuses = [int(m) for m in re.findall(rb"HTTP/1\.1 (\d{3}) ", got)]
+    assert set(statuses) <= {200, 400, 431, 500, 501, 505}, got[:300]
+    if bytes(raw) == GOOD:
+        assert statuses == [200, 200] and got.endswith(b"3")
+    assert _exchange(live_server, GOOD, []).count(b"HTTP/1.1 200") == 2  # still serving
