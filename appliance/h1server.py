@@ -337,8 +337,9 @@ class Conn(Sender):
                 self.body_ended = self.body_left == 0
                 return self._deliver(data)
             got = await self._read_body()
-            if not got:
-                return _disconnect()  # the client left (eof set)
+            if not got:  # the client left (eof set) before the body's end: as h11 says, a 400
+                self.bad = BadRequest(400, "the request body ended early")
+                return _disconnect()
             if self.chunks is None and len(got) <= self.body_left:
                 self.body_left -= len(got)
                 self.body_ended = self.body_left == 0
