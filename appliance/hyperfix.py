@@ -1,4 +1,6 @@
 """One correction to hypercorn's trio server, applied once on import by appliance.asgi.
+Since issue 15 hypercorn serves only TLS connections (plain ones: appliance/h1server.py,
+which closes at the peer's end by construction); the fix still holds for those.
 
 Theory of operation: hypercorn 0.18's `TCPServer.run` reads a connection until the peer
 closes it, then leaves its task group -- which waits for every task in it, including
