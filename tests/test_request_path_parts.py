@@ -101,3 +101,37 @@ def test_made_request_ids_are_unique_hex_and_a_clients_sane_one_is_kept():
     for bad in (b"", b"a b", b"a\r\nb", b"x" * (MAX_LEN + 1), "é".encode()):
         made = request_id([(b"x-request-id", bad)])
         assert made != bad.decode("latin-1") and len(made) == 32
+
+
+BODIES = [
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}',
+    b'{"model": "m", "keep_alive": "5m", "x": {"deep": [1, 2, {"a": null}]}}',
+    b'{"model": "m", "model": "n"}',
+    b'{"model": 5}', b'{"stream": true}', b'{"model": "m", "stream": 1}', b"[1, 2]", b'"m"',
+    b"", b"{", b'{"model": "m"', b'{"model": 5, "x": ', b"nul", b"[" * 100000 + b"]" * 100000,
+    b'{"model": "m", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+]
+
+
+def test_one_decode_answers_what_two_did():
+    from appliance.http.errors import ApiError
+    from appliance.hub.router import decode_body, decode_request
+    from appliance.hub.translate import decode_object
+
+    for body in BODIES:
+        try:
+            want = (decode_request(body), decode_object(body))
+        except ApiError as e:
+            want = e
+        try:
+            got = decode_body(body)
+        except ApiError as e:
+            got = e
+        if isinstance(want, ApiError):
+            assert isinstance(got, ApiError), body[:40]
+            assert (got.status, got.code, got.message) == (want.status, want.code,
+                                                           want.message), body[:40]
+        else:
+            assert not isinstance(got, ApiError), body[:40]
+            assert (got[0].model, got[0].stream, got[0].keep_alive, got[1]) == (
+                want[0].model, want[0].stream, want[0].keep_alive, want[1])

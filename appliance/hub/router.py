@@ -21,7 +21,7 @@ import fnmatch
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -96,6 +96,22 @@ def decode_request(body: bytes) -> _Req:
         raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
 
 
+def decode_body(body: bytes) -> tuple[_Req, dict[str, Any]]:
+    """The fields the router reads and the whole JSON object, from one decode (the object
+    is what translate.prepare checks: a long prompt is parsed once, not twice). Any error
+    is decode_request's own, word for word."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        obj = None
+    if isinstance(obj, dict):
+        try:
+            return msgspec.convert(obj, _Req), obj
+        except msgspec.ValidationError:
+            pass
+    return decode_request(body), translate.decode_object(body)  # raises, in its words
+
+
 async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
                            api: str, relay: RelayFn | None = None) -> None:
     """One POST to an inference route: exactly one audit line and one count, whatever ends
@@ -131,7 +147,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         except BodyTooLarge:
             raise ApiError(413, "body_too_large",
                            f"body over Hub__MaxBodyBytes ({limit} bytes)") from None
-        asked = decode_request(body)
+        asked, obj = decode_body(body)
         if not hub.grace.over() and not _ready(hub, asked.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
             if not await _wait_grace(hub, receive, asked.model, req.scope):
@@ -144,7 +160,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         if not allowed(client, model) or not hub.control.known(model):
             raise ApiError(404, "model_not_found", f"model {echo(asked.model)!r} not found")
         req.label = model
-        prep = translate.prepare(req.path, req.api, body, asked.model, model)
+        prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
     except ApiError as e:
         await req.send_error(e)

@@ -120,9 +120,12 @@ def _with_model(body: bytes, obj: dict, given: str, model: str) -> bytes:
     return enc.encode({**obj, "model": model})
 
 
-def prepare(path: str, api: str, body: bytes, given: str, model: str) -> Prepared:
-    """Check and translate once; `given` is the body's model name, `model` the resolved one."""
-    obj = decode_object(body)
+def prepare(path: str, api: str, body: bytes, given: str, model: str,
+            obj: dict | None = None) -> Prepared:
+    """Check and translate once; `given` is the body's model name, `model` the resolved one;
+    `obj` the body already decoded (a JSON object), else it is decoded here."""
+    if obj is None:
+        obj = decode_object(body)
     fwd = _with_model(body, obj, given, model)
     if path in _OPENAI_CHECKS:
         return Prepared(path, api, fwd, refused=_OPENAI_CHECKS[path](obj))
@@ -183,7 +186,8 @@ def resolve(name: str, known: Callable[[str], bool]) -> str:
     return name
 
 
-__all__ = ["OPENAI_ONLY", "Plan", "Prepared", "Relay", "engine_kind", "prepare", "resolve"]
+__all__ = ["OPENAI_ONLY", "Plan", "Prepared", "Relay", "decode_object", "engine_kind", "prepare",
+           "resolve"]
 
 
 def engine_kind(state) -> str:
