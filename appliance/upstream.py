@@ -13,7 +13,11 @@ extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by
 non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
 -- otherwise each sits in CLOSE-WAIT holding an fd. On a plain TCP connection the request
 goes out with a plain send and every read waits once, then reads (appliance/http/fastio.py):
-trio's socket calls would add a scheduler round trip to each.
+trio's socket calls would add a scheduler round trip to each. The request head is written
+and the response head read by appliance/http/h1client.py (plain functions: h11's events
+and state machine cost ~40 us per exchange); a short answer whose body came with its head
+is handed over whole (`Response.whole`: no read, no deadline). Only a close-delimited
+body (no length) is read through h11, primed with the request as if it had sent it.
 
 Timeouts belong to the caller's configuration: connecting is bounded by
 CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
@@ -33,6 +37,14 @@ import trio
 
 from appliance.http.chunked import BodyError, ChunkedBody, SizedBody
 from appliance.http.fastio import plain_socket, recv_some
+from appliance.http.h1client import (
+    CHUNKED,
+    CLOSE,
+    BrokenResponse,
+    ResponseHead,
+    encode_request,
+    parse_response_head,
+)
 
 # Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
 CONNECT_SECONDS = 5.0
@@ -64,7 +76,8 @@ def _before_answer(e: BaseException, read_timeout: float) -> str:
     "can't handle event type ConnectionClosed when role=SERVER"."""
     if isinstance(e, trio.TooSlowError):
         return f"did not answer within {read_timeout:g} s"
-    if isinstance(e, h11.RemoteProtocolError) and "ConnectionClosed" not in str(e):
+    if isinstance(e, BrokenResponse) or (isinstance(e, h11.RemoteProtocolError)
+                                         and "ConnectionClosed" not in str(e)):
         return f"sent a broken response ({e})"
     if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError,
                       h11.RemoteProtocolError)):
@@ -138,20 +151,32 @@ class Response:
     on, h11 never sees the body: its per-event cost was ~8% of a relayed token's); any
     other framing (close-delimited, TLS peers included) through h11 as before."""
 
-    def __init__(self, pool: Pool, key, conn: _Conn, ev: h11.Response, read_timeout: float) -> None:
+    def __init__(self, pool: Pool, key, conn: _Conn, ev: h11.Response | None,
+                 read_timeout: float, head: ResponseHead | None = None,
+                 early: bytes = b"") -> None:
         self._pool = pool
         self._key = key
         self._conn: _Conn | None = conn
-        self.status_code = ev.status_code
-        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
         self.read_timeout = read_timeout
         # trio time the read in progress (or the last one) began waiting: a relay's deadline.
         # A wait cancelled and taken up again (the relay's lazy deadline fired early) is the
         # same wait: `_waiting` keeps its start.
         self.waited_at = 0.0
         self._waiting = False
+        self._keep = True  # the connection may serve another request after this one
+        self._body: ChunkedBody | SizedBody | None
+        if head is not None:  # read by h1client (Pool._exchange): the usual case
+            self.status_code = head.status_code
+            self.headers = head.headers
+            self._body = ChunkedBody() if head.framing == CHUNKED else SizedBody(head.length)
+            self._early = early  # body bytes that came with the head
+            self._keep = head.keep_alive
+            return
+        assert ev is not None
+        self.status_code = ev.status_code
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
         self._body = _body_reader(conn.h11)
-        self._early = b""  # body bytes that came with the head
+        self._early = b""
         if self._body is not None:
             self._early = conn.h11.trailing_data[0]
 
@@ -215,6 +240,23 @@ class Response:
         await self._discard()
         return UpstreamError(f"sent nothing for {self.read_timeout:g} s mid-response",
                              before_response=False)
+
+    def whole(self) -> bytes | None:
+        """The whole body when it came with the head (a short answer with its length: no
+        read, no deadline, the connection back in the pool at once), else None."""
+        body = self._body
+        if (type(body) is SizedBody and self._conn is not None and self._early
+                and body.remaining == len(self._early)):
+            data, self._early = self._early, b""
+            body.feed(data)
+            self._finish(body)
+            return data
+        return None
+
+    @property
+    def released(self) -> bool:
+        """The exchange is over: the connection went back to the pool or was closed."""
+        return self._conn is None
 
     async def receive_within(self) -> bytes:
         """`receive`, bounded by `read_timeout` (UpstreamError when it runs out)."""
@@ -280,17 +322,21 @@ class Response:
         conn = self._conn
         if conn is None:
             return
-        if body.leftover or self._early:
+        if body.leftover or self._early or not self._keep:
             self._conn = None
             conn.close_now()
             return
-        conn.h11 = _new_h11()
+        if conn.h11.our_state is not h11.IDLE:
+            conn.h11 = _new_h11()
         self._release()
 
     def _release(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            self._pool._put(self._key, conn)
+            if self._keep:
+                self._pool._put(self._key, conn)
+            else:
+                conn.close_now()
 
     async def _discard(self) -> None:
         conn, self._conn = self._conn, None
@@ -414,8 +460,7 @@ class Pool:
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
         given = {k for k, _ in headers}
         hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *(kv for kv in self._headers
-                                                              if kv[0] not in given), *headers,
-                (b"content-length", str(len(body)).encode())]
+                                                              if kv[0] not in given), *headers]
         for attempt in (0, 1):
             conn = self._get(key) if attempt == 0 else None
             reused = conn is not None
@@ -431,16 +476,13 @@ class Pool:
 
     async def _exchange(self, key, conn: _Conn, method, target, hdrs, body,
                         read_timeout) -> Response:
-        c = conn.h11
-        out = c.send(h11.Request(method=method, target=target, headers=hdrs))
-        if body:
-            out += c.send(h11.Data(data=body))
-        out += c.send(h11.EndOfMessage())
         try:
-            await _send_all(conn, out)
+            # ValueError (a header that would split the request) goes through: our bug
+            await _send_all(conn, encode_request(method, target, hdrs, len(body)) + body)
+            buf = b""
             while True:
-                ev = c.next_event()
-                if ev is h11.NEED_DATA:
+                got = parse_response_head(buf, method == "HEAD")
+                if got is None:
                     # fail_after's own layers (two context managers) cost more than the read
                     with trio.CancelScope(deadline=trio.current_time() + read_timeout) as cs:
                         data: bytes | bytearray = b""
@@ -450,15 +492,27 @@ class Pool:
                             data = await conn.stream.receive_some(READ_BYTES)
                     if cs.cancelled_caught:
                         raise trio.TooSlowError
-                    c.receive_data(bytes(data))
+                    if not data:
+                        raise UpstreamError("closed the connection before answering")
+                    buf += data
                     continue
-                if isinstance(ev, h11.InformationalResponse):
+                head, used = got
+                if head.status_code < 200:
+                    if head.status_code == 101:  # we never ask to switch protocols
+                        raise BrokenResponse("101 Switching Protocols")
+                    buf = buf[used:]  # 100 Continue, 103 Early Hints: the answer follows
                     continue
-                if isinstance(ev, h11.Response):
-                    return Response(self, key, conn, ev, read_timeout)
-                raise UpstreamError("closed the connection before answering")
+                if head.framing == CLOSE:
+                    # No length: the body runs to the close; h11 reads it, as it did.
+                    return self._h11_response(key, conn, method, target, hdrs, body, buf,
+                                              read_timeout)
+                return Response(self, key, conn, None, read_timeout, head, buf[used:])
+        except UpstreamError:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+            raise
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError,
-                h11.RemoteProtocolError) as e:
+                h11.RemoteProtocolError, BrokenResponse) as e:
             with trio.move_on_after(1, shield=True):
                 await conn.stream.aclose()
             raise UpstreamError(_before_answer(e, read_timeout)) from None
@@ -466,6 +520,26 @@ class Pool:
             with trio.move_on_after(1, shield=True):
                 await conn.stream.aclose()
             raise
+
+    def _h11_response(self, key, conn: _Conn, method, target, hdrs, body, raw: bytes,
+                      read_timeout) -> Response:
+        """A close-delimited answer, read by h11: its state as if it had sent the request,
+        then what came so far."""
+        c = conn.h11 = _new_h11()
+        c.send(h11.Request(method=method, target=target,
+                           headers=[*hdrs, (b"content-length", b"%d" % len(body))]))
+        if body:
+            c.send(h11.Data(data=body))
+        c.send(h11.EndOfMessage())
+        c.receive_data(raw)
+        while True:
+            ev = c.next_event()
+            if isinstance(ev, h11.Response):
+                resp = Response(self, key, conn, ev, read_timeout)
+                resp._keep = False  # its end is the connection's
+                return resp
+            if not isinstance(ev, h11.InformationalResponse):
+                raise UpstreamError("sent a broken response")
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, {}

@@ -182,6 +182,11 @@ class SizedBody:
     def done(self) -> bool:
         return self._owed == 0
 
+    @property
+    def remaining(self) -> int:
+        """Payload bytes still to come."""
+        return self._owed
+
     def feed(self, data: bytes) -> bytes:
         if len(data) <= self._owed:
             self._owed -= len(data)

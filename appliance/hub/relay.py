@@ -101,14 +101,16 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             with cut.reading():
                 why = (await resp.read())[:200]
             return False, f"answered 503 ({why.decode(errors='replace')})"
-        first = None
-        with cut.reading():
-            try:
-                first = await (resp.receive_within() if chunks is None else chunks.__anext__())
-            except StopAsyncIteration:
-                first = b""
-            except UpstreamError as e:
-                return False, str(e)
+        first = resp.whole() if chunks is None else None  # a short answer: no read to wait on
+        if first is None:
+            with cut.reading():
+                try:
+                    first = await (resp.receive_within() if chunks is None
+                                   else chunks.__anext__())
+                except StopAsyncIteration:
+                    first = b""
+                except UpstreamError as e:
+                    return False, str(e)
         if first is None:
             return cut_before_answer(cut)
         req.node = node.name
@@ -160,7 +162,8 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             req.finish()
         return True, ""
     finally:
-        with trio.move_on_after(1, shield=True):
-            if raw is not None:
-                await raw.aclose()
-            await resp.aclose()
+        if raw is not None or not resp.released:
+            with trio.move_on_after(1, shield=True):
+                if raw is not None:
+                    await raw.aclose()
+                await resp.aclose()

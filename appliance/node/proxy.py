@@ -163,6 +163,13 @@ class EngineProxy:
                                            self.cfg.node.upstream_read_seconds)
             out = [(k.encode(), resp.headers[k].encode("latin-1")) for k in FORWARD_RESPONSE
                    if k in resp.headers]
+            whole = resp.whole()
+            if whole is not None:  # a short answer, whole with its head: one message
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": out})
+                outcome.append(str(resp.status_code))
+                await send({"type": "http.response.body", "body": whole, "more_body": False})
+                return
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
             started = True
             # an UpstreamError (the engine broke off, or its read deadline) goes through
@@ -183,7 +190,7 @@ class EngineProxy:
                     event = stream_error(ctype, api, "engine_error", why, status=502)
                     await send({"type": "http.response.body", "body": event, "more_body": False})
         finally:
-            if resp is not None:
+            if resp is not None and not resp.released:
                 with trio.move_on_after(1, shield=True):
                     await resp.aclose()
 
