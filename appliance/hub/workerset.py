@@ -213,11 +213,11 @@ class WorkerSet:
                      len(self.slots) + 1)
         yield _gauge("appliance_hub_workers_alive", "Of them, running now (the main counts).",
                      sum(1 for p in procs if p["alive"]))
-        c = CounterMetricFamily("appliance_hub_worker_restarts",
+        c = CounterMetricFamily("appliance_hub_worker_restarts_total",  # (family: no _total)
                                 "Hub workers restarted after they exited.")
         c.add_metric([], self.restarts)
         yield c
-        c = CounterMetricFamily("appliance_hub_cpu_seconds",
+        c = CounterMetricFamily("appliance_hub_cpu_seconds_total",
                                 "CPU of the whole hub: the main process and its workers.")
         c.add_metric([], self.cpu_seconds(procs))
         yield c
