@@ -163,26 +163,37 @@ class Conn(Sender):
         limits = sh.limits
         deadline = (started + limits.header_read_seconds if started is not None
                     else trio.current_time() + limits.header_read_seconds if self.buf else None)
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(self.buf) > sh.max_head:
-                await self._refuse_raw(431, "request head too large")
-                return None
-            if sh.terminating and not self.buf:
-                return None
-            if deadline is None:  # kept alive, idle: its bound; the first byte starts the head's
-                data = await self._wait(trio.current_time() + sh.keep_alive)
-                if data:
-                    deadline = trio.current_time() + limits.header_read_seconds
-            else:
-                data = await self._wait(deadline)
-                if data is None and self.buf:
-                    await self._refuse_raw(408, "request head not received in time")
-            if not data:
-                return None
-            self.buf += data
+        buf: bytes | bytearray = self.buf
+        scan = 0
+        try:
+            while True:
+                end = buf.find(b"\r\n\r\n", scan)
+                if end >= 0:
+                    break
+                scan = max(0, len(buf) - 3)  # a trickled head is searched once, not per byte
+                if len(buf) > sh.max_head:
+                    await self._refuse_raw(431, "request head too large")
+                    return None
+                if sh.terminating and not buf:
+                    return None
+                if deadline is None:  # kept alive, idle: its bound; a first byte starts the head's
+                    data = await self._wait(trio.current_time() + sh.keep_alive)
+                    if data:
+                        deadline = trio.current_time() + limits.header_read_seconds
+                else:
+                    data = await self._wait(deadline)
+                    if data is None and buf:
+                        await self._refuse_raw(408, "request head not received in time")
+                if not data:
+                    return None
+                if not buf:
+                    buf = data  # most heads come whole: no copy
+                else:
+                    if isinstance(buf, bytes):
+                        buf = bytearray(buf)  # a trickled one grows in place
+                    buf += data
+        finally:
+            self.buf = bytes(buf)
         if end > sh.max_head:
             await self._refuse_raw(431, "request head too large")
             return None

@@ -387,3 +387,15 @@ async def test_app_heads_are_written_once_and_a_bad_one_is_a_500():
     assert first.count(b"content-length: 2\r\n") == 1 and b"x-value: ok\r\n" in first
     assert b"transfer-encoding" not in first  # the framing is the server's
     assert second.startswith(b"HTTP/1.1 500") and b"smuggled" not in second
+
+
+async def test_a_head_trickled_byte_by_byte_is_read_whole():
+    async with running(echo) as (host, port, _):
+        stream = await trio.open_tcp_stream(host, port)
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        data = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+        for i in range(len(data)):
+            await stream.send_all(data[i:i + 1])
+            await trio.sleep(0.001)
+        raw = await until_closed(stream)
+    assert raw.startswith(b"HTTP/1.1 200") and json.loads(raw.partition(b"\r\n\r\n")[2])["n"] == 2
