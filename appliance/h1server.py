@@ -390,23 +390,28 @@ class Conn(Sender):
         if self.done or self.eof:
             return _disconnect()
         sock = self.sock
-        with trio.CancelScope() as cs:
-            self._waiter = cs
-            while True:
-                if len(self.buf) >= MAX_PIPELINED:
-                    await trio.sleep_forever()  # read no further until the answer is out
-                await trio.lowlevel.wait_readable(sock)
-                try:
-                    data = sock.recv(MAX_RECV)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
-                    self.eof = True
-                    break
-                self.buf += data
-        self._waiter = None
+        extra = bytearray()  # pipelined bytes (grown in place, however they trickle in)
+        try:
+            with trio.CancelScope() as cs:
+                self._waiter = cs
+                while True:
+                    if len(self.buf) + len(extra) >= MAX_PIPELINED:
+                        await trio.sleep_forever()  # read no further until the answer is out
+                    await trio.lowlevel.wait_readable(sock)
+                    try:
+                        data = sock.recv(MAX_RECV)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        self.eof = True
+                        break
+                    extra += data
+        finally:
+            self._waiter = None
+            if extra:
+                self.buf += bytes(extra)
         return _disconnect()
 
     def stop_waiting(self) -> None:

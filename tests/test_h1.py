@@ -399,3 +399,26 @@ async def test_a_head_trickled_byte_by_byte_is_read_whole():
             await trio.sleep(0.001)
         raw = await until_closed(stream)
     assert raw.startswith(b"HTTP/1.1 200") and json.loads(raw.partition(b"\r\n\r\n")[2])["n"] == 2
+
+
+async def test_a_request_pipelined_while_an_answer_streams_is_kept_for_after_it():
+    async def app(scope, receive, send):
+        await read_body(receive, 10)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        async with cancel_on_disconnect(receive) as gone:  # reads the socket meanwhile
+            await send({"type": "http.response.body", "body": scope["path"].encode(),
+                        "more_body": True})
+            await trio.sleep(0.3)
+        assert not gone.gone
+        await send({"type": "http.response.body", "body": b"!"})
+
+    async with running(app) as (host, port, _):
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(10):
+            assert b"/first" in await stream.receive_some(65536)
+        for part in (b"GET /sec", b"ond HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"):
+            await stream.send_all(part)  # while /first is still streaming
+            await trio.sleep(0.05)
+        raw = await until_closed(stream)
+    assert raw.count(b"HTTP/1.1 200") == 1 and b"/second" in raw and raw.endswith(b"0\r\n\r\n")
