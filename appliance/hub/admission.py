@@ -2,9 +2,9 @@
 
 Theory of operation: every decision is made by the synchronous core (`AdmissionCore`,
 `SlotQueues`); this file only waits. A request that must wait gets a `trio.Event`; the
-registry calls `_on_change` synchronously on every change (node state, node lost, a
-request finishing), the core says which waiters may go now, and their events are set --
-no polling. A waiter's bound comes from configuration and is applied here, at the call
+registry calls `_on_change` synchronously on every change (node state, node lost;
+`_wake_waiters` alone when a request finishes: the fleet's shape is the same), the core
+says which waiters may go now, and their events are set -- no polling. A waiter's bound comes from configuration and is applied here, at the call
 site (`trio.move_on_after`). A waiter whose client hangs up is cancelled: it leaves the
 queue at once, and a place it was already granted goes to the next waiter. Running work
 is never touched.
@@ -122,7 +122,7 @@ class Admission:
             metrics_registry.register(QueueCollector(self.core))
             if self.enabled:
                 metrics_registry.register(self._priority_collector)
-        registry.add_listener(self._on_change)
+        registry.add_listener(self._on_change, on_finish=self._wake_waiters)
 
     def reload(self, cfg: Config) -> None:
         """New settings apply to new waiters; one that waits keeps its bound."""
@@ -199,6 +199,10 @@ class Admission:
         if shape != self._shape:
             self._shape = shape
             self._ready.clear()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Whoever may go now goes (every change; a finished request changes no shape)."""
         for model in self.core.waiting_models():
             self._dispatch(model)
         for node, model in self.slots.keys():
