@@ -4,10 +4,10 @@ Theory of operation: every decision is made by the synchronous core (`AdmissionC
 `SlotQueues`); this file only waits. A request that must wait gets a `trio.Event`; the
 registry calls `_on_change` synchronously on every change (node state, node lost;
 `_wake_waiters` alone when a request finishes: the fleet's shape is the same), the core
-says which waiters may go now, and their events are set -- no polling. A waiter's bound comes from configuration and is applied here, at the call
-site (`trio.move_on_after`). A waiter whose client hangs up is cancelled: it leaves the
-queue at once, and a place it was already granted goes to the next waiter. Running work
-is never touched.
+says which waiters may go now, and their events are set -- no polling. A waiter's bound
+comes from configuration and is applied here, at the call site (`trio.move_on_after`). A
+waiter whose client hangs up is cancelled: it leaves the queue at once, and a place it was
+already granted goes to the next waiter. Running work is never touched.
 
 A request's place is one `async with admission.place(model, cls, client, in_flight) as p`:
 admitted on entry (or ApiError: queue_full, queue_timeout, priority_wait_timeout), then
