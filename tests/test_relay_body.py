@@ -15,6 +15,7 @@ import trio.testing
 from appliance.http.chunked import ChunkedBody
 from appliance.http.fastio import ChunkedSocket, DirectBody
 from appliance.http.stream import Cut, relay_body
+from appliance.hub.translate import Converted
 from appliance.upstream import Pool, UpstreamError
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -235,3 +236,47 @@ async def test_a_slow_write_does_not_count_against_the_read_deadline(direct, aut
     script = [HEAD + frame(BIG), frame(BIG), frame(b"c") + b"0\r\n\r\n", "STALL"]
     r, client, _, _ = await _relay(direct=direct, script=script, client=client, read_timeout=2)
     assert r.ended and client.body == BIG + BIG + b"c"
+
+
+class Upper:
+    """A converter that parses nothing: upper-cases, and ends with b"END"."""
+
+    content_type = b"text/plain"
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk.upper()
+
+    def end(self) -> bytes:
+        return b"END"
+
+
+@both
+async def test_a_translated_answer_goes_through_the_converter_with_the_same_deadline(
+        direct, autojump_clock):
+    async with trio.open_nursery() as nursery:
+        url, _ = await _start(nursery, [HEAD + frame(b"a"), 2, frame(b"b") + b"0\r\n\r\n"])
+        resp = await Pool().request("POST", url, [], b"{}", read_timeout=5)
+        client = Client(direct)
+        if client.direct is not None:
+            nursery.start_soon(client.read_frames)
+        body = Converted(resp, Upper())
+        r = await relay_body(body, client.send, Cut(), (UpstreamError,), b"", client.direct)
+        client.end()
+        await trio.sleep(0.1)
+        assert r.ended and body.ended and client.body == b"ABEND"
+        await resp.aclose()
+        nursery.cancel_scope.cancel()
+    # silence after the first event: the read deadline, through the converter
+    async with trio.open_nursery() as nursery:
+        url, _ = await _start(nursery, [HEAD + frame(b"a"), "STALL"])
+        resp = await Pool().request("POST", url, [], b"{}", read_timeout=5)
+        client = Client(direct)
+        if client.direct is not None:
+            nursery.start_soon(client.read_frames)
+        t0 = trio.current_time()
+        r = await relay_body(Converted(resp, Upper()), client.send, Cut(), (UpstreamError,),
+                             b"", client.direct)
+        assert "sent nothing for 5 s" in r.failure and 5 <= trio.current_time() - t0 < 5.1
+        await resp.aclose()
+        client.end()
+        nursery.cancel_scope.cancel()

@@ -8,7 +8,7 @@ import pytest
 
 from appliance.http.errors import ApiError
 from appliance.hub.translate import (
-    Relay,
+    Converted,
     anthropic,
     engine_kind,
     ollama,
@@ -241,16 +241,27 @@ def test_engine_kind_and_error_converter_and_sse_reader():
         b":1}\r\n\r\nevent: x\ndata: [DONE]\n") == [b'{"a":1}', b"[DONE]"]
 
 
-async def test_relay_hands_out_converted_chunks_and_the_tail():
-    async def gen():
-        yield b"data: " + json.dumps(chunk("a")).encode()
-        yield b"\n\n"
-        yield b"data: [DONE]\n\n"
+async def test_converted_hands_out_converted_chunks_and_the_tail():
+    class Body:  # a node's answer, read by read (appliance.upstream.Response's receive)
+        read_timeout, waited_at = 5.0, 0.0
 
-    relay = Relay(gen(), ollama.ChatConverter("m", stream=True, chat=True))
-    got = [x async for x in relay]
+        def __init__(self) -> None:
+            self.reads = [b"data: " + json.dumps(chunk("a")).encode(), b"\n\n",
+                          b"data: [DONE]\n\n"]
+
+        async def receive(self) -> bytes:
+            return self.reads.pop(0) if self.reads else b""
+
+        async def timed_out(self) -> Exception:
+            return TimeoutError()
+
+    relay = Converted(Body(), ollama.ChatConverter("m", stream=True, chat=True))
+    got = []
+    while out := await relay.receive():
+        got.append(out)
     assert relay.ended and json.loads(got[0])["message"]["content"] == "a"
     assert json.loads(got[-1].splitlines()[-1])["done"] is True
+    assert await relay.receive() == b""  # and it stays ended
 
 
 # --- Anthropic Messages ------------------------------------------------------------------

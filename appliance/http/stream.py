@@ -126,10 +126,13 @@ async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None
 
 
 class Body(Protocol):
-    """What `relay_body` reads (appliance.upstream.Response)."""
+    """What `relay_body` reads (appliance.upstream.Response, appliance.hub.relay.Converted)."""
 
-    read_timeout: float
-    waited_at: float  # trio time the read in progress began waiting
+    @property
+    def read_timeout(self) -> float: ...
+
+    @property
+    def waited_at(self) -> float: ...  # trio time the read in progress began waiting
 
     async def receive(self) -> bytes: ...  # b"" at the end; safe to cancel
 

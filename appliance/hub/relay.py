@@ -2,10 +2,11 @@
 
 Theory of operation: `relay_from(node, ...)` sends one attempt of a request to one node and
 copies its answer to the client byte for byte (`appliance.http.stream.relay_body`: one plain
-loop, no parsing), or with the API translation `plan` asks for (`relay_chunks` over the
-converter). It waits for the node's first body chunk before it
-answers the client, so a node that fails before the first byte -- refused (503), broke off,
-was declared lost -- is reported back as `(False, why)` and the router may try another.
+loop, no parsing), or with the API translation `plan` asks for (`translate.Converted`: the
+same loop, every read's payload through the converter). It waits for the node's first body
+chunk before it answers the client, so a node that fails before the first byte -- refused
+(503), broke off, was declared lost -- is reported back as `(False, why)` and the router may
+try another.
 Two events may end the copy before the node does: the node declared lost (its handle's
 `lost` event: a SIGSTOPped node would otherwise hold its streams for
 Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` is tripped by
@@ -28,10 +29,10 @@ import trio
 
 from appliance.http.errors import ApiError, Headers
 from appliance.http.fastio import DirectBody
-from appliance.http.stream import Cut, relay_body, relay_chunks, stream_error
+from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
 from appliance.hub.flag import Flag
-from appliance.upstream import Pool, UpstreamError
+from appliance.upstream import Pool, Response, UpstreamError
 
 if TYPE_CHECKING:
     from appliance.hub.nodes import NodeHandle
@@ -42,6 +43,15 @@ log = logging.getLogger("appliance.hub.router")
 # Retry-After of a request cut by the drain before its first byte: another hub, or this
 # one restarted, takes it a moment later.
 SHUTTING_DOWN_RETRY_AFTER = 5.0
+
+
+async def receive_within(body: Response | translate.Converted) -> bytes:
+    """`body.receive()` bounded by its read_timeout (the answer's first read)."""
+    try:
+        with trio.fail_after(body.read_timeout):
+            return await body.receive()
+    except trio.TooSlowError:
+        raise await body.timed_out() from None
 
 
 def cut_before_answer(cut: Cut) -> tuple[bool, str]:
@@ -90,10 +100,9 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
     if resp is None:
         return cut_before_answer(cut)
     conv = plan.converter(resp.status_code)
-    # Passed through: read with resp.receive (relay_body); translated: the converter
-    # parses the events (an iterator over resp.chunks()).
-    raw = None if conv is None else resp.chunks()
-    chunks = None if raw is None or conv is None else translate.Relay(raw, conv)
+    # Passed through: the node's payload as it is; translated: through the converter,
+    # which parses every event. Both read by relay_body's one loop.
+    body: Response | translate.Converted = resp if conv is None else translate.Converted(resp, conv)
     try:
         if resp.status_code == 503:
             # The node (paused, full) or its engine (still loading) refused: try another.
@@ -101,14 +110,11 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             with cut.reading():
                 why = (await resp.read())[:200]
             return False, f"answered 503 ({why.decode(errors='replace')})"
-        first = resp.whole() if chunks is None else None  # a short answer: no read to wait on
+        first = resp.whole() if conv is None else None  # a short answer: no read to wait on
         if first is None:
             with cut.reading():
                 try:
-                    first = await (resp.receive_within() if chunks is None
-                                   else chunks.__anext__())
-                except StopAsyncIteration:
-                    first = b""
+                    first = await receive_within(body)
                 except UpstreamError as e:
                     return False, str(e)
         if first is None:
@@ -121,8 +127,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             clen = resp.headers.get("content-length")
         else:
             ctype = conv.content_type.decode()
-            ended = chunks is not None and chunks.ended
-            clen = str(len(first)) if ended else None
+            clen = str(len(first)) if isinstance(body, translate.Converted) and body.ended else None
         start_headers = [(b"content-type", ctype.encode()), *req.id_headers()]
         if clen is not None and clen.isdigit() and int(clen) == len(first):
             # A whole answer in the first read (every short, non-streamed one): one
@@ -137,10 +142,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             await req.send({"type": "http.response.body", "body": first, "more_body": True})
             tail = first[-2:]
         direct = DirectBody.open(req.scope)
-        if chunks is None:
-            relayed = await relay_body(resp, req.send, cut, (UpstreamError,), tail, direct)
-        else:
-            relayed = await relay_chunks(chunks, req.send, cut, (UpstreamError,), tail, direct)
+        relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail, direct)
         if relayed.ended:
             await req.send_last(b"")
             return True, ""
@@ -162,8 +164,6 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             req.finish()
         return True, ""
     finally:
-        if raw is not None or not resp.released:
+        if not resp.released:
             with trio.move_on_after(1, shield=True):
-                if raw is not None:
-                    await raw.aclose()
                 await resp.aclose()

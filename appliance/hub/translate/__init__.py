@@ -186,8 +186,8 @@ def resolve(name: str, known: Callable[[str], bool]) -> str:
     return name
 
 
-__all__ = ["OPENAI_ONLY", "Plan", "Prepared", "Relay", "decode_object", "engine_kind", "prepare",
-           "resolve"]
+__all__ = ["OPENAI_ONLY", "Converted", "Plan", "Prepared", "decode_object", "engine_kind",
+           "prepare", "resolve"]
 
 
 def engine_kind(state) -> str:
@@ -197,30 +197,50 @@ def engine_kind(state) -> str:
     return state.engines[0].kind
 
 
-class Relay:
-    """An upstream body iterator whose chunks go through a converter; `ended` once the
-    converter's last bytes were handed out. A class, not an async generator, so closing
-    the upstream stays the caller's (no generator left for the GC to finalize)."""
+class Body(Protocol):
+    """A node's answer as `Converted` reads it (appliance.upstream.Response)."""
 
-    def __init__(self, chunks, conv: Converter) -> None:
-        self._chunks = chunks
+    read_timeout: float
+    waited_at: float
+
+    async def receive(self) -> bytes: ...
+
+    async def timed_out(self) -> Exception: ...
+
+
+class Converted:
+    """A translated answer for appliance/http/stream.py's `relay_body`: the node's payload
+    through `conv` (which parses every event); `ended` once the converter's last bytes
+    were handed out. Not an async generator: one loop reads it, and closing the upstream
+    stays the caller's."""
+
+    __slots__ = ("_body", "_conv", "ended")
+
+    def __init__(self, body: Body, conv: Converter) -> None:
+        self._body = body
         self._conv = conv
         self.ended = False
 
-    def __aiter__(self) -> Relay:
-        return self
+    @property
+    def read_timeout(self) -> float:
+        return self._body.read_timeout
 
-    async def __anext__(self) -> bytes:
+    @property
+    def waited_at(self) -> float:
+        return self._body.waited_at
+
+    async def timed_out(self) -> Exception:
+        return await self._body.timed_out()
+
+    async def receive(self) -> bytes:
+        """The converter's output for the next reads (b"" once it ended); safe to cancel:
+        the node's bytes are fed only once read."""
         while not self.ended:
-            try:
-                chunk = await self._chunks.__anext__()
-            except StopAsyncIteration:
+            chunk = await self._body.receive()
+            if not chunk:
                 self.ended = True
-                tail = self._conv.end()
-                if tail:
-                    return tail
-                break
+                return self._conv.end()
             out = self._conv.feed(chunk)
             if out:
                 return out
-        raise StopAsyncIteration
+        return b""
