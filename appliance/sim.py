@@ -17,7 +17,9 @@ failing load (`Sim__Models__N__FailLoad`) is a 500 before the response starts:
 (400 `invalid_json`/`invalid_request`, 404 `model_not_found`, 413 `body_too_large`).
 
 Generation: `max_tokens` / `max_completion_tokens` / `options.num_predict` tokens (default
-16, finish "stop"; when given, finish "length"; capped at 4096). With
+16, finish "stop"; when given, finish "length"; capped at 4096). A stop sequence
+(OpenAI's `stop`, Ollama's `options.stop`) found in that text ends it before the sequence,
+finish "stop", and OpenAI answers name it in the choice's `stop_reason`, as vLLM does. With
 `Sim__TokensPerSecond` > 0 token i goes out at start + i/tps (`trio.sleep_until`, no
 drift); 0 sends as fast as the socket takes them. At most `Sim__Parallel` requests
 generate at once per model, the rest wait for a slot; a client that goes away cancels its
@@ -66,12 +68,14 @@ from appliance.simcore import (
     SimModelState,
     SimState,
     count,
+    cut_at_stop,
     embedding,
     is_zero_keep_alive,
     iso,
     ollama_frame,
     openai_frame,
     req_decoder,
+    stops_of,
     tokens,
 )
 
@@ -167,8 +171,10 @@ class SimApp:
         t_load = trio.current_time()
         await self.state.ensure_loaded(m)  # ApiError from here is still a clean refusal
         load_ns = int((trio.current_time() - t_load) * 1e9)
-        toks = tokens(seed, n)
-        st: dict[str, Any] = {"finish": finish, "prompt": max(1, len(seed) // 4),
+        toks, stop_word = cut_at_stop(tokens(seed, n), stops_of(req))
+        if stop_word is not None:
+            n, finish = len(toks), "stop"
+        st: dict[str, Any] = {"finish": finish, "stop_word": stop_word, "prompt": max(1, len(seed) // 4),
                               "completion": n, "load_ns": load_ns}
         tps = self.state.tokens_per_second
         async with cancel_on_disconnect(receive):  # a client gone frees its slot at once

@@ -65,6 +65,7 @@ class Msg(msgspec.Struct):
 
 class Options(msgspec.Struct):
     num_predict: int | None = None
+    stop: str | list[str] | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -89,6 +90,7 @@ class Req(msgspec.Struct):
     encoding_format: str = "float"
     tools: Any = None
     tool_choice: Any = None
+    stop: str | list[str] | None = None
 
 
 req_decoder = msgspec.json.Decoder(Req)
@@ -100,6 +102,42 @@ def tokens(seed: bytes, n: int) -> list[tuple[str, bytes]]:
         return []
     rng = random.Random(seed)
     return [rng.choice(_FIRST), *rng.choices(_LATER, k=n - 1)]
+
+
+def stops_of(req: Req) -> list[str]:
+    """The stop sequences a request names (OpenAI's `stop`, Ollama's `options.stop`)."""
+    stop = req.stop if req.stop is not None else (req.options.stop if req.options else None)
+    if stop is None:
+        return []
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+
+
+def cut_at_stop(toks: list[tuple[str, bytes]],
+                stops: list[str]) -> tuple[list[tuple[str, bytes]], str | None]:
+    """The tokens before the first stop sequence in their text (a token the sequence
+    starts inside is cut to its part before it; the sequence itself is not sent, as
+    engines strip it), and the sequence matched (None: no stop)."""
+    if not stops:
+        return toks, None
+    text = "".join(t for t, _ in toks)
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return toks, None
+    out: list[tuple[str, bytes]] = []
+    pos = 0
+    for t, j in toks:
+        if pos + len(t) > best[0]:
+            part = t[:best[0] - pos]
+            if part:
+                out.append((part, _enc.encode(part)))
+            break
+        out.append((t, j))
+        pos += len(t)
+    return out, best[1]
 
 
 def embedding(seed: bytes) -> list[float]:
@@ -278,7 +316,10 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
 
     def tail(st: dict) -> bytes:
         last = base + (b'"delta":{}' if chat else b'"text":""')
-        out = last + b',"logprobs":null,"finish_reason":' + _enc.encode(st["finish"]) + b"}]}\n\n"
+        out = last + b',"logprobs":null,"finish_reason":' + _enc.encode(st["finish"])
+        if st.get("stop_word"):
+            out += b',"stop_reason":' + _enc.encode(st["stop_word"])
+        out += b"}]}\n\n"
         if include_usage:
             out += b"data: " + _enc.encode({**meta, "choices": [], "usage": usage(st)}) + b"\n\n"
         return out + b"data: [DONE]\n\n"
@@ -290,6 +331,8 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
         else:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=st["finish"])
+        if st.get("stop_word"):
+            choice["stop_reason"] = st["stop_word"]  # vLLM's field: the sequence matched
         return {**meta, "object": obj, "choices": [choice], "usage": usage(st)}
 
     f.headers, f.tail, f.whole = SSE, tail, whole

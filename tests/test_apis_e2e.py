@@ -160,6 +160,25 @@ def test_anthropic_client_messages_stream_and_tools(fleet, model):
     assert back.content[0].type == "text" and back.content[0].text
 
 
+@pytest.mark.parametrize("model", CHAT_MODELS)
+def test_anthropic_client_stop_sequences_say_which_one_matched(fleet, model):
+    ac = anthropic.Anthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=30)
+    full = ac.messages.create(model=model, max_tokens=12, messages=USER).content[0].text
+    stop = full.split()[6]  # the sim's words are deterministic for one conversation
+    m = ac.messages.create(model=model, max_tokens=12, messages=USER,
+                           stop_sequences=["never said", stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == full[:full.find(stop)]  # the engine strips the sequence
+    with ac.messages.stream(model=model, max_tokens=12, messages=USER,
+                            stop_sequences=["never said", stop]) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == m.content[0].text
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    plain = ac.messages.create(model=model, max_tokens=12, messages=USER, stop_sequences=["zzz"])
+    assert plain.stop_reason == "max_tokens" and plain.stop_sequence is None
+
+
 async def test_anthropic_async_client_and_errors(fleet):
     ac = anthropic.AsyncAnthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0,
                                   timeout=30)

@@ -180,6 +180,35 @@ async def test_openai_chat_stream_sse_with_usage():
         assert ollama["message"]["content"] == text
 
 
+async def test_stop_sequences_end_the_answer_and_openai_names_the_one_matched():
+    async with running_sim() as (_, c):
+        full = (await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 12})).json()
+        text = full["choices"][0]["message"]["content"]
+        words = text.split()
+        # A sequence starting inside a word: the answer is cut right before it.
+        stop = words[4][1:] + " " + words[5]
+        cut = text[:text.find(stop)]
+        body = {**CHAT, "max_tokens": 12, "stop": ["never said", stop]}
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        ch = whole["choices"][0]
+        assert ch["message"]["content"] == cut and ch["finish_reason"] == "stop"
+        assert ch["stop_reason"] == stop and whole["usage"]["completion_tokens"] == 5
+        ev = sse_events((await c.post("/v1/chat/completions",
+                                      json={**body, "stream": True})).text)
+        assert "".join(x["choices"][0]["delta"].get("content", "") for x in ev[:-1]) == cut
+        assert ev[-2]["choices"][0]["finish_reason"] == "stop"
+        assert ev[-2]["choices"][0]["stop_reason"] == stop
+        # No match: the whole answer, no stop_reason; Ollama's options.stop cuts the same.
+        none = (await c.post("/v1/chat/completions", json={**body, "stop": "zzz"})).json()
+        assert none["choices"][0]["message"]["content"] == text
+        assert "stop_reason" not in none["choices"][0]
+        ol = (await c.post("/api/chat", json={**CHAT, "stream": False, "options": {
+            "num_predict": 12, "stop": [stop]}})).json()
+        assert ol["message"]["content"] == cut and ol["done_reason"] == "stop"
+        bad = await c.post("/v1/chat/completions", json={**CHAT, "stop": 5})
+        assert bad.status_code == 400
+
+
 async def test_openai_completions_and_models():
     async with running_sim(models=[SimModel(name="a"), SimModel(name="b")]) as (_, c):
         r = (await c.post("/v1/completions", json={"model": "a", "prompt": "once",

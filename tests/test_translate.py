@@ -335,6 +335,60 @@ def test_anthropic_stream_event_sequence():
         -2][1]["delta"]["stop_reason"] == "tool_use" and evs[-2][1]["usage"]["output_tokens"] == 3
 
 
+def _stop_chunk(**extra):
+    c = chunk(finish="stop")
+    c["choices"][0].update(extra)
+    return c
+
+
+@pytest.mark.parametrize("named", [{"stop_reason": "END"}, {"stopping_word": "END"},
+                                   {"stop_word": "END"}])
+def test_anthropic_stop_sequence_the_engine_names(named):
+    """vLLM (and the sim) name the sequence in the choice's stop_reason, llama.cpp's server
+    in stopping_word / stop_word: whole and streamed it becomes stop_sequence."""
+    whole = anthropic.MessagesConverter("m", stream=False, stops=["STOP", "END"])
+    whole.feed(json.dumps({"choices": [{"finish_reason": "stop", "message": {"content": "a b"},
+                                        **named}]}).encode())
+    out = json.loads(whole.end())
+    assert out["stop_reason"] == "stop_sequence" and out["stop_sequence"] == "END"
+    conv = anthropic.MessagesConverter("m", stream=True, stops=["STOP", "END"])
+    evs = events(feed_in_pieces(conv, sse(chunk("a b"), _stop_chunk(**named), USAGE), 7))
+    assert evs[0][1]["message"]["stop_sequence"] is None
+    assert evs[-2][0] == "message_delta" and evs[-2][1]["delta"] == {
+        "stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
+@pytest.mark.parametrize("stops,named,finish", [
+    (["END"], {}, "stop"),  # the engine names none: no guess (EOS looks the same)
+    (["END"], {"stop_reason": "OTHER"}, "stop"),  # not one the request gave
+    ([], {"stop_reason": "END"}, "stop"),  # the request gave none
+    (["END"], {"stop_reason": 128001}, "stop"),  # vLLM's stop token id: not a sequence
+    (["END"], {"stop_reason": "END"}, "length"),  # the limit ended it, whatever is said
+])
+def test_anthropic_stop_sequence_only_when_named_and_asked(stops, named, finish):
+    want = "max_tokens" if finish == "length" else "end_turn"
+    whole = anthropic.MessagesConverter("m", stream=False, stops=stops)
+    whole.feed(json.dumps({"choices": [{"finish_reason": finish, "message": {"content": "a"},
+                                        **named}]}).encode())
+    out = json.loads(whole.end())
+    assert (out["stop_reason"], out["stop_sequence"]) == (want, None)
+    conv = anthropic.MessagesConverter("m", stream=True, stops=stops)
+    c = chunk(finish=finish)
+    c["choices"][0].update(named)
+    evs = events(conv.feed(sse(chunk("a"), c)) + conv.end())
+    assert evs[-2][1]["delta"] == {"stop_reason": want, "stop_sequence": None}
+
+
+def test_anthropic_stop_sequences_reach_the_converter():
+    prep = prepare("/v1/messages", "anthropic", b"", "m", "m",
+                   {"model": "m", "max_tokens": 5, "stop_sequences": ["END", "STOP"],
+                    "messages": [{"role": "user", "content": "hi"}]})
+    plan = prep.for_engine("llamacpp")
+    assert json.loads(plan.body)["stop"] == ["END", "STOP"]
+    conv = plan.converter(200)
+    assert isinstance(conv, anthropic.MessagesConverter) and conv.stops == ["END", "STOP"]
+
+
 # --- OpenAI Responses --------------------------------------------------------------------
 
 

@@ -162,7 +162,8 @@ def _translated(path: str, api: str, obj: dict, fwd: bytes, given: str, model: s
     if path == "/v1/messages":
         req, stream = anthropic.request(obj, model)
         return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda: anthropic.MessagesConverter(given, stream), always=True)
+                        lambda: anthropic.MessagesConverter(given, stream, req.get("stop")),
+                        always=True)
     if path == "/v1/messages/count_tokens":
         return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
                         anthropic.CountConverter, always=True)

@@ -7,9 +7,16 @@ content parts (text, image as a data: or plain URL), `tool_use` blocks the assis
 `max_tokens` (required, as Anthropic requires it), `stop_sequences`, `temperature`,
 `top_p`, `top_k`, tools (`input_schema` -> `parameters`) and `tool_choice` map one to
 one. The answer comes back as a `message` with text and `tool_use` blocks, `stop_reason`
-(end_turn, max_tokens, tool_use) and usage; streamed, as Anthropic's event sequence:
+(end_turn, max_tokens, tool_use, stop_sequence) and usage; streamed, as Anthropic's event sequence:
 message_start, ping, then per block content_block_start / _delta / _stop (text_delta or
 input_json_delta), message_delta with the stop reason and output tokens, message_stop.
+
+Which stop sequence ended an answer: engines strip it from the text, and OpenAI's
+finish_reason "stop" is the same for an end-of-sequence token and a stop sequence. So
+`stop_sequence` is what the engine names -- the choice's `stop_reason` (vLLM, the sim) or
+`stopping_word` / `stop_word` (llama.cpp's server in some versions) -- when that is one of
+the request's `stop_sequences`; an engine that names none (llama-cpp-python, Ollama's
+OpenAI routes) gives `end_turn` and null rather than a guess.
 """
 
 from __future__ import annotations
@@ -186,9 +193,11 @@ def _sse(event: str, data: dict) -> bytes:
 class MessagesConverter(EventsConverter):
     """An engine's chat-completions answer as an Anthropic message (or its event stream)."""
 
-    def __init__(self, model: str, stream: bool) -> None:
+    def __init__(self, model: str, stream: bool, stops: list[str] | None = None) -> None:
         self.model = model
         self.stream = stream
+        self.stops = stops or []  # the request's stop_sequences
+        self._matched: str | None = None  # the one the engine says it stopped on
         self.content_type = b"text/event-stream" if stream else b"application/json"
         self.id = f"msg_{next(_ids):024d}"
         self._buf = b""
@@ -201,10 +210,26 @@ class MessagesConverter(EventsConverter):
         self._usage = (0, 0)
         self._done = False
 
-    def _message(self, content: list, stop: str | None, usage: tuple[int, int]) -> dict:
+    def _stop_word(self, obj: dict, ch: dict) -> None:
+        """Remember the stop sequence the engine names, if it is one the request gave."""
+        for where in (ch, obj):
+            for k in ("stop_reason", "stopping_word", "stop_word"):
+                v = where.get(k)
+                if isinstance(v, str) and v in self.stops:
+                    self._matched = v
+                    return
+
+    def _stop(self, finish: str) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) for an OpenAI finish_reason."""
+        if finish == "stop" and self._matched is not None:
+            return "stop_sequence", self._matched
+        return _STOP.get(finish, "end_turn"), None
+
+    def _message(self, content: list, stop: str | None, usage: tuple[int, int],
+                 seq: str | None = None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content,
-                "stop_reason": stop, "stop_sequence": None,
+                "stop_reason": stop, "stop_sequence": seq,
                 "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
 
     # --- whole -----------------------------------------------------------------------
@@ -222,9 +247,11 @@ class MessagesConverter(EventsConverter):
             content.append({"type": "tool_use", "id": c.get("id") or f"toolu_{next(_ids)}",
                             "name": fn.get("name", ""), "input": parse_args(fn.get("arguments"))})
         finish = ch.get("finish_reason") or "stop"
-        stop = "tool_use" if any(b["type"] == "tool_use"
-                                 for b in content) else _STOP.get(finish, "end_turn")
-        return enc.encode(self._message(content, stop, usage_of(obj)))
+        self._stop_word(obj, ch)
+        stop, seq = self._stop(finish if isinstance(finish, str) else "stop")
+        if any(b["type"] == "tool_use" for b in content):
+            stop, seq = "tool_use", None
+        return enc.encode(self._message(content, stop, usage_of(obj), seq))
 
     # --- stream ----------------------------------------------------------------------
 
@@ -260,6 +287,7 @@ class MessagesConverter(EventsConverter):
         ch = choices[0]
         if isinstance(ch.get("finish_reason"), str):
             self._finish = ch["finish_reason"]
+            self._stop_word(obj, ch)
         delta: Any = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
         text = delta.get("content")
         if isinstance(text, str) and text:
@@ -291,10 +319,9 @@ class MessagesConverter(EventsConverter):
             return []
         self._done = True
         out = self._start() + self._close()
+        stop, seq = self._stop(self._finish)
         out.append(_sse("message_delta", {"type": "message_delta",
-                                          "delta": {"stop_reason": _STOP.get(self._finish,
-                                                                             "end_turn"),
-                                                    "stop_sequence": None},
+                                          "delta": {"stop_reason": stop, "stop_sequence": seq},
                                           "usage": {"input_tokens": self._usage[0],
                                                     "output_tokens": self._usage[1]}}))
         out.append(_sse("message_stop", {"type": "message_stop"}))
