@@ -174,8 +174,8 @@ class SimApp:
         toks, stop_word = cut_at_stop(tokens(seed, n), stops_of(req))
         if stop_word is not None:
             n, finish = len(toks), "stop"
-        st: dict[str, Any] = {"finish": finish, "stop_word": stop_word, "prompt": max(1, len(seed) // 4),
-                              "completion": n, "load_ns": load_ns}
+        st: dict[str, Any] = {"finish": finish, "stop_word": stop_word,
+                              "prompt": max(1, len(seed) // 4), "completion": n, "load_ns": load_ns}
         tps = self.state.tokens_per_second
         async with cancel_on_disconnect(receive):  # a client gone frees its slot at once
             async with m.slots:
