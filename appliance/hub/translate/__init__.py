@@ -161,8 +161,10 @@ def _translated(path: str, api: str, obj: dict, fwd: bytes, given: str, model: s
                         lambda: ollama.EmbedConverter(given, legacy))
     if path == "/v1/messages":
         req, stream = anthropic.request(obj, model)
+        stops = req.get("stop")
         return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda: anthropic.MessagesConverter(given, stream, req.get("stop")),
+                        lambda: anthropic.MessagesConverter(
+                            given, stream, stops if isinstance(stops, list) else None),
                         always=True)
     if path == "/v1/messages/count_tokens":
         return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
