@@ -19,7 +19,9 @@ failing load (`Sim__Models__N__FailLoad`) is a 500 before the response starts:
 Generation: `max_tokens` / `max_completion_tokens` / `options.num_predict` tokens (default
 16, finish "stop"; when given, finish "length"; capped at 4096). A stop sequence
 (OpenAI's `stop`, Ollama's `options.stop`) found in that text ends it before the sequence,
-finish "stop", and OpenAI answers name it in the choice's `stop_reason`, as vLLM does. With
+finish "stop", and OpenAI answers name it in the choice's `stop_reason`, as vLLM does. A
+chat asking to think (`chat_template_kwargs.enable_thinking`, `reasoning_effort`) gets a
+few `reasoning_content` tokens first, as llama.cpp and vLLM send a thinking model's. With
 `Sim__TokensPerSecond` > 0 token i goes out at start + i/tps (`trio.sleep_until`, no
 drift); 0 sends as fast as the socket takes them. At most `Sim__Parallel` requests
 generate at once per model, the rest wait for a slot; a client that goes away cancels its
@@ -61,6 +63,7 @@ from appliance.simcore import (
     NDJSON,
     SIM_HEADER,
     SSE,
+    THINK_TOKENS,
     VERSION,
     ApiError,
     Frame,
@@ -77,6 +80,7 @@ from appliance.simcore import (
     req_decoder,
     stops_of,
     tokens,
+    wants_thinking,
 )
 
 log = logging.getLogger("appliance.sim")
@@ -174,8 +178,12 @@ class SimApp:
         toks, stop_word = cut_at_stop(tokens(seed, n), stops_of(req))
         if stop_word is not None:
             n, finish = len(toks), "stop"
+        think = tokens(seed + b"/think", THINK_TOKENS) if (frame.think_prefix
+                                                           and wants_thinking(req)) else []
         st: dict[str, Any] = {"finish": finish, "stop_word": stop_word,
-                              "prompt": max(1, len(seed) // 4), "completion": n, "load_ns": load_ns}
+                              "thinking": "".join(t for t, _ in think),
+                              "prompt": max(1, len(seed) // 4), "completion": n + len(think),
+                              "load_ns": load_ns}
         tps = self.state.tokens_per_second
         async with cancel_on_disconnect(receive):  # a client gone frees its slot at once
             async with m.slots:
@@ -186,6 +194,9 @@ class SimApp:
                     if frame.head:
                         await send({"type": "http.response.body", "body": frame.head,
                                     "more_body": True})
+                    for _, tok in think:  # reasoning first, as thinking models do
+                        body = b"".join((frame.think_prefix, tok, frame.suffix))
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
                     prefix, suffix = frame.prefix, frame.suffix
                     for i, (_, tok) in enumerate(toks):
                         if tps > 0:

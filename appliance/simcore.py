@@ -91,6 +91,8 @@ class Req(msgspec.Struct):
     tools: Any = None
     tool_choice: Any = None
     stop: str | list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # llama.cpp's, vLLM's: enable_thinking
+    reasoning_effort: str | None = None
 
 
 req_decoder = msgspec.json.Decoder(Req)
@@ -102,6 +104,18 @@ def tokens(seed: bytes, n: int) -> list[tuple[str, bytes]]:
         return []
     rng = random.Random(seed)
     return [rng.choice(_FIRST), *rng.choices(_LATER, k=n - 1)]
+
+
+# Reasoning tokens a chat that asks for thinking gets before its answer (OpenAI routes).
+THINK_TOKENS = 4
+
+
+def wants_thinking(req: Req) -> bool:
+    """A chat asking to think: `chat_template_kwargs.enable_thinking` true (llama.cpp,
+    vLLM) or a `reasoning_effort`."""
+    kw = req.chat_template_kwargs or {}
+    return kw.get("enable_thinking") is True or (req.reasoning_effort is not None
+                                                 and kw.get("enable_thinking") is not False)
 
 
 def stops_of(req: Req) -> list[str]:
@@ -260,6 +274,7 @@ class Frame:
 
     headers: list
     head: bytes = b""
+    think_prefix: bytes = b""  # a reasoning token's chunk prefix (OpenAI chat), else none
     prefix: bytes
     suffix: bytes
     tail: Callable[[dict], bytes]  # stats -> the stream's last bytes
@@ -307,6 +322,7 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
     if chat:
         f.head = base + b'"delta":{"role":"assistant","content":""}' + end
         f.prefix, f.suffix = base + b'"delta":{"content":', b"}" + end
+        f.think_prefix = base + b'"delta":{"reasoning_content":'
     else:
         f.prefix, f.suffix = base + b'"text":', end
 
@@ -328,6 +344,8 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
         choice: dict[str, Any] = {"index": 0}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if st.get("thinking"):
+                choice["message"]["reasoning_content"] = st["thinking"]
         else:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=st["finish"])

@@ -121,6 +121,21 @@ async def test_ollama_async_client_and_embeddings_with_latest_names(fleet):
     await trio.sleep(0)
 
 
+def test_ollama_client_think_on_an_openai_engine(fleet):
+    """`think` becomes the engine's switch; its reasoning_content comes back as thinking."""
+    ol = ollama.Client(host=fleet.hub.url, timeout=30)
+    plain = ol.chat(model="o-chat", messages=USER, options={"num_predict": 6})
+    r = ol.chat(model="o-chat", messages=USER, options={"num_predict": 6}, think=True)
+    assert r.message.thinking and r.message.content == plain.message.content
+    assert plain.message.thinking is None
+    parts = list(ol.chat(model="o-chat", messages=USER, options={"num_predict": 6}, think=True,
+                         stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == r.message.thinking
+    assert "".join(p.message.content for p in parts) == r.message.content
+    g = ol.generate(model="o-chat", prompt="why", options={"num_predict": 3}, think="high")
+    assert g.thinking and g.response
+
+
 def test_ollama_errors_are_response_errors_with_the_hub_message(fleet):
     ol = ollama.Client(host=fleet.hub.url, timeout=30)
     with pytest.raises(ollama.ResponseError) as ei:

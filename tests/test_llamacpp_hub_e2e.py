@@ -199,6 +199,10 @@ def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
     with pytest.raises(ollama.ResponseError) as ei:
         ol.chat(model="tiny", messages=MESSAGES, options={"temperature": "hot"})
     assert ei.value.status_code == 400
+    with pytest.raises(ollama.ResponseError) as ei:  # the GGUF's context: no silent cut
+        ol.chat(model="tiny", messages=MESSAGES, options={"num_predict": make_gguf.N_CTX,
+                                                          "num_ctx": 4 * make_gguf.N_CTX})
+    assert ei.value.status_code == 400 and f"({make_gguf.N_CTX})" in ei.value.error
 
     ac = anthropic.Anthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=120)
     m = ac.messages.create(model="tiny", max_tokens=12, extra_body={"temperature": 0},

@@ -209,6 +209,29 @@ async def test_stop_sequences_end_the_answer_and_openai_names_the_one_matched():
         assert bad.status_code == 400
 
 
+async def test_a_chat_asking_to_think_gets_reasoning_content_first():
+    async with running_sim() as (_, c):
+        body = {**CHAT, "max_tokens": 5, "chat_template_kwargs": {"enable_thinking": True}}
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        msg = whole["choices"][0]["message"]
+        plain = (await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5})).json()
+        assert msg["content"] == plain["choices"][0]["message"]["content"]
+        assert len(msg["reasoning_content"].split()) == 4
+        assert "reasoning_content" not in plain["choices"][0]["message"]
+        assert whole["usage"]["completion_tokens"] == 9
+        ev = sse_events((await c.post("/v1/chat/completions",
+                                      json={**body, "stream": True})).text)
+        deltas = [x["choices"][0]["delta"] for x in ev[:-1] if x["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+        assert [i for i, d in enumerate(deltas) if "reasoning_content" in d] == [1, 2, 3, 4]
+        effort = (await c.post("/v1/chat/completions", json={
+            **CHAT, "max_tokens": 5, "reasoning_effort": "low"})).json()
+        assert effort["choices"][0]["message"]["reasoning_content"] == msg["reasoning_content"]
+        off = (await c.post("/v1/chat/completions", json={
+            **body, "chat_template_kwargs": {"enable_thinking": False}})).json()
+        assert "reasoning_content" not in off["choices"][0]["message"]
+
+
 async def test_openai_completions_and_models():
     async with running_sim(models=[SimModel(name="a"), SimModel(name="b")]) as (_, c):
         r = (await c.post("/v1/completions", json={"model": "a", "prompt": "once",

@@ -217,6 +217,79 @@ def test_ollama_load_request_on_an_openai_engine_answers_done_load():
     assert (out["response"], out["done"], out["done_reason"]) == ("", True, "load")
 
 
+@pytest.mark.parametrize("think,want", [
+    (True, {"chat_template_kwargs": {"enable_thinking": True}}),
+    (False, {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("high", {"reasoning_effort": "high",
+              "chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "high"}}),
+])
+def test_ollama_think_maps_to_the_engines_switches(think, want):
+    for req, _ in (ollama.chat_request({"messages": [{"role": "user", "content": "x"}],
+                                        "think": think}, "m"),
+                   ollama.generate_request({"prompt": "x", "think": think}, "m")):
+        assert {k: req[k] for k in want} == want
+    plain, _ = ollama.chat_request({"messages": [{"role": "user", "content": "x"}]}, "m")
+    assert "chat_template_kwargs" not in plain and "reasoning_effort" not in plain
+
+
+@pytest.mark.parametrize("body,param", [({"think": "very"}, "think"),
+                                        ({"options": {"num_ctx": "big"}}, "options.num_ctx")])
+def test_ollama_think_and_num_ctx_bad_values_are_400(body, param):
+    with pytest.raises(ApiError) as ei:
+        ollama.chat_request({"messages": [{"role": "user", "content": "x"}], **body}, "m")
+    assert ei.value.status == 400 and ei.value.param == param
+
+
+def test_ollama_reasoning_content_comes_back_as_thinking():
+    whole = json.dumps({"choices": [{"finish_reason": "stop", "message": {
+        "content": "42", "reasoning_content": "let me see"}}]}).encode()
+    for chat in (True, False):
+        out = json.loads(feed_in_pieces(ollama.ChatConverter("m", False, chat), whole, 5))
+        if chat:
+            assert out["message"] == {"role": "assistant", "content": "42",
+                                      "thinking": "let me see"}
+        else:
+            assert (out["response"], out["thinking"]) == ("42", "let me see")
+    think = {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"},
+                          "finish_reason": None}]}
+    conv = ollama.ChatConverter("m", stream=True, chat=True)
+    lines = [json.loads(x) for x in feed_in_pieces(conv, sse(think, chunk("42"), USAGE),
+                                                   6).splitlines()]
+    assert [(x["message"]["content"], x["message"].get("thinking")) for x in lines] == [
+        ("", "hmm"), ("42", None), ("", None)]
+    plain = json.loads(feed_in_pieces(ollama.ChatConverter("m", False, True), json.dumps(
+        {"choices": [{"message": {"content": "a"}}]}).encode(), 4))
+    assert "thinking" not in plain["message"]
+
+
+def _chat(text: str, **options) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}],
+                       "options": options}).encode()
+
+
+def test_ollama_num_predict_past_the_engines_context_is_a_400_on_openai_engines():
+    # The prompt counts at its least possible size: one token per 64 bytes of text.
+    assert ollama.context_floor({"max_tokens": 100, "messages": [
+        {"role": "user", "content": "x" * 640}, {"role": "user", "content": [
+            {"type": "text", "text": "y" * 64}, {"type": "image_url"}]}]}) == 111
+    assert ollama.context_floor({"messages": [{"role": "user", "content": "x"}]}) == 0
+    prep = prepare("/api/chat", "ollama", _chat("x" * 640, num_predict=4000, num_ctx=8192),
+                   "m", "m")
+    assert json.loads(prep.for_engine("llamacpp", 8192).body)["max_tokens"] == 4000
+    assert "num_ctx" not in json.loads(prep.for_engine("openai", 4010).body)
+    prep.for_engine("llamacpp", 0)  # context unknown: the engine decides
+    for kind in ("llamacpp", "openai"):
+        with pytest.raises(ApiError) as ei:
+            prep.for_engine(kind, 4009)
+        assert ei.value.status == 400 and ei.value.param == "options.num_predict"
+        assert "4010" in ei.value.message and "4009" in ei.value.message
+    # Ollama itself sizes its context per request (num_ctx): the body passes as it is.
+    assert prep.for_engine("ollama", 4009).body == prep.body
+    # A load request or one without num_predict is never refused for its length.
+    prepare("/api/generate", "ollama", b'{"model":"m"}', "m", "m").for_engine("llamacpp", 1)
+    prepare("/api/chat", "ollama", _chat("x" * 100000), "m", "m").for_engine("llamacpp", 100)
+
+
 def test_resolve_latest_both_ways():
     names = {"llama3.2:latest", "plain", "org/x:latest"}
     assert resolve("llama3.2", names.__contains__) == "llama3.2:latest"

@@ -222,7 +222,8 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
     while node is not None:
         req.tried = place.tried
         await place.wait_slot()
-        plan = prep.for_engine(translate.engine_kind(node.state))
+        plan = prep.for_engine(translate.engine_kind(node.state),
+                               translate.context_length(node.state, model))
         if relay is not None:
             ok, why = await relay(node, req, plan)
         else:

@@ -72,7 +72,8 @@ class Plan:
 
 
 class Prepared:
-    __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only")
+    __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only",
+                 "need")
 
     def __init__(self, path: str, api: str, body: bytes, translated: tuple[str,
                                                                            bytes] | None = None,
@@ -80,6 +81,7 @@ class Prepared:
                  refused: ApiError | None = None) -> None:
         self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
         self.load_only = False  # Ollama's load/unload request: no prompt, no messages
+        self.need = 0  # the fewest context tokens a translated Ollama request takes
         self.path = path
         self.api = api
         self.body = body  # the client's bytes (its model name resolved)
@@ -87,11 +89,15 @@ class Prepared:
         self.make = make
         self.always = always  # translate for every engine kind, not only OPENAI_ONLY
 
-    def for_engine(self, kind: str) -> Plan:
+    def for_engine(self, kind: str, context: int = 0) -> Plan:
+        """The plan for an engine of `kind` whose context for the model is `context` tokens
+        (0: unknown)."""
         if self.refused is not None and (self.always or kind in OPENAI_ONLY):
             raise self.refused
         if self.translated is None or not (self.always or kind in OPENAI_ONLY):
             return Plan(self.path, self.body, self.api)
+        if context and self.need > context:
+            raise ollama.too_long(self.need, context)
         path, body = self.translated
         return Plan(path, body, self.api, self.make)
 
@@ -153,6 +159,7 @@ def _translated(path: str, api: str, obj: dict, fwd: bytes, given: str, model: s
         prep = Prepared(path, api, fwd, (CHAT, enc.encode(req)),
                         lambda: ollama.ChatConverter(given, stream, chat, load_only=load_only))
         prep.load_only = load_only
+        prep.need = 0 if load_only else ollama.context_floor(req)
         return prep
     if path in ("/api/embed", "/api/embeddings"):
         legacy = path == "/api/embeddings"
@@ -189,8 +196,15 @@ def resolve(name: str, known: Callable[[str], bool]) -> str:
     return name
 
 
-__all__ = ["OPENAI_ONLY", "Converted", "Plan", "Prepared", "decode_object", "engine_kind",
+__all__ = ["OPENAI_ONLY", "Converted", "Plan", "Prepared", "context_length", "decode_object",
+           "engine_kind",
            "prepare", "resolve"]
+
+
+def context_length(state, model: str) -> int:
+    """The context length a node reports for `model` (0: it says none)."""
+    m = state.model(model) if state is not None else None
+    return m.meta.context_length if m is not None and m.meta is not None else 0
 
 
 def engine_kind(state) -> str:

@@ -4,7 +4,13 @@ Theory of operation: `/api/chat` and `/api/generate` become `/v1/chat/completion
 (generate: the `system` and `prompt` as two messages), `/api/embed` and `/api/embeddings`
 become `/v1/embeddings`. Options map onto OpenAI's sampling fields (num_predict ->
 max_tokens; num_ctx and the other load-time options belong to the engine's start and are
-dropped); `format` becomes `response_format`; images become image content parts; tools
+dropped: such an engine's context is fixed when it loads the model, so a request whose
+num_predict plus prompt cannot fit the context the node reports is refused with a 400 --
+`context_floor` counts the prompt at its least possible size, as the hub has no
+tokenizer); `think` becomes `chat_template_kwargs.enable_thinking` (llama.cpp's and
+vLLM's switch for a template's thinking) or, as "low"/"medium"/"high",
+`reasoning_effort`, and an engine's `reasoning_content` comes back as Ollama's
+`thinking`; `format` becomes `response_format`; images become image content parts; tools
 pass as they are (Ollama copied OpenAI's shape) and tool calls come back with their
 arguments decoded, as Ollama gives them. A streamed answer is NDJSON, one line per
 engine chunk with text, the tool calls in one line when the engine finished them, and
@@ -66,6 +72,50 @@ def _options(obj: dict, out: dict) -> None:
     stop = stop_list(o.get("stop"), "options.stop")
     if stop:
         out["stop"] = stop
+    integer(o, "num_ctx", "options.num_ctx")  # checked, not sent: see context_floor
+
+
+def _think(obj: dict, out: dict) -> None:
+    t = obj.get("think")
+    if t is None:
+        return
+    if isinstance(t, bool):
+        out["chat_template_kwargs"] = {"enable_thinking": t}
+    elif t in ("low", "medium", "high"):
+        out["reasoning_effort"] = t
+        out["chat_template_kwargs"] = {"enable_thinking": True, "reasoning_effort": t}
+    else:
+        raise bad("'think' must be a boolean or \"low\", \"medium\", \"high\"", "think")
+
+
+# The most bytes of text one token stands for in common vocabularies (runs of 64
+# spaces or dashes are single tokens in some): a prompt is at least bytes / this.
+BYTES_PER_TOKEN_MAX = 64
+
+
+def context_floor(req: dict) -> int:
+    """The fewest tokens a translated chat body can take of the context: its max_tokens
+    plus the prompt at its least possible size (0 when max_tokens is not given: then the
+    engine stops at the context's end, and that is no surprise to anyone)."""
+    n = req.get("max_tokens")
+    if not isinstance(n, int) or n <= 0:
+        return 0
+    size = 0
+    for m in req.get("messages") or ():
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            size += len(c.encode())
+        elif isinstance(c, list):
+            size += sum(len(p["text"].encode()) for p in c
+                        if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n + max(1, -(-size // BYTES_PER_TOKEN_MAX))
+
+
+def too_long(need: int, context: int) -> Exception:
+    return bad(f"options.num_predict plus the prompt needs at least {need} tokens, more than "
+               f"this model's context length ({context}); the engine's context is fixed when "
+               "it loads the model (options.num_ctx cannot change it): ask for fewer tokens",
+               "options.num_predict")
 
 
 def _format(obj: dict, out: dict) -> None:
@@ -165,6 +215,7 @@ def _common(obj: dict, out: dict) -> tuple[dict, bool]:
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
     _options(obj, out)
+    _think(obj, out)
     _format(obj, out)
     out["stream"] = stream
     if stream:
@@ -221,17 +272,22 @@ class ChatConverter:
         self._finish = "stop"
         self._usage = (0, 0)
         self._timings: dict | None = None
+        self._thinking = ""
         self._done = False
 
-    def _line(self, text: str, calls: list[dict] | None = None) -> dict:
+    def _line(self, text: str, calls: list[dict] | None = None, thinking: str = "") -> dict:
         base: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
         if self.chat:
             msg: Any = {"role": "assistant", "content": text}
+            if thinking:
+                msg["thinking"] = thinking
             if calls:
                 msg["tool_calls"] = calls
             base["message"] = msg
         else:
             base["response"] = text
+            if thinking:
+                base["thinking"] = thinking
         base["done"] = False
         return base
 
@@ -254,7 +310,9 @@ class ChatConverter:
         return line
 
     def _take(self, obj: dict) -> tuple[str, list]:
-        """Text of one chunk (or whole body); counts, finish and tool calls remembered."""
+        """Text of one chunk (or whole body); counts, finish and tool calls remembered, the
+        engine's reasoning in `self._thinking`."""
+        self._thinking = ""
         if isinstance(obj.get("usage"), dict):
             self._usage = usage_of(obj)
         if isinstance(obj.get("timings"), dict):
@@ -269,6 +327,8 @@ class ChatConverter:
         if not isinstance(part, dict):
             return "", []
         text: Any = part.get("content") if isinstance(part.get("content"), str) else ""
+        r = part.get("reasoning_content")
+        self._thinking = r if isinstance(r, str) else ""
         if self.stream:
             self._tools.add(part.get("tool_calls"))
             return text, []
@@ -290,10 +350,10 @@ class ChatConverter:
             if not isinstance(obj, dict):
                 continue
             text, _ = self._take(obj)
-            if text:
+            if text or self._thinking:
                 if self._first is None:
                     self._first = self._clock()
-                out.append(enc.encode(self._line(text)) + b"\n")
+                out.append(enc.encode(self._line(text, None, self._thinking)) + b"\n")
         return b"".join(out)
 
     def _end_line(self) -> bytes:
@@ -312,7 +372,8 @@ class ChatConverter:
         text, calls = self._take(engine_object(self._buf))
         if self.load_only:
             text, calls, self._finish, self._usage = "", [], "load", (0, 0)
-        return enc.encode(self._final(self._line(text, calls)))
+            self._thinking = ""
+        return enc.encode(self._final(self._line(text, calls, self._thinking)))
 
 
 class EmbedConverter(Buffered):
