@@ -23,7 +23,7 @@ from hypercorn.config import Config as HyperConfig
 from appliance import hyperfix
 from appliance.config import parse_listen
 from appliance.http.keys import request_key
-from appliance.listener import Limits, serve_guarded
+from appliance.listener import Limits, LiveLimits, live_limits, serve_guarded
 
 hyperfix.apply()  # close a connection as soon as its peer has (hyperfix.py)
 
@@ -123,7 +123,7 @@ async def serve(
     keyfile: str = "",
     ca_certs: str = "",
     require_client_cert: bool = False,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: Limits | LiveLimits = DEFAULT_LIMITS,
     bind: str = "",
     announce: bool = True,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
@@ -136,7 +136,8 @@ async def serve(
     with `require_client_cert`, required at the handshake (the node, dialled by the hub).
     Prints the `listening on` line and reports the bound (host, port) to
     `task_status.started` once the socket listens. `limits` are the listener's defences
-    (appliance/listener.py). A socket or TLS file that cannot be used raises StartupError.
+    (appliance/listener.py; `LiveLimits`: a reload's apply from then on). A socket or TLS
+    file that cannot be used raises StartupError.
     """
     section = _SECTION.get(role, role.capitalize())
     host, port = parse_listen(listen, f"{section}__Listen")
@@ -151,7 +152,8 @@ async def serve(
     errorlog.setLevel(logging.WARNING)
     cfg.errorlog = errorlog
     cfg.keep_alive_timeout = 75
-    cfg.ssl_handshake_timeout = limits.header_read_seconds
+    limits = live_limits(limits)
+    cfg.ssl_handshake_timeout = limits.now.header_read_seconds
     # Body events queued for an app that is not reading yet: 4 x 64 KiB reads a connection,
     # then TCP backpressure (hypercorn's default is 10).
     cfg.max_app_queue_size = 4

@@ -49,6 +49,7 @@ from appliance.listener import (
     Budget,
     Busy,
     Limits,
+    LiveLimits,
     Refusal,
     RequestTimeout,
     _trim,
@@ -74,17 +75,22 @@ def _disconnect() -> dict[str, Any]:  # a fresh dict each time: an app may chang
 
 
 class Shared:
-    """What a listener's lean connections share: its rules, its budget, its drain."""
+    """What a listener's lean connections share: its rules (live: read per request, so a
+    reload reaches kept-alive connections), its budget, its drain."""
 
-    def __init__(self, app: Callable[..., Any], limits: Limits, budget: Budget, *,
+    def __init__(self, app: Callable[..., Any], limits: LiveLimits, budget: Budget, *,
                  keep_alive: float, max_head: int, max_requests: int) -> None:
         self.app = app
-        self.limits = limits
+        self.live = limits
         self.budget = budget
         self.keep_alive = keep_alive
         self.max_head = max_head
         self.max_requests = max_requests
         self.terminating = False
+
+    @property
+    def limits(self) -> Limits:
+        return self.live.now
 
 
 class Conn(Sender):
@@ -160,9 +166,9 @@ class Conn(Sender):
 
     async def _read_head(self, started: float | None) -> Head | None:
         sh = self.shared
-        limits = sh.limits
-        deadline = (started + limits.header_read_seconds if started is not None
-                    else trio.current_time() + limits.header_read_seconds if self.buf else None)
+        head_seconds = sh.limits.header_read_seconds
+        deadline = (started + head_seconds if started is not None
+                    else trio.current_time() + head_seconds if self.buf else None)
         buf: bytes | bytearray = self.buf
         scan = 0
         try:
@@ -178,8 +184,8 @@ class Conn(Sender):
                     return None
                 if deadline is None:  # kept alive, idle: its bound; a first byte starts the head's
                     data = await self._wait(trio.current_time() + sh.keep_alive)
-                    if data:
-                        deadline = trio.current_time() + limits.header_read_seconds
+                    if data:  # (the limits now: a reload may have come meanwhile)
+                        deadline = trio.current_time() + sh.limits.header_read_seconds
                 else:
                     data = await self._wait(deadline)
                     if data is None and buf:

@@ -28,6 +28,12 @@ node API and both metrics listeners get the same rules on either path:
 
 Errors are rendered in the shape the apps use (OpenAI's under /v1/, `{"error": ...}`
 elsewhere). The decisions are plain (`Budget`, `framing_error`); the rest is trio shell.
+
+The limits are live (`LiveLimits`): a reload (SIGHUP) `set`s new ones, and they apply to
+what starts after it -- a new connection's head deadline and slot, a new request's head
+and body deadlines (on a kept-alive connection too), the next body bytes' budget. What
+already runs keeps its deadline; a connection open above a lowered bound is not closed
+(new ones wait, or take an idle one's place as above).
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import ctypes.util
 import errno
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +82,36 @@ class Limits:
     body_read_seconds: float = 60.0
     max_connections: int = 4096
     max_buffered_bytes: int = 256 * MiB
+
+
+class LiveLimits:
+    """A listener's `Limits` as the last reload left them (read at each new connection and
+    request); `set` replaces them and tells each running listener (`following`)."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.now = limits if limits is not None else Limits()
+        self._followers: list[Callable[[Limits], None]] = []
+
+    def set(self, limits: Limits) -> bool:
+        """New limits from now on; whether they differ from the old ones."""
+        changed, self.now = limits != self.now, limits
+        for follow in list(self._followers):
+            follow(limits)
+        return changed
+
+    @contextmanager
+    def following(self, follow: Callable[[Limits], None]) -> Iterator[None]:
+        """`follow(limits)` now and on every `set`, while the block runs."""
+        self._followers.append(follow)
+        try:
+            follow(self.now)
+            yield
+        finally:
+            self._followers.remove(follow)
+
+
+def live_limits(limits: Limits | LiveLimits) -> LiveLimits:
+    return limits if isinstance(limits, LiveLimits) else LiveLimits(limits)
 
 
 class Refusal(Exception):
@@ -155,14 +192,20 @@ def _trim() -> None:
 class _Guard:
     """A connection's head deadline, shared by its stream (reads) and its requests."""
 
-    def __init__(self, header_seconds: float) -> None:
-        self.header_seconds = header_seconds
-        self.deadline = trio.current_time() + header_seconds  # a new connection owes a head
+    def __init__(self, limits: LiveLimits | float) -> None:
+        # a float: fixed (tests); a reload changes the next head's deadline
+        self.limits = limits if isinstance(limits, LiveLimits) else LiveLimits(
+            Limits(header_read_seconds=limits))
+        self.deadline = trio.current_time() + self.header_seconds  # a new connection owes a head
         self.head_bytes = False
         self.in_request = False
         self.scope: trio.CancelScope | None = None
         self.cancel = trio.CancelScope()  # the whole connection: shed at max_connections
         self.lean = False  # served by appliance/h1server.py
+
+    @property
+    def header_seconds(self) -> float:
+        return self.limits.now.header_read_seconds
 
     def _set(self, deadline: float) -> None:
         self.deadline = deadline
@@ -230,7 +273,7 @@ class _TCPServer(TCPServer):
 # --- per request ---------------------------------------------------------------------------
 
 
-def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
+def guard_app(app: Callable, live: LiveLimits, budget: Budget) -> Callable:
     """The ASGI app behind the rules above (http scopes; others pass through)."""
 
     async def guarded(scope, receive, send) -> None:
@@ -243,6 +286,7 @@ def guard_app(app: Callable, limits: Limits, budget: Budget) -> Callable:
         started = False
         held = 0
         body_done = False
+        limits = live.now
         deadline = trio.current_time() + limits.body_read_seconds
 
         async def receive_guarded() -> dict:
@@ -343,13 +387,40 @@ class _Shed:
         return False
 
 
-async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
+class _Slots:
+    """Open connections against `max_connections`, a bound a reload may move: a raised one
+    lets waiting accepts through at once, a lowered one closes nothing."""
+
+    def __init__(self, live: LiveLimits) -> None:
+        self.live = live
+        self.held = 0
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def full(self) -> bool:
+        return self.held >= self.live.now.max_connections
+
+    async def acquire(self) -> None:
+        while self.full():
+            await self._lot.park()
+        self.held += 1
+
+    def release(self) -> None:
+        self.held -= 1
+        self._lot.unpark()
+
+    def wake(self) -> None:
+        self._lot.unpark_all()
+
+
+async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits | LiveLimits, *,
                         shutdown_trigger: Callable[[], Awaitable[Any]], lean: bool = True,
                         task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Like `hypercorn.trio.serve` (no lifespan), with the limits above; returns after the
-    drain (`cfg.graceful_timeout`) once `shutdown_trigger` returned. Binding errors
-    (OSError, ssl.SSLError) propagate before `started`. Plain connections are served by
-    appliance/h1server.py (`lean=False`: by hypercorn, as TLS ones are; bench/floor_app.py)."""
+    """Like `hypercorn.trio.serve` (no lifespan), with the limits above (`LiveLimits`: a
+    reload's new ones apply from then on); returns after the drain (`cfg.graceful_timeout`)
+    once `shutdown_trigger` returned. Binding errors (OSError, ssl.SSLError) propagate
+    before `started`. Plain connections are served by appliance/h1server.py (`lean=False`:
+    by hypercorn, as TLS ones are; bench/floor_app.py)."""
+    live = live_limits(limits)
     sockets = cfg.create_sockets()
     ssl_context = cfg.create_ssl_context()
     listeners: list = []
@@ -367,19 +438,24 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
     from appliance import h1server  # (it uses this module's rules: imported here)
 
     context = WorkerContext(None)
-    budget = Budget(limits.max_buffered_bytes)
-    wrapped = ASGIWrapper(guard_app(app, limits, budget))
-    shared = h1server.Shared(app, limits, budget, keep_alive=cfg.keep_alive_timeout,
+    budget = Budget(live.now.max_buffered_bytes)
+    wrapped = ASGIWrapper(guard_app(app, live, budget))
+    shared = h1server.Shared(app, live, budget, keep_alive=cfg.keep_alive_timeout,
                              max_head=cfg.h11_max_incomplete_size,
                              max_requests=cfg.keep_alive_max_requests)
-    slots = trio.Semaphore(limits.max_connections)
+    slots = _Slots(live)
 
-    live: dict[_Guard, None] = {}  # open connections, oldest first
+    def follow(new: Limits) -> None:  # a reload: what is not read per connection or request
+        budget.limit = new.max_buffered_bytes
+        cfg.ssl_handshake_timeout = new.header_read_seconds  # hypercorn reads it per handshake
+        slots.wake()
+
+    live_conns: dict[_Guard, None] = {}  # open connections, oldest first
     shed = _Shed()
 
     async def connection(stream) -> None:
-        guard = _Guard(limits.header_read_seconds)
-        live[guard] = None
+        guard = _Guard(live)
+        live_conns[guard] = None
         try:
             with guard.cancel:
                 sock = plain_socket(stream) if lean else None
@@ -396,7 +472,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
                     state[DIRECT_KEY] = server  # a streamed body's fast path (http/fastio.py)
                     await server
         finally:
-            live.pop(guard, None)
+            live_conns.pop(guard, None)
             slots.release()
 
     async def accept_loop(listener, handlers: trio.Nursery) -> None:
@@ -411,29 +487,30 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits, *,
                 await trio.sleep(0.1)
                 continue
             try:
-                if slots.value == 0:
-                    shed.one(live, limits.max_connections)
+                if slots.full():
+                    shed.one(live_conns, live.now.max_connections)
                 await slots.acquire()
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise
             handlers.start_soon(connection, stream)
 
-    async with trio.open_nursery() as handlers:
-        try:
-            async with trio.open_nursery() as acceptors:
+    with live.following(follow):
+        async with trio.open_nursery() as handlers:
+            try:
+                async with trio.open_nursery() as acceptors:
+                    for listener in listeners:
+                        acceptors.start_soon(accept_loop, listener, handlers)
+                    task_status.started(binds)
+                    await shutdown_trigger()
+                    acceptors.cancel_scope.cancel()
+            finally:
                 for listener in listeners:
-                    acceptors.start_soon(accept_loop, listener, handlers)
-                task_status.started(binds)
-                await shutdown_trigger()
-                acceptors.cancel_scope.cancel()
-        finally:
-            for listener in listeners:
-                with trio.CancelScope(shield=True):
-                    await listener.aclose()
-            await context.terminated.set()
-            shared.terminating = True  # lean connections: idle ones close now, busy ones after
-            for g in list(live):
-                if g.lean and not g.in_request:
-                    g.cancel.cancel()
-            handlers.cancel_scope.deadline = trio.current_time() + cfg.graceful_timeout
+                    with trio.CancelScope(shield=True):
+                        await listener.aclose()
+                await context.terminated.set()
+                shared.terminating = True  # lean connections: idle ones close now, busy ones after
+                for g in list(live_conns):
+                    if g.lean and not g.in_request:
+                        g.cancel.cancel()
+                handlers.cancel_scope.deadline = trio.current_time() + cfg.graceful_timeout

@@ -194,16 +194,20 @@ def test_node_sighup_applies_max_concurrency_and_refuses_a_bad_file(procs, tmp_p
     assert node_state()["max_concurrency"] == 2
     wait_until(lambda: seen_by_hub() == 2, what="the hub following gpu-r")
 
-    write_env(f, {"Node__MaxConcurrency": "5"})
+    write_env(f, {"Node__MaxConcurrency": "5", "Hub__MaxBufferedBytes": "4096"})
     node.signal(signal.SIGHUP)
-    node.wait_stderr(r"configuration reloaded: Node__MaxConcurrency 2 -> 5")
+    node.wait_stderr(r"configuration reloaded: Node__MaxConcurrency 2 -> 5; listener limits now "
+                     r".*Hub__MaxBufferedBytes=4096")
     assert node_state()["max_concurrency"] == 5
+    r = httpx.post(node.url + "/v1/chat/completions", headers=auth, timeout=10,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 20_000}]})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "busy", r.text
     wait_until(lambda: seen_by_hub() == 5, what="the hub seeing the new limit")
 
-    write_env(f, {"Node__MaxConcurrency": "0"})
+    write_env(f, {"Node__MaxConcurrency": "0", "Hub__MaxBufferedBytes": "4096"})
     node.signal(signal.SIGHUP)
     node.wait_stderr(REFUSED + ".*Node__MaxConcurrency='0'")
-    write_env(f, {"Node__MaxConcurency": "7"})
+    write_env(f, {"Node__MaxConcurency": "7", "Hub__MaxBufferedBytes": "4096"})
     node.signal(signal.SIGHUP)
     node.wait_stderr(REFUSED + ".*Node__MaxConcurency.*did you mean")
     assert count(node, REFUSED) == 2
@@ -211,3 +215,40 @@ def test_node_sighup_applies_max_concurrency_and_refuses_a_bad_file(procs, tmp_p
     assert seen_by_hub() == 5
     assert count(node, "configuration reloaded") == 1
     assert not [x for x in node.stderr_lines if "Traceback" in x]
+
+
+def test_hub_sighup_moves_the_listener_limits_of_every_hub_process(procs, tmp_path):
+    """Hub__MaxBufferedBytes lowered by a reload: a new connection's big body is refused
+    (503 `busy`) by whichever process accepts it (Hub__Workers=2); a connection kept alive
+    from before the reload still serves a small request."""
+    f = tmp_path / "hub.env"
+    write_env(f, {"Hub__MaxBufferedBytes": "1000000"})
+    hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                              "Hub__Workers": "2", "Node__HeartbeatSeconds": "0.5",
+                              "Auth__NodeToken": TOKEN}, args=["--env-file", str(f)])
+    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
+                         "Node__AnnounceSeconds": "1"})
+    wait_until(lambda: [n["status"] for n in httpx.get(hub.url + "/api/status", timeout=5)
+                        .json()["nodes"]] == ["up"], what="node up")
+    big = {"model": MODEL, "max_tokens": 4,
+           "messages": [{"role": "user", "content": "x" * 20_000}]}
+    kept = httpx.Client(base_url=hub.url, timeout=30)
+    assert kept.post("/v1/chat/completions", json=big).status_code == 200
+    stream = kept._transport._pool.connections[0]._connection._network_stream  # type: ignore
+    before = stream.get_extra_info("socket").getsockname()
+
+    write_env(f, {"Hub__MaxBufferedBytes": "4096"})
+    hub.signal(signal.SIGHUP)
+    hub.wait_stderr(r"configuration reloaded from .*hub\.env$")  # not "at the next start"
+    wait_until(lambda: count(hub, r"hub worker \d+: configuration reloaded") == 1,
+               what="the worker reloaded")
+    for _ in range(6):  # new connections, accepted by either process
+        r = httpx.post(hub.url + "/v1/chat/completions", json=big, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "busy", r.text
+        assert r.headers["retry-after"] == "2"
+    r = kept.post("/v1/chat/completions", json={**big, "messages": [{"role": "user",
+                                                                     "content": "small"}]})
+    assert r.status_code == 200, r.text
+    stream = kept._transport._pool.connections[0]._connection._network_stream  # type: ignore
+    assert stream.get_extra_info("socket").getsockname() == before  # the same connection
+    assert not [x for x in hub.stderr_lines if "Traceback" in x]

@@ -7,7 +7,8 @@ get theirs as they arrive. `task_status.started` hands back the bound API addres
 once all of it listens. A stop (SIGTERM/SIGINT, or the caller's `stop` event) makes the
 API server stop accepting and drain for `Hub__DrainSeconds`, then cancels the rest; the
 exit code is 0. SIGHUP re-reads the env file; a bad one is refused with one log line and
-the old configuration stays.
+the old configuration stays. The listeners' limits (`Hub.limits`, appliance/listener.py's
+`LiveLimits`) follow a reload for new connections and requests, in every hub process.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
 from appliance.hub.nodes import Registry
 from appliance.hub.supervisor import supervise
-from appliance.listener import Limits
+from appliance.listener import Limits, LiveLimits
 from appliance.upstream import Pool
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class Hub:
 
     def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
         self.cfg = cfg
+        self.limits = LiveLimits(hub_limits(cfg))  # every listener of this process (reload)
         self.node_client = node_client
         # The request path's own lean client (same token, same TLS) -- see upstream.py.
         self.upstream = Pool(headers=_auth_headers(cfg), ssl_context=_client_ssl(cfg))
@@ -102,6 +104,7 @@ class Hub:
 
     def reload(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.limits.set(hub_limits(cfg))
         self.admission.reload(cfg)
         self.control.reload(cfg)
         for n in cfg.nodes:
@@ -174,13 +177,13 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
             shared, where = workers.bind_listener(cfg.hub.listen), workers.private_dir()
             nursery.start_soon(partial(serve, make_app(hub), cfg.hub.listen, "hub",
                                        bind=f"unix:{where}/http.sock", announce=False,
-                                       shutdown_trigger=stop.wait, limits=hub_limits(cfg)))
+                                       shutdown_trigger=stop.wait, limits=hub.limits))
             await nursery.start(workers.serve_leases, hub, f"{where}/lease.sock")
 
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
                 await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
-                            limits=hub_limits(cfg),
+                            limits=hub.limits,
                             drain_seconds=cfg.hub.drain_seconds + DRAIN_CUT_SECONDS,
                             certfile=cfg.hub.tls_cert,
                             keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca,
@@ -200,7 +203,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
             await nursery.start(partial(serve, metrics_app(hub.metrics_registry, hub.before_scrape),
                                         metrics_listen, "metrics", shutdown_trigger=stop.wait,
                                         drain_seconds=1,
-                                        limits=hub_limits(cfg)))
+                                        limits=hub.limits))
         for n in cfg.nodes:
             hub.add_node(n.name, n.url, static=True)
         task_status.started((hub, addr))
@@ -258,11 +261,6 @@ AT_NEXT_START = {
     "Auth__NodeToken": lambda c: c.auth.node_token, "Audit__Path": lambda c: c.audit.path,
     "Hub__Name": lambda c: c.hub.name, "Cluster": lambda c: c.cluster,
     "Hub__Workers": lambda c: c.hub.workers,
-    # the listener's own limits (every hub process's)
-    "Hub__HeaderReadSeconds": lambda c: c.hub.header_read_seconds,
-    "Hub__BodyReadSeconds": lambda c: c.hub.body_read_seconds,
-    "Hub__MaxConnections": lambda c: c.hub.max_connections,
-    "Hub__MaxBufferedBytes": lambda c: c.hub.max_buffered_bytes,
 }
 
 

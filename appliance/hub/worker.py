@@ -9,7 +9,8 @@ replay an `Answer`, or relay from the node in `Go` with the hub's own `relay_fro
 a failure before the first byte goes back as `Failed`, the end as `Done`, acknowledged
 before the last byte goes out (the audit line is written when the client has its answer).
 The client hanging up cancels the lease, which gives the place back in the main process
-(that connection is closed, not kept). SIGHUP re-reads the configuration (`reload`).
+(that connection is closed, not kept). SIGHUP re-reads the configuration (`reload`): the
+listener's limits follow too, as in the main process.
 Every other route is proxied to the main process's private HTTP socket: status, metrics,
 admin and the UI are the main's answers, whole-hub. The worker exits when the main does
 (PR_SET_PDEATHSIG, SIGTERM, or its lease socket gone).
@@ -40,7 +41,7 @@ from appliance.hub.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed,
 from appliance.hub.relay import relay_from
 from appliance.hub.request import Recorder, Request
 from appliance.hub.router import decode_request
-from appliance.listener import Refusal
+from appliance.listener import LiveLimits, Refusal
 from appliance.upstream import Pool
 
 log = logging.getLogger("appliance.hub.worker")
@@ -124,12 +125,13 @@ class _Leases:
 
 class Worker:
     def __init__(self, cfg: Config, where: str, env_file: str | None = None) -> None:
+        from appliance.hub.run import _auth_headers, _client_ssl, hub_limits
+
         self.cfg = cfg
+        self.limits = LiveLimits(hub_limits(cfg))
         self.env_file = env_file
         self.leases = _Leases(os.path.join(where, "lease.sock"),
                               lambda: self.cfg.hub.max_body_bytes + 256 * 1024)
-        from appliance.hub.run import _auth_headers, _client_ssl
-
         self.upstream = Pool(headers=_auth_headers(cfg), ssl_context=_client_ssl(cfg))
         self.main = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=os.path.join(where, "http.sock")),
@@ -137,15 +139,18 @@ class Worker:
                                   pool=10.0))
 
     def reload(self) -> bool:
-        """SIGHUP (the main reloaded): the body bound and the node read timeout follow for
-        the next request; a configuration the main would refuse is refused here too
-        (logged, the old one stays)."""
+        """SIGHUP (the main reloaded): the body bound, the node read timeout and the
+        listener's limits follow for the next request; a configuration the main would
+        refuse is refused here too (logged, the old one stays)."""
         try:
             new = config_mod.load(env_file=self.env_file)
         except config_mod.ConfigError as e:
             log.error("hub worker: reload refused, keeping the old configuration: %s", e)
             return False
         self.cfg = new
+        from appliance.hub.run import hub_limits
+
+        self.limits.set(hub_limits(new))
         log.info("hub worker %d: configuration reloaded", os.getpid())
         return True
 
@@ -304,8 +309,6 @@ class Worker:
 async def run_worker(cfg: Config, fd: int, where: str, env_file: str | None = None) -> None:
     """Serve the inherited listener until SIGTERM; SIGHUP re-reads the configuration
     (`Worker.reload`)."""
-    from appliance.hub.run import hub_limits
-
     w = Worker(cfg, where, env_file)
     stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -321,11 +324,11 @@ async def run_worker(cfg: Config, fd: int, where: str, env_file: str | None = No
                     return
 
             nursery.start_soon(on_signal)
-            # The listener's limits and TLS files are the main's at start (they change at
-            # the next start, as the main's own listener's do). The drain: the main's, plus
+            # The listener's limits follow a reload (`Worker.reload`); its TLS files are the
+            # main's at start (they change at the next start). The drain: the main's, plus
             # the time its `Cut` needs to end the streams here.
             await serve(w.app, cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
-                        limits=hub_limits(cfg), drain_seconds=cfg.hub.drain_seconds + 2.0,
+                        limits=w.limits, drain_seconds=cfg.hub.drain_seconds + 2.0,
                         bind=f"fd://{fd}", announce=False, certfile=cfg.hub.tls_cert,
                         keyfile=cfg.hub.tls_key, ca_certs=cfg.hub.tls_ca)
             nursery.cancel_scope.cancel()

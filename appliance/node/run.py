@@ -13,7 +13,9 @@ streams end, so the hub stops routing here), the API server stops accepting and 
 in-flight work finish for `Node__DrainSeconds`, then everything else is cancelled. `main`
 owns the signals: SIGTERM/SIGINT stop,
 SIGHUP re-reads the env file -- the node's limits (Node__MaxConcurrency, ModelSlots,
-MemoryMb) apply at once, anything else at the next start -- and the exit code is 0.
+MemoryMb) and its listeners' (Node__HeaderReadSeconds, Node__BodyReadSeconds,
+Hub__MaxConnections, Hub__MaxBufferedBytes: for new connections and requests) apply at
+once, anything else at the next start -- and the exit code is 0.
 
 TLS: with Node__TlsCert the node API speaks HTTPS; with Node__TlsCa too, a client
 certificate signed by that CA is required at the handshake -- the hub shows Hub__TlsCert,
@@ -36,7 +38,7 @@ from appliance import config as config_mod
 from appliance import sdnotify
 from appliance.asgi import same_port, serve
 from appliance.config import Config
-from appliance.listener import Limits
+from appliance.listener import Limits, LiveLimits
 from appliance.metricsapp import metrics_app
 from appliance.node.announce import announce_loop, hub_client
 from appliance.node.app import NodeApp
@@ -60,6 +62,12 @@ def node_limits(cfg: Config) -> Limits:
     """The node's listeners: its own read deadlines; connection and buffer bounds as the hub's."""
     return Limits(cfg.node.header_read_seconds, cfg.node.body_read_seconds, cfg.hub.max_connections,
                   cfg.hub.max_buffered_bytes)
+
+
+def _limits_line(lim: Limits) -> str:
+    return (f"Node__HeaderReadSeconds={lim.header_read_seconds:g}, Node__BodyReadSeconds="
+            f"{lim.body_read_seconds:g}, Hub__MaxConnections={lim.max_connections}, "
+            f"Hub__MaxBufferedBytes={lim.max_buffered_bytes}")
 
 
 def advertise_url(cfg: Config, host: str, port: int) -> str:
@@ -109,22 +117,26 @@ async def poll_gpu_memory(keeper: NodeStateKeeper, every: float,
 
 
 async def apply_reloads(keeper: NodeStateKeeper, engine,
-                        reloads: trio.MemoryReceiveChannel) -> None:
-    """Apply each reloaded Config: the node's limits, and the engine's own settings where
-    the adapter takes them (`reconfigure`, e.g. the sim's model list)."""
+                        reloads: trio.MemoryReceiveChannel,
+                        listeners: LiveLimits | None = None) -> None:
+    """Apply each reloaded Config: the node's limits, its listeners' limits, and the
+    engine's own settings where the adapter takes them (`reconfigure`, e.g. the sim's
+    model list)."""
     async with reloads:
         async for new in reloads:
             reconfigure = getattr(engine, "reconfigure", None)
             if reconfigure is not None:
                 reconfigure(new)
             changes = keeper.apply_limits(new.node)
+            if listeners is not None and listeners.set(node_limits(new)):
+                changes.append("listener limits now " + _limits_line(listeners.now))
             if changes:
                 log.info("configuration reloaded: %s", "; ".join(changes))
             else:
                 log.info(
                     "configuration reloaded: no node limit changed (Node__MaxConcurrency, "
-                    "ModelSlots "
-                         "and MemoryMb apply at once; other settings at the next start)")
+                    "ModelSlots, MemoryMb and the listener limits apply at once; other settings "
+                    "at the next start)")
 
 
 async def run_node(cfg: Config, stop: trio.Event | None = None, *,
@@ -140,6 +152,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
     keeper = NodeStateKeeper(name, cfg.node, engine)
     engine.on_change = keeper.changed
     metrics = NodeMetrics(registry if registry is not None else CollectorRegistry(), keeper)
+    limits = LiveLimits(node_limits(cfg))  # both listeners; a reload sets new ones
     async with hub_client(cfg) as hclient, trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         await nursery.start(poll_gpu_memory, keeper, GPU_POLL_SECONDS)
@@ -150,7 +163,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
             try:
                 await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait,
-                            limits=node_limits(cfg),
+                            limits=limits,
                             drain_seconds=cfg.node.drain_seconds, certfile=cfg.node.tls_cert,
                             keyfile=cfg.node.tls_key, ca_certs=cfg.node.tls_ca,
                             require_client_cert=True,
@@ -165,13 +178,13 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
             await nursery.start(partial(serve, metrics_app(metrics.registry, [metrics.refresh]),
                                         metrics_listen,
                                         "metrics", shutdown_trigger=api_stop.wait, drain_seconds=1,
-                                        limits=node_limits(cfg)))
+                                        limits=limits))
         url = advertise_url(cfg, host, port)
         for hub_url in cfg.hub_urls():  # one announcer per hub (HA: every hub dials us)
             await nursery.start(announce_loop, hclient, hub_url, cfg.auth.node_token_for(name),
                                 Announce(name=name, url=url), cfg.node.announce_seconds)
         if reloads is not None:
-            nursery.start_soon(apply_reloads, keeper, engine, reloads)
+            nursery.start_soon(apply_reloads, keeper, engine, reloads, limits)
         log.info("node %s up: engine %s, reachable at %s%s", name, cfg.engine.kind, url,
                  f", announcing to {cfg.hub.url}" if cfg.hub.url else ", waiting to be dialled")
         task_status.started((host, port))
