@@ -14,11 +14,14 @@ reader thread here counts the events. The child is one of:
 - `relay`: the project's pass-through relay -- appliance/upstream.py's Response reading
   the chunked body (appliance/http/chunked.py), appliance/http/stream.py's `relay_body`
   (one cancel scope per relay, a lazy read deadline, a Cut) writing with
-  appliance/http/fastio.py's DirectBody.
+  appliance/http/fastio.py's DirectBody;
+- `epoll`: no trio -- a plain loop over one epoll registered once (`poll`, `recv`, `send`
+  per event): what a relay outside trio's run loop would pay in Python.
 
 It prints the child's CPU per event (utime + stime from wait4). `relay` minus `raw` is
-what the project's code adds per event; `raw` is what only fewer wakeups (more events per
-read, more processes) can lower. The modes run interleaved, --runs times each: on a shared
+what the project's code adds per event; `raw` minus `epoll` is what trio's run loop costs
+per wakeup, which only fewer wakeups (more events per read), more processes, or a relay
+outside trio can lower. The modes run interleaved, --runs times each: on a shared
 machine compare the rows of one run.
 """
 
@@ -78,6 +81,27 @@ def child(mode: str, ins: list[socket.socket], outs: list[socket.socket]) -> Non
 
         await relay_body(resp, send, Cut(), (UpstreamError,), b"", direct)
 
+    if mode == "epoll":
+        # No trio: one level-triggered epoll registered once, a plain loop (what a relay
+        # outside trio's run loop -- a thread of its own, as nginx's event loop -- pays).
+        import select
+
+        ep = select.epoll()
+        dst_of = {}
+        for src, dst in zip(ins, outs, strict=True):
+            src.setblocking(False)
+            ep.register(src.fileno(), select.EPOLLIN)
+            dst_of[src.fileno()] = (src, dst)
+        while dst_of:
+            for fd, _ in ep.poll():
+                src, dst = dst_of[fd]
+                data = src.recv(65536)
+                if not data:
+                    ep.unregister(fd)
+                    del dst_of[fd]
+                else:
+                    dst.send(data)
+        return
     fn = {"raw": raw, "trio-socket": trio_socket, "relay": relay}[mode]
 
     async def main() -> None:
@@ -150,7 +174,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0, help="events/s per stream")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--modes", default="raw,trio-socket,relay")
+    ap.add_argument("--modes", default="epoll,raw,trio-socket,relay")
     args = ap.parse_args()
     print(f"{args.streams} streams x {args.rate:g} events/s, {args.seconds:g} s per mode and run")
     print(f"{'run':>4} {'mode':<12}{'events':>8}{'us/event':>10}{'user':>7}{'sys':>7}")
