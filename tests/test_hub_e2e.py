@@ -134,6 +134,22 @@ def test_two_nodes_share_load_and_bad_input_is_answered(fleet):
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200
 
+        # A pull goes to both sim nodes at once (modelops.py): Ollama's progress lines, each
+        # with its node, and the last line says how each node did.
+        progress = list(ollama.Client(host=hub.url, timeout=30).pull("sim-pulled", stream=True))
+        assert progress[0].status == "pulling manifest" and len(progress) > 10
+        lines = [json.loads(x) for x in c.post("/api/pull", json={"model": "sim-pulled"}).text
+                 .splitlines()]
+        assert {x.get("node") for x in lines[:-1]} == {"gpu-a", "gpu-b"}
+        for n in ("gpu-a", "gpu-b"):
+            mine = [x for x in lines if x.get("node") == n]
+            assert mine[0]["status"] == "pulling manifest"
+            assert any(x["completed"] == x["total"] for x in mine if x.get("total"))
+        last = json.loads(c.post("/api/pull", json={"model": "sim-pulled",
+                                                    "stream": False}).text)
+        assert progress[-1].status == last["status"] == "success" and lines[-1] == last
+        assert last["nodes"] == {"gpu-a": "success", "gpu-b": "success"}
+
 
 def test_body_too_large(procs):
     hub = procs.hub({"Hub__MaxBodyBytes": "1000"}, metrics=False)

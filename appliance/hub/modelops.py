@@ -1,20 +1,25 @@
 """`/api/pull` and `/api/delete` as fleet operations (admin key), in Ollama's shapes.
 
 Theory of operation: a pull goes to every connected node whose engine manages its own
-models (`ollama`, `sim`) -- or only to `?node=NAME` -- one node after another, through
-the node's `POST /node/v1/pull`. Each progress line the node relays comes to the client
-as Ollama's NDJSON with a `node` field added; a node that fails adds an `{"error",
-"node"}` line; the last line is `{"status": "success"}` only when every node succeeded,
-else an error line naming the nodes that did not. `"stream": false` answers once at the
-end. A delete asks the same nodes (`POST /node/v1/delete`) and is a 200 when any had the
-model, a 404 when none did. Each operation is one audit event. The nodes read their
-engine's model list right after, so the hub's catalog follows within a heartbeat.
+models (`ollama`, `sim`) -- or only to `?node=NAME` -- through the node's `POST
+/node/v1/pull`, at most PULL_PARALLEL nodes at once (each downloads the model: a bound
+on the fleet's share of the uplink). Each node's pull is its own task; their progress
+lines meet in one bounded channel that the one writer drains to the client (a slow client
+slows the pulls, no line is lost or cut), as Ollama's NDJSON with a `node` field added; a
+node that fails adds an `{"error", "node"}` line. The last line is `{"status":
+"success"}` only when every node succeeded, else an error line naming the nodes that did
+not; either carries `nodes`, each node's outcome ("success" or its error), in the order
+the nodes were asked. `"stream": false` answers that object once at the end. A delete
+asks the same nodes (`POST /node/v1/delete`) and is a 200 when any had the model, a 404
+when none did. Each operation is one audit event. The nodes read their engine's model
+list right after, so the hub's catalog follows within a heartbeat.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
@@ -36,6 +41,9 @@ MANAGING_KINDS = ("ollama", "sim")
 # A pull may download gigabytes; a node silent this long between two progress lines is lost.
 PULL_READ_SECONDS = 600.0
 DELETE_SECONDS = 60.0
+# Nodes pulling at once (a pull is a download of gigabytes); progress lines buffered.
+PULL_PARALLEL = 4
+PULL_LINES_BUFFERED = 64
 NDJSON = [(b"content-type", b"application/x-ndjson")]
 _enc = msgspec.json.Encoder()
 
@@ -119,18 +127,31 @@ async def _delete(hub: Hub, send: Send, model: str, targets: list, body: bytes) 
 
 
 async def _pull(hub: Hub, send: Send, model: str, targets: list, body: bytes, stream: bool) -> None:
-    failed: list[str] = []
+    outcome: dict[str, str] = {h.name: "" for h in targets}  # ask order, filled as they end
+    limiter = trio.CapacityLimiter(PULL_PARALLEL)
+    lines_in, lines_out = trio.open_memory_channel[bytes](PULL_LINES_BUFFERED)
+
+    async def one(h: NodeHandle, out: trio.MemorySendChannel[bytes]) -> None:
+        async with out:
+            async with limiter:
+                _, error = await _pull_one(hub, h, body, out.send if stream else None)
+            outcome[h.name] = error or "success"
+            if error and stream:
+                await out.send(_enc.encode({"error": error, "node": h.name}) + b"\n")
+
     if stream:
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
-    for h in targets:
-        lines, error = await _pull_one(hub, h, body, send if stream else None)
-        if error:
-            failed.append(h.name)
-            if stream:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": _enc.encode({"error": error, "node": h.name}) + b"\n"})
-    last = ({"status": "success"} if not failed
-            else {"error": f"pull of {model} failed on {', '.join(failed)}"})
+    async with trio.open_nursery() as nursery:
+        async with lines_in:
+            for h in targets:
+                nursery.start_soon(one, h, lines_in.clone())
+        async with lines_out:
+            async for line in lines_out:
+                await send({"type": "http.response.body", "body": line, "more_body": True})
+    failed = [name for name, what in outcome.items() if what != "success"]
+    last: dict = ({"status": "success"} if not failed
+                  else {"error": f"pull of {model} failed on {', '.join(failed)}"})
+    last["nodes"] = outcome
     if stream:
         await send({"type": "http.response.body", "body": _enc.encode(last) + b"\n",
                     "more_body": False})
@@ -138,8 +159,9 @@ async def _pull(hub: Hub, send: Send, model: str, targets: list, body: bytes, st
         await send_json(send, 200 if not failed else 502, last)
 
 
-async def _pull_one(hub: Hub, h: NodeHandle, body: bytes, send: Send | None) -> tuple[int, str]:
-    """(lines relayed, error or "") for one node; progress lines to `send` when streaming."""
+async def _pull_one(hub: Hub, h: NodeHandle, body: bytes,
+                    emit: Callable[[bytes], Awaitable[None]] | None) -> tuple[int, str]:
+    """(lines relayed, error or "") for one node; progress lines to `emit` when streaming."""
     n, buf, error = 0, b"", ""
     resp = None
     try:
@@ -150,9 +172,9 @@ async def _pull_one(hub: Hub, h: NodeHandle, body: bytes, send: Send | None) -> 
             buf += chunk
             *whole, buf = buf.split(b"\n")
             for line in whole:
-                n, error = await _relay_line(line, h.name, send, n, error, resp.status_code)
+                n, error = await _relay_line(line, h.name, emit, n, error, resp.status_code)
         if buf.strip():
-            n, error = await _relay_line(buf, h.name, send, n, error, resp.status_code)
+            n, error = await _relay_line(buf, h.name, emit, n, error, resp.status_code)
         if resp.status_code != 200 and not error:
             error = f"node answered {resp.status_code}"
     except UpstreamError as e:
@@ -164,8 +186,8 @@ async def _pull_one(hub: Hub, h: NodeHandle, body: bytes, send: Send | None) -> 
     return n, error
 
 
-async def _relay_line(line: bytes, node: str, send: Send | None, n: int, error: str,
-                      status: int) -> tuple[int, str]:
+async def _relay_line(line: bytes, node: str, emit: Callable[[bytes], Awaitable[None]] | None,
+                      n: int, error: str, status: int) -> tuple[int, str]:
     try:
         obj = msgspec.json.decode(line)
     except msgspec.DecodeError:
@@ -176,7 +198,6 @@ async def _relay_line(line: bytes, node: str, send: Send | None, n: int, error: 
         return n, str(obj.get("error") or obj)
     if obj.get("status") == "success":
         return n, error  # the fleet's own success line comes last
-    if send is not None:
-        await send({"type": "http.response.body",
-                    "body": _enc.encode({**obj, "node": node}) + b"\n", "more_body": True})
+    if emit is not None:
+        await emit(_enc.encode({**obj, "node": node}) + b"\n")
     return n + 1, error
