@@ -288,6 +288,23 @@ async def test_max_concurrency_enforced():
         assert (await n.http.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 
+async def test_an_engine_silent_mid_stream_is_ended_by_the_read_deadline():
+    # Node__UpstreamReadSeconds bounds every read of a relayed stream (relay_body keeps it
+    # lazily, one scope per relay): the engine sends a token, then nothing.
+    async with running_node(Node__UpstreamReadSeconds="0.5") as n:
+        n.upstream.gate = trio.Event()  # never set
+        with trio.fail_after(10):
+            r = await n.http.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
+        first, _, rest = r.content.partition(b"\n\n")
+        assert first == b'data: {"n":1}'
+        error = json.loads(rest.removeprefix(b"data: "))["error"]
+        assert error["code"] == "engine_error" and "sent nothing for 0.5 s" in error["message"]
+        await n.wait_until(lambda: n.keeper.in_flight_total == 0)
+        scrape = (await n.http.get("/metrics")).text
+        assert 'appliance_node_requests_total{model="sim-small",status="engine_error"} 1.0' in scrape
+
+
 async def test_client_disconnect_frees_the_place_and_cancels_upstream():
     async with running_node(Node__MaxConcurrency="1") as n:
         n.upstream.gate = trio.Event()

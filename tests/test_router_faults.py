@@ -121,6 +121,28 @@ async def test_lost_node_ends_openai_stream_with_node_lost_event(tmp_path):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_node_silent_mid_stream_is_ended_by_the_hub_read_deadline(tmp_path):
+    # Hub__UpstreamReadSeconds bounds every read of a relayed stream (relay_body keeps it
+    # lazily): the node sends two tokens, then nothing, and is never declared lost.
+    node = StallNode("gpu-a")
+    async with trio.open_nursery() as nursery:
+        hub, url, _stop = await _hub(nursery, tmp_path, {"Hub__UpstreamReadSeconds": "0.5"})
+        _ready(hub, "gpu-a", await _fake(nursery, node))
+        oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=20)
+        got = []
+        with trio.fail_after(10):
+            stream = await oc.chat.completions.create(model="m", stream=True,
+                                                      messages=[{"role": "user", "content": "x"}])
+            with pytest.raises(openai.APIError) as e:
+                async for chunk in stream:
+                    got.append(chunk.choices[0].delta.content)
+        assert got == ["gpu-a-0 ", "gpu-a-1 "]
+        assert "sent nothing for 0.5 s" in e.value.message and "gpu-a" in e.value.message
+        (line,) = _requests(tmp_path)
+        assert line["status"] == 200 and line["error"] == "node_lost" and line["node"] == "gpu-a"
+        nursery.cancel_scope.cancel()
+
+
 async def test_lost_node_ends_ollama_stream_that_the_ollama_client_raises(tmp_path):
     node = StallNode("gpu-a")
     async with trio.open_nursery() as nursery:
