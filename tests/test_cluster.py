@@ -209,6 +209,25 @@ async def test_one_leader_then_partition_failover_without_overlap(nursery, autoj
     assert not a.member.leading and a.member.leader() == "hub-b"
 
 
+async def test_a_resigning_leader_hands_over_within_a_tick_and_keeps_following(
+        nursery, autojump_clock):
+    store, a, b = await fleet(nursery, [{"Name": "m"}])
+    assert a.member.leading
+    epoch = a.member.epoch
+    a.member.resign()  # a clean stop: the lease is given up, not left to run out
+    resigned = trio.current_time()
+    while not b.member.leading:
+        assert not a.member.leading  # at no time two leaders
+        await trio.sleep(0.05)
+    assert trio.current_time() - resigned <= b.member.tick + 0.2  # not LEASE
+    assert b.member.epoch > epoch and a.control.ops.epoch is None
+    assert ("leader_stepped_down", {"hub": "hub-a", "epoch": epoch,
+                                    "why": "this hub is stopping"}) in a.control.audit.events
+    await trio.sleep(LEASE * 2)  # a stands no more, and follows b
+    assert not a.member.leading and a.member.leader() == "hub-b"
+    assert b.member.status()["hubs"] == ["hub-b"]
+
+
 async def test_parked_survives_failover_and_is_not_tried_again(nursery, autojump_clock):
     store, a, b = await fleet(nursery, [{"Name": "kev"}])
     a.ops.fail["kev"] = b.ops.fail["kev"] = KEV

@@ -3,7 +3,9 @@
 One fleet for the module (etcd, hubs a and b, nodes n1 and n2 announcing to both), the
 cases in order, each leaving the fleet whole for the next. Loads are counted at the nodes
 (their "loading MODEL" log lines), not at the hubs, so "not tried again" means the node
-never saw it. Lease 3 s: a dead leader is replaced within 3 + 2 s.
+never saw it. Lease 3 s: a dead leader is replaced within 3 + 2 s. A clean stop (SIGTERM)
+has its own small fleet with a 30 s lease, so "handed over at once" cannot be confused
+with "the lease ran out".
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ CATALOG = {
 
 
 class Fleet:
-    def __init__(self, tmp) -> None:
+    def __init__(self, tmp, lease: int = LEASE) -> None:
+        self.lease = lease
         self.procs = Procs()
         self.etcd = EtcdProc(tmp / "etcd")
         self.etcd.start()
@@ -57,7 +60,7 @@ class Fleet:
 
     def start_hub(self, name: str) -> None:
         self.hubs[name] = self.procs.hub({"Hub__Name": name, "Cluster__Etcd": self.etcd.url,
-                                          "Cluster__LeaseSeconds": str(LEASE),
+                                          "Cluster__LeaseSeconds": str(self.lease),
                                           "Auth__NodeToken": TOKEN, **CATALOG})
 
     def start_node(self, name: str, hubs: list[str]) -> None:
@@ -81,7 +84,7 @@ class Fleet:
         def agreed():
             seen = {self.cluster(h).get("leader") for h in self.live()}
             return seen.pop() if len(seen) == 1 and None not in seen else None
-        return wait_until(agreed, timeout=LEASE + 10, what="one leader agreed by every hub")
+        return wait_until(agreed, timeout=self.lease + 10, what="one leader agreed by every hub")
 
     def live(self) -> list[str]:
         return [h for h, p in self.hubs.items() if p.popen.poll() is None]
@@ -121,6 +124,31 @@ def fleet(tmp_path_factory):
 
 def other(f: Fleet, hub: str) -> str:
     return next(h for h in f.hubs if h != hub)
+
+
+class Hammer(threading.Thread):
+    """Chats through one hub until stopped; what failed, and how many were sent."""
+
+    def __init__(self, f: Fleet, hub: str) -> None:
+        super().__init__(daemon=True)
+        self.f, self.hub = f, hub
+        self.failures: list[str] = []
+        self.sent = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                r = self.f.chat(self.hub, "ready-m", timeout=20)
+                if r.status_code != 200:
+                    self.failures.append(r.text)
+            except httpx.HTTPError as e:
+                self.failures.append(repr(e))
+            self.sent += 1
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join()
 
 
 def test_one_leader_shared_nodes_and_epoch(fleet):
@@ -221,21 +249,7 @@ def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
 def test_kill_leader_failover(fleet):
     leader = fleet.leader()
     survivor = other(fleet, leader)
-    failures: list[str] = []
-    sent = [0]
-    stop = threading.Event()
-
-    def hammer():
-        while not stop.is_set():
-            try:
-                r = fleet.chat(survivor, "ready-m", timeout=20)
-                if r.status_code != 200:
-                    failures.append(r.text)
-            except httpx.HTTPError as e:
-                failures.append(repr(e))
-            sent[0] += 1
-
-    t = threading.Thread(target=hammer)
+    t = Hammer(fleet, survivor)
     t.start()
     try:
         time.sleep(0.5)
@@ -253,9 +267,8 @@ def test_kill_leader_failover(fleet):
         assert fleet.loads("od-b") == 1
         time.sleep(0.5)
     finally:
-        stop.set()
-        t.join()
-    assert failures == [] and sent[0] > 5, (failures, sent)
+        t.stop()
+    assert t.failures == [] and t.sent > 5, (t.failures, t.sent)
     assert took < LEASE + 2
     # Parked survives the failover: answered at once, the node never asked again.
     r = fleet.chat(survivor, "kev-0.5b")
@@ -313,3 +326,56 @@ def test_etcd_down_ready_models_serve_placements_no_leader(fleet):
         r = fleet.chat(h, "od-d")
         assert r.status_code == 200, (h, r.text, fleet.cluster(h))
     assert fleet.loads("od-d") == 1
+
+
+LONG_LEASE = 30
+
+
+def test_sigterm_of_the_leader_hands_over_at_once(tmp_path):
+    """A leader stopped cleanly gives its lease up as its drain starts: the other hub leads
+    (a new epoch) well before the 30 s lease could have run out -- while the stopped hub
+    still finishes a request in flight -- requests through the new leader keep succeeding,
+    and the stopped hub exits 0."""
+    f = Fleet(tmp_path, lease=LONG_LEASE)
+    try:
+        f.start_hub("hub-a")
+        f.start_hub("hub-b")
+        f.start_node("n1", ["hub-a", "hub-b"])
+        for h in f.hubs:
+            wait_until(lambda h=h: f.ready_on(h, "ready-m") == 1, timeout=40,
+                       what=f"ready-m ready on {h}")
+        leader = f.leader()
+        follower = other(f, leader)
+        epoch = f.cluster(follower)["epoch"]
+        long: list[httpx.Response] = []  # 6000 tokens at 1000/s: 6 s, in flight on the leader
+        slow = threading.Thread(target=lambda: long.append(httpx.post(
+            f.hubs[leader].url + "/v1/chat/completions", timeout=60,
+            json={"model": "ready-m", "max_tokens": 6000,
+                  "messages": [{"role": "user", "content": "hi"}]})))
+        slow.start()
+        t = Hammer(f, follower)
+        t.start()
+        try:
+            wait_until(lambda: f.status(leader)["nodes"][0]["in_flight"] == 1, timeout=10,
+                       interval=0.05, what="the long request on the node")
+            stopped_at = time.monotonic()
+            f.hubs[leader].signal(signal.SIGTERM)
+            wait_until(lambda: f.cluster(follower).get("leading"), timeout=LONG_LEASE / 3,
+                       interval=0.05, what="the follower leads before a third of the lease")
+            took = time.monotonic() - stopped_at
+            draining = slow.is_alive()
+            assert f.hubs[leader].popen.wait(timeout=40) == 0
+        finally:
+            t.stop()
+            slow.join()
+        assert took < LONG_LEASE / 3
+        assert draining, "the long request ended before the handover: the drain was not tested"
+        assert long[0].status_code == 200, long[0].text  # finished by the draining ex-leader
+        assert t.failures == [] and t.sent > 5, (t.failures, t.sent)
+        after = f.cluster(follower)
+        assert after["epoch"] > epoch and after["leader"] == follower
+        assert after["hubs"] == [follower]  # the stopped hub's key went with its lease
+        assert f.hubs[leader].wait_stderr(rf"hub {leader} stepped down .*this hub is stopping")
+        assert f.hubs[follower].wait_stderr(rf"hub {follower} leads the fleet now")
+    finally:
+        f.close()

@@ -17,6 +17,10 @@ Theory of operation (issue: high availability on etcd). Two tasks in one nursery
   the leader answers followers' asks and retries through its own control core, and
   writes back every model's health that changed.
 
+A clean stop (`resign`, at the start of the hub's drain) revokes the lease: the leader
+key and this hub's key go with it, so another hub leads within a tick rather than after
+the lease, while this one finishes its requests as a follower (`_follow` keeps running).
+
 Etcd unreachable: nothing here raises; `up` goes false, the leader steps down when its
 lease ends, and both loops keep trying at the tick, so service resumes by itself.
 """
@@ -66,6 +70,7 @@ class Member:
         self._read_once = False
         self._cordons: dict[str, bool] = {}  # etcd's word on each node's cordon, as last applied
         self._problem = ""
+        self._campaigning = trio.CancelScope()  # `resign` cancels it
         control.cluster = self
         registry.shared = True  # other hubs' work on our nodes counts in admission (nodes.py)
 
@@ -147,7 +152,18 @@ class Member:
             nursery.start_soon(self._follow)
             task_status.started()
 
+    def resign(self) -> None:
+        """A clean stop: decide nothing more, give the lease up now and stand no more;
+        keep following."""
+        if self.tenure.epoch:
+            self._step_down("this hub is stopping")
+        self._campaigning.cancel()
+
     async def _campaign(self) -> None:
+        with self._campaigning:
+            await self._stand()
+
+    async def _stand(self) -> None:
         lease, lease_sent = 0, 0.0  # our lease, and when its last grant/renewal was sent
         try:
             while True:
@@ -182,6 +198,8 @@ class Member:
                 self._check_tenure()
                 await trio.sleep(self.tick)
         finally:
+            if self.tenure.epoch:  # decide nothing more before the next leader can start
+                self._step_down("this hub is stopping")
             if lease:  # a clean stop hands leadership over at once instead of after the lease
                 with trio.move_on_after(1, shield=True):
                     try:

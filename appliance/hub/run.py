@@ -5,9 +5,10 @@ control plane and admission, then starts with `nursery.start` the API server, th
 metrics server, the control loop and one supervisor per static node; announced nodes
 get theirs as they arrive. `task_status.started` hands back the bound API address only
 once all of it listens. A stop (SIGTERM/SIGINT, or the caller's `stop` event) makes the
-API server stop accepting and drain for `Hub__DrainSeconds`, then cancels the rest; the
-exit code is 0. SIGHUP re-reads the env file; a bad one is refused with one log line and
-the old configuration stays. The listeners' limits (`Hub.limits`, appliance/listener.py's
+API server stop accepting and drain for `Hub__DrainSeconds` (a hub in a cluster hands
+its leadership over first: `Member.resign`), then cancels the rest; the exit code is 0.
+SIGHUP re-reads the env file; a bad one is refused with one log line and the old
+configuration stays. The listeners' limits (`Hub.limits`, appliance/listener.py's
 `LiveLimits`) follow a reload for new connections and requests, in every hub process.
 """
 
@@ -166,6 +167,8 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
 
         async def drain_deadline() -> None:
             await stop.wait()
+            if hub.cluster is not None:  # another hub leads now, not when our lease runs out
+                hub.cluster.resign()
             await trio.sleep(cfg.hub.drain_seconds)
             hub.drain_over.set()
 
