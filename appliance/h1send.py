@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from appliance.http.fastio import ChunkedSocket
+from appliance.http.fastio import ChunkedSocket, send_all
 from appliance.http.h1head import response_head
 
 
@@ -137,15 +137,7 @@ class Sender:
         except trio.WouldBlock:
             await lock.acquire()
         try:
-            view = memoryview(data)
-            while view:
-                try:
-                    n = sock.send(view)
-                except BlockingIOError:
-                    with trio.CancelScope(shield=shield):
-                        await trio.lowlevel.wait_writable(sock)
-                    continue
-                view = view[n:]
+            await send_all(sock, data, shield)
         except OSError:
             self.broken = True
             self.stop_waiting()  # receive() says http.disconnect now

@@ -40,7 +40,7 @@ from urllib.parse import unquote
 import trio
 
 from appliance.h1send import Sender
-from appliance.http.fastio import DIRECT_KEY
+from appliance.http.fastio import DIRECT_KEY, recv_some
 from appliance.http.h1head import refusal
 from appliance.http.h1parse import BadRequest, Chunks, Head, parse_head
 from appliance.listener import (
@@ -68,6 +68,14 @@ LINGER_BYTES = 1024 * 1024
 _WRITE_408_SECONDS = 1.0
 _ASGI = {"spec_version": "2.1", "version": "3.0"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+async def _recv(sock: socket.socket) -> bytes:
+    """The next bytes from the client; b"" at its end or when its connection broke."""
+    try:
+        return await recv_some(sock, MAX_RECV)
+    except OSError:
+        return b""
 
 
 def _disconnect() -> dict[str, Any]:  # a fresh dict each time: an app may change what it got
@@ -151,17 +159,10 @@ class Conn(Sender):
         """The next bytes (b"" at the end), or None past `deadline`."""
         sock = self.sock
         with trio.CancelScope(deadline=deadline):
-            while True:
-                await trio.lowlevel.wait_readable(sock)
-                try:
-                    data = sock.recv(MAX_RECV)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
-                    self.eof = True
-                return data
+            data = await _recv(sock)
+            if not data:
+                self.eof = True
+            return data
         return None
 
     async def _read_head(self, started: float | None) -> Head | None:
@@ -403,13 +404,7 @@ class Conn(Sender):
                 while True:
                     if len(self.buf) + len(extra) >= MAX_PIPELINED:
                         await trio.sleep_forever()  # read no further until the answer is out
-                    await trio.lowlevel.wait_readable(sock)
-                    try:
-                        data = sock.recv(MAX_RECV)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
+                    data = await _recv(sock)
                     if not data:
                         self.eof = True
                         break

@@ -36,7 +36,7 @@ import h11
 import trio
 
 from appliance.http.chunked import BodyError, ChunkedBody, SizedBody
-from appliance.http.fastio import plain_socket, recv_some
+from appliance.http.fastio import plain_socket, recv_some, send_all
 from appliance.http.h1client import (
     CHUNKED,
     CLOSE,
@@ -132,14 +132,7 @@ async def _send_all(conn: _Conn, data: bytes) -> None:
     if sock is None:
         await conn.stream.send_all(data)
         return
-    view = memoryview(data)
-    while view:
-        try:
-            n = sock.send(view)
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
-            continue
-        view = view[n:]
+    await send_all(sock, data, shield=False)
 
 
 class Response:

@@ -116,13 +116,8 @@ class ChunkedBody:
                 pos += 2
                 self._state = _SIZE
             elif state == _SIZE:
-                i = data.find(b"\r\n", pos, pos + MAX_LINE + 2)
+                i = self._line_end(data, pos, "a chunk size line")
                 if i < 0:
-                    rest = data[pos:]
-                    if len(rest) > MAX_LINE or b"\n" in rest.rstrip(b"\r"):
-                        raise BodyError(f"a chunk size line is over {MAX_LINE} bytes or not "
-                                        "ended by CRLF")
-                    self._buf = rest
                     break
                 n = _chunk_size(data[pos:i])
                 pos = i + 2
@@ -132,13 +127,8 @@ class ChunkedBody:
                 else:
                     self._state = _TRAILER
             elif state == _TRAILER:
-                i = data.find(b"\r\n", pos, pos + MAX_LINE + 2)
+                i = self._line_end(data, pos, "a trailer line")
                 if i < 0:
-                    rest = data[pos:]
-                    if len(rest) > MAX_LINE or b"\n" in rest.rstrip(b"\r"):
-                        raise BodyError(f"a trailer line is over {MAX_LINE} bytes or not "
-                                        "ended by CRLF")
-                    self._buf = rest
                     break
                 line = data[pos:i]
                 pos = i + 2
@@ -151,6 +141,17 @@ class ChunkedBody:
                 self._trailers += len(line) + 2
                 if self._trailers > MAX_TRAILERS:
                     raise BodyError(f"trailers are over {MAX_TRAILERS} bytes")
+
+    def _line_end(self, data: bytes, pos: int, what: str) -> int:
+        """Where the line at `pos` ends (its CR), or -1 with the partial line kept for the
+        next read; BodyError when it is too long or not ended by CRLF."""
+        i = data.find(b"\r\n", pos, pos + MAX_LINE + 2)
+        if i < 0:
+            rest = data[pos:]
+            if len(rest) > MAX_LINE or b"\n" in rest.rstrip(b"\r"):
+                raise BodyError(f"{what} is over {MAX_LINE} bytes or not ended by CRLF")
+            self._buf = rest
+        return i
 
 
 def _chunk_size(line: bytes) -> int:

@@ -154,7 +154,7 @@ class DirectBody:
                     if not held:
                         lock.acquire_nowait()
                         held = True
-                    await _send_all(sock, frame[n:])
+                    await send_all(sock, frame[n:])
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.broken = True
             return False
@@ -164,14 +164,16 @@ class DirectBody:
         return True
 
 
-async def _send_all(sock: socket.socket, data: bytes) -> None:
-    """All of `data` on `sock`; waits (shielded) only while its buffer is full."""
+async def send_all(sock: socket.socket, data: bytes, shield: bool = True) -> None:
+    """All of `data` on `sock` (OSError when the peer is gone); waits only while its buffer
+    is full -- shielded unless told otherwise: a write cut half-way leaves the client's
+    connection in an unknown state."""
     view = memoryview(data)
     while view:
         try:
             n = sock.send(view)
         except BlockingIOError:
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=shield):
                 await trio.lowlevel.wait_writable(sock)
             continue
         view = view[n:]

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import re
 
+from appliance.http.h1parse import DIGITS as _DIGITS
+from appliance.http.h1parse import TOKEN as _TOKEN
+
 # h11's own bound on an incomplete head, as the upstream used it.
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 256
 
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")
-_DIGITS = re.compile(rb"[0-9]{1,18}")
 # Field lines: a token name, a colon, a value of visible bytes, spaces and tabs; no obs-fold.
 _FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f-\xff]")

@@ -30,10 +30,10 @@ MAX_HEADERS = 128
 MAX_LINE = 4096
 MAX_TRAILER_BYTES = 16 * 1024
 
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
 _VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
-_DIGITS = re.compile(rb"[0-9]{1,18}")
+DIGITS = re.compile(rb"[0-9]{1,18}")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _CHUNK_EXT = re.compile(rb"(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
 
@@ -83,7 +83,7 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
     hosts = 0
     keep_alive = version == "1.1"
     expect = False
-    token = _TOKEN.fullmatch
+    token = TOKEN.fullmatch
     valid = _VALUE.fullmatch
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
@@ -95,7 +95,7 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
         name = name.lower()
         headers.append((name, value))
         if name == b"content-length":
-            if length >= 0 or _DIGITS.fullmatch(value) is None:
+            if length >= 0 or DIGITS.fullmatch(value) is None:
                 raise BadRequest(400, "invalid or repeated Content-Length")
             length = int(value)
         elif name == b"transfer-encoding":
@@ -187,7 +187,7 @@ class Chunks:
                     break
                 self._trailer += len(line) + 2
                 name, colon, value = line.partition(b":")
-                if (not colon or _TOKEN.fullmatch(name) is None
+                if (not colon or TOKEN.fullmatch(name) is None
                         or _VALUE.fullmatch(value) is None or self._trailer > MAX_TRAILER_BYTES):
                     raise BadRequest(400, "invalid chunked trailer")
         return b"".join(out) if len(out) != 1 else out[0], pos
