@@ -199,6 +199,7 @@ class _Guard:
         self.deadline = trio.current_time() + self.header_seconds  # a new connection owes a head
         self.head_bytes = False
         self.in_request = False
+        self.answered = False  # the request's response has ended: what comes next is a head
         self.scope: trio.CancelScope | None = None
         self.cancel = trio.CancelScope()  # the whole connection: shed at max_connections
         self.lean = False  # served by appliance/h1server.py
@@ -214,17 +215,22 @@ class _Guard:
 
     def request_started(self) -> None:
         self.in_request = True
-        self.head_bytes = False
+        self.head_bytes = self.answered = False
         self._set(math.inf)
+
+    def response_ended(self) -> None:
+        self.answered = True
 
     def request_done(self) -> None:
         self.in_request = False
-        self._set(math.inf)  # idle: hypercorn's keep-alive bound; the next head byte starts ours
+        # idle: hypercorn's keep-alive bound, and the next head byte starts ours -- or it
+        # came already, while the request was finishing
+        self._set(trio.current_time() + self.header_seconds if self.head_bytes else math.inf)
 
     def received(self, data: bytes) -> None:
-        if data and not self.in_request and not self.head_bytes:
+        if data and (self.answered or not self.in_request) and not self.head_bytes:
             self.head_bytes = True
-            if self.deadline == math.inf:
+            if not self.in_request and self.deadline == math.inf:
                 self._set(trio.current_time() + self.header_seconds)
 
 
@@ -310,6 +316,8 @@ def guard_app(app: Callable, live: LiveLimits, budget: Budget) -> Callable:
             nonlocal started
             if msg["type"] == "http.response.start":
                 started = True
+            elif msg["type"] == "http.response.body" and not msg.get("more_body") and guard:
+                guard.response_ended()
             await send(msg)
 
         async def refuse(status: int, code: str, message: str, extra=()) -> None:

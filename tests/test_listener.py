@@ -46,3 +46,20 @@ async def test_head_deadline_runs_from_the_start_then_from_the_first_byte_after_
     await trio.sleep(30)
     g.received(b"GET / HT")
     assert g.deadline == start + 40 and g.head_bytes
+
+
+async def test_a_head_begun_while_the_answer_finished_owes_its_deadline_from_the_request_end(
+        autojump_clock):
+    g = _Guard(10.0)
+    g.request_started()
+    g.received(b"a body chunk")  # the request's own body: no head owed
+    await trio.sleep(5)
+    g.request_done()
+    assert g.deadline == float("inf") and not g.head_bytes
+    g.request_started()
+    g.response_ended()
+    g.received(b"GET / HT")  # the next head, read before the request's task finished
+    assert g.deadline == float("inf")  # still in the request: not cut
+    await trio.sleep(5)
+    g.request_done()
+    assert g.deadline == trio.current_time() + 10 and g.head_bytes
