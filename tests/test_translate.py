@@ -290,6 +290,21 @@ def test_ollama_num_predict_past_the_engines_context_is_a_400_on_openai_engines(
     prepare("/api/chat", "ollama", _chat("x" * 100000), "m", "m").for_engine("llamacpp", 100)
 
 
+@pytest.mark.parametrize("make", [
+    lambda extra: anthropic.request({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "x"}], **extra}, "m")[0],
+    lambda extra: responses.request({"input": "x", **extra}, "m")[0],
+])
+def test_anthropic_and_responses_sampling_fields_through_one_helper(make):
+    req = make({"temperature": 0.2, "top_p": 1})
+    assert (req["temperature"], req["top_p"]) == (0.2, 1)
+    assert "temperature" not in make({}) and "top_p" not in make({"temperature": 0})
+    for bad_body, param in (({"temperature": "hot"}, "temperature"), ({"top_p": True}, "top_p")):
+        with pytest.raises(ApiError) as ei:
+            make(bad_body)
+        assert ei.value.status == 400 and ei.value.param == param
+
+
 def test_resolve_latest_both_ways():
     names = {"llama3.2:latest", "plain", "org/x:latest"}
     assert resolve("llama3.2", names.__contains__) == "llama3.2:latest"

@@ -29,10 +29,10 @@ from appliance.hub.translate.common import (
     EventsConverter,
     SSEReader,
     bad,
+    copy_sampling,
     enc,
     engine_object,
     integer,
-    number,
     parse_args,
     stop_list,
     usage_of,
@@ -166,10 +166,7 @@ def request(obj: dict, model: str) -> tuple[dict, bool]:
     for i, m in enumerate(msgs):
         out_msgs.extend(_turn(m, i))
     out: dict[str, Any] = {"model": model, "messages": out_msgs, "max_tokens": max_tokens}
-    for k in ("temperature", "top_p"):
-        v = number(obj, k)
-        if v is not None:
-            out[k] = v
+    copy_sampling(obj, out)
     top_k = integer(obj, "top_k")
     if top_k is not None:
         out["top_k"] = top_k

@@ -60,6 +60,19 @@ def integer(obj: dict, key: str, param: str | None = None) -> int | None:
     return opt(obj, key, int, "an integer", param)
 
 
+# The sampling fields Anthropic Messages and OpenAI Responses share with chat completions.
+SAMPLING = ("temperature", "top_p")
+
+
+def copy_sampling(obj: dict, out: dict, keys: tuple[str, ...] = SAMPLING) -> None:
+    """Copy the numeric sampling fields `keys` from a client's body into a chat body, each
+    checked (a 400 naming it) and left out when absent."""
+    for k in keys:
+        v = number(obj, k)
+        if v is not None:
+            out[k] = v
+
+
 def stop_list(v: Any, param: str) -> list[str] | None:
     if v is None:
         return None

@@ -24,10 +24,10 @@ from appliance.hub.translate.common import (
     SSEReader,
     ToolCallAccumulator,
     bad,
+    copy_sampling,
     enc,
     engine_object,
     integer,
-    number,
     usage_of,
 )
 
@@ -107,10 +107,7 @@ def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
     else:
         raise bad("'input' must be a string or a non-empty array of items", "input")
     out: dict[str, Any] = {"model": model, "messages": msgs}
-    for k in ("temperature", "top_p"):
-        v = number(obj, k)
-        if v is not None:
-            out[k] = v
+    copy_sampling(obj, out)
     mx = integer(obj, "max_output_tokens")
     if mx is not None:
         out["max_tokens"] = mx
