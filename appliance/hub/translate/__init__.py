@@ -21,7 +21,7 @@ body; otherwise a forwarded body is the client's own bytes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from appliance.http.errors import ApiError
 from appliance.hub.translate import anthropic, ollama, responses
@@ -34,6 +34,7 @@ from appliance.hub.translate.common import (
     decode_object,
     enc,
 )
+from appliance.wire import NodeState
 
 # Engine kinds that speak only OpenAI's API (DESIGN 6); the others speak Ollama's too.
 OPENAI_ONLY = frozenset({"llamacpp", "openai"})
@@ -102,12 +103,12 @@ class Prepared:
         return Plan(path, body, self.api, self.make)
 
 
-def _openai_check(check: Callable[[dict], None], required: str) -> Callable[[dict],
-                                                                            ApiError | None]:
+def _openai_check(check: Callable[[dict[str, Any]], None],
+                  required: str) -> Callable[[dict[str, Any]], ApiError | None]:
     """Wrong types are a 400 at once, whatever the engine; a missing `required` field only
     for OpenAI-only engines (llama.cpp answers a chat without messages with a 200, the
     sim and Ollama with their own error)."""
-    def run(obj: dict) -> ApiError | None:
+    def run(obj: dict[str, Any]) -> ApiError | None:
         if obj.get(required) is None:
             return bad(f"'{required}' is required", required)
         check(obj)
@@ -120,14 +121,14 @@ _OPENAI_CHECKS = {CHAT: _openai_check(check_openai_chat, "messages"),
                   EMBEDDINGS: _openai_check(check_openai_embedding, "input")}
 
 
-def _with_model(body: bytes, obj: dict, given: str, model: str) -> bytes:
+def _with_model(body: bytes, obj: dict[str, Any], given: str, model: str) -> bytes:
     if given == model:
         return body
     return enc.encode({**obj, "model": model})
 
 
 def prepare(path: str, api: str, body: bytes, given: str, model: str,
-            obj: dict | None = None) -> Prepared:
+            obj: dict[str, Any] | None = None) -> Prepared:
     """Check and translate once; `given` is the body's model name, `model` the resolved one;
     `obj` the body already decoded (a JSON object), else it is decoded here."""
     if obj is None:
@@ -145,7 +146,8 @@ def prepare(path: str, api: str, body: bytes, given: str, model: str,
         raise
 
 
-def _translated(path: str, api: str, obj: dict, fwd: bytes, given: str, model: str) -> Prepared:
+def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str,
+                model: str) -> Prepared:
     if path in ("/api/chat", "/api/generate"):
         chat = path == "/api/chat"
         load_only = not (obj.get("messages") if chat else obj.get("prompt"))
@@ -201,13 +203,13 @@ __all__ = ["OPENAI_ONLY", "Converted", "Plan", "Prepared", "context_length", "de
            "prepare", "resolve"]
 
 
-def context_length(state, model: str) -> int:
+def context_length(state: NodeState | None, model: str) -> int:
     """The context length a node reports for `model` (0: it says none)."""
     m = state.model(model) if state is not None else None
     return m.meta.context_length if m is not None and m.meta is not None else 0
 
 
-def engine_kind(state) -> str:
+def engine_kind(state: NodeState | None) -> str:
     """The kind of engine a node runs (its first install), "" while it reports none."""
     if state is None or not state.engines:
         return ""

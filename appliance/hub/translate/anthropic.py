@@ -57,7 +57,7 @@ def _text_of(content: Any, where: str) -> str:
     raise bad(f"'{where}' must be a string or an array of blocks", where)
 
 
-def _image(b: dict, where: str) -> dict:
+def _image(b: dict[str, Any], where: str) -> dict[str, Any]:
     src = b.get("source")
     if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
         return {"type": "image_url",
@@ -68,7 +68,7 @@ def _image(b: dict, where: str) -> dict:
     raise bad(f"'{where}.source' must be a base64 or url image source", f"{where}.source")
 
 
-def _turn(m: Any, i: int) -> list[dict]:
+def _turn(m: Any, i: int) -> list[dict[str, Any]]:
     where = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise bad(f"{where}: role must be 'user' or 'assistant'", f"{where}.role")
@@ -78,9 +78,9 @@ def _turn(m: Any, i: int) -> list[dict]:
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or an array of content blocks",
                   f"{where}.content")
-    parts: list[dict] = []
-    calls: list[dict] = []
-    results: list[dict] = []
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     for j, b in enumerate(content):
         bw = f"{where}.content.{j}"
         t = b.get("type") if isinstance(b, dict) else None
@@ -121,7 +121,7 @@ def _turn(m: Any, i: int) -> list[dict]:
     return out
 
 
-def _tools(obj: dict, out: dict) -> None:
+def _tools(obj: dict[str, Any], out: dict[str, Any]) -> None:
     tools = obj.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -149,7 +149,7 @@ def _tools(obj: dict, out: dict) -> None:
             out["parallel_tool_calls"] = False
 
 
-def request(obj: dict, model: str) -> tuple[dict, bool]:
+def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool]:
     """(OpenAI chat body, stream) for a Messages body."""
     max_tokens = integer(obj, "max_tokens")
     if max_tokens is None or max_tokens < 1:
@@ -157,7 +157,7 @@ def request(obj: dict, model: str) -> tuple[dict, bool]:
     msgs = obj.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages: at least one message is required", "messages")
-    out_msgs: list[dict] = []
+    out_msgs: list[dict[str, Any]] = []
     system = obj.get("system")
     if system is not None:
         text = _text_of(system, "system")
@@ -183,7 +183,7 @@ def request(obj: dict, model: str) -> tuple[dict, bool]:
     return out, stream
 
 
-def _sse(event: str, data: dict) -> bytes:
+def _sse(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + enc.encode(data) + b"\n\n"
 
 
@@ -207,7 +207,7 @@ class MessagesConverter(EventsConverter):
         self._usage = (0, 0)
         self._done = False
 
-    def _stop_word(self, obj: dict, ch: dict) -> None:
+    def _stop_word(self, obj: dict[str, Any], ch: dict[str, Any]) -> None:
         """Remember the stop sequence the engine names, if it is one the request gave."""
         for where in (ch, obj):
             for k in ("stop_reason", "stopping_word", "stop_word"):
@@ -222,8 +222,8 @@ class MessagesConverter(EventsConverter):
             return "stop_sequence", self._matched
         return _STOP.get(finish, "end_turn"), None
 
-    def _message(self, content: list, stop: str | None, usage: tuple[int, int],
-                 seq: str | None = None) -> dict:
+    def _message(self, content: list[Any], stop: str | None, usage: tuple[int, int],
+                 seq: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content,
                 "stop_reason": stop, "stop_sequence": seq,
@@ -236,7 +236,7 @@ class MessagesConverter(EventsConverter):
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
         msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
-        content: list[dict] = []
+        content: list[dict[str, Any]] = []
         if isinstance(msg.get("content"), str) and msg["content"]:
             content.append({"type": "text", "text": msg["content"]})
         for c in msg.get("tool_calls") or []:
@@ -252,7 +252,7 @@ class MessagesConverter(EventsConverter):
 
     # --- stream ----------------------------------------------------------------------
 
-    def _open(self, kind: str, block: dict) -> list[bytes]:
+    def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
         out = self._close()
         self._block, self._kind = self._next, kind
         self._next += 1
@@ -274,7 +274,7 @@ class MessagesConverter(EventsConverter):
                                                                                          (0, 0))}),
                 _sse("ping", {"type": "ping"})]
 
-    def _chunk(self, obj: dict) -> list[bytes]:
+    def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
         if isinstance(obj.get("usage"), dict):
             self._usage = usage_of(obj)
@@ -325,7 +325,7 @@ class MessagesConverter(EventsConverter):
         return out
 
 
-def count_request(obj: dict, model: str) -> dict:
+def count_request(obj: dict[str, Any], model: str) -> dict[str, Any]:
     """`/v1/messages/count_tokens`: the same conversation asked for one token, so the engine
     counts the prompt itself (its usage.prompt_tokens) with its own tokenizer and template."""
     req, _ = request({**obj, "max_tokens": 1, "stream": False}, model)

@@ -40,7 +40,8 @@ def decode_object(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def opt(obj: dict, key: str, types: type | tuple, what: str, param: str | None = None) -> Any:
+def opt(obj: dict[str, Any], key: str, types: type | tuple[type, ...], what: str,
+        param: str | None = None) -> Any:
     """obj[key] if present and of `types` (None counts as absent), else a 400 naming it."""
     v = obj.get(key)
     if v is None:
@@ -52,19 +53,22 @@ def opt(obj: dict, key: str, types: type | tuple, what: str, param: str | None =
     return v
 
 
-def number(obj: dict, key: str, param: str | None = None) -> float | int | None:
-    return opt(obj, key, (int, float), "a number", param)
+def number(obj: dict[str, Any], key: str, param: str | None = None) -> float | int | None:
+    v: float | int | None = opt(obj, key, (int, float), "a number", param)
+    return v
 
 
-def integer(obj: dict, key: str, param: str | None = None) -> int | None:
-    return opt(obj, key, int, "an integer", param)
+def integer(obj: dict[str, Any], key: str, param: str | None = None) -> int | None:
+    v: int | None = opt(obj, key, int, "an integer", param)
+    return v
 
 
 # The sampling fields Anthropic Messages and OpenAI Responses share with chat completions.
 SAMPLING = ("temperature", "top_p")
 
 
-def copy_sampling(obj: dict, out: dict, keys: tuple[str, ...] = SAMPLING) -> None:
+def copy_sampling(obj: dict[str, Any], out: dict[str, Any],
+                  keys: tuple[str, ...] = SAMPLING) -> None:
     """Copy the numeric sampling fields `keys` from a client's body into a chat body, each
     checked (a 400 naming it) and left out when absent."""
     for k in keys:
@@ -92,7 +96,7 @@ def image_url(b64: str) -> str:
     return f"data:image/jpeg;base64,{b64}"
 
 
-def check_openai_chat(obj: dict) -> None:
+def check_openai_chat(obj: dict[str, Any]) -> None:
     """The checks a forwarded (not translated) chat-completions body gets: what an engine
     answers with a 500 (llama.cpp on `messages: "x"`, `temperature: "hot"`) or, worse, a 200."""
     msgs = obj.get("messages")
@@ -108,7 +112,7 @@ def check_openai_chat(obj: dict) -> None:
     check_sampling(obj)
 
 
-def check_sampling(obj: dict) -> None:
+def check_sampling(obj: dict[str, Any]) -> None:
     for k in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
         number(obj, k)
     for k in ("max_tokens", "max_completion_tokens", "n", "seed"):
@@ -120,14 +124,14 @@ def check_sampling(obj: dict) -> None:
         raise bad("'tools' must be an array", "tools")
 
 
-def check_openai_completion(obj: dict) -> None:
+def check_openai_completion(obj: dict[str, Any]) -> None:
     p = obj.get("prompt")
     if not isinstance(p, (str, list)):
         raise bad("'prompt' must be a string or an array", "prompt")
     check_sampling(obj)
 
 
-def check_openai_embedding(obj: dict) -> None:
+def check_openai_embedding(obj: dict[str, Any]) -> None:
     x = obj.get("input")
     if not isinstance(x, (str, list)) or (isinstance(x, list) and not x):
         raise bad("'input' must be a string or a non-empty array", "input")
@@ -202,7 +206,7 @@ class ErrorConverter:
         return error_body(self.api, self.status, code, engine_message(self.status, self._buf))
 
 
-def usage_of(obj: dict) -> tuple[int, int]:
+def usage_of(obj: dict[str, Any]) -> tuple[int, int]:
     """(prompt_tokens, completion_tokens) of an OpenAI body or chunk, 0 when absent."""
     u = obj.get("usage")
     if not isinstance(u, dict):
@@ -226,12 +230,12 @@ class ToolCallAccumulator:
     gathered into whole calls, in index order."""
 
     def __init__(self) -> None:
-        self.calls: dict[int, dict] = {}
+        self.calls: dict[int, dict[str, Any]] = {}
 
-    def add(self, deltas: Any) -> list[tuple[int, dict, str]]:
+    def add(self, deltas: Any) -> list[tuple[int, dict[str, Any], str]]:
         """Returns (index, call-so-far, new argument text) per delta, for relays that stream
         them."""
-        out: list[tuple[int, dict, str]] = []
+        out: list[tuple[int, dict[str, Any], str]] = []
         if not isinstance(deltas, list):
             return out
         for d in deltas:
@@ -251,7 +255,7 @@ class ToolCallAccumulator:
             out.append((idx, call, piece))
         return out
 
-    def whole(self) -> list[dict]:
+    def whole(self) -> list[dict[str, Any]]:
         return [self.calls[i] for i in sorted(self.calls)]
 
 
@@ -270,7 +274,7 @@ class EventsConverter:
     def _start(self) -> list[bytes]:
         raise NotImplementedError
 
-    def _chunk(self, obj: dict) -> list[bytes]:
+    def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         raise NotImplementedError
 
     def _finish_events(self) -> list[bytes]:

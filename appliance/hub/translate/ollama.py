@@ -56,7 +56,7 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _options(obj: dict, out: dict) -> None:
+def _options(obj: dict[str, Any], out: dict[str, Any]) -> None:
     o = obj.get("options")
     if o is None:
         return
@@ -75,7 +75,7 @@ def _options(obj: dict, out: dict) -> None:
     integer(o, "num_ctx", "options.num_ctx")  # checked, not sent: see context_floor
 
 
-def _think(obj: dict, out: dict) -> None:
+def _think(obj: dict[str, Any], out: dict[str, Any]) -> None:
     t = obj.get("think")
     if t is None:
         return
@@ -93,7 +93,7 @@ def _think(obj: dict, out: dict) -> None:
 BYTES_PER_TOKEN_MAX = 64
 
 
-def context_floor(req: dict) -> int:
+def context_floor(req: dict[str, Any]) -> int:
     """The fewest tokens a translated chat body can take of the context: its max_tokens
     plus the prompt at its least possible size (0 when max_tokens is not given: then the
     engine stops at the context's end, and that is no surprise to anyone)."""
@@ -118,7 +118,7 @@ def too_long(need: int, context: int) -> Exception:
                "options.num_predict")
 
 
-def _format(obj: dict, out: dict) -> None:
+def _format(obj: dict[str, Any], out: dict[str, Any]) -> None:
     f = obj.get("format")
     if f is None or f == "":
         return
@@ -131,7 +131,7 @@ def _format(obj: dict, out: dict) -> None:
         raise bad("'format' must be \"json\" or a JSON schema object", "format")
 
 
-def _images(images: Any, where: str) -> list[dict]:
+def _images(images: Any, where: str) -> list[dict[str, Any]]:
     if images is None:
         return []
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
@@ -139,7 +139,7 @@ def _images(images: Any, where: str) -> list[dict]:
     return [{"type": "image_url", "image_url": {"url": image_url(i)}} for i in images]
 
 
-def _message(m: Any, i: int, ids: list[str]) -> dict:
+def _message(m: Any, i: int, ids: list[str]) -> dict[str, Any]:
     """One Ollama chat message as OpenAI's; `ids` carries the tool-call ids handed out so
     far, so a later `tool` message answers the call it follows."""
     where = f"messages[{i}]"
@@ -177,7 +177,7 @@ def _message(m: Any, i: int, ids: list[str]) -> dict:
     return out
 
 
-def chat_request(obj: dict, model: str) -> tuple[dict, bool]:
+def chat_request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool]:
     """(OpenAI body, stream) for an Ollama /api/chat body."""
     msgs = obj.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -194,11 +194,11 @@ def chat_request(obj: dict, model: str) -> tuple[dict, bool]:
     return _common(obj, out)
 
 
-def generate_request(obj: dict, model: str) -> tuple[dict, bool]:
+def generate_request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool]:
     prompt = obj.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' must be a non-empty string", "prompt")
-    msgs: list[dict] = []
+    msgs: list[dict[str, Any]] = []
     system = obj.get("system")
     if isinstance(system, str) and system:
         msgs.append({"role": "system", "content": system})
@@ -208,7 +208,7 @@ def generate_request(obj: dict, model: str) -> tuple[dict, bool]:
     return _common(obj, {"model": model, "messages": msgs})
 
 
-def _common(obj: dict, out: dict) -> tuple[dict, bool]:
+def _common(obj: dict[str, Any], out: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     stream = obj.get("stream", True)
     if stream is None:
         stream = True
@@ -223,7 +223,7 @@ def _common(obj: dict, out: dict) -> tuple[dict, bool]:
     return out, stream
 
 
-def embed_request(obj: dict, model: str, legacy: bool) -> dict:
+def embed_request(obj: dict[str, Any], model: str, legacy: bool) -> dict[str, Any]:
     key = "prompt" if legacy else "input"
     x = obj.get(key)
     if legacy:
@@ -242,7 +242,7 @@ def embed_request(obj: dict, model: str, legacy: bool) -> dict:
 # --- answers ---------------------------------------------------------------------------
 
 
-def _ollama_calls(calls: Any) -> list[dict]:
+def _ollama_calls(calls: Any) -> list[dict[str, Any]]:
     """OpenAI tool calls (whole, as in a message, or accumulated) as Ollama's."""
     out = []
     for c in calls if isinstance(calls, list) else []:
@@ -271,11 +271,12 @@ class ChatConverter:
         self._tools = ToolCallAccumulator()
         self._finish = "stop"
         self._usage = (0, 0)
-        self._timings: dict | None = None
+        self._timings: dict[str, Any] | None = None
         self._thinking = ""
         self._done = False
 
-    def _line(self, text: str, calls: list[dict] | None = None, thinking: str = "") -> dict:
+    def _line(self, text: str, calls: list[dict[str, Any]] | None = None,
+              thinking: str = "") -> dict[str, Any]:
         base: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
         if self.chat:
             msg: Any = {"role": "assistant", "content": text}
@@ -291,7 +292,7 @@ class ChatConverter:
         base["done"] = False
         return base
 
-    def _final(self, line: dict) -> dict:
+    def _final(self, line: dict[str, Any]) -> dict[str, Any]:
         end = self._clock()
         total = end - self._t0
         prompt_ns = (self._first or end) - self._t0
@@ -309,7 +310,7 @@ class ChatConverter:
             line["context"] = []
         return line
 
-    def _take(self, obj: dict) -> tuple[str, list]:
+    def _take(self, obj: dict[str, Any]) -> tuple[str, list[Any]]:
         """Text of one chunk (or whole body); counts, finish and tool calls remembered, the
         engine's reasoning in `self._thinking`."""
         self._thinking = ""
@@ -413,7 +414,7 @@ def unload_answer(model: str, chat: bool) -> bytes:
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-def keep_alive_seconds(v) -> float | None:
+def keep_alive_seconds(v: object) -> float | None:
     """Ollama's `keep_alive` in seconds: a number of seconds or a Go duration ("5m",
     "1h30m", "0"); negative means until unloaded (inf). None when absent."""
     if v is None:

@@ -34,7 +34,7 @@ from appliance.hub.translate.common import (
 _ids = itertools.count(1)
 
 
-def _part(p: Any, where: str) -> dict:
+def _part(p: Any, where: str) -> dict[str, Any]:
     t = p.get("type") if isinstance(p, dict) else None
     if t in ("input_text", "output_text", "text") and isinstance(p.get("text"), str):
         return {"type": "text", "text": p["text"]}
@@ -43,8 +43,8 @@ def _part(p: Any, where: str) -> dict:
     raise bad(f"'{where}' must be an input_text, output_text or input_image part", where)
 
 
-def _items(items: list) -> list[dict]:
-    out: list[dict] = []
+def _items(items: list[Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
@@ -87,13 +87,13 @@ def _items(items: list) -> list[dict]:
     return out
 
 
-def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
+def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool, dict[str, Any]]:
     """(OpenAI chat body, stream, the request fields the response object echoes)."""
     if obj.get("previous_response_id") is not None:
         raise bad(
             "previous_response_id is not supported: this hub stores no responses; send the whole "
                   "conversation in 'input'", "previous_response_id")
-    msgs: list[dict] = []
+    msgs: list[dict[str, Any]] = []
     instr = obj.get("instructions")
     if instr is not None:
         if not isinstance(instr, str):
@@ -161,7 +161,7 @@ def request(obj: dict, model: str) -> tuple[dict, bool, dict]:
 class ResponsesConverter(EventsConverter):
     """An engine's chat-completions answer as a Responses `response` (or its event stream)."""
 
-    def __init__(self, model: str, stream: bool, echo: dict) -> None:
+    def __init__(self, model: str, stream: bool, echo: dict[str, Any]) -> None:
         self.model = model
         self.stream = stream
         self.echo = echo
@@ -181,7 +181,8 @@ class ResponsesConverter(EventsConverter):
         self._usage = (0, 0)
         self._done = False
 
-    def _response(self, status: str, output: list, usage: tuple[int, int] | None) -> dict:
+    def _response(self, status: str, output: list[Any],
+                  usage: tuple[int, int] | None) -> dict[str, Any]:
         r = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
              "model": self.model, "output": output, "parallel_tool_calls": True, "error": None,
              "incomplete_details": None, "text": {"format": {"type": "text"}}, **self.echo}
@@ -192,14 +193,14 @@ class ResponsesConverter(EventsConverter):
             "output_tokens_details": {"reasoning_tokens": 0}}
         return r
 
-    def _message_item(self, text: str, status: str) -> dict:
+    def _message_item(self, text: str, status: str) -> dict[str, Any]:
         content = [] if status == "in_progress" else [{"type": "output_text", "text": text,
                                                        "annotations": []}]
         return {"type": "message", "id": self._msg_id, "status": status, "role": "assistant",
                 "content": content}
 
     @staticmethod
-    def _call_item(call: dict, status: str) -> dict:
+    def _call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
         return {"type": "function_call", "id": f"fc_{call['id'] or 'call'}", "call_id": call["id"]
                 or "call_0",
                 "name": call["name"], "arguments": call["arguments"], "status": status}
@@ -235,7 +236,7 @@ class ResponsesConverter(EventsConverter):
         return [self._ev("response.created", response=r), self._ev("response.in_progress",
                                                                    response=r)]
 
-    def _chunk(self, obj: dict) -> list[bytes]:
+    def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
         if isinstance(obj.get("usage"), dict):
             self._usage = usage_of(obj)
@@ -278,7 +279,7 @@ class ResponsesConverter(EventsConverter):
             return []
         self._done = True
         out = self._start()
-        output: list[tuple[int, dict]] = []
+        output: list[tuple[int, dict[str, Any]]] = []
         if self._text is not None:
             item = self._message_item(self._text, "completed")
             part = item["content"][0]
