@@ -59,6 +59,8 @@ MAX_IDLE_PER_PEER = 16
 SWEEP_SECONDS = 5.0
 READ_BYTES = 65536
 
+_Key = tuple[str, str, int]  # (scheme, host, port): one pool of idle connections each
+
 
 class UpstreamError(Exception):
     """The node could not be reached, or the connection broke; `before_response` says when.
@@ -99,10 +101,11 @@ class _Conn:
         self.h11 = _new_h11()
         self.idle_since = 0.0
 
-    def _socket(self):
+    def _socket(self) -> trio.socket.SocketType | None:
         s = self.stream
         s = getattr(s, "transport_stream", s)  # TLS over TCP
-        return getattr(s, "socket", None)
+        sock: trio.socket.SocketType | None = getattr(s, "socket", None)
+        return sock
 
     def peer_closed(self) -> bool:
         """An idle connection whose peer hung up (or sent what no request asked for)."""
@@ -144,7 +147,7 @@ class Response:
     on, h11 never sees the body: its per-event cost was ~8% of a relayed token's); any
     other framing (close-delimited, TLS peers included) through h11 as before."""
 
-    def __init__(self, pool: Pool, key, conn: _Conn, ev: h11.Response | None,
+    def __init__(self, pool: Pool, key: _Key, conn: _Conn, ev: h11.Response | None,
                  read_timeout: float, head: ResponseHead | None = None,
                  early: bytes = b"") -> None:
         self._pool = pool
@@ -368,11 +371,11 @@ def _body_reader(c: h11.Connection) -> ChunkedBody | SizedBody | None:
 class Pool:
     def __init__(self, headers: dict[str, str] | None = None,
                  ssl_context: ssl.SSLContext | None = None) -> None:
-        self._idle: dict[tuple, list[_Conn]] = {}
+        self._idle: dict[_Key, list[_Conn]] = {}
         self._headers = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._ssl = ssl_context
 
-    def _put(self, key, conn: _Conn) -> None:
+    def _put(self, key: _Key, conn: _Conn) -> None:
         if conn.h11.our_state is not h11.IDLE:  # IDLE: a fresh state (Response._finish)
             try:
                 conn.h11.start_next_cycle()
@@ -386,7 +389,7 @@ class Pool:
         else:
             conn.close_now()
 
-    def _get(self, key) -> _Conn | None:
+    def _get(self, key: _Key) -> _Conn | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -423,7 +426,7 @@ class Pool:
             await trio.sleep(seconds)
             self.sweep()
 
-    async def _connect(self, key) -> _Conn:
+    async def _connect(self, key: _Key) -> _Conn:
         scheme, host, port = key
         stream: trio.abc.Stream
         try:
@@ -449,6 +452,8 @@ class Pool:
         """Send the request; return once the response's status and headers are in."""
         u = urlsplit(url)
         port = u.port or (443 if u.scheme == "https" else 80)
+        if u.hostname is None:  # "http:///x": trio would raise ValueError (not ours to 500)
+            raise UpstreamError(f"has no host in its URL {url!r}")
         key = (u.scheme, u.hostname, port)
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
         given = {k for k, _ in headers}
@@ -467,8 +472,9 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _exchange(self, key, conn: _Conn, method, target, hdrs, body,
-                        read_timeout) -> Response:
+    async def _exchange(self, key: _Key, conn: _Conn, method: str, target: str,
+                        hdrs: list[tuple[bytes, bytes]], body: bytes,
+                        read_timeout: float) -> Response:
         try:
             # ValueError (a header that would split the request) goes through: our bug
             await _send_all(conn, encode_request(method, target, hdrs, len(body)) + body)
@@ -514,8 +520,9 @@ class Pool:
                 await conn.stream.aclose()
             raise
 
-    def _h11_response(self, key, conn: _Conn, method, target, hdrs, body, raw: bytes,
-                      read_timeout) -> Response:
+    def _h11_response(self, key: _Key, conn: _Conn, method: str, target: str,
+                      hdrs: list[tuple[bytes, bytes]], body: bytes, raw: bytes,
+                      read_timeout: float) -> Response:
         """A close-delimited answer, read by h11: its state as if it had sent the request,
         then what came so far."""
         c = conn.h11 = _new_h11()

@@ -111,6 +111,12 @@ async def test_nobody_listening_fails_before_the_response():
     assert e.value.before_response and "connect" in str(e.value)
 
 
+async def test_a_url_without_a_host_is_an_upstream_error_not_a_crash():
+    with pytest.raises(UpstreamError) as e:
+        await Pool().request("POST", "http:///x", [], b"", read_timeout=5)
+    assert e.value.before_response and "no host" in str(e.value)
+
+
 async def test_idle_connections_the_peer_closed_are_closed_not_kept():
     async with trio.open_nursery() as nursery:
         url, _ = await _start(nursery, close_after=False, chunks=[b"ok"])

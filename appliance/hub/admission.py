@@ -28,16 +28,17 @@ is on, so with it off the scrape is exactly what it was without the feature.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from appliance.config import Config
 from appliance.hub import priority
+from appliance.hub.nodes import NodeHandle, Registry
 from appliance.hub.priority import (
     CLASSES,
     ESSENTIAL,
@@ -47,6 +48,7 @@ from appliance.hub.priority import (
     count,
     ready_nodes,
 )
+from appliance.wire import NodeState
 
 
 class Place:
@@ -98,14 +100,15 @@ class Ticket:
         self.model, self.cls, self.client, self.waited = model, cls, client, waited
 
 
-def _settings(cfg: Config) -> dict:
+def _settings(cfg: Config) -> dict[str, Any]:
     return dict(enabled=cfg.priority.enabled, reserve=cfg.priority.reserve_slots,
                 max_depth=cfg.queue.max_depth, max_wait=cfg.queue.max_wait_seconds,
                 background_max_wait=cfg.priority.background_max_wait_seconds)
 
 
 class Admission:
-    def __init__(self, cfg: Config, registry, metrics_registry: CollectorRegistry | None) -> None:
+    def __init__(self, cfg: Config, registry: Registry,
+                 metrics_registry: CollectorRegistry | None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.core = AdmissionCore(**_settings(cfg))
@@ -115,8 +118,8 @@ class Admission:
         self._metrics = metrics_registry
         # The ready nodes per model, kept until the fleet's shape (a node's state, its
         # connection, its cordon) changes -- not on every finished request.
-        self._ready: dict[str, list] = {}
-        self._shape: list = []
+        self._ready: dict[str, list[NodeHandle]] = {}
+        self._shape: list[tuple[NodeHandle, NodeState | None, bool, bool]] = []
         self._priority_collector = PriorityCollector(self.core)
         if metrics_registry is not None:
             metrics_registry.register(QueueCollector(self.core))
@@ -181,7 +184,7 @@ class Admission:
         finally:
             p._give_back()
 
-    def _ready_nodes(self, model: str) -> list:
+    def _ready_nodes(self, model: str) -> list[NodeHandle]:
         ready = self._ready.get(model)
         if ready is None:
             ready = self._ready[model] = ready_nodes(self.registry.nodes.values(), model)
@@ -210,7 +213,7 @@ class Admission:
 
     # --- slot waits ----------------------------------------------------------------------
 
-    async def wait_slot(self, node, model: str, cls: str) -> None:
+    async def wait_slot(self, node: NodeHandle, model: str, cls: str) -> None:
         """Hold a non-essential request while its node's slots for `model` are all sent."""
         if self.slot_wait <= 0 or cls == ESSENTIAL or node.state is None:
             return
@@ -238,16 +241,16 @@ class Admission:
 
     # --- visibility ----------------------------------------------------------------------
 
-    def status_block(self) -> dict | None:
+    def status_block(self) -> dict[str, Any] | None:
         if not self.enabled:
             return None
-        out: dict = {"reserve_slots": self.core.reserve,
+        out: dict[str, Any] = {"reserve_slots": self.core.reserve,
                      "background_max_wait_seconds": self.core.background_max_wait}
         for c, s in self.core.classes.items():
             out[c] = s.as_dict()
         return out
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, Any]:
         return self.core.statistics()
 
 
@@ -257,7 +260,7 @@ class QueueCollector:
     def __init__(self, core: AdmissionCore) -> None:
         self.core = core
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         waiting = GaugeMetricFamily("appliance_queue_waiting",
                                     "Requests waiting for admission, by model.",
                                     labels=["model"])
@@ -284,7 +287,7 @@ class PriorityCollector:
     def __init__(self, core: AdmissionCore) -> None:
         self.core = core
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("appliance_priority_reserve_slots",
                                 "Free places background work may not take "
                                 "(Priority__ReserveSlots).",

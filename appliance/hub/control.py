@@ -34,16 +34,19 @@ from __future__ import annotations
 import logging
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
 import trio
+from prometheus_client import CollectorRegistry
 
 from appliance.config import Config
 from appliance.http.errors import ApiError
 from appliance.hub import activation
-from appliance.hub.placement import Load, Models, Unload
+from appliance.hub.audit import AuditLog
+from appliance.hub.nodes import NodeHandle, Registry
+from appliance.hub.placement import Action, Load, Models, Unload
 from appliance.wire import EPOCH_HEADER, LoadRequest
 
 if TYPE_CHECKING:
@@ -98,7 +101,8 @@ class NodeOps:
             raise StaleLeader(_error_of(resp))
         return None if resp.status_code == 200 else _error_of(resp)
 
-    async def load(self, h, model: str, req: LoadRequest, read_seconds: float) -> str | None:
+    async def load(self, h: NodeHandle, model: str, req: LoadRequest,
+                   read_seconds: float) -> str | None:
         """None when ready; else the engine's own words. Raises httpx.TransportError."""
         resp = await self.client.post(
             f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load",
@@ -107,14 +111,14 @@ class NodeOps:
             timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
         return self._answer(resp)
 
-    async def unload(self, h, model: str) -> str | None:
+    async def unload(self, h: NodeHandle, model: str) -> str | None:
         resp = await self.client.post(
             f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
                                       headers=self._headers(**h.auth),
                                       timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
         return self._answer(resp)
 
-    async def control(self, h, action: str) -> tuple[int, str]:
+    async def control(self, h: NodeHandle, action: str) -> tuple[int, str]:
         """`pause`/`resume`/`leave`/`join`: (status, error text or "")."""
         resp = await self.client.post(f"{h.url}/node/v1/{action}", headers=h.auth,
                                       timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
@@ -122,15 +126,16 @@ class NodeOps:
 
 
 class Control:
-    def __init__(self, cfg: Config, registry, node_client, metrics_registry, audit, *,
-                 ops=None) -> None:
+    def __init__(self, cfg: Config, registry: Registry, node_client: httpx.AsyncClient,
+                 metrics_registry: CollectorRegistry | None, audit: AuditLog | None, *,
+                 ops: NodeOps | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.audit = audit
         self.ops = ops if ops is not None else NodeOps(node_client)
         self.core = Models(cfg)
         self._nursery: trio.Nursery | None = None
-        self._backlog: list = []
+        self._backlog: list[Action] = []
         self._wake = trio.Event()
         # Called once per turn of the loop: the hub feeds systemd's watchdog from here, so a
         # control loop that hangs gets the service restarted.
@@ -148,7 +153,7 @@ class Control:
 
     # --- the loop ----------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             backlog, self._backlog = self._backlog, []
@@ -195,10 +200,10 @@ class Control:
         self._decided = trio.Event()
         self._wake_up()
 
-    def _nodes(self) -> list:
+    def _nodes(self) -> list[NodeHandle]:
         return [h for h in self.registry.nodes.values() if not h.removed]
 
-    def _carry_out(self, actions: list) -> None:
+    def _carry_out(self, actions: list[Action]) -> None:
         self._audit_events()
         if self._nursery is None:
             self._backlog += actions
@@ -367,11 +372,11 @@ class Control:
         self._audit_events()
         self._wake_up()
 
-    def models_status(self) -> list[dict]:
+    def models_status(self) -> list[dict[str, Any]]:
         nodes, now = self._nodes(), self.now()
         return [self.core.status(n, nodes, now) for n in self.core.names(nodes)]
 
-    def model_details(self) -> list[dict]:
+    def model_details(self) -> list[dict[str, Any]]:
         """models_status plus what the admin API and ctl show: definition and satisfaction."""
         out = []
         for st in self.models_status():
