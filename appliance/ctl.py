@@ -7,7 +7,7 @@ is 0 only while the fleet is satisfied (every model has what it should have now,
 parked, no node lost), 1 otherwise. Exit codes: 0 done / satisfied, 1 not satisfied or the
 hub refused the command, 2 usage error or the hub could not be reached. `pull` and `rm`
 go through the hub's /api/pull and /api/delete (the admin key), printing the pull's
-progress line by line.
+progress line by line; both exit 1 when any node failed, naming it.
 """
 
 from __future__ import annotations
@@ -192,7 +192,11 @@ def model_op(args, client: httpx.Client, out, err) -> int:
             return 1
         print(json.dumps(body) if args.json
               else f"{args.model}: deleted on {', '.join(body.get('deleted', []))}", file=out)
-        return 0
+        failed = {n: what for n, what in (body.get("nodes") or {}).items()
+                  if what not in ("deleted", "not found")}
+        for n, what in failed.items():  # deleted elsewhere; these may still hold the model
+            print(f"appliance ctl rm: {n}: {what}", file=err)
+        return 1 if failed else 0
     last: dict = {}
     with client.stream("POST", "/api/pull", params=params, json={"model": args.model},
                        timeout=httpx.Timeout(None, connect=5.0)) as resp:
