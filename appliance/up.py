@@ -8,7 +8,13 @@ otherwise, the node on a free loopback port unless Node__Listen says otherwise, 
 hub knows the node statically. One process has one metrics listener: the hub's
 (`Metrics__Listen`, off by default here); the node's is off, its series are the hub's
 concern. Both run in one trio nursery: one SIGTERM drains both and exits 0. systemd's
-watchdog is fed from the hub's control loop, as `appliance hub` does.
+watchdog is fed from the hub's control loop, as `appliance hub` does. SIGHUP re-reads
+the env file once and applies it to both parts: the hub's reload (its listener limits,
+keys, models...; one line naming what waits for the next start), then the node's, as
+`appliance node` does (Node__MaxConcurrency, ModelSlots, MemoryMb, the sim's models, and
+its listener's limits: Node__HeaderReadSeconds, Node__BodyReadSeconds,
+Hub__MaxConnections, Hub__MaxBufferedBytes). The engine (Ollama or the sim, chosen at
+the start) and both listen addresses stay until the next start.
 """
 
 from __future__ import annotations
@@ -80,13 +86,18 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
 
     heartbeat = sdnotify.Liveness(max_age=3 * cfg.hub.control_interval_seconds)
     # One metrics listener per process: the hub's. Both binding Metrics__Listen is EADDRINUSE.
-    node_only = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics,
-                                                                             listen=""))
+    def no_metrics(c: Config) -> Config:
+        return msgspec.structs.replace(c, metrics=msgspec.structs.replace(c.metrics, listen=""))
+
+    node_only = no_metrics(cfg)
     hub_done = trio.Event()
     watchdog = trio.CancelScope()
+    # One pending node reload is enough: a second SIGHUP before it is applied read the same file.
+    node_reloads, node_reloads_in = trio.open_memory_channel[Config](1)
 
-    async with trio.open_nursery() as nursery:
-        node_host, node_port = await nursery.start(partial(run_node, node_only, stop))
+    async with node_reloads, trio.open_nursery() as nursery:
+        node_host, node_port = await nursery.start(partial(run_node, node_only, stop,
+                                                           reloads=node_reloads_in))
         local = NodeRef(name=cfg.node.name, url=f"http://{node_host}:{node_port}")
         node_cfg = msgspec.structs.replace(cfg, nodes=[*cfg.nodes, local])
 
@@ -109,8 +120,16 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
         notifier.ready()
         hub.control.beat = heartbeat.beat  # the control loop's every turn feeds the watchdog
         nursery.start_soon(feed_watchdog)
-        nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub,
-                                                                            env_file, adjust), "up")
+        def reload_both() -> None:
+            new = reload_hub(hub, env_file, adjust)
+            if new is None:
+                return  # refused, one line said why: the node keeps its configuration too
+            try:
+                node_reloads.send_nowait(no_metrics(new))
+            except trio.WouldBlock:
+                log.warning("a node reload is already pending; this SIGHUP is folded into it")
+
+        nursery.start_soon(handle_signals, signals, stop, notifier, reload_both, "up")
         # The hub and the node drain on the same stop event and return; so does this.
         await hub_done.wait()
         watchdog.cancel()

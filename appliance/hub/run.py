@@ -267,18 +267,19 @@ AT_NEXT_START = {
 }
 
 
-def reload_hub(hub: Hub, env_file: str | None, adjust: Callable[[Config],
-                                                                Config] | None = None) -> None:
+def reload_hub(hub: Hub, env_file: str | None,
+               adjust: Callable[[Config], Config] | None = None) -> Config | None:
     """One log line either way: refused (the old configuration stays), or reloaded --
     naming any changed setting that only applies at the next start. `adjust` makes the
-    new Config what the caller made of the first one (`appliance up`)."""
+    new Config what the caller made of the first one (`appliance up`). Returns the Config
+    applied, None when refused."""
     try:
         new = config_mod.load(env_file=env_file)
         if adjust is not None:
             new = adjust(new)
     except config_mod.ConfigError as e:
         log.error("reload refused, keeping the old configuration: %s", e)
-        return
+        return None
     later = [var for var, get in AT_NEXT_START.items() if get(new) != get(hub.cfg)]
     hub.reload(new)
     hub.audit.event("config_reloaded", env_file=env_file or "")
@@ -287,6 +288,7 @@ def reload_hub(hub: Hub, env_file: str | None, adjust: Callable[[Config],
                     env_file or "the environment", ", ".join(later))
     else:
         log.info("configuration reloaded from %s", env_file or "the environment")
+    return new
 
 
 async def _main(cfg: Config, env_file: str | None) -> None:
