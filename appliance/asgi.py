@@ -28,8 +28,9 @@ from appliance.listener import Limits, LiveLimits, live_limits, serve_guarded
 hyperfix.apply()  # close a connection as soon as its peer has (hyperfix.py)
 
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+App = Callable[..., Awaitable[None]]  # an ASGI app: await app(scope, receive, send)
 
 _json = msgspec.json.Encoder()
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -68,7 +69,8 @@ _SECTION = {"hub": "Hub", "node": "Node", "sim": "Sim", "metrics": "Metrics"}
 
 def header(scope: Scope, name: bytes) -> str | None:
     """The first value of a request header (name in lower case), or None."""
-    for k, v in scope["headers"]:
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    for k, v in headers:
         if k == name:
             return v.decode("latin-1")
     return None
@@ -113,7 +115,7 @@ async def send_text(send: Send, status: int, text: str | bytes,
 
 
 async def serve(
-    app: Callable,
+    app: App,
     listen: str,
     role: str,
     *,
@@ -179,7 +181,8 @@ async def serve(
                                f"{f', {ca_certs!r}' if ca_certs else ''}: cannot load: "
                                f"{e.strerror or e}") from None
 
-    async def _serve(*, task_status=trio.TASK_STATUS_IGNORED):
+    async def _serve(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+                     ) -> None:
         await serve_guarded(http_only(app), cfg, limits, shutdown_trigger=shutdown_trigger
                             or trio.sleep_forever,
                             task_status=task_status)
@@ -210,7 +213,7 @@ async def handle_lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-def http_only(app: Callable) -> Callable:
+def http_only(app: App) -> App:
     """Our apps see only `http` scopes: lifespan is answered here (setup happens in the
     nursery), anything else (websocket) is ignored."""
 

@@ -43,7 +43,7 @@ import ctypes.util
 import errno
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +59,10 @@ from hypercorn.utils import repr_socket_addr
 from appliance.http.fastio import DIRECT_KEY, plain_socket
 
 log = logging.getLogger("appliance.listener")
+
+# ASGI's callables, messages as the untyped dicts they are.
+_Receive = Callable[[], Awaitable[dict[str, Any]]]
+_Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 MiB = 1024 * 1024
 _enc = msgspec.json.Encoder()
@@ -227,7 +231,7 @@ class _Guard:
         # came already, while the request was finishing
         self._set(trio.current_time() + self.header_seconds if self.head_bytes else math.inf)
 
-    def received(self, data: bytes) -> None:
+    def received(self, data: bytes | bytearray) -> None:
         if data and (self.answered or not self.in_request) and not self.head_bytes:
             self.head_bytes = True
             if not self.in_request and self.deadline == math.inf:
@@ -237,14 +241,14 @@ class _Guard:
 class _GuardedStream:
     """The accepted stream, its reads bounded by the guard's head deadline."""
 
-    def __init__(self, inner, guard: _Guard) -> None:
+    def __init__(self, inner: trio.abc.Stream, guard: _Guard) -> None:
         self._inner = inner
         self._guard = guard
 
     def __getattr__(self, name: str) -> Any:  # socket, do_handshake, send_all, aclose ...
         return getattr(self._inner, name)
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         g = self._guard
         with trio.CancelScope(deadline=g.deadline) as cs:
             g.scope = cs
@@ -279,10 +283,11 @@ class _TCPServer(TCPServer):
 # --- per request ---------------------------------------------------------------------------
 
 
-def guard_app(app: Callable, live: LiveLimits, budget: Budget) -> Callable:
+def guard_app(app: Callable[..., Awaitable[None]], live: LiveLimits,
+              budget: Budget) -> Callable[..., Awaitable[None]]:
     """The ASGI app behind the rules above (http scopes; others pass through)."""
 
-    async def guarded(scope, receive, send) -> None:
+    async def guarded(scope: dict[str, Any], receive: _Receive, send: _Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
@@ -295,7 +300,7 @@ def guard_app(app: Callable, live: LiveLimits, budget: Budget) -> Callable:
         limits = live.now
         deadline = trio.current_time() + limits.body_read_seconds
 
-        async def receive_guarded() -> dict:
+        async def receive_guarded() -> dict[str, Any]:
             nonlocal body_done, held
             if body_done:
                 return await receive()
@@ -312,7 +317,7 @@ def guard_app(app: Callable, live: LiveLimits, budget: Budget) -> Callable:
                 held += n
             return msg
 
-        async def send_tracked(msg: dict) -> None:
+        async def send_tracked(msg: dict[str, Any]) -> None:
             nonlocal started
             if msg["type"] == "http.response.start":
                 started = True
@@ -320,7 +325,8 @@ def guard_app(app: Callable, live: LiveLimits, budget: Budget) -> Callable:
                 guard.response_ended()
             await send(msg)
 
-        async def refuse(status: int, code: str, message: str, extra=()) -> None:
+        async def refuse(status: int, code: str, message: str,
+                         extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
             if started:
                 return
             body = error_json(scope["path"], status, code, message)
@@ -420,7 +426,8 @@ class _Slots:
         self._lot.unpark_all()
 
 
-async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits | LiveLimits, *,
+async def serve_guarded(app: Callable[..., Awaitable[None]], cfg: HyperConfig,
+                        limits: Limits | LiveLimits, *,
                         shutdown_trigger: Callable[[], Awaitable[Any]], lean: bool = True,
                         task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Like `hypercorn.trio.serve` (no lifespan), with the limits above (`LiveLimits`: a
@@ -431,7 +438,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits | LiveLi
     live = live_limits(limits)
     sockets = cfg.create_sockets()
     ssl_context = cfg.create_ssl_context()
-    listeners: list = []
+    listeners: list[trio.abc.Listener[trio.abc.Stream]] = []
     binds: list[str] = []
     for sock in sockets.secure_sockets:
         sock.listen(cfg.backlog)
@@ -461,7 +468,7 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits | LiveLi
     live_conns: dict[_Guard, None] = {}  # open connections, oldest first
     shed = _Shed()
 
-    async def connection(stream) -> None:
+    async def connection(stream: trio.abc.Stream) -> None:
         guard = _Guard(live)
         live_conns[guard] = None
         try:
@@ -483,7 +490,8 @@ async def serve_guarded(app: Callable, cfg: HyperConfig, limits: Limits | LiveLi
             live_conns.pop(guard, None)
             slots.release()
 
-    async def accept_loop(listener, handlers: trio.Nursery) -> None:
+    async def accept_loop(listener: trio.abc.Listener[trio.abc.Stream],
+                          handlers: trio.Nursery) -> None:
         while True:
             try:
                 stream = await listener.accept()
