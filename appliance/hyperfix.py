@@ -26,7 +26,7 @@ def apply() -> None:
         return
     original = cls._read_data
 
-    async def _read_data(self) -> None:
+    async def _read_data(self: tcp_server.TCPServer) -> None:
         await original(self)
         idle = getattr(self, "idle_task", None)
         if idle is not None:

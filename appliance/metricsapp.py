@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from appliance.asgi import send_text
+from appliance.asgi import App, Receive, Scope, Send, send_text
 
 
 def render(registry: CollectorRegistry, before_scrape: Sequence[Callable[[], None]] = ()) -> bytes:
@@ -22,10 +22,11 @@ def render(registry: CollectorRegistry, before_scrape: Sequence[Callable[[], Non
     return generate_latest(registry)
 
 
-def metrics_app(registry: CollectorRegistry, before_scrape: list[Callable[[], None]] | None = None):
+def metrics_app(registry: CollectorRegistry,
+                before_scrape: list[Callable[[], None]] | None = None) -> App:
     hooks = before_scrape if before_scrape is not None else []
 
-    async def app(scope, receive, send):
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] != "/metrics":
             await send_text(send, 404, "not found; the scrape is at /metrics\n")
             return

@@ -237,6 +237,8 @@ def test_backoff_doubles_for_quick_deaths_and_starts_over_after_a_stable_run():
     assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
     f = workerset.next_failures(f, ran_seconds=workerset.STABLE_SECONDS)
     assert f == 1 and workerset.restart_delay(f) == workerset.BACKOFF_START
+    # a crash loop of any length keeps the cap (2 ** 1025 overflowed a float)
+    assert workerset.restart_delay(5000) == workerset.BACKOFF_MAX
 
 
 class FakeProc:

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from appliance.bounds import ECHO_CHARS, echo
 from appliance.config import NODE_NAME_RULE, AuthConfig, valid_node_name
 from appliance.http.errors import ApiError
+from appliance.hub.nodes import NodeHandle
 
 # Retry-After for a full fleet: a ghost is forgotten within Hub__ForgetNodeSeconds anyway.
 FULL_RETRY_AFTER = 60.0
@@ -77,7 +78,8 @@ def check_shape(name: str, url: str) -> tuple[str, int]:
     return u.hostname, port
 
 
-def check_identity(existing, url: str, proven: bool, count: int, max_nodes: int) -> None:
+def check_identity(existing: NodeHandle | None, url: str, proven: bool, count: int,
+                   max_nodes: int) -> None:
     """`existing`: the node handle of that name or None. 409 when the name is taken, 503
     when full."""
     if existing is None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Container
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import msgspec
@@ -33,6 +33,7 @@ import trio
 
 from appliance import __version__
 from appliance.asgi import (
+    App,
     BodyTooLarge,
     Receive,
     Scope,
@@ -44,6 +45,7 @@ from appliance.asgi import (
     send_text,
 )
 from appliance.bounds import echo
+from appliance.config import ClientConfig
 from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
 from appliance.hub import modelops, status
@@ -94,18 +96,18 @@ def cors_origin(origins: list[str], scope: Scope) -> bytes | None:
     return origin.encode("latin-1") if origin in origins else None
 
 
-def with_request_id(app, own: Container[str] = ()):
+def with_request_id(app: App, own: Container[str] = ()) -> App:
     """Every answer carries `x-request-id`: the router sets it on inference answers (it also
     forwards and audits it); this fills it in on every other one. A POST to a path in `own`
     (the inference routes) goes to `app` as it is: no wrapper per message on the hot path."""
 
-    async def rid_app(scope: Scope, receive: Receive, send: Send):
+    async def rid_app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (scope["path"] in own and scope["method"] == "POST"):
             await app(scope, receive, send)
             return
-        rid = None
+        rid: bytes | None = None
 
-        async def send_rid(msg):
+        async def send_rid(msg: dict[str, Any]) -> None:
             nonlocal rid
             if msg["type"] == "http.response.start":
                 headers = msg.get("headers", [])
@@ -119,12 +121,12 @@ def with_request_id(app, own: Container[str] = ()):
     return rid_app
 
 
-def with_cors(app, origins: list[str]):
+def with_cors(app: App, origins: list[str]) -> App:
     """The app, with CORS headers on its answers and OPTIONS preflights answered."""
     if not origins:
         return app
 
-    async def cors_app(scope: Scope, receive: Receive, send: Send):
+    async def cors_app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
@@ -144,7 +146,7 @@ def with_cors(app, origins: list[str]):
             await app(scope, receive, send)
             return
 
-        async def send_cors(msg):
+        async def send_cors(msg: dict[str, Any]) -> None:
             if msg["type"] == "http.response.start":
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"access-control-allow-origin",
                                                                     allow),
@@ -201,7 +203,7 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> bool:
     return False
 
 
-def _client(hub: Hub, scope: Scope):
+def _client(hub: Hub, scope: Scope) -> ClientConfig:
     return authenticate(hub.cfg.auth, bearer(scope))
 
 
@@ -274,14 +276,14 @@ async def _show_from_node(hub: Hub, model: str) -> bytes | None:
     return None
 
 
-def _show_synth(hub: Hub, model: str) -> dict:
+def _show_synth(hub: Hub, model: str) -> dict[str, Any]:
     """What the hub knows of a model on an OpenAI-only engine (a GGUF's header for llama.cpp)."""
     kinds = sorted({engine_kind(n.state) for n in hub.registry.nodes.values()
                     if n.state is not None and n.state.model(model) is not None} - {""})
     meta = status.model_meta(hub, model)
     family = (meta.family if meta is not None and meta.family else "") or (kinds[0] if kinds
                                                                            else "")
-    info: dict = {"general.architecture": family}
+    info: dict[str, Any] = {"general.architecture": family}
     if meta is not None and meta.context_length:
         info[f"{family}.context_length"] = meta.context_length
     caps = ["embedding"] if "embed" in model else ["completion", "tools"]

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
 from appliance.asgi import (
+    App,
     BodyTooLarge,
     Receive,
     Scope,
@@ -72,8 +73,8 @@ async def _error(send: Send, path: str, status: int, code: str, message: str,
     await send_api_error(send, _api(path), ApiError(status, code, message), headers)
 
 
-def make_app(hub: Hub):
-    async def app(scope: Scope, receive: Receive, send: Send):
+def make_app(hub: Hub) -> App:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
         api = INFERENCE.get(path)

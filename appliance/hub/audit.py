@@ -62,7 +62,7 @@ class AuditLog:
         # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
         self.recent: Recent | None = None
 
-    def _open(self):
+    def _open(self) -> IO[bytes]:
         if not self.path:
             return sys.stdout.buffer
         if self._fh is None:

@@ -20,14 +20,14 @@ from collections.abc import Callable
 
 import trio
 
-from appliance.hub.nodes import MISSED_HEARTBEATS
+from appliance.hub.nodes import MISSED_HEARTBEATS, Registry
 
 # "Two heartbeat timeouts" (issue 11): one for the node's dial, one for its first state.
 GRACE_TIMEOUTS = 2
 
 
 class StartupGrace:
-    def __init__(self, registry, heartbeat_seconds: float) -> None:
+    def __init__(self, registry: Registry, heartbeat_seconds: float) -> None:
         self.registry = registry
         self.until = trio.current_time() + GRACE_TIMEOUTS * MISSED_HEARTBEATS * heartbeat_seconds
         self._over = False

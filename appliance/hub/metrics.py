@@ -13,13 +13,14 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from appliance.children import Children
+from appliance.hub.nodes import Registry
 
 # Buckets from 5 ms (a proxied short answer) to 5 min (a long generation).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class HubMetrics:
-    def __init__(self, registry: CollectorRegistry, nodes) -> None:
+    def __init__(self, registry: CollectorRegistry, nodes: Registry) -> None:
         self.nodes = nodes
         r = registry
         self.requests = Counter("appliance_requests",

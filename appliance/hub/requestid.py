@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterable
 
 # Longest id kept as given: a UUID is 36, a W3C traceparent 55; 128 leaves room for both.
 MAX_LEN = 128
@@ -29,7 +30,7 @@ def make() -> str:
     return f"{random.getrandbits(128):032x}"
 
 
-def request_id(headers) -> str:
+def request_id(headers: Iterable[tuple[bytes, bytes]]) -> str:
     """The id for a request with these ASGI headers."""
     for k, v in headers:
         if k == b"x-request-id" and _sane(v):

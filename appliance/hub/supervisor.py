@@ -69,9 +69,10 @@ async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry
         await _supervise(client, h, registry, heartbeat, backoff_max, on_event, forget_after)
 
 
-async def _supervise(client, h: NodeHandle, registry: Registry, heartbeat: float,
-                     backoff_max: float,
-                     on_event, forget_after: float | None) -> None:
+async def _supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry,
+                     heartbeat: float, backoff_max: float,
+                     on_event: Callable[[str, NodeHandle, str], None],
+                     forget_after: float | None) -> None:
     backoff = BACKOFF_START
     while not h.removed:
         try:

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -90,7 +91,7 @@ class _Leases:
 
     KEEP = 64
 
-    def __init__(self, path: str, max_bytes) -> None:
+    def __init__(self, path: str, max_bytes: Callable[[], int]) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.idle: list[Conn] = []
@@ -255,7 +256,7 @@ class Worker:
                     return
                 await acked.wait()
 
-        async def send_last_reported(msg: dict) -> None:
+        async def send_last_reported(msg: dict[str, Any]) -> None:
             if msg["type"] == "http.response.body" and not msg.get("more_body"):
                 await report()
             await send(msg)
@@ -274,8 +275,9 @@ class Worker:
                 nursery.cancel_scope.cancel()
         return ended and not client.gone and (acked.is_set() or not done_sent)
 
-    async def _serve(self, conn: Conn, req: Request, inbox: trio.MemoryReceiveChannel,
-                     cuts: _Cuts, send: Send, body: bytes, report) -> bool:
+    async def _serve(self, conn: Conn, req: Request, inbox: trio.MemoryReceiveChannel[Any],
+                     cuts: _Cuts, send: Send, body: bytes,
+                     report: Callable[[], Awaitable[None]]) -> bool:
         """Do what the main says; True once the lease ended as it should."""
         while True:
             try:

@@ -94,7 +94,7 @@ def starter(fd: int, where: str, env_file: str | None) -> Callable[[], Awaitable
 class Child:
     """A worker process, awaited without blocking (its pidfd; else polled)."""
 
-    def __init__(self, popen: subprocess.Popen) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.popen = popen
         self.pid = popen.pid
 
@@ -128,7 +128,7 @@ class Child:
 
 
 async def start_workers(hub: Hub, n: int, fd: int, where: str, env_file: str | None, *,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """The N-1 workers, kept running until the hub stops (`hub.workers`)."""
     ws = WorkerSet(n, starter(fd, where, env_file))
     hub.workers = ws
@@ -150,7 +150,8 @@ async def reap_workers(ws: WorkerSet | None, where: str, seconds: float) -> None
     shutil.rmtree(where, ignore_errors=True)
 
 
-async def serve_leases(hub: Hub, path: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_leases(hub: Hub, path: str, *,
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     listener = trio.SocketListener(await _unix_listener(path))
     task_status.started()
     await trio.serve_listeners(lambda s: _lease(hub, s), [listener])  # type: ignore[arg-type]
@@ -210,7 +211,7 @@ async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Eve
     limit = hub.cfg.hub.max_body_bytes
     handed = False
 
-    async def receive() -> dict:
+    async def receive() -> dict[str, Any]:
         nonlocal handed
         if not handed:
             handed = True
@@ -224,9 +225,9 @@ async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Eve
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    start: dict = {}
+    start: dict[str, Any] = {}
 
-    async def send(msg: dict) -> None:
+    async def send(msg: dict[str, Any]) -> None:
         if msg["type"] == "http.response.start":
             start.update(msg)
             return
@@ -248,7 +249,7 @@ async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Eve
 class LeaseRelay:
     """The router's relay step for a request held by a worker: send `Go`, wait for its end."""
 
-    def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel,
+    def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel[Any],
                  nursery: trio.Nursery | None = None, seq: int = 0) -> None:
         self.hub, self.conn, self.inbox = hub, conn, inbox
         self.relaying = False  # a `Go` is out: the worker copies the answer

@@ -45,7 +45,8 @@ def next_failures(failures: int, ran_seconds: float) -> int:
 
 def restart_delay(failures: int) -> float:
     """How long to wait before starting a worker again after `failures` quick deaths."""
-    return min(BACKOFF_START * 2 ** max(0, failures - 1), BACKOFF_MAX)
+    # The exponent capped: 0.5 * 2 ** 1025 is an OverflowError (8.5 hours of crash loops).
+    return min(BACKOFF_START * 2.0 ** min(max(0, failures - 1), 64), BACKOFF_MAX)
 
 
 def read_proc(pid: int | str) -> tuple[float, float, int]:
@@ -104,7 +105,7 @@ class WorkerSet:
         self.changed.set()
         self.changed = trio.Event()
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             for slot in self.slots:
                 await self._spawn(slot)
@@ -196,7 +197,8 @@ class WorkerSet:
         """The whole hub's CPU: the main, its live workers and the workers it reaped."""
         procs = procs if procs is not None else self.processes()
         _, reaped, _ = read_proc("self")
-        return sum(p["cpu_seconds"] for p in procs) + reaped
+        cpu: float = sum(p["cpu_seconds"] for p in procs) + reaped
+        return cpu
 
     def status(self) -> dict[str, Any]:
         procs = self.processes()
@@ -204,7 +206,7 @@ class WorkerSet:
                 "restarts": self.restarts, "cpu_seconds": round(self.cpu_seconds(procs), 2),
                 "processes": [{**p, "cpu_seconds": round(p["cpu_seconds"], 2)} for p in procs]}
 
-    def describe(self) -> list:
+    def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Any]:

@@ -18,6 +18,7 @@ sent to `/ui/` there); `/ui` without the slash is sent to `/ui/` here.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
@@ -70,7 +71,7 @@ def _limit(scope: Scope) -> int:
         return 50
 
 
-async def handle(hub: Hub, scope: Scope, send: Send, admin_ok) -> bool:
+async def handle(hub: Hub, scope: Scope, send: Send, admin_ok: Callable[[], bool]) -> bool:
     """Answer a /ui/ path or a feed; False: not ours.
 
     `admin_ok()` says whether the request carries the admin key (or none is set)."""

@@ -12,6 +12,7 @@ reason to refuse a model.
 from __future__ import annotations
 
 import struct
+from typing import Any, BinaryIO
 
 from appliance.wire import ModelMeta
 
@@ -35,21 +36,21 @@ class _Bad(Exception):
     pass
 
 
-def _read(f, n: int) -> bytes:
+def _read(f: BinaryIO, n: int) -> bytes:
     b = f.read(n)
     if len(b) != n:
         raise _Bad("short read")
     return b
 
 
-def _string(f) -> bytes:
+def _string(f: BinaryIO) -> bytes:
     (n,) = struct.unpack("<Q", _read(f, 8))
     if n > MAX_STRING:
         raise _Bad("string too long")
     return _read(f, n)
 
 
-def _value(f, kind: int, keep: bool):
+def _value(f: BinaryIO, kind: int, keep: bool) -> Any:
     if kind in _FIXED:
         raw = _read(f, _FIXED[kind])
         return struct.unpack(_FMT[kind], raw)[0] if keep else None

@@ -115,7 +115,8 @@ def expand_command(template: str, model: str, port: int, args: str) -> list[str]
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class _Model:
