@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from appliance.asgi import Receive, Scope, Send, send_json
 from appliance.bounds import echo
 from appliance.cluster.etcd import EtcdError
+from appliance.hub.nodes import NodeHandle
 
 if TYPE_CHECKING:
     from appliance.hub.run import Hub
@@ -35,7 +37,7 @@ log = logging.getLogger("appliance.hub.admin")
 NODE_ACTIONS = ("cordon", "uncordon", "pause", "resume")
 
 
-def node_row(h) -> dict:
+def node_row(h: NodeHandle) -> dict[str, Any]:
     st = h.state
     by_state: dict[str, list[str]] = {"ready": [], "loading": [], "failed": [], "available": []}
     for m in st.models if st is not None else []:
@@ -53,12 +55,12 @@ def node_row(h) -> dict:
     }
 
 
-def nodes(hub: Hub) -> list[dict]:
+def nodes(hub: Hub) -> list[dict[str, Any]]:
     return [node_row(h) for h in sorted(hub.registry.nodes.values(), key=lambda h: h.name)
             if not h.removed]
 
 
-def status(hub: Hub) -> dict:
+def status(hub: Hub) -> dict[str, Any]:
     models = hub.control.model_details()
     rows = nodes(hub)
     problems = []
@@ -78,7 +80,8 @@ def status(hub: Hub) -> dict:
     if hub.audit is not None and hub.audit.failing:
         problems.append(f"audit lines are not being written to {hub.audit.path or 'stdout'}: "
                         f"{hub.audit.last_error} ({hub.audit.write_errors} lost so far)")
-    out = {"satisfied": not problems, "problems": problems, "models": models, "nodes": rows}
+    out: dict[str, Any] = {"satisfied": not problems, "problems": problems, "models": models,
+                           "nodes": rows}
     if (cluster := getattr(hub, "cluster", None)) is not None:
         out["cluster"] = cstatus = cluster.status()
         if not cstatus["leader"]:
@@ -93,7 +96,7 @@ def _segments(scope: Scope) -> list[str]:
     return [urllib.parse.unquote(s) for s in path.strip("/").split("/")]
 
 
-def _event(hub: Hub, action: str, **fields) -> None:
+def _event(hub: Hub, action: str, **fields: Any) -> None:
     if hub.audit is not None:
         hub.audit.event("admin", actor="admin", action=action, **fields)
 
@@ -104,9 +107,11 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     if rest in (["status"], ["models"], ["nodes"]):
         if method != "GET":
             return await send_json(send, 405, {"error": f"{method} not allowed; use GET"})
-        body = {"status": lambda: status(hub),
-                "models": lambda: {"models": hub.control.model_details()},
-                "nodes": lambda: {"nodes": nodes(hub)}}[rest[0]]()
+        views: dict[str, Callable[[], dict[str, Any]]] = {
+            "status": lambda: status(hub),
+            "models": lambda: {"models": hub.control.model_details()},
+            "nodes": lambda: {"nodes": nodes(hub)}}
+        body = views[rest[0]]()
         return await send_json(send, 200, body)
     if len(rest) >= 3 and rest[0] == "models" and rest[-1] == "retry":
         if method != "POST":

@@ -13,10 +13,14 @@ on the file the next start will load. This module only reports; it decides nothi
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from appliance.tlsinfo import cert_not_after
+
+if TYPE_CHECKING:
+    from appliance.hub.control import Control
 
 log = logging.getLogger("appliance.hub.model_metrics")
 
@@ -35,14 +39,16 @@ _MODEL = [
 
 
 class ControlCollector:
-    def __init__(self, control) -> None:
+    def __init__(self, control: Control) -> None:
         self.control = control
         self._logged: dict[str, str] = {}  # path -> the error last logged (once per change)
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return self._families()[0]
 
-    def _families(self):
+    def _families(self) -> tuple[list[Metric], list[GaugeMetricFamily], GaugeMetricFamily,
+                                 tuple[GaugeMetricFamily, CounterMetricFamily,
+                                       GaugeMetricFamily], GaugeMetricFamily]:
         model = [GaugeMetricFamily(n, h, labels=["model"]) for n, h, _ in _MODEL]
         engine = GaugeMetricFamily("appliance_node_engine_info",
                                    "Engine installs per node (kind, version); value 1.",
@@ -60,8 +66,8 @@ class ControlCollector:
                                 labels=["path"])
         return [*model, engine, leader, changes, up, tls], model, engine, (leader, changes, up), tls
 
-    def collect(self):
-        fams, model, engine, leader, tls = self._families()
+    def collect(self) -> list[Metric]:
+        fams, model, engine, cluster_fams, tls = self._families()
         for st in self.control.models_status():
             for fam, (_, _, key) in zip(model, _MODEL, strict=True):
                 fam.add_metric([st["name"]], float(st[key]))
@@ -69,7 +75,7 @@ class ControlCollector:
             if h.state is not None and not h.removed:
                 for e in h.state.engines:
                     engine.add_metric([h.name, e.kind, e.version], 1.0)
-        leader, changes, up = leader
+        leader, changes, up = cluster_fams
         cluster = self.control.cluster
         leader.add_metric([self.control.cfg.hub_name()], 1.0 if self.control.leading() else 0.0)
         changes.add_metric([], float(cluster.changes if cluster is not None else 0))

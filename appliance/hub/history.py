@@ -23,9 +23,17 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+if TYPE_CHECKING:
+    from appliance.hub.admission import Admission
+    from appliance.hub.metrics import HubMetrics
+    from appliance.hub.nodes import Registry
 
 # A point every 5 s keeps a 15-minute chart at 180 points: smooth enough at phone width,
 # cheap to send every poll (a few kB of JSON).
@@ -81,11 +89,11 @@ class Reading:
 
 class History:
     def __init__(self, points: int = POINTS) -> None:
-        self.points: deque[dict] = deque(maxlen=points)
+        self.points: deque[dict[str, Any]] = deque(maxlen=points)
         self._last: Reading | None = None
         self._last_t = 0.0
 
-    def sample(self, t: float, r: Reading) -> dict | None:
+    def sample(self, t: float, r: Reading) -> dict[str, Any] | None:
         """Store the point for the step ending at `t` (unix seconds); the first reading
         only sets the baseline. A counter that went down (a restart) counts from zero."""
         prev, prev_t = self._last, self._last_t
@@ -109,7 +117,7 @@ class History:
         self.points.append(point)
         return point
 
-    def payload(self) -> dict:
+    def payload(self) -> dict[str, Any]:
         return {"step_seconds": STEP_SECONDS, "window_seconds": WINDOW_SECONDS,
                 "points": list(self.points)}
 
@@ -118,27 +126,27 @@ class Recent:
     """The last RECENT_MAX request audit records, newest last."""
 
     def __init__(self, size: int = RECENT_MAX) -> None:
-        self.records: deque[dict] = deque(maxlen=size)
+        self.records: deque[dict[str, Any]] = deque(maxlen=size)
 
-    def add(self, record: dict) -> None:
+    def add(self, record: dict[str, Any]) -> None:
         """Keep the named fields only, each string cut to FIELD_MAX: a client's made-up
         model name may be as long as a body, and 200 of them must stay small."""
         self.records.append({k: (v[:FIELD_MAX] if isinstance(v, str) else v)
                              for k, v in record.items() if k in _RECENT_SET})
 
-    def payload(self, limit: int = RECENT_MAX) -> dict:
+    def payload(self, limit: int = RECENT_MAX) -> dict[str, Any]:
         rows = list(self.records)[-limit:] if limit > 0 else []
         return {"requests": rows[::-1]}
 
 
 # --- reading the hub's own Prometheus objects --------------------------------------------
 
-def _samples(metric) -> Iterable:
+def _samples(metric: Collector) -> Iterator[Sample]:
     for family in metric.collect():
         yield from family.samples
 
 
-def read_hub(metrics, admission, registry) -> Reading:
+def read_hub(metrics: HubMetrics, admission: Admission, registry: Registry) -> Reading:
     """A Reading from HubMetrics, Admission and the node Registry (no I/O)."""
     requests: dict[str, float] = {}
     for s in _samples(metrics.requests):
@@ -161,7 +169,7 @@ def read_hub(metrics, admission, registry) -> Reading:
 
 async def run_sampler(history: History, read: Callable[[], Reading], step: float = STEP_SECONDS,
                       wall: Callable[[], float] = time.time, *,
-                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+                      task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Sample every `step` seconds until cancelled; the first reading is the baseline."""
     history.sample(wall(), read())
     task_status.started()

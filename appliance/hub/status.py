@@ -8,9 +8,12 @@ control plane and admission -- nothing is cached, so nothing goes stale. The key
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
+from appliance.hub.nodes import NodeHandle
+from appliance.wire import ModelMeta
 
 if TYPE_CHECKING:
     from appliance.hub.run import Hub
@@ -20,7 +23,7 @@ MiB = 1024 * 1024
 STARTED_AT = time.time()
 
 
-def node_entry(h) -> dict:
+def node_entry(h: NodeHandle) -> dict[str, Any]:
     st = h.state
     models = []
     if st is not None:
@@ -37,7 +40,7 @@ def node_entry(h) -> dict:
     }
 
 
-def status_payload(hub: Hub) -> dict:
+def status_payload(hub: Hub) -> dict[str, Any]:
     out = {
         "version": __version__,
         "nodes": [node_entry(h) for h in hub.registry.nodes.values()],
@@ -65,9 +68,9 @@ def _size_bytes(hub: Hub, model: str) -> int:
     return 0
 
 
-def model_meta(hub: Hub, model: str):
+def model_meta(hub: Hub, model: str) -> ModelMeta | None:
     """What an engine said about `model` (wire.ModelMeta), from the first node that says it."""
-    best = None
+    best: ModelMeta | None = None
     for h in hub.registry.nodes.values():
         if h.state is not None:
             m = h.state.model(model)
@@ -78,7 +81,7 @@ def model_meta(hub: Hub, model: str):
     return best
 
 
-def details(meta) -> dict:
+def details(meta: ModelMeta | None) -> dict[str, Any]:
     if meta is None:
         return {"parent_model": "", "format": "", "family": "", "families": None,
                 "parameter_size": "",
@@ -97,7 +100,7 @@ def _expires_at(hub: Hub, model: str) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + max(0.0, secs)))
 
 
-def _health(m: dict) -> str:
+def _health(m: dict[str, Any]) -> str:
     if m["parked"]:
         return "parked"
     if m["unplaceable"]:
@@ -109,7 +112,7 @@ def _health(m: dict) -> str:
     return "available"
 
 
-def openai_models(hub: Hub, client_allowed) -> dict:
+def openai_models(hub: Hub, client_allowed: Callable[[str], bool]) -> dict[str, Any]:
     created = int(time.time())
     data = []
     for m in hub.control.models_status():
@@ -123,7 +126,7 @@ def openai_models(hub: Hub, client_allowed) -> dict:
     return {"object": "list", "data": data}
 
 
-def ollama_tags(hub: Hub, client_allowed) -> dict:
+def ollama_tags(hub: Hub, client_allowed: Callable[[str], bool]) -> dict[str, Any]:
     models = []
     for m in hub.control.models_status():
         if not client_allowed(m["name"]):
@@ -140,7 +143,7 @@ def ollama_tags(hub: Hub, client_allowed) -> dict:
     return {"models": models}
 
 
-def ollama_ps(hub: Hub, client_allowed) -> dict:
+def ollama_ps(hub: Hub, client_allowed: Callable[[str], bool]) -> dict[str, Any]:
     models = []
     for m in hub.control.models_status():
         if m["ready"] and client_allowed(m["name"]):
