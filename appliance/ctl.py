@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import urllib.parse
+from typing import Any, TextIO
 
 import httpx
 
@@ -61,18 +62,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options_anywhere(p: argparse.ArgumentParser, sub) -> None:
+def _options_anywhere(p: argparse.ArgumentParser,
+                      sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`ctl status --json` as well as `ctl --json status` (the README shows the first):
     every option of `p` is accepted after the subcommand too. Each subcommand gets a copy
     whose default is SUPPRESS, so an option given before the subcommand is not reset."""
     options = [a for a in p._actions if a.option_strings and a.dest != "help"]
     for sp in sub.choices.values():
         for a in options:
-            kw = {"dest": a.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
             if a.nargs == 0:
-                sp.add_argument(*a.option_strings, action="store_const", const=a.const, **kw)
+                sp.add_argument(*a.option_strings, action="store_const", const=a.const,
+                                dest=a.dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             else:
-                sp.add_argument(*a.option_strings, **kw)
+                sp.add_argument(*a.option_strings, dest=a.dest, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -81,7 +84,7 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _model_state(m: dict) -> str:
+def _model_state(m: dict[str, Any]) -> str:
     if m["parked"]:
         return "PARKED"
     if m["unplaceable"]:
@@ -91,7 +94,7 @@ def _model_state(m: dict) -> str:
     return "loading" if m["loading"] else "NOT READY"
 
 
-def models_table(models: list[dict]) -> str:
+def models_table(models: list[dict[str, Any]]) -> str:
     rows = [["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE", "NODES", "WHY"]]
     for m in models:
         why = m["reason"]
@@ -104,7 +107,7 @@ def models_table(models: list[dict]) -> str:
     return _table(rows)
 
 
-def nodes_table(nodes: list[dict]) -> str:
+def nodes_table(nodes: list[dict[str, Any]]) -> str:
     rows = [["NODE", "STATUS", "ENGINES", "MEMORY MiB", "IN-FLIGHT", "READY", "URL"]]
     for n in nodes:
         mem = "-" if n[
@@ -117,7 +120,7 @@ def nodes_table(nodes: list[dict]) -> str:
     return _table(rows)
 
 
-def cluster_line(c: dict) -> str:
+def cluster_line(c: dict[str, Any]) -> str:
     """Several hubs: who leads, by which epoch, which hubs, and whether etcd answers."""
     leader = f"leader {c['leader']} (epoch {c['epoch']})" if c.get("leader") else "NO LEADER"
     etcd = "etcd up" if c.get("etcd_up") else "etcd UNREACHABLE"
@@ -125,7 +128,7 @@ def cluster_line(c: dict) -> str:
     return f"cluster: {leader}; hubs {hubs}; this hub {c.get('name')}; {etcd}"
 
 
-def render(cmd: str, body: dict) -> str:
+def render(cmd: str, body: dict[str, Any]) -> str:
     if cmd == "status":
         head = "fleet: satisfied" if body[
             "satisfied"] else f"fleet: NOT SATISFIED ({len(body['problems'])} problems)"
@@ -146,8 +149,10 @@ def render(cmd: str, body: dict) -> str:
     return f"{body['node']}: {body['action']} done (status now {body['status']})"
 
 
-def request(args, client: httpx.Client) -> httpx.Response:
-    q = lambda s: urllib.parse.quote(s, safe="")  # noqa: E731
+def request(args: argparse.Namespace, client: httpx.Client) -> httpx.Response:
+    def q(s: str) -> str:
+        return urllib.parse.quote(s, safe="")
+
     if args.cmd in ("status", "models", "nodes"):
         return client.get(f"/admin/{args.cmd}")
     if args.cmd == "retry":
@@ -157,7 +162,7 @@ def request(args, client: httpx.Client) -> httpx.Response:
     return client.post(f"/admin/nodes/{q(args.node)}/{args.cmd}")
 
 
-def admin_key(args, err) -> str:
+def admin_key(args: argparse.Namespace, err: TextIO) -> str:
     """--key-file, else --key (with a warning: argv is world-readable), else APPLIANCE_ADMIN_KEY."""
     if args.key_file:
         with open(args.key_file, encoding="utf-8") as fh:
@@ -167,9 +172,10 @@ def admin_key(args, err) -> str:
             "appliance ctl: warning: --key shows the admin key in the process list; use --key-file "
             "or "
               "APPLIANCE_ADMIN_KEY", file=err)
-        return args.key
+        key: str = args.key
+        return key
     return os.environ.get("APPLIANCE_ADMIN_KEY", "")
-def _progress(line: dict) -> str:
+def _progress(line: dict[str, Any]) -> str:
     node = f"{line['node']}: " if line.get("node") else ""
     total, done = line.get("total"), line.get("completed")
     size = ""
@@ -178,7 +184,7 @@ def _progress(line: dict) -> str:
     return f"{node}{line.get('status', '')}{size}"
 
 
-def model_op(args, client: httpx.Client, out, err) -> int:
+def model_op(args: argparse.Namespace, client: httpx.Client, out: TextIO, err: TextIO) -> int:
     """`ctl pull` (progress lines as they come) and `ctl rm`, through /api/pull and /api/delete."""
     params = {"node": args.node} if args.node else None
     if args.cmd == "rm":
@@ -197,7 +203,7 @@ def model_op(args, client: httpx.Client, out, err) -> int:
         for n, what in failed.items():  # deleted elsewhere; these may still hold the model
             print(f"appliance ctl rm: {n}: {what}", file=err)
         return 1 if failed else 0
-    last: dict = {}
+    last: dict[str, Any] = {}
     with client.stream("POST", "/api/pull", params=params, json={"model": args.model},
                        timeout=httpx.Timeout(None, connect=5.0)) as resp:
         if resp.status_code != 200:
@@ -216,7 +222,8 @@ def model_op(args, client: httpx.Client, out, err) -> int:
     return 0 if last.get("status") == "success" else 1
 
 
-def run(argv: list[str], client: httpx.Client | None = None, out=None, err=None) -> int:
+def run(argv: list[str], client: httpx.Client | None = None, out: TextIO | None = None,
+        err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     try:
         args = _parser().parse_args(argv)

@@ -44,7 +44,7 @@ import logging
 import signal
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -52,10 +52,11 @@ import msgspec
 import trio
 
 from appliance import __version__, simtools
-from appliance.asgi import BodyTooLarge, read_body, serve
-from appliance.config import ConfigError, MiB, SimConfig
+from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, serve
+from appliance.config import Config, ConfigError, MiB, SimConfig
 from appliance.config import load as load_config
 from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.errors import ApiError
 from appliance.simcore import (
     EMBED_DIM,
     FINGERPRINT,
@@ -65,7 +66,6 @@ from appliance.simcore import (
     SSE,
     THINK_TOKENS,
     VERSION,
-    ApiError,
     Frame,
     Req,
     SimModelState,
@@ -93,9 +93,10 @@ _JSON = [(b"content-type", b"application/json"), SIM_HEADER]
 _DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
             "parameter_size": "sim", "quantization_level": "none"}
 _enc = msgspec.json.Encoder()
+Handler = Callable[[Scope, Receive, Send, str], Awaitable[None]]  # (scope, receive, send, path)
 
 
-async def _send_json(send, status: int, obj: Any) -> None:
+async def _send_json(send: Send, status: int, obj: Any) -> None:
     await send({"type": "http.response.start", "status": status, "headers": _JSON})
     await send({"type": "http.response.body", "body": obj if isinstance(obj, bytes)
                 else _enc.encode(obj)})
@@ -106,7 +107,7 @@ class SimApp:
 
     def __init__(self, state: SimState) -> None:
         self.state = state
-        self.routes: dict[tuple[str, str], Callable] = {
+        self.routes: dict[tuple[str, str], Handler] = {
             ("POST", "/api/generate"): self.ollama_generate,
             ("POST", "/api/chat"): self.ollama_generate,
             ("POST", "/api/embed"): self.ollama_embed,
@@ -126,7 +127,7 @@ class SimApp:
         }
         self._paths = {p for _, p in self.routes}
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         api = "openai" if path.startswith("/v1/") else "ollama"
         handler = self.routes.get((scope["method"], path))
@@ -142,7 +143,7 @@ class SimApp:
 
     # --- shared ------------------------------------------------------------------------
 
-    async def _request(self, receive) -> Req:
+    async def _request(self, receive: Receive) -> Req:
         try:
             body = await read_body(receive, MAX_BODY)
         except BodyTooLarge:
@@ -167,8 +168,9 @@ class SimApp:
             raise ApiError(404, "model_not_found", msg)
         return m
 
-    async def _generate(self, receive, send, m: SimModelState, req: Req, seed: bytes, frame: Frame,
-                        stream: bool, unload_after: bool = False) -> None:
+    async def _generate(self, receive: Receive, send: Send, m: SimModelState, req: Req,
+                        seed: bytes, frame: Frame, stream: bool,
+                        unload_after: bool = False) -> None:
         """Load, wait for a slot, answer (unloading before the last byte when asked);
         cancelled as soon as the client goes away."""
         n, finish = count(req)
@@ -220,7 +222,7 @@ class SimApp:
 
     # --- Ollama ------------------------------------------------------------------------
 
-    async def ollama_generate(self, scope, receive, send, path: str) -> None:
+    async def ollama_generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         req = await self._request(receive)
         m = self._model(req, "ollama")
         chat = path == "/api/chat"
@@ -251,7 +253,7 @@ class SimApp:
         await self._generate(receive, send, m, req, seed, frame, req.stream is not False,
                              unload_after=is_zero_keep_alive(req.keep_alive))
 
-    async def ollama_embed(self, scope, receive, send, path: str) -> None:
+    async def ollama_embed(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         req = await self._request(receive)
         m = self._model(req, "ollama")
         legacy = path == "/api/embeddings"
@@ -275,20 +277,20 @@ class SimApp:
                 "modified_at": iso(self.state.started_at),
                 "size": size, "digest": m.digest, "details": _DETAILS}
 
-    async def ollama_tags(self, scope, receive, send, path: str) -> None:
+    async def ollama_tags(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         await _send_json(send, 200, {"models": [self._tag(m) for m in self.state.models.values()]})
 
-    async def ollama_ps(self, scope, receive, send, path: str) -> None:
+    async def ollama_ps(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         # Loaded models stay loaded until keep_alive 0: Ollama shows that as a far expiry.
         forever = "2318-01-01T00:00:00Z"
         out = [{**self._tag(m), "expires_at": forever, "size_vram": m.spec.size_mb * MiB,
                 "context_length": MAX_TOKENS} for m in self.state.models.values() if m.loaded]
         await _send_json(send, 200, {"models": out})
 
-    async def ollama_version(self, scope, receive, send, path: str) -> None:
+    async def ollama_version(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         await _send_json(send, 200, {"version": VERSION})
 
-    async def ollama_show(self, scope, receive, send, path: str) -> None:
+    async def ollama_show(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         m = self._model(await self._request(receive), "ollama")
         await _send_json(send, 200, {
             "license": "",
@@ -299,7 +301,7 @@ class SimApp:
             "capabilities": ["completion", "embedding"], "modified_at": iso(self.state.started_at),
             "x_simulated": True})
 
-    async def ollama_pull(self, scope, receive, send, path: str) -> None:
+    async def ollama_pull(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         """Ollama's pull, simulated: progress lines, then the model exists."""
         req = await self._request(receive)
         name = req.model or req.name
@@ -320,7 +322,7 @@ class SimApp:
         await send({"type": "http.response.body", "body": b"".join(_enc.encode(x) + b"\n"
                                                                    for x in lines)})
 
-    async def ollama_delete(self, scope, receive, send, path: str) -> None:
+    async def ollama_delete(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         req = await self._request(receive)
         name = req.model or req.name
         if not self.state.remove(name):
@@ -329,7 +331,7 @@ class SimApp:
                     "headers": [SIM_HEADER, (b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
-    async def root(self, scope, receive, send, path: str) -> None:
+    async def root(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain; charset=utf-8"), SIM_HEADER]})
         await send({"type": "http.response.body",
@@ -337,7 +339,7 @@ class SimApp:
 
     # --- OpenAI ------------------------------------------------------------------------
 
-    async def openai_generate(self, scope, receive, send, path: str) -> None:
+    async def openai_generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         req = await self._request(receive)
         m = self._model(req, "openai")
         chat = path == "/v1/chat/completions"
@@ -356,11 +358,12 @@ class SimApp:
         frame = openai_frame(req.model, chat, self.state.next_id(), usage)
         await self._generate(receive, send, m, req, seed, frame, bool(req.stream))
 
-    async def _send_tool_call(self, send, headers, body: bytes) -> None:
+    async def _send_tool_call(self, send: Send, headers: list[tuple[bytes, bytes]],
+                              body: bytes) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def openai_embed(self, scope, receive, send, path: str) -> None:
+    async def openai_embed(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         req = await self._request(receive)
         m = self._model(req, "openai")
         x = req.input
@@ -381,7 +384,7 @@ class SimApp:
         await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
                                      "usage": {"prompt_tokens": n, "total_tokens": n}})
 
-    async def openai_models(self, scope, receive, send, path: str) -> None:
+    async def openai_models(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         created = int(self.state.started_at)
         await _send_json(send, 200, {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": FINGERPRINT}
@@ -397,7 +400,7 @@ async def serve_sim(
     sim: SimConfig | SimApp,
     listen: str,
     *,
-    shutdown_trigger=None,
+    shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the sim on `listen` until cancelled (or until `shutdown_trigger` returns, then drain).
@@ -424,7 +427,7 @@ async def _signals(stop: trio.Event, app: SimApp, env_file: str | None) -> None:
                 log.error("sim: reload refused, the running configuration stays: %s", e)
 
 
-async def _main(cfg, env_file: str | None) -> None:
+async def _main(cfg: Config, env_file: str | None) -> None:
     app = make_sim_app(cfg.sim)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -433,7 +436,7 @@ async def _main(cfg, env_file: str | None) -> None:
         log.warning("simulated engine (not a real model): %s", ", ".join(app.state.models))
 
 
-def main(cfg, env_file: str | None = None) -> int:
+def main(cfg: Config, env_file: str | None = None) -> int:
     """`appliance sim`: serve on Sim__Listen until SIGTERM/SIGINT, then drain and exit 0."""
     trio.run(_main, cfg, env_file)
     return 0

@@ -272,13 +272,13 @@ def iso(ts: float) -> str:
 class Frame:
     """How one API frames one generation: stream chunks and the whole answer."""
 
-    headers: list
+    headers: list[tuple[bytes, bytes]]
     head: bytes = b""
     think_prefix: bytes = b""  # a reasoning token's chunk prefix (OpenAI chat), else none
     prefix: bytes
     suffix: bytes
-    tail: Callable[[dict], bytes]  # stats -> the stream's last bytes
-    whole: Callable[[str, dict], Any]  # (text, stats) -> the non-streamed answer
+    tail: Callable[[dict[str, Any]], bytes]  # stats -> the stream's last bytes
+    whole: Callable[[str, dict[str, Any]], Any]  # (text, stats) -> the non-streamed answer
 
 
 def ollama_frame(model: str, chat: bool) -> Frame:
@@ -291,7 +291,7 @@ def ollama_frame(model: str, chat: bool) -> Frame:
     else:
         f.prefix, f.suffix = start + b',"response":', b',"done":false}\n'
 
-    def whole(text: str, st: dict) -> dict:
+    def whole(text: str, st: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"model": model, "created_at": created}
         if chat:
             out["message"] = {"role": "assistant", "content": text}
@@ -326,11 +326,11 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
     else:
         f.prefix, f.suffix = base + b'"text":', end
 
-    def usage(st: dict) -> dict:
+    def usage(st: dict[str, Any]) -> dict[str, Any]:
         return {"prompt_tokens": st["prompt"], "completion_tokens": st["completion"],
                 "total_tokens": st["prompt"] + st["completion"]}
 
-    def tail(st: dict) -> bytes:
+    def tail(st: dict[str, Any]) -> bytes:
         last = base + (b'"delta":{}' if chat else b'"text":""')
         out = last + b',"logprobs":null,"finish_reason":' + _enc.encode(st["finish"])
         if st.get("stop_word"):
@@ -340,7 +340,7 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
             out += b"data: " + _enc.encode({**meta, "choices": [], "usage": usage(st)}) + b"\n\n"
         return out + b"data: [DONE]\n\n"
 
-    def whole(text: str, st: dict) -> dict:
+    def whole(text: str, st: dict[str, Any]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}

@@ -21,14 +21,14 @@ _enc = msgspec.json.Encoder()
 _VALUES = {"string": "sim", "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
 
 
-def _fn(tool: Any) -> dict | None:
+def _fn(tool: Any) -> dict[str, Any] | None:
     if not isinstance(tool, dict):
         return None
     fn = tool.get("function", tool)
     return fn if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
 
 
-def pick(tools: Any, tool_choice: Any, last_role: str) -> tuple[str, dict] | None:
+def pick(tools: Any, tool_choice: Any, last_role: str) -> tuple[str, dict[str, Any]] | None:
     """(name, arguments) of the call to make, or None to answer with text."""
     if not isinstance(tools, list) or not tools or last_role != "user" or tool_choice == "none":
         return None
@@ -48,7 +48,7 @@ def pick(tools: Any, tool_choice: Any, last_role: str) -> tuple[str, dict] | Non
     return fn["name"], args
 
 
-def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool,
+def openai_answer(model: str, ident: int, call: tuple[str, dict[str, Any]], stream: bool,
                   include_usage: bool) -> bytes:
     name, args = call
     meta = {"id": f"chatcmpl-sim{ident}", "created": int(time.time()), "model": model,
@@ -62,7 +62,7 @@ def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool,
             "logprobs": None, "finish_reason": "tool_calls"}], "usage": usage})
     chunk = {**meta, "object": "chat.completion.chunk"}
 
-    def ev(delta: dict, finish: str | None) -> bytes:
+    def ev(delta: dict[str, Any], finish: str | None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return b"data: " + _enc.encode({**chunk, "choices": [choice]}) + b"\n\n"
     first = {**tc, "index": 0, "function": {"name": name, "arguments": ""}}
@@ -75,7 +75,8 @@ def openai_answer(model: str, ident: int, call: tuple[str, dict], stream: bool,
     return b"".join(out) + b"data: [DONE]\n\n"
 
 
-def ollama_answer(model: str, created_at: str, call: tuple[str, dict], stream: bool) -> bytes:
+def ollama_answer(model: str, created_at: str, call: tuple[str, dict[str, Any]],
+                  stream: bool) -> bytes:
     name, args = call
     msg = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": name,
                                                                             "arguments": args}}]}

@@ -558,3 +558,15 @@ async def test_announced_elsewhere_never_moves_a_static_node_nor_passes_max_node
     await trio.sleep(1)
     assert registry.nodes["gpu-a"].url == "http://gpu-a:9090"
     assert added == ["n2"] and set(registry.nodes) == {"gpu-a", "n2"}
+
+
+async def test_etcd_json_that_is_no_object_is_an_etcd_error():
+    """A gateway (or a proxy in front of it) that answers JSON but no object: EtcdError,
+    not a TypeError out of the member's loop."""
+    import httpx
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda req: httpx.Response(200, content=b"5")))
+    async with client:
+        with pytest.raises(EtcdError, match="answered 200: 5"):
+            await Etcd(["http://etcd:2379"], client).put("k", "v")

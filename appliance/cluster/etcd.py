@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import ssl
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -58,7 +59,7 @@ class KV:
     lease: int
 
 
-def _kv(d: dict) -> KV:
+def _kv(d: dict[str, Any]) -> KV:
     return KV(unb64(d["key"]), unb64(d.get("value", "")), int(d.get("create_revision", 0)),
               int(d.get("mod_revision", 0)), int(d.get("lease", 0)))
 
@@ -74,7 +75,8 @@ class Etcd:
         self._token: str | None = None
         self._at = 0  # the endpoint that answered last
 
-    async def _post(self, path: str, body: dict, *, retry_auth: bool = True) -> dict:
+    async def _post(self, path: str, body: dict[str, Any], *,
+                    retry_auth: bool = True) -> dict[str, Any]:
         last: Exception | None = None
         for i in range(len(self.endpoints)):
             n = (self._at + i) % len(self.endpoints)
@@ -93,6 +95,8 @@ class Etcd:
             except ValueError:
                 raise EtcdError(
                     f"etcd {path} answered {resp.status_code}: {resp.text[:200]}") from None
+            if not isinstance(data, dict):  # JSON, but no object: `"error" in 5` would raise
+                raise EtcdError(f"etcd {path} answered {resp.status_code}: {resp.text[:200]}")
             if resp.status_code != 200 or "error" in data:
                 msg = str(data.get("error") or data.get("message") or resp.text[:200])
                 if retry_auth and self.user and "token" in msg.lower():
@@ -131,7 +135,7 @@ class Etcd:
 
     async def put(self, key: str, value: str, lease: int = 0) -> int:
         """The revision of the write."""
-        body: dict = {"key": b64(key), "value": b64(value)}
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             body["lease"] = str(lease)
         d = await self._post("/v3/kv/put", body)

@@ -31,12 +31,17 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from appliance.cluster import state
 from appliance.cluster.etcd import Etcd, EtcdError
 from appliance.config import Config
+
+if TYPE_CHECKING:
+    from appliance.hub.control import Control
+    from appliance.hub.nodes import Registry
 
 log = logging.getLogger("appliance.cluster")
 
@@ -47,7 +52,7 @@ MAX_TICK = 0.5
 
 
 class Member:
-    def __init__(self, cfg: Config, etcd: Etcd, control, registry,
+    def __init__(self, cfg: Config, etcd: Etcd, control: Control, registry: Registry,
                  add_node: Callable[[str, str], None]) -> None:
         self.name = cfg.hub_name()
         self.keys = state.Keys(cfg.cluster.prefix)
@@ -101,7 +106,7 @@ class Member:
         rec = self.snapshot.health.get(model)
         return rec.decided if rec is not None else 0
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return {"name": self.name, "leader": self.leader() or None, "epoch": self.epoch,
                 "leading": self.leading,
                 "hubs": sorted(set(self.snapshot.hubs) | {self.name}), "etcd_up": self.up}
@@ -145,7 +150,7 @@ class Member:
 
     # --- the loops ---------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Started at once: a hub serves (ready models) whether or not etcd answers."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._campaign)
@@ -225,7 +230,7 @@ class Member:
         self._audit("leader_stepped_down", epoch=epoch, why=why)
         self.control.leadership_changed()
 
-    def _audit(self, kind: str, **fields) -> None:
+    def _audit(self, kind: str, **fields: Any) -> None:
         if self.control.audit is not None:
             self.control.audit.event(kind, hub=self.name, **fields)
 
