@@ -38,6 +38,17 @@ PROBE_SECONDS = 1.0
 UP_HUB_LISTEN = "127.0.0.1:8080"
 UP_NODE_LISTEN = "127.0.0.1:0"
 DEFAULT_NODE_LISTEN = "0.0.0.0:9090"  # config's default: not set by the operator
+# What the running node part does not take on SIGHUP (bound socket and its TLS, its name,
+# the drain bound, its timers and body bound); a change is named in a log line.
+NODE_AT_NEXT_START = {
+    "Node__Listen": lambda c: c.node.listen, "Node__Name": lambda c: c.node.name,
+    "Node__AdvertiseUrl": lambda c: c.node.advertise_url,
+    "Node__TlsCert": lambda c: c.node.tls_cert, "Node__TlsKey": lambda c: c.node.tls_key,
+    "Node__TlsCa": lambda c: c.node.tls_ca, "Node__DrainSeconds": lambda c: c.node.drain_seconds,
+    "Node__HeartbeatSeconds": lambda c: c.node.heartbeat_seconds,
+    "Node__MaxBodyBytes": lambda c: c.node.max_body_bytes,
+    "Node__UpstreamReadSeconds": lambda c: c.node.upstream_read_seconds,
+}
 
 
 async def ollama_answers(url: str = OLLAMA_URL) -> bool:
@@ -124,6 +135,10 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
             new = reload_hub(hub, env_file, adjust)
             if new is None:
                 return  # refused, one line said why: the node keeps its configuration too
+            later = [var for var, get in NODE_AT_NEXT_START.items() if get(new) != get(cfg)]
+            if later:
+                log.warning("node part: changed, applied only at the next start: %s",
+                            ", ".join(later))
             try:
                 node_reloads.send_nowait(no_metrics(new))
             except trio.WouldBlock:

@@ -2,7 +2,8 @@
 env file once and applies it to both parts -- the hub's listener and the node's take the
 new Hub__MaxBufferedBytes for the next request (503 busy for a body that fitted before),
 the node its new Node__MaxConcurrency, while connections kept alive from before the reload
-still serve. A broken file is refused for both parts with one line."""
+still serve; a node setting it cannot take is named. A broken file is refused for both
+parts with one line."""
 
 from __future__ import annotations
 
@@ -53,9 +54,12 @@ def test_up_sighup_reloads_the_hub_and_the_node_listener_limits(procs, tmp_path)
     assert ask(node_c, "POST", "/v1/chat/completions", chat(BIG))[0] == 200
     hub_sock, node_sock = hub_c.sock, node_c.sock
 
-    write_env(f, {"Hub__MaxBufferedBytes": "4096", "Node__MaxConcurrency": "5"})
+    write_env(f, {"Hub__MaxBufferedBytes": "4096", "Node__MaxConcurrency": "5",
+                  "Node__DrainSeconds": "3"})
     up.signal(signal.SIGHUP)
     up.wait_stderr(r"configuration reloaded from .*up\.env")
+    # What the running node part cannot take is named, not silently kept.
+    up.wait_stderr(r"node part: changed, applied only at the next start: Node__DrainSeconds$")
     up.wait_stderr(r"configuration reloaded: Node__MaxConcurrency 2 -> 5; listener limits now "
                    r".*Hub__MaxBufferedBytes=4096")
 
