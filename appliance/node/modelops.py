@@ -12,14 +12,18 @@ catalog) shows the change at once rather than at the next poll.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 import trio
 
-from appliance.asgi import BodyTooLarge, read_body, send_json
+from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
 from appliance.node.engines.base import EngineError
-from appliance.node.engines.ollama import POLL_ERRORS
+from appliance.node.engines.ollama import POLL_ERRORS, PolledEngine
 from appliance.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from appliance.node.app import NodeApp
 
 log = logging.getLogger("appliance.node.modelops")
 
@@ -36,10 +40,11 @@ class _Body(msgspec.Struct):
     name: str = ""
 
 
-async def handle(app, scope, receive, send, action: str) -> None:
+async def handle(app: NodeApp, scope: Scope, receive: Receive, send: Send, action: str) -> None:
     """`app` is the NodeApp (its engine, pool and config)."""
     engine = app.engine
-    if engine.kind not in MANAGING_KINDS or not getattr(engine, "url", ""):
+    # ollama and sim: polled engines with the URL of an Ollama API
+    if engine.kind not in MANAGING_KINDS or not isinstance(engine, PolledEngine) or not engine.url:
         await send_json(send, 501,
                         {"error": f"a {engine.kind or 'missing'} engine does not {action} models; "
                                              f"put the model file where the engine reads it"})
