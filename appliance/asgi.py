@@ -114,6 +114,10 @@ async def send_text(send: Send, status: int, text: str | bytes,
     await send({"type": "http.response.body", "body": body})
 
 
+# What `serve` hands to `nursery.start`: the bound (host, port).
+Bound = trio.TaskStatus[tuple[str, int]]
+
+
 async def serve(
     app: App,
     listen: str,
@@ -128,7 +132,7 @@ async def serve(
     limits: Limits | LiveLimits = DEFAULT_LIMITS,
     bind: str = "",
     announce: bool = True,
-    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    task_status: Bound = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on `listen` until `shutdown_trigger` returns, then drain.
 

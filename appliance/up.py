@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import AsyncIterator, Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
 import trio
 
 from appliance.config import Config, NodeRef
-from appliance.hub.run import SIGNALS, handle_signals, reload_hub, run_hub
+from appliance.hub.run import SIGNALS, HubStarted, handle_signals, reload_hub, run_hub
+
+if TYPE_CHECKING:
+    from appliance.sdnotify import Notifier
 
 log = logging.getLogger("appliance.up")
 
@@ -40,7 +45,7 @@ UP_NODE_LISTEN = "127.0.0.1:0"
 DEFAULT_NODE_LISTEN = "0.0.0.0:9090"  # config's default: not set by the operator
 # What the running node part does not take on SIGHUP (bound socket and its TLS, its name,
 # the drain bound, its timers and body bound); a change is named in a log line.
-NODE_AT_NEXT_START = {
+NODE_AT_NEXT_START: dict[str, Callable[[Config], object]] = {
     "Node__Listen": lambda c: c.node.listen, "Node__Name": lambda c: c.node.name,
     "Node__AdvertiseUrl": lambda c: c.node.advertise_url,
     "Node__TlsCert": lambda c: c.node.tls_cert, "Node__TlsKey": lambda c: c.node.tls_key,
@@ -91,7 +96,8 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         await _run(cfg, env_file, notifier, stop, signals)
 
 
-async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> None:
+async def _run(cfg: Config, env_file: str | None, notifier: Notifier, stop: trio.Event,
+               signals: AsyncIterator[int]) -> None:
     from appliance import sdnotify
     from appliance.node.run import run_node
 
@@ -117,7 +123,7 @@ async def _run(cfg: Config, env_file, notifier, stop: trio.Event, signals) -> No
             new = up_config(new, cfg.engine.kind == "ollama")
             return msgspec.structs.replace(new, nodes=[*new.nodes, local])
 
-        async def hub_task(*, task_status=trio.TASK_STATUS_IGNORED):
+        async def hub_task(*, task_status: HubStarted = trio.TASK_STATUS_IGNORED) -> None:
             try:
                 await run_hub(node_cfg, stop, task_status=task_status)
             finally:

@@ -64,7 +64,7 @@ def admin_ok(hub: Hub, scope: Scope) -> bool:
     return not key or hmac.compare_digest((bearer(scope) or "").encode(), key.encode())
 
 
-def _targets(hub: Hub, node: str | None) -> list:
+def _targets(hub: Hub, node: str | None) -> list[NodeHandle]:
     return [h for h in list(hub.registry.nodes.values())
             if h.connected and h.state is not None and engine_kind(h.state) in MANAGING_KINDS
             and (node is None or h.name == node)]
@@ -197,7 +197,7 @@ async def _pull(hub: Hub, send: Send, model: str, targets: Sequence[NodeHandle],
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
     outcome = await fan_out(targets, op, write if stream else None)
     failed = [name for name, what in outcome.items() if what != "success"]
-    last: dict = ({"status": "success"} if not failed
+    last: dict[str, object] = ({"status": "success"} if not failed
                   else {"error": f"pull of {model} failed on {', '.join(failed)}"})
     last["nodes"] = outcome
     if stream:

@@ -19,7 +19,7 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
-from appliance.asgi import same_port, serve
+from appliance.asgi import Bound, same_port, serve
 from appliance.config import Config
 from appliance.hub import workers
 from appliance.hub.admission import Admission
@@ -39,12 +39,13 @@ from appliance.hub.flag import Flag
 from appliance.hub.grace import StartupGrace
 from appliance.hub.history import History, Recent, read_hub, run_sampler
 from appliance.hub.metrics import HubMetrics
-from appliance.hub.nodes import Registry
+from appliance.hub.nodes import NodeHandle, Registry
 from appliance.hub.supervisor import supervise
 from appliance.listener import Limits, LiveLimits
 from appliance.upstream import Pool
 
 if TYPE_CHECKING:
+    from appliance import sdnotify
     from appliance.cluster.member import Member
     from appliance.hub.workerset import WorkerSet
 
@@ -100,7 +101,7 @@ class Hub:
                 forget_after=self.cfg.hub.forget_node_seconds,
             ))
 
-    def _node_event(self, kind: str, h, reason: str) -> None:
+    def _node_event(self, kind: str, h: NodeHandle, reason: str) -> None:
         self.audit.event(kind, node=h.name, url=h.url, reason=reason)
 
     def reload(self, cfg: Config) -> None:
@@ -147,8 +148,12 @@ def node_client(cfg: Config) -> httpx.AsyncClient:
     )
 
 
+# What `run_hub` hands to `nursery.start`: the hub and its bound address.
+HubStarted = trio.TaskStatus[tuple[Hub, tuple[str, int]]]
+
+
 async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
-                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+                  task_status: HubStarted = trio.TASK_STATUS_IGNORED) -> None:
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
         hub = Hub(cfg, client, nursery)
         metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
@@ -183,7 +188,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
                                        shutdown_trigger=stop.wait, limits=hub.limits))
             await nursery.start(workers.serve_leases, hub, f"{where}/lease.sock")
 
-        async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
+        async def api_server(*, task_status: Bound = trio.TASK_STATUS_IGNORED) -> None:
             try:
                 await serve(make_app(hub), cfg.hub.listen, "hub", shutdown_trigger=stop.wait,
                             limits=hub.limits,
@@ -222,7 +227,8 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
             await hub.upstream.aclose()
 
 
-async def _cluster(hub: Hub, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _cluster(hub: Hub, *,
+                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Several hubs (Cluster__Etcd): this hub's election and shared state (appliance/cluster/)."""
     from appliance.cluster import etcd
     from appliance.cluster.member import Member
@@ -236,7 +242,9 @@ async def _cluster(hub: Hub, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-async def handle_signals(signals, stop: trio.Event, notifier, on_reload, what: str) -> None:
+async def handle_signals(signals: AsyncIterator[int], stop: trio.Event,
+                         notifier: sdnotify.Notifier, on_reload: Callable[[], object],
+                         what: str) -> None:
     """SIGHUP: `on_reload()` between RELOADING=1 and READY=1; SIGTERM/SIGINT: STOPPING=1, stop.
 
     `signals` comes from `trio.open_signal_receiver(*SIGNALS)`, opened before anything
@@ -256,7 +264,7 @@ async def handle_signals(signals, stop: trio.Event, notifier, on_reload, what: s
 
 # What a running hub cannot take: bound sockets and their TLS, the drain bound handed to
 # the server, the node clients' token, the open audit file. They apply at the next start.
-AT_NEXT_START = {
+AT_NEXT_START: dict[str, Callable[[Config], object]] = {
     "Hub__Listen": lambda c: c.hub.listen, "Hub__TlsCert": lambda c: c.hub.tls_cert,
     "Hub__TlsKey": lambda c: c.hub.tls_key, "Hub__TlsCa": lambda c: c.hub.tls_ca,
     "Hub__DrainSeconds": lambda c: c.hub.drain_seconds,
@@ -299,7 +307,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
     stop = trio.Event()
     hub_done = trio.Event()
 
-    async def hub_task(*, task_status=trio.TASK_STATUS_IGNORED):
+    async def hub_task(*, task_status: HubStarted = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await run_hub(cfg, stop, env_file=env_file, task_status=task_status)
         finally:

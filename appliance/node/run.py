@@ -36,13 +36,14 @@ from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
 from appliance import sdnotify
-from appliance.asgi import same_port, serve
+from appliance.asgi import Bound, same_port, serve
 from appliance.config import Config
 from appliance.listener import Limits, LiveLimits
 from appliance.metricsapp import metrics_app
 from appliance.node.announce import announce_loop, hub_client
 from appliance.node.app import NodeApp
 from appliance.node.engines import make_engine
+from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NVIDIA_SMI, NodeStateKeeper, parse_nvidia_smi
 from appliance.wire import Announce
@@ -116,8 +117,8 @@ async def poll_gpu_memory(keeper: NodeStateKeeper, every: float,
         await trio.sleep(every)
 
 
-async def apply_reloads(keeper: NodeStateKeeper, engine,
-                        reloads: trio.MemoryReceiveChannel,
+async def apply_reloads(keeper: NodeStateKeeper, engine: Engine,
+                        reloads: trio.MemoryReceiveChannel[Config],
                         listeners: LiveLimits | None = None) -> None:
     """Apply each reloaded Config: the node's limits, its listeners' limits, and the
     engine's own settings where the adapter takes them (`reconfigure`, e.g. the sim's
@@ -140,7 +141,7 @@ async def apply_reloads(keeper: NodeStateKeeper, engine,
 
 
 async def run_node(cfg: Config, stop: trio.Event | None = None, *,
-                   reloads: trio.MemoryReceiveChannel | None = None,
+                   reloads: trio.MemoryReceiveChannel[Config] | None = None,
                    registry: CollectorRegistry | None = None,
                    task_status: trio.TaskStatus[tuple[str,
                                                       int]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -160,7 +161,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         nursery.start_soon(app.proxy.pool.sweep_every)  # idle engine connections closed promptly
         api_stop, api_done = trio.Event(), trio.Event()
 
-        async def api_server(*, task_status=trio.TASK_STATUS_IGNORED):
+        async def api_server(*, task_status: Bound = trio.TASK_STATUS_IGNORED) -> None:
             try:
                 await serve(app, cfg.node.listen, "node", shutdown_trigger=api_stop.wait,
                             limits=limits,
@@ -205,7 +206,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
 
 
 async def _signals(stop: trio.Event, notifier: sdnotify.Notifier, env_file: str | None,
-                   reload_send: trio.MemorySendChannel) -> None:
+                   reload_send: trio.MemorySendChannel[Config]) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for sig in signals:
             if sig == signal.SIGHUP:
@@ -234,7 +235,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
     # One pending reload is enough: a second SIGHUP before it is applied reads the same file.
     reload_send, reload_recv = trio.open_memory_channel[Config](1)
 
-    async def node_task(*, task_status=trio.TASK_STATUS_IGNORED):
+    async def node_task(*, task_status: Bound = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await run_node(cfg, stop, reloads=reload_recv, task_status=task_status)
         finally:
