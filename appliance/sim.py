@@ -52,7 +52,16 @@ import msgspec
 import trio
 
 from appliance import __version__, simtools
-from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, serve
+from appliance.asgi import (
+    JSON_HEADERS,
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_json,
+    serve,
+)
 from appliance.config import Config, ConfigError, MiB, SimConfig
 from appliance.config import load as load_config
 from appliance.http.disconnect import cancel_on_disconnect
@@ -89,7 +98,7 @@ log = logging.getLogger("appliance.sim")
 MAX_BODY = 32 * MiB
 # SIGTERM lets in-flight generations finish this long before they are cut.
 DRAIN_SECONDS = 5.0
-_JSON = [(b"content-type", b"application/json"), SIM_HEADER]
+_JSON = [*JSON_HEADERS, SIM_HEADER]
 _DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
             "parameter_size": "sim", "quantization_level": "none"}
 _enc = msgspec.json.Encoder()
@@ -97,9 +106,8 @@ Handler = Callable[[Scope, Receive, Send, str], Awaitable[None]]  # (scope, rece
 
 
 async def _send_json(send: Send, status: int, obj: Any) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _JSON})
-    await send({"type": "http.response.body", "body": obj if isinstance(obj, bytes)
-                else _enc.encode(obj)})
+    """The project's `send_json`, with the sim's engine header."""
+    await send_json(send, status, obj, [SIM_HEADER])
 
 
 class SimApp:

@@ -15,8 +15,10 @@ from appliance.hub.priority import (
     AdmissionCore,
     Fleet,
     SlotQueues,
+    count,
     effective_class,
     fleet_of,
+    ready_nodes,
 )
 
 
@@ -74,7 +76,7 @@ def test_fleet_counts_only_routable_nodes_with_the_model_ready():
     other = handle("y", slots=5, models=("other",))
     r = registry(a, paused, over, cordoned, lost, loading, other)
     assert fleet_of(r.nodes.values(), MODEL) == Fleet(places=2, room=None)
-    assert r.free_places(MODEL) == 2
+    assert count(ready_nodes(r.nodes.values(), MODEL), MODEL).places == 2
 
 
 def test_fleet_places_are_the_lesser_of_concurrency_and_slots():

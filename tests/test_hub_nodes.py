@@ -4,6 +4,7 @@ import httpx
 import trio
 
 from appliance.hub.nodes import NodeHandle, Registry
+from appliance.hub.priority import count, ready_nodes
 from appliance.hub.supervisor import BACKOFF_START, supervise
 from appliance.wire import Heartbeat, ModelState, NodeState, StateEvent, encode_event
 
@@ -23,6 +24,11 @@ def _registry(*handles):
     return r
 
 
+def _places(r, model):
+    """The fleet's free places for `model`, counted as admission counts them."""
+    return count(ready_nodes(r.nodes.values(), model), model).places
+
+
 def test_status_order_and_routable():
     h = _node("a")
     assert h.status() == "up" and h.routable()
@@ -40,19 +46,19 @@ def test_free_places_is_lesser_of_concurrency_and_slots():
     a = _node("a", max_conc=4, slots=2)
     b = _node("b", slots=1)
     r = _registry(a, b)
-    assert r.free_places("m") == 3
+    assert _places(r, "m") == 3
     r.start(a, "m")
     r.start(a, "m")
-    assert a.free_places("m") == 0
-    assert r.free_places("m") == 1
+    assert a.places_left("m") == 0
+    assert _places(r, "m") == 1
     r.finish(a, "m")
-    assert r.free_places("m") == 2
+    assert _places(r, "m") == 2
     # An unbounded node gives nothing to count: nothing is held.
     r.nodes["c"] = _node("c")
-    assert r.free_places("m") is None
+    assert _places(r, "m") is None
     # Not ready, paused, lost: out of the count.
     r.nodes["c"].state.paused = True
-    assert r.free_places("m") == 2
+    assert _places(r, "m") == 2
 
 
 def test_pick_prefers_most_free_and_skips_excluded():

@@ -92,14 +92,10 @@ class NodeHandle:
         m = self.state.model(model) if self.state is not None else None
         return m is not None and m.state == "ready"
 
-    def free_places(self, model: str) -> int | None:
-        """What is left of max_concurrency and of the model's slots, the lesser; None: unbounded."""
-        left = self.places_left(model)
-        return None if left is None else max(0, left)
-
     def places_left(self, model: str) -> int | None:
-        """As free_places, but below zero when more is in flight than the slots (requests
-        sent past a full slot wait): how far over, which spreading must see."""
+        """What is left of max_concurrency and of the model's slots, the lesser; None:
+        unbounded. Below zero when more is in flight than the slots (requests sent past a
+        full slot wait): how far over, which spreading must see."""
         st = self.state
         left: list[int] = []
         if st is None:
@@ -171,20 +167,6 @@ class Registry:
 
     def ready_nodes(self, model: str) -> list[NodeHandle]:
         return [h for h in self.nodes.values() if h.ready(model)]
-
-    def free_places(self, model: str) -> int | None:
-        """Free places for `model` over the nodes it can be routed to now (DESIGN 5).
-
-        None when some such node declares neither a concurrency cap nor slots: it gives
-        nothing to count, so nothing is held.
-        """
-        total = 0
-        for h in self.ready_nodes(model):
-            free = h.free_places(model)
-            if free is None:
-                return None
-            total += free
-        return total
 
     def pick(self, model: str,
              exclude: set[str] | frozenset[str] = frozenset()) -> NodeHandle | None:

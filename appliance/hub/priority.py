@@ -72,7 +72,7 @@ class Fleet(NamedTuple):
 def fleet_of(nodes: Iterable[Any], model: str) -> Fleet:
     """`places` and `room` for `model` over the nodes it can be routed to now.
 
-    The reference definition, in terms of `NodeHandle.free_places`; `count` is the fast
+    The reference definition, in terms of `NodeHandle.places_left`; `count` is the fast
     one the hub uses (the two are tested equal).
     """
     places: int | None = 0
@@ -81,8 +81,8 @@ def fleet_of(nodes: Iterable[Any], model: str) -> Fleet:
         if not h.ready(model):
             continue
         if places is not None:
-            free = h.free_places(model)
-            places = None if free is None else places + free
+            left = h.places_left(model)
+            places = None if left is None else places + max(0, left)
         if room is not None:
             cap = h.state.max_concurrency
             room = None if cap is None else room + max(0, cap - h.in_flight_total)
