@@ -260,3 +260,25 @@ def test_ctl_options_before_or_after_the_subcommand(monkeypatch, capsys):
     assert seen[2] == ("http://h:1/admin/status", "Bearer k") and seen[3] == seen[2]
     # Given before, not reset by the subcommand's copy of the option.
     assert ctl._parser().parse_args(["--url", "http://x:2", "status"]).url == "http://x:2"
+
+
+def test_ctl_rm_exits_1_naming_each_node_that_failed_the_delete():
+    """The hub's 200 says where it deleted and how each node answered: a node that failed
+    (not "deleted" nor "not found") may still hold the model, so ctl names it and exits 1."""
+    seen: list = []
+    partial = {"deleted": ["gpu-a"], "nodes": {"gpu-a": "deleted", "gpu-b": "not found",
+                                               "gpu-c": "ollama answered 500: disk busy"}}
+    routes = {("DELETE", "/api/delete"): (200, partial),
+              ("DELETE", "/api/delete?node=gpu-a"): (200, {"deleted": ["gpu-a"],
+                                                           "nodes": {"gpu-a": "deleted"}})}
+    out, err = io.StringIO(), io.StringIO()
+    assert ctl.run(["rm", "qwen/small:1b"], client=_client(routes, seen), out=out, err=err) == 1
+    assert out.getvalue() == "qwen/small:1b: deleted on gpu-a\n"
+    assert err.getvalue() == "appliance ctl rm: gpu-c: ollama answered 500: disk busy\n"
+    # Every node deleted it or never had it: exit 0, nothing on stderr.
+    out, err = io.StringIO(), io.StringIO()
+    assert ctl.run(["rm", "qwen/small:1b", "--node", "gpu-a"], client=_client(routes, seen),
+                   out=out, err=err) == 0
+    assert err.getvalue() == "" and "deleted on gpu-a" in out.getvalue()
+    assert [s[:2] for s in seen] == [("DELETE", "/api/delete"),
+                                     ("DELETE", "/api/delete?node=gpu-a")]
