@@ -14,7 +14,6 @@ Run: .venv/bin/python bench/hostile.py [--max-connections 256] [--body-seconds 5
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import threading
@@ -25,6 +24,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from procfs import fd_count as fds  # noqa: E402
+from procfs import rss_kb  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 KEY, TOKEN = "bench-key", "bench-token"
@@ -32,14 +33,7 @@ MiB = 1024 * 1024
 
 
 def rss_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    return rss_kb(pid) / 1024
 
 
 def chat(url: str, model: str = "sim-small", timeout: float = 120) -> httpx.Response:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from procfs import close_wait, fd_count, rss_kb, socket_inodes  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 TOKEN = "soak-token"
@@ -44,33 +44,8 @@ NODES = ("gpu-a", "gpu-b", "gpu-c")
 
 def proc_stats(pid: int) -> dict:
     """RSS (MiB), open fds, and sockets in CLOSE-WAIT held by `pid`."""
-    rss = 0.0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) / 1024
-    inodes = set()
-    fds = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        fds += 1
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    close_wait = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "08" and parts[9] in inodes:
-                        close_wait += 1
-        except FileNotFoundError:
-            pass
-    return {"rss_mb": round(rss, 1), "fds": fds, "close_wait": close_wait}
+    return {"rss_mb": round(rss_kb(pid) / 1024, 1), "fds": fd_count(pid),
+            "close_wait": close_wait(inodes=socket_inodes(pid))}
 
 
 def snapshot(procs: dict) -> dict:

@@ -23,6 +23,8 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import procfs  # noqa: E402
+from procfs import children  # noqa: E402
 from procs import Procs  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -32,11 +34,7 @@ STREAM = {"model": "sim-small", "messages": [{"role": "user", "content": "tell"}
 
 
 def tree(pid: int) -> list[int]:
-    out = [pid]
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
+    return [pid, *children(pid)]
 
 
 def cpu(pids: list[int]) -> float:
@@ -48,33 +46,9 @@ def cpu(pids: list[int]) -> float:
     return total
 
 
-def sockets(pid: int) -> set[str]:
-    found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            found.add(link[8:-1])
-    return found
-
-
 def owner(c: httpx.Client, url: str, pids: list[int]) -> int:
     """The pid (of `pids`) that accepted the client's kept connection."""
-    assert c.get(url + "/health").status_code == 200
-    conn = c._transport._pool.connections[0]  # type: ignore[attr-defined]
-    mine = conn._connection._network_stream.get_extra_info("socket").getsockname()[1]
-    port = int(url.rsplit(":", 1)[1])
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            p = line.split()
-            if (p[1].endswith(f":{port:04X}") and p[2].endswith(f":{mine:04X}")
-                    and p[3] == "01"):
-                for pid in pids:
-                    if p[9] in sockets(pid):
-                        return pid
-    return 0
+    return procfs.owner(c, int(url.rsplit(":", 1)[1]), pids, url + "/health")
 
 
 def client_on(url: str, want: int, pids: list[int]) -> httpx.Client:

@@ -10,7 +10,6 @@ and that the hub's memory stayed within bounds.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import socketserver
 import threading
@@ -18,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from procfs import fd_count, rss_kb
 from procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -94,13 +94,10 @@ class Fleet:
         return [json.loads(x) for x in self.audit.read_text().splitlines() if x.strip()]
 
     def rss_kb(self) -> int:
-        for line in open(f"/proc/{self.hub.pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
+        return rss_kb(self.hub.pid)
 
     def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.hub.pid}/fd"))
+        return fd_count(self.hub.pid)
 
 
 @pytest.fixture(scope="module")

@@ -16,53 +16,13 @@ import signal
 
 import httpx
 import pytest
+from procfs import children, client_port, server_inode, socket_inodes
 from procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
 TOKEN, ADMIN, MODEL = "node-secret", "admin-secret", "sim-small"
 ADMIN_H = {"authorization": f"Bearer {ADMIN}"}
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(x) for x in f.read().split()]
-    return out
-
-
-def socket_inodes(pid: int) -> set[str]:
-    found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            found.add(link[8:-1])
-    return found
-
-
-def server_inode(hub_port: int, client_port: int) -> str:
-    """The inode of the hub's side of the loopback connection from `client_port`."""
-    want_local, want_remote = f"{hub_port:04X}", f"{client_port:04X}"
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            parts = line.split()
-            if (parts[1].endswith(":" + want_local) and parts[2].endswith(":" + want_remote)
-                    and parts[3] == "01"):
-                return parts[9]
-    return ""
-
-
-def client_port(c: httpx.Client) -> int:
-    r = c.get("/health")
-    assert r.status_code == 200
-    # httpx keeps the connection; its socket's local port names it in /proc/net/tcp.
-    conn = c._transport._pool.connections[0]  # type: ignore[attr-defined]
-    sock = conn._connection._network_stream.get_extra_info("socket")
-    return sock.getsockname()[1]
 
 
 def test_request_through_a_worker_counts_once_in_the_main(procs, tmp_path):

@@ -11,24 +11,9 @@ from functools import partial
 import httpx
 import pytest
 import trio
+from procfs import close_wait
 
 from appliance.asgi import send_json, serve
-
-
-def close_wait_on(port: int) -> int:
-    """Sockets in CLOSE-WAIT whose local port is `port` (our server's side)."""
-    n = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "08" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                        n += 1
-        except FileNotFoundError:
-            pass
-    return n
 
 
 async def _app(scope, receive, send):
@@ -62,9 +47,9 @@ async def test_connections_the_client_closed_do_not_linger_in_close_wait(tls, re
                     clients.start_soon(c.get, f"{scheme}://{host}:{port}/")
         # Bounded readiness poll: closed within moments (without the fix: 75 s).
         with trio.move_on_after(10):
-            while close_wait_on(port):
+            while close_wait(port=port):
                 await trio.sleep(0.05)
-        assert close_wait_on(port) == 0
+        assert close_wait(port=port) == 0
         nursery.cancel_scope.cancel()
 
 
