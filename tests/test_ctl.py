@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import io
 import json
-import types
 import urllib.parse
+from dataclasses import dataclass
 
 import httpx
 import pytest
-from test_control import KEV_ERROR, make
+from test_control import KEV_ERROR, FakeAudit, make
 
 from appliance import ctl
 from appliance.http.errors import ApiError
 from appliance.hub import admin
+from appliance.hub.control import Control
+from appliance.hub.nodes import Registry
 
 
 async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:
@@ -31,18 +33,24 @@ async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:
     return sent[0]["status"], json.loads(sent[1]["body"])
 
 
+@dataclass
+class AdminHub:
+    """What admin.handle reads of a Hub: its registry, control and audit (no cluster)."""
+    registry: Registry
+    control: Control
+    audit: FakeAudit
+    cluster: None = None
+
+
 async def fleet(nursery):
-    control, registry, ops, audit, metrics = make(
+    control, registry, ops, audit, _ = make(
         [{"Name": "qwen/small:1b"}, {"Name": "kev-0.5b"}, {"Name": "phi-4", "MemoryMb": 9800}],
         {"gpu-a": (8000, {"qwen/small:1b": 500, "kev-0.5b": 300, "phi-4": 100}),
          "gpu-b": (4000, {"qwen/small:1b": 500, "kev-0.5b": 300, "phi-4": 100})},
         Models__ParkAfterFailures=2)
     ops.fail["kev-0.5b"] = KEV_ERROR
     await nursery.start(control.run)
-    hub = types.SimpleNamespace(cfg=control.cfg, registry=registry, control=control, audit=audit,
-                                node_client=None,
-                                metrics_registry=metrics, admission=None)
-    return hub, ops
+    return AdminHub(registry, control, audit), ops
 
 
 async def test_status_counts_what_each_model_should_have_now(nursery, autojump_clock):
