@@ -7,6 +7,7 @@ import socket
 import h11
 import pytest
 import trio
+from h11io import response
 
 from appliance.asgi import serve
 from appliance.http.fastio import DirectBody, recv_some
@@ -42,19 +43,8 @@ async def _exchange(stream, conn: h11.Connection) -> tuple[int, bytes]:
     """One GET on `stream`; (status, body) as h11 reads them (it rejects broken framing)."""
     conn_req = h11.Request(method="GET", target="/", headers=[("host", "x")])
     await stream.send_all(conn.send(conn_req) + conn.send(h11.EndOfMessage()))
-    status, body = 0, b""
-    while True:
-        ev = conn.next_event()
-        if ev is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(65536))
-        elif isinstance(ev, h11.Response):
-            status = ev.status_code
-        elif isinstance(ev, h11.Data):
-            body += ev.data
-        elif isinstance(ev, h11.EndOfMessage):
-            return status, body
-        else:
-            raise AssertionError(ev)
+    status, _, body = await response(stream, conn)
+    return status, body
 
 
 async def test_direct_chunks_are_valid_chunked_framing_and_the_connection_stays_usable():

@@ -13,6 +13,7 @@ from functools import partial
 import h11
 import pytest
 import trio
+from h11io import response, until_closed
 
 from appliance.asgi import read_body, serve
 from appliance.http.disconnect import cancel_on_disconnect
@@ -49,39 +50,6 @@ async def running(app, drain: float = 5.0, **limits):
             yield host, port, stop
         finally:
             n.cancel_scope.cancel()
-
-
-async def until_closed(stream, limit: float = 100) -> bytes:
-    got = b""
-    with trio.fail_after(limit):
-        while True:
-            try:
-                data = await stream.receive_some(65536)
-            except trio.BrokenResourceError:
-                return got
-            if not data:
-                return got
-            got += data
-
-
-async def response(stream, conn: h11.Connection) -> tuple[int, dict, bytes]:
-    status, headers, body = 0, {}, b""
-    with trio.fail_after(30):
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(ev, h11.Response):
-                status = ev.status_code
-                headers = {k.decode(): v.decode() for k, v in ev.headers}
-            elif isinstance(ev, h11.Data):
-                body += ev.data
-            elif isinstance(ev, h11.EndOfMessage):
-                return status, headers, body
-            elif isinstance(ev, h11.InformationalResponse):
-                continue
-            else:
-                raise AssertionError(ev)
 
 
 async def test_keep_alive_sized_and_chunked_answers_on_one_connection():

@@ -13,6 +13,7 @@ from functools import partial
 import h11
 import pytest
 import trio
+from h11io import response, until_closed
 from hypercorn.config import Config as HyperConfig
 
 from appliance.asgi import http_only, read_body
@@ -63,30 +64,9 @@ async def ask(stream, conn: h11.Connection, request: bytes) -> int:
     conn.send(h11.Request(method="POST", target="/", headers=[("host", "x"),
                                                               ("content-length", "0")]))
     conn.send(h11.EndOfMessage())
-    status = 0
-    with trio.fail_after(30):
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(ev, h11.Response):
-                status = ev.status_code
-            elif isinstance(ev, h11.EndOfMessage):
-                conn.start_next_cycle()
-                return status
-
-
-async def until_closed(stream) -> bytes:
-    got = b""
-    with trio.fail_after(100):
-        while True:
-            try:
-                data = await stream.receive_some(65536)
-            except trio.BrokenResourceError:
-                return got
-            if not data:
-                return got
-            got += data
+    status = (await response(stream, conn))[0]
+    conn.start_next_cycle()
+    return status
 
 
 def code(raw: bytes) -> str:
