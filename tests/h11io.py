@@ -1,6 +1,8 @@
 """Speaking HTTP/1.1 by hand to a server under test, for the tests that check its framing
 and deadlines byte by byte (test_h1, test_listener_reload, test_fastio): read one answer
-with h11 (which rejects broken framing), or everything until the server closes.
+with h11 (which rejects broken framing), or everything until the server closes; and, for
+the fake upstreams that clients are tested against (test_upstream, test_relay_body), read
+one request.
 """
 
 from __future__ import annotations
@@ -40,3 +42,16 @@ async def response(stream, conn: h11.Connection) -> tuple[int, dict, bytes]:
                 continue
             else:
                 raise AssertionError(ev)
+
+
+async def request(stream, conn: h11.Connection) -> bool:
+    """Read one whole request on `stream` (a server's side); False: the client closed first."""
+    while True:
+        ev = conn.next_event()
+        if ev is h11.NEED_DATA:
+            data = await stream.receive_some(65536)
+            if not data:
+                return False
+            conn.receive_data(data)
+        elif isinstance(ev, h11.EndOfMessage):
+            return True

@@ -11,6 +11,7 @@ import h11
 import pytest
 import trio
 import trio.testing
+from h11io import request
 
 from appliance.http.chunked import ChunkedBody
 from appliance.http.fastio import ChunkedSocket, DirectBody
@@ -30,16 +31,8 @@ async def _peer(stream, *, script: list, served: list) -> None:
     slept, "CLOSE" closes, "STALL" sleeps forever; after the script, the next request."""
     while True:
         conn = h11.Connection(h11.SERVER)
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                conn.receive_data(data)
-                continue
-            if isinstance(ev, h11.EndOfMessage):
-                break
+        if not await request(stream, conn):
+            return
         served.append(trio.current_time())
         for step in script:
             if step == "CLOSE":

@@ -8,6 +8,7 @@ import h11
 import pytest
 import trio
 import trio.testing
+from h11io import request
 
 from appliance.upstream import Pool, UpstreamError
 
@@ -16,16 +17,8 @@ async def _serve_one_per_connection(stream, *, served: list, close_after: bool, 
                                     stall: bool = False):
     """Answer one request on this connection, then close it (as an idle timeout would)."""
     conn = h11.Connection(h11.SERVER)
-    while True:
-        ev = conn.next_event()
-        if ev is h11.NEED_DATA:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            conn.receive_data(data)
-            continue
-        if isinstance(ev, h11.EndOfMessage):
-            break
+    if not await request(stream, conn):
+        return
     served.append(1)
     if stall:
         await trio.sleep_forever()
