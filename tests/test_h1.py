@@ -235,7 +235,7 @@ async def test_body_deadline_and_budget_are_answered_408_and_503(autojump_clock)
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == "busy"
 
 
-async def test_a_client_gone_mid_stream_is_told_to_the_app():
+async def test_a_client_gone_mid_stream_is_told_to_the_app(autojump_clock):
     seen: list[str] = []
     done = trio.Event()
 
@@ -262,7 +262,7 @@ async def test_a_client_gone_mid_stream_is_told_to_the_app():
     assert seen == ["gone"]
 
 
-async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500():
+async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500(autojump_clock):
     said: list[str] = []
 
     async def app(scope, receive, send):
@@ -286,7 +286,7 @@ async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500():
     assert raw.startswith(b"HTTP/1.1 200") and b"\r\n\r\nokHTTP/1.1 500" in raw
 
 
-async def test_the_oldest_idle_connection_is_shed_at_the_bound():
+async def test_the_oldest_idle_connection_is_shed_at_the_bound(autojump_clock):
     async with running(echo, max_connections=2) as (host, port, _):
         first = await trio.open_tcp_stream(host, port)
         second = await trio.open_tcp_stream(host, port)
@@ -299,7 +299,7 @@ async def test_the_oldest_idle_connection_is_shed_at_the_bound():
         assert (await until_closed(second)).startswith(b"HTTP/1.1 200")
 
 
-async def test_drain_finishes_the_request_in_flight_and_closes_idle_connections():
+async def test_drain_finishes_the_request_in_flight_and_closes_idle_connections(autojump_clock):
     release = trio.Event()
 
     async def slow(scope, receive, send):
@@ -357,7 +357,7 @@ async def test_app_heads_are_written_once_and_a_bad_one_is_a_500():
     assert second.startswith(b"HTTP/1.1 500") and b"smuggled" not in second
 
 
-async def test_a_head_trickled_byte_by_byte_is_read_whole():
+async def test_a_head_trickled_byte_by_byte_is_read_whole(autojump_clock):
     async with running(echo) as (host, port, _):
         stream = await trio.open_tcp_stream(host, port)
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
@@ -369,7 +369,7 @@ async def test_a_head_trickled_byte_by_byte_is_read_whole():
     assert raw.startswith(b"HTTP/1.1 200") and json.loads(raw.partition(b"\r\n\r\n")[2])["n"] == 2
 
 
-async def test_a_request_pipelined_while_an_answer_streams_is_kept_for_after_it():
+async def test_a_request_pipelined_while_an_answer_streams_is_kept_for_after_it(autojump_clock):
     async def app(scope, receive, send):
         await read_body(receive, 10)
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -110,7 +110,7 @@ async def test_a_url_without_a_host_is_an_upstream_error_not_a_crash():
     assert e.value.before_response and "no host" in str(e.value)
 
 
-async def test_idle_connections_the_peer_closed_are_closed_not_kept():
+async def test_idle_connections_the_peer_closed_are_closed_not_kept(autojump_clock):
     async with trio.open_nursery() as nursery:
         url, _ = await _start(nursery, close_after=False, chunks=[b"ok"])
         pool = Pool()
