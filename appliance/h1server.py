@@ -40,9 +40,10 @@ from urllib.parse import unquote
 import trio
 
 from appliance.h1send import Sender
+from appliance.http.chunked import BodyError, ChunkedBody
 from appliance.http.fastio import DIRECT_KEY, recv_some
 from appliance.http.h1head import refusal
-from appliance.http.h1parse import BadRequest, Chunks, Head, parse_head
+from appliance.http.h1parse import BadRequest, Head, parse_head
 from appliance.listener import (
     BUSY_RETRY_AFTER,
     TRIM_AFTER_BYTES,
@@ -68,6 +69,18 @@ LINGER_BYTES = 1024 * 1024
 _WRITE_408_SECONDS = 1.0
 _ASGI = {"spec_version": "2.1", "version": "3.0"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _chunks_feed(body: ChunkedBody, data: bytes) -> bytes:
+    """The payload of a chunked request body in `data` (the reader keeps what it needs of
+    a partial line); broken framing is a 400, at once even after some payload."""
+    try:
+        payload = body.feed(data)
+        if body.error is not None:
+            raise body.error
+    except BodyError as e:
+        raise BadRequest(400, str(e)) from None
+    return payload
 
 
 async def _recv(sock: socket.socket) -> bytes:
@@ -126,7 +139,7 @@ class Conn(Sender):
     def _reset(self, head: Head | None) -> None:
         self.head = head
         self.body_left = head.length if head is not None else 0
-        self.chunks = Chunks() if head is not None and head.chunked else None
+        self.chunks = ChunkedBody() if head is not None and head.chunked else None
         self.body_ended = head is None or (not head.chunked and head.length == 0)
         self.end_given = False  # the last http.request message went to the app
         self.bad: BadRequest | None = None
@@ -269,12 +282,12 @@ class Conn(Sender):
             return True
         if self.chunks is not None:
             try:
-                _, used = self.chunks.feed(self.buf)
+                _chunks_feed(self.chunks, self.buf)
             except BadRequest:
                 return False
             if not self.chunks.done:
                 return False
-            self.buf = self.buf[used:]
+            self.buf = self.chunks.leftover
             return True
         if len(self.buf) < self.body_left:
             return False
@@ -339,12 +352,12 @@ class Conn(Sender):
         while True:
             if self.chunks is not None:
                 try:
-                    data, used = self.chunks.feed(self.buf)
+                    data = _chunks_feed(self.chunks, self.buf)
                 except BadRequest as e:
                     self.bad = e
                     self.linger = True
                     return _disconnect()
-                self.buf = self.buf[used:]
+                self.buf = self.chunks.leftover  # b"" until the body's end: the rest is kept there
                 if data or self.chunks.done:
                     self.body_ended = self.chunks.done
                     return self._deliver(data)

@@ -170,6 +170,8 @@ REFUSED = [
      400, b"chunk size"),
     (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nxxx\r\n0\r\n\r\n",
      400, b"CRLF"),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nbad trailer\r\n\r\n",
+     400, b"trailer"),
 ]
 
 

@@ -10,12 +10,14 @@ incomplete size line or trailer (bounded), the count of payload bytes still owed
 chunk in progress and the CRLF after it. It is a sync decision core: no I/O, no time.
 
 Strict on purpose -- every byte a peer sends is untrusted:
-- a size line is 1-16 hex digits, then optional whitespace and `;extensions` (ignored),
-  then CRLF; anything else (a sign, `0x`, a bare LF, no digits) is `BodyError`;
+- a size line is 1-16 hex digits, then optionally whitespace, `;` and extensions of
+  visible bytes (ignored), then CRLF; anything else (a sign, `0x`, a bare LF, no digits,
+  whitespace without `;`) is `BodyError`;
 - a size line or a trailer line longer than MAX_LINE without its CRLF is `BodyError`
   (never an unbounded buffer), so are trailers over MAX_TRAILERS bytes in all;
 - the CRLF after a chunk's data must be exactly that;
-- trailers are read and dropped (the relay does not forward them);
+- trailer lines must be header fields (a token, `:`, a value of visible bytes) and are
+  dropped (the relay does not forward them);
 - bytes after the last chunk are `leftover`: a response that says more than it framed.
 A chunk's data is never buffered: what part of it a read brought is returned at once, so
 a chunk of any size costs no memory beyond the read itself.
@@ -24,6 +26,10 @@ a chunk of any size costs no memory beyond the read itself.
 """
 
 from __future__ import annotations
+
+import re
+
+from appliance.http.h1parse import TOKEN, VALUE
 
 # A size line (hex digits, extensions) or one trailer line: h11 allows 64 KiB for a whole
 # head; a chunk's size line is a handful of bytes from any real server.
@@ -34,6 +40,8 @@ MAX_TRAILERS = 16384
 MAX_SIZE_DIGITS = 16
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_SIZE_DIGITS = re.compile(rb"[0-9A-Fa-f]{1,%d}" % MAX_SIZE_DIGITS)
+_CHUNK_EXT = re.compile(rb"(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
 
 
@@ -136,7 +144,8 @@ class ChunkedBody:
                     self._state = _DONE
                     self.leftover = data[pos:]
                     break
-                if b"\n" in line or b"\r" in line or b":" not in line:
+                name, colon, value = line.partition(b":")
+                if not colon or TOKEN.fullmatch(name) is None or VALUE.fullmatch(value) is None:
                     raise BodyError("a trailer line is not a header field")
                 self._trailers += len(line) + 2
                 if self._trailers > MAX_TRAILERS:
@@ -156,17 +165,10 @@ class ChunkedBody:
 
 def _chunk_size(line: bytes) -> int:
     """The size in a chunk's size line (without its CRLF); BodyError when it is not one."""
-    digits = line
-    cut = line.find(b";")
-    if cut >= 0:
-        digits = line[:cut]
-        ext = line[cut:]
-        if b"\r" in ext or b"\n" in ext:
-            raise BodyError("a chunk size line holds a stray CR or LF")
-    digits = digits.rstrip(b" \t")
-    if not digits or len(digits) > MAX_SIZE_DIGITS or not _HEX.issuperset(digits):
+    m = _SIZE_DIGITS.match(line)
+    if m is None or _CHUNK_EXT.fullmatch(line, m.end()) is None:
         raise BodyError(f"bad chunk size line {line[:40]!r}")
-    return int(digits, 16)
+    return int(m.group(), 16)
 
 
 class SizedBody:

@@ -1,4 +1,4 @@
-"""Strict HTTP/1.1 request heads and chunked bodies: plain functions over bytes.
+"""Strict HTTP/1.1 request heads: plain functions over bytes.
 
 Theory of operation: appliance/h1server.py reads bytes and asks this module what they
 say. A head is whatever precedes the first CRLF CRLF; `parse_head` either returns it as
@@ -16,9 +16,9 @@ less than h11 does, never more (tests/test_h1parse.py checks that against h11):
   for anything else), one field, not on HTTP/1.0; both together: 400 (RFC 9112 6.1).
 - One Host at most; HTTP/1.1 needs exactly one.
 
-`Chunks` decodes a chunked body incrementally with the same strictness: sizes are at most
-16 hex digits, extensions are skipped (bounded lines), CRLF must follow each chunk's
-data, trailers are checked as header lines and dropped.
+A chunked request body is read by appliance/http/chunked.py's `ChunkedBody`, the reader
+of relayed responses too, with the same strictness (its trailers are checked with this
+module's TOKEN and VALUE).
 """
 
 from __future__ import annotations
@@ -26,16 +26,11 @@ from __future__ import annotations
 import re
 
 MAX_HEADERS = 128
-# A chunk-size line (with its extensions) or a trailer line longer than this is refused.
-MAX_LINE = 4096
-MAX_TRAILER_BYTES = 16 * 1024
 
 TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
-_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 DIGITS = re.compile(rb"[0-9]{1,18}")
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
-_CHUNK_EXT = re.compile(rb"(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
 
 
 class BadRequest(Exception):
@@ -84,7 +79,7 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
     keep_alive = version == "1.1"
     expect = False
     token = TOKEN.fullmatch
-    valid = _VALUE.fullmatch
+    valid = VALUE.fullmatch
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
         if not colon or token(name) is None:
@@ -122,72 +117,3 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
         raise BadRequest(400, "a request has one Host header (HTTP/1.1: exactly one)")
     return Head(method.decode("ascii"), target, version, headers, max(length, 0), chunked,
                 keep_alive, expect and version == "1.1")
-
-
-class Chunks:
-    """Decodes a chunked body fed in pieces: `feed(buf)` returns (data, consumed);
-    `done` once the last chunk and its trailers are read. Raises BadRequest."""
-
-    __slots__ = ("left", "done", "_state", "_trailer")
-
-    SIZE, DATA, CRLF, TRAILER = range(4)
-
-    def __init__(self) -> None:
-        self.left = 0  # data bytes left in the current chunk
-        self.done = False
-        self._state = self.SIZE
-        self._trailer = 0
-
-    def feed(self, buf: bytes | bytearray) -> tuple[bytes, int]:
-        """Decodes from the start of `buf` as far as it goes: the data found and how many
-        bytes of `buf` were used. Call again with more bytes when (b"", 0) comes back."""
-        out: list[bytes] = []
-        pos = 0
-        n = len(buf)
-        while not self.done:
-            st = self._state
-            if st == self.DATA:
-                if pos >= n:
-                    break
-                take = min(self.left, n - pos)
-                out.append(bytes(buf[pos:pos + take]))
-                pos += take
-                self.left -= take
-                if self.left == 0:
-                    self._state = self.CRLF
-                continue
-            if st == self.CRLF:
-                if n - pos < 2:
-                    break
-                if buf[pos:pos + 2] != b"\r\n":
-                    raise BadRequest(400, "chunk data not followed by CRLF")
-                pos += 2
-                self._state = self.SIZE
-                continue
-            end = buf.find(b"\r\n", pos, pos + MAX_LINE + 2)
-            if end < 0:
-                if n - pos > MAX_LINE:
-                    raise BadRequest(400, "chunk size line too long")
-                break
-            line = bytes(buf[pos:end])
-            pos = end + 2
-            if st == self.SIZE:
-                m = _HEX.match(line)
-                if m is None or _CHUNK_EXT.fullmatch(line, m.end()) is None:
-                    raise BadRequest(400, "invalid chunk size")
-                size = int(m.group(), 16)
-                if size:
-                    self.left = size
-                    self._state = self.DATA
-                else:
-                    self._state = self.TRAILER
-            else:  # TRAILER: header lines until a blank one
-                if not line:
-                    self.done = True
-                    break
-                self._trailer += len(line) + 2
-                name, colon, value = line.partition(b":")
-                if (not colon or TOKEN.fullmatch(name) is None
-                        or _VALUE.fullmatch(value) is None or self._trailer > MAX_TRAILER_BYTES):
-                    raise BadRequest(400, "invalid chunked trailer")
-        return b"".join(out) if len(out) != 1 else out[0], pos
