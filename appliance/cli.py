@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "node":
         from appliance.node.run import main as role_main
     elif args.cmd == "sim":
-        from appliance.sim import main as role_main
+        from appliance.sim.server import main as role_main
     else:
         from appliance.up import main as role_main
     try:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _startup_error(e: BaseException) -> BaseException | None:
     """The StartupError inside `e` (trio wraps it in exception groups), else None."""
-    from appliance.asgi import StartupError
+    from appliance.http.asgi import StartupError
 
     if isinstance(e, StartupError):
         return e

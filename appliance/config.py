@@ -60,7 +60,7 @@ class HubConfig(_Section):
     max_body_bytes: PosInt = 32 * MiB
     drain_seconds: NonNeg = 30.0
     # Processes serving the client listener: 1 is one process; N>1 adds N-1 relay workers
-    # (appliance/hub/workers.py). 1..8.
+    # (appliance/hub/workers/pool.py). 1..8.
     workers: int = 1
     # Cap of the jittered reconnect backoff of a node supervisor.
     reconnect_max_seconds: PosFloat = 30.0
@@ -71,7 +71,7 @@ class HubConfig(_Section):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
-    # HTTP hygiene on every listener of the hub (appliance/listener.py). nginx's
+    # HTTP hygiene on every listener of the hub (appliance/server/listener.py). nginx's
     # client_header_timeout/client_body_timeout are 60 s each; a request head is a few
     # hundred bytes, so 10 s is generous for it, and a 32 MiB body at LAN speed takes < 1 s.
     header_read_seconds: PosFloat = 10.0

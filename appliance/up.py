@@ -33,7 +33,7 @@ from appliance.config import Config, NodeRef
 from appliance.hub.run import SIGNALS, HubStarted, handle_signals, reload_hub, run_hub
 
 if TYPE_CHECKING:
-    from appliance.sdnotify import Notifier
+    from appliance.observe.sdnotify import Notifier
 
 log = logging.getLogger("appliance.up")
 
@@ -79,7 +79,7 @@ def up_config(cfg: Config, use_ollama: bool) -> Config:
 
 
 async def _main(cfg: Config, env_file: str | None) -> None:
-    from appliance import sdnotify
+    from appliance.observe import sdnotify
 
     use_ollama = cfg.engine.kind == "ollama" and await ollama_answers()
     cfg = up_config(cfg, use_ollama)
@@ -98,8 +98,8 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
 async def _run(cfg: Config, env_file: str | None, notifier: Notifier, stop: trio.Event,
                signals: AsyncIterator[int]) -> None:
-    from appliance import sdnotify
     from appliance.node.run import run_node
+    from appliance.observe import sdnotify
 
     heartbeat = sdnotify.Liveness(max_age=3 * cfg.hub.control_interval_seconds)
     # One metrics listener per process: the hub's. Both binding Metrics__Listen is EADDRINUSE.
@@ -157,7 +157,7 @@ async def _run(cfg: Config, env_file: str | None, notifier: Notifier, stop: trio
 
 
 def main(cfg: Config, env_file: str | None = None) -> int:
-    from appliance.hub.audit import check_path
+    from appliance.hub.observe.audit import check_path
 
     err = check_path(cfg.audit.path)
     if err is not None:

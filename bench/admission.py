@@ -27,9 +27,9 @@ import trio.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from appliance import config  # noqa: E402
-from appliance.hub.admission import Admission  # noqa: E402
-from appliance.hub.nodes import NodeHandle, Registry  # noqa: E402
-from appliance.hub.priority import count, fleet_of  # noqa: E402
+from appliance.hub.decide.admission import Admission  # noqa: E402
+from appliance.hub.decide.priority import count, fleet_of  # noqa: E402
+from appliance.hub.fleet.nodes import NodeHandle, Registry  # noqa: E402
 from appliance.wire import ModelState, NodeState  # noqa: E402
 
 NODES = 100

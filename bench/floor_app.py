@@ -1,6 +1,6 @@
 """The floor under the hub's CPU per request: an ASGI app that reads the body and answers
-two bytes, behind our listener (appliance/listener.py) -- served by the lean HTTP/1.1
-server (appliance/h1server.py, what plain-TCP listeners use), or with `hypercorn` as the
+two bytes, behind our listener (appliance/server/listener.py) -- served by the lean HTTP/1.1
+server (appliance/server/connection.py, what plain-TCP listeners use), or with `hypercorn` as the
 first argument by hypercorn's trio worker (what TLS listeners use). bench/overhead.py runs
 both beside the real hub so the hub's own share (routing, proxying, audit, metrics) can
 be read off in one run."""
@@ -11,8 +11,8 @@ from functools import partial
 import trio
 from hypercorn.config import Config as HyperConfig
 
-from appliance.asgi import http_only, read_body
-from appliance.listener import Limits, serve_guarded
+from appliance.http.asgi import http_only, read_body
+from appliance.server.listener import Limits, serve_guarded
 
 
 async def app(scope, receive, send):
@@ -23,7 +23,7 @@ async def app(scope, receive, send):
 
 
 async def main(server: str) -> None:
-    cfg = HyperConfig()  # as appliance.asgi.serve sets it
+    cfg = HyperConfig()  # as appliance.http.asgi.serve sets it
     cfg.bind = ["127.0.0.1:0"]
     cfg.accesslog = None
     cfg.keep_alive_timeout = 75

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from appliance.hub.nodes import NodeHandle, Registry
+from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.wire import ModelState, NodeState
 
 MODEL = "m"

@@ -7,7 +7,7 @@ import trio
 from test_control import make
 
 from appliance.http.errors import ApiError
-from appliance.hub import activation
+from appliance.hub.decide import activation
 
 
 class FakeSource:

@@ -1,4 +1,4 @@
-"""The admission trio shell (appliance/hub/admission.py) on a fake fleet, with virtual time."""
+"""The admission trio shell (appliance/hub/decide/admission.py) on a fake fleet, with virtual time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance import config
 from appliance.http.errors import ApiError
-from appliance.hub.admission import Admission
+from appliance.hub.decide.admission import Admission
 
 
 def make(r, **env) -> tuple[Admission, CollectorRegistry]:

@@ -1,4 +1,4 @@
-"""The admission decision core (appliance/hub/priority.py), called directly: no trio, no sockets."""
+"""The admission decision core (appliance/hub/decide/priority.py), called directly: no trio, no sockets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from admission_fleet import MODEL, handle, registry
 
 from appliance import cli, config
 from appliance.http.errors import ApiError
-from appliance.hub.priority import (
+from appliance.hub.decide.priority import (
     CLASSES,
     QUEUE_RETRY_AFTER,
     AdmissionCore,

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.http.errors import ApiError
-from appliance.hub.priority import CLASSES, RANK, AdmissionCore, fleet_of
+from appliance.hub.decide.priority import CLASSES, RANK, AdmissionCore, fleet_of
 
 MODELS = ("m1", "m2")
 TERMINAL = {"started", "timed_out", "refused", "hung_up", "no_capacity"}
@@ -258,7 +258,7 @@ fleet_node = st.tuples(st.sampled_from([None, 1, 2, 3]), st.sampled_from([None, 
        cls=st.sampled_from(CLASSES))
 def test_fast_count_equals_the_reference_and_its_early_stop_decides_the_same(nodes, reserve,
                                                                              pending, cls):
-    from appliance.hub.priority import count, ready_nodes
+    from appliance.hub.decide.priority import count, ready_nodes
     handles = []
     for i, (slots, cap, mine, others, ready) in enumerate(nodes):
         h = handle(f"n{i}", slots=slots, max_concurrency=cap, models=("m1", "m2"),

@@ -73,6 +73,6 @@ def test_alerts_use_series_the_hub_publishes():
     used = {n for e in exprs for n in re.findall(r"\bappliance_[a-z_]+", e)}
     assert "appliance_model_ready" in used and "appliance_node_lost" in used
     source = "".join(p.read_text() for d in ("hub", "cluster")
-                     for p in (ROOT / "appliance" / d).glob("*.py"))
+                     for p in (ROOT / "appliance" / d).rglob("*.py"))
     for name in used:
         assert f'"{name}"' in source, f"{name} is in alerts.yml but no hub module publishes it"

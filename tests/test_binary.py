@@ -45,7 +45,7 @@ def source_hash() -> str:
     h = hashlib.sha256()
     files = sorted(p for p in (ROOT / "appliance").rglob("*.py") if p.name != "_build.py")
     files += sorted(
-        (ROOT / "appliance" / "hub" / "ui" / "static").iterdir())  # the page's data files
+        (ROOT / "appliance" / "hub" / "api" / "ui" / "static").iterdir())  # the page's data files
     files += [ROOT / "pyproject.toml", ROOT / "packaging" / "appliance.spec",
               ROOT / "packaging" / "build.sh"]
     for p in files:
@@ -217,9 +217,9 @@ def test_binary_carries_every_role_and_no_test_tooling(binary):
     # build.sh lists the archive beside the binary (pyi-archive_viewer, from the build venv).
     listing = (binary.parent / "appliance.contents.txt").read_text()
     names = set(re.findall(r"'([\w.]+)'", listing))
-    roles = {"appliance.hub.run", "appliance.node.run", "appliance.up", "appliance.sim",
+    roles = {"appliance.hub.run", "appliance.node.run", "appliance.up", "appliance.sim.server",
              "appliance.ctl",
-             "appliance.sdnotify", "appliance.tlsinfo"}
+             "appliance.observe.sdnotify", "appliance.server.tlsinfo"}
     roles |= {f"appliance.node.engines.{p.stem}"
               for p in (ROOT / "appliance/node/engines").glob("*.py")
               if p.stem != "__init__"}
@@ -228,7 +228,7 @@ def test_binary_carries_every_role_and_no_test_tooling(binary):
                                                     "ollama")} == set()
     # The hub's page (/ui/) rides along as data files beside its package.
     for f in ("index.html", "app.js", "style.css"):
-        assert f"appliance/hub/ui/static/{f}" in listing, f
+        assert f"appliance/hub/api/ui/static/{f}" in listing, f
 
 
 def test_units_verify_with_the_built_binary(binary, tmp_path):

@@ -16,14 +16,14 @@ from etcd_proc import EtcdProc, free_port, needs_etcd
 from test_control import FakeAudit, FakeOps, add_node, error_of
 from test_placement import cfg
 
-from appliance.cluster import state
-from appliance.cluster.etcd import KV, Etcd, EtcdError, EtcdUnavailable, prefix_end, unb64
-from appliance.cluster.member import Member
 from appliance.http.errors import ApiError
-from appliance.hub import activation
-from appliance.hub.control import Control, StaleLeader
-from appliance.hub.nodes import Registry
-from appliance.hub.priority import count, ready_nodes
+from appliance.hub.cluster import state
+from appliance.hub.cluster.etcd import KV, Etcd, EtcdError, EtcdUnavailable, prefix_end, unb64
+from appliance.hub.cluster.member import Member
+from appliance.hub.decide import activation
+from appliance.hub.decide.control import Control, StaleLeader
+from appliance.hub.decide.priority import count, ready_nodes
+from appliance.hub.fleet.nodes import Registry
 
 LEASE = 3
 KEV = "unknown model architecture: 'kev'"
@@ -59,7 +59,7 @@ def test_parse_reads_every_kind_and_skips_garbage():
 
 
 def test_adopt_takes_failures_unless_the_definition_changed():
-    from appliance.hub.placement import Health
+    from appliance.hub.decide.placement import Health
 
     rec = state.HealthRecord(failures=5, parked=True, last_error=KEV, unplaceable="",
                              definition=["src", "p", "--a"])
@@ -483,8 +483,8 @@ async def test_real_etcd_over_tls_with_a_client_certificate(tmp_path):
     without the certificate etcd refuses the handshake and the client says no endpoint answered."""
     from test_tls import make_ca, make_cert
 
-    from appliance.cluster import etcd as etcd_mod
     from appliance.config import ClusterConfig
+    from appliance.hub.cluster import etcd as etcd_mod
 
     ca = make_ca(tmp_path)
     server, hub = make_cert(tmp_path, ca, "etcd"), make_cert(tmp_path, ca, "hub")

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_placement import cfg, set_state
 
 from appliance.http.errors import ApiError
-from appliance.hub.control import Control
-from appliance.hub.nodes import Registry
+from appliance.hub.decide.control import Control
+from appliance.hub.fleet.nodes import Registry
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 KEV_ERROR = "unknown model architecture: 'kev'"
@@ -300,7 +300,7 @@ async def test_the_loop_warns_twice_for_1000_failed_placements_in_ten_minutes(nu
     attempts = []
     place = control.core.place
     control.core.place = lambda *a: (attempts.append(trio.current_time()), place(*a))[1]
-    caplog.set_level("WARNING", logger="appliance.hub.placement")
+    caplog.set_level("WARNING", logger="appliance.hub.decide.placement")
     start = trio.current_time()
     await nursery.start(control.run)
     await trio.sleep(600.5)

@@ -13,9 +13,9 @@ from test_control import KEV_ERROR, FakeAudit, make
 
 from appliance import ctl
 from appliance.http.errors import ApiError
-from appliance.hub import admin
-from appliance.hub.control import Control
-from appliance.hub.nodes import Registry
+from appliance.hub.api import admin
+from appliance.hub.decide.control import Control
+from appliance.hub.fleet.nodes import Registry
 
 
 async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:

@@ -7,8 +7,8 @@ import socket
 import pytest
 import trio
 
-from appliance.asgi import serve
 from appliance.http import disconnect
+from appliance.http.asgi import serve
 from appliance.http.disconnect import Hangups, cancel_on_disconnect, client_socket
 
 REQUEST = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"

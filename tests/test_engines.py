@@ -16,7 +16,7 @@ from appliance.node.engines.base import EngineError
 from appliance.node.engines.ollama import OllamaEngine
 from appliance.node.engines.openai import OpenAIEngine
 from appliance.node.engines.sim import SimEngine
-from appliance.sim import VERSION, make_sim_app, serve_sim
+from appliance.sim.server import VERSION, make_sim_app, serve_sim
 from appliance.wire import EngineInstall
 
 FAIL = "error loading model: unknown model architecture: 'kev'"

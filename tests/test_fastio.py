@@ -1,4 +1,4 @@
-"""The relay's fast path (appliance/http/fastio.py): direct chunk writes, lean reads."""
+"""The relay's fast path (appliance/server/fastio.py): direct chunk writes, lean reads."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import trio
 from h11io import response
 
-from appliance.asgi import serve
-from appliance.http.fastio import DirectBody, recv_some
+from appliance.http.asgi import serve
+from appliance.server.fastio import DirectBody, recv_some
 
 
 def _app(opened: list, chunks: list[bytes], sized: bool = False):

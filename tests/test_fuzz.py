@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from appliance import config
 from appliance.http.errors import ApiError
-from appliance.hub import announce
-from appliance.hub.router import decode_request
+from appliance.hub.api.router import decode_request
+from appliance.hub.fleet import announce
 from appliance.wire import announce_decoder
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

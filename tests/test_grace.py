@@ -2,8 +2,8 @@
 
 import trio
 
-from appliance.hub.grace import StartupGrace
-from appliance.hub.nodes import Registry
+from appliance.hub.decide.grace import StartupGrace
+from appliance.hub.fleet.nodes import Registry
 from appliance.wire import ModelState, NodeState
 
 

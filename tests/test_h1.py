@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 server under the plain-TCP listeners (appliance/h1server.py), spoken to
+"""The lean HTTP/1.1 server under the plain-TCP listeners (appliance/server/connection.py), spoken to
 over real loopback sockets: framing and refusals, keep-alive, pipelining, 100-continue,
 HEAD, HTTP/1.0, the disconnect reaching the app, deadlines, bounds and the drain."""
 
@@ -15,9 +15,9 @@ import pytest
 import trio
 from h11io import response, until_closed
 
-from appliance.asgi import read_body, serve
+from appliance.http.asgi import read_body, serve
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.listener import Limits
+from appliance.server.listener import Limits
 
 
 async def echo(scope, receive, send):

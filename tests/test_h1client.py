@@ -1,11 +1,11 @@
-"""The upstream's request heads and response heads (appliance/http/h1client.py), against h11."""
+"""The upstream's request heads and response heads (appliance/client/h1.py), against h11."""
 
 from __future__ import annotations
 
 import h11
 import pytest
 
-from appliance.http.h1client import (
+from appliance.client.h1 import (
     CHUNKED,
     CLOSE,
     LENGTH,

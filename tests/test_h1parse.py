@@ -1,4 +1,4 @@
-"""The lean server's parser (appliance/http/h1parse.py) against h11 as the oracle: it never
+"""The lean server's parser (appliance/h1/parse.py) against h11 as the oracle: it never
 accepts what h11 refuses, reads what it accepts the same way, and raises nothing but
 BadRequest. Hypothesis builds heads from parts (duplicates, odd white space, obs-fold,
 framing headers) and mutates bytes; chunked bodies are split and fed in random pieces."""
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance.http.chunked import BodyError, ChunkedBody
-from appliance.http.h1parse import BadRequest, parse_head
+from appliance.h1.chunked import BodyError, ChunkedBody
+from appliance.h1.parse import BadRequest, parse_head
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -168,7 +168,7 @@ def live_server():
 
     import trio
 
-    from appliance.asgi import read_body, serve
+    from appliance.http.asgi import read_body, serve
 
     async def echo(scope, receive, send):
         body = await read_body(receive, 1 << 16)

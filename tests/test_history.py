@@ -7,9 +7,9 @@ import math
 import trio
 from prometheus_client import CollectorRegistry
 
-from appliance.hub import history
-from appliance.hub.history import History, Reading, Recent, quantile, read_hub, run_sampler
-from appliance.hub.metrics import HubMetrics
+from appliance.hub.observe import history
+from appliance.hub.observe.history import History, Reading, Recent, quantile, read_hub, run_sampler
+from appliance.hub.observe.metrics import HubMetrics
 
 INF = math.inf
 

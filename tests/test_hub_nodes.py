@@ -3,9 +3,9 @@
 import httpx
 import trio
 
-from appliance.hub.nodes import NodeHandle, Registry
-from appliance.hub.priority import count, ready_nodes
-from appliance.hub.supervisor import BACKOFF_START, supervise
+from appliance.hub.decide.priority import count, ready_nodes
+from appliance.hub.fleet.nodes import NodeHandle, Registry
+from appliance.hub.fleet.supervisor import BACKOFF_START, supervise
 from appliance.wire import Heartbeat, ModelState, NodeState, StateEvent, encode_event
 
 

@@ -1,6 +1,6 @@
-"""A connection its client closed is closed on our side at once (appliance/hyperfix.py),
+"""A connection its client closed is closed on our side at once (appliance/server/hyperfix.py),
 not after hypercorn's 75 s keep-alive: no CLOSE-WAIT pile-up under load. Plain
-connections are served by the lean server (appliance/h1server.py), TLS ones by hypercorn
+connections are served by the lean server (appliance/server/connection.py), TLS ones by hypercorn
 with the fix and the listener's guards: both are checked."""
 
 import shutil
@@ -13,7 +13,7 @@ import pytest
 import trio
 from procfs import close_wait
 
-from appliance.asgi import send_json, serve
+from appliance.http.asgi import send_json, serve
 
 
 async def _app(scope, receive, send):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from appliance.listener import Budget, _Guard, _Shed, framing_error
+from appliance.server.listener import Budget, _Guard, _Shed, framing_error
 
 
 def test_budget_takes_until_the_bound_and_gives_back():

@@ -1,4 +1,4 @@
-"""A reload moves a running listener's limits (appliance/listener.py `LiveLimits`), on both
+"""A reload moves a running listener's limits (appliance/server/listener.py `LiveLimits`), on both
 of its servers (the lean one for plain TCP, hypercorn as for TLS), over real loopback
 sockets under trio's autojump clock: the next request -- on a connection opened before
 the reload too -- gets the new head and body deadlines and the new body budget, and a
@@ -16,8 +16,8 @@ import trio
 from h11io import response, until_closed
 from hypercorn.config import Config as HyperConfig
 
-from appliance.asgi import http_only, read_body
-from appliance.listener import Limits, LiveLimits, serve_guarded
+from appliance.http.asgi import http_only, read_body
+from appliance.server.listener import Limits, LiveLimits, serve_guarded
 
 SERVERS = [pytest.param(True, id="lean"), pytest.param(False, id="hypercorn")]
 
@@ -33,7 +33,7 @@ async def echo(scope, receive, send):
 
 @asynccontextmanager
 async def serving(live: LiveLimits, lean: bool, release: trio.Event | None = None):
-    cfg = HyperConfig()  # as appliance.asgi.serve sets it
+    cfg = HyperConfig()  # as appliance.http.asgi.serve sets it
     cfg.bind = ["127.0.0.1:0"]
     cfg.accesslog = None
     cfg.keep_alive_timeout = 75

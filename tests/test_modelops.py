@@ -1,4 +1,4 @@
-"""`/api/pull` and `/api/delete` across the fleet (appliance/hub/modelops.py): one fan-out
+"""`/api/pull` and `/api/delete` across the fleet (appliance/hub/api/modelops.py): one fan-out
 asks the nodes at once, at most NODES_AT_ONCE of them, pull progress lines interleaved
 whole, each node's outcome named in the answer."""
 
@@ -8,8 +8,8 @@ import json
 
 import trio
 
-from appliance.hub import modelops
-from appliance.upstream import UpstreamError
+from appliance.client.upstream import UpstreamError
+from appliance.hub.api import modelops
 
 
 class FakeResponse:

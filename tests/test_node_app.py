@@ -13,8 +13,8 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from appliance.asgi import read_body, serve
 from appliance.config import load
+from appliance.http.asgi import read_body, serve
 from appliance.http.disconnect import wait_disconnect
 from appliance.node.app import NodeApp
 from appliance.node.changes import ChangeWaiter

@@ -1,6 +1,6 @@
 """Node identity: who may announce which name, where the hub may dial, and forgetting.
 
-The decisions are plain functions (appliance/hub/announce.py) tested by calling them; the
+The decisions are plain functions (appliance/hub/fleet/announce.py) tested by calling them; the
 forgetting of a ghost runs the real supervisor under MockClock against a node that never
 answers.
 """
@@ -13,9 +13,9 @@ import trio
 
 from appliance.config import load
 from appliance.http.errors import ApiError
-from appliance.hub import announce
-from appliance.hub.nodes import Registry
-from appliance.hub.supervisor import supervise
+from appliance.hub.fleet import announce
+from appliance.hub.fleet.nodes import Registry
+from appliance.hub.fleet.supervisor import supervise
 
 
 def auth(**env):

@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from appliance import config
-from appliance.hub.nodes import NodeHandle
-from appliance.hub.placement import Load, Models, Unload
+from appliance.hub.decide.placement import Load, Models, Unload
+from appliance.hub.fleet.nodes import NodeHandle
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 
@@ -173,7 +173,7 @@ def test_profile_args_change_unparks():
 def test_warning_rate_1000_failed_placements_in_ten_minutes_log_twice(caplog):
     core = Models(cfg([{"Name": "phi-4", "MemoryMb": 9800}]))
     a = node("gpu-a", total=8000, used=100, models=["phi-4"])
-    caplog.set_level(logging.WARNING, logger="appliance.hub.placement")
+    caplog.set_level(logging.WARNING, logger="appliance.hub.decide.placement")
     for i in range(1000):
         core.ask("phi-4", [a], i * 600.0 / 999)  # the last attempt at exactly 600 s
     warnings = [r for r in caplog.records if "no placement" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The pass-through relay (appliance/http/stream.py `relay_body` over appliance/upstream.py's
+"""The pass-through relay (appliance/http/stream.py `relay_body` over appliance/client/upstream.py's
 Response) against raw trio peers that send exact bytes: the read deadline is exact though
 it is kept lazily (one cancel scope per relay), a cut interrupts a read but never a write,
 broken framing is an error and not a hang, and a body that ended by its framing hands its
@@ -13,11 +13,11 @@ import trio
 import trio.testing
 from h11io import request
 
-from appliance.http.chunked import ChunkedBody
-from appliance.http.fastio import ChunkedSocket, DirectBody
+from appliance.client.upstream import Pool, UpstreamError
+from appliance.h1.chunked import ChunkedBody
 from appliance.http.stream import Cut, relay_body
 from appliance.hub.translate import Converted
-from appliance.upstream import Pool, UpstreamError
+from appliance.server.fastio import ChunkedSocket, DirectBody
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 

@@ -7,10 +7,10 @@ from functools import partial
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from appliance.children import Children
 from appliance.http.stream import Cut
-from appliance.hub.flag import Flag
-from appliance.hub.nodes import Registry
+from appliance.hub.api.flag import Flag
+from appliance.hub.fleet.nodes import Registry
+from appliance.observe.children import Children
 
 
 async def test_a_flag_calls_its_subscribers_once_and_wakes_its_waiters():
@@ -91,7 +91,7 @@ def test_a_finish_calls_the_finish_listener_and_a_change_every_listener():
 
 
 def test_made_request_ids_are_unique_hex_and_a_clients_sane_one_is_kept():
-    from appliance.hub.requestid import MAX_LEN, make, request_id
+    from appliance.hub.api.requestid import MAX_LEN, make, request_id
 
     ids = {make() for _ in range(20000)}
     assert len(ids) == 20000
@@ -115,7 +115,7 @@ BODIES = [
 
 def test_one_decode_answers_what_two_did():
     from appliance.http.errors import ApiError
-    from appliance.hub.router import decode_body, decode_request
+    from appliance.hub.api.router import decode_body, decode_request
     from appliance.hub.translate import decode_object
 
     for body in BODIES:

@@ -1,6 +1,6 @@
 """The hub's request path in-process: retry before the first byte, disconnect cancels
 upstream, error shapes, and the lean upstream pool's reuse -- against small fake nodes
-served on port 0 with the same `appliance.asgi.serve` the real processes use."""
+served on port 0 with the same `appliance.http.asgi.serve` the real processes use."""
 
 import json
 import socket
@@ -9,11 +9,11 @@ from functools import partial
 import httpx
 import trio
 
-from appliance.asgi import read_body, serve
 from appliance.config import load
+from appliance.http.asgi import read_body, serve
 from appliance.http.disconnect import wait_disconnect
 from appliance.http.errors import ApiError, error_body
-from appliance.hub.router import allowed, authenticate, decode_request
+from appliance.hub.api.router import allowed, authenticate, decode_request
 from appliance.hub.run import run_hub
 from appliance.wire import ModelState, NodeState
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 import trio
 
-from appliance.asgi import read_body, serve
 from appliance.config import load
+from appliance.http.asgi import read_body, serve
 from appliance.http.disconnect import wait_disconnect
 from appliance.hub.run import run_hub
 from appliance.wire import ModelState, NodeState
@@ -246,7 +246,7 @@ async def test_every_request_one_audit_line_and_one_count(tmp_path):
 
 
 def test_audit_write_failures_are_counted_and_said_once_a_minute(caplog, monkeypatch):
-    from appliance.hub import audit as audit_mod
+    from appliance.hub.observe import audit as audit_mod
 
     clock = [1000.0]
     monkeypatch.setattr(audit_mod.time, "monotonic", lambda: clock[0])
@@ -264,7 +264,7 @@ def test_audit_write_failures_are_counted_and_said_once_a_minute(caplog, monkeyp
 
 
 def test_audit_path_that_cannot_be_opened_is_refused_at_start(tmp_path):
-    from appliance.hub.audit import check_path
+    from appliance.hub.observe.audit import check_path
 
     (tmp_path / "file").write_text("")
     assert check_path(str(tmp_path / "ok" / "audit.log")) is None
@@ -333,7 +333,7 @@ async def test_a_node_that_hangs_up_is_logged_for_an_operator(tmp_path, caplog):
             async with c.stream("POST", url + "/v1/chat/completions", json={"model": "m",
                                                                             "stream": True}) as r:
                 assert r.status_code == 200
-        said = [r.getMessage() for r in caplog.records if r.name == "appliance.hub.router"]
+        said = [r.getMessage() for r in caplog.records if r.name == "appliance.hub.api.router"]
         assert said == [
             "node gpu-a closed the connection before answering: request for m from anonymous "
             "retried on good"]

@@ -8,8 +8,8 @@ import socket
 import pytest
 import trio
 
-from appliance import sdnotify
-from appliance.sdnotify import Liveness, Notifier, watchdog_loop
+from appliance.observe import sdnotify
+from appliance.observe.sdnotify import Liveness, Notifier, watchdog_loop
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_missing_socket_is_not_fatal(tmp_path, monkeypatch, caplog):
     assert n.ready() is False and n.stopping() is False
     # A socket path nobody listens on: logged once, never raised.
     gone = Notifier(str(tmp_path / "nobody.sock"))
-    with caplog.at_level("WARNING", logger="appliance.sdnotify"):
+    with caplog.at_level("WARNING", logger="appliance.observe.sdnotify"):
         assert gone.ready() is False
         assert gone.watchdog() is False
     assert len([r for r in caplog.records if "sd_notify" in r.message]) == 1

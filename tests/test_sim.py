@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from appliance.config import SimConfig, SimModel
-from appliance.sim import FINGERPRINT, VERSION, make_sim_app, serve_sim
-from appliance.simcore import is_zero_keep_alive
+from appliance.sim.core import is_zero_keep_alive
+from appliance.sim.server import FINGERPRINT, VERSION, make_sim_app, serve_sim
 
 CHAT = {"model": "sim-small", "messages": [{"role": "user", "content": "why is the sky blue"}]}
 FAIL = "error loading model: unknown model architecture: 'kev'"

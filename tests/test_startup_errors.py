@@ -56,7 +56,7 @@ def test_each_start_up_failure_is_one_line_and_exit_2(tmp_path, busy_port):
 
 
 def test_the_audit_file_is_created_0600(tmp_path):
-    from appliance.hub.audit import AuditLog, check_path
+    from appliance.hub.observe.audit import AuditLog, check_path
 
     path = tmp_path / "audit.log"
     log = AuditLog(str(path))

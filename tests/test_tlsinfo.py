@@ -7,7 +7,7 @@ import ssl
 
 import pytest
 
-from appliance.tlsinfo import cert_not_after
+from appliance.server.tlsinfo import cert_not_after
 
 # openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 3650
 #   -subj /CN=appliance-test   ->   notAfter=Nov 26 09:32:28 2036 GMT

@@ -330,7 +330,7 @@ def test_engine_kind_and_error_converter_and_sse_reader():
 
 
 async def test_converted_hands_out_converted_chunks_and_the_tail():
-    class Body:  # a node's answer, read by read (appliance.upstream.Response's receive)
+    class Body:  # a node's answer, read by read (appliance.client.upstream.Response's receive)
         read_timeout, waited_at = 5.0, 0.0
 
         def __init__(self) -> None:

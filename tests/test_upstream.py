@@ -1,4 +1,4 @@
-"""The proxy's own HTTP/1.1 client (appliance/upstream.py) against raw trio servers:
+"""The proxy's own HTTP/1.1 client (appliance/client/upstream.py) against raw trio servers:
 reuse of kept connections, a pooled connection the peer closed while idle, a body the
 peer broke off, and a peer that never answers."""
 
@@ -10,7 +10,7 @@ import trio
 import trio.testing
 from h11io import request
 
-from appliance.upstream import Pool, UpstreamError
+from appliance.client.upstream import Pool, UpstreamError
 
 
 async def _serve_one_per_connection(stream, *, served: list, close_after: bool, chunks: list[bytes],

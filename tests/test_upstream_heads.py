@@ -1,4 +1,4 @@
-"""The upstream's own request and response heads (appliance/upstream.py with h1client.py)
+"""The upstream's own request and response heads (appliance/client/upstream.py with h1client.py)
 against raw trio servers that answer canned bytes: every framing a peer may choose, a
 short answer handed over whole, the connection kept or closed as the peer said."""
 
@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import trio
 
-from appliance.upstream import Pool, UpstreamError
+from appliance.client.upstream import Pool, UpstreamError
 
 
 async def _canned(stream, *, answers: list[bytes], seen: list[bytes]):

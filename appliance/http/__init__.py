@@ -1,6 +1,6 @@
 """The HTTP layer hub, node and sim share; it imports no role.
 
-Theory of operation: every server here is a plain ASGI callable (appliance/asgi.py serves
+Theory of operation: every server here is a plain ASGI callable (appliance/http/asgi.py serves
 it). What they have in common when answering a request lives in this package, once:
 
 - `errors`: the one error type (`ApiError`: status, code, message, headers) and its body

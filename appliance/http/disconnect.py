@@ -8,7 +8,7 @@ last byte goes out too, and a finished response must not be interrupted then.
 
 Two ways to notice the hang-up, the same outcome:
 - Given the request's `scope` on a plain TCP connection (the listener's server puts the
-  connection in `state`, appliance/http/fastio.py's DIRECT_KEY), the client's socket is
+  connection in `state`, appliance/server/fastio.py's DIRECT_KEY), the client's socket is
   watched by `Hangups`: one task per process, one epoll set of the sockets whose requests
   wait now, each registered for the peer's close (EPOLLRDHUP, and the always-reported
   HUP/ERR: never for readable bytes, so a pipelined request is no hang-up). A request
@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from appliance.http.fastio import DIRECT_KEY, plain_socket
+from appliance.server.fastio import DIRECT_KEY, plain_socket
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 _HUNG_UP = getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLHUP", 0) | getattr(

@@ -9,7 +9,7 @@ error event, in the stream's own framing (`stream_error`): an SSE `data:` event
 (`event: error` first for Anthropic's), or one valid NDJSON line -- which the `ollama`
 client raises as ResponseError -- never a blank line an NDJSON reader would choke on.
 
-`relay_body` is the same copy for a body passed through unchanged (appliance/upstream.py's
+`relay_body` is the same copy for a body passed through unchanged (appliance/client/upstream.py's
 Response), written as one plain loop for the cost of a relayed token (issue 15): one
 cancel scope for the whole relay, not one per read -- it is the Cut's scope, and it also
 carries the read deadline, lazily: its deadline is "read_timeout after some read began",
@@ -29,13 +29,13 @@ from typing import Any, Protocol
 import trio
 
 from appliance.http.errors import error_body
-from appliance.http.fastio import DirectBody
+from appliance.server.fastio import DirectBody
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Waitable(Protocol):
-    """A trio.Event, or anything else waited on the same way (appliance/hub/flag.py)."""
+    """A trio.Event, or anything else waited on the same way (appliance/hub/api/flag.py)."""
 
     async def wait(self) -> None: ...
 
@@ -102,7 +102,7 @@ async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None
                        direct: DirectBody | None = None) -> Relayed:
     """Copy `chunks` to the client as `more_body` messages until they end, a read raises
     one of `errors`, or `cut` trips. Does not send the final message: the caller ends the
-    response (normally, or with `stream_error`). With `direct` (appliance/http/fastio.py) the
+    response (normally, or with `stream_error`). With `direct` (appliance/server/fastio.py) the
     chunks go straight to the client's connection; once a direct write fails (the client
     is gone) the rest go through `send`, which meets the closed connection as before."""
     r = Relayed()
@@ -126,7 +126,7 @@ async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None
 
 
 class Body(Protocol):
-    """What `relay_body` reads (appliance.upstream.Response, appliance.hub.relay.Converted)."""
+    """What `relay_body` reads (client.upstream.Response, hub.api.relay.Converted)."""
 
     @property
     def read_timeout(self) -> float: ...

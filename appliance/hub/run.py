@@ -8,7 +8,7 @@ once all of it listens. A stop (SIGTERM/SIGINT, or the caller's `stop` event) ma
 API server stop accepting and drain for `Hub__DrainSeconds` (a hub in a cluster hands
 its leadership over first: `Member.resign`), then cancels the rest; the exit code is 0.
 SIGHUP re-reads the env file; a bad one is refused with one log line and the old
-configuration stays. The listeners' limits (`Hub.limits`, appliance/listener.py's
+configuration stays. The listeners' limits (`Hub.limits`, appliance/server/listener.py's
 `LiveLimits`) follow a reload for new connections and requests, in every hub process.
 """
 
@@ -28,26 +28,26 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
-from appliance.asgi import Bound, same_port, serve
+from appliance.client.upstream import Pool
 from appliance.config import Config
-from appliance.hub import workers
-from appliance.hub.admission import Admission
-from appliance.hub.app import make_app
-from appliance.hub.audit import AuditLog, check_path
-from appliance.hub.control import Control
-from appliance.hub.flag import Flag
-from appliance.hub.grace import StartupGrace
-from appliance.hub.history import History, Recent, read_hub, run_sampler
-from appliance.hub.metrics import HubMetrics
-from appliance.hub.nodes import NodeHandle, Registry
-from appliance.hub.supervisor import supervise
-from appliance.listener import Limits, LiveLimits
-from appliance.upstream import Pool
+from appliance.http.asgi import Bound, same_port, serve
+from appliance.hub.api.app import make_app
+from appliance.hub.api.flag import Flag
+from appliance.hub.decide.admission import Admission
+from appliance.hub.decide.control import Control
+from appliance.hub.decide.grace import StartupGrace
+from appliance.hub.fleet.nodes import NodeHandle, Registry
+from appliance.hub.fleet.supervisor import supervise
+from appliance.hub.observe.audit import AuditLog, check_path
+from appliance.hub.observe.history import History, Recent, read_hub, run_sampler
+from appliance.hub.observe.metrics import HubMetrics
+from appliance.hub.workers import pool as workers
+from appliance.server.listener import Limits, LiveLimits
 
 if TYPE_CHECKING:
-    from appliance import sdnotify
-    from appliance.cluster.member import Member
-    from appliance.hub.workerset import WorkerSet
+    from appliance.hub.cluster.member import Member
+    from appliance.hub.workers.workerset import WorkerSet
+    from appliance.observe import sdnotify
 
 log = logging.getLogger("appliance.hub")
 
@@ -206,7 +206,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
                                 where, env_file)
             nursery.start_soon(workers.drain_workers, stop, hub.workers)
         if metrics_listen:
-            from appliance.metricsapp import metrics_app
+            from appliance.observe.metricsapp import metrics_app
 
             await nursery.start(partial(serve, metrics_app(hub.metrics_registry, hub.before_scrape),
                                         metrics_listen, "metrics", shutdown_trigger=stop.wait,
@@ -229,9 +229,9 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
 
 async def _cluster(hub: Hub, *,
                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Several hubs (Cluster__Etcd): this hub's election and shared state (appliance/cluster/)."""
-    from appliance.cluster import etcd
-    from appliance.cluster.member import Member
+    """Several hubs (Cluster__Etcd): this hub's election and shared state (hub/cluster/)."""
+    from appliance.hub.cluster import etcd
+    from appliance.hub.cluster.member import Member
 
     async with etcd.open_client(hub.cfg.cluster) as client:
         hub.cluster = Member(hub.cfg, etcd.make(hub.cfg.cluster, client), hub.control, hub.registry,
@@ -300,7 +300,7 @@ def reload_hub(hub: Hub, env_file: str | None,
 
 
 async def _main(cfg: Config, env_file: str | None) -> None:
-    from appliance import sdnotify
+    from appliance.observe import sdnotify
 
     notifier = sdnotify.Notifier.from_env()
     heartbeat = sdnotify.Liveness(max_age=3 * cfg.hub.control_interval_seconds)
@@ -328,7 +328,7 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 def main(cfg: Config, env_file: str | None = None) -> int:
     spec = os.environ.pop(workers.WORKER_ENV, "")
     if spec:  # started by a hub with Hub__Workers>1: relay only (hub/worker.py)
-        from appliance.hub import worker
+        from appliance.hub.workers import worker
 
         return worker.main(cfg, spec, env_file)
     err = check_path(cfg.audit.path)

@@ -29,7 +29,8 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from appliance.asgi import (
+from appliance.config import Config
+from appliance.http.asgi import (
     BodyTooLarge,
     Receive,
     Scope,
@@ -39,15 +40,14 @@ from appliance.asgi import (
     send_json,
     send_text,
 )
-from appliance.config import Config
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.metricsapp import render
 from appliance.node import modelops
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.proxy import EngineProxy, send_error
 from appliance.node.state import NodeStateKeeper
+from appliance.observe.metricsapp import render
 from appliance.wire import (
     EPOCH_HEADER,
     Heartbeat,

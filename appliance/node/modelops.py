@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
+from appliance.client.upstream import UpstreamError
+from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
 from appliance.node.engines.base import EngineError
 from appliance.node.engines.ollama import POLL_ERRORS, PolledEngine
-from appliance.upstream import UpstreamError
 
 if TYPE_CHECKING:
     from appliance.node.app import NodeApp

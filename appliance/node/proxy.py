@@ -19,18 +19,18 @@ import msgspec
 import trio
 
 from appliance import __version__
-from appliance.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
 from appliance.bounds import OTHER_LABEL, echo
+from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
+from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, Headers
-from appliance.http.fastio import DirectBody
 from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
-from appliance.upstream import Pool, UpstreamError
+from appliance.server.fastio import DirectBody
 
 log = logging.getLogger("appliance.node.app")
 
@@ -60,7 +60,7 @@ class EngineProxy:
     def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine,
                  metrics: NodeMetrics | None) -> None:
         self.cfg, self.keeper, self.engine, self.metrics = cfg, keeper, engine, metrics
-        # The proxy's own lean client to the engine (appliance/upstream.py): no proxies
+        # The proxy's own lean client to the engine (appliance/client/upstream.py): no proxies
         # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
         self.pool = Pool()
 

@@ -35,17 +35,17 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
-from appliance import sdnotify
-from appliance.asgi import Bound, same_port, serve
 from appliance.config import Config
-from appliance.listener import Limits, LiveLimits
-from appliance.metricsapp import metrics_app
+from appliance.http.asgi import Bound, same_port, serve
 from appliance.node.announce import announce_loop, hub_client
 from appliance.node.app import NodeApp
 from appliance.node.engines import make_engine
 from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NVIDIA_SMI, NodeStateKeeper, parse_nvidia_smi
+from appliance.observe import sdnotify
+from appliance.observe.metricsapp import metrics_app
+from appliance.server.listener import Limits, LiveLimits
 from appliance.wire import Announce
 
 log = logging.getLogger("appliance.node")

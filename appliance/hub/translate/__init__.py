@@ -217,7 +217,7 @@ def engine_kind(state: NodeState | None) -> str:
 
 
 class Body(Protocol):
-    """A node's answer as `Converted` reads it (appliance.upstream.Response)."""
+    """A node's answer as `Converted` reads it (appliance.client.upstream.Response)."""
 
     read_timeout: float
     waited_at: float

@@ -1,0 +1,549 @@
+"""The proxy's HTTP/1.1 client (hub -> node, node -> engine): h11 over trio streams, pooled.
+
+Theory of operation: the request path is the one place where CPU per request matters
+(DESIGN 3: bytes in, bytes out), and a general client spends most of its time on
+features a proxy to a known peer never uses (redirects, cookies, auth flows, decoding).
+This module sends one request on a kept-alive connection and yields the response body
+as raw chunks as they arrive -- nothing is buffered or decoded. It owns the connection
+pool and one decision: may a connection be reused? Only when both sides finished the
+exchange cleanly. A pooled connection the node closed while idle fails before any byte
+of a response: that (and only that) is retried once on a fresh connection. Connections
+the pool no longer needs are closed at once, never left to the garbage collector: the
+extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by a
+non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
+-- otherwise each sits in CLOSE-WAIT holding an fd. On a plain TCP connection the request
+goes out with a plain send and every read waits once, then reads (appliance/server/fastio.py):
+trio's socket calls would add a scheduler round trip to each. The request head is written
+and the response head read by appliance/client/h1.py (plain functions: h11's events
+and state machine cost ~40 us per exchange); a short answer whose body came with its head
+is handed over whole (`Response.whole`: no read, no deadline). Only a close-delimited
+body (no length) is read through h11, primed with the request as if it had sent it.
+
+Timeouts belong to the caller's configuration: connecting is bounded by
+CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
+httpx stays for everything else (control calls, polling), where its features pay.
+"""
+
+from __future__ import annotations
+
+import select
+import ssl
+import time
+from collections.abc import AsyncGenerator
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+from appliance.client.h1 import (
+    CHUNKED,
+    CLOSE,
+    BrokenResponse,
+    ResponseHead,
+    encode_request,
+    parse_response_head,
+)
+from appliance.h1.chunked import BodyError, ChunkedBody, SizedBody
+from appliance.server.fastio import plain_socket, recv_some, send_all
+
+# Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
+CONNECT_SECONDS = 5.0
+# Idle connections are closed well before the peer's keep-alive (75 s, appliance.http.asgi)
+# would: a pool that outlives a load by 15 s at most, and never meets a peer's close.
+IDLE_SECONDS = 15.0
+# Idle connections kept per peer; a burst opens more and closes the extra when it ends
+# (a node runs a handful of requests per model at once; 16 covers that with room).
+MAX_IDLE_PER_PEER = 16
+# How often `sweep_every` closes idle connections that expired or whose peer closed them
+# (a node's keep-alive ran out, the node restarted): a few seconds of CLOSE-WAIT at most.
+SWEEP_SECONDS = 5.0
+READ_BYTES = 65536
+
+_Key = tuple[str, str, int]  # (scheme, host, port): one pool of idle connections each
+
+
+class UpstreamError(Exception):
+    """The node could not be reached, or the connection broke; `before_response` says when.
+
+    The message is a verb phrase about the peer ("closed the connection before
+    answering"), so a caller's log line reads "node gpu-a closed the connection ..."."""
+
+    def __init__(self, message: str, before_response: bool = True) -> None:
+        super().__init__(message)
+        self.before_response = before_response
+
+
+def _before_answer(e: BaseException, read_timeout: float) -> str:
+    """What a failure before the response's head means, said for an operator -- not h11's
+    "can't handle event type ConnectionClosed when role=SERVER"."""
+    if isinstance(e, trio.TooSlowError):
+        return f"did not answer within {read_timeout:g} s"
+    if isinstance(e, BrokenResponse) or (isinstance(e, h11.RemoteProtocolError)
+                                         and "ConnectionClosed" not in str(e)):
+        return f"sent a broken response ({e})"
+    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError,
+                      h11.RemoteProtocolError)):
+        return "closed the connection before answering"
+    return f"failed before answering ({type(e).__name__}: {e})"
+
+
+def _new_h11() -> h11.Connection:
+    return h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
+
+
+class _Conn:
+    __slots__ = ("stream", "h11", "idle_since", "sock", "fd")
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.sock = plain_socket(stream)  # body reads skip trio's per-call reschedule (fastio)
+        self.fd = self.sock.fileno() if self.sock is not None else -1
+        self.h11 = _new_h11()
+        self.idle_since = 0.0
+
+    def _socket(self) -> trio.socket.SocketType | None:
+        s = self.stream
+        s = getattr(s, "transport_stream", s)  # TLS over TCP
+        sock: trio.socket.SocketType | None = getattr(s, "socket", None)
+        return sock
+
+    def peer_closed(self) -> bool:
+        """An idle connection whose peer hung up (or sent what no request asked for)."""
+        sock = self._socket()
+        if sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+            # Readable while idle: the end of the stream, or bytes no request asked for.
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def close_now(self) -> None:
+        """Close without waiting (an idle connection has nothing to flush)."""
+        sock = self._socket()
+        if sock is not None:
+            sock.close()
+
+
+async def _send_all(conn: _Conn, data: bytes) -> None:
+    """The request on the wire. On a plain socket: sent at once, a wait only while the
+    socket's buffer is full (trio's send_all pays a scheduler round trip per call; the
+    wait for the answer that follows is the checkpoint)."""
+    sock = conn.sock
+    if sock is None:
+        await conn.stream.send_all(data)
+        return
+    await send_all(sock, data, shield=False)
+
+
+class Response:
+    """Status and headers of a node's answer; the body as it arrives: `receive()` (one
+    read's payload at a time, no deadline of its own: the caller's relay loop keeps one,
+    appliance/http/stream.py) or `chunks()` (each read bounded by `read_timeout`).
+
+    A chunked or sized body is read by appliance/h1/chunked.py (the payload is passed
+    on, h11 never sees the body: its per-event cost was ~8% of a relayed token's); any
+    other framing (close-delimited, TLS peers included) through h11 as before."""
+
+    def __init__(self, pool: Pool, key: _Key, conn: _Conn, ev: h11.Response | None,
+                 read_timeout: float, head: ResponseHead | None = None,
+                 early: bytes = b"") -> None:
+        self._pool = pool
+        self._key = key
+        self._conn: _Conn | None = conn
+        self.read_timeout = read_timeout
+        # trio time the read in progress (or the last one) began waiting: a relay's deadline.
+        # A wait cancelled and taken up again (the relay's lazy deadline fired early) is the
+        # same wait: `_waiting` keeps its start.
+        self.waited_at = 0.0
+        self._waiting = False
+        self._keep = True  # the connection may serve another request after this one
+        self._body: ChunkedBody | SizedBody | None
+        if head is not None:  # read by h1client (Pool._exchange): the usual case
+            self.status_code = head.status_code
+            self.headers = head.headers
+            self._body = ChunkedBody() if head.framing == CHUNKED else SizedBody(head.length)
+            self._early = early  # body bytes that came with the head
+            self._keep = head.keep_alive
+            return
+        assert ev is not None
+        self.status_code = ev.status_code
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
+        self._body = _body_reader(conn.h11)
+        self._early = b""
+        if self._body is not None:
+            self._early = conn.h11.trailing_data[0]
+
+    async def receive(self) -> bytes:
+        """The payload the next read brings (b"" once the body ended; at most one wait).
+        Raises UpstreamError when the peer breaks off or breaks the framing; safe to cancel
+        (nothing read is lost)."""
+        conn = self._conn
+        if conn is None:
+            return b""
+        body = self._body
+        if body is None:
+            return await self._receive_h11(conn)
+        while True:
+            if self._early:
+                data, self._early = self._early, b""
+            elif body.done:
+                self._finish(body)
+                return b""
+            elif body.error is not None:
+                data = b""  # the framing broke after the payload returned last: raise now
+            else:
+                if not self._waiting:  # not a wait a relay's lazy deadline interrupted
+                    self._waiting = True
+                    self.waited_at = trio.current_time()
+                sock = conn.sock
+                try:
+                    if sock is not None:
+                        # recv_some inlined (a relayed token's hot path): one wait, one recv
+                        await trio.lowlevel.wait_readable(conn.fd)
+                        try:
+                            data = sock.recv(READ_BYTES)
+                        except BlockingIOError:
+                            continue
+                    else:
+                        data = bytes(await conn.stream.receive_some(READ_BYTES))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                    await self._discard()
+                    raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
+                                        before_response=False) from None
+                self._waiting = False
+                if not data:
+                    await self._discard()
+                    raise UpstreamError("closed the connection mid-response",
+                                        before_response=False)
+            try:
+                out = body.feed(data)
+            except BodyError as e:
+                await self._discard()
+                raise UpstreamError(f"broke off the response ({e})",
+                                    before_response=False) from None
+            if body.done:
+                self._finish(body)
+            if out:
+                return out
+            if self._conn is None:
+                return b""
+
+    async def timed_out(self) -> UpstreamError:
+        """The error for a read that waited `read_timeout`; the connection is closed."""
+        await self._discard()
+        return UpstreamError(f"sent nothing for {self.read_timeout:g} s mid-response",
+                             before_response=False)
+
+    def whole(self) -> bytes | None:
+        """The whole body when it came with the head (a short answer with its length: no
+        read, no deadline, the connection back in the pool at once), else None."""
+        body = self._body
+        if (type(body) is SizedBody and self._conn is not None and self._early
+                and body.remaining == len(self._early)):
+            data, self._early = self._early, b""
+            body.feed(data)
+            self._finish(body)
+            return data
+        return None
+
+    @property
+    def released(self) -> bool:
+        """The exchange is over: the connection went back to the pool or was closed."""
+        return self._conn is None
+
+    async def receive_within(self) -> bytes:
+        """`receive`, bounded by `read_timeout` (UpstreamError when it runs out)."""
+        try:
+            with trio.fail_after(self.read_timeout):
+                return await self.receive()
+        except trio.TooSlowError:
+            raise await self.timed_out() from None
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives, each read bounded by `read_timeout`. Everything one
+        read brought is yielded as one chunk: a node that is ahead of us costs one write
+        to the client, not one per event."""
+        while True:
+            chunk = await self.receive_within()
+            if not chunk:
+                return
+            yield chunk
+
+    async def _receive_h11(self, conn: _Conn) -> bytes:
+        pending: list[bytes] = []
+        while True:
+            try:
+                ev = conn.h11.next_event()
+            except h11.RemoteProtocolError as e:
+                await self._discard()
+                raise UpstreamError(f"broke off the response ({e})",
+                                    before_response=False) from None
+            if isinstance(ev, h11.Data):
+                pending.append(ev.data)
+                continue
+            if isinstance(ev, h11.EndOfMessage):
+                self._release()
+                return b"".join(pending)
+            if ev is h11.NEED_DATA:
+                if pending:
+                    return b"".join(pending)
+                if not self._waiting:
+                    self._waiting = True
+                    self.waited_at = trio.current_time()
+                try:
+                    data: bytes | bytearray
+                    if conn.sock is not None:
+                        data = await recv_some(conn.sock, READ_BYTES)
+                    else:
+                        data = await conn.stream.receive_some(READ_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                    await self._discard()
+                    raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
+                                        before_response=False) from None
+                self._waiting = False
+                conn.h11.receive_data(bytes(data))
+            else:  # ConnectionClosed, or anything a response should not hold
+                await self._discard()
+                raise UpstreamError("closed the connection mid-response", before_response=False)
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+    def _finish(self, body: ChunkedBody | SizedBody) -> None:
+        """The body ended by its framing: the connection goes back to the pool with a
+        fresh h11 state (h11 never saw the body), unless the peer sent more than it framed."""
+        conn = self._conn
+        if conn is None:
+            return
+        if body.leftover or self._early or not self._keep:
+            self._conn = None
+            conn.close_now()
+            return
+        if conn.h11.our_state is not h11.IDLE:
+            conn.h11 = _new_h11()
+        self._release()
+
+    def _release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            if self._keep:
+                self._pool._put(self._key, conn)
+            else:
+                conn.close_now()
+
+    async def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+
+    async def aclose(self) -> None:
+        """Done with it: a finished exchange goes back to the pool, anything else is closed."""
+        conn = self._conn
+        if conn is None:
+            return
+        c = conn.h11
+        if self._body is None and c.our_state is h11.DONE and c.their_state is h11.DONE:
+            self._release()
+        else:
+            await self._discard()
+
+
+def _body_reader(c: h11.Connection) -> ChunkedBody | SizedBody | None:
+    """The reader for the framing h11 chose from the response's head (it knows HEAD, 204,
+    304 and Transfer-Encoding's precedence), or None: let h11 read the body."""
+    if c.trailing_data[1]:
+        return None  # the peer already closed: h11 tells how the body ends
+    reader = getattr(c, "_reader", None)
+    name = type(reader).__name__
+    if name == "ChunkedReader":
+        return ChunkedBody()
+    if name == "ContentLengthReader":
+        remaining = getattr(reader, "_remaining", None)
+        if isinstance(remaining, int) and remaining >= 0:
+            return SizedBody(remaining)
+    return None
+
+
+class Pool:
+    def __init__(self, headers: dict[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self._idle: dict[_Key, list[_Conn]] = {}
+        self._headers = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        self._ssl = ssl_context
+
+    def _put(self, key: _Key, conn: _Conn) -> None:
+        if conn.h11.our_state is not h11.IDLE:  # IDLE: a fresh state (Response._finish)
+            try:
+                conn.h11.start_next_cycle()
+            except h11.LocalProtocolError:
+                conn.close_now()
+                return
+        conn.idle_since = time.monotonic()
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < MAX_IDLE_PER_PEER:
+            idle.append(conn)
+        else:
+            conn.close_now()
+
+    def _get(self, key: _Key) -> _Conn | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
+                return conn
+            conn.close_now()
+        return None
+
+    def sweep(self) -> int:
+        """Close idle connections that expired or whose peer closed them; how many."""
+        now = time.monotonic()
+        closed = 0
+        for key, idle in list(self._idle.items()):
+            keep = []
+            for conn in idle:
+                if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
+                    keep.append(conn)
+                else:
+                    conn.close_now()
+                    closed += 1
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        return closed
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def sweep_every(self, seconds: float = SWEEP_SECONDS) -> None:
+        """`sweep` every `seconds`, until cancelled (in the owner's nursery)."""
+        while True:
+            await trio.sleep(seconds)
+            self.sweep()
+
+    async def _connect(self, key: _Key) -> _Conn:
+        scheme, host, port = key
+        stream: trio.abc.Stream
+        try:
+            with trio.fail_after(CONNECT_SECONDS):
+                if scheme == "https":
+                    ctx = self._ssl or ssl.create_default_context()
+                    stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=ctx)
+                else:
+                    stream = await trio.open_tcp_stream(host, port)
+        except ConnectionRefusedError:
+            raise UpstreamError(f"refused the connection at {host}:{port}") from None
+        except trio.TooSlowError:
+            raise UpstreamError(
+                f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s"
+            ) from None
+        except (OSError, trio.BrokenResourceError) as e:
+            raise UpstreamError(
+                f"could not be connected to at {host}:{port} ({type(e).__name__}: {e})") from None
+        return _Conn(stream)
+
+    async def request(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes,
+                      read_timeout: float) -> Response:
+        """Send the request; return once the response's status and headers are in."""
+        u = urlsplit(url)
+        port = u.port or (443 if u.scheme == "https" else 80)
+        if u.hostname is None:  # "http:///x": trio would raise ValueError (not ours to 500)
+            raise UpstreamError(f"has no host in its URL {url!r}")
+        key = (u.scheme, u.hostname, port)
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        given = {k for k, _ in headers}
+        hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *(kv for kv in self._headers
+                                                              if kv[0] not in given), *headers]
+        for attempt in (0, 1):
+            conn = self._get(key) if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(key)
+            try:
+                return await self._exchange(key, conn, method, target, hdrs, body, read_timeout)
+            except UpstreamError:
+                if reused:
+                    continue  # the node closed it while idle; once more on a fresh one
+                raise
+        raise AssertionError("unreachable")
+
+    async def _exchange(self, key: _Key, conn: _Conn, method: str, target: str,
+                        hdrs: list[tuple[bytes, bytes]], body: bytes,
+                        read_timeout: float) -> Response:
+        try:
+            # ValueError (a header that would split the request) goes through: our bug
+            await _send_all(conn, encode_request(method, target, hdrs, len(body)) + body)
+            buf = b""
+            while True:
+                got = parse_response_head(buf, method == "HEAD")
+                if got is None:
+                    # fail_after's own layers (two context managers) cost more than the read
+                    with trio.CancelScope(deadline=trio.current_time() + read_timeout) as cs:
+                        data: bytes | bytearray = b""
+                        if conn.sock is not None:
+                            data = await recv_some(conn.sock, READ_BYTES)
+                        else:
+                            data = await conn.stream.receive_some(READ_BYTES)
+                    if cs.cancelled_caught:
+                        raise trio.TooSlowError
+                    if not data:
+                        raise UpstreamError("closed the connection before answering")
+                    buf += data
+                    continue
+                head, used = got
+                if head.status_code < 200:
+                    if head.status_code == 101:  # we never ask to switch protocols
+                        raise BrokenResponse("101 Switching Protocols")
+                    buf = buf[used:]  # 100 Continue, 103 Early Hints: the answer follows
+                    continue
+                if head.framing == CLOSE:
+                    # No length: the body runs to the close; h11 reads it, as it did.
+                    return self._h11_response(key, conn, method, target, hdrs, body, buf,
+                                              read_timeout)
+                return Response(self, key, conn, None, read_timeout, head, buf[used:])
+        except UpstreamError:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+            raise
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError,
+                h11.RemoteProtocolError, BrokenResponse) as e:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+            raise UpstreamError(_before_answer(e, read_timeout)) from None
+        except BaseException:
+            with trio.move_on_after(1, shield=True):
+                await conn.stream.aclose()
+            raise
+
+    def _h11_response(self, key: _Key, conn: _Conn, method: str, target: str,
+                      hdrs: list[tuple[bytes, bytes]], body: bytes, raw: bytes,
+                      read_timeout: float) -> Response:
+        """A close-delimited answer, read by h11: its state as if it had sent the request,
+        then what came so far."""
+        c = conn.h11 = _new_h11()
+        c.send(h11.Request(method=method, target=target,
+                           headers=[*hdrs, (b"content-length", b"%d" % len(body))]))
+        if body:
+            c.send(h11.Data(data=body))
+        c.send(h11.EndOfMessage())
+        c.receive_data(raw)
+        while True:
+            ev = c.next_event()
+            if isinstance(ev, h11.Response):
+                resp = Response(self, key, conn, ev, read_timeout)
+                resp._keep = False  # its end is the connection's
+                return resp
+            if not isinstance(ev, h11.InformationalResponse):
+                raise UpstreamError("sent a broken response")
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                with trio.move_on_after(1, shield=True):
+                    await conn.stream.aclose()

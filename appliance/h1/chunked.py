@@ -1,0 +1,199 @@
+"""Reading a peer's response body without h11: chunked and sized framing, strictly, bounded.
+
+Theory of operation: a relayed stream is passed through unchanged (hub from node, node
+from engine), so the relay only needs the body's payload bytes, not h11's events. h11's
+chunked reader costs a few microseconds per event (a regex per size line, an event object
+per chunk, a receive buffer that copies); at a 50 us budget per event per hop that is
+~8% (docs/streams-profile.md). `ChunkedBody.feed(data)` returns the payload in `data`
+(the chunk frames' contents, joined) and keeps only what it must between reads: an
+incomplete size line or trailer (bounded), the count of payload bytes still owed by the
+chunk in progress and the CRLF after it. It is a sync decision core: no I/O, no time.
+
+Strict on purpose -- every byte a peer sends is untrusted:
+- a size line is 1-16 hex digits, then optionally whitespace, `;` and extensions of
+  visible bytes (ignored), then CRLF; anything else (a sign, `0x`, a bare LF, no digits,
+  whitespace without `;`) is `BodyError`;
+- a size line or a trailer line longer than MAX_LINE without its CRLF is `BodyError`
+  (never an unbounded buffer), so are trailers over MAX_TRAILERS bytes in all;
+- the CRLF after a chunk's data must be exactly that;
+- trailer lines must be header fields (a token, `:`, a value of visible bytes) and are
+  dropped (the relay does not forward them);
+- bytes after the last chunk are `leftover`: a response that says more than it framed.
+A chunk's data is never buffered: what part of it a read brought is returned at once, so
+a chunk of any size costs no memory beyond the read itself.
+
+`SizedBody` is the same for a Content-Length body: payload until the count is reached.
+"""
+
+from __future__ import annotations
+
+import re
+
+from appliance.h1.parse import TOKEN, VALUE
+
+# A size line (hex digits, extensions) or one trailer line: h11 allows 64 KiB for a whole
+# head; a chunk's size line is a handful of bytes from any real server.
+MAX_LINE = 4096
+# All trailer lines of one body together.
+MAX_TRAILERS = 16384
+# More hex digits than this is a size no peer sends (16 digits: up to 2**64 - 1).
+MAX_SIZE_DIGITS = 16
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_SIZE_DIGITS = re.compile(rb"[0-9A-Fa-f]{1,%d}" % MAX_SIZE_DIGITS)
+_CHUNK_EXT = re.compile(rb"(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
+_SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
+
+
+class BodyError(Exception):
+    """The peer's body framing is broken; the message says how (for an operator)."""
+
+
+class ChunkedBody:
+    """Incremental, strict reader of a `Transfer-Encoding: chunked` body."""
+
+    __slots__ = ("_state", "_owed", "_buf", "_trailers", "leftover", "error")
+
+    def __init__(self) -> None:
+        self._state = _SIZE
+        self._owed = 0  # payload bytes the current chunk still owes
+        self._buf = b""  # an incomplete size line, CRLF or trailer line
+        self._trailers = 0
+        self.leftover = b""
+        # Broken framing after some payload in the same read: that payload is returned
+        # first, the error is raised by the next `feed` (call it at once, with b"").
+        self.error: BodyError | None = None
+
+    @property
+    def done(self) -> bool:
+        """The last chunk and the trailers' end were read."""
+        return self._state == _DONE
+
+    def feed(self, data: bytes) -> bytes:
+        """The payload in `data` (b"" when it held none); raises BodyError -- at once, or,
+        when `data` held payload before the break, from the next call (see `error`)."""
+        if self.error is not None:
+            raise self.error
+        if self._state == _DONE:
+            self.leftover += data
+            return b""
+        if self._buf:
+            data = self._buf + data
+            self._buf = b""
+        # The common case, one whole frame per read: "<hex>\r\n<payload>\r\n".
+        if self._state == _SIZE:
+            i = data.find(b"\r\n")
+            if 0 < i <= MAX_SIZE_DIGITS:
+                head = data[:i]
+                if _HEX.issuperset(head):
+                    n = int(head, 16)
+                    end = i + 2 + n
+                    if n and len(data) == end + 2 and data[end:] == b"\r\n":
+                        return data[i + 2:end]
+        out: list[bytes] = []
+        try:
+            self._frames(data, out)
+        except BodyError as e:
+            if not out:
+                raise
+            self.error = e
+        if not out:
+            return b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _frames(self, data: bytes, out: list[bytes]) -> None:
+        pos = 0
+        size = len(data)
+        while pos < size:
+            state = self._state
+            if state == _DATA:
+                take = min(self._owed, size - pos)
+                out.append(data[pos:pos + take])
+                pos += take
+                self._owed -= take
+                if not self._owed:
+                    self._state = _CRLF
+            elif state == _CRLF:
+                if size - pos < 2:
+                    if data[pos:] != b"\r":
+                        raise BodyError("a chunk's data is not followed by CRLF")
+                    self._buf = data[pos:]
+                    break
+                if data[pos:pos + 2] != b"\r\n":
+                    raise BodyError("a chunk's data is not followed by CRLF")
+                pos += 2
+                self._state = _SIZE
+            elif state == _SIZE:
+                i = self._line_end(data, pos, "a chunk size line")
+                if i < 0:
+                    break
+                n = _chunk_size(data[pos:i])
+                pos = i + 2
+                if n:
+                    self._owed = n
+                    self._state = _DATA
+                else:
+                    self._state = _TRAILER
+            elif state == _TRAILER:
+                i = self._line_end(data, pos, "a trailer line")
+                if i < 0:
+                    break
+                line = data[pos:i]
+                pos = i + 2
+                if not line:
+                    self._state = _DONE
+                    self.leftover = data[pos:]
+                    break
+                name, colon, value = line.partition(b":")
+                if not colon or TOKEN.fullmatch(name) is None or VALUE.fullmatch(value) is None:
+                    raise BodyError("a trailer line is not a header field")
+                self._trailers += len(line) + 2
+                if self._trailers > MAX_TRAILERS:
+                    raise BodyError(f"trailers are over {MAX_TRAILERS} bytes")
+
+    def _line_end(self, data: bytes, pos: int, what: str) -> int:
+        """Where the line at `pos` ends (its CR), or -1 with the partial line kept for the
+        next read; BodyError when it is too long or not ended by CRLF."""
+        i = data.find(b"\r\n", pos, pos + MAX_LINE + 2)
+        if i < 0:
+            rest = data[pos:]
+            if len(rest) > MAX_LINE or b"\n" in rest.rstrip(b"\r"):
+                raise BodyError(f"{what} is over {MAX_LINE} bytes or not ended by CRLF")
+            self._buf = rest
+        return i
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size in a chunk's size line (without its CRLF); BodyError when it is not one."""
+    m = _SIZE_DIGITS.match(line)
+    if m is None or _CHUNK_EXT.fullmatch(line, m.end()) is None:
+        raise BodyError(f"bad chunk size line {line[:40]!r}")
+    return int(m.group(), 16)
+
+
+class SizedBody:
+    """A `Content-Length` body: payload until `length` bytes were read."""
+
+    __slots__ = ("_owed", "leftover", "error")
+
+    def __init__(self, length: int) -> None:
+        self._owed = length
+        self.leftover = b""
+        self.error: BodyError | None = None  # never set: a count cannot be broken
+
+    @property
+    def done(self) -> bool:
+        return self._owed == 0
+
+    @property
+    def remaining(self) -> int:
+        """Payload bytes still to come."""
+        return self._owed
+
+    def feed(self, data: bytes) -> bytes:
+        if len(data) <= self._owed:
+            self._owed -= len(data)
+            return data
+        out, self.leftover = data[:self._owed], self.leftover + data[self._owed:]
+        self._owed = 0
+        return out

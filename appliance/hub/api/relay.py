@@ -1,0 +1,169 @@
+"""Copying one node's answer to the client: the hub's half of the stream relay.
+
+Theory of operation: `relay_from(node, ...)` sends one attempt of a request to one node and
+copies its answer to the client byte for byte (`appliance.http.stream.relay_body`: one plain
+loop, no parsing), or with the API translation `plan` asks for (`translate.Converted`: the
+same loop, every read's payload through the converter). It waits for the node's first body
+chunk before it answers the client, so a node that fails before the first byte -- refused
+(503), broke off, was declared lost -- is reported back as `(False, why)` and the router may
+try another.
+Two events may end the copy before the node does: the node declared lost (its handle's
+`lost` event: a SIGSTOPped node would otherwise hold its streams for
+Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` is tripped by
+both -- called from their setters when they are `Flag`s (hub/flag.py: no task per
+request), else watched by two tasks -- and cancels only the read in progress, never a
+write to the client. Before the first byte a
+lost node means "try another node" and a drain a 503 `shutting_down`; after it, the error
+event in the stream's own framing (`stream_error`) and a proper end of the response.
+The request's audit line and count are written (`Request.finish`) before its last byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import TYPE_CHECKING
+
+import trio
+
+from appliance.client.upstream import Pool, Response, UpstreamError
+from appliance.http.errors import ApiError, Headers
+from appliance.http.stream import Cut, relay_body, stream_error
+from appliance.hub import translate
+from appliance.hub.api.flag import Flag
+from appliance.server.fastio import DirectBody
+
+if TYPE_CHECKING:
+    from appliance.hub.api.request import Request
+    from appliance.hub.fleet.nodes import NodeHandle
+
+log = logging.getLogger("appliance.hub.api.router")
+
+# Retry-After of a request cut by the drain before its first byte: another hub, or this
+# one restarted, takes it a moment later.
+SHUTTING_DOWN_RETRY_AFTER = 5.0
+
+
+async def receive_within(body: Response | translate.Converted) -> bytes:
+    """`body.receive()` bounded by its read_timeout (the answer's first read)."""
+    try:
+        with trio.fail_after(body.read_timeout):
+            return await body.receive()
+    except trio.TooSlowError:
+        raise await body.timed_out() from None
+
+
+def cut_before_answer(cut: Cut) -> tuple[bool, str]:
+    if cut.reason == "shutting_down":
+        raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
+                       retry_after=SHUTTING_DOWN_RETRY_AFTER)
+    return False, "was declared lost before answering"
+
+
+async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
+                     read_seconds: float, drain_over: trio.Event | Flag) -> tuple[bool, str]:
+    """(True, "") once the response went out; (False, why) when it failed before the first
+    byte -- including the node being declared lost while the request waited on it."""
+    cut = Cut()
+    lost, drain = node.lost, drain_over
+    if isinstance(lost, Flag) and isinstance(drain, Flag):
+        # The hub's own nodes and drain: the cut is called when they are set (flag.py),
+        # no watcher tasks.
+        on_lost, on_drain = partial(cut.trip, "node_lost"), partial(cut.trip, "shutting_down")
+        lost.subscribe(on_lost)
+        drain.subscribe(on_drain)
+        try:
+            return await _relay(node, req, plan, upstream, read_seconds, cut)
+        finally:
+            lost.unsubscribe(on_lost)
+            drain.unsubscribe(on_drain)
+    async with trio.open_nursery() as watchers:
+        watchers.start_soon(cut.watch, node.lost, "node_lost")
+        watchers.start_soon(cut.watch, drain_over, "shutting_down")
+        try:
+            return await _relay(node, req, plan, upstream, read_seconds, cut)
+        finally:
+            watchers.cancel_scope.cancel()
+
+
+async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
+                 read_seconds: float, cut: Cut) -> tuple[bool, str]:
+    resp = None
+    headers: Headers = [*req.forward_headers(), *node.auth_raw]  # a per-node token wins
+    with cut.reading():
+        try:
+            resp = await upstream.request("POST", node.url + plan.path, headers, plan.body,
+                                          read_seconds)
+        except UpstreamError as e:
+            return False, str(e)
+    if resp is None:
+        return cut_before_answer(cut)
+    conv = plan.converter(resp.status_code)
+    # Passed through: the node's payload as it is; translated: through the converter,
+    # which parses every event. Both read by relay_body's one loop.
+    body: Response | translate.Converted = resp if conv is None else translate.Converted(resp, conv)
+    try:
+        if resp.status_code == 503:
+            # The node (paused, full) or its engine (still loading) refused: try another.
+            why = b""
+            with cut.reading():
+                why = (await resp.read())[:200]
+            return False, f"answered 503 ({why.decode(errors='replace')})"
+        first = resp.whole() if conv is None else None  # a short answer: no read to wait on
+        if first is None:
+            with cut.reading():
+                try:
+                    first = await receive_within(body)
+                except UpstreamError as e:
+                    return False, str(e)
+        if first is None:
+            return cut_before_answer(cut)
+        req.node = node.name
+        req.status = resp.status_code
+        req.ttfb = time.perf_counter() - req.t0
+        if conv is None:
+            ctype = resp.headers.get("content-type", "application/json")
+            clen = resp.headers.get("content-length")
+        else:
+            ctype = conv.content_type.decode()
+            clen = str(len(first)) if isinstance(body, translate.Converted) and body.ended else None
+        start_headers = [(b"content-type", ctype.encode()), *req.id_headers()]
+        if clen is not None and clen.isdigit() and int(clen) == len(first):
+            # A whole answer in the first read (every short, non-streamed one): one
+            # body message with its length, no chunked framing, fewer writes.
+            start_headers.append((b"content-length", clen.encode()))
+            await req.send_start(resp.status_code, start_headers)
+            await req.send_last(first)
+            return True, ""
+        await req.send_start(resp.status_code, start_headers)
+        tail = b""
+        if first:
+            await req.send({"type": "http.response.body", "body": first, "more_body": True})
+            tail = first[-2:]
+        direct = DirectBody.open(req.scope)
+        relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail, direct)
+        if relayed.ended:
+            await req.send_last(b"")
+            return True, ""
+        code = cut.reason or "node_lost"
+        if code == "shutting_down":
+            msg = ("the hub is shutting down: stream cut at the end of the drain "
+                   "(Hub__DrainSeconds)")
+        elif cut.reason:
+            msg = f"node {node.name} was declared lost mid-stream ({node.lost_reason})"
+        else:
+            msg = f"node {node.name} {relayed.failure}"
+        req.error = code
+        log.warning("%s: request for %s from %s ends with %s", msg, req.model, req.client, code)
+        # A sized body cannot carry an error event; it just ends short.
+        event = b"" if clen is not None else stream_error(ctype, req.api, code, msg, relayed.tail)
+        if clen is None:
+            await req.send_last(event)
+        else:
+            req.finish()
+        return True, ""
+    finally:
+        if not resp.released:
+            with trio.move_on_after(1, shield=True):
+                await resp.aclose()

@@ -1,0 +1,122 @@
+"""One inference request as the hub carries it: who, what, where, and what happened.
+
+Theory of operation: the router makes one `Request` per inference POST and hands it down
+the path (router -> admission -> relay) instead of loose values. It holds the way back to
+the client (`send`) and everything the audit line and the metrics say about the request.
+`finish()` is the one place they are written, exactly once, whatever ends the request:
+the relay calls it through `send_last` just before the last byte goes out (a client that
+reads its answer finds the audit line already there), the router's outermost `finally`
+for a request that never got that far (refused, client gone mid-body, a bug).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from appliance.bounds import OTHER_LABEL
+from appliance.http.asgi import Scope, Send
+from appliance.http.errors import ApiError, Headers
+from appliance.hub.api.requestid import request_id
+from appliance.hub.observe.audit import AuditLog
+from appliance.hub.observe.metrics import HubMetrics
+
+# Headers a client sends that the node should see too; the rest (keys) stay here.
+FORWARD_HEADERS = (b"content-type", b"accept", b"user-agent")
+
+
+class Recorder:
+    """Where a finished request is written: the audit log and the metrics."""
+
+    def __init__(self, audit: AuditLog, metrics: HubMetrics, priority_on: bool) -> None:
+        self.audit, self.metrics, self.priority_on = audit, metrics, priority_on
+
+    def record(self, req: Request) -> None:
+        elapsed = time.perf_counter() - req.t0
+        fields: dict[str, Any] = {"client": req.client, "model": req.model, "path": req.path,
+                                  "status": req.status, "node": req.node,
+                                  "ms": round(elapsed * 1000, 2)}
+        if req.request_id:
+            fields["request_id"] = req.request_id
+        if req.ttfb is not None:
+            fields["ttfb_ms"] = round(req.ttfb * 1000, 2)
+        if req.error:
+            fields["error"] = req.error
+        if self.priority_on:
+            fields["priority"] = req.cls
+        self.audit.request(**fields)
+        m = self.metrics
+        m.requests_of(req.client, req.label, str(req.status)).inc()
+        if req.label and req.label != OTHER_LABEL:  # no histogram for names nobody serves
+            m.latency_of(req.label).observe(elapsed)
+            if req.ttfb is not None:
+                m.ttfb_of(req.label).observe(req.ttfb)
+
+
+class Request:
+    """`api` is "openai", "ollama" or "anthropic" (the shape of answers and errors)."""
+
+    __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
+                 "model", "label", "node", "tried", "status", "ttfb", "error", "done",
+                 "scope", "_recorder")
+
+    def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
+        # what
+        self.api = api
+        self.path: str = scope["path"]
+        self.headers: Headers = scope["headers"]
+        self.request_id = request_id(self.headers)
+        self.send = send
+        self.scope = scope  # a streamed body's fast path (appliance/server/fastio.py)
+        self.t0 = time.perf_counter()
+        # who
+        self.client = "anonymous"
+        self.cls = "normal"
+        # The model as the audit line shows it, and its metrics label: the name once the
+        # hub knows the model, else OTHER_LABEL -- a client-chosen name never becomes a
+        # series (2,000 unknown names, one series).
+        self.model = ""
+        self.label = ""
+        # where
+        self.node = ""
+        self.tried: list[str] = []
+        # what happened
+        self.status = 0
+        self.ttfb: float | None = None
+        self.error = ""
+        self.done = False
+        self._recorder = recorder
+
+    def finish(self) -> None:
+        """Write the audit line and the metrics; once (later calls do nothing). A request
+        that never got a status was abandoned by its client: 499."""
+        if self.done:
+            return
+        self.done = True
+        self.status = self.status or 499
+        self._recorder.record(self)
+
+    # --- the way back to the client ----------------------------------------------------
+
+    def id_headers(self) -> Headers:
+        return [(b"x-request-id", self.request_id.encode())] if self.request_id else []
+
+    def forward_headers(self) -> Headers:
+        """The client's headers the node sees, and the request id."""
+        kept = [(k, v) for k, v in self.headers if k in FORWARD_HEADERS]
+        return kept + self.id_headers()
+
+    async def send_start(self, status: int, headers: Headers) -> None:
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def send_last(self, body: bytes) -> None:
+        """The last body message: the request is finished (recorded) first."""
+        self.finish()
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def send_error(self, e: ApiError) -> None:
+        """A refusal before the response started, in the API's shape."""
+        self.status, self.error = e.status, e.code
+        headers = [(b"content-type", b"application/json"), *e.headers(), *self.id_headers()]
+        await self.send_start(e.status, headers)
+        await self.send_last(e.body(self.api))

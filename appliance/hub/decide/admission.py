@@ -1,0 +1,315 @@
+"""Admission: may this request go now, or must it wait? The trio shell of `priority.py`.
+
+Theory of operation: every decision is made by the synchronous core (`AdmissionCore`,
+`SlotQueues`); this file only waits. A request that must wait gets a `trio.Event`; the
+registry calls `_on_change` synchronously on every change (node state, node lost;
+`_wake_waiters` alone when a request finishes: the fleet's shape is the same), the core
+says which waiters may go now, and their events are set -- no polling. A waiter's bound
+comes from configuration and is applied here, at the call site (`trio.move_on_after`). A
+waiter whose client hangs up is cancelled: it leaves the queue at once, and a place it was
+already granted goes to the next waiter. Running work is never touched.
+
+A request's place is one `async with admission.place(model, cls, client, in_flight) as p`:
+admitted on entry (or ApiError: queue_full, queue_timeout, priority_wait_timeout), then
+on one node at a time -- `p.node`, picked and counted in flight without a checkpoint
+after admission, so no other request can take the same place -- `await p.wait_slot()`
+before sending to it, `p.next(max_attempts)` to give that node back and take the least
+loaded other, and on any exit everything given back. Its parts:
+- `Admission(cfg, registry, metrics_registry)`; `enabled`; `effective_class(cls, headers)`
+- `await admit(model, cls, client) -> Ticket`: returns when the request may be sent.
+- `await wait_slot(node, model, cls)`: Queue__SlotWaitSeconds before sending.
+- `status_block() -> dict | None`: `priority` for /api/status (None while off).
+- `reload(cfg)`: new numbers for new waiters (SIGHUP).
+
+Metrics: `appliance_queue_{waiting,timeouts_total,rejected_total}{model}` always;
+`appliance_priority_reserve_slots` and `appliance_priority_*{class}` only while priority
+is on, so with it off the scrape is exactly what it was without the feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from appliance.config import Config
+from appliance.hub.decide import priority
+from appliance.hub.decide.priority import (
+    CLASSES,
+    ESSENTIAL,
+    AdmissionCore,
+    Fleet,
+    SlotQueues,
+    count,
+    ready_nodes,
+)
+from appliance.hub.fleet.nodes import NodeHandle, Registry
+from appliance.wire import NodeState
+
+
+class Place:
+    """A request's place: the node it is on now (`node`, counted in flight) and the
+    nodes it was on (`tried`). Made by `Admission.place`."""
+
+    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried")
+
+    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Any) -> None:
+        self._admission, self.model, self.cls = admission, model, cls
+        self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
+        self.node: Any = None
+        self.tried: list[str] = []
+
+    def _take(self) -> None:
+        registry = self._admission.registry
+        node = registry.pick(self.model, exclude=set(self.tried))
+        if node is not None:
+            self.tried.append(node.name)
+            registry.start(node, self.model)
+            if self._in_flight is not None:
+                self._in_flight.inc()
+        self.node = node
+
+    def _give_back(self) -> None:
+        node, self.node = self.node, None
+        if node is not None:
+            if self._in_flight is not None:
+                self._in_flight.dec()
+            self._admission.registry.finish(node, self.model)
+
+    async def wait_slot(self) -> None:
+        """Hold a non-essential request while its node's slots for the model are all sent."""
+        await self._admission.wait_slot(self.node, self.model, self.cls)
+
+    def next(self, max_attempts: int) -> Any:
+        """Give the current node back; take the least loaded other (None: none left, or
+        `max_attempts` nodes tried)."""
+        self._give_back()
+        if len(self.tried) < max_attempts:
+            self._take()
+        return self.node
+
+
+class Ticket:
+    __slots__ = ("model", "cls", "client", "waited")
+
+    def __init__(self, model: str, cls: str, client: str, waited: bool = False) -> None:
+        self.model, self.cls, self.client, self.waited = model, cls, client, waited
+
+
+def _settings(cfg: Config) -> dict[str, Any]:
+    return dict(enabled=cfg.priority.enabled, reserve=cfg.priority.reserve_slots,
+                max_depth=cfg.queue.max_depth, max_wait=cfg.queue.max_wait_seconds,
+                background_max_wait=cfg.priority.background_max_wait_seconds)
+
+
+class Admission:
+    def __init__(self, cfg: Config, registry: Registry,
+                 metrics_registry: CollectorRegistry | None) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.core = AdmissionCore(**_settings(cfg))
+        self.slots = SlotQueues()
+        self.enabled = cfg.priority.enabled
+        self.slot_wait = cfg.queue.slot_wait_seconds
+        self._metrics = metrics_registry
+        # The ready nodes per model, kept until the fleet's shape (a node's state, its
+        # connection, its cordon) changes -- not on every finished request.
+        self._ready: dict[str, list[NodeHandle]] = {}
+        self._shape: list[tuple[NodeHandle, NodeState | None, bool, bool]] = []
+        self._priority_collector = PriorityCollector(self.core)
+        if metrics_registry is not None:
+            metrics_registry.register(QueueCollector(self.core))
+            if self.enabled:
+                metrics_registry.register(self._priority_collector)
+        registry.add_listener(self._on_change, on_finish=self._wake_waiters)
+
+    def reload(self, cfg: Config) -> None:
+        """New settings apply to new waiters; one that waits keeps its bound."""
+        self.cfg = cfg
+        was = self.enabled
+        self.core.configure(**_settings(cfg))
+        self.enabled = cfg.priority.enabled
+        self.slot_wait = cfg.queue.slot_wait_seconds
+        if self._metrics is not None and was != self.enabled:
+            if self.enabled:
+                self._metrics.register(self._priority_collector)
+            else:
+                self._metrics.unregister(self._priority_collector)
+        self._on_change()
+
+    def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes,
+                                                                              bytes]]) -> str:
+        return priority.effective_class(self.enabled, client_cls, headers)
+
+    # --- the capacity queue and the reserve ----------------------------------------------
+
+    async def admit(self, model: str, cls: str, client: str) -> Ticket:
+        core = self.core
+        ready = self._ready_nodes(model)
+        w = core.arrive(model, cls, client, lambda places_need,
+                        room_need: count(ready, model, places_need, room_need))
+        if w is None:
+            return Ticket(model, cls, client)
+        w.event = trio.Event()
+        self._dispatch(model)
+        if not w.granted:
+            try:
+                with trio.move_on_after(core.wait_limit(w)):
+                    await w.event.wait()
+            except BaseException:
+                # Cancelled (the client hung up): out of the queue now, grant passed on.
+                if core.leave(w, timed_out=False):
+                    self._dispatch(model)
+                raise
+        if w.granted:
+            core.started(w)
+            return Ticket(model, w.cls, client, waited=True)
+        core.leave(w, timed_out=True)
+        raise core.timeout_error(w)
+
+    @asynccontextmanager
+    async def place(self, model: str, cls: str, client: str,
+                    in_flight: Any = None) -> AsyncIterator[Place]:
+        """Admit, then take the best node for `model` (`Place.node`, None when no node can
+        take it); the node is given back on any exit."""
+        await self.admit(model, cls, client)
+        p = Place(self, model, cls, in_flight)
+        p._take()  # no checkpoint since admit returned: this place is ours
+        try:
+            yield p
+        finally:
+            p._give_back()
+
+    def _ready_nodes(self, model: str) -> list[NodeHandle]:
+        ready = self._ready.get(model)
+        if ready is None:
+            ready = self._ready[model] = ready_nodes(self.registry.nodes.values(), model)
+        return ready
+
+    def fleet(self, model: str) -> Fleet:
+        return count(self._ready_nodes(model), model)
+
+    def _dispatch(self, model: str) -> None:
+        for w in self.core.dispatch(model, self.fleet(model)):
+            w.event.set()
+
+    def _on_change(self) -> None:
+        shape = [(h, h.state, h.connected, h.cordoned) for h in self.registry.nodes.values()]
+        if shape != self._shape:
+            self._shape = shape
+            self._ready.clear()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Whoever may go now goes (every change; a finished request changes no shape)."""
+        for model in self.core.waiting_models():
+            self._dispatch(model)
+        for node, model in self.slots.keys():
+            self._dispatch_slots(node, model)
+
+    # --- slot waits ----------------------------------------------------------------------
+
+    async def wait_slot(self, node: NodeHandle, model: str, cls: str) -> None:
+        """Hold a non-essential request while its node's slots for `model` are all sent."""
+        if self.slot_wait <= 0 or cls == ESSENTIAL or node.state is None:
+            return
+        w = self.slots.enter(node.name, model, cls, node.in_flight.get(model, 0), node.state.slots)
+        if w is None:
+            return
+        w.event = trio.Event()
+        self._dispatch_slots(node.name, model)
+        try:
+            with trio.move_on_after(self.slot_wait):
+                await w.event.wait()
+        finally:
+            if not w.granted:
+                self.slots.leave(node.name, w)  # ran out: sent anyway; or cancelled
+
+    def _dispatch_slots(self, name: str, model: str) -> None:
+        h = self.registry.nodes.get(name)
+        if h is None or h.state is None:
+            woken = self.slots.dispatch(name, model, 0, None, False)
+        else:
+            woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0), h.state.slots,
+                                        h.routable())
+        for w in woken:
+            w.event.set()
+
+    # --- visibility ----------------------------------------------------------------------
+
+    def status_block(self) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        out: dict[str, Any] = {"reserve_slots": self.core.reserve,
+                     "background_max_wait_seconds": self.core.background_max_wait}
+        for c, s in self.core.classes.items():
+            out[c] = s.as_dict()
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        return self.core.statistics()
+
+
+class QueueCollector:
+    """`appliance_queue_*{model}`, read from the core at scrape time."""
+
+    def __init__(self, core: AdmissionCore) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[Metric]:
+        waiting = GaugeMetricFamily("appliance_queue_waiting",
+                                    "Requests waiting for admission, by model.",
+                                    labels=["model"])
+        timeouts = CounterMetricFamily("appliance_queue_timeouts",
+                                       "Waits for admission that ran out (503), by model.",
+                                       labels=["model"])
+        rejected = CounterMetricFamily("appliance_queue_rejected",
+                                       "Requests refused at once because "
+                                       "Queue__MaxDepth requests already waited (queue_full), by "
+                                       "model.",
+                                       labels=["model"])
+        for model, s in sorted(self.core.models.items()):
+            waiting.add_metric([model], s.waiting)
+            timeouts.add_metric([model], s.timeouts)
+            rejected.add_metric([model], s.full)
+        yield waiting
+        yield timeouts
+        yield rejected
+
+
+class PriorityCollector:
+    """`appliance_priority_*`, registered only while priority is on."""
+
+    def __init__(self, core: AdmissionCore) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("appliance_priority_reserve_slots",
+                                "Free places background work may not take "
+                                "(Priority__ReserveSlots).",
+                                value=self.core.reserve)
+        waiting = GaugeMetricFamily("appliance_priority_waiting", "Requests waiting now, by class.",
+                                    labels=["class"])
+        held = CounterMetricFamily("appliance_priority_held",
+                                   "Requests that had to wait, by class.", labels=["class"])
+        released = CounterMetricFamily("appliance_priority_released",
+                                       "Waiting requests that went, by class.",
+                                       labels=["class"])
+        timed_out = CounterMetricFamily("appliance_priority_timed_out",
+                                        "Waits that ran out (503), by class.",
+                                        labels=["class"])
+        requests = CounterMetricFamily("appliance_priority_requests",
+                                       "Requests admitted or refused, by class.",
+                                       labels=["class"])
+        for c in CLASSES:
+            s = self.core.classes[c]
+            waiting.add_metric([c], s.waiting)
+            held.add_metric([c], s.held)
+            released.add_metric([c], s.released)
+            timed_out.add_metric([c], s.timed_out)
+            requests.add_metric([c], s.requests)
+        yield from (waiting, held, released, timed_out, requests)

@@ -1,0 +1,420 @@
+"""What should run where: the model catalog, placement, parking and backoff (no I/O).
+
+Theory of operation: `Models` is the control plane's memory and its decisions, as plain
+synchronous code. The trio shell (control.py) hands it the node handles and the time,
+carries out the `Load` and `Unload` actions it returns, and reports each load's outcome
+back. Nothing here sleeps, dials or knows about trio, so every rule is tested by calling it.
+
+The rules (DESIGN 4):
+- A model is in the catalog (`Models__N__*`) or discovered on a node; discovered ones are
+  on demand. Always-on models want `Replicas`; an on-demand model wants one replica from
+  the moment it is asked for until `IdleUnloadSeconds` pass without a request, and then its
+  idle replicas are unloaded.
+- Placement of one replica is fit.py's decision (memory, making room from idle on-demand
+  replicas, the reason with its numbers). No node fits: the model is unplaceable; the
+  warning is logged when the reason changes or every `Models__WarningIntervalSeconds`,
+  never once per attempt.
+- A start failure (the node's answer, or none in time) counts; the next attempt waits a
+  doubling backoff capped at `Models__RetryBackoffMaxSeconds`; `Models__ParkAfterFailures`
+  in a row park the model: never placed again until its definition (Source, Profile or the
+  profile's arguments) changes or it is retried. A success resets the count.
+- Asking for a model clears its previous placement result and decides afresh at once, so a
+  model that fits once room is made is never refused on a stale answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.config import Config, ModelDef
+from appliance.hub.decide import fit
+from appliance.wire import LoadRequest
+
+log = logging.getLogger("appliance.hub.decide.placement")
+
+# First pause after a start failure; doubles per failure up to Models__RetryBackoffMaxSeconds.
+BACKOFF_START = 1.0
+# How long a load the node answered 200 counts as a replica before the node's own state
+# shows it: a few heartbeats (DESIGN 2 default 2 s).
+SETTLE_SECONDS = 10.0
+# IdleUnloadSeconds of a discovered model (ModelDef's default).
+DISCOVERED_IDLE = ModelDef().idle_unload_seconds
+
+
+@dataclass
+class Spec:
+    """A model's definition: from the catalog, or a discovered model's defaults."""
+
+    name: str
+    source: str = ""
+    profile: str = ""
+    args: str = ""
+    memory_mb: int | None = None
+    replicas: int = 0
+    idle_unload_seconds: float = DISCOVERED_IDLE
+    configured: bool = False
+
+    def definition(self) -> tuple[str, str, str]:
+        return (self.source, self.profile, self.args)
+
+
+@dataclass
+class Health:
+    """What the control plane remembers about one model."""
+
+    failures: int = 0
+    last_error: str = ""
+    parked: bool = False
+    unplaceable: str = ""
+    next_attempt: float = 0.0
+    asked: bool = False
+    last_used: float | None = None
+    # The last request's Ollama `keep_alive` in seconds (inf: until unloaded, 0: unload
+    # once idle); None: the catalog's IdleUnloadSeconds.
+    keep: float | None = None
+    asked_gen: int = 0
+    decided_gen: int = 0
+    warned_reason: str = ""
+    warned_at: float = -math.inf
+
+
+@dataclass
+class Pending:
+    """A load the shell is carrying out (or one the node answered and has yet to show)."""
+
+    model: str
+    node: str
+    need: int
+    settle_until: float | None = None
+    victims: tuple[str, ...] = ()
+
+
+@dataclass
+class Load:
+    model: str
+    node: str
+    request: LoadRequest
+    victims: list[str] = field(default_factory=list)  # models to unload from `node` first
+
+
+@dataclass
+class Unload:
+    model: str
+    node: str
+    why: str
+
+
+Action = Load | Unload
+
+
+def catalog(cfg: Config) -> dict[str, Spec]:
+    out = {}
+    for d in cfg.models.items:
+        args = cfg.profiles[d.profile].args if d.profile in cfg.profiles else ""
+        out[d.name] = Spec(d.name, d.source, d.profile, args, d.memory_mb, d.replicas,
+                           d.idle_unload_seconds, configured=True)
+    return out
+
+
+class Models:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.specs = catalog(cfg)
+        self.health: dict[str, Health] = {n: Health() for n in self.specs}
+        # Discovered models an operator deleted (/api/delete): forgotten once no node lists
+        # them, unless one lists them again (a new pull).
+        self.deleted: dict[str, bool] = {}  # name -> gone from every node since
+        self.pending: list[Pending] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []  # audit events for the shell to write
+
+    # --- the catalog -------------------------------------------------------------------
+
+    def spec(self, name: str) -> Spec:
+        return self.specs.get(name) or Spec(name)
+
+    def names(self, nodes: Iterable[Any]) -> list[str]:
+        listed: set[str] = set()
+        for h in nodes:
+            if h.state is not None:
+                listed.update(m.name for m in h.state.models)
+        for name, gone in list(self.deleted.items()):
+            if name in self.specs or (gone and name in listed):
+                del self.deleted[name]  # configured, or pulled again: a model like any other
+            elif name not in listed:
+                self.deleted[name] = True
+                self.health.pop(name, None)
+        return sorted(set(self.specs) | set(self.health) | listed)
+
+    def forget(self, name: str) -> None:
+        """An operator deleted `name` from the engines: drop it once no node lists it."""
+        self.deleted.setdefault(name, False)
+
+    def _h(self, name: str) -> Health:
+        h = self.health.get(name)
+        if h is None:
+            h = self.health[name] = Health()
+        return h
+
+    def reconfigure(self, cfg: Config) -> list[str]:
+        """A reload: new and removed models applied; a changed definition unparks. Returns
+        the models unparked."""
+        new = catalog(cfg)
+        unparked = []
+        for name, spec in new.items():
+            old = self.specs.get(name)
+            h = self._h(name)
+            if old is not None and old.definition() != spec.definition():
+                was = h.parked
+                h.parked, h.failures, h.next_attempt, h.unplaceable = False, 0, 0.0, ""
+                if was:
+                    unparked.append(name)
+                    self.events.append(("model_unparked", {"model": name,
+                                                           "why": "definition changed"}))
+                    log.warning("model %s: definition changed; unparked", name)
+        for name in set(self.specs) - set(new):
+            self.health.pop(name, None)
+        self.cfg, self.specs = cfg, new
+        return unparked
+
+    # --- what is where -----------------------------------------------------------------
+
+    def desired(self, name: str, now: float) -> int:
+        spec = self.spec(name)
+        if spec.replicas:
+            return spec.replicas
+        return 1 if self._wanted(name, now) else 0
+
+    def _wanted(self, name: str, now: float) -> bool:
+        h = self.health.get(name)
+        if h is None or not h.asked:
+            return False
+        return h.last_used is None or now - h.last_used < self._idle_limit(name)
+
+    def expires_in(self, name: str, now: float) -> float | None:
+        """Seconds until an idle unload of `name` is due (None: never: always-on or kept)."""
+        limit = self._idle_limit(name)
+        if self.spec(name).replicas or limit == math.inf:
+            return None
+        h = self.health.get(name)
+        last = h.last_used if h is not None and h.last_used is not None else now
+        return last + limit - now
+
+    def _idle_limit(self, name: str) -> float:
+        """Seconds an on-demand model stays after its last use (inf: no idle unload)."""
+        h = self.health.get(name)
+        if h is not None and h.keep is not None:
+            return h.keep
+        idle = self.spec(name).idle_unload_seconds
+        return math.inf if idle == 0 else idle
+
+    def replicas(self, name: str, nodes: Iterable[Any]) -> tuple[list[str], list[str]]:
+        """(ready node names, loading node names) counted for `name` now."""
+        ready, loading = [], []
+        for h in nodes:
+            if h.ready(name):
+                ready.append(h.name)
+            elif h.routable() and (m := h.state.model(name)) is not None and m.state == "loading":
+                loading.append(h.name)
+        for p in self.pending:
+            if p.model == name and p.node not in ready and p.node not in loading:
+                loading.append(p.node)
+        return ready, loading
+
+    # --- placement ---------------------------------------------------------------------
+
+    def place(self, name: str, nodes: list[Any]) -> Load | str:
+        """One replica of `name`: a Load (reserving its memory), or why it fits nowhere."""
+        spec = self.spec(name)
+        ready, loading = self.replicas(name, nodes)
+        got = fit.choose(spec, nodes, set(ready) | set(loading), self.pending, self.spec,
+                         lambda m: self.health[m].last_used if m in self.health else None)
+        if isinstance(got, str):
+            return got
+        h, victims = got
+        for victim in victims:  # its want goes with it, or the two would evict each other forever
+            self._h(victim).asked = False
+        self.pending.append(Pending(name, h.name, fit.need_on(spec, h), victims=tuple(victims)))
+        return Load(name, h.name, LoadRequest(source=spec.source, args=spec.args), victims)
+
+    def _place_needed(self, name: str, nodes: list[Any], now: float) -> list[Action]:
+        """Place replicas up to what `name` should have now; record the decision."""
+        h = self._h(name)
+        if h.parked or now < h.next_attempt:
+            return []
+        acts: list[Action] = []
+        while True:
+            ready, loading = self.replicas(name, nodes)
+            if len(ready) + len(loading) >= self.desired(name, now):
+                h.unplaceable = ""
+                return acts
+            got = self.place(name, nodes)
+            if isinstance(got, str):
+                self._unplaceable(name, got, now)
+                return acts
+            h.unplaceable, h.warned_reason = "", ""
+            acts.append(got)
+            self.events.append(("model_placing", {"model": name, "node": got.node,
+                                                  "unload": got.victims}))
+
+    def _unplaceable(self, name: str, reason: str, now: float) -> None:
+        h = self._h(name)
+        h.unplaceable = reason
+        interval = self.cfg.models.warning_interval_seconds
+        if reason != h.warned_reason or now - h.warned_at >= interval:
+            log.warning("model %s: no placement: %s", name, reason)
+            self.events.append(("model_unplaceable", {"model": name, "reason": reason}))
+            h.warned_reason, h.warned_at = reason, now
+
+    # --- what the shell calls ----------------------------------------------------------
+
+    def ask(self, name: str, nodes: list[Any], now: float) -> tuple[int, list[Action]]:
+        """A request wants `name`: clear the previous result and decide afresh, now."""
+        self._settle(nodes, now)
+        h = self._h(name)
+        h.asked, h.last_used = True, now
+        h.asked_gen += 1
+        h.unplaceable = ""
+        acts = self._place_needed(name, nodes, now)
+        h.decided_gen = h.asked_gen
+        return h.asked_gen, acts
+
+    def touch(self, name: str, now: float, keep: float | None = None) -> None:
+        """A request used `name`; `keep` is its keep_alive in seconds (None: the default)."""
+        h = self._h(name)
+        h.last_used = now
+        h.keep = keep
+
+    def requested(self, name: str, now: float) -> None:
+        """A request for `name` was refused (parked, unplaceable): it is still wanted."""
+        h = self._h(name)
+        h.asked, h.last_used = True, now
+
+    def waiting_for_room(self) -> bool:
+        """Some model found no place at its last decision (a busy victim may free one)."""
+        return any(h.unplaceable for h in self.health.values())
+
+    def next_due(self, now: float) -> float | None:
+        """The earliest end of a backoff still ahead (the loop wakes for it)."""
+        due = [h.next_attempt for h in self.health.values() if h.next_attempt > now
+               and not h.parked]
+        return min(due) if due else None
+
+    def plan(self, nodes: list[Any], now: float) -> list[Action]:
+        """One pass of the control loop: settle loads, place what is missing, unload idle."""
+        self._settle(nodes, now)
+        acts: list[Action] = []
+        for name in self.names(nodes):
+            hl = self._h(name)
+            if hl.last_used is None:
+                hl.last_used = now  # first sight: idle time counts from here
+            if self.desired(name, now) == 0:
+                hl.asked, hl.unplaceable = False, ""
+                acts += self._idle_unloads(name, nodes, now)
+            else:
+                acts += self._place_needed(name, nodes, now)
+        return acts
+
+    def _settle(self, nodes: list[Any], now: float) -> None:
+        """Loads the node answered stop counting once its state shows them (or after a while)."""
+        by_name = {h.name: h for h in nodes}
+        for p in list(self.pending):
+            if p.settle_until is None:
+                continue
+            h = by_name.get(p.node)
+            m = h.state.model(p.model) if h is not None and h.state is not None else None
+            if now >= p.settle_until or (m is not None and m.state in ("ready", "failed")):
+                self.pending.remove(p)
+
+    def _idle_unloads(self, name: str, nodes: list[Any], now: float) -> list[Action]:
+        spec = self.spec(name)
+        limit = self._idle_limit(name)
+        if spec.replicas or limit == math.inf:
+            return []
+        if any(p.model == name or name in p.victims for p in self.pending):
+            return []
+        last = self._h(name).last_used
+        if last is not None and now - last < limit:
+            return []
+        out: list[Action] = []
+        for h in nodes:
+            if (h.routable() and (m := h.state.model(name)) is not None and m.state == "ready"
+                    and not m.in_flight and not h.in_flight.get(name, 0)):
+                out.append(Unload(name, h.name, f"idle for {limit:g} s"))
+        return out
+
+    def load_done(self, model: str, node: str, error: str | None, now: float) -> None:
+        """The node answered a load: None is success, else its words (a start failure)."""
+        p = next((p for p in self.pending if p.model == model and p.node == node), None)
+        h = self._h(model)
+        if error is None:
+            if p is not None:
+                p.settle_until = now + SETTLE_SECONDS
+            h.failures, h.last_error, h.next_attempt = 0, "", 0.0
+            self.events.append(("model_loaded", {"model": model, "node": node}))
+            return
+        if p is not None:
+            self.pending.remove(p)
+        h.failures += 1
+        h.last_error = error
+        park = self.cfg.models.park_after_failures
+        fields = {"model": model, "node": node, "error": error,
+                  "consecutive_start_failures": h.failures}
+        if h.failures >= park:
+            h.parked = True
+            log.error("model %s: parked after %d failed starts in a row; last error: %s", model,
+                      h.failures, error)
+            self.events.append(("model_parked", fields))
+            return
+        delay = min(BACKOFF_START * 2 ** (h.failures - 1),
+                    self.cfg.models.retry_backoff_max_seconds)
+        h.next_attempt = now + delay
+        log.warning("model %s: start %d/%d failed on %s: %s; next attempt in %g s",
+                    model, h.failures, park, node, error, delay)
+        self.events.append(("model_start_failed", {**fields, "retry_in": delay}))
+
+    def load_lost(self, model: str, node: str, reason: str, now: float) -> None:
+        """The node could not be reached: not the model's fault, so nothing is counted."""
+        self.pending = [p for p in self.pending if not (p.model == model and p.node == node)]
+        h = self._h(model)
+        h.next_attempt = max(h.next_attempt, now + BACKOFF_START)
+        log.warning("model %s: load on %s not answered: %s", model, node, reason)
+
+    def retry(self, name: str, now: float) -> bool:
+        """`ctl retry`: unpark, forget the count and the backoff, and ask for it."""
+        if name not in self.health and name not in self.specs:
+            return False
+        h = self._h(name)
+        was = h.parked
+        h.parked, h.failures, h.next_attempt, h.unplaceable = False, 0, 0.0, ""
+        h.asked, h.last_used = True, now
+        self.events.append(("model_retry", {"model": name, "was_parked": was}))
+        return True
+
+    # --- what the router and status read -----------------------------------------------
+
+    def reason(self, name: str, now: float) -> str:
+        h = self.health.get(name)
+        if h is None:
+            return ""
+        if h.parked:
+            return f"parked after {h.failures} failed starts in a row"
+        if h.unplaceable:
+            return h.unplaceable
+        if h.failures and now < h.next_attempt:
+            wait = h.next_attempt - now
+            return f"start failed {h.failures} time(s); next attempt in {wait:.0f} s"
+        return ""
+
+    def status(self, name: str, nodes: list[Any], now: float) -> dict[str, Any]:
+        h = self.health.get(name) or Health()
+        ready, loading = self.replicas(name, nodes)
+        return {"name": name, "desired": self.desired(name, now), "ready": len(ready),
+                "loading": len(loading),
+                "parked": h.parked, "unplaceable": bool(h.unplaceable), "reason": self.reason(name,
+                                                                                              now),
+                "last_error": h.last_error, "consecutive_start_failures": h.failures,
+                "nodes": sorted(ready)}

@@ -1,0 +1,261 @@
+"""The hub's view of its fleet: one handle per node, in one registry.
+
+Theory of operation: a node is known statically (`Nodes__N__*`) or by announcing itself;
+either way it gets a `NodeHandle` here and one supervisor task (supervisor.py) that keeps
+the handle true from the node's watch stream.
+
+The handle's decisions (status, routable, free places) are plain synchronous code. The
+hub counts its own in-flight requests per node and model, because the node's count
+arrives a heartbeat late and admission must not hand one place out twice. Every change
+calls the registry's listeners (admission wakes its waiters, status is recomputed) --
+no one polls the registry except the activation waiter, on purpose.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+from appliance.hub.api.flag import Flag
+from appliance.wire import NodeState
+
+log = logging.getLogger("appliance.hub.fleet.nodes")
+
+# A node is lost after this many heartbeats pass without a line (DESIGN 2).
+MISSED_HEARTBEATS = 3
+
+
+class NodeHandle:
+    def __init__(self, name: str, url: str, static: bool, token: str = "") -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self.static = static
+        # A per-node token (Auth__Nodes__N__Token) presented to this node; "": the shared one.
+        self.token = token
+        # When the node was last seen going (or staying) unreachable; None while connected.
+        self.lost_since: float | None = None
+        self.cancel_scope = trio.CancelScope()
+        self.state: NodeState | None = None
+        self.connected = False
+        self.lost_reason = "not connected yet"
+        self.last_line = 0.0
+        self.cordoned = False
+        self.removed = False
+        self.in_flight: dict[str, int] = {}
+        self.in_flight_total = 0
+        # Set to cut the supervisor's backoff short: the URL changed, or the node announced
+        # itself while the hub was backing off from it or had it lost (it is back: dial now).
+        self.dial_now = trio.Event()
+        # Set when this connection of the node is declared lost; a fresh one per connection.
+        # Requests on the node watch it: their streams end at once with `node_lost`.
+        self.lost = Flag()
+        self.answered = False  # sent a NodeState at least once (the start-up grace waits for it)
+        # Other hubs' requests on this node, as the node last counted them (HA only).
+        self.others: dict[str, int] = {}
+        self.others_total = 0
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """Headers that override the node client's shared token for this node."""
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    @property
+    def auth_raw(self) -> list[tuple[bytes, bytes]]:
+        """The same for the proxy's pool (client/upstream.py), whose default it replaces."""
+        return [(b"authorization", f"Bearer {self.token}".encode())] if self.token else []
+
+    # --- decisions ---------------------------------------------------------------------
+
+    def status(self) -> str:
+        """One of up, lost, paused, cordoned, over_limits, left (DESIGN 9)."""
+        st = self.state
+        if not self.connected or st is None:
+            return "lost"
+        if st.left:
+            return "left"
+        if st.paused:
+            return "paused"
+        if self.cordoned:
+            return "cordoned"
+        if st.over_limits:
+            return "over_limits"
+        return "up"
+
+    def routable(self) -> bool:
+        return self.status() == "up"
+
+    def ready(self, model: str) -> bool:
+        if not self.routable():
+            return False
+        m = self.state.model(model) if self.state is not None else None
+        return m is not None and m.state == "ready"
+
+    def places_left(self, model: str) -> int | None:
+        """What is left of max_concurrency and of the model's slots, the lesser; None:
+        unbounded. Below zero when more is in flight than the slots (requests sent past a
+        full slot wait): how far over, which spreading must see."""
+        st = self.state
+        left: list[int] = []
+        if st is None:
+            return None
+        if st.max_concurrency is not None:
+            left.append(st.max_concurrency - self.in_flight_total)
+        if st.slots is not None:
+            left.append(st.slots - self.in_flight.get(model, 0))
+        return min(left) if left else None
+
+    def has_concurrency(self) -> bool:
+        st = self.state
+        return st is None or st.max_concurrency is None or self.in_flight_total < st.max_concurrency
+
+    def memory_free_mb(self) -> int | None:
+        st = self.state
+        if st is None or st.memory_total_mb is None:
+            return None
+        return st.memory_total_mb - (st.memory_used_mb or 0)
+
+
+class Registry:
+    """All known nodes, their in-flight counts, and who to tell when anything changes."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeHandle] = {}
+        self._listeners: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        # Several hubs send to the same nodes (HA): each node's own in-flight counts are
+        # folded into ours, so priority's reserve holds across hubs (a heartbeat late).
+        self.shared = False
+        self._changed = trio.Event()
+        self._turn = 0  # rotates ties in pick
+
+    def add_listener(self, fn: Callable[[], None],
+                     on_finish: Callable[[], None] | None = None) -> None:
+        """`fn()` on every change; when a request finishes, `on_finish()` instead if given
+        (the control loop, which cares about a finish only while it waits for room)."""
+        self._listeners.append((fn, on_finish or fn))
+
+    def changed(self) -> None:
+        for fn, _ in self._listeners:
+            fn()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _finished(self) -> None:
+        for _, fn in self._listeners:
+            fn()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def upsert(self, name: str, url: str, static: bool, token: str = "") -> tuple[NodeHandle, bool]:
+        """The handle for `name`; True when it is new (a supervisor must be started)."""
+        h = self.nodes.get(name)
+        if h is None:
+            h = self.nodes[name] = NodeHandle(name, url, static, token)
+            self.changed()
+            return h, True
+        h.token = token
+        if h.url != url.rstrip("/") or not h.connected:
+            # A new address, or an announcement from a node we are backing off from or
+            # have lost: it is there now, so its supervisor dials at once.
+            h.url = url.rstrip("/")
+            h.dial_now.set()
+        return h, False
+
+    def ready_nodes(self, model: str) -> list[NodeHandle]:
+        return [h for h in self.nodes.values() if h.ready(model)]
+
+    def pick(self, model: str,
+             exclude: set[str] | frozenset[str] = frozenset()) -> NodeHandle | None:
+        """Where the next request for `model` goes (DESIGN 3 step 5), among the nodes that
+        can take it now: the most places left (a node that declares no bound counts as
+        unbounded), then the fewest requests in flight, then the next in turn -- so equal
+        nodes share evenly and a retry (with `exclude`) goes to the least loaded other."""
+        best: list[NodeHandle] = []
+        best_key: tuple[float, int] | None = None
+        for h in self.nodes.values():
+            if h.name in exclude or not h.ready(model) or not h.has_concurrency():
+                continue
+            left = h.places_left(model)
+            key = (float("inf") if left is None else left, -h.in_flight_total)
+            if best_key is None or key > best_key:
+                best, best_key = [h], key
+            elif key == best_key:
+                best.append(h)
+        if not best:
+            return None
+        self._turn += 1
+        return best[self._turn % len(best)]
+
+    def known_models(self) -> set[str]:
+        out: set[str] = set()
+        for h in self.nodes.values():
+            if h.state is not None:
+                out.update(m.name for m in h.state.models)
+        return out
+
+    def start(self, h: NodeHandle, model: str) -> None:
+        h.in_flight[model] = h.in_flight.get(model, 0) + 1
+        h.in_flight_total += 1
+
+    def finish(self, h: NodeHandle, model: str) -> None:
+        h.in_flight[model] = max(0, h.in_flight.get(model, 0) - 1)
+        h.in_flight_total = max(0, h.in_flight_total - 1)
+        self._finished()
+
+    def apply_state(self, h: NodeHandle, state: NodeState) -> None:
+        if self.shared:
+            count_other_hubs(h, state)
+        h.state = state
+        if not h.connected:
+            h.lost = Flag()
+        h.connected = True
+        h.lost_since = None
+        h.answered = True
+        h.lost_reason = ""
+        self.changed()
+
+    def forget(self, h: NodeHandle) -> None:
+        """Drop the node: its supervisor is cancelled, nothing routes to it any more."""
+        h.removed = True
+        h.connected = False
+        if self.nodes.get(h.name) is h:
+            del self.nodes[h.name]
+        h.cancel_scope.cancel()
+        self.changed()
+
+    def mark_lost(self, h: NodeHandle, reason: str) -> None:
+        """Lost (or still not reached). Logged when it happens and when the reason changes
+        -- a node that never answers is said once, not once per reconnect attempt."""
+        was, before = h.connected, h.lost_reason
+        h.connected = False
+        h.lost_reason = reason
+        h.lost.set()  # its running streams end now, its unanswered requests go elsewhere
+        if was:
+            log.warning("node %s lost: %s", h.name, reason)
+        elif reason != before:
+            log.warning("node %s at %s unreachable: %s (retrying with backoff)", h.name, h.url,
+                        reason)
+        self.changed()
+
+
+def count_other_hubs(h: NodeHandle, state: NodeState) -> None:
+    """Fold other hubs' work on this node into `h.in_flight`: what the node counts beyond
+    what we sent (ours, the counts less the previous estimate of theirs). The node's count
+    is a heartbeat late, so theirs is never over-counted for longer than that, and ours
+    (counted at once) is never under-counted."""
+    reported = {m.name: m.in_flight for m in state.models}
+    theirs_before, h.others = h.others, {}
+    for name in set(reported) | set(theirs_before):
+        ours = max(0, h.in_flight.get(name, 0) - theirs_before.get(name, 0))
+        theirs = max(0, reported.get(name, 0) - ours)
+        if theirs:
+            h.others[name] = theirs
+        if theirs or name in h.in_flight:
+            h.in_flight[name] = ours + theirs
+    ours_total = max(0, h.in_flight_total - h.others_total)
+    h.others_total = max(0, state.in_flight - ours_total)
+    h.in_flight_total = ours_total + h.others_total

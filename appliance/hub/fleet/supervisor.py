@@ -1,0 +1,106 @@
+"""The supervisor loop that keeps a node's handle true (the trio shell of nodes.py).
+
+Theory of operation: one task per node in the hub's nursery, a small explicit loop:
+follow the node's watch stream, take every `NodeState` it sends as the truth, mark the
+node lost when the stream ends or stays silent for 3 x heartbeat (MISSED_HEARTBEATS),
+back off (capped, jittered), reconnect -- until the node is forgotten (`ctl forget`
+cancels its handle's scope) or, announced, unreachable for long enough. It never catches
+`Cancelled`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+
+import httpx
+import msgspec
+import trio
+
+from appliance.http.errors import describe
+from appliance.hub.fleet.nodes import MISSED_HEARTBEATS, NodeHandle, Registry
+from appliance.wire import Heartbeat, StateEvent, watch_decoder
+
+log = logging.getLogger("appliance.hub.fleet.nodes")
+
+# First reconnect delay; doubles per failure up to Hub__ReconnectMaxSeconds.
+BACKOFF_START = 0.5
+
+
+async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Registry,
+                      heartbeat: float,
+                      on_event: Callable[[str, NodeHandle, str], None]) -> None:
+    """Follow one watch stream until it ends; raise on transport errors and silences."""
+    silence = MISSED_HEARTBEATS * heartbeat
+    async with client.stream("GET", f"{h.url}/node/v1/watch", headers=h.auth) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread())[:200].decode(errors="replace")
+            raise httpx.HTTPStatusError(f"watch answered {resp.status_code}: {body}",
+                                        request=resp.request, response=resp)
+        lines = resp.aiter_lines().__aiter__()
+        while True:
+            with trio.fail_after(silence):
+                try:
+                    line = await lines.__anext__()
+                except StopAsyncIteration:
+                    return
+            h.last_line = trio.current_time()
+            if not line.strip():
+                continue
+            ev = watch_decoder.decode(line)
+            if isinstance(ev, StateEvent):
+                first = not h.connected
+                registry.apply_state(h, ev.state)
+                if first:
+                    on_event("node_up", h, "")
+            elif isinstance(ev, Heartbeat):
+                pass
+
+
+async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *,
+                    heartbeat: float,
+                    backoff_max: float, on_event: Callable[[str, NodeHandle, str], None],
+                    forget_after: float | None = None) -> None:
+    """Connect, follow, mark lost, back off (capped, jittered), reconnect -- until removed
+    (an operator's `ctl forget` cancels `h.cancel_scope`) or, for an announced node,
+    unreachable for `forget_after` seconds: then it is forgotten (`node_forgotten`)."""
+    with h.cancel_scope:
+        await _supervise(client, h, registry, heartbeat, backoff_max, on_event, forget_after)
+
+
+async def _supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry,
+                     heartbeat: float, backoff_max: float,
+                     on_event: Callable[[str, NodeHandle, str], None],
+                     forget_after: float | None) -> None:
+    backoff = BACKOFF_START
+    while not h.removed:
+        try:
+            await follow_once(client, h, registry, heartbeat, on_event)
+            reason = "watch stream ended"
+        except trio.TooSlowError:
+            reason = f"no heartbeat for {MISSED_HEARTBEATS * heartbeat:g} s"
+        except (httpx.TransportError, httpx.HTTPStatusError, httpx.StreamError) as e:
+            reason = describe(e)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            reason = f"bad watch line: {e}"
+        if h.connected:
+            on_event("node_lost", h, reason)
+            backoff = BACKOFF_START
+        if h.connected or h.lost_since is None:
+            h.lost_since = trio.current_time()
+        registry.mark_lost(h, reason)
+        if (forget_after is not None and not h.static and h.lost_since is not None
+                and trio.current_time() - h.lost_since >= forget_after):
+            log.warning("node %s at %s forgotten: unreachable for %g s (%s)", h.name, h.url,
+                        trio.current_time() - h.lost_since, reason)
+            registry.forget(h)
+            on_event("node_forgotten", h, reason)
+            return
+        delay = backoff * random.uniform(0.5, 1.0)
+        backoff = min(backoff * 2, backoff_max)
+        with trio.move_on_after(delay):
+            await h.dial_now.wait()
+        if h.dial_now.is_set():
+            h.dial_now = trio.Event()
+            backoff = BACKOFF_START  # it said it is back: a failed dial retries soon

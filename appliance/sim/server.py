@@ -1,0 +1,451 @@
+"""The built-in simulated engine's HTTP server, and `appliance sim`.
+
+Theory of operation: `SimApp` is a plain ASGI app around a `SimState` (`appliance.sim.core`:
+models, load state, slots, deterministic output and its framing) that speaks what the real
+engines speak, dispatching (method, path) by hand:
+
+- Ollama: POST /api/chat, /api/generate (NDJSON stream unless `"stream": false`),
+  /api/embed, /api/embeddings, /api/show, /api/pull (a model of the default size
+  appears); DELETE /api/delete; GET /api/tags, /api/ps, /api/version, /.
+- OpenAI: POST /v1/chat/completions, /v1/completions (SSE `data: {...}` ending with
+  `data: [DONE]` when `"stream": true`), /v1/embeddings; GET /v1/models.
+
+Loading follows Ollama: a generate/chat with no prompt (no messages) loads the model, with
+`keep_alive: 0` unloads it, and any other request to an unloaded model loads it first. A
+failing load (`Sim__Models__N__FailLoad`) is a 500 before the response starts:
+`{"error": TEXT}` on /api, code `model_load_failed` on /v1. Refusals keep each API's shape
+(400 `invalid_json`/`invalid_request`, 404 `model_not_found`, 413 `body_too_large`).
+
+Generation: `max_tokens` / `max_completion_tokens` / `options.num_predict` tokens (default
+16, finish "stop"; when given, finish "length"; capped at 4096). A stop sequence
+(OpenAI's `stop`, Ollama's `options.stop`) found in that text ends it before the sequence,
+finish "stop", and OpenAI answers name it in the choice's `stop_reason`, as vLLM does. A
+chat asking to think (`chat_template_kwargs.enable_thinking`, `reasoning_effort`) gets a
+few `reasoning_content` tokens first, as llama.cpp and vLLM send a thinking model's. With
+`Sim__TokensPerSecond` > 0 token i goes out at start + i/tps (`trio.sleep_until`, no
+drift); 0 sends as fast as the socket takes them. At most `Sim__Parallel` requests
+generate at once per model, the rest wait for a slot; a client that goes away cancels its
+request and frees its slot. Each token costs one bytes join: the request's chunk prefix
+and suffix are built once, the words' JSON at import. A chat that offers tools, last
+message the user's, gets one tool call instead (`appliance.sim.tools`), so clients' tool
+round trips run against the sim.
+
+It says it is simulated: every response carries the header `x-appliance-engine: sim`;
+OpenAI bodies carry `"system_fingerprint": "appliance-sim"` (and /v1/models
+`"owned_by": "appliance-sim"`); Ollama model metadata (tags, ps, show) carries
+`details.family` and `details.format` `"sim"`, the last object of every Ollama answer
+`"x_simulated": true`, and /api/version `<appliance version>-sim`.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import signal
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import msgspec
+import trio
+
+from appliance import __version__
+from appliance.config import Config, ConfigError, MiB, SimConfig
+from appliance.config import load as load_config
+from appliance.http.asgi import (
+    JSON_HEADERS,
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_json,
+    serve,
+)
+from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.errors import ApiError
+from appliance.sim import tools as simtools
+from appliance.sim.core import (
+    EMBED_DIM,
+    FINGERPRINT,
+    MAX_TOKENS,
+    NDJSON,
+    SIM_HEADER,
+    SSE,
+    THINK_TOKENS,
+    VERSION,
+    Frame,
+    Req,
+    SimModelState,
+    SimState,
+    count,
+    cut_at_stop,
+    embedding,
+    is_zero_keep_alive,
+    iso,
+    ollama_frame,
+    openai_frame,
+    req_decoder,
+    stops_of,
+    tokens,
+    wants_thinking,
+)
+
+log = logging.getLogger("appliance.sim.server")
+
+# Bodies past 32 MiB are refused, as by the hub's default Hub__MaxBodyBytes.
+MAX_BODY = 32 * MiB
+# SIGTERM lets in-flight generations finish this long before they are cut.
+DRAIN_SECONDS = 5.0
+_JSON = [*JSON_HEADERS, SIM_HEADER]
+_DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
+            "parameter_size": "sim", "quantization_level": "none"}
+_enc = msgspec.json.Encoder()
+Handler = Callable[[Scope, Receive, Send, str], Awaitable[None]]  # (scope, receive, send, path)
+
+
+async def _send_json(send: Send, status: int, obj: Any) -> None:
+    """The project's `send_json`, with the sim's engine header."""
+    await send_json(send, status, obj, [SIM_HEADER])
+
+
+class SimApp:
+    """The ASGI app; `state` is its SimState."""
+
+    def __init__(self, state: SimState) -> None:
+        self.state = state
+        self.routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/api/generate"): self.ollama_generate,
+            ("POST", "/api/chat"): self.ollama_generate,
+            ("POST", "/api/embed"): self.ollama_embed,
+            ("POST", "/api/embeddings"): self.ollama_embed,
+            ("POST", "/api/show"): self.ollama_show,
+            ("POST", "/api/pull"): self.ollama_pull,
+            ("DELETE", "/api/delete"): self.ollama_delete,
+            ("GET", "/api/tags"): self.ollama_tags,
+            ("GET", "/api/ps"): self.ollama_ps,
+            ("GET", "/api/version"): self.ollama_version,
+            ("GET", "/"): self.root,
+            ("HEAD", "/"): self.root,
+            ("POST", "/v1/chat/completions"): self.openai_generate,
+            ("POST", "/v1/completions"): self.openai_generate,
+            ("POST", "/v1/embeddings"): self.openai_embed,
+            ("GET", "/v1/models"): self.openai_models,
+        }
+        self._paths = {p for _, p in self.routes}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        api = "openai" if path.startswith("/v1/") else "ollama"
+        handler = self.routes.get((scope["method"], path))
+        try:
+            if handler is None:
+                if path in self._paths:
+                    raise ApiError(405, "method_not_allowed",
+                                   f"method {scope['method']} not allowed on {path}")
+                raise ApiError(404, "not_found", f"no such path {path} on the simulated engine")
+            await handler(scope, receive, send, path)
+        except ApiError as e:  # raised only before a response starts
+            await _send_json(send, e.status, e.body(api))
+
+    # --- shared ------------------------------------------------------------------------
+
+    async def _request(self, receive: Receive) -> Req:
+        try:
+            body = await read_body(receive, MAX_BODY)
+        except BodyTooLarge:
+            raise ApiError(413, "body_too_large", f"request body over {MAX_BODY} bytes") from None
+        try:
+            return req_decoder.decode(body)
+        except msgspec.ValidationError as e:
+            raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
+        except msgspec.DecodeError as e:
+            raise ApiError(400, "invalid_json", f"invalid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "invalid_json", "invalid JSON: nested too deeply") from None
+
+    def _model(self, req: Req, api: str) -> SimModelState:
+        name = req.model or req.name
+        if not name:
+            raise ApiError(400, "invalid_request", "model is required")
+        m = self.state.lookup(name)
+        if m is None:
+            msg = (f'model "{name}" not found, try pulling it first' if api == "ollama"
+                   else f"The model `{name}` does not exist or you do not have access to it.")
+            raise ApiError(404, "model_not_found", msg)
+        return m
+
+    async def _generate(self, receive: Receive, send: Send, m: SimModelState, req: Req,
+                        seed: bytes, frame: Frame, stream: bool,
+                        unload_after: bool = False) -> None:
+        """Load, wait for a slot, answer (unloading before the last byte when asked);
+        cancelled as soon as the client goes away."""
+        n, finish = count(req)
+        t_load = trio.current_time()
+        await self.state.ensure_loaded(m)  # ApiError from here is still a clean refusal
+        load_ns = int((trio.current_time() - t_load) * 1e9)
+        toks, stop_word = cut_at_stop(tokens(seed, n), stops_of(req))
+        if stop_word is not None:
+            n, finish = len(toks), "stop"
+        think = tokens(seed + b"/think", THINK_TOKENS) if (frame.think_prefix
+                                                           and wants_thinking(req)) else []
+        st: dict[str, Any] = {"finish": finish, "stop_word": stop_word,
+                              "thinking": "".join(t for t, _ in think),
+                              "prompt": max(1, len(seed) // 4), "completion": n + len(think),
+                              "load_ns": load_ns}
+        tps = self.state.tokens_per_second
+        async with cancel_on_disconnect(receive):  # a client gone frees its slot at once
+            async with m.slots:
+                start = trio.current_time()
+                if stream:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": frame.headers})
+                    if frame.head:
+                        await send({"type": "http.response.body", "body": frame.head,
+                                    "more_body": True})
+                    for _, tok in think:  # reasoning first, as thinking models do
+                        body = b"".join((frame.think_prefix, tok, frame.suffix))
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    prefix, suffix = frame.prefix, frame.suffix
+                    for i, (_, tok) in enumerate(toks):
+                        if tps > 0:
+                            await trio.sleep_until(start + (i + 1) / tps)
+                        body = b"".join((prefix, tok, suffix))
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    st["eval_ns"] = int((trio.current_time() - start) * 1e9)
+                    st["total_ns"] = st["eval_ns"] + load_ns
+                    if unload_after:
+                        self.state.unload(m)
+                    await send({"type": "http.response.body", "body": frame.tail(st)})
+                else:
+                    if tps > 0:
+                        await trio.sleep_until(start + n / tps)
+                    st["eval_ns"] = int((trio.current_time() - start) * 1e9)
+                    st["total_ns"] = st["eval_ns"] + load_ns
+                    text = "".join(t for t, _ in toks)
+                    if unload_after:
+                        self.state.unload(m)
+                    await _send_json(send, 200, frame.whole(text, st))
+
+    # --- Ollama ------------------------------------------------------------------------
+
+    async def ollama_generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "ollama")
+        chat = path == "/api/chat"
+        frame = ollama_frame(req.model or m.spec.name, chat)
+        if not (req.messages if chat else req.prompt):
+            # No prompt: Ollama's load (or, with keep_alive 0, unload) request.
+            if is_zero_keep_alive(req.keep_alive):
+                self.state.unload(m)
+                reason = "unload"
+            else:
+                await self.state.ensure_loaded(m)
+                reason = "load"
+            out = frame.whole("", {"finish": reason, "total_ns": 0, "load_ns": 0, "prompt": 0,
+                                   "completion": 0, "eval_ns": 0})
+            await _send_json(send, 200, out)
+            return
+        call = None
+        if chat and req.messages:
+            call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role)
+        if call is not None:
+            await self.state.ensure_loaded(m)
+            await self._send_tool_call(send, NDJSON if req.stream is not False else _JSON,
+                                       simtools.ollama_answer(req.model, iso(time.time()), call,
+                                                              req.stream is not False))
+            return
+        body = req.messages if chat else [req.system, req.prompt]
+        seed = _enc.encode([m.spec.name, body])
+        await self._generate(receive, send, m, req, seed, frame, req.stream is not False,
+                             unload_after=is_zero_keep_alive(req.keep_alive))
+
+    async def ollama_embed(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "ollama")
+        legacy = path == "/api/embeddings"
+        inputs = req.prompt if legacy else req.input
+        items = [] if inputs in (None, "") else [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ApiError(400, "invalid_request", "input must be a string or a list of strings")
+        await self.state.ensure_loaded(m)
+        vecs = [embedding(_enc.encode([m.spec.name, i])) for i in items]
+        if legacy:
+            await _send_json(send, 200, {"embedding": vecs[0] if vecs else [], "x_simulated": True})
+            return
+        await _send_json(send, 200, {"model": req.model, "embeddings": vecs, "total_duration": 0,
+                                     "load_duration": 0, "prompt_eval_count": sum(len(i) // 4 + 1
+                                                                                  for i in items),
+                                     "x_simulated": True})
+
+    def _tag(self, m: SimModelState) -> dict[str, Any]:
+        size = m.spec.size_mb * MiB
+        return {"name": m.spec.name, "model": m.spec.name,
+                "modified_at": iso(self.state.started_at),
+                "size": size, "digest": m.digest, "details": _DETAILS}
+
+    async def ollama_tags(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        await _send_json(send, 200, {"models": [self._tag(m) for m in self.state.models.values()]})
+
+    async def ollama_ps(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        # Loaded models stay loaded until keep_alive 0: Ollama shows that as a far expiry.
+        forever = "2318-01-01T00:00:00Z"
+        out = [{**self._tag(m), "expires_at": forever, "size_vram": m.spec.size_mb * MiB,
+                "context_length": MAX_TOKENS} for m in self.state.models.values() if m.loaded]
+        await _send_json(send, 200, {"models": out})
+
+    async def ollama_version(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        await _send_json(send, 200, {"version": VERSION})
+
+    async def ollama_show(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        m = self._model(await self._request(receive), "ollama")
+        await _send_json(send, 200, {
+            "license": "",
+            "modelfile": f"# simulated by appliance {__version__}\nFROM {m.spec.name}\n",
+            "parameters": "", "template": "{{ .Prompt }}", "details": _DETAILS,
+            "model_info": {"general.architecture": "sim", "general.parameter_count": 0,
+                           "sim.context_length": MAX_TOKENS, "sim.embedding_length": EMBED_DIM},
+            "capabilities": ["completion", "embedding"], "modified_at": iso(self.state.started_at),
+            "x_simulated": True})
+
+    async def ollama_pull(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """Ollama's pull, simulated: progress lines, then the model exists."""
+        req = await self._request(receive)
+        name = req.model or req.name
+        if not name:
+            raise ApiError(400, "invalid_request", "model is required")
+        m = self.state.add(name)
+        size = m.spec.size_mb * MiB
+        lines = [{"status": "pulling manifest"},
+                 *({"status": f"pulling {m.digest[:12]}", "digest": f"sha256:{m.digest}",
+                    "total": size,
+                    "completed": size * i // 4} for i in range(1, 5)),
+                 {"status": "verifying sha256 digest"}, {"status": "writing manifest"},
+                 {"status": "success"}]
+        if req.stream is False:
+            await _send_json(send, 200, {"status": "success"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
+        await send({"type": "http.response.body", "body": b"".join(_enc.encode(x) + b"\n"
+                                                                   for x in lines)})
+
+    async def ollama_delete(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        req = await self._request(receive)
+        name = req.model or req.name
+        if not self.state.remove(name):
+            raise ApiError(404, "model_not_found", f"model '{name}' not found")
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [SIM_HEADER, (b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def root(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8"), SIM_HEADER]})
+        await send({"type": "http.response.body",
+                    "body": b"Ollama is running (simulated by appliance)"})
+
+    # --- OpenAI ------------------------------------------------------------------------
+
+    async def openai_generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "openai")
+        chat = path == "/v1/chat/completions"
+        if chat and not req.messages:
+            raise ApiError(400, "invalid_request", "'messages' is required and must not be empty")
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        call = None
+        if chat and req.messages:
+            call = simtools.pick(req.tools, req.tool_choice, req.messages[-1].role)
+        if call is not None:
+            await self.state.ensure_loaded(m)
+            await self._send_tool_call(send, SSE if req.stream else _JSON, simtools.openai_answer(
+                req.model, self.state.next_id(), call, bool(req.stream), usage))
+            return
+        seed = _enc.encode([m.spec.name, req.messages if chat else ["", req.prompt or ""]])
+        frame = openai_frame(req.model, chat, self.state.next_id(), usage)
+        await self._generate(receive, send, m, req, seed, frame, bool(req.stream))
+
+    async def _send_tool_call(self, send: Send, headers: list[tuple[bytes, bytes]],
+                              body: bytes) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def openai_embed(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        req = await self._request(receive)
+        m = self._model(req, "openai")
+        x = req.input
+        if isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(i, int) for i in x)):
+            x = [x]
+        if not isinstance(x, list) or not x:
+            raise ApiError(400, "invalid_request",
+                           "'input' must be a string, an array of strings or of tokens")
+        await self.state.ensure_loaded(m)
+        data = []
+        for i, item in enumerate(x):
+            vec = embedding(_enc.encode([m.spec.name, item]))
+            shown: list[float] | str = vec
+            if req.encoding_format == "base64":
+                shown = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": shown})
+        n = sum(len(_enc.encode(item)) // 4 + 1 for item in x)
+        await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
+                                     "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    async def openai_models(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        created = int(self.state.started_at)
+        await _send_json(send, 200, {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": FINGERPRINT}
+            for name in self.state.models]})
+
+
+def make_sim_app(sim_cfg: SimConfig) -> SimApp:
+    """The ASGI app; its SimState is `app.state`."""
+    return SimApp(SimState(sim_cfg))
+
+
+async def serve_sim(
+    sim: SimConfig | SimApp,
+    listen: str,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the sim on `listen` until cancelled (or until `shutdown_trigger` returns, then drain).
+
+    `sim` is a SimConfig, or a SimApp from `make_sim_app` when the caller wants its state.
+    Prints `appliance sim listening on ...` and reports the bound (host, port).
+    """
+    app = sim if isinstance(sim, SimApp) else make_sim_app(sim)
+    await serve(app, listen, "sim", shutdown_trigger=shutdown_trigger, drain_seconds=DRAIN_SECONDS,
+                task_status=task_status)
+
+
+async def _signals(stop: trio.Event, app: SimApp, env_file: str | None) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for sig in signals:
+            if sig != signal.SIGHUP:
+                log.info("sim: %s, draining", signal.Signals(sig).name)
+                stop.set()
+                return
+            try:
+                app.state.reconfigure(load_config(env_file=env_file).sim)
+                log.info("sim: configuration reloaded")
+            except ConfigError as e:
+                log.error("sim: reload refused, the running configuration stays: %s", e)
+
+
+async def _main(cfg: Config, env_file: str | None) -> None:
+    app = make_sim_app(cfg.sim)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_signals, stop, app, env_file)
+        await nursery.start(partial(serve_sim, app, cfg.sim.listen, shutdown_trigger=stop.wait))
+        log.warning("simulated engine (not a real model): %s", ", ".join(app.state.models))
+
+
+def main(cfg: Config, env_file: str | None = None) -> int:
+    """`appliance sim`: serve on Sim__Listen until SIGTERM/SIGINT, then drain and exit 0."""
+    trio.run(_main, cfg, env_file)
+    return 0
