@@ -35,6 +35,7 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 PriorityClass = Literal["essential", "normal", "background"]
 EngineKind = Literal["ollama", "llamacpp", "openai", "sim"]
+AffinityMode = Literal["on", "off"]
 
 
 DEFAULT_NODE_NETWORKS = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
@@ -174,6 +175,12 @@ class SimConfig(_Section):
     models: list[SimModel] = []
     tokens_per_second: NonNeg = 200.0
     parallel: PosInt = 4
+    # The prefix cache per node and model (appliance/sim/cache.py), in prompt tokens;
+    # 0: none. 32768 is one long context's worth, as a small GPU's KV cache holds.
+    cache_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 32768
+    # Prompt tokens per second of prefill (time to first token = uncached tokens / this);
+    # 0: prefill is free. 4000 is a 7-8B model's prefill on one consumer GPU.
+    prefill_tokens_per_second: NonNeg = 4000.0
 
     def effective_models(self) -> list[SimModel]:
         return self.models or [SimModel(name="sim-small", size_mb=500)]
@@ -181,6 +188,16 @@ class SimConfig(_Section):
 
 class RouterConfig(_Section):
     activation_wait_seconds: NonNeg = 45.0
+    # Session and prefix affinity (appliance/hub/decide/affinity.py); off: today's spread.
+    affinity: AffinityMode = "on"
+    # A node this far above the mean in-flight of the model's nodes is passed over
+    # (HAProxy's hash-balance-factor 125 is the same 1.25); 1 is strict balance.
+    affinity_load_factor: Annotated[float, msgspec.Meta(ge=1.0, le=100.0)] = 1.25
+    # Prefix-index entries per model (one per prompt block of 256 bytes: ~40 B each).
+    affinity_index_entries: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
+    # Bytes per prefix block: llama.cpp and vLLM reuse a cache by tokens (vLLM in blocks of
+    # 16 tokens), 256 bytes is ~64 tokens: a short system prompt is a few blocks.
+    affinity_block_chars: Annotated[int, msgspec.Meta(ge=16, le=1_048_576)] = 256
 
 
 class QueueConfig(_Section):
@@ -500,6 +517,7 @@ def _enum_hint(var: str, got: str) -> str:
     choices = {
         "priority": typing.get_args(PriorityClass),
         "kind": typing.get_args(EngineKind),
+        "affinity": typing.get_args(AffinityMode),
     }.get(var.rsplit("__", 1)[-1].lower(), ())
     if not choices:
         return ""

@@ -1,0 +1,444 @@
+"""Affinity: which of the nodes admission allows should serve a request, so that the
+engine there already holds its prompt in its KV cache.
+
+Theory of operation (issue 23). Every engine the hub fronts keeps the prompt it has just
+processed; the next turn of a conversation, or any request sharing its system prompt and
+tools, skips most of its prefill on that node and pays all of it anywhere else. This
+module is plain synchronous code: no sockets, no trio, no clock. It never decides whether
+a request may go (admission.py does, exactly as without it); it only ORDERS the nodes
+admission would accept, and the shell takes the first of them.
+
+1. A key per request (`route_key`), first found wins: the body's `prompt_cache_key`;
+   the headers `x-session-id`, `x-claude-code-session-id`, `session_id`,
+   `conversation_id`; Anthropic's `metadata.user_id` -- else the prefix-hash chain: the
+   request rendered in chat-template order (tools, system, then the messages with role
+   and content; for /api/generate and completions the prompt), cut into fixed blocks of
+   `Router__AffinityBlockChars` bytes anchored at the start, each block's hash chained to
+   the one before, at most `MAX_BLOCKS` blocks. A session value of any size is hashed at
+   once; nothing of it, nor of the text, is kept, logged or used as a label.
+2. One node choice every hub agrees on without talking: rendezvous (highest random
+   weight) hashing of the session key -- or of the first block -- over the candidates,
+   with a load bound (`Router__AffinityLoadFactor`, HAProxy's `hash-balance-factor`
+   rule from "Consistent Hashing with Bounded Loads", Mirrokni et al. 2016): a node may
+   take the request while its in-flight + 1 stays within ceil(factor x (total + 1) / n)
+   over the n candidates; one above it, or at its limit (no place left), is passed over
+   for the next in rendezvous order. A node that joins or leaves moves only its share.
+3. A prefix index per model for requests without a session key: block hash -> the node
+   that last served a prompt holding that block, LRU-bounded by
+   `Router__AffinityIndexEntries`; the longest match wins, else rendezvous on the first
+   block. Each entry carries the order it was written in; when the engine reports far
+   fewer cached tokens than an entry predicted, that node evicted it, and -- engines
+   evict least recently used first -- every entry of that node written before it is
+   forgotten too (a per-node watermark, O(1)).
+
+Reasons, counted per model: `session` (a session key), `prefix` (a known prefix: a
+predicted cache hit), `spread` (nothing known: placed for load, today's routing -- also
+every request while affinity is off). `moved` counts requests the load bound sent off
+their first choice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+# Request headers naming a session, in the order they are honoured (DESIGN 9.2); ASGI
+# header names are lower case. Claude Code sends x-claude-code-session-id; Codex sends
+# session_id and conversation_id; x-session-id is the generic one (OpenCode and proxies).
+SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id", b"session_id",
+                   b"conversation_id")
+# Blocks hashed per request, at most: 128 x 256 bytes is 32 KiB of prompt (~8k tokens).
+# Past it every turn of a conversation shares the same chain, which still names the node
+# that served it last: longer prompts cost no more to key.
+MAX_BLOCKS = 128
+# Bytes per token of English text in the BPE vocabularies of today's models (the usual
+# rule of thumb: ~4); converts a matched prefix in bytes to the tokens an engine reports.
+BYTES_PER_TOKEN = 4
+# A predicted hit is confirmed when the engine reports at least this share of the matched
+# prefix as cached (templates and tokenizers make the two numbers differ a little).
+CONFIRM_SHARE = 0.5
+
+SESSION, PREFIX, SPREAD = "session", "prefix", "spread"
+REASONS = (SESSION, PREFIX, SPREAD)
+
+_enc = msgspec.json.Encoder()
+
+
+def _h(data: bytes | memoryview, size: int = 8) -> bytes:
+    return hashlib.blake2b(data, digest_size=size).digest()
+
+
+def _text(v: str) -> bytes:
+    return v.encode("utf-8", "surrogatepass")
+
+
+# --- the key ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Route:
+    """A request's affinity key and what became of it: `session` (a 16-byte digest) or
+    `chain` (block digests as ints); the shell fills `node`, `reason`, `matched` when it
+    places the request, and the engine's usage when the answer shows it."""
+
+    session: bytes | None = None
+    chain: list[int] = field(default_factory=list)
+    reason: str = SPREAD
+    node: str = ""
+    matched: int = 0  # blocks of the chain the index knew on `node` (a predicted hit)
+    entry_seq: int = 0  # the order of the index entry that predicted it
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def session_of(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The session key's digest, first found wins (None: none given)."""
+    v = obj.get("prompt_cache_key")
+    if isinstance(v, str) and v:
+        return _h(b"k" + _text(v), 16)
+    found: dict[bytes, bytes] = {}
+    for name, value in headers:
+        if name in SESSION_HEADERS and value and name not in found:
+            found[name] = value
+    for name in SESSION_HEADERS:
+        if name in found:
+            return _h(b"h" + found[name], 16)
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        uid = meta.get("user_id")
+        if isinstance(uid, str) and uid:
+            return _h(b"u" + _text(uid), 16)
+    return None
+
+
+def _part(v: Any, open_list: bool) -> bytes:
+    """One field as bytes: a string as it is, anything else as its JSON; a list without
+    its closing bracket (`open_list`), so one more item extends the bytes."""
+    if isinstance(v, str):
+        return _text(v)
+    data = _enc.encode(v)
+    return data[:-1] if open_list and isinstance(v, list) else data
+
+
+def render(obj: dict[str, Any]) -> bytes:
+    """The request in the order a chat template renders it: tools, system, then the
+    conversation (messages, a Responses `input`, or a prompt). A later turn of the same
+    conversation renders to these bytes followed by more."""
+    out = bytearray()
+    tools = obj.get("tools")
+    if tools:
+        out += b"\x1eT" + _part(tools, False)
+    for name in ("system", "instructions"):  # Anthropic, Ollama generate; Responses
+        v = obj.get(name)
+        if v:
+            out += b"\x1eS" + _part(v, False)
+    for name in ("messages", "input", "prompt"):
+        v = obj.get(name)
+        if v:
+            out += b"\x1eM" + _part(v, True)
+            break
+    return bytes(out)
+
+
+def chain_of(data: bytes, block: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
+    """The prefix-hash chain: block i's digest covers block i and the digest before it.
+    A text shorter than one block is one digest of all of it (there is nothing earlier
+    to keep); an empty one has no chain."""
+    n = min(len(data) // block, max_blocks)
+    if n == 0:
+        return [int.from_bytes(_h(data), "little")] if data else []
+    view = memoryview(data)
+    out: list[int] = []
+    prev = b""
+    for i in range(n):
+        h = hashlib.blake2b(prev, digest_size=8)
+        h.update(view[i * block:(i + 1) * block])
+        prev = h.digest()
+        out.append(int.from_bytes(prev, "little"))
+    return out
+
+
+def route_key(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]], block: int) -> Route:
+    """The request's key: its session if it names one, else its prefix chain."""
+    session = session_of(obj, headers)
+    if session is not None:
+        return Route(session=session)
+    return Route(chain=chain_of(render(obj), block))
+
+
+# --- rendezvous with a load bound --------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A node admission would send the request to: its name, its requests in flight,
+    and whether it is at its limit (no place left for the model)."""
+
+    name: str
+    in_flight: int
+    full: bool = False
+
+
+def rendezvous(key: bytes, names: Iterable[str]) -> list[str]:
+    """`names`, highest random weight first: the same order on every hub, and removing a
+    name moves only the keys it was first for."""
+    return sorted(names, key=lambda n: _h(key + b"\x00" + n.encode()), reverse=True)
+
+
+def load_limit(candidates: Sequence[Candidate], factor: float) -> int:
+    """The most requests in flight a node may have after taking this one."""
+    total = sum(c.in_flight for c in candidates)
+    return math.ceil(factor * (total + 1) / len(candidates))
+
+
+def first_within(order: Iterable[str], candidates: Sequence[Candidate],
+                 factor: float) -> tuple[str | None, bool]:
+    """The first node of `order` within the load bound and not full; (None, _) when none
+    is: the caller spreads. The bool says whether the first choice was passed over."""
+    by = {c.name: c for c in candidates}
+    limit = load_limit(candidates, factor)
+    moved = False
+    for name in order:
+        c = by.get(name)
+        if c is None:
+            continue
+        if not c.full and c.in_flight + 1 <= limit:
+            return name, moved
+        moved = True
+    return None, moved
+
+
+# --- the prefix index --------------------------------------------------------------------
+
+
+class PrefixIndex:
+    """Block digest -> (node, order written), least recently used first out."""
+
+    __slots__ = ("capacity", "entries", "watermark", "_seq")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self.watermark: dict[str, int] = {}  # node -> entries up to this order are gone
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def longest(self, chain: list[int], usable: set[str]) -> tuple[int, str, int]:
+        """(blocks matched, node, entry order) of the longest prefix of `chain` known on a
+        node in `usable`; (0, "", 0) when none is. Stale entries met are dropped."""
+        entries = self.entries
+        for i in range(len(chain) - 1, -1, -1):
+            e = entries.get(chain[i])
+            if e is None:
+                continue
+            node, seq = e
+            if seq <= self.watermark.get(node, 0):
+                del entries[chain[i]]  # its node evicted it, as the engine showed
+                continue
+            if node in usable:
+                entries.move_to_end(chain[i])
+                return i + 1, node, seq
+        return 0, "", 0
+
+    def record(self, chain: list[int], node: str, start: int = 0) -> None:
+        """`node` now holds the prompt of `chain`; blocks before `start` are known there
+        already (refreshed through the longest one)."""
+        entries = self.entries
+        self._seq += 1
+        seq = self._seq
+        if 0 < start <= len(chain):
+            entries[chain[start - 1]] = (node, seq)
+            entries.move_to_end(chain[start - 1])
+        for k in chain[start:]:
+            entries[k] = (node, seq)
+            entries.move_to_end(k)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def evicted(self, node: str, seq: int) -> None:
+        """The engine on `node` no longer holds what was written at `seq`: nor anything
+        written there before it."""
+        if seq > self.watermark.get(node, 0):
+            self.watermark[node] = seq
+
+    def forget_node(self, node: str) -> None:
+        self.evicted(node, self._seq)
+
+
+# --- the decision and its counts -----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ModelStats:
+    session: int = 0
+    prefix: int = 0
+    spread: int = 0
+    moved: int = 0  # passed over by the load bound
+    predicted: int = 0  # answers of requests placed on a predicted hit, usage seen
+    confirmed: int = 0  # ... the engine reported the prefix as cached
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        ratio = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        hit = self.confirmed / self.predicted if self.predicted else None
+        return {"placed": {SESSION: self.session, PREFIX: self.prefix, SPREAD: self.spread},
+                "moved_by_load": self.moved, "prompt_tokens": self.prompt_tokens,
+                "cached_prompt_tokens": self.cached_tokens,
+                "cache_hit_ratio": None if ratio is None else round(ratio, 4),
+                "predicted_hits": self.predicted, "confirmed_hits": self.confirmed,
+                "prediction_accuracy": None if hit is None else round(hit, 4)}
+
+
+class Affinity:
+    """The hub's affinity: its settings, a prefix index per model, counts per model.
+    `models` holds only models the router resolved (known ones): a bounded label set."""
+
+    def __init__(self, enabled: bool = True, factor: float = 1.25, entries: int = 100_000,
+                 block: int = 256) -> None:
+        self.enabled, self.factor, self.entries, self.block = enabled, factor, entries, block
+        self.index: dict[str, PrefixIndex] = {}
+        self.models: dict[str, ModelStats] = {}
+
+    def configure(self, enabled: bool, factor: float, entries: int, block: int) -> None:
+        """New settings (SIGHUP); a new block size makes every indexed digest useless."""
+        if block != self.block:
+            self.index.clear()
+        self.enabled, self.factor, self.entries, self.block = enabled, factor, entries, block
+        for ix in self.index.values():
+            ix.capacity = entries
+            while len(ix.entries) > entries:
+                ix.entries.popitem(last=False)
+
+    def key(self, obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> Route | None:
+        return route_key(obj, headers, self.block) if self.enabled else None
+
+    def stats(self, model: str) -> ModelStats:
+        s = self.models.get(model)
+        if s is None:
+            s = self.models[model] = ModelStats()
+        return s
+
+    def _index(self, model: str) -> PrefixIndex:
+        ix = self.index.get(model)
+        if ix is None:
+            ix = self.index[model] = PrefixIndex(self.entries)
+        return ix
+
+    def choose(self, model: str, route: Route, candidates: Sequence[Candidate]) -> str | None:
+        """The node for `route` among `candidates` (None: none within the bound; the
+        caller spreads). Fills `route.reason`, `node`, `matched`; counts the decision."""
+        s = self.stats(model)
+        route.matched = route.entry_seq = 0
+        if not candidates:
+            route.reason, route.node = SPREAD, ""
+            return None
+        names = [c.name for c in candidates]
+        matched = seq = 0
+        node = ""
+        if route.session is not None:
+            order = rendezvous(route.session, names)
+        elif route.chain:
+            matched, node, seq = self._index(model).longest(route.chain, set(names))
+            order = rendezvous(route.chain[0].to_bytes(8, "little"), names)
+            if matched:
+                order.remove(node)
+                order.insert(0, node)
+        else:
+            order = []
+        chosen, moved = first_within(order, candidates, self.factor)
+        if moved:
+            s.moved += 1
+        if chosen is None:
+            reason = SPREAD
+        elif route.session is not None:
+            reason = SESSION
+        elif matched and chosen == node:
+            reason = PREFIX
+            route.matched, route.entry_seq = matched, seq
+        else:
+            reason = SPREAD
+        route.reason, route.node = reason, chosen or ""
+        setattr(s, reason, getattr(s, reason) + 1)
+        return chosen
+
+    def spread(self, model: str) -> None:
+        """A request placed without affinity (off, or nothing to key on)."""
+        self.stats(model).spread += 1
+
+    def served(self, model: str, route: Route, node: str) -> None:
+        """`node` answered `route`: the engine's usage (when seen) is counted against the
+        prediction, and the index learns that `node` holds this prompt now."""
+        s = self.stats(model)
+        prompt, cached = route.prompt_tokens, route.cached_tokens
+        ix = self.index.get(model) if route.chain else None
+        if prompt is not None and cached is not None:
+            s.prompt_tokens += prompt
+            s.cached_tokens += cached
+            if route.matched and node == route.node:
+                s.predicted += 1
+                expected = route.matched * self.block / BYTES_PER_TOKEN
+                if cached >= CONFIRM_SHARE * min(expected, prompt):
+                    s.confirmed += 1
+                elif ix is not None:
+                    ix.evicted(node, route.entry_seq)
+        if route.chain and self.enabled:
+            ix = ix or self._index(model)
+            start = route.matched if node == route.node and route.matched else 0
+            ix.record(route.chain, node, start)
+
+    def status(self, model: str) -> dict[str, Any]:
+        return self.stats(model).as_dict()
+
+
+# --- what engines report -------------------------------------------------------------------
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Timings(msgspec.Struct):
+    cache_n: int | None = None
+    prompt_n: int | None = None
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+    timings: _Timings | None = None
+
+
+_answer = msgspec.json.Decoder(_Answer)
+
+
+def usage_of(body: bytes) -> tuple[int, int] | None:
+    """(prompt tokens, cached prompt tokens) from one JSON answer or one stream event's
+    payload, as vLLM and llama-server report them (`usage.prompt_tokens_details
+    .cached_tokens`; llama-server's `timings.cache_n` + `prompt_n`); None when it says
+    nothing of its cache."""
+    try:
+        a = _answer.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    t = a.timings
+    if t is not None and t.cache_n is not None and t.prompt_n is not None:
+        return max(0, t.cache_n) + max(0, t.prompt_n), max(0, t.cache_n)
+    u = a.usage
+    if (u is not None and u.prompt_tokens is not None and u.prompt_tokens_details is not None
+            and u.prompt_tokens_details.cached_tokens is not None):
+        prompt = max(0, u.prompt_tokens)
+        return prompt, min(prompt, max(0, u.prompt_tokens_details.cached_tokens))
+    return None
