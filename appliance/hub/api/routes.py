@@ -73,13 +73,14 @@ UNSUPPORTED = {
     "/api/push": "pushing models is not done through the hub; push from the node's engine",
 }
 CORS_METHODS = b"GET, POST, HEAD, OPTIONS, DELETE"
+# The headers the official SDKs send from a browser: the Anthropic JS SDK refuses to run
+# in one unless it may send `anthropic-dangerous-direct-browser-access: true`.
 CORS_HEADERS = (
     b"authorization, content-type, x-api-key, x-request-id, x-priority, anthropic-version, "
-                b"anthropic-beta, openai-organization, openai-project, x-stainless-os, "
-                b"x-stainless-lang, "
-                b"x-stainless-package-version, x-stainless-runtime, x-stainless-runtime-version, "
-                b"x-stainless-arch, "
-                b"x-stainless-retry-count, x-stainless-timeout, user-agent")
+    b"anthropic-beta, anthropic-dangerous-direct-browser-access, openai-organization, "
+    b"openai-project, x-stainless-os, x-stainless-lang, x-stainless-package-version, "
+    b"x-stainless-runtime, x-stainless-runtime-version, x-stainless-arch, "
+    b"x-stainless-retry-count, x-stainless-timeout, user-agent")
 
 
 def _header(scope: Scope, name: bytes) -> str:
