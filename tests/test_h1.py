@@ -237,6 +237,25 @@ async def test_body_deadline_and_budget_are_answered_408_and_503(autojump_clock)
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == "busy"
 
 
+async def test_408_and_busy_on_v1_messages_are_in_anthropics_shape(autojump_clock):
+    """An Anthropic client reads its own error shape (it got OpenAI's before)."""
+    async with running(echo, body_read_seconds=30, max_buffered_bytes=1000) as (host, port, _):
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Length: 10\r\n\r\nabc")
+        raw = await until_closed(stream)
+        assert raw.startswith(b"HTTP/1.1 408")
+        body = json.loads(raw.partition(b"\r\n\r\n")[2])
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Length: 2000\r\n\r\n" + b"y" * 2000)
+        raw = await until_closed(stream)
+        assert raw.startswith(b"HTTP/1.1 503") and b"retry-after: 2" in raw
+        body = json.loads(raw.partition(b"\r\n\r\n")[2])
+        assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+
+
 async def test_a_client_gone_mid_stream_is_told_to_the_app(autojump_clock):
     seen: list[str] = []
     done = trio.Event()

@@ -2,15 +2,19 @@
 
 Theory of operation: anything that refuses a request raises `ApiError` with a status, a
 code from DESIGN section 9, a message, and optionally a Retry-After and the body field a
-400 is about. Whoever answers renders it in the shape of the API the request came in on:
+400 is about. Whoever answers renders it with `render(e, api_of(path))`, the one renderer
+(status, headers, body bytes: the sans-socket server writes them, ASGI apps send them) in
+the shape of the API the request came in on, which `api_of` alone maps from the path:
 OpenAI `{"error": {"message", "type", "code", "param"}}` for /v1 routes, Ollama
-`{"error": "..."}` for /api routes, Anthropic `{"type": "error", "error": {"type",
-"message"}}` for /v1/messages. Plain data and msgspec: the decision cores may raise it.
+`{"error": "..."}` for /api routes (and every other path: the node API, /health),
+Anthropic `{"type": "error", "error": {"type", "message"}}` for /v1/messages. Plain data
+and msgspec: the decision cores may raise it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterable
+from typing import Literal, NamedTuple
 
 import msgspec
 
@@ -52,6 +56,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           413: "invalid_request_error", 503: "service_unavailable"}
 
 
+def _openai_type(status: int) -> str:
+    """A status with no entry above: the client's fault below 500, else the server's."""
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
 # Anthropic's error types by status (its API reference, "Errors").
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 408: "invalid_request_error",
@@ -66,8 +75,35 @@ def error_body(api: str, status: int, code: str, message: str, param: str | None
     if api == "anthropic":
         kind = _ANTHROPIC_TYPES.get(status, "api_error")
         return _enc.encode({"type": "error", "error": {"type": kind, "message": message}})
-    kind = _TYPES.get(status, "server_error")
+    kind = _openai_type(status)
     return _enc.encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def api_of(path: str) -> Api:
+    """The one path -> API map: whose error shape a request on `path` is answered in."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    if path.startswith("/v1/"):
+        return "openai"
+    return "ollama"
+
+
+class Rendered(NamedTuple):
+    """A whole refusal: what a server writes (status line, headers, body) or an app sends."""
+
+    status: int
+    headers: Headers
+    body: bytes
+
+
+def render(e: ApiError, api: str, extra: Iterable[tuple[bytes, bytes]] = ()) -> Rendered:
+    """The one renderer of a refusal: the body in `api`'s shape, its content type and length,
+    the error's own headers (Retry-After, x-should-retry), then `extra` (a request id, a
+    `connection: close`)."""
+    body = e.body(api)
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), *e.headers(), *extra]
+    return Rendered(e.status, headers, body)
 
 
 def describe(e: BaseException) -> str:

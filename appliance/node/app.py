@@ -41,11 +41,12 @@ from appliance.http.asgi import (
     send_text,
 )
 from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.errors import api_of
 from appliance.node import modelops
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
-from appliance.node.proxy import EngineProxy, send_error
+from appliance.node.proxy import NODE_API, EngineProxy, send_error
 from appliance.node.state import NodeStateKeeper
 from appliance.observe.metricsapp import render
 from appliance.wire import (
@@ -64,10 +65,6 @@ CONTROL_BODY_LIMIT = 64 * 1024
 # Bound on closing an upstream response after the client went away (STYLE 6).
 CLEANUP_SECONDS = 5.0
 NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
-
-
-def _api_of(path: str) -> str:
-    return "ollama" if path.startswith("/api/") else "openai"
 
 
 class NodeApp:
@@ -101,7 +98,7 @@ class NodeApp:
             await send_json(send, 200, {"status": "ok", "name": self.keeper.name})
             return
         is_proxy = path.startswith(("/v1/", "/api/"))
-        api = _api_of(path) if is_proxy else "node"
+        api = api_of(path)
         if not self._authorized(scope):
             await self._error(send, api, 401, "invalid_api_key",
                               "missing or wrong node token (Auth__NodeToken)")
@@ -114,7 +111,7 @@ class NodeApp:
             await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]),
                             CONTENT_TYPE_LATEST.encode())
         else:
-            await self._error(send, "node", 404, "not_found", f"no route {method} {path}")
+            await self._error(send, NODE_API, 404, "not_found", f"no route {method} {path}")
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.token:
@@ -135,7 +132,7 @@ class NodeApp:
                   "leave": "POST", "join": "POST"}
         if rest in simple:
             if method != simple[rest]:
-                await self._error(send, "node", 405, "method_not_allowed",
+                await self._error(send, NODE_API, 405, "method_not_allowed",
                                   f"{rest} takes {simple[rest]}")
             elif rest == "watch":
                 await self._watch(receive, send)
@@ -149,26 +146,27 @@ class NodeApp:
             return
         if rest in ("pull", "delete"):
             if method != "POST":
-                await self._error(send, "node", 405, "method_not_allowed", f"{rest} takes POST")
+                await self._error(send, NODE_API, 405, "method_not_allowed", f"{rest} takes POST")
             else:
                 await modelops.handle(self, scope, receive, send, rest)
             return
         model, action = self._model_path(scope)
         if model is None or action not in ("load", "unload"):
-            await self._error(send, "node", 404, "not_found", f"no route {method} /node/v1/{rest}")
+            await self._error(send, NODE_API, 404, "not_found",
+                              f"no route {method} /node/v1/{rest}")
             return
         if method != "POST":
-            await self._error(send, "node", 405, "method_not_allowed", f"{action} takes POST")
+            await self._error(send, NODE_API, 405, "method_not_allowed", f"{action} takes POST")
             return
         try:
             body = await read_body(receive, CONTROL_BODY_LIMIT)
             req = load_request_decoder.decode(body) if body.strip() else LoadRequest()
         except BodyTooLarge:
-            await self._error(send, "node", 413, "body_too_large",
+            await self._error(send, NODE_API, 413, "body_too_large",
                               f"body over {CONTROL_BODY_LIMIT} bytes")
             return
         except (msgspec.DecodeError, RecursionError) as e:
-            await self._error(send, "node", 400, "invalid_json",
+            await self._error(send, NODE_API, 400, "invalid_json",
                               f"body is not a LoadRequest: {e or 'nested too deeply'}")
             return
         stale = self._fence(scope)
@@ -218,7 +216,7 @@ class NodeApp:
             error = str(e) or type(e).__name__
             k.load_failed(model, error)
             log.warning("load of %s failed: %s", model, error)
-            await self._error(send, "node", 502, "load_failed", error)
+            await self._error(send, NODE_API, 502, "load_failed", error)
             return
         except BaseException:
             k.load_failed(model, "load interrupted (node shutting down)")
@@ -232,7 +230,7 @@ class NodeApp:
                     await self.engine.unload(model)
                 except (EngineError, httpx.HTTPError, OSError) as e:
                     log.warning("unload of %s after its timeout failed: %s", model, e)
-            await self._error(send, "node", 504, "load_timeout", error)
+            await self._error(send, NODE_API, 504, "load_timeout", error)
             return
         k.load_done(model)
         log.info("%s is ready", model)
@@ -244,10 +242,10 @@ class NodeApp:
             with trio.move_on_after(timeout) as cs:
                 await self.engine.unload(model)
         except (EngineError, httpx.HTTPError, OSError) as e:
-            await self._error(send, "node", 502, "unload_failed", str(e) or type(e).__name__)
+            await self._error(send, NODE_API, 502, "unload_failed", str(e) or type(e).__name__)
             return
         if cs.cancelled_caught:
-            await self._error(send, "node", 504, "unload_timeout",
+            await self._error(send, NODE_API, 504, "unload_timeout",
                               f"unload took over {timeout:g} s")
             return
         self.keeper.unloaded(model)

@@ -24,7 +24,7 @@ from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.errors import ApiError, Headers
+from appliance.http.errors import Api, ApiError, Headers
 from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
@@ -47,13 +47,14 @@ class _ModelOnly(msgspec.Struct):
 _model_decoder = msgspec.json.Decoder(_ModelOnly)
 
 
+# The node API (/node/v1/) answers errors as `{"error": ...}`, Ollama's shape.
+NODE_API: Api = "ollama"
+
+
 async def send_error(send: Send, api: str, status: int, code: str, message: str,
                      headers: Headers | None = None) -> None:
-    """An error in the shape of `api`: "node" (the node API's `{"error"}`), or a client API."""
-    if api == "node":
-        await send_json(send, status, msgspec.json.encode({"error": message}), headers)
-    else:
-        await send_api_error(send, api, ApiError(status, code, message), headers or ())
+    """An error in the shape of `api` (`errors.api_of` of the path)."""
+    await send_api_error(send, api, ApiError(status, code, message), headers or ())
 
 
 class EngineProxy:

@@ -42,6 +42,7 @@ import trio
 from appliance.h1.chunked import BodyError, ChunkedBody
 from appliance.h1.head import refusal
 from appliance.h1.parse import BadRequest, Head, parse_head
+from appliance.http.errors import ApiError, api_of, render
 from appliance.server.fastio import DIRECT_KEY, recv_some
 from appliance.server.listener import (
     BUSY_RETRY_AFTER,
@@ -53,7 +54,6 @@ from appliance.server.listener import (
     Refusal,
     RequestTimeout,
     _trim,
-    error_json,
 )
 from appliance.server.send import Sender
 
@@ -228,9 +228,9 @@ class Conn(Sender):
     async def _refuse_raw(self, status: int, message: str, path: str = "/v1/") -> None:
         self.linger = True
         code = "request_timeout" if status == 408 else "invalid_request"
-        body = error_json(path, status, code, message)
+        r = render(ApiError(status, code, message), api_of(path))
         with trio.move_on_after(_WRITE_408_SECONDS) as cs:
-            await self._write(refusal(status, body), shield=False)
+            await self._write(refusal(r.status, r.body), shield=False)
         if cs.cancelled_caught:  # a client that does not read: not worth more
             self.broken = True
 
@@ -299,23 +299,21 @@ class Conn(Sender):
             b = self.shared.budget
             log.warning("refusing a request body: %d bytes of bodies held, the bound is %d",
                         b.held, b.limit)
-            message = "the server holds too many request bodies now; retry shortly"
-            extra = [(b"retry-after", str(BUSY_RETRY_AFTER).encode())]
+            err = ApiError(e.status, e.code,
+                           "the server holds too many request bodies now; retry shortly",
+                           retry_after=BUSY_RETRY_AFTER)
         elif isinstance(e, RequestTimeout):
-            message = (f"request body not received within "
-                       f"{self.shared.limits.body_read_seconds:g} s")
-            extra = []
+            err = ApiError(e.status, e.code, f"request body not received within "
+                           f"{self.shared.limits.body_read_seconds:g} s")
         else:
-            message, extra = str(e) or e.code, []
+            err = ApiError(e.status, e.code, str(e) or e.code)
         self.close_after = self.linger = True
         if self.framing:
             return  # the answer has begun: the close tells the client
         self.started = False
-        body = error_json(path, e.status, e.code, message)
-        await self.send({"type": "http.response.start", "status": e.status,
-                         "headers": [(b"content-type", b"application/json"),
-                                     (b"connection", b"close"), *extra]})
-        await self.send({"type": "http.response.body", "body": body})
+        r = render(err, api_of(path), [(b"connection", b"close")])
+        await self.send({"type": "http.response.start", "status": r.status, "headers": r.headers})
+        await self.send({"type": "http.response.body", "body": r.body})
 
     async def _linger(self) -> None:
         """Close gently: our side first, then drop what the client still sends (bounded),

@@ -43,12 +43,11 @@ import ctypes.util
 import errno
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HyperConfig
@@ -56,6 +55,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr
 
+from appliance.http.errors import ApiError, api_of, render
 from appliance.server.fastio import DIRECT_KEY, plain_socket
 
 log = logging.getLogger("appliance.server.listener")
@@ -65,7 +65,6 @@ _Receive = Callable[[], Awaitable[dict[str, Any]]]
 _Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 MiB = 1024 * 1024
-_enc = msgspec.json.Encoder()
 GUARD_KEY = "appliance.guard"
 # Retry-After of a `busy` answer: bodies in flight finish within seconds on a LAN.
 BUSY_RETRY_AFTER = 2
@@ -159,17 +158,12 @@ def framing_error(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-def error_json(path: str, status: int, code: str, message: str) -> bytes:
-    if path.startswith("/v1/"):
-        kind = "invalid_request_error" if status < 500 else "service_unavailable"
-        return _enc.encode({"error": {"message": message, "type": kind, "code": code}})
-    return _enc.encode({"error": message})
-
-
 def _raw_408() -> bytes:
-    body = error_json("/v1/", 408, "request_timeout", "request head not received in time")
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+    # No head, so no path: OpenAI's shape.
+    r = render(ApiError(408, "request_timeout", "request head not received in time"), "openai")
+    return (b"HTTP/1.1 408 Request Timeout\r\n"
+            + b"".join(k + b": " + v + b"\r\n" for k, v in r.headers)
+            + b"connection: close\r\n\r\n" + r.body)
 
 
 def _load_trim() -> Callable[..., Any]:
@@ -325,16 +319,12 @@ def guard_app(app: Callable[..., Awaitable[None]], live: LiveLimits,
                 guard.response_ended()
             await send(msg)
 
-        async def refuse(status: int, code: str, message: str,
-                         extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        async def refuse(e: ApiError) -> None:
             if started:
                 return
-            body = error_json(scope["path"], status, code, message)
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()),
-                                    (b"connection", b"close"), *extra]})
-            await send({"type": "http.response.body", "body": body})
+            r = render(e, api_of(scope["path"]), [(b"connection", b"close")])
+            await send({"type": "http.response.start", "status": r.status, "headers": r.headers})
+            await send({"type": "http.response.body", "body": r.body})
 
         try:
             why = framing_error(scope["headers"])
@@ -348,17 +338,18 @@ def guard_app(app: Callable[..., Awaitable[None]], live: LiveLimits,
                     if msg["type"] != "http.request" or not msg.get("more_body"):
                         break
                 await trio.sleep(0)
-                await refuse(400, "invalid_request", f"ambiguous request framing: {why}")
+                await refuse(ApiError(400, "invalid_request", f"ambiguous request framing: {why}"))
                 return
             await app(scope, receive_guarded, send_tracked)
         except RequestTimeout:
-            await refuse(408, "request_timeout",
-                         f"request body not received within {limits.body_read_seconds:g} s")
+            await refuse(ApiError(408, "request_timeout", f"request body not received within "
+                                  f"{limits.body_read_seconds:g} s"))
         except Busy:
             log.warning("refusing a request body: %d bytes of bodies held, the bound is %d",
                         budget.held, budget.limit)
-            await refuse(503, "busy", "the server holds too many request bodies now; retry shortly",
-                         [(b"retry-after", str(BUSY_RETRY_AFTER).encode())])
+            await refuse(ApiError(503, "busy",
+                                  "the server holds too many request bodies now; retry shortly",
+                                  retry_after=BUSY_RETRY_AFTER))
         finally:
             budget.give(held)
             if held >= TRIM_AFTER_BYTES and budget.held == 0:

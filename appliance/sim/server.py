@@ -65,7 +65,8 @@ from appliance.http.asgi import (
     serve,
 )
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.errors import ApiError
+from appliance.http.errors import ApiError, api_of
+from appliance.http.respond import send_api_error
 from appliance.sim import tools as simtools
 from appliance.sim.core import (
     EMBED_DIM,
@@ -138,7 +139,7 @@ class SimApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
-        api = "openai" if path.startswith("/v1/") else "ollama"
+        api = api_of(path)
         handler = self.routes.get((scope["method"], path))
         try:
             if handler is None:
@@ -148,7 +149,7 @@ class SimApp:
                 raise ApiError(404, "not_found", f"no such path {path} on the simulated engine")
             await handler(scope, receive, send, path)
         except ApiError as e:  # raised only before a response starts
-            await _send_json(send, e.status, e.body(api))
+            await send_api_error(send, api, e, [SIM_HEADER])
 
     # --- shared ------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from appliance.http.asgi import (
     send_json,
     send_text,
 )
-from appliance.http.errors import ApiError
+from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub.api import routes as apiroutes
 from appliance.hub.api import status, ui
@@ -45,18 +45,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appliance.hub.api.app")
 
-INFERENCE = {
-    "/v1/chat/completions": "openai",
-    "/v1/completions": "openai",
-    "/v1/embeddings": "openai",
-    "/api/chat": "ollama",
-    "/api/generate": "ollama",
-    "/api/embed": "ollama",
-    "/api/embeddings": "ollama",
-    "/v1/messages": "anthropic",
-    "/v1/messages/count_tokens": "anthropic",
-    "/v1/responses": "openai",
-}
+# The inference routes, each with its API (`errors.api_of`, the one path -> API map).
+INFERENCE = {p: api_of(p) for p in (
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/chat", "/api/generate",
+    "/api/embed", "/api/embeddings", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/responses")}
 GETS = {"/health", "/api/status", "/metrics", "/v1/models", "/api/tags", "/api/ps"}
 # A LAN resolver answers in milliseconds; one that takes 5 s is not one to trust a node to.
 RESOLVE_SECONDS = 5.0
@@ -64,15 +57,9 @@ RESOLVE_SECONDS = 5.0
 ANNOUNCE_MAX_BYTES = 64 * 1024
 
 
-def _api(path: str) -> str:
-    if path.startswith("/v1/messages"):
-        return "anthropic"
-    return "openai" if path.startswith("/v1/") else "ollama"
-
-
 async def _error(send: Send, path: str, status: int, code: str, message: str,
                  headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    await send_api_error(send, _api(path), ApiError(status, code, message), headers)
+    await send_api_error(send, api_of(path), ApiError(status, code, message), headers)
 
 
 def make_app(hub: Hub) -> App:

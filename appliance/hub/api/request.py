@@ -16,7 +16,7 @@ from typing import Any
 
 from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
-from appliance.http.errors import ApiError, Headers
+from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.api.requestid import request_id
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
@@ -117,6 +117,6 @@ class Request:
     async def send_error(self, e: ApiError) -> None:
         """A refusal before the response started, in the API's shape."""
         self.status, self.error = e.status, e.code
-        headers = [(b"content-type", b"application/json"), *e.headers(), *self.id_headers()]
-        await self.send_start(e.status, headers)
-        await self.send_last(e.body(self.api))
+        r = render(e, self.api, self.id_headers())
+        await self.send_start(r.status, r.headers)
+        await self.send_last(r.body)

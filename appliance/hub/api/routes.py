@@ -161,17 +161,11 @@ def with_cors(app: App, origins: list[str]) -> App:
     return cors_app
 
 
-async def _error(send: Send, api: str, e: ApiError) -> None:
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [(b"content-type", b"application/json"), *e.headers()]})
-    await send({"type": "http.response.body", "body": e.body(api)})
-
-
 async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> bool:
     path, method = scope["path"], scope["method"]
     if path == "/":
         if method not in ("GET", "HEAD"):
-            await _error(send, "ollama", ApiError(405, "method_not_allowed", "/ takes GET"))
+            await send_api_error(send, "ollama", ApiError(405, "method_not_allowed", "/ takes GET"))
         elif "text/html" in _header(scope, b"accept"):
             await send({"type": "http.response.start", "status": 302,
                         "headers": [(b"location", b"/ui/"), (b"content-length", b"0")]})
@@ -181,7 +175,7 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> bool:
         return True
     if path == "/api/version":
         if method not in ("GET", "HEAD"):
-            await _error(send, "ollama", ApiError(405, "method_not_allowed",
+            await send_api_error(send, "ollama", ApiError(405, "method_not_allowed",
                                                   "/api/version takes GET"))
         else:
             await send_json(send, 200, {"version": OLLAMA_API_VERSION,
@@ -219,7 +213,7 @@ async def _one_model(hub: Hub, scope: Scope, send: Send, model_id: str) -> None:
                 return
         raise ApiError(404, "model_not_found", f"The model '{model_id}' does not exist")
     except ApiError as e:
-        await _error(send, "openai", e)
+        await send_api_error(send, "openai", e)
 
 
 class _Show(msgspec.Struct):
@@ -250,7 +244,7 @@ async def _show(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
             body = msgspec.json.encode(_show_synth(hub, model))
         await send_json(send, 200, body)
     except ApiError as e:
-        await _error(send, "ollama", e)
+        await send_api_error(send, "ollama", e)
 
 
 async def _show_from_node(hub: Hub, model: str) -> bytes | None:

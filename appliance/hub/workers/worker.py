@@ -34,10 +34,10 @@ from appliance.client.upstream import Pool
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, serve
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.errors import ApiError
+from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub import translate
-from appliance.hub.api.app import INFERENCE, _api
+from appliance.hub.api.app import INFERENCE
 from appliance.hub.api.flag import Flag
 from appliance.hub.api.relay import relay_from
 from appliance.hub.api.request import Recorder, Request
@@ -167,8 +167,8 @@ class Worker:
         try:
             body = await read_body(receive, self.cfg.hub.max_body_bytes)
         except BodyTooLarge:
-            await send_api_error(send, _api(path), ApiError(413, "body_too_large",
-                                                            "body over Hub__MaxBodyBytes"))
+            await send_api_error(send, api_of(path), ApiError(413, "body_too_large",
+                                                              "body over Hub__MaxBodyBytes"))
             return
         qs = scope.get("query_string") or b""
         url = "http://hub" + scope.get("raw_path", path.encode()).decode("latin-1")
@@ -180,8 +180,8 @@ class Worker:
                                                                 headers=headers, content=body),
                                         stream=True)
         except httpx.HTTPError as e:
-            await send_api_error(send, _api(path), ApiError(503, "shutting_down",
-                                                            f"the hub is not answering: {e}"))
+            await send_api_error(send, api_of(path), ApiError(503, "shutting_down",
+                                                              f"the hub is not answering: {e}"))
             return
         try:
             await send({"type": "http.response.start", "status": resp.status_code,
