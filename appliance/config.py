@@ -102,6 +102,14 @@ class ClientConfig(_Section):
     priority: PriorityClass = "normal"
     # Globs of the models this client may use; empty: all.
     models: list[str] = []
+    # Per-key limits (hub/decide/limits.py); none: no limit, 0: refuse. The upper bounds
+    # only catch typos (an extra digit or three): no hub serves more.
+    rpm: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] | None = None
+    tpm: Annotated[int, msgspec.Meta(ge=0, le=10_000_000_000)] | None = None
+    tokens_per_day: Annotated[int, msgspec.Meta(ge=0, le=10_000_000_000_000)] | None = None
+    max_concurrent: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
+    # The key's share of its class when requests queue (fair queueing, hub/decide/fair.py).
+    weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
 
 
 class NodeCredential(_Section):
@@ -116,6 +124,9 @@ class AuthConfig(_Section):
     clients: list[ClientConfig] = []
     # Per-node tokens: the named node announces (and is dialled) with its own token only.
     nodes: list[NodeCredential] = []
+    # Output tokens a token limit reserves for a request that names no cap (max_tokens):
+    # about a long chat answer.
+    reserve_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1024
 
     def node_token_for(self, name: str) -> str:
         """The token the node `name` and the hub use between them."""

@@ -32,28 +32,33 @@ class ApiError(Exception):
     """A refusal, answered before the response starts (or as a stream's error event)."""
 
     def __init__(self, status: int, code: str, message: str, retry_after: float | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, extra: Headers | None = None,
+                 kind: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.retry_after = retry_after
         self.param = param
+        # Headers the refusal carries besides Retry-After (a 429's x-ratelimit-*), and the
+        # OpenAI shape's `type` when the status's usual one is not it (a 429's "tokens").
+        self.extra: Headers = extra or []
+        self.kind = kind
 
     def body(self, api: str) -> bytes:
-        return error_body(api, self.status, self.code, self.message, self.param)
+        return error_body(api, self.status, self.code, self.message, self.param, self.kind)
 
     def headers(self) -> Headers:
         if self.code in NO_RETRY:
-            return [(b"x-should-retry", b"false")]
+            return [(b"x-should-retry", b"false"), *self.extra]
         if self.retry_after is None:
-            return []
-        return [(b"retry-after", str(max(1, int(round(self.retry_after)))).encode())]
+            return self.extra
+        return [(b"retry-after", str(max(1, int(round(self.retry_after)))).encode()), *self.extra]
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 429: "requests", 503: "service_unavailable"}
 
 
 def _openai_type(status: int) -> str:
@@ -68,14 +73,15 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     529: "overloaded_error"}
 
 
-def error_body(api: str, status: int, code: str, message: str, param: str | None = None) -> bytes:
+def error_body(api: str, status: int, code: str, message: str, param: str | None = None,
+               kind: str | None = None) -> bytes:
     """`api` is "openai", "ollama" or "anthropic" (anything else: OpenAI's shape)."""
     if api == "ollama":
         return _enc.encode({"error": message})
     if api == "anthropic":
         kind = _ANTHROPIC_TYPES.get(status, "api_error")
         return _enc.encode({"type": "error", "error": {"type": kind, "message": message}})
-    kind = _openai_type(status)
+    kind = kind or _openai_type(status)
     return _enc.encode({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 

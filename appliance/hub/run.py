@@ -36,6 +36,7 @@ from appliance.hub.api.flag import Flag
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.control import Control
 from appliance.hub.decide.grace import StartupGrace
+from appliance.hub.decide.limits import Limiter
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.fleet.supervisor import supervise
 from appliance.hub.observe.audit import AuditLog, check_path
@@ -74,6 +75,8 @@ class Hub:
         self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
         self.audit.on_error = self.metrics.audit_write_errors.inc
         self.admission = Admission(cfg, self.registry, self.metrics_registry)
+        # Per-key limits; with several hubs each enforces its share (hubs alive).
+        self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
         self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
         # a `shutting_down` error event and a proper end, before the server cancels.
@@ -87,6 +90,12 @@ class Hub:
         self.cluster: Member | None = None
         # with Hub__Workers>1 (hub/workers.py sets it)
         self.workers: WorkerSet | None = None
+
+    def hubs_alive(self) -> int:
+        """Hubs in the cluster view (this one counted), 1 without a cluster."""
+        if self.cluster is None:
+            return 1
+        return len(set(self.cluster.snapshot.hubs) | {self.cluster.name})
 
     def add_node(self, name: str, url: str, static: bool) -> None:
         per_node = {c.name: c.token for c in self.cfg.auth.nodes}
@@ -108,6 +117,7 @@ class Hub:
         self.cfg = cfg
         self.limits.set(hub_limits(cfg))
         self.admission.reload(cfg)
+        self.tenants.configure(cfg.auth.clients, cfg.auth.reserve_output_tokens)
         self.control.reload(cfg)
         for n in cfg.nodes:
             self.add_node(n.name, n.url, static=True)

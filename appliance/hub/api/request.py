@@ -18,6 +18,7 @@ from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
 from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.api.requestid import request_id
+from appliance.hub.decide.limits import Lease, Usage
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
 
@@ -44,9 +45,19 @@ class Recorder:
             fields["error"] = req.error
         if self.priority_on:
             fields["priority"] = req.cls
+        tokens = req.tokens
+        if tokens is not None:
+            fields["input_tokens"], fields["output_tokens"] = tokens.input, tokens.output
+            if tokens.estimated:
+                fields["tokens_estimated"] = True
         self.audit.request(**fields)
         m = self.metrics
         m.requests_of(req.client, req.label, str(req.status)).inc()
+        if tokens is not None:
+            if tokens.input:
+                m.tokens_of(req.client, req.label, "input").inc(tokens.input)
+            if tokens.output:
+                m.tokens_of(req.client, req.label, "output").inc(tokens.output)
         if req.label and req.label != OTHER_LABEL:  # no histogram for names nobody serves
             m.latency_of(req.label).observe(elapsed)
             if req.ttfb is not None:
@@ -58,7 +69,7 @@ class Request:
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
-                 "scope", "_recorder")
+                 "scope", "usage", "lease", "tokens", "_recorder")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
@@ -85,6 +96,11 @@ class Request:
         self.ttfb: float | None = None
         self.error = ""
         self.done = False
+        # tokens: what the engine said it used, (input, output) -- None: it said nothing;
+        # the key's reservation (limits.py), settled from it at `finish`; what was counted.
+        self.usage: tuple[int, int] | None = None
+        self.lease: Lease | None = None
+        self.tokens: Usage | None = None
         self._recorder = recorder
 
     def finish(self) -> None:
@@ -94,6 +110,10 @@ class Request:
             return
         self.done = True
         self.status = self.status or 499
+        if self.lease is not None:
+            served = bool(self.node) and self.status < 400
+            # Never answered by an engine (refused, queued out, failed): nothing was used.
+            self.tokens = self.lease.settle(self.usage if served else (0, 0))
         self._recorder.record(self)
 
     # --- the way back to the client ----------------------------------------------------

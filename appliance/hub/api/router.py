@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from appliance.http.keys import request_key
 from appliance.hub import translate
 from appliance.hub.api.relay import relay_from
 from appliance.hub.api.request import Recorder, Request
+from appliance.hub.decide.limits import output_cap
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.server.listener import Refusal
 
@@ -162,6 +164,8 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         req.label = model
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
+        # The key's limits (limits.py): reserved now, settled in Request.finish.
+        req.lease = hub.tenants.admit(client.name, time.time(), len(body), output_cap(obj))
     except ApiError as e:
         await req.send_error(e)
         return

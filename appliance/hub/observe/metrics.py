@@ -32,12 +32,18 @@ class HubMetrics:
         self.ttfb = Histogram("appliance_time_to_first_byte_seconds",
                               "Time to the first response byte.",
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        # client: a configured client's name or "anonymous" (bounded); kind: input | output.
+        self.tokens = Counter("appliance_tokens",
+                              "Tokens by client, model and kind (input, output): the engine's "
+                              "usage, else the hub's estimate.",
+                              ["client", "model", "kind"], registry=r)
         self.in_flight = Gauge("appliance_in_flight", "Requests in flight by model.", ["model"],
                                registry=r)
         # The request path's lookups (children.py): these series are never removed.
         self.requests_of = Children(self.requests)
         self.latency_of = Children(self.latency)
         self.ttfb_of = Children(self.ttfb)
+        self.tokens_of = Children(self.tokens)
         self.in_flight_of = Children(self.in_flight)
         self.node_up = Gauge("appliance_node_up", "1 while the node is connected and up.", ["node"],
                              registry=r)

@@ -1,0 +1,367 @@
+"""Per-key limits: requests and tokens a minute, tokens a day, requests at once.
+
+Theory of operation (issue 21). Plain synchronous code: no trio, no clock of its own --
+every call takes `now` (seconds; the shell passes wall-clock time so a 429's reset can be
+told as a date), so tests drive it with any numbers they like.
+
+The one decision: may this key's request go now, and if not, exactly when could it?
+- Each limit is a sliding window (`Window`): amounts added at admission into fixed bins
+  (0.1 s for a minute, 60 s for a day), a bin dropped once it is older than the span. The
+  check covers one bin more than the span, so ANY span-long interval of real time lies
+  inside what some admission checked: the limit holds over every minute, not over
+  calendar minutes (LiteLLM #24677: fixed windows let 2x through at a boundary). The
+  extra bin costs 0.17 % of a minute's throughput.
+- Tokens are reserved at admission -- the input's bound (the body's bytes: a token is at
+  least one byte of text, and the JSON around the text covers a chat template's markers)
+  plus the request's output cap (max_tokens and its spellings, or
+  Auth__ReserveOutputTokens) -- and settled from the real usage when the request ends
+  (`Lease.settle`). Usage is clamped to what is possible (an engine that lies is not
+  believed): input at most the bound, output at most the cap the request named. So a
+  reservation only shrinks, and the tokens of any minute stay within the limit; only a
+  request that named no cap can go beyond its reservation (by what it used over
+  Auth__ReserveOutputTokens), and that excess is charged to the window, so the next
+  requests wait for it. No usage at all (an engine that reports none): the reservation
+  stands. (`input_estimate`, bytes / 4, is what fair queueing charges before the usage is
+  known; it is no bound.)
+- A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
+  window would have room for this request (rounded up to the second), with the
+  x-ratelimit-* headers OpenAI sends and the anthropic-ratelimit-* ones the Anthropic SDK
+  reads. A limit of 0 refuses every request (no Retry-After, x-should-retry: false); so
+  does a request that alone reserves more than the limit.
+- With several hubs each enforces limit / hubs alive (`hubs`, from the cluster view),
+  rounded down, at least 1 where the limit is not 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from appliance.config import ClientConfig
+from appliance.http.errors import ApiError, Headers
+
+MINUTE = 60.0
+DAY = 86400.0
+# Bin widths: a minute in 600 bins keeps the window's slack at 0.1 s; a day in 1,440.
+MINUTE_BIN = 0.1
+DAY_BIN = 60.0
+# The usual rule of thumb for English text with BPE tokenizers (OpenAI's help pages: "one
+# token is about 4 characters"); the JSON around the text makes it an over-estimate.
+BYTES_PER_TOKEN = 4
+# Output caps beyond this are absurd (no model has a 16M-token context): a 400.
+MAX_OUTPUT_CAP = 1 << 24
+# The output cap fields of the APIs, in the order they win (OpenAI, Responses, Ollama).
+CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# Retry-After of a refusal by MaxConcurrent: when a running request ends is not known; a
+# short answer takes about this long.
+CONCURRENT_RETRY_AFTER = 1.0
+
+
+class Window:
+    """Amounts added over time; `used(now)` is the sum over the last span (and one bin)."""
+
+    __slots__ = ("span", "width", "nbins", "bins", "total")
+
+    def __init__(self, span: float, width: float) -> None:
+        self.span, self.width = span, width
+        self.nbins = round(span / width)
+        self.bins: OrderedDict[int, int] = OrderedDict()
+        self.total = 0
+
+    def _index(self, now: float) -> int:
+        return math.floor(now / self.width + 1e-9)  # 90.1 / 0.1 is 900.999...
+
+    def _prune(self, now: float) -> None:
+        oldest = self._index(now) - self.nbins
+        while self.bins:
+            b, n = next(iter(self.bins.items()))
+            if b >= oldest:
+                break
+            self.bins.popitem(last=False)
+            self.total -= n
+
+    def used(self, now: float) -> int:
+        self._prune(now)
+        return self.total
+
+    def add(self, now: float, n: int) -> int:
+        """Add `n` now; returns the bin, for `adjust`."""
+        self._prune(now)
+        b = self._index(now)
+        if self.bins and next(reversed(self.bins)) > b:
+            b = next(reversed(self.bins))  # a clock that stepped back: the newest bin
+        self.bins[b] = self.bins.get(b, 0) + n
+        self.total += n
+        return b
+
+    def adjust(self, b: int, delta: int) -> None:
+        """Change what bin `b` holds (a settlement); nothing once the bin has expired."""
+        if b in self.bins:
+            self.bins[b] += delta
+            self.total += delta
+
+    def wait(self, now: float, need: int, limit: int) -> float:
+        """Seconds until `need` more fits under `limit`, as old bins expire (0: now)."""
+        over = self.used(now) + need - limit
+        if over <= 0:
+            return 0.0
+        for b, n in self.bins.items():
+            over -= n
+            if over <= 0:
+                return max(0.0, (b + self.nbins + 1) * self.width - now)
+        return math.inf  # `need` alone is over the limit
+
+    def empty_in(self, now: float) -> float:
+        """Seconds until everything in the window has expired (0: empty now)."""
+        self._prune(now)
+        if not self.bins:
+            return 0.0
+        return max(0.0, (next(reversed(self.bins)) + self.nbins + 1) * self.width - now)
+
+
+class Limits(NamedTuple):
+    """One key's limits as this hub enforces them (its share); None: no limit."""
+
+    rpm: int | None
+    tpm: int | None
+    tpd: int | None
+    concurrent: int | None
+    weight: float
+
+
+def share(limit: int | None, hubs: int) -> int | None:
+    if limit is None or hubs <= 1 or limit == 0:
+        return limit
+    return max(1, limit // hubs)
+
+
+def limits_of(c: ClientConfig, hubs: int = 1) -> Limits:
+    return Limits(share(c.rpm, hubs), share(c.tpm, hubs), share(c.tokens_per_day, hubs),
+                  share(c.max_concurrent, hubs), c.weight)
+
+
+NO_LIMITS = Limits(None, None, None, None, 1.0)
+
+
+def output_cap(obj: dict[str, Any]) -> int | None:
+    """The request's own output cap, or None; ApiError 400 for a negative or absurd one."""
+    fields: list[tuple[str, Any]] = [(f, obj.get(f)) for f in CAP_FIELDS]
+    opts = obj.get("options")
+    if isinstance(opts, dict):
+        fields.append(("options.num_predict", opts.get("num_predict")))
+    for name, v in fields:
+        if v is None or isinstance(v, bool) or not isinstance(v, int):
+            continue  # a wrong type is the API checks' business (translate)
+        if name == "options.num_predict" and v < 0:
+            continue  # Ollama: -1 means "until the model stops"
+        if v < 0 or v > MAX_OUTPUT_CAP:
+            raise ApiError(400, "invalid_request",
+                           f"{name}={v} is out of range (0..{MAX_OUTPUT_CAP})", param=name)
+        return v
+    return None
+
+
+def input_estimate(body_bytes: int) -> int:
+    return max(1, -(-body_bytes // BYTES_PER_TOKEN))
+
+
+class Usage(NamedTuple):
+    input: int
+    output: int
+    estimated: bool  # no usage from the engine: the reservation stands
+
+
+class Tenant:
+    """One key's windows and counters (kept across reloads by name)."""
+
+    __slots__ = ("requests", "tokens", "day", "in_flight", "queued", "served_in", "served_out",
+                 "admitted", "limited")
+
+    def __init__(self) -> None:
+        self.requests = Window(MINUTE, MINUTE_BIN)
+        self.tokens = Window(MINUTE, MINUTE_BIN)
+        self.day = Window(DAY, DAY_BIN)
+        self.in_flight = 0
+        self.queued = 0
+        self.served_in = 0
+        self.served_out = 0
+        self.admitted = 0
+        self.limited = 0
+
+
+class Lease:
+    """One admitted request's reservation; `settle` once when it ends."""
+
+    __slots__ = ("tenant", "reserved", "input_bound", "cap", "minute_bin", "day_bin", "done")
+
+    def __init__(self, tenant: Tenant, reserved: int, input_bound: int, cap: int | None,
+                 minute_bin: int, day_bin: int) -> None:
+        self.tenant, self.reserved, self.input_bound, self.cap = tenant, reserved, input_bound, cap
+        self.minute_bin, self.day_bin = minute_bin, day_bin
+        self.done = False
+
+    def settle(self, used: tuple[int, int] | None) -> Usage:
+        """The request ended having used `used` = (input, output) tokens as the engine
+        says (None: it said nothing). Returns what was counted."""
+        if self.done:
+            return Usage(0, 0, True)
+        self.done = True
+        t = self.tenant
+        t.in_flight -= 1
+        if used is None:
+            # The window keeps the whole reservation; what is reported (metrics, audit) is
+            # the input's estimate, marked estimated: an output nobody counted is not made up.
+            u = Usage(input_estimate(self.input_bound), 0, True)
+        else:
+            inp = min(max(0, used[0]), self.input_bound)
+            out = max(0, used[1])
+            if self.cap is not None:
+                out = min(out, self.cap)
+            u = Usage(inp, out, False)
+            delta = u.input + u.output - self.reserved
+            t.tokens.adjust(self.minute_bin, delta)
+            t.day.adjust(self.day_bin, delta)
+        t.served_in += u.input
+        t.served_out += u.output
+        return u
+
+
+def _duration(s: float) -> str:
+    """OpenAI's x-ratelimit-reset-* form: "1s", "6m0s", "1h2m3s"."""
+    whole = math.ceil(s)
+    h, rest = divmod(whole, 3600)
+    m, sec = divmod(rest, 60)
+    if h:
+        return f"{h}h{m}m{sec}s"
+    if m:
+        return f"{m}m{sec}s"
+    return f"{sec}s"
+
+
+def _date(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+class Limiter:
+    """Every key's state; `admit` -> Lease or ApiError 429."""
+
+    def __init__(self, clients: list[ClientConfig], reserve_output: int,
+                 hubs: Callable[[], int] = lambda: 1) -> None:
+        self.tenants: dict[str, Tenant] = {}
+        self.hubs = hubs
+        self.configure(clients, reserve_output)
+
+    def configure(self, clients: list[ClientConfig], reserve_output: int) -> None:
+        """New limits (SIGHUP); each key's use so far is kept."""
+        self.clients = {c.name: c for c in clients}
+        self.reserve_output = reserve_output
+
+    def limits(self, name: str) -> Limits:
+        c = self.clients.get(name)
+        return NO_LIMITS if c is None else limits_of(c, max(1, self.hubs()))
+
+    def tenant(self, name: str) -> Tenant:
+        t = self.tenants.get(name)
+        if t is None:
+            t = self.tenants[name] = Tenant()
+        return t
+
+    def admit(self, name: str, now: float, body_bytes: int, cap: int | None) -> Lease:
+        """Reserve for one request of key `name`, or raise ApiError 429."""
+        lim = self.limits(name)
+        t = self.tenant(name)
+        reserve = body_bytes + (cap if cap is not None else self.reserve_output)
+        refusal = self._check(name, lim, t, now, reserve)
+        if refusal is not None:
+            t.limited += 1
+            raise refusal
+        t.requests.add(now, 1)
+        mb = t.tokens.add(now, reserve)
+        db = t.day.add(now, reserve)
+        t.in_flight += 1
+        t.admitted += 1
+        return Lease(t, reserve, body_bytes, cap, mb, db)
+
+    def _check(self, name: str, lim: Limits, t: Tenant, now: float,
+               reserve: int) -> ApiError | None:
+        checks = (("requests per minute", "Rpm", lim.rpm, t.requests, 1, "requests"),
+                  ("tokens per minute", "Tpm", lim.tpm, t.tokens, reserve, "tokens"),
+                  ("tokens per day", "TokensPerDay", lim.tpd, t.day, reserve, "tokens"))
+        worst: tuple[float, str, str, int, str] | None = None
+        for what, var, limit, window, need, kind in checks:
+            if limit is None:
+                continue
+            wait = window.wait(now, need, limit)
+            if wait > 0 and (worst is None or wait > worst[0]):
+                worst = (wait, what, var, limit, kind)
+        if worst is None and lim.concurrent is not None and t.in_flight >= lim.concurrent:
+            if lim.concurrent == 0:
+                worst = (math.inf, "requests at once", "MaxConcurrent", 0, "requests")
+            else:
+                return self._refuse(lim, t, now, CONCURRENT_RETRY_AFTER, "requests",
+                                    f"{t.in_flight} requests of client {name!r} are running "
+                                    f"(Auth__Clients__N__MaxConcurrent={lim.concurrent})")
+        if worst is None:
+            return None
+        wait, what, var, limit, kind = worst
+        if limit == 0:
+            return self._refuse(lim, t, now, None, kind,
+                                f"client {name!r} may send no requests: its {what} limit "
+                                f"(Auth__Clients__N__{var}) is 0")
+        if math.isinf(wait):
+            return self._refuse(lim, t, now, None, kind,
+                                f"this request reserves {reserve} tokens (its body's bytes + "
+                                f"output cap), more than client {name!r}'s {what} limit of "
+                                f"{limit} (Auth__Clients__N__{var}); lower max_tokens")
+        return self._refuse(lim, t, now, wait, kind,
+                            f"client {name!r} is over its {what} limit of {limit} "
+                            f"(Auth__Clients__N__{var}); retry in {math.ceil(wait)} s")
+
+    def _refuse(self, lim: Limits, t: Tenant, now: float, wait: float | None, kind: str,
+                message: str) -> ApiError:
+        extra = self.headers(lim, t, now)
+        if wait is None:
+            extra.append((b"x-should-retry", b"false"))
+        else:
+            extra.append((b"retry-after", str(max(1, math.ceil(wait))).encode()))
+        return ApiError(429, "rate_limit_exceeded", message, extra=extra, kind=kind)
+
+    def headers(self, lim: Limits, t: Tenant, now: float) -> Headers:
+        """x-ratelimit-{limit,remaining,reset}-{requests,tokens} and the Anthropic SDK's
+        anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}."""
+        out: Headers = []
+        tokens = (lim.tpm, t.tokens) if lim.tpm is not None else (lim.tpd, t.day)
+        for kind, (limit, window) in (("requests", (lim.rpm, t.requests)), ("tokens", tokens)):
+            if limit is None:
+                continue
+            remaining = max(0, limit - window.used(now))
+            reset = window.empty_in(now)
+            for name, value in ((f"x-ratelimit-limit-{kind}", str(limit)),
+                                (f"x-ratelimit-remaining-{kind}", str(remaining)),
+                                (f"x-ratelimit-reset-{kind}", _duration(reset)),
+                                (f"anthropic-ratelimit-{kind}-limit", str(limit)),
+                                (f"anthropic-ratelimit-{kind}-remaining", str(remaining)),
+                                (f"anthropic-ratelimit-{kind}-reset", _date(now + reset))):
+                out.append((name.encode(), value.encode()))
+        return out
+
+    def status(self, now: float) -> dict[str, Any]:
+        """Per key: limits, use this minute and the last 24 h, running, queued, served."""
+        out: dict[str, Any] = {}
+        names = list(self.clients) + [n for n in self.tenants if n not in self.clients]
+        for name in names:
+            lim = self.limits(name)
+            t = self.tenant(name)
+            out[name] = {
+                "limits": {"rpm": lim.rpm, "tpm": lim.tpm, "tokens_per_day": lim.tpd,
+                           "max_concurrent": lim.concurrent, "weight": lim.weight},
+                "minute": {"requests": t.requests.used(now), "tokens": t.tokens.used(now)},
+                "day_tokens": t.day.used(now),
+                "in_flight": t.in_flight, "queued": t.queued,
+                "served": {"input": t.served_in, "output": t.served_out},
+                "requests": t.admitted, "limited": t.limited,
+            }
+        return out
