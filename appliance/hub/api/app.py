@@ -147,6 +147,7 @@ async def _announce(hub: Hub, scope: Scope, receive: Receive, send: Send) -> Non
     source = (scope.get("client") or ("unknown", 0))[0]
     ann = None
     try:
+        announce.check_bearer(hub.cfg.auth, bearer(scope) or "")
         try:
             body = await read_body(receive, ANNOUNCE_MAX_BYTES)
             ann = announce_decoder.decode(body)

@@ -40,6 +40,20 @@ def cut(text: str, n: int = ECHO_CHARS) -> str:
     return echo(text, n)
 
 
+def check_bearer(auth: AuthConfig, token: str) -> None:
+    """401 unless `token` is one of the configured node tokens: checked from the head alone,
+    before a byte of the body is read (a token-less head must not hold a connection)."""
+    known = [c.token for c in auth.nodes] + ([auth.node_token] if auth.node_token else [])
+    if not known:
+        raise ApiError(401, "invalid_node_token",
+                       "this hub accepts no announcements: set Auth__NodeToken (or "
+                       "Auth__Nodes__N__Token) on hub and node")
+    given = token.encode()
+    # Every token compared (no early exit): the time taken says nothing of which matched.
+    if not sum(hmac.compare_digest(given, k.encode()) for k in known):
+        raise ApiError(401, "invalid_node_token", "the node token does not match")
+
+
 def authorize(auth: AuthConfig, token: str, name: str) -> bool:
     """True when `token` may announce `name`; raises 401 when announcements are off."""
     per_node = {c.name: c.token for c in auth.nodes}
