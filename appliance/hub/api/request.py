@@ -18,6 +18,7 @@ from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
 from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.api.requestid import request_id
+from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.limits import Lease, Usage
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
@@ -69,7 +70,7 @@ class Request:
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
-                 "scope", "usage", "lease", "tokens", "_recorder")
+                 "scope", "usage", "lease", "tokens", "demand", "_recorder")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
@@ -101,6 +102,7 @@ class Request:
         self.usage: tuple[int, int] | None = None
         self.lease: Lease | None = None
         self.tokens: Usage | None = None
+        self.demand: Demand | None = None  # fair queueing's charge (admission.py)
         self._recorder = recorder
 
     def finish(self) -> None:

@@ -22,6 +22,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -36,6 +37,8 @@ from appliance.http.keys import request_key
 from appliance.hub import translate
 from appliance.hub.api.relay import relay_from
 from appliance.hub.api.request import Recorder, Request
+from appliance.hub.decide import fair
+from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.limits import output_cap
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.server.listener import Refusal
@@ -165,7 +168,10 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
         # The key's limits (limits.py): reserved now, settled in Request.finish.
-        req.lease = hub.tenants.admit(client.name, time.time(), len(body), output_cap(obj))
+        cap = output_cap(obj)
+        req.lease = hub.tenants.admit(client.name, time.time(), len(body), cap)
+        cost, weight = hub.tenants.demand(client.name, len(body), cap)
+        req.demand = Demand(cost, weight, partial(_used, req))
     except ApiError as e:
         await req.send_error(e)
         return
@@ -182,6 +188,12 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
             await req.send_error(e)
     if gone.gone:
         req.error = "client_disconnected"
+
+
+def _used(req: Request) -> int | None:
+    """What the request really cost, in fair queueing's terms (None: the engine said nothing)."""
+    t = req.tokens
+    return None if t is None or t.estimated else fair.cost(t.input, t.output)
 
 
 def _ready(hub: Hub, name: str) -> bool:
@@ -211,7 +223,8 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
     await hub.control.make_servable(model, keep)
     try:
         in_flight = hub.metrics.in_flight_of(model)
-        async with hub.admission.place(model, req.cls, req.client, in_flight) as place:
+        async with hub.admission.place(model, req.cls, req.client, in_flight,
+                                       req.demand) as place:
             await _proxy(hub, req, place, model, prep, relay)
     finally:
         hub.control.touch(model, keep)  # idle time counts from the end of the work

@@ -28,9 +28,9 @@ is on, so with it off the scrape is exactly what it was without the feature.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from appliance.config import Config
 from appliance.hub.decide import priority
+from appliance.hub.decide.fair import FairLane
 from appliance.hub.decide.priority import (
     CLASSES,
     ESSENTIAL,
@@ -51,17 +52,28 @@ from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.wire import NodeState
 
 
+class Demand(NamedTuple):
+    """What fair queueing (fair.py) needs of a request: its charge at grant, its key's
+    weight, and what it really cost once it ended (None: not known; the charge stands)."""
+
+    cost: int
+    weight: float
+    used: Callable[[], int | None]
+
+
 class Place:
     """A request's place: the node it is on now (`node`, counted in flight) and the
     nodes it was on (`tried`). Made by `Admission.place`."""
 
-    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried")
+    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket")
 
-    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Any) -> None:
+    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Any,
+                 ticket: Ticket) -> None:
         self._admission, self.model, self.cls = admission, model, cls
         self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
         self.node: Any = None
         self.tried: list[str] = []
+        self.ticket = ticket
 
     def _take(self) -> None:
         registry = self._admission.registry
@@ -94,10 +106,12 @@ class Place:
 
 
 class Ticket:
-    __slots__ = ("model", "cls", "client", "waited")
+    __slots__ = ("model", "cls", "client", "waited", "fair")
 
-    def __init__(self, model: str, cls: str, client: str, waited: bool = False) -> None:
+    def __init__(self, model: str, cls: str, client: str, waited: bool = False,
+                 fair: tuple[FairLane, int] | None = None) -> None:
         self.model, self.cls, self.client, self.waited = model, cls, client, waited
+        self.fair = fair  # the lane and episode a waiter was charged in (fair.py)
 
 
 def _settings(cfg: Config) -> dict[str, Any]:
@@ -147,11 +161,12 @@ class Admission:
 
     # --- the capacity queue and the reserve ----------------------------------------------
 
-    async def admit(self, model: str, cls: str, client: str) -> Ticket:
+    async def admit(self, model: str, cls: str, client: str, cost: int = 0,
+                    weight: float = 1.0) -> Ticket:
         core = self.core
         ready = self._ready_nodes(model)
         w = core.arrive(model, cls, client, lambda places_need,
-                        room_need: count(ready, model, places_need, room_need))
+                        room_need: count(ready, model, places_need, room_need), cost, weight)
         if w is None:
             return Ticket(model, cls, client)
         w.event = trio.Event()
@@ -167,22 +182,30 @@ class Admission:
                 raise
         if w.granted:
             core.started(w)
-            return Ticket(model, w.cls, client, waited=True)
+            return Ticket(model, w.cls, client, waited=True, fair=w.fair)
         core.leave(w, timed_out=True)
         raise core.timeout_error(w)
 
     @asynccontextmanager
-    async def place(self, model: str, cls: str, client: str,
-                    in_flight: Any = None) -> AsyncIterator[Place]:
+    async def place(self, model: str, cls: str, client: str, in_flight: Any = None,
+                    demand: Demand | None = None) -> AsyncIterator[Place]:
         """Admit, then take the best node for `model` (`Place.node`, None when no node can
-        take it); the node is given back on any exit."""
-        await self.admit(model, cls, client)
-        p = Place(self, model, cls, in_flight)
+        take it); the node is given back on any exit, and a fair-queue charge settled."""
+        if demand is None:
+            ticket = await self.admit(model, cls, client)
+        else:
+            ticket = await self.admit(model, cls, client, demand.cost, demand.weight)
+        p = Place(self, model, cls, in_flight, ticket)
         p._take()  # no checkpoint since admit returned: this place is ours
         try:
             yield p
         finally:
             p._give_back()
+            if ticket.fair is not None and demand is not None:
+                used = demand.used()
+                if used is not None:
+                    lane, episode = ticket.fair
+                    lane.settle(client, episode, demand.cost, used, demand.weight)
 
     def _ready_nodes(self, model: str) -> list[NodeHandle]:
         ready = self._ready.get(model)

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 from appliance.config import ClientConfig
 from appliance.http.errors import ApiError, Headers
+from appliance.hub.decide import fair
 
 MINUTE = 60.0
 DAY = 86400.0
@@ -177,7 +178,7 @@ class Usage(NamedTuple):
 class Tenant:
     """One key's windows and counters (kept across reloads by name)."""
 
-    __slots__ = ("requests", "tokens", "day", "in_flight", "queued", "served_in", "served_out",
+    __slots__ = ("requests", "tokens", "day", "in_flight", "served_in", "served_out",
                  "admitted", "limited")
 
     def __init__(self) -> None:
@@ -185,7 +186,6 @@ class Tenant:
         self.tokens = Window(MINUTE, MINUTE_BIN)
         self.day = Window(DAY, DAY_BIN)
         self.in_flight = 0
-        self.queued = 0
         self.served_in = 0
         self.served_out = 0
         self.admitted = 0
@@ -269,6 +269,11 @@ class Limiter:
             t = self.tenants[name] = Tenant()
         return t
 
+    def demand(self, name: str, body_bytes: int, cap: int | None) -> tuple[int, float]:
+        """What fair queueing charges a request at grant, and its key's weight."""
+        out = cap if cap is not None else self.reserve_output
+        return fair.cost(input_estimate(body_bytes), out), self.limits(name).weight
+
     def admit(self, name: str, now: float, body_bytes: int, cap: int | None) -> Lease:
         """Reserve for one request of key `name`, or raise ApiError 429."""
         lim = self.limits(name)
@@ -348,10 +353,13 @@ class Limiter:
                 out.append((name.encode(), value.encode()))
         return out
 
-    def status(self, now: float) -> dict[str, Any]:
-        """Per key: limits, use this minute and the last 24 h, running, queued, served."""
+    def status(self, now: float, queued: dict[str, int] | None = None) -> dict[str, Any]:
+        """Per key: limits, use this minute and the last 24 h, running, queued (`queued`:
+        the admission queue's count per key), tokens served and the share of them."""
         out: dict[str, Any] = {}
+        queued = queued or {}
         names = list(self.clients) + [n for n in self.tenants if n not in self.clients]
+        total = sum(t.served_in + t.served_out for t in self.tenants.values()) or 1
         for name in names:
             lim = self.limits(name)
             t = self.tenant(name)
@@ -360,8 +368,9 @@ class Limiter:
                            "max_concurrent": lim.concurrent, "weight": lim.weight},
                 "minute": {"requests": t.requests.used(now), "tokens": t.tokens.used(now)},
                 "day_tokens": t.day.used(now),
-                "in_flight": t.in_flight, "queued": t.queued,
+                "in_flight": t.in_flight, "queued": queued.get(name, 0),
                 "served": {"input": t.served_in, "output": t.served_out},
+                "share": round((t.served_in + t.served_out) / total, 4),
                 "requests": t.admitted, "limited": t.limited,
             }
         return out

@@ -19,9 +19,11 @@ Rules:
 - background (priority on) goes only while `places > Priority__ReserveSlots`, else it is
   held up to `Priority__BackgroundMaxWaitSeconds` (503 `priority_wait_timeout`, naming the
   client). With priority off every request is normal.
-- Waiters for one model are released in class order, first in first out within a class.
-  A request never passes a waiting request of its own or a higher class; the release loop
-  stops at the first head that cannot go, so no lower class overtakes a higher one.
+- Waiters for one model are released in class order; within a class the key served
+  least goes first (fair.py's virtual token counter), first in first out within a key. A
+  request never passes a waiting request of a higher class, nor an older one of its own
+  key; the release loop stops at the first head that cannot go, so no lower class
+  overtakes a higher one.
 - A waiter is refused at once (503 `queue_full` + Retry-After) when `Queue__MaxDepth`
   requests of its class or higher already wait for the model: lower classes never push a
   higher one out, and the queue's memory stays bounded (3 x MaxDepth per model).
@@ -34,11 +36,11 @@ whose node has more requests sent for the model than slots waits for one to fini
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from appliance.http.errors import ApiError
+from appliance.hub.decide.fair import FairLane
 
 CLASSES = ("essential", "normal", "background")
 RANK = {c: i for i, c in enumerate(CLASSES)}
@@ -136,24 +138,29 @@ Measure = Callable[[int, int], Fleet]
 class Waiter:
     """One request waiting for admission. `event` belongs to the shell (a trio.Event)."""
 
-    __slots__ = ("model", "cls", "client", "granted", "event")
+    __slots__ = ("model", "cls", "client", "granted", "event", "cost", "weight", "fair")
 
-    def __init__(self, model: str, cls: str, client: str) -> None:
+    def __init__(self, model: str, cls: str, client: str, cost: int = 0,
+                 weight: float = 1.0) -> None:
         self.model = model
         self.cls = cls
         self.client = client
         self.granted = False
         self.event: Any = None  # the shell's trio.Event
+        # fair.py: the charge at grant, the key's weight, and (lane, episode) once charged
+        self.cost = cost
+        self.weight = weight
+        self.fair: tuple[FairLane, int] | None = None
 
 
 class Lanes:
-    """Waiters of one key in class order; FIFO within a class; O(1) removal."""
+    """Waiters in class order; within a class the fair share between keys (fair.py: FIFO
+    for one key); O(1) removal."""
 
     __slots__ = ("lanes", "pending")
 
     def __init__(self) -> None:
-        self.lanes: tuple[OrderedDict[Waiter, None], ...] = (OrderedDict(), OrderedDict(),
-                                                             OrderedDict())
+        self.lanes = (FairLane(), FairLane(), FairLane())
         self.pending = 0
 
     def __len__(self) -> int:
@@ -164,21 +171,23 @@ class Lanes:
         return sum(len(self.lanes[r]) for r in range(RANK[cls] + 1))
 
     def add(self, w: Waiter) -> None:
-        self.lanes[RANK[w.cls]][w] = None
+        self.lanes[RANK[w.cls]].add(w)
 
     def remove(self, w: Waiter) -> bool:
-        return self.lanes[RANK[w.cls]].pop(w, 0) is None
+        return self.lanes[RANK[w.cls]].remove(w)
 
     def head(self) -> Waiter | None:
         for lane in self.lanes:
             if lane:
-                return next(iter(lane))
+                w: Waiter = lane.head()
+                return w
         return None
 
     def pop_head(self) -> Waiter:
         for lane in self.lanes:
             if lane:
-                return lane.popitem(last=False)[0]
+                w: Waiter = lane.pop()
+                return w
         raise IndexError("no waiter")
 
 
@@ -231,11 +240,13 @@ class AdmissionCore:
     def held_by_reserve(self, cls: str) -> bool:
         return cls == BACKGROUND and self.enabled
 
-    def arrive(self, model: str, cls: str, client: str, fleet: Fleet | Measure) -> Waiter | None:
+    def arrive(self, model: str, cls: str, client: str, fleet: Fleet | Measure, cost: int = 0,
+               weight: float = 1.0) -> Waiter | None:
         """None: go now. A Waiter: wait on it (then `dispatch`). Raises ApiError (queue_full).
 
         `fleet` is a Fleet, or a function `(places_need, room_need) -> Fleet` (`count`
         over the ready nodes), called only when no one waits ahead of this request.
+        `cost` and `weight`: the request's charge and its key's weight (fair.py).
         """
         if not self.enabled:
             cls = NORMAL
@@ -259,7 +270,7 @@ class AdmissionCore:
                              retry_after=QUEUE_RETRY_AFTER)
         if q is None:
             q = self.queues[model] = Lanes()
-        w = Waiter(model, cls, client)
+        w = Waiter(model, cls, client, cost, weight)
         q.add(w)
         cs = self.classes[cls]
         cs.waiting += 1
@@ -321,6 +332,15 @@ class AdmissionCore:
                           f"no free place for model {w.model!r} within {self.max_wait:g} s "
                           "(Queue__MaxWaitSeconds)",
                           retry_after=QUEUE_RETRY_AFTER)
+
+    def queued(self) -> dict[str, int]:
+        """Waiters per key, over every model and class."""
+        out: dict[str, int] = {}
+        for q in self.queues.values():
+            for lane in q.lanes:
+                for k, n in lane.backlog().items():
+                    out[k] = out.get(k, 0) + n
+        return out
 
     def waiting_models(self) -> list[str]:
         return [m for m, q in self.queues.items() if len(q)]
