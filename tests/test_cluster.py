@@ -166,7 +166,7 @@ class Hub:
                 Cluster__LeaseSeconds=LEASE,
                 Router__ActivationWaitSeconds=30)
         self.ops = FakeOps(registry)
-        self.control = Control(c, registry, None, None, FakeAudit(), ops=self.ops)
+        self.control = Control(c, registry, None, FakeAudit(), ops=self.ops)
         self.member = Member(c, self.etcd, self.control, registry, lambda n, u: None)
 
     async def start(self, nursery) -> None:

@@ -12,6 +12,7 @@ from test_placement import cfg, set_state
 from appliance.http.errors import ApiError
 from appliance.hub.decide.control import Control
 from appliance.hub.fleet.nodes import Registry
+from appliance.hub.observe.fleet_metrics import ControlCollector
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 KEV_ERROR = "unknown model architecture: 'kev'"
@@ -77,7 +78,8 @@ def make(models: list[dict], nodes: dict[str, tuple[int, dict[str, int]]], **ext
     for name, (total, ms) in nodes.items():
         add_node(registry, name, total, ms)
     ops, audit, metrics = FakeOps(registry), FakeAudit(), CollectorRegistry()
-    control = Control(cfg(models, **extra), registry, None, metrics, audit, ops=ops)
+    control = Control(cfg(models, **extra), registry, None, audit, ops=ops)
+    metrics.register(ControlCollector(control))
     return control, registry, ops, audit, metrics
 
 

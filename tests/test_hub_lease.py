@@ -17,7 +17,7 @@ import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.config import load
-from appliance.hub.run import Hub
+from appliance.hub.hub import Hub
 from appliance.hub.workers import workerset
 from appliance.hub.workers.lease import Ack, Answer, Ask, Conn, Cut, Done, Go
 from appliance.hub.workers.pool import _lease

@@ -17,37 +17,23 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-import httpx
 import trio
-from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
-from appliance.client.upstream import Pool
 from appliance.config import Config
 from appliance.http.asgi import Bound, same_port, serve
 from appliance.hub.api.app import make_app
-from appliance.hub.api.flag import Flag
-from appliance.hub.decide.admission import Admission
-from appliance.hub.decide.control import Control
-from appliance.hub.decide.grace import StartupGrace
-from appliance.hub.decide.limits import Limiter
-from appliance.hub.fleet.nodes import NodeHandle, Registry
-from appliance.hub.fleet.supervisor import supervise
-from appliance.hub.observe.audit import AuditLog, check_path
-from appliance.hub.observe.history import History, Recent, read_hub, run_sampler
-from appliance.hub.observe.metrics import HubMetrics
+from appliance.hub.hub import Hub, node_client
+from appliance.hub.observe.audit import check_path
+from appliance.hub.observe.history import read_hub, run_sampler
 from appliance.hub.workers import pool as workers
-from appliance.server.listener import Limits, LiveLimits
 
 if TYPE_CHECKING:
-    from appliance.hub.cluster.member import Member
-    from appliance.hub.workers.workerset import WorkerSet
     from appliance.observe import sdnotify
 
 log = logging.getLogger("appliance.hub")
@@ -56,106 +42,6 @@ HUB_METRICS_DEFAULT = "0.0.0.0:9464"
 # After the drain runs out, the time streams get to send their error event and end before
 # the server cancels what is left: one write each, on loopback or a LAN.
 DRAIN_CUT_SECONDS = 2.0
-
-
-class Hub:
-    """Everything a request handler needs, in one place."""
-
-    def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
-        self.cfg = cfg
-        self.limits = LiveLimits(hub_limits(cfg))  # every listener of this process (reload)
-        self.node_client = node_client
-        # The request path's own lean client (same token, same TLS) -- see upstream.py.
-        self.upstream = Pool(headers=_auth_headers(cfg), ssl_context=_client_ssl(cfg))
-        self.nursery = nursery
-        self.registry = Registry()
-        self.metrics_registry = CollectorRegistry()
-        self.metrics = HubMetrics(self.metrics_registry, self.registry)
-        self.before_scrape = [self.metrics.refresh]
-        self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
-        self.audit.on_error = self.metrics.audit_write_errors.inc
-        self.admission = Admission(cfg, self.registry, self.metrics_registry)
-        # Per-key limits; with several hubs each enforces its share (hubs alive).
-        self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
-        self.control = Control(cfg, self.registry, node_client, self.metrics_registry, self.audit)
-        # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
-        # a `shutting_down` error event and a proper end, before the server cancels.
-        self.drain_over = Flag()  # hub/flag.py: streams are cut by it without a task each
-        self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
-        # The page's memory (history.py): 15 minutes of counters, the last request records.
-        self.history = History()
-        self.recent = Recent()
-        self.audit.recent = self.recent
-        # with Cluster__Etcd (run_hub sets it)
-        self.cluster: Member | None = None
-        # with Hub__Workers>1 (hub/workers.py sets it)
-        self.workers: WorkerSet | None = None
-
-    def hubs_alive(self) -> int:
-        """Hubs in the cluster view (this one counted), 1 without a cluster."""
-        if self.cluster is None:
-            return 1
-        return len(set(self.cluster.snapshot.hubs) | {self.cluster.name})
-
-    def add_node(self, name: str, url: str, static: bool) -> None:
-        per_node = {c.name: c.token for c in self.cfg.auth.nodes}
-        h, new = self.registry.upsert(name, url, static, per_node.get(name, ""))
-        if new:
-            self.audit.event("node_added", node=name, url=url, static=static)
-            self.nursery.start_soon(partial(
-                supervise, self.node_client, h, self.registry,
-                heartbeat=self.cfg.node.heartbeat_seconds,
-                backoff_max=self.cfg.hub.reconnect_max_seconds,
-                on_event=self._node_event,
-                forget_after=self.cfg.hub.forget_node_seconds,
-            ))
-
-    def _node_event(self, kind: str, h: NodeHandle, reason: str) -> None:
-        self.audit.event(kind, node=h.name, url=h.url, reason=reason)
-
-    def reload(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.limits.set(hub_limits(cfg))
-        self.admission.reload(cfg)
-        self.tenants.configure(cfg.auth.clients, cfg.auth.reserve_output_tokens)
-        self.control.reload(cfg)
-        for n in cfg.nodes:
-            self.add_node(n.name, n.url, static=True)
-        if self.workers is not None:
-            self.workers.reload()  # each worker re-reads it (hub/worker.py)
-
-
-def hub_limits(cfg: Config) -> Limits:
-    h = cfg.hub
-    return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections,
-                  h.max_buffered_bytes)
-
-
-def _auth_headers(cfg: Config) -> dict[str, str]:
-    return {"authorization": f"Bearer {cfg.auth.node_token}"} if cfg.auth.node_token else {}
-
-
-def _client_ssl(cfg: Config) -> ssl.SSLContext | None:
-    """Verify nodes with Hub__TlsCa and present our certificate; None: system defaults."""
-    if not cfg.hub.tls_ca:
-        return None
-    ctx = ssl.create_default_context(cafile=cfg.hub.tls_ca)
-    if cfg.hub.tls_cert:
-        ctx.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key or None)
-    return ctx
-
-
-def node_client(cfg: Config) -> httpx.AsyncClient:
-    """One client for every node's control calls: the node token, an explicit timeout, TLS."""
-    return httpx.AsyncClient(
-        headers=_auth_headers(cfg),
-        verify=_client_ssl(cfg) or True,
-        # Connect fast or fail over; reads may wait a long time between tokens.
-        timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0,
-                              pool=10.0),
-        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200,
-                            keepalive_expiry=60),
-    )
 
 
 # What `run_hub` hands to `nursery.start`: the hub and its bound address.

@@ -148,7 +148,8 @@ class NodeApp:
             if method != "POST":
                 await self._error(send, NODE_API, 405, "method_not_allowed", f"{rest} takes POST")
             else:
-                await modelops.handle(self, scope, receive, send, rest)
+                await modelops.handle(self.engine, self.proxy.pool,
+                                     self.cfg.node.upstream_read_seconds, receive, send, rest)
             return
         model, action = self._model_path(scope)
         if model is None or action not in ("load", "unload"):

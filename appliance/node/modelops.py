@@ -12,18 +12,17 @@ catalog) shows the change at once rather than at the next poll.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import msgspec
 import trio
 
-from appliance.client.upstream import UpstreamError
-from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
-from appliance.node.engines.base import EngineError
+from appliance.client.upstream import Pool, UpstreamError
+from appliance.http.asgi import BodyTooLarge, Receive, Send, read_body
+from appliance.http.errors import ApiError
+from appliance.http.respond import send_api_error
+from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.ollama import POLL_ERRORS, PolledEngine
-
-if TYPE_CHECKING:
-    from appliance.node.app import NodeApp
+from appliance.node.proxy import NODE_API
 
 log = logging.getLogger("appliance.node.modelops")
 
@@ -40,33 +39,36 @@ class _Body(msgspec.Struct):
     name: str = ""
 
 
-async def handle(app: NodeApp, scope: Scope, receive: Receive, send: Send, action: str) -> None:
-    """`app` is the NodeApp (its engine, pool and config)."""
-    engine = app.engine
+async def handle(engine: Engine, pool: Pool, read_seconds: float, receive: Receive, send: Send,
+                 action: str) -> None:
+    """`action` on `engine`, through the node's engine `pool`, each read bounded by
+    `read_seconds` (Node__UpstreamReadSeconds)."""
     # ollama and sim: polled engines with the URL of an Ollama API
     if engine.kind not in MANAGING_KINDS or not isinstance(engine, PolledEngine) or not engine.url:
-        await send_json(send, 501,
-                        {"error": f"a {engine.kind or 'missing'} engine does not {action} models; "
-                                             f"put the model file where the engine reads it"})
+        await send_api_error(send, NODE_API, ApiError(
+            501, "not_implemented", f"a {engine.kind or 'missing'} engine does not {action} "
+            "models; put the model file where the engine reads it"))
         return
     try:
         body = await read_body(receive, BODY_LIMIT)
         req = msgspec.json.decode(body, type=_Body)
+        if not (req.model or req.name):
+            raise ApiError(400, "invalid_request", "model is required")
     except BodyTooLarge:
-        await send_json(send, 413, {"error": "body too large"})
+        await send_api_error(send, NODE_API, ApiError(413, "body_too_large", "body too large"))
         return
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        await send_json(send, 400, {"error": f"invalid request: {e}"})
+        await send_api_error(send, NODE_API,
+                             ApiError(400, "invalid_request", f"invalid request: {e}"))
         return
-    if not (req.model or req.name):
-        await send_json(send, 400, {"error": "model is required"})
+    except ApiError as e:
+        await send_api_error(send, NODE_API, e)
         return
     method, path = ("POST", "/api/pull") if action == "pull" else ("DELETE", "/api/delete")
     resp = None
     try:
-        resp = await app.proxy.pool.request(method, engine.url + path, [(b"content-type",
-                                                                   b"application/json")], body,
-                                      app.cfg.node.upstream_read_seconds)
+        resp = await pool.request(method, engine.url + path,
+                                  [(b"content-type", b"application/json")], body, read_seconds)
         ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
         await send({"type": "http.response.start", "status": resp.status_code,
                     "headers": [(b"content-type", ctype)]})
@@ -82,7 +84,8 @@ async def handle(app: NodeApp, scope: Scope, receive: Receive, send: Send, actio
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except UpstreamError as e:
         if resp is None:
-            await send_json(send, 502, {"error": f"engine at {engine.url} failed: {e}"})
+            await send_api_error(send, NODE_API, ApiError(502, "engine_failed",
+                                                          f"engine at {engine.url} failed: {e}"))
         else:
             await send({"type": "http.response.body",
                         "body": msgspec.json.encode({"error": str(e)}) + b"\n",

@@ -30,7 +30,7 @@ from appliance.hub.cluster.etcd import EtcdError
 from appliance.hub.fleet.nodes import NodeHandle
 
 if TYPE_CHECKING:
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 log = logging.getLogger("appliance.hub.api.admin")
 

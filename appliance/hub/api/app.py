@@ -41,7 +41,7 @@ from appliance.observe.metricsapp import render
 from appliance.wire import announce_decoder
 
 if TYPE_CHECKING:
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 log = logging.getLogger("appliance.hub.api.app")
 

@@ -36,7 +36,7 @@ from appliance.hub.translate import engine_kind
 
 if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 log = logging.getLogger("appliance.hub.api.modelops")
 

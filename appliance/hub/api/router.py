@@ -46,7 +46,7 @@ from appliance.server.listener import Refusal
 if TYPE_CHECKING:
     from appliance.hub.decide.admission import Place
     from appliance.hub.fleet.nodes import NodeHandle
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 log = logging.getLogger("appliance.hub.api.router")
 

@@ -55,7 +55,7 @@ from appliance.hub.api.router import allowed, authenticate
 from appliance.hub.translate import OPENAI_ONLY, engine_kind, resolve
 
 if TYPE_CHECKING:
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 log = logging.getLogger("appliance.hub.api.routes")
 

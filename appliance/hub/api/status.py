@@ -16,7 +16,7 @@ from appliance.hub.fleet.nodes import NodeHandle
 from appliance.wire import ModelMeta
 
 if TYPE_CHECKING:
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 MiB = 1024 * 1024
 # A model whose engine names no date of its own is as new as this hub.

@@ -11,7 +11,8 @@ with its bound at the call site: a load may take minutes, so it is bounded gener
 is what normally ends it.
 
 Interface the router and status rely on:
-- `Control(cfg, registry, node_client, metrics_registry, audit)`, `await run(task_status=)`
+- `Control(cfg, registry, node_client, audit)`, `await run(task_status=)` (its series:
+  hub/observe/fleet_metrics.py's `ControlCollector`, registered by the hub)
 - `known(model)`: in the catalog or discovered on a node.
 - `await make_servable(model, keep)`: the one call a request makes: returns once a replica
   is ready, or raises ApiError (parked; unplaceable by a fresh attempt -- a stored
@@ -34,12 +35,11 @@ from __future__ import annotations
 import logging
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 import trio
-from prometheus_client import CollectorRegistry
 
 from appliance.config import Config
 from appliance.http.errors import ApiError
@@ -49,8 +49,19 @@ from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.observe.audit import AuditLog
 from appliance.wire import EPOCH_HEADER, LoadRequest
 
-if TYPE_CHECKING:
-    from appliance.hub.cluster.member import Member
+
+class Cluster(activation.Leader, Protocol):
+    """This hub's cluster member (hub/cluster/member.py) as the control loop, its
+    activation and its metrics read it."""
+
+    changes: int  # leader changes seen
+
+    @property
+    def leading(self) -> bool: ...
+
+    def deposed(self, why: str) -> None:
+        """A node refused our epoch: step down now."""
+
 
 log = logging.getLogger("appliance.hub.decide.control")
 
@@ -127,8 +138,7 @@ class NodeOps:
 
 class Control:
     def __init__(self, cfg: Config, registry: Registry, node_client: httpx.AsyncClient,
-                 metrics_registry: CollectorRegistry | None, audit: AuditLog | None, *,
-                 ops: NodeOps | None = None) -> None:
+                 audit: AuditLog | None, *, ops: NodeOps | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.audit = audit
@@ -143,13 +153,9 @@ class Control:
         self._decided = trio.Event()
         self._unloading: set[tuple[str, str]] = set()
         self._last_now = 0.0
-        # appliance.hub.cluster.member.Member when Cluster__Etcd is set
-        self.cluster: Member | None = None
+        # appliance.hub.cluster.member.Member when Cluster__Etcd is set (it sets itself)
+        self.cluster: Cluster | None = None
         registry.add_listener(self._wake_up, on_finish=self._finished)
-        if metrics_registry is not None:
-            from appliance.hub.observe.fleet_metrics import ControlCollector
-
-            metrics_registry.register(ControlCollector(self))
 
     # --- the loop ----------------------------------------------------------------------
 

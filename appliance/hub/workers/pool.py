@@ -58,7 +58,7 @@ from appliance.server.listener import Busy, Refusal, RequestTimeout
 if TYPE_CHECKING:
     from appliance.hub.api.request import Request
     from appliance.hub.fleet.nodes import NodeHandle
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 log = logging.getLogger("appliance.hub.workers.pool")
 

@@ -42,6 +42,7 @@ from appliance.hub.api.flag import Flag
 from appliance.hub.api.relay import relay_from
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
+from appliance.hub.hub import auth_headers, client_ssl, hub_limits
 from appliance.hub.workers.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go
 from appliance.server.listener import LiveLimits, Refusal
 
@@ -126,14 +127,12 @@ class _Leases:
 
 class Worker:
     def __init__(self, cfg: Config, where: str, env_file: str | None = None) -> None:
-        from appliance.hub.run import _auth_headers, _client_ssl, hub_limits
-
         self.cfg = cfg
         self.limits = LiveLimits(hub_limits(cfg))
         self.env_file = env_file
         self.leases = _Leases(os.path.join(where, "lease.sock"),
                               lambda: self.cfg.hub.max_body_bytes + 256 * 1024)
-        self.upstream = Pool(headers=_auth_headers(cfg), ssl_context=_client_ssl(cfg))
+        self.upstream = Pool(headers=auth_headers(cfg), ssl_context=client_ssl(cfg))
         self.main = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=os.path.join(where, "http.sock")),
             timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0,
@@ -149,8 +148,6 @@ class Worker:
             log.error("hub worker: reload refused, keeping the old configuration: %s", e)
             return False
         self.cfg = new
-        from appliance.hub.run import hub_limits
-
         self.limits.set(hub_limits(new))
         log.info("hub worker %d: configuration reloaded", os.getpid())
         return True

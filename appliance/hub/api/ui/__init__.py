@@ -28,7 +28,7 @@ from appliance.http.respond import send_api_error
 from appliance.hub.observe.history import RECENT_MAX
 
 if TYPE_CHECKING:
-    from appliance.hub.run import Hub
+    from appliance.hub.hub import Hub
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 FILES = {

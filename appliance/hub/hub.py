@@ -1,0 +1,140 @@
+"""The hub's parts in one object, as the request handlers, the workers and the entry
+point (hub/run.py) see them.
+
+Theory of operation: `Hub(cfg, node_client, nursery)` builds the registry, metrics, audit
+log, admission, control plane, startup grace and the page's memory; `run_hub` (hub/run.py)
+makes one and starts its loops. The handlers in hub/api/ read it; nothing here runs a task
+but the per-node supervisors `add_node` starts. `hub_limits`, `auth_headers`,
+`client_ssl` and `node_client` are what every hub process (the main one and each worker)
+derives from the configuration the same way.
+"""
+
+from __future__ import annotations
+
+import ssl
+from functools import partial
+from typing import TYPE_CHECKING
+
+import httpx
+import trio
+from prometheus_client import CollectorRegistry
+
+from appliance.client.upstream import Pool
+from appliance.config import Config
+from appliance.hub.api.flag import Flag
+from appliance.hub.decide.admission import Admission
+from appliance.hub.decide.control import Control
+from appliance.hub.decide.grace import StartupGrace
+from appliance.hub.decide.limits import Limiter
+from appliance.hub.fleet.nodes import NodeHandle, Registry
+from appliance.hub.fleet.supervisor import supervise
+from appliance.hub.observe.audit import AuditLog
+from appliance.hub.observe.fleet_metrics import ControlCollector
+from appliance.hub.observe.history import History, Recent
+from appliance.hub.observe.metrics import HubMetrics
+from appliance.server.listener import Limits, LiveLimits
+
+if TYPE_CHECKING:
+    from appliance.hub.cluster.member import Member
+    from appliance.hub.workers.workerset import WorkerSet
+
+
+class Hub:
+    """Everything a request handler needs, in one place."""
+
+    def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
+        self.cfg = cfg
+        self.limits = LiveLimits(hub_limits(cfg))  # every listener of this process (reload)
+        self.node_client = node_client
+        # The request path's own lean client (same token, same TLS) -- see upstream.py.
+        self.upstream = Pool(headers=auth_headers(cfg), ssl_context=client_ssl(cfg))
+        self.nursery = nursery
+        self.registry = Registry()
+        self.metrics_registry = CollectorRegistry()
+        self.metrics = HubMetrics(self.metrics_registry, self.registry)
+        self.before_scrape = [self.metrics.refresh]
+        self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
+        self.audit.on_error = self.metrics.audit_write_errors.inc
+        self.admission = Admission(cfg, self.registry, self.metrics_registry)
+        # Per-key limits; with several hubs each enforces its share (hubs alive).
+        self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
+        self.control = Control(cfg, self.registry, node_client, self.audit)
+        self.metrics_registry.register(ControlCollector(self.control))
+        # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
+        # a `shutting_down` error event and a proper end, before the server cancels.
+        self.drain_over = Flag()  # hub/flag.py: streams are cut by it without a task each
+        self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
+        # The page's memory (history.py): 15 minutes of counters, the last request records.
+        self.history = History()
+        self.recent = Recent()
+        self.audit.recent = self.recent
+        # with Cluster__Etcd (run_hub sets it)
+        self.cluster: Member | None = None
+        # with Hub__Workers>1 (hub/workers.py sets it)
+        self.workers: WorkerSet | None = None
+
+    def hubs_alive(self) -> int:
+        """Hubs in the cluster view (this one counted), 1 without a cluster."""
+        if self.cluster is None:
+            return 1
+        return len(set(self.cluster.snapshot.hubs) | {self.cluster.name})
+
+    def add_node(self, name: str, url: str, static: bool) -> None:
+        per_node = {c.name: c.token for c in self.cfg.auth.nodes}
+        h, new = self.registry.upsert(name, url, static, per_node.get(name, ""))
+        if new:
+            self.audit.event("node_added", node=name, url=url, static=static)
+            self.nursery.start_soon(partial(
+                supervise, self.node_client, h, self.registry,
+                heartbeat=self.cfg.node.heartbeat_seconds,
+                backoff_max=self.cfg.hub.reconnect_max_seconds,
+                on_event=self._node_event,
+                forget_after=self.cfg.hub.forget_node_seconds,
+            ))
+
+    def _node_event(self, kind: str, h: NodeHandle, reason: str) -> None:
+        self.audit.event(kind, node=h.name, url=h.url, reason=reason)
+
+    def reload(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.limits.set(hub_limits(cfg))
+        self.admission.reload(cfg)
+        self.tenants.configure(cfg.auth.clients, cfg.auth.reserve_output_tokens)
+        self.control.reload(cfg)
+        for n in cfg.nodes:
+            self.add_node(n.name, n.url, static=True)
+        if self.workers is not None:
+            self.workers.reload()  # each worker re-reads it (hub/worker.py)
+
+
+def hub_limits(cfg: Config) -> Limits:
+    h = cfg.hub
+    return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections,
+                  h.max_buffered_bytes)
+
+
+def auth_headers(cfg: Config) -> dict[str, str]:
+    return {"authorization": f"Bearer {cfg.auth.node_token}"} if cfg.auth.node_token else {}
+
+
+def client_ssl(cfg: Config) -> ssl.SSLContext | None:
+    """Verify nodes with Hub__TlsCa and present our certificate; None: system defaults."""
+    if not cfg.hub.tls_ca:
+        return None
+    ctx = ssl.create_default_context(cafile=cfg.hub.tls_ca)
+    if cfg.hub.tls_cert:
+        ctx.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key or None)
+    return ctx
+
+
+def node_client(cfg: Config) -> httpx.AsyncClient:
+    """One client for every node's control calls: the node token, an explicit timeout, TLS."""
+    return httpx.AsyncClient(
+        headers=auth_headers(cfg),
+        verify=client_ssl(cfg) or True,
+        # Connect fast or fail over; reads may wait a long time between tokens.
+        timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0,
+                              pool=10.0),
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200,
+                            keepalive_expiry=60),
+    )
