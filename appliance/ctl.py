@@ -94,16 +94,28 @@ def _model_state(m: dict[str, Any]) -> str:
     return "loading" if m["loading"] else "NOT READY"
 
 
+def routing_cell(r: dict[str, Any] | None) -> tuple[str, str]:
+    """(requests placed by session/prefix/spread, the engines' cache hit ratio)."""
+    if not r:
+        return "-", "-"
+    p = r["placed"]
+    ratio = r.get("cache_hit_ratio")
+    return (f"{p['session']}/{p['prefix']}/{p['spread']}",
+            "-" if ratio is None else f"{ratio:.0%}")
+
+
 def models_table(models: list[dict[str, Any]]) -> str:
-    rows = [["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE", "NODES", "WHY"]]
+    rows = [["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE", "NODES",
+             "PLACED", "CACHED", "WHY"]]
     for m in models:
         why = m["reason"]
         if m["last_error"] and (m["parked"] or m["consecutive_start_failures"]):
             last = f"last error: {m['last_error']}"
             why = f"{why}; {last}" if why else last
+        placed, cached = routing_cell(m.get("routing"))
         rows.append([m["name"], str(m["desired"]), str(m["ready"]), str(m["loading"]),
                      str(m["consecutive_start_failures"]), _model_state(m), ",".join(m["nodes"])
-                     or "-", why or ""])
+                     or "-", placed, cached, why or ""])
     return _table(rows)
 
 

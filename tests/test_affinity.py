@@ -114,7 +114,10 @@ def test_render_order_tools_system_conversation() -> None:
 
 def test_the_chain_is_bounded() -> None:
     assert len(chain_of(b"x" * (BLOCK * (MAX_BLOCKS + 50)), BLOCK)) == MAX_BLOCKS
-    assert len(chain_of(b"short", BLOCK)) == 1 and chain_of(b"", BLOCK) == []
+    assert chain_of(b"short", BLOCK) == [] and chain_of(b"", BLOCK) == []
+    a = Affinity()
+    r = route_key({"prompt": "short"}, [], BLOCK)
+    assert a.choose("m", r, cands(0, 0)) is None and r.reason == SPREAD  # spread by load
 
 
 # --- rendezvous and the load bound -------------------------------------------------------

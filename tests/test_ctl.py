@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -14,6 +14,7 @@ from test_control import KEV_ERROR, FakeAudit, make
 from appliance import ctl
 from appliance.http.errors import ApiError
 from appliance.hub.api import admin
+from appliance.hub.decide.affinity import Affinity
 from appliance.hub.decide.control import Control
 from appliance.hub.fleet.nodes import Registry
 
@@ -34,12 +35,20 @@ async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:
 
 
 @dataclass
+class AdminAdmission:
+    """What admin.handle reads of admission: the affinity counts per model."""
+    affinity: Affinity = field(default_factory=Affinity)
+
+
+@dataclass
 class AdminHub:
-    """What admin.handle reads of a Hub: its registry, control and audit (no cluster)."""
+    """What admin.handle reads of a Hub: its registry, control, audit and admission's
+    affinity (no cluster)."""
     registry: Registry
     control: Control
     audit: FakeAudit
     cluster: None = None
+    admission: AdminAdmission = field(default_factory=AdminAdmission)
 
 
 async def fleet(nursery):
@@ -151,7 +160,7 @@ async def test_ctl_table_json_and_exit_codes(nursery, autojump_clock):
     lines = {line.split()[0]: line for line in text.splitlines() if line
              and not line.startswith((" ", "fleet"))}
     assert lines["MODEL"].split() == ["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE",
-                                      "NODES", "WHY"]
+                                      "NODES", "PLACED", "CACHED", "WHY"]
     assert lines["kev-0.5b"].split()[1:6] == ["1", "0", "0", "2",
                                               "PARKED"] and KEV_ERROR in lines["kev-0.5b"]
     assert lines["phi-4"].split()[1:6] == ["1", "0", "0", "0", "UNPLACEABLE"]

@@ -32,7 +32,8 @@ ROLES = HUB + NODE + SIM + LAUNCHERS
 CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.http.errors",
          "appliance.hub.decide.priority", "appliance.hub.decide.placement", "appliance.hub.decide.fit",
          "appliance.node.state", "appliance.hub.cluster.state", "appliance.hub.translate",
-         "appliance.hub.decide.fair", "appliance.hub.decide.limits")
+         "appliance.hub.decide.fair", "appliance.hub.decide.limits",
+         "appliance.hub.decide.affinity")
 SHELL_LIBS = ("trio", "httpx", "h11", "hypercorn", "anyio", "prometheus_client")
 
 

@@ -26,6 +26,7 @@ import httpx
 
 from appliance.bounds import echo
 from appliance.http.asgi import Receive, Scope, Send, send_json
+from appliance.hub.api.status import with_routing
 from appliance.hub.cluster.etcd import EtcdError
 from appliance.hub.fleet.nodes import NodeHandle
 
@@ -61,7 +62,7 @@ def nodes(hub: Hub) -> list[dict[str, Any]]:
 
 
 def status(hub: Hub) -> dict[str, Any]:
-    models = hub.control.model_details()
+    models = with_routing(hub.admission.affinity, hub.control.model_details())
     rows = nodes(hub)
     problems = []
     for m in models:

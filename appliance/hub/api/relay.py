@@ -32,6 +32,7 @@ from appliance.http.errors import ApiError, Headers
 from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
 from appliance.hub.api.flag import Flag
+from appliance.hub.decide.affinity import usage_of
 from appliance.server.fastio import DirectBody
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         req.node = node.name
         req.status = resp.status_code
         req.ttfb = time.perf_counter() - req.t0
+
         if conv is None:
             ctype = resp.headers.get("content-type", "application/json")
             clen = resp.headers.get("content-length")
@@ -133,6 +135,10 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             # A whole answer in the first read (every short, non-streamed one): one
             # body message with its length, no chunked framing, fewer writes.
             start_headers.append((b"content-length", clen.encode()))
+            if req.route is not None and conv is None:
+                seen = usage_of(first)  # what the engine says of its prompt cache
+                if seen is not None:
+                    req.route.prompt_tokens, req.route.cached_tokens = seen
             await req.send_start(resp.status_code, start_headers)
             await req.send_last(first)
             return True, ""

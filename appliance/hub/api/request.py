@@ -19,6 +19,7 @@ from appliance.http.asgi import Scope, Send
 from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.api.requestid import request_id
 from appliance.hub.decide.admission import Demand
+from appliance.hub.decide.affinity import Route
 from appliance.hub.decide.limits import Lease, Usage
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
@@ -51,6 +52,11 @@ class Recorder:
             fields["input_tokens"], fields["output_tokens"] = tokens.input, tokens.output
             if tokens.estimated:
                 fields["tokens_estimated"] = True
+        route = req.route
+        if route is not None and route.node:
+            fields["routing"] = route.reason
+            if route.cached_tokens is not None:
+                fields["cached_tokens"] = route.cached_tokens
         self.audit.request(**fields)
         m = self.metrics
         m.requests_of(req.client, req.label, str(req.status)).inc()
@@ -70,7 +76,8 @@ class Request:
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
-                 "scope", "usage", "lease", "tokens", "demand", "_recorder")
+                 "scope", "usage", "lease", "tokens", "demand", "_recorder",
+                 "route")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
@@ -92,6 +99,8 @@ class Request:
         # where
         self.node = ""
         self.tried: list[str] = []
+        # Its affinity key and what became of it (hub/decide/affinity.py); None: none.
+        self.route: Route | None = None
         # what happened
         self.status = 0
         self.ttfb: float | None = None

@@ -172,6 +172,8 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         req.lease = hub.tenants.admit(client.name, time.time(), len(body), cap)
         cost, weight = hub.tenants.demand(client.name, len(body), cap)
         req.demand = Demand(cost, weight, partial(_used, req))
+        if not prep.load_only and "embed" not in req.path:
+            req.route = hub.admission.affinity.key(obj, req.headers)
     except ApiError as e:
         await req.send_error(e)
         return
@@ -224,7 +226,7 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
     try:
         in_flight = hub.metrics.in_flight_of(model)
         async with hub.admission.place(model, req.cls, req.client, in_flight,
-                                       req.demand) as place:
+                                       req.demand, req.route) as place:
             await _proxy(hub, req, place, model, prep, relay)
     finally:
         hub.control.touch(model, keep)  # idle time counts from the end of the work
@@ -232,8 +234,9 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
 
 async def _proxy(hub: Hub, req: Request, place: Place, model: str,
                  prep: translate.Prepared, relay: RelayFn | None) -> None:
-    """Send to the best node; once more on the least loaded other one if it fails before
-    the first byte. The operator's log line says what happened to whom."""
+    """Send to the best node (affinity's first choice where it has one); once more on
+    another if it fails before the first byte. The operator's log line says what happened
+    to whom. A request answered tells affinity where its prompt is cached now."""
     last = "no node has the model ready"
     node = place.node
     while node is not None:
@@ -241,12 +244,15 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
         await place.wait_slot()
         plan = prep.for_engine(translate.engine_kind(node.state),
                                translate.context_length(node.state, model))
+        req.node = node.name  # the audit line names where it went, even if it fails there
         if relay is not None:
             ok, why = await relay(node, req, plan)
         else:
             ok, why = await relay_from(node, req, plan, hub.upstream,
                                        hub.cfg.hub.upstream_read_seconds, hub.drain_over)
         if ok:
+            if req.route is not None and req.status == 200:
+                hub.admission.affinity.served(model, req.route, node.name)
             return
         last = f"node {node.name} {why}"
         nxt = place.next(MAX_ATTEMPTS)

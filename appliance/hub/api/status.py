@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
+from appliance.hub.decide.affinity import Affinity
 from appliance.hub.fleet.nodes import NodeHandle
 from appliance.wire import ModelMeta
 
@@ -40,11 +41,19 @@ def node_entry(h: NodeHandle) -> dict[str, Any]:
     }
 
 
+def with_routing(affinity: Affinity, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each model's `routing`: how its requests were placed (session, prefix, spread) and
+    the engines' cache hit ratio (hub/decide/affinity.py)."""
+    for m in models:
+        m["routing"] = affinity.status(m["name"])
+    return models
+
+
 def status_payload(hub: Hub) -> dict[str, Any]:
     out = {
         "version": __version__,
         "nodes": [node_entry(h) for h in hub.registry.nodes.values()],
-        "models": hub.control.models_status(),
+        "models": with_routing(hub.admission.affinity, hub.control.models_status()),
         "audit": {"path": hub.audit.path or "stdout", "write_errors": hub.audit.write_errors,
                   "last_error": hub.audit.last_error, "failing": hub.audit.failing},
     }

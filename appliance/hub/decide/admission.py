@@ -13,8 +13,12 @@ A request's place is one `async with admission.place(model, cls, client, in_flig
 admitted on entry (or ApiError: queue_full, queue_timeout, priority_wait_timeout), then
 on one node at a time -- `p.node`, picked and counted in flight without a checkpoint
 after admission, so no other request can take the same place -- `await p.wait_slot()`
-before sending to it, `p.next(max_attempts)` to give that node back and take the least
-loaded other, and on any exit everything given back. Its parts:
+before sending to it, `p.next(max_attempts)` to give that node back and take the next
+other, and on any exit everything given back. Which node: with a `route` (affinity.py,
+`Router__Affinity=on`) the affinity core orders the very nodes the registry's pick
+would consider (ready, with concurrency left, not tried) and the first within its load
+bound is taken; none within it, or no route, and the pick takes the one with the most
+places left. Admission itself never looks at the route. Its parts:
 - `Admission(cfg, registry, metrics_registry)`; `enabled`; `effective_class(cls, headers)`
 - `await admit(model, cls, client) -> Ticket`: returns when the request may be sent.
 - `await wait_slot(node, model, cls)`: Queue__SlotWaitSeconds before sending.
@@ -38,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from appliance.config import Config
 from appliance.hub.decide import priority
+from appliance.hub.decide.affinity import Affinity, Candidate, Route
 from appliance.hub.decide.fair import FairLane
 from appliance.hub.decide.priority import (
     CLASSES,
@@ -49,6 +54,7 @@ from appliance.hub.decide.priority import (
     ready_nodes,
 )
 from appliance.hub.fleet.nodes import NodeHandle, Registry
+from appliance.hub.observe.routing import RoutingCollector
 from appliance.wire import NodeState
 
 
@@ -65,19 +71,21 @@ class Place:
     """A request's place: the node it is on now (`node`, counted in flight) and the
     nodes it was on (`tried`). Made by `Admission.place`."""
 
-    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket")
+    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket",
+                 "route")
 
     def __init__(self, admission: Admission, model: str, cls: str, in_flight: Any,
-                 ticket: Ticket) -> None:
+                 ticket: Ticket, route: Route | None = None) -> None:
         self._admission, self.model, self.cls = admission, model, cls
         self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
         self.node: Any = None
         self.tried: list[str] = []
         self.ticket = ticket
+        self.route = route
 
     def _take(self) -> None:
         registry = self._admission.registry
-        node = registry.pick(self.model, exclude=set(self.tried))
+        node = self._admission.pick(self.model, self.route, self.tried)
         if node is not None:
             self.tried.append(node.name)
             registry.start(node, self.model)
@@ -97,7 +105,7 @@ class Place:
         await self._admission.wait_slot(self.node, self.model, self.cls)
 
     def next(self, max_attempts: int) -> Any:
-        """Give the current node back; take the least loaded other (None: none left, or
+        """Give the current node back; take the next other (None: none left, or
         `max_attempts` nodes tried)."""
         self._give_back()
         if len(self.tried) < max_attempts:
@@ -120,6 +128,12 @@ def _settings(cfg: Config) -> dict[str, Any]:
                 background_max_wait=cfg.priority.background_max_wait_seconds)
 
 
+def _affinity(cfg: Config) -> dict[str, Any]:
+    r = cfg.router
+    return dict(enabled=r.affinity == "on", factor=r.affinity_load_factor,
+                entries=r.affinity_index_entries, block=r.affinity_block_chars)
+
+
 class Admission:
     def __init__(self, cfg: Config, registry: Registry,
                  metrics_registry: CollectorRegistry | None) -> None:
@@ -135,8 +149,11 @@ class Admission:
         self._ready: dict[str, list[NodeHandle]] = {}
         self._shape: list[tuple[NodeHandle, NodeState | None, bool, bool]] = []
         self._priority_collector = PriorityCollector(self.core)
+        # Which of the nodes it may go to a request goes to (affinity.py).
+        self.affinity = Affinity(**_affinity(cfg))
         if metrics_registry is not None:
             metrics_registry.register(QueueCollector(self.core))
+            metrics_registry.register(RoutingCollector(self.affinity))
             if self.enabled:
                 metrics_registry.register(self._priority_collector)
         registry.add_listener(self._on_change, on_finish=self._wake_waiters)
@@ -146,6 +163,7 @@ class Admission:
         self.cfg = cfg
         was = self.enabled
         self.core.configure(**_settings(cfg))
+        self.affinity.configure(**_affinity(cfg))
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
         if self._metrics is not None and was != self.enabled:
@@ -188,14 +206,15 @@ class Admission:
 
     @asynccontextmanager
     async def place(self, model: str, cls: str, client: str, in_flight: Any = None,
-                    demand: Demand | None = None) -> AsyncIterator[Place]:
+                    demand: Demand | None = None,
+                    route: Route | None = None) -> AsyncIterator[Place]:
         """Admit, then take the best node for `model` (`Place.node`, None when no node can
         take it); the node is given back on any exit, and a fair-queue charge settled."""
         if demand is None:
             ticket = await self.admit(model, cls, client)
         else:
             ticket = await self.admit(model, cls, client, demand.cost, demand.weight)
-        p = Place(self, model, cls, in_flight, ticket)
+        p = Place(self, model, cls, in_flight, ticket, route)
         p._take()  # no checkpoint since admit returned: this place is ours
         try:
             yield p
@@ -206,6 +225,24 @@ class Admission:
                 if used is not None:
                     lane, episode = ticket.fair
                     lane.settle(client, episode, demand.cost, used, demand.weight)
+
+    def pick(self, model: str, route: Route | None, tried: list[str]) -> NodeHandle | None:
+        """The node for the next attempt: the registry's pick among the nodes it would
+        consider, ordered by affinity when the request has a route."""
+        registry = self.registry
+        if route is None or not self.affinity.enabled:
+            self.affinity.spread(model)
+            return registry.pick(model, exclude=set(tried))
+        nodes = [h for h in self._ready_nodes(model)
+                 if h.name not in tried and h.ready(model) and h.has_concurrency()]
+        cands = []
+        for h in nodes:
+            left = h.places_left(model)
+            cands.append(Candidate(h.name, h.in_flight_total, left is not None and left <= 0))
+        name = self.affinity.choose(model, route, cands)
+        if name is not None:
+            return next(h for h in nodes if h.name == name)
+        return registry.pick(model, exclude=set(tried))
 
     def _ready_nodes(self, model: str) -> list[NodeHandle]:
         ready = self._ready.get(model)

@@ -14,7 +14,8 @@ admission would accept, and the shell takes the first of them.
    request rendered in chat-template order (tools, system, then the messages with role
    and content; for /api/generate and completions the prompt), cut into fixed blocks of
    `Router__AffinityBlockChars` bytes anchored at the start, each block's hash chained to
-   the one before, at most `MAX_BLOCKS` blocks. A session value of any size is hashed at
+   the one before, at most `MAX_BLOCKS` blocks (none for a text under one block: spread
+   by load, as there is too little to cache). A session value of any size is hashed at
    once; nothing of it, nor of the text, is kept, logged or used as a label.
 2. One node choice every hub agrees on without talking: rendezvous (highest random
    weight) hashing of the session key -- or of the first block -- over the candidates,
@@ -148,11 +149,9 @@ def render(obj: dict[str, Any]) -> bytes:
 
 def chain_of(data: bytes, block: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
     """The prefix-hash chain: block i's digest covers block i and the digest before it.
-    A text shorter than one block is one digest of all of it (there is nothing earlier
-    to keep); an empty one has no chain."""
+    A text shorter than one block has none: its prefill is too short to be worth a
+    detour, so it is spread by load like any request with nothing to go on."""
     n = min(len(data) // block, max_blocks)
-    if n == 0:
-        return [int.from_bytes(_h(data), "little")] if data else []
     view = memoryview(data)
     out: list[int] = []
     prev = b""
@@ -396,7 +395,8 @@ class Affinity:
             ix.record(route.chain, node, start)
 
     def status(self, model: str) -> dict[str, Any]:
-        return self.stats(model).as_dict()
+        """How requests for `model` were placed, and what the engines said of their cache."""
+        return (self.models.get(model) or ModelStats()).as_dict()
 
 
 # --- what engines report -------------------------------------------------------------------
