@@ -327,8 +327,10 @@ def openai_frame(model: str, chat: bool, ident: int, include_usage: bool) -> Fra
         f.prefix, f.suffix = base + b'"text":', end
 
     def usage(st: dict[str, Any]) -> dict[str, Any]:
+        # cached_tokens: the prefix cache's hit (sim/cache.py), reported as vLLM does.
         return {"prompt_tokens": st["prompt"], "completion_tokens": st["completion"],
-                "total_tokens": st["prompt"] + st["completion"]}
+                "total_tokens": st["prompt"] + st["completion"],
+                "prompt_tokens_details": {"cached_tokens": st.get("cached", 0)}}
 
     def tail(st: dict[str, Any]) -> bytes:
         last = base + (b'"delta":{}' if chat else b'"text":""')

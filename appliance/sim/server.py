@@ -23,7 +23,10 @@ finish "stop", and OpenAI answers name it in the choice's `stop_reason`, as vLLM
 chat asking to think (`chat_template_kwargs.enable_thinking`, `reasoning_effort`) gets a
 few `reasoning_content` tokens first, as llama.cpp and vLLM send a thinking model's. With
 `Sim__TokensPerSecond` > 0 token i goes out at start + i/tps (`trio.sleep_until`, no
-drift); 0 sends as fast as the socket takes them. At most `Sim__Parallel` requests
+drift); 0 sends as fast as the socket takes them. Before the first token, the prompt's
+tokens its prefix cache does not hold (`appliance.sim.cache`, `Sim__CacheTokens`) take
+their prefill time (`Sim__PrefillTokensPerSecond`); OpenAI usage reports the rest as
+`prompt_tokens_details.cached_tokens`, as vLLM does. At most `Sim__Parallel` requests
 generate at once per model, the rest wait for a slot; a client that goes away cancels its
 request and frees its slot. Each token costs one bytes join: the request's chunk prefix
 and suffix are built once, the words' JSON at import. A chat that offers tools, last
@@ -68,6 +71,7 @@ from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.sim import tools as simtools
+from appliance.sim.cache import PrefixCaches
 from appliance.sim.core import (
     EMBED_DIM,
     FINGERPRINT,
@@ -113,10 +117,11 @@ async def _send_json(send: Send, status: int, obj: Any) -> None:
 
 
 class SimApp:
-    """The ASGI app; `state` is its SimState."""
+    """The ASGI app; `state` is its SimState, `cache` its prefix caches (sim/cache.py)."""
 
-    def __init__(self, state: SimState) -> None:
+    def __init__(self, state: SimState, cache: PrefixCaches | None = None) -> None:
         self.state = state
+        self.cache = cache or PrefixCaches(0, 0.0)
         self.routes: dict[tuple[str, str], Handler] = {
             ("POST", "/api/generate"): self.ollama_generate,
             ("POST", "/api/chat"): self.ollama_generate,
@@ -199,6 +204,11 @@ class SimApp:
         tps = self.state.tokens_per_second
         async with cancel_on_disconnect(receive):  # a client gone frees its slot at once
             async with m.slots:
+                # Prefill of what the prefix cache does not hold, before the first token.
+                st["cached"], prefill = self.cache.lookup(m.spec.name, m.loads, seed,
+                                                          st["prompt"])
+                if prefill > 0:
+                    await trio.sleep(prefill)
                 start = trio.current_time()
                 if stream:
                     await send({"type": "http.response.start", "status": 200,
@@ -403,7 +413,14 @@ class SimApp:
 
 def make_sim_app(sim_cfg: SimConfig) -> SimApp:
     """The ASGI app; its SimState is `app.state`."""
-    return SimApp(SimState(sim_cfg))
+    return SimApp(SimState(sim_cfg), PrefixCaches(sim_cfg.cache_tokens,
+                                                  sim_cfg.prefill_tokens_per_second))
+
+
+def reconfigure(app: SimApp, sim_cfg: SimConfig) -> None:
+    """New Sim__ settings (SIGHUP): models, and the prefix caches' size and pace."""
+    app.state.reconfigure(sim_cfg)
+    app.cache.configure(sim_cfg.cache_tokens, sim_cfg.prefill_tokens_per_second)
 
 
 async def serve_sim(
@@ -431,7 +448,7 @@ async def _signals(stop: trio.Event, app: SimApp, env_file: str | None) -> None:
                 stop.set()
                 return
             try:
-                app.state.reconfigure(load_config(env_file=env_file).sim)
+                reconfigure(app, load_config(env_file=env_file).sim)
                 log.info("sim: configuration reloaded")
             except ConfigError as e:
                 log.error("sim: reload refused, the running configuration stays: %s", e)

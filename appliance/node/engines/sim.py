@@ -13,7 +13,7 @@ import trio
 
 from appliance.config import Config
 from appliance.node.engines.ollama import OllamaEngine
-from appliance.sim.server import make_sim_app, serve_sim
+from appliance.sim.server import make_sim_app, reconfigure, serve_sim
 
 SIM_LISTEN = "127.0.0.1:0"  # loopback only: the node is the sim's one client
 
@@ -34,4 +34,4 @@ class SimEngine(OllamaEngine):
 
     def reconfigure(self, cfg: Config) -> None:
         """New Sim__* settings (SIGHUP); the next poll shows the new model list."""
-        self.app.state.reconfigure(cfg.sim)
+        reconfigure(self.app, cfg.sim)

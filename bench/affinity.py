@@ -1,0 +1,225 @@
+"""Benchmark: routing that knows the engines' caches, affinity off vs on, in one run (issue 23).
+
+A real hub and three real sim nodes (each with its prefix cache: `Sim__CacheTokens`,
+`Sim__PrefillTokensPerSecond` 4000 -- time to first token is the uncached prompt at that
+pace), started afresh for each setting of `Router__Affinity`, the model ready on all three
+before any request. Cases, each run against both hubs:
+
+- `own`: N concurrent chats of T turns, each carrying its own ~2k-token context (a coding
+  agent's repository; nothing shared between chats), no session headers -- the prefix
+  index must find them. Figures on the follow-up turns (2..T): engine-reported
+  cached/prompt tokens, and time-to-first-token p50.
+- `shared`: the same, but all chats share one ~2k-token system prompt and carry only
+  their own history (spread routing already caches the shared part).
+- `unique`: every request unique (~2k tokens, no shared prefix), N at a time: p99 time
+  to first token and max/min requests per node (from the audit lines).
+- hub CPU per request (utime + stime of the hub process over the `own` case).
+
+Streams with `stream_options.include_usage`; TTFT is the client's time to its first
+content chunk. Prints one table, affinity off vs on.
+
+    .venv/bin/python bench/affinity.py [--chats 30 --turns 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import trio
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from procs import Procs, wait_until  # noqa: E402
+
+TOKEN = "bench"
+MODEL = "sim-small"
+NODES = ("gpu-a", "gpu-b", "gpu-c")
+CONTEXT_BYTES = 8000  # ~2k tokens at the sim's 4 bytes a token
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+         "rho sigma tau upsilon phi chi psi omega def class return import yield async").split()
+
+
+def text(rng: random.Random, n: int) -> str:
+    out: list[str] = []
+    size = 0
+    while size < n:
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Fleet:
+    def __init__(self, affinity: str, parallel: int) -> None:
+        self.procs = Procs()
+        self.audit = os.path.join(tempfile.mkdtemp(prefix="affinity-"), "audit.jsonl")
+        self.hub = self.procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": self.audit,
+                                   "Router__Affinity": affinity})
+        env = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+               "Sim__Models__0__Name": MODEL, "Sim__TokensPerSecond": "100",
+               "Sim__Parallel": str(parallel), "Sim__CacheTokens": "32768",
+               "Sim__PrefillTokensPerSecond": "4000"}
+        nodes = [self.procs.node(n, env) for n in NODES]
+        for n in nodes:
+            r = httpx.post(n.url + f"/node/v1/models/{MODEL}/load",
+                           headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+            r.raise_for_status()
+
+        def ready() -> bool:
+            st = httpx.get(self.hub.url + "/api/status", timeout=5).json()
+            m = next((m for m in st["models"] if m["name"] == MODEL), None)
+            return m is not None and len(m["nodes"]) == 3
+
+        wait_until(ready, what="ready on three nodes")
+
+    def lines(self) -> list[dict[str, Any]]:
+        with open(self.audit) as f:
+            return [x for x in map(json.loads, f) if x.get("kind") == "request"]
+
+    def close(self) -> None:
+        self.procs.close()
+
+
+class Sample:
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.prompt = 0
+        self.cached = 0
+
+
+async def one(c: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
+              sample: Sample | None) -> str:
+    t0 = time.perf_counter()
+    first = None
+    answer: list[str] = []
+    usage: dict[str, Any] = {}
+    async with c.stream("POST", url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "max_tokens": 16, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices", []):
+                if ch["delta"].get("content"):
+                    first = first if first is not None else time.perf_counter() - t0
+                    answer.append(ch["delta"]["content"])
+    if sample is not None:
+        sample.ttft.append(first if first is not None else time.perf_counter() - t0)
+        sample.prompt += usage.get("prompt_tokens", 0)
+        sample.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return "".join(answer)
+
+
+async def chats(url: str, n: int, turns: int, shared: bool, seed: int) -> Sample:
+    """N chats of `turns` turns at once; the follow-up turns' figures."""
+    follow = Sample()
+    rng = random.Random(seed)
+    system = text(random.Random(seed * 7 + 1), CONTEXT_BYTES)
+
+    async def chat(i: int, c: httpx.AsyncClient) -> None:
+        own = random.Random(rng.random())
+        ctx = system if shared else text(own, CONTEXT_BYTES)
+        msgs = [{"role": "system", "content": ctx}]
+        for t in range(turns):
+            msgs.append({"role": "user", "content": f"chat {i} turn {t}: " + text(own, 200)})
+            ans = await one(c, url, msgs, follow if t else None)
+            msgs.append({"role": "assistant", "content": ans})
+
+    limits = httpx.Limits(max_connections=n + 10)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as c, trio.open_nursery() as ns:
+        for i in range(n):
+            ns.start_soon(chat, i, c)
+    return follow
+
+
+async def unique(url: str, total: int, at_once: int, seed: int) -> Sample:
+    s = Sample()
+    rng = random.Random(seed)
+    prompts = [text(random.Random(rng.random()), CONTEXT_BYTES) for _ in range(total)]
+    limiter = trio.CapacityLimiter(at_once)
+
+    async def go(p: str, c: httpx.AsyncClient) -> None:
+        async with limiter:
+            await one(c, url, [{"role": "user", "content": p}], s)
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=at_once + 10)
+                                 ) as c, trio.open_nursery() as ns:
+        for p in prompts:
+            ns.start_soon(go, p, c)
+    return s
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run(affinity: str, args: argparse.Namespace) -> dict[str, float]:
+    fleet = Fleet(affinity, args.parallel)
+    try:
+        pid = fleet.hub.pid
+        n0, cpu0 = len(fleet.lines()), cpu_seconds(pid)
+        own = trio.run(chats, fleet.hub.url, args.chats, args.turns, False, 1)
+        n1, cpu1 = len(fleet.lines()), cpu_seconds(pid)
+        shared = trio.run(chats, fleet.hub.url, args.chats, args.turns, True, 2)
+        n2 = len(fleet.lines())
+        uniq = trio.run(unique, fleet.hub.url, args.chats * args.turns, args.chats, 3)
+        lines = fleet.lines()[n2:]
+        per_node = Counter(x["node"] for x in lines)
+        counts = [per_node.get(n, 0) for n in NODES]
+        st = httpx.get(fleet.hub.url + "/api/status", timeout=5).json()
+        routing = next(m for m in st["models"] if m["name"] == MODEL).get("routing", {})
+        return {
+            "own_cached_ratio": own.cached / max(1, own.prompt),
+            "own_ttft_p50_ms": statistics.median(own.ttft) * 1000,
+            "shared_cached_ratio": shared.cached / max(1, shared.prompt),
+            "shared_ttft_p50_ms": statistics.median(shared.ttft) * 1000,
+            "unique_ttft_p99_ms": pct(uniq.ttft, 0.99) * 1000,
+            "unique_max_min": max(counts) / max(1, min(counts)),
+            "hub_cpu_us_per_request": (cpu1 - cpu0) / max(1, n1 - n0) * 1e6,
+            "hub_cache_hit_ratio": routing.get("cache_hit_ratio") or 0.0,
+            "moved_by_load": routing.get("moved_by_load", 0),
+        }
+    finally:
+        fleet.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chats", type=int, default=30)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--parallel", type=int, default=32, help="Sim__Parallel per node")
+    args = ap.parse_args()
+    off = run("off", args)
+    on = run("on", args)
+    print(f"{args.chats} chats x {args.turns} turns, 3 sim nodes, ~2k-token contexts, "
+          f"prefill 4000 tok/s, Sim__Parallel={args.parallel}")
+    print(f"{'figure':34} {'off':>10} {'on':>10} {'on/off':>8}")
+    for k in off:
+        ratio = on[k] / off[k] if off[k] else float("nan")
+        print(f"{k:34} {off[k]:10.3f} {on[k]:10.3f} {ratio:8.2f}")
+    print(f"follow-up TTFT p50, off/on: own {off['own_ttft_p50_ms'] / on['own_ttft_p50_ms']:.1f}x, "
+          f"shared {off['shared_ttft_p50_ms'] / on['shared_ttft_p50_ms']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
