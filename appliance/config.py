@@ -221,6 +221,9 @@ class PriorityConfig(_Section):
     enabled: bool = False
     reserve_slots: NonNegInt = 1
     background_max_wait_seconds: NonNeg = 600.0
+    # An essential request that finds no place may take one from a background request that
+    # has no first byte from its engine yet (503 `preempted` to it): hub/decide/admission.py.
+    preempt: bool = False
 
 
 class ModelDef(_Section):

@@ -44,6 +44,8 @@ log = logging.getLogger("appliance.hub.api.router")
 # Retry-After of a request cut by the drain before its first byte: another hub, or this
 # one restarted, takes it a moment later.
 SHUTTING_DOWN_RETRY_AFTER = 5.0
+# Retry-After of a preempted background request: about one short essential answer.
+PREEMPTED_RETRY_AFTER = 5.0
 
 
 async def receive_within(body: Response | translate.Converted) -> bytes:
@@ -59,6 +61,10 @@ def cut_before_answer(cut: Cut) -> tuple[bool, str]:
     if cut.reason == "shutting_down":
         raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
                        retry_after=SHUTTING_DOWN_RETRY_AFTER)
+    if cut.reason == "preempted":
+        raise ApiError(503, "preempted", "this background request gave its place to essential "
+                       "work before its first byte (Priority__Preempt); retry shortly",
+                       retry_after=PREEMPTED_RETRY_AFTER)
     return False, "was declared lost before answering"
 
 
@@ -72,16 +78,20 @@ async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstr
         # The hub's own nodes and drain: the cut is called when they are set (flag.py),
         # no watcher tasks.
         on_lost, on_drain = partial(cut.trip, "node_lost"), partial(cut.trip, "shutting_down")
+        on_preempt = partial(cut.trip, "preempted")
         lost.subscribe(on_lost)
         drain.subscribe(on_drain)
+        req.preempted.subscribe(on_preempt)
         try:
             return await _relay(node, req, plan, upstream, read_seconds, cut)
         finally:
             lost.unsubscribe(on_lost)
             drain.unsubscribe(on_drain)
+            req.preempted.unsubscribe(on_preempt)
     async with trio.open_nursery() as watchers:
         watchers.start_soon(cut.watch, node.lost, "node_lost")
         watchers.start_soon(cut.watch, drain_over, "shutting_down")
+        watchers.start_soon(cut.watch, req.preempted, "preempted")
         try:
             return await _relay(node, req, plan, upstream, read_seconds, cut)
         finally:
@@ -118,7 +128,8 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
                     first = await receive_within(body)
                 except UpstreamError as e:
                     return False, str(e)
-        if first is None:
+        if first is None or cut.reason == "preempted":
+            # Preempted while the first read was already done: the client has had nothing.
             return cut_before_answer(cut)
         req.node = node.name
         req.status = resp.status_code

@@ -17,6 +17,7 @@ from typing import Any
 from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
 from appliance.http.errors import ApiError, Headers, render
+from appliance.hub.api.flag import Flag
 from appliance.hub.api.requestid import request_id
 from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.affinity import Route
@@ -76,7 +77,7 @@ class Request:
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
-                 "scope", "usage", "lease", "tokens", "demand", "_recorder",
+                 "scope", "usage", "lease", "tokens", "demand", "preempted", "_recorder",
                  "route")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
@@ -112,6 +113,9 @@ class Request:
         self.lease: Lease | None = None
         self.tokens: Usage | None = None
         self.demand: Demand | None = None  # fair queueing's charge (admission.py)
+        # Set when essential work takes this background request's place before its first
+        # byte (Priority__Preempt): the relay's cut ends it with 503 `preempted`.
+        self.preempted = Flag()
         self._recorder = recorder
 
     def finish(self) -> None:
@@ -126,6 +130,15 @@ class Request:
             # Never answered by an engine (refused, queued out, failed): nothing was used.
             self.tokens = self.lease.settle(self.usage if served else (0, 0))
         self._recorder.record(self)
+
+    # --- preemption (admission.py's Preemptible) ----------------------------------------
+
+    def first_byte(self) -> bool:
+        """Has the engine's first byte been taken (from then on it is never preempted)?"""
+        return self.ttfb is not None or self.done
+
+    def preempt(self) -> None:
+        self.preempted.set()
 
     # --- the way back to the client ----------------------------------------------------
 

@@ -226,7 +226,7 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
     try:
         in_flight = hub.metrics.in_flight_of(model)
         async with hub.admission.place(model, req.cls, req.client, in_flight,
-                                       req.demand, req.route) as place:
+                                       req.demand, req.route, req) as place:
             await _proxy(hub, req, place, model, prep, relay)
     finally:
         hub.control.touch(model, keep)  # idle time counts from the end of the work

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -45,6 +45,7 @@ from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
 from appliance.hub.decide.fair import FairLane
 from appliance.hub.decide.priority import (
+    BACKGROUND,
     CLASSES,
     ESSENTIAL,
     AdmissionCore,
@@ -56,6 +57,14 @@ from appliance.hub.decide.priority import (
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.observe.routing import RoutingCollector
 from appliance.wire import NodeState
+
+
+class Preemptible(Protocol):
+    """A background request essential work may take the place of (the router's Request)."""
+
+    def first_byte(self) -> bool: ...
+
+    def preempt(self) -> None: ...
 
 
 class Demand(NamedTuple):
@@ -143,6 +152,10 @@ class Admission:
         self.slots = SlotQueues()
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
+        self.preempt = cfg.priority.enabled and cfg.priority.preempt
+        # Background requests holding a place, per model, oldest first (Priority__Preempt).
+        self._background: dict[str, dict[Preemptible, None]] = {}
+        self.preempted = 0
         self._metrics = metrics_registry
         # The ready nodes per model, kept until the fleet's shape (a node's state, its
         # connection, its cordon) changes -- not on every finished request.
@@ -166,6 +179,7 @@ class Admission:
         self.affinity.configure(**_affinity(cfg))
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
+        self.preempt = cfg.priority.enabled and cfg.priority.preempt
         if self._metrics is not None and was != self.enabled:
             if self.enabled:
                 self._metrics.register(self._priority_collector)
@@ -189,6 +203,8 @@ class Admission:
             return Ticket(model, cls, client)
         w.event = trio.Event()
         self._dispatch(model)
+        if not w.granted and w.cls == ESSENTIAL and self.preempt:
+            self._preempt_one(model)
         if not w.granted:
             try:
                 with trio.move_on_after(core.wait_limit(w)):
@@ -204,21 +220,46 @@ class Admission:
         core.leave(w, timed_out=True)
         raise core.timeout_error(w)
 
+    def _preempt_one(self, model: str) -> None:
+        """An essential request waits: the newest background request of `model` that has
+        no first byte yet gives its place (its relay answers 503 `preempted`, the engine's
+        work is cancelled; the place it frees wakes the essential waiter first)."""
+        running = self._background.get(model)
+        if not running:
+            return
+        for victim in reversed(list(running)):
+            if not victim.first_byte():
+                del running[victim]
+                self.preempted += 1
+                victim.preempt()
+                return
+
     @asynccontextmanager
     async def place(self, model: str, cls: str, client: str, in_flight: Any = None,
                     demand: Demand | None = None,
-                    route: Route | None = None) -> AsyncIterator[Place]:
+                    route: Route | None = None,
+                    victim: Preemptible | None = None) -> AsyncIterator[Place]:
         """Admit, then take the best node for `model` (`Place.node`, None when no node can
-        take it); the node is given back on any exit, and a fair-queue charge settled."""
+        take it); the node is given back on any exit, and a fair-queue charge settled.
+        `victim`: the request itself, which essential work may preempt while it is
+        background and has no first byte (Priority__Preempt)."""
         if demand is None:
             ticket = await self.admit(model, cls, client)
         else:
             ticket = await self.admit(model, cls, client, demand.cost, demand.weight)
         p = Place(self, model, cls, in_flight, ticket, route)
         p._take()  # no checkpoint since admit returned: this place is ours
+        held = None
+        if victim is not None and self.preempt and ticket.cls == BACKGROUND:
+            held = self._background.setdefault(model, {})
+            held[victim] = None
         try:
             yield p
         finally:
+            if held is not None:
+                held.pop(victim, None)  # type: ignore[arg-type]
+                if not held and self._background.get(model) is held:
+                    del self._background[model]
             p._give_back()
             if ticket.fair is not None and demand is not None:
                 used = demand.used()
@@ -308,6 +349,8 @@ class Admission:
                      "background_max_wait_seconds": self.core.background_max_wait}
         for c, s in self.core.classes.items():
             out[c] = s.as_dict()
+        if self.preempt:
+            out["preempted"] = self.preempted
         return out
 
     def statistics(self) -> dict[str, Any]:

@@ -1,0 +1,169 @@
+"""Priority__Preempt, in-process: an essential request that finds no place takes one from a
+background request with no first byte (503 `preempted`, its engine work cancelled); a
+started stream is never cut."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import httpx
+import trio
+import trio.testing
+
+from appliance.config import load
+from appliance.http.asgi import Receive, Scope, Send, read_body, serve
+from appliance.http.disconnect import wait_disconnect
+from appliance.hub.run import Hub, run_hub
+from appliance.wire import ModelState, NodeState
+
+
+class Node:
+    """Background requests ("bg" in the body) are held: before their first byte
+    (`first_byte=False`) or after it; anything else is answered at once."""
+
+    def __init__(self, first_byte: bool) -> None:
+        self.first_byte = first_byte
+        self.seen: list[str] = []
+        self.release = trio.Event()
+        self.cancelled = trio.Event()
+        self.arrived = trio.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = json.loads(await read_body(receive, 1 << 20))
+        who = body["messages"][0]["content"]
+        self.seen.append(who)
+        if who != "bg":
+            await self._answer(send, who)
+            return
+        self.arrived.set()
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                await wait_disconnect(receive)
+                self.cancelled.set()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            if self.first_byte:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream")]})
+                await send({"type": "http.response.body", "body": b"data: bg-0\n\n",
+                            "more_body": True})
+            await self.release.wait()
+            if not self.first_byte:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream")]})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            nursery.cancel_scope.cancel()
+
+    async def _answer(self, send: Send, who: str) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": f"data: {who}\n\ndata: [DONE]\n\n".encode()})
+
+
+async def start(nursery: trio.Nursery, node: Node, preempt: bool = True) -> tuple[Hub, str]:
+    host, port = await nursery.start(partial(serve, node, "127.0.0.1:0", "fake"))
+    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": "/dev/null",
+                "Priority__Enabled": "true", "Priority__Preempt": str(preempt).lower(),
+                "Priority__ReserveSlots": "0",
+                "Auth__Clients__0__Name": "ops", "Auth__Clients__0__Key": "ke",
+                "Auth__Clients__0__Priority": "essential",
+                "Auth__Clients__1__Name": "batch", "Auth__Clients__1__Key": "kb",
+                "Auth__Clients__1__Priority": "background"})
+    hub, (h, p) = await nursery.start(run_hub, cfg, trio.Event())
+    n, _ = hub.registry.upsert("n1", f"http://{host}:{port}", static=True)
+    n.connected = True
+    n.state = NodeState(name="n1", max_concurrency=1, slots=1,
+                        models=[ModelState(name="m", state="ready")])
+    hub.registry.changed()
+    return hub, f"http://{h}:{p}"
+
+
+def chat(who: str) -> dict[str, object]:
+    return {"model": "m", "stream": True, "messages": [{"role": "user", "content": who}]}
+
+
+async def test_essential_takes_the_place_of_background_before_its_first_byte(autojump_clock: trio.testing.MockClock) -> None:
+    node = Node(first_byte=False)
+    got: dict[str, httpx.Response] = {}
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            hub, url = await start(nursery, node)
+            async with httpx.AsyncClient(timeout=15) as c:
+                async def background() -> None:
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                                             headers={"x-api-key": "kb"})
+
+                nursery.start_soon(background)
+                await node.arrived.wait()
+                got["ess"] = await c.post(url + "/v1/chat/completions", json=chat("ess"),
+                                          headers={"x-api-key": "ke"})
+                await node.cancelled.wait()  # the engine's work was cancelled
+                while "bg" not in got:
+                    await trio.sleep(0.01)  # virtual
+            nursery.cancel_scope.cancel()
+    assert got["ess"].status_code == 200 and "data: ess" in got["ess"].text
+    bg = got["bg"]
+    assert bg.status_code == 503 and bg.json()["error"]["code"] == "preempted"
+    assert bg.headers["retry-after"] == "5"
+    assert node.seen == ["bg", "ess"]
+    assert hub.admission.status_block()["preempted"] == 1  # type: ignore[index]
+
+
+async def test_a_started_stream_is_never_cut(autojump_clock: trio.testing.MockClock) -> None:
+    node = Node(first_byte=True)
+    got: dict[str, httpx.Response] = {}
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            hub, url = await start(nursery, node)
+            async with httpx.AsyncClient(timeout=15) as c:
+                async def background() -> None:
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                                             headers={"x-api-key": "kb"})
+
+                async def essential() -> None:
+                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat("ess"),
+                                              headers={"x-api-key": "ke"})
+
+                nursery.start_soon(background)
+                await node.arrived.wait()
+                nursery.start_soon(essential)
+                while hub.admission.core.classes["essential"].waiting == 0:
+                    await trio.sleep(0.01)  # virtual
+                assert not node.cancelled.is_set()
+                node.release.set()
+                while len(got) < 2:
+                    await trio.sleep(0.01)  # virtual
+            nursery.cancel_scope.cancel()
+    assert got["bg"].status_code == 200 and got["bg"].text.endswith("data: [DONE]\n\n")
+    assert got["ess"].status_code == 200
+    assert hub.admission.status_block()["preempted"] == 0  # type: ignore[index]
+
+
+async def test_off_by_default_background_keeps_its_place(autojump_clock: trio.testing.MockClock) -> None:
+    node = Node(first_byte=False)
+    got: dict[str, httpx.Response] = {}
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            hub, url = await start(nursery, node, preempt=False)
+            async with httpx.AsyncClient(timeout=15) as c:
+                async def background() -> None:
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                                             headers={"x-api-key": "kb"})
+
+                async def essential() -> None:
+                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat("ess"),
+                                              headers={"x-api-key": "ke"})
+
+                nursery.start_soon(background)
+                await node.arrived.wait()
+                nursery.start_soon(essential)
+                while hub.admission.core.classes["essential"].waiting == 0:
+                    await trio.sleep(0.01)  # virtual
+                node.release.set()
+                while len(got) < 2:
+                    await trio.sleep(0.01)  # virtual
+            nursery.cancel_scope.cancel()
+    assert got["bg"].status_code == 200 and got["ess"].status_code == 200
+    assert "preempted" not in (hub.admission.status_block() or {})
