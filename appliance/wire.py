@@ -110,3 +110,5 @@ load_request_decoder = msgspec.json.Decoder(LoadRequest)
 # Fencing (HA): the leading hub's epoch rides on every load and unload it sends; a node
 # refuses a call from an older epoch than the highest it has seen (409 `stale_leader`).
 EPOCH_HEADER = "x-appliance-epoch"
+# The leader's lease length in seconds, beside its epoch (appliance/node/fence.py).
+LEASE_HEADER = "x-appliance-lease"

@@ -282,16 +282,35 @@ async def test_etcd_down_no_leader_then_back(nursery, autojump_clock):
     assert len(a.ops.loads) + len(b.ops.loads) == 1
 
 
-async def test_a_node_refusing_our_epoch_deposes_us_and_counts_nothing(nursery, autojump_clock):
+async def test_a_node_refusing_our_epoch_counts_nothing_shows_fenced_and_no_flapping(
+        nursery, autojump_clock):
+    # A token holder fed the node a forged epoch: the node refuses the leader etcd confirms.
+    # The leader neither steps down (that flapped once a second) nor counts the refusal
+    # against the model; the node shows as fenced until it takes the leader's epoch again.
     store, a, b = await fleet(nursery, [{"Name": "m"}])
+    epoch, changes = a.member.epoch, a.member.changes
 
     async def refuse(h, model, req, read_seconds):
-        raise StaleLeader("epoch 3 is older than 9: another hub leads now")
+        raise StaleLeader("epoch 3 is older than 999999999999: another hub leads now")
 
-    a.ops.load = refuse
+    real, a.ops.load = a.ops.load, refuse
     a.control.ask("m")
     await trio.sleep(0.1)
-    assert not a.member.leading and a.control.core.health["m"].failures == 0
+    assert a.control.core.health["m"].failures == 0
+    assert any(h.fenced for h in a.control.registry.nodes.values())
+    await trio.sleep(LEASE * 3)
+    assert a.member.leading and a.member.epoch == epoch and a.member.changes == changes
+    # The leader re-asserts its epoch to every node each tick; a node that keeps a forged
+    # one says so (status, appliance_node_fenced), one that takes ours is clear again.
+    a.ops.forged["n1"] = 999_999_999_999
+    await trio.sleep(1)
+    n1 = a.control.registry.nodes["n1"]
+    assert n1.epoch == 999_999_999_999 and "older than" in n1.fenced
+    assert a.ops.asserted.count("n1") >= 2 and b.ops.asserted == []  # followers assert nothing
+    del a.ops.forged["n1"]
+    a.ops.load = real
+    await trio.sleep(1)
+    assert n1.fenced == "" and n1.epoch == epoch
 
 
 class TestError:

@@ -28,6 +28,8 @@ class FakeOps:
         self.loads: list[tuple[str, str, float]] = []
         self.unloads: list[tuple[str, str]] = []
         self.controls: list[tuple[str, str]] = []
+        self.asserted: list[str] = []
+        self.forged: dict[str, int] = {}
 
     async def load(self, h, model, req, read_seconds):
         self.loads.append((h.name, model, trio.current_time()))
@@ -44,6 +46,14 @@ class FakeOps:
         set_state(h, model, "available")
         self.registry.changed()
         return None
+
+    async def assert_epoch(self, h):
+        """The leader's epoch asserted to `h`; `forged[name]`: an epoch the node keeps
+        instead (it refuses ours)."""
+        self.asserted.append(h.name)
+        forged = self.forged.get(h.name, 0)
+        h.epoch = max(forged, getattr(self, "epoch", None) or 0)
+        h.fenced = f"epoch {self.epoch} is older than {forged}" if forged else ""
 
     async def control(self, h, action):
         self.controls.append((h.name, action))

@@ -38,12 +38,13 @@ SIM = {
     "Sim__Models__3__Name": "od-b", "Sim__Models__3__SizeMb": "100",
     "Sim__Models__4__Name": "od-c", "Sim__Models__4__SizeMb": "100",
     "Sim__Models__5__Name": "od-d", "Sim__Models__5__SizeMb": "100",
+    "Sim__Models__6__Name": "od-e", "Sim__Models__6__SizeMb": "100",
 }
 CATALOG = {
     "Models__0__Name": "ready-m", "Models__0__Replicas": "2",
     "Models__1__Name": "kev-0.5b",
     "Models__2__Name": "od-a", "Models__3__Name": "od-b", "Models__4__Name": "od-c",
-    "Models__5__Name": "od-d",
+    "Models__5__Name": "od-d", "Models__6__Name": "od-e",
     "Models__RetryBackoffMaxSeconds": "0.3", "Router__ActivationWaitSeconds": "30",
     "Priority__Enabled": "true", "Priority__ReserveSlots": "1",
 }
@@ -169,6 +170,34 @@ def test_one_leader_shared_nodes_and_epoch(fleet):
     assert f'appliance_leader{{hub="{leader}"}} 1.0' in m and "appliance_cluster_up 1.0" in m
     m = httpx.get(fleet.hubs[other(fleet, leader)].urls["metrics"] + "/metrics", timeout=10).text
     assert f'appliance_leader{{hub="{other(fleet, leader)}"}} 0.0' in m
+
+
+def test_a_forged_epoch_fences_a_node_for_one_lease_at_most_and_shows(fleet):
+    # A node-token holder sends every node a forged epoch (and a year-long lease). The
+    # leader neither steps down nor flaps; /api/status says which nodes refuse it; within
+    # one lease of the last forgery the nodes take the leader's epoch again, and an
+    # on-demand model loads.
+    leader = fleet.leader()
+    epoch = fleet.cluster(leader)["epoch"]
+    for p in fleet.nodes.values():
+        r = httpx.post(f"{p.url}/node/v1/epoch", timeout=10,
+                       headers={"authorization": f"Bearer {TOKEN}",
+                                "x-appliance-epoch": "999999999999",
+                                "x-appliance-lease": "31536000"})
+        assert r.status_code == 200 and r.json()["epoch"] == 999999999999
+
+    def fenced() -> dict[str, str]:
+        return {n["name"]: n["fenced"] for n in fleet.status(leader)["nodes"] if n["fenced"]}
+
+    wait_until(lambda: len(fenced()) == len(fleet.nodes), timeout=5, what="nodes shown fenced")
+    m = httpx.get(fleet.hubs[leader].urls["metrics"] + "/metrics", timeout=10).text
+    assert 'appliance_node_fenced{node="n1"} 1.0' in m
+    t0 = time.monotonic()
+    assert fleet.chat(leader, "od-e").status_code == 200
+    assert time.monotonic() - t0 < LEASE + 10
+    wait_until(lambda: not fenced(), timeout=LEASE + 5, what="no node fenced")
+    assert {n["epoch"] for n in fleet.status(leader)["nodes"]} == {epoch}
+    assert fleet.cluster(leader)["epoch"] == epoch and fleet.cluster(leader)["leading"]
 
 
 def test_forget_on_one_hub_forgets_on_all_until_it_announces_again(fleet):

@@ -29,6 +29,7 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from appliance.bounds import echo
 from appliance.config import Config
 from appliance.http.asgi import (
     BodyTooLarge,
@@ -45,12 +46,14 @@ from appliance.http.errors import api_of
 from appliance.node import modelops
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
+from appliance.node.fence import Fence, parse_lease
 from appliance.node.metrics import NodeMetrics
 from appliance.node.proxy import NODE_API, EngineProxy, send_error
 from appliance.node.state import NodeStateKeeper
 from appliance.observe.metricsapp import render
 from appliance.wire import (
     EPOCH_HEADER,
+    LEASE_HEADER,
     Heartbeat,
     LoadRequest,
     StateEvent,
@@ -80,8 +83,8 @@ class NodeApp:
         self.metrics = metrics
         # Auth__Nodes__N__Token for this node's name, else the shared Auth__NodeToken.
         self.token = cfg.auth.node_token_for(cfg.node_name()).encode()
-        # The highest leader epoch a load/unload carried (HA fencing); 0: none seen.
-        self.epoch = 0
+        # The highest live leader epoch a load/unload carried (HA fencing: node/fence.py).
+        self.fence = Fence()
         if not self.token:
             log.warning(
                 "Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach "
@@ -129,7 +132,7 @@ class NodeApp:
                         method: str) -> None:
         k = self.keeper
         simple = {"watch": "GET", "state": "GET", "pause": "POST", "resume": "POST",
-                  "leave": "POST", "join": "POST"}
+                  "leave": "POST", "join": "POST", "epoch": "POST"}
         if rest in simple:
             if method != simple[rest]:
                 await self._error(send, NODE_API, 405, "method_not_allowed",
@@ -138,6 +141,12 @@ class NodeApp:
                 await self._watch(receive, send)
             elif rest == "state":
                 await send_json(send, 200, k.snapshot())
+            elif rest == "epoch":  # the leader re-asserting its epoch each tick
+                stale = self._fence(scope)
+                if stale:
+                    await self._stale(send, "epoch", "", stale)
+                else:
+                    await send_json(send, 200, {"epoch": self.fence.epoch})
             else:
                 {"pause": lambda: k.set_paused(True), "resume": lambda: k.set_paused(False),
                  "leave": lambda: k.set_left(True), "join": lambda: k.set_left(False)}[rest]()
@@ -172,8 +181,7 @@ class NodeApp:
             return
         stale = self._fence(scope)
         if stale:
-            log.warning("refused %s of %s: %s", action, model, stale)
-            await send_json(send, 409, {"error": stale, "code": "stale_leader"})
+            await self._stale(send, action, model, stale)
             return
         if action == "load":
             await self._load(send, model, req)
@@ -183,17 +191,24 @@ class NodeApp:
     def _fence(self, scope: Scope) -> str:
         """Why a load/unload is refused as coming from a deposed leader, or "" to go ahead.
         No epoch header (a single hub without etcd): always go ahead."""
-        raw = next((v for k, v in scope["headers"] if k == EPOCH_HEADER.encode()), None)
+        headers = dict(scope["headers"])
+        raw = headers.get(EPOCH_HEADER.encode())
         if raw is None:
             return ""
-        try:
-            epoch = int(raw)
-        except ValueError:
-            return f"{EPOCH_HEADER} {raw[:40]!r} is not an integer"
-        if epoch < self.epoch:
-            return f"epoch {epoch} is older than {self.epoch}: another hub leads now"
-        self.epoch = epoch
-        return ""
+        if len(raw) > 20 or not raw.isdigit():
+            return f"{EPOCH_HEADER} {echo(raw.decode('latin-1'), 40)!r} is not an epoch"
+        lease = parse_lease(headers.get(LEASE_HEADER.encode()), self.cfg.cluster.lease_seconds)
+        before, forgotten = self.fence.epoch, self.fence.forgotten
+        why = self.fence.check(int(raw), lease, trio.current_time())
+        if self.fence.forgotten != forgotten:
+            log.warning("epoch %d was not asserted for a lease: taking epoch %d", before,
+                        self.fence.epoch)
+        return why
+
+    async def _stale(self, send: Send, action: str, model: str, why: str) -> None:
+        log.warning("refused %s%s: %s", action, f" of {echo(model, 80)}" if model else "", why)
+        await send_json(send, 409, {"error": why, "code": "stale_leader",
+                                    "epoch": self.fence.epoch})
 
     @staticmethod
     def _model_path(scope: Scope) -> tuple[str | None, str]:

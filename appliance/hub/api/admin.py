@@ -53,6 +53,8 @@ def node_row(h: NodeHandle) -> dict[str, Any]:
         "memory_used_mb": st.memory_used_mb if st is not None else None,
         "max_concurrency": st.max_concurrency if st is not None else None,
         "in_flight": h.in_flight_total, "models": by_state,
+        # HA fencing: the leader epoch the node keeps, and why it refuses this leader's.
+        "epoch": h.epoch, "fenced": h.fenced,
     }
 
 

@@ -38,6 +38,10 @@ def node_entry(h: NodeHandle) -> dict[str, Any]:
         "max_concurrency": st.max_concurrency if st is not None else None,
         "in_flight": h.in_flight_total,
         "models": models,
+        # HA fencing (0 and "" with one hub): the leader epoch the node keeps, and why it
+        # refuses this leader's epoch (a forged or dead one it still holds).
+        "epoch": h.epoch,
+        "fenced": h.fenced,
     }
 
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import trio
 
 from appliance.config import Config
@@ -41,7 +42,7 @@ from appliance.hub.cluster.etcd import Etcd, EtcdError
 
 if TYPE_CHECKING:
     from appliance.hub.decide.control import Control
-    from appliance.hub.fleet.nodes import Registry
+    from appliance.hub.fleet.nodes import NodeHandle, Registry
 
 log = logging.getLogger("appliance.hub.cluster")
 
@@ -143,11 +144,6 @@ class Member:
         self._forgotten[name] = await self.etcd.put(self.keys.forgotten(name), self.name)
         self.snapshot.nodes.pop(name, None)
 
-    def deposed(self, why: str) -> None:
-        """A node refused our epoch: another hub leads."""
-        if self.tenure.epoch:
-            self._step_down(why)
-
     # --- the loops ---------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -218,6 +214,7 @@ class Member:
         self.tenure.won(epoch, sent, self.lease_seconds)
         self._decided = {m: r.decided for m, r in self.snapshot.health.items()}
         self.control.ops.epoch = epoch
+        self.control.ops.lease = self.lease_seconds
         log.warning("hub %s leads the fleet now (epoch %d)", self.name, epoch)
         self._audit("leader_elected", epoch=epoch)
         self._saw_epoch(epoch)
@@ -226,6 +223,8 @@ class Member:
     def _step_down(self, why: str) -> None:
         epoch = self.tenure.end()
         self.control.ops.epoch = None
+        for h in self.registry.nodes.values():
+            h.fenced = ""  # a follower sends no epoch: nothing to refuse
         log.warning("hub %s stepped down (epoch %d): %s", self.name, epoch, why)
         self._audit("leader_stepped_down", epoch=epoch, why=why)
         self.control.leadership_changed()
@@ -274,8 +273,28 @@ class Member:
         self._apply_fleet(snap)
         if self.leading:
             await self._lead(snap)
+            await self._assert_epoch()
         else:
             self._mirror(snap)
+
+    async def _assert_epoch(self) -> None:
+        """Every connected node hears this leader's epoch each tick: a node forgets an epoch
+        no one asserts for a lease (node/fence.py), so a forged one ends there and a deposed
+        leader stays refused while this one lives. Bounded by the tick; a node that does not
+        answer in time is asked again at the next one."""
+        ops = self.control.ops
+
+        async def one(h: NodeHandle) -> None:
+            try:
+                await ops.assert_epoch(h)
+            except httpx.TransportError:
+                pass
+
+        with trio.move_on_after(self.tick):
+            async with trio.open_nursery() as nursery:
+                for h in list(self.registry.nodes.values()):
+                    if h.connected and not h.removed:
+                        nursery.start_soon(one, h)
 
     def _apply_fleet(self, snap: state.Snapshot) -> None:
         for name, url in snap.nodes.items():

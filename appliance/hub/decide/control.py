@@ -25,7 +25,8 @@ Interface the router and status rely on:
 With several hubs (`Cluster__Etcd`, appliance/hub/cluster/) `cluster` is this hub's member:
 only while it leads does the loop plan (loads, unloads, idle unloads, backoff, parking),
 every load and unload carrying its epoch (`NodeOps.epoch`); a node's 409 `stale_leader`
-counts nothing against the model and steps this hub down. A follower's activation asks
+counts nothing against the model and marks the node fenced (only etcd ends a tenure; the
+node gives a forged epoch up within a lease: node/fence.py). A follower's activation asks
 the leader through etcd (activation.activate_via_leader). Without it `cluster` is None
 and this hub always leads.
 """
@@ -47,7 +48,7 @@ from appliance.hub.decide import activation
 from appliance.hub.decide.placement import Action, Load, Models, Unload
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.observe.audit import AuditLog
-from appliance.wire import EPOCH_HEADER, LoadRequest
+from appliance.wire import EPOCH_HEADER, LEASE_HEADER, LoadRequest
 
 
 class Cluster(activation.Leader, Protocol):
@@ -58,9 +59,6 @@ class Cluster(activation.Leader, Protocol):
 
     @property
     def leading(self) -> bool: ...
-
-    def deposed(self, why: str) -> None:
-        """A node refused our epoch: step down now."""
 
 
 log = logging.getLogger("appliance.hub.decide.control")
@@ -95,16 +93,33 @@ class StaleLeader(Exception):
 
 class NodeOps:
     """The node's control API over the hub's shared node client (node token included).
-    `epoch`: the leader's epoch sent with every load and unload (HA fencing); None alone."""
+    `epoch`: the leader's epoch sent with every load and unload (HA fencing); None alone;
+    `lease`: its lease length, sent beside it (node/fence.py)."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
         self.epoch: int | None = None
+        self.lease = 0.0
 
     def _headers(self, **extra: str) -> dict[str, str]:
         if self.epoch is not None:
             extra[EPOCH_HEADER] = str(self.epoch)
+            if self.lease:
+                extra[LEASE_HEADER] = f"{self.lease:g}"
         return extra
+
+    async def assert_epoch(self, h: NodeHandle) -> None:
+        """The leader's epoch re-asserted to `h` (each tick): records on `h` the epoch the
+        node keeps and, when it refuses ours, why (`h.fenced`). Raises httpx.TransportError."""
+        resp = await self.client.post(f"{h.url}/node/v1/epoch", headers=self._headers(**h.auth),
+                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
+        try:
+            epoch = resp.json().get("epoch")
+        except (ValueError, AttributeError):
+            epoch = None
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**63:
+            h.epoch = epoch
+        h.fenced = "" if resp.status_code == 200 else _error_of(resp)[:300]
 
     @staticmethod
     def _answer(resp: httpx.Response) -> str | None:
@@ -252,8 +267,12 @@ class Control:
         except StaleLeader as e:
             self.core.load_lost(act.model, act.node, f"refused as a stale leader: {e}", self.now())
             log.warning("load of %s refused by %s: %s", act.model, act.node, e)
-            if self.cluster is not None:
-                self.cluster.deposed(f"node {act.node} refused our epoch: {e}")
+            if h is not None:
+                # No step-down on a node's word: this hub's tenure is checked against etcd
+                # every tick (a newer leader there ends it). A node that refuses a leader
+                # etcd confirms keeps a forged or dead epoch: shown as fenced until it
+                # takes ours again (node/fence.py: within one lease).
+                h.fenced = str(e)[:300]
         else:
             self.core.load_done(act.model, act.node, error, self.now())
         self._audit_events()

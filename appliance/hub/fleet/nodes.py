@@ -55,6 +55,10 @@ class NodeHandle:
         # Other hubs' requests on this node, as the node last counted them (HA only).
         self.others: dict[str, int] = {}
         self.others_total = 0
+        # HA fencing: the leader epoch the node keeps (as it last said) and, while it refuses
+        # this leader's epoch, the node's words ("" when it takes it).
+        self.epoch = 0
+        self.fenced = ""
 
     @property
     def auth(self) -> dict[str, str]:

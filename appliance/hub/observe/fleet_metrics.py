@@ -64,10 +64,18 @@ class ControlCollector:
                                 "notAfter of the certificate file, as Unix time, read from disk at "
                                 "each scrape.",
                                 labels=["path"])
-        return [*model, engine, leader, changes, up, tls], model, engine, (leader, changes, up), tls
+        # A node refusing the epoch of the leader etcd confirms (HA fencing); node names are
+        # bounded by Hub__MaxNodes.
+        fenced = GaugeMetricFamily("appliance_node_fenced",
+                                   "1 while the node refuses this leading hub's epoch.",
+                                   labels=["node"])
+        return ([*model, engine, leader, changes, up, tls, fenced], model, engine,
+                (leader, changes, up), tls)
 
     def collect(self) -> list[Metric]:
         fams, model, engine, cluster_fams, tls = self._families()
+        fenced = fams[-1]
+        assert isinstance(fenced, GaugeMetricFamily)
         for st in self.control.models_status():
             for fam, (_, _, key) in zip(model, _MODEL, strict=True):
                 fam.add_metric([st["name"]], float(st[key]))
@@ -75,6 +83,8 @@ class ControlCollector:
             if h.state is not None and not h.removed:
                 for e in h.state.engines:
                     engine.add_metric([h.name, e.kind, e.version], 1.0)
+            if not h.removed:
+                fenced.add_metric([h.name], 1.0 if h.fenced else 0.0)
         leader, changes, up = cluster_fams
         cluster = self.control.cluster
         leader.add_metric([self.control.cfg.hub_name()], 1.0 if self.control.leading() else 0.0)
