@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _startup_error(e: BaseException) -> BaseException | None:
     """The StartupError inside `e` (trio wraps it in exception groups), else None."""
-    from appliance.http.asgi import StartupError
+    from appliance.server.serve import StartupError
 
     if isinstance(e, StartupError):
         return e

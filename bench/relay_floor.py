@@ -12,7 +12,7 @@ reader thread here counts the events. The child is one of:
 - `trio-socket`: the same through trio's socket methods (`await sock.recv`, `await
   sock.send`: a scheduler round trip around each call);
 - `relay`: the project's pass-through relay -- appliance/client/upstream.py's Response reading
-  the chunked body (appliance/h1/chunked.py), appliance/http/stream.py's `relay_body`
+  the chunked body (appliance/h1/body.py), appliance/http/stream.py's `relay_body`
   (one cancel scope per relay, a lazy read deadline, a Cut) writing with
   appliance/server/fastio.py's DirectBody;
 - `epoll`: no trio -- a plain loop over one epoll registered once (`poll`, `recv`, `send`
@@ -63,10 +63,10 @@ def child(mode: str, ins: list[socket.socket], outs: list[socket.socket]) -> Non
 
     async def relay(src: socket.socket, dst: socket.socket) -> None:
         import h11
+        from appliance.server.fastio import ChunkedSocket, DirectBody
 
         from appliance.client.upstream import Pool, Response, UpstreamError, _Conn
         from appliance.http.stream import Cut, relay_body
-        from appliance.server.fastio import ChunkedSocket, DirectBody
 
         conn = _Conn(trio.SocketStream(trio.socket.from_stdlib_socket(src)))
         conn.h11.send(h11.Request(method="POST", target="/", headers=[("host", "x"),

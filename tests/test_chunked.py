@@ -1,4 +1,4 @@
-"""The relay's own body readers (appliance/h1/chunked.py): a peer's chunked body, split
+"""The relay's own body readers (appliance/h1/body.py): a peer's chunked body, split
 anywhere, gives back exactly its payload; every broken frame is BodyError at once, and
 nothing is ever buffered beyond one line."""
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.h1.chunked import MAX_LINE, MAX_TRAILERS, BodyError, ChunkedBody, SizedBody
+from appliance.h1.body import MAX_LINE, MAX_TRAILERS, BodyError, ChunkedBody, SizedBody
 
 
 def feed_all(parts: list[bytes]) -> tuple[bytes, ChunkedBody]:

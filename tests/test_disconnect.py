@@ -1,4 +1,5 @@
-"""Cancel on disconnect (appliance/http/disconnect.py): the socket watcher and the task."""
+"""Cancel on disconnect (appliance/http/disconnect.py): the server's hang-up watch
+(appliance/server/hangups.py) and the watcher task."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import socket
 import pytest
 import trio
 
-from appliance.http import disconnect
-from appliance.http.asgi import serve
-from appliance.http.disconnect import Hangups, cancel_on_disconnect, client_socket
+from appliance.http.disconnect import cancel_on_disconnect, hangup_watch
+from appliance.server.hangups import Hangups, hangups
+from appliance.server.serve import serve
 
 REQUEST = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
 
@@ -20,12 +21,12 @@ def _app(seen: dict, finished: bool = False, use_scope: bool = True):
         if scope["type"] != "http":
             return
         await receive()  # the body
-        seen["socket"] = client_socket(scope) is not None
+        seen["socket"] = hangup_watch(scope) is not None
         try:
             async with cancel_on_disconnect(receive, (lambda: True) if finished else None,
                                             scope if use_scope else None) as g:
                 if use_scope:  # watched by the one task, not by a watcher of its own
-                    h = disconnect._watcher()
+                    h = hangups()
                     seen["watched"] = h.watching() if h is not None else 0
                 seen["entered"].set()
                 await trio.sleep_forever()
@@ -55,7 +56,7 @@ async def test_a_client_that_hangs_up_cancels_the_work(use_scope):
             await stream.aclose()
             await seen["ended"].wait()
         nursery.cancel_scope.cancel()
-    assert seen["socket"] is True  # a plain TCP connection
+    assert seen["socket"] is True  # our server offers its watch
     assert seen.get("watched", 1) == 1
     assert seen["gone"] is True
 
@@ -81,10 +82,9 @@ async def test_the_watcher_calls_only_for_a_hang_up_and_forgets_the_socket():
     c, d = socket.socketpair()
     h = Hangups()
     calls: list[str] = []
-    fa = h.add(a, lambda: calls.append("a"))
-    fc = h.add(c, lambda: calls.append("c"))
-    assert fa is not None and fc is not None
-    assert h.add(a, lambda: calls.append("again")) is None  # one watch per socket
+    fa, fc = a.fileno(), c.fileno()
+    assert h.add(fa, lambda: calls.append("a")) and h.add(fc, lambda: calls.append("c"))
+    assert not h.add(fa, lambda: calls.append("again"))  # one watch per socket
     b.send(b"GET / HTTP/1.1\r\n")  # bytes (a pipelined request) are no hang-up
     h.fire()
     assert calls == []

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import trio
+from appliance.server.listener import Budget, Limits, LiveLimits, guard_app
 
 from appliance.http.errors import ApiError, api_of, render
 from appliance.http.respond import send_api_error
-from appliance.server.listener import Budget, Limits, LiveLimits, guard_app
 
 
 @pytest.mark.parametrize(("path", "api"), [

@@ -1,6 +1,7 @@
-"""The lean HTTP/1.1 server under the plain-TCP listeners (appliance/server/connection.py), spoken to
-over real loopback sockets: framing and refusals, keep-alive, pipelining, 100-continue,
-HEAD, HTTP/1.0, the disconnect reaching the app, deadlines, bounds and the drain."""
+"""The HTTP/1.1 connection of every listener (appliance/server/connection.py), spoken to over
+real loopback sockets, each test on a plain and a TLS listener (`wire`, tests/wire.py):
+framing and refusals, keep-alive, pipelining, 100-continue, HEAD, HTTP/1.0, the
+disconnect reaching the app, deadlines, bounds and the drain."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import h11
 import pytest
 import trio
 from h11io import response, until_closed
+from wire import Wire
 
-from appliance.http.asgi import read_body, serve
+from appliance.http.asgi import read_body
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.server.listener import Limits
+from appliance.server.limits import Limits
+from appliance.server.serve import serve
 
 
 async def echo(scope, receive, send):
@@ -40,21 +43,21 @@ async def streamer(scope, receive, send):
 
 
 @asynccontextmanager
-async def running(app, drain: float = 5.0, **limits):
+async def running(wire, app, drain: float = 5.0, **limits):
     stop = trio.Event()
     async with trio.open_nursery() as n:
         host, port = await n.start(partial(serve, app, "127.0.0.1:0", "fake",
                                            shutdown_trigger=stop.wait, drain_seconds=drain,
-                                           limits=Limits(**limits)))
+                                           limits=Limits(**limits), **wire.serve_kwargs))
         try:
             yield host, port, stop
         finally:
             n.cancel_scope.cancel()
 
 
-async def test_keep_alive_sized_and_chunked_answers_on_one_connection():
-    async with running(echo) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+async def test_keep_alive_sized_and_chunked_answers_on_one_connection(wire):
+    async with running(wire, echo) as (host, port, _):
+        stream = await wire.connect(host, port)
         conn = h11.Connection(h11.CLIENT)
         for i, body in enumerate((b"", b"x" * 100_000, b"hello")):
             headers = [("host", "x")]
@@ -73,8 +76,8 @@ async def test_keep_alive_sized_and_chunked_answers_on_one_connection():
             assert answer["body"] == body.decode()
             assert "date" in headers_got and headers_got["content-length"] == str(len(got))
             conn.start_next_cycle()
-    async with running(streamer) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, streamer) as (host, port, _):
+        stream = await wire.connect(host, port)
         conn = h11.Connection(h11.CLIENT)
         for _ in range(2):
             await stream.send_all(conn.send(h11.Request(method="GET", target="/",
@@ -86,9 +89,9 @@ async def test_keep_alive_sized_and_chunked_answers_on_one_connection():
             conn.start_next_cycle()
 
 
-async def test_pipelined_requests_are_answered_in_order():
-    async with running(echo) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+async def test_pipelined_requests_are_answered_in_order(wire):
+    async with running(wire, echo) as (host, port, _):
+        stream = await wire.connect(host, port)
         reqs = b"".join(b"POST /%d HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n%d" % (i, i)
                         for i in range(5))
         await stream.send_all(reqs + b"GET /last HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -115,21 +118,21 @@ async def test_pipelined_requests_are_answered_in_order():
     assert raw.count(b"HTTP/1.1 200") == 6 and raw.count(b"connection: close") == 1
 
 
-async def test_head_http10_and_expect_continue():
-    async with running(echo) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+async def test_head_http10_and_expect_continue(wire):
+    async with running(wire, echo) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"HEAD / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         raw = await until_closed(stream)
         head, _, body = raw.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"content-length: " in head and body == b""
         # HTTP/1.0: answered, then closed (no keep-alive), streamed bodies end with the close.
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await wire.connect(host, port)
         await stream.send_all(b"POST /old HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi")
         raw = await until_closed(stream)
         assert raw.startswith(b"HTTP/1.1 200") and b"connection: close" in raw
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["version"] == "1.0"
         # Expect: 100-continue: the interim answer comes before the body is sent.
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await wire.connect(host, port)
         await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
                               b"Expect: 100-continue\r\n\r\n")
         with trio.fail_after(10):
@@ -141,8 +144,8 @@ async def test_head_http10_and_expect_continue():
                                                                   ("content-length", "3")]))
         status, _, body = await response(stream, conn)
         assert status == 200 and json.loads(body)["n"] == 3
-    async with running(streamer) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, streamer) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"GET / HTTP/1.0\r\n\r\n")
         raw = await until_closed(stream)
         head, _, body = raw.partition(b"\r\n\r\n")
@@ -176,10 +179,10 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("data,status,why", REFUSED)
-async def test_refusals_are_answered_in_the_api_shape_and_the_connection_closed(data, status,
+async def test_refusals_are_answered_in_the_api_shape_and_the_connection_closed(wire, data, status,
                                                                                  why):
-    async with running(echo) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, echo) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(data)
         raw = await until_closed(stream)
     assert raw.startswith(b"HTTP/1.1 %d" % status), raw[:300]
@@ -188,18 +191,18 @@ async def test_refusals_are_answered_in_the_api_shape_and_the_connection_closed(
     assert "error" in json.loads(raw.partition(b"\r\n\r\n")[2])
 
 
-async def test_head_deadline_then_keep_alive_bound(autojump_clock):
-    async with running(echo, header_read_seconds=10) as (host, port, _):
-        partial_head = await trio.open_tcp_stream(host, port)
+async def test_head_deadline_then_keep_alive_bound(wire, autojump_clock):
+    async with running(wire, echo, header_read_seconds=10) as (host, port, _):
+        partial_head = await wire.connect(host, port)
         await partial_head.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n")
-        silent = await trio.open_tcp_stream(host, port)
+        silent = await wire.connect(host, port)
         t0 = trio.current_time()
         raw = await until_closed(partial_head)
         assert raw.startswith(b"HTTP/1.1 408") and b"request_timeout" in raw
         assert trio.current_time() - t0 == pytest.approx(10, abs=0.5)
         assert await until_closed(silent) == b""  # no head at all: just closed
         # Kept alive: idle for up to hypercorn's keep_alive_timeout (75 s), then closed.
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await wire.connect(host, port)
         await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         conn = h11.Connection(h11.CLIENT)
         conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
@@ -210,7 +213,7 @@ async def test_head_deadline_then_keep_alive_bound(autojump_clock):
         raw = await until_closed(stream)
         assert raw.startswith(b"HTTP/1.1 408")
         assert trio.current_time() - t0 == pytest.approx(70, abs=0.5)
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await wire.connect(host, port)
         await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         conn = h11.Connection(h11.CLIENT)
         conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
@@ -220,16 +223,16 @@ async def test_head_deadline_then_keep_alive_bound(autojump_clock):
         assert trio.current_time() - t0 == pytest.approx(75, abs=0.5)
 
 
-async def test_body_deadline_and_budget_are_answered_408_and_503(autojump_clock):
-    async with running(echo, body_read_seconds=30, max_buffered_bytes=1000) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+async def test_body_deadline_and_budget_are_answered_408_and_503(wire, autojump_clock):
+    async with running(wire, echo, body_read_seconds=30, max_buffered_bytes=1000) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
         t0 = trio.current_time()
         raw = await until_closed(stream)
         assert raw.startswith(b"HTTP/1.1 408") and trio.current_time() - t0 == pytest.approx(30,
                                                                                           abs=1)
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await wire.connect(host, port)
         await stream.send_all(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"
                               + b"y" * 2000)
         raw = await until_closed(stream)
@@ -237,17 +240,17 @@ async def test_body_deadline_and_budget_are_answered_408_and_503(autojump_clock)
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == "busy"
 
 
-async def test_408_and_busy_on_v1_messages_are_in_anthropics_shape(autojump_clock):
+async def test_408_and_busy_on_v1_messages_are_in_anthropics_shape(wire, autojump_clock):
     """An Anthropic client reads its own error shape (it got OpenAI's before)."""
-    async with running(echo, body_read_seconds=30, max_buffered_bytes=1000) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, echo, body_read_seconds=30, max_buffered_bytes=1000) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
                               b"Content-Length: 10\r\n\r\nabc")
         raw = await until_closed(stream)
         assert raw.startswith(b"HTTP/1.1 408")
         body = json.loads(raw.partition(b"\r\n\r\n")[2])
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await wire.connect(host, port)
         await stream.send_all(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
                               b"Content-Length: 2000\r\n\r\n" + b"y" * 2000)
         raw = await until_closed(stream)
@@ -256,7 +259,7 @@ async def test_408_and_busy_on_v1_messages_are_in_anthropics_shape(autojump_cloc
         assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
 
 
-async def test_a_client_gone_mid_stream_is_told_to_the_app(autojump_clock):
+async def test_a_client_gone_mid_stream_is_told_to_the_app(wire, autojump_clock):
     seen: list[str] = []
     done = trio.Event()
 
@@ -273,8 +276,8 @@ async def test_a_client_gone_mid_stream_is_told_to_the_app(autojump_clock):
         finally:
             done.set()
 
-    async with running(app) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, app) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await stream.receive_some(65536)
         await stream.aclose()
@@ -283,7 +286,7 @@ async def test_a_client_gone_mid_stream_is_told_to_the_app(autojump_clock):
     assert seen == ["gone"]
 
 
-async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500(autojump_clock):
+async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500(wire, autojump_clock):
     said: list[str] = []
 
     async def app(scope, receive, send):
@@ -298,8 +301,8 @@ async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500(au
             await trio.sleep(0.05)
             await send({"type": "http.response.body", "body": b"ok"})
 
-    async with running(app) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, app) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /boom HTTP/1.1\r\nHost: x"
                               b"\r\n\r\n")
         raw = await until_closed(stream)
@@ -307,12 +310,12 @@ async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500(au
     assert raw.startswith(b"HTTP/1.1 200") and b"\r\n\r\nokHTTP/1.1 500" in raw
 
 
-async def test_the_oldest_idle_connection_is_shed_at_the_bound(autojump_clock):
-    async with running(echo, max_connections=2) as (host, port, _):
-        first = await trio.open_tcp_stream(host, port)
-        second = await trio.open_tcp_stream(host, port)
+async def test_the_oldest_idle_connection_is_shed_at_the_bound(wire, autojump_clock):
+    async with running(wire, echo, max_connections=2) as (host, port, _):
+        first = await wire.connect(host, port)
+        second = await wire.connect(host, port)
         await trio.sleep(0.2)
-        third = await trio.open_tcp_stream(host, port)
+        third = await wire.connect(host, port)
         await third.send_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert (await until_closed(third)).startswith(b"HTTP/1.1 200")
         assert await until_closed(first) == b""  # shed
@@ -320,7 +323,7 @@ async def test_the_oldest_idle_connection_is_shed_at_the_bound(autojump_clock):
         assert (await until_closed(second)).startswith(b"HTTP/1.1 200")
 
 
-async def test_drain_finishes_the_request_in_flight_and_closes_idle_connections(autojump_clock):
+async def test_drain_finishes_the_request_in_flight_and_closes_idle_connections(wire, autojump_clock):
     release = trio.Event()
 
     async def slow(scope, receive, send):
@@ -330,17 +333,17 @@ async def test_drain_finishes_the_request_in_flight_and_closes_idle_connections(
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"done"})
 
-    async with running(slow, drain=30) as (host, port, stop):
-        idle = await trio.open_tcp_stream(host, port)
+    async with running(wire, slow, drain=30) as (host, port, stop):
+        idle = await wire.connect(host, port)
         await idle.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b"done" in await idle.receive_some(65536)
-        busy = await trio.open_tcp_stream(host, port)
+        busy = await wire.connect(host, port)
         await busy.send_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         await trio.sleep(0.1)
         stop.set()
         assert await until_closed(idle) == b""  # idle: closed at once
         with pytest.raises(OSError):
-            await trio.open_tcp_stream(host, port)  # no longer accepting
+            await wire.connect(host, port)  # no longer accepting
         release.set()
         raw = await until_closed(busy)
         assert raw.startswith(b"HTTP/1.1 200") and raw.endswith(b"done")
@@ -348,7 +351,8 @@ async def test_drain_finishes_the_request_in_flight_and_closes_idle_connections(
 
 
 async def test_a_client_half_close_after_its_request_still_gets_the_answer():
-    async with running(echo) as (host, port, _):
+    """Plain only: TLS has no half-close (a TLS client closes whole)."""
+    async with running(Wire("plain"), echo) as (host, port, _):
         s = socket.create_connection((host, port))
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         s.shutdown(socket.SHUT_WR)
@@ -358,7 +362,7 @@ async def test_a_client_half_close_after_its_request_still_gets_the_answer():
     assert raw.startswith(b"HTTP/1.1 200")
 
 
-async def test_app_heads_are_written_once_and_a_bad_one_is_a_500():
+async def test_app_heads_are_written_once_and_a_bad_one_is_a_500(wire):
     async def app(scope, receive, send):
         await read_body(receive, 10)
         value = b"a\r\nx-smuggled: 1" if scope["path"] == "/bad" else b"ok"
@@ -367,8 +371,8 @@ async def test_app_heads_are_written_once_and_a_bad_one_is_a_500():
                                 (b"Transfer-Encoding", b"chunked")]})
         await send({"type": "http.response.body", "body": b"hi"})
 
-    async with running(app) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, app) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /bad HTTP/1.1\r\nHost: x"
                               b"\r\n\r\n")
         raw = await until_closed(stream)
@@ -378,10 +382,10 @@ async def test_app_heads_are_written_once_and_a_bad_one_is_a_500():
     assert second.startswith(b"HTTP/1.1 500") and b"smuggled" not in second
 
 
-async def test_a_head_trickled_byte_by_byte_is_read_whole(autojump_clock):
-    async with running(echo) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+async def test_a_head_trickled_byte_by_byte_is_read_whole(wire, autojump_clock):
+    async with running(wire, echo) as (host, port, _):
+        stream = await wire.connect(host, port)
+        wire.sock(stream).setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         data = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
         for i in range(len(data)):
             await stream.send_all(data[i:i + 1])
@@ -390,7 +394,7 @@ async def test_a_head_trickled_byte_by_byte_is_read_whole(autojump_clock):
     assert raw.startswith(b"HTTP/1.1 200") and json.loads(raw.partition(b"\r\n\r\n")[2])["n"] == 2
 
 
-async def test_a_request_pipelined_while_an_answer_streams_is_kept_for_after_it(autojump_clock):
+async def test_a_request_pipelined_while_an_answer_streams_is_kept_for_after_it(wire, autojump_clock):
     async def app(scope, receive, send):
         await read_body(receive, 10)
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -401,8 +405,8 @@ async def test_a_request_pipelined_while_an_answer_streams_is_kept_for_after_it(
         assert not gone.gone
         await send({"type": "http.response.body", "body": b"!"})
 
-    async with running(app) as (host, port, _):
-        stream = await trio.open_tcp_stream(host, port)
+    async with running(wire, app) as (host, port, _):
+        stream = await wire.connect(host, port)
         await stream.send_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
         with trio.fail_after(10):
             assert b"/first" in await stream.receive_some(65536)

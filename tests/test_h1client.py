@@ -1,11 +1,11 @@
-"""The upstream's request heads and response heads (appliance/client/h1.py), against h11."""
+"""The upstream's request heads and response heads (appliance/h1/client.py), against h11."""
 
 from __future__ import annotations
 
 import h11
 import pytest
 
-from appliance.client.h1 import (
+from appliance.h1.client import (
     CHUNKED,
     CLOSE,
     LENGTH,

@@ -2,8 +2,10 @@
 that crosses a layer fails here (lazy imports inside functions count too).
 
 - `appliance.h1` (sans-I/O HTTP/1.1) imports nothing of the project and no I/O library.
+- `appliance.net` (byte transports over sockets) imports nothing of the project.
 - `appliance.http` (app helpers) imports nothing of the project but itself and `h1`; the
-  server and client packages build on those two, never the other way.
+  server and client packages build on those and `net`, never the other way, and neither
+  imports the other.
 - The shared modules (every package but the roles and the launchers) import no role.
 - The node and the sim import nothing of the hub (nor of each other -- but the node's
   `sim` engine, which runs the simulator in-process -- nor of cluster);
@@ -97,20 +99,16 @@ def test_the_walk_sees_the_tree():
     assert violations(("appliance.hub.api.router",), ("appliance.http",)) != []
 
 
-# Imports of the shared HTTP packages that still point the wrong way (the ASGI serve helper
-# and the stream relay reach the server's socket); each is on its way out (issue 19).
-HTTP_DEBTS = [
-    "appliance.client.upstream imports appliance.server.fastio",
-    "appliance.http.asgi imports appliance.config",
-    "appliance.http.asgi imports appliance.server.hyperfix",
-    "appliance.http.asgi imports appliance.server.listener",
-    "appliance.http.disconnect imports appliance.server.fastio",
-    "appliance.http.stream imports appliance.server.fastio",
-]
+# Imports of the shared HTTP packages that point the wrong way: none (issue 19 removed them).
+HTTP_DEBTS: list[str] = []
 
 
 def test_sans_io_wire_imports_nothing_of_the_project_and_no_io():
     assert violations(("appliance.h1",), ("appliance", *SHELL_LIBS), ("appliance.h1",)) == []
+
+
+def test_transports_import_nothing_of_the_project():
+    assert violations(("appliance.net",), ("appliance",), ("appliance.net",)) == []
 
 
 def test_http_layers_point_one_way():

@@ -1,10 +1,27 @@
-"""The listener's plain decisions: body budget, ambiguous framing, which connection to shed."""
+"""The listener's plain decisions: body budget, which connection to shed, the connection's
+state table (appliance/server/limits.py, accept.py; appliance/h1/state.py)."""
 
 from __future__ import annotations
 
-import trio
+import pytest
 
-from appliance.server.listener import Budget, _Guard, _Shed, framing_error
+from appliance.h1.state import (
+    BODY_END,
+    DONE,
+    ERROR,
+    MUST_CLOSE,
+    PEER_CLOSED,
+    REQUEST,
+    REQUEST_NO_BODY,
+    RESPONSE,
+    RESPONSE_END,
+    SEND_BODY,
+    Cycle,
+    ProtocolError,
+)
+from appliance.server.accept import Shed
+from appliance.server.connection import Slot
+from appliance.server.limits import Budget
 
 
 def test_budget_takes_until_the_bound_and_gives_back():
@@ -16,50 +33,44 @@ def test_budget_takes_until_the_bound_and_gives_back():
     assert b.held == 0
 
 
-def test_te_and_cl_together_is_ambiguous_either_case():
-    assert framing_error([(b"Transfer-Encoding", b"chunked"), (b"content-length", b"4")])
-    assert framing_error([(b"transfer-encoding", b"chunked")]) is None
-    assert framing_error([(b"content-length", b"4")]) is None
-
-
 async def test_shedding_takes_the_oldest_connection_that_serves_no_request():
-    live = {}
-    guards = [_Guard(10.0) for _ in range(3)]
-    for g in guards:
-        live[g] = None
-    guards[0].request_started()  # serving: never shed
-    shed = _Shed()
-    assert shed.one(live, 3) and guards[1].cancel.cancel_called and guards[1] not in live
-    assert shed.one(live, 3) and guards[2].cancel.cancel_called
-    assert not shed.one(live, 3) and not guards[0].cancel.cancel_called and shed.count == 2
+    slots = [Slot() for _ in range(3)]
+    live = dict.fromkeys(slots)
+    slots[0].in_request = True  # serving: never shed
+    shed = Shed()
+    assert shed.one(live, 3) and slots[1].cancel.cancel_called and slots[1] not in live
+    assert shed.one(live, 3) and slots[2].cancel.cancel_called
+    assert not shed.one(live, 3) and not slots[0].cancel.cancel_called and shed.count == 2
 
 
-async def test_head_deadline_runs_from_the_start_then_from_the_first_byte_after_idle(
-    autojump_clock):
-    start = trio.current_time()
-    g = _Guard(10.0)
-    assert g.deadline == start + 10
-    g.request_started()
-    assert g.deadline == float("inf")
-    g.request_done()
-    assert g.deadline == float("inf")  # idle: hypercorn's keep-alive bound only
-    await trio.sleep(30)
-    g.received(b"GET / HT")
-    assert g.deadline == start + 40 and g.head_bytes
+def test_a_clean_cycle_is_reusable_and_starts_again():
+    c = Cycle()
+    c.client(REQUEST)
+    c.server(RESPONSE)
+    assert not c.reusable and c.body_owed
+    c.client(BODY_END)
+    c.server(RESPONSE_END)
+    assert c.reusable
+    c.next_cycle()
+    c.client(REQUEST_NO_BODY)
+    assert (c.their, c.ours) == (DONE, "SEND_RESPONSE")
 
 
-async def test_a_head_begun_while_the_answer_finished_owes_its_deadline_from_the_request_end(
-        autojump_clock):
-    g = _Guard(10.0)
-    g.request_started()
-    g.received(b"a body chunk")  # the request's own body: no head owed
-    await trio.sleep(5)
-    g.request_done()
-    assert g.deadline == float("inf") and not g.head_bytes
-    g.request_started()
-    g.response_ended()
-    g.received(b"GET / HT")  # the next head, read before the request's task finished
-    assert g.deadline == float("inf")  # still in the request: not cut
-    await trio.sleep(5)
-    g.request_done()
-    assert g.deadline == trio.current_time() + 10 and g.head_bytes
+def test_close_and_early_answers_and_hang_ups_end_the_connection():
+    c = Cycle()
+    c.client(REQUEST)
+    c.server(RESPONSE)
+    c.server(RESPONSE_END)  # answered before the body came
+    assert c.answered and c.their == SEND_BODY and not c.reusable
+    c.client(PEER_CLOSED)  # ... and the client left mid-body
+    assert c.their == ERROR and not c.reusable
+    with pytest.raises(ProtocolError):
+        c.client(BODY_END)  # ERROR never changes again
+    c = Cycle()
+    c.client(REQUEST_NO_BODY)
+    c.close()  # `connection: close` either way
+    c.server(RESPONSE)
+    c.server(RESPONSE_END)
+    assert (c.their, c.ours) == (MUST_CLOSE, MUST_CLOSE) and not c.reusable
+    with pytest.raises(ProtocolError):
+        c.next_cycle()

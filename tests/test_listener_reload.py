@@ -1,6 +1,5 @@
-"""A reload moves a running listener's limits (appliance/server/listener.py `LiveLimits`), on both
-of its servers (the lean one for plain TCP, hypercorn as for TLS), over real loopback
-sockets under trio's autojump clock: the next request -- on a connection opened before
+"""A reload moves a running listener's limits (appliance/server/limits.py `LiveLimits`), on
+plain and TLS listeners alike, over real loopback sockets under trio's autojump clock: the next request -- on a connection opened before
 the reload too -- gets the new head and body deadlines and the new body budget, and a
 raised connection bound lets a waiting client in at once."""
 
@@ -14,12 +13,10 @@ import h11
 import pytest
 import trio
 from h11io import response, until_closed
-from hypercorn.config import Config as HyperConfig
 
-from appliance.http.asgi import http_only, read_body
-from appliance.server.listener import Limits, LiveLimits, serve_guarded
-
-SERVERS = [pytest.param(True, id="lean"), pytest.param(False, id="hypercorn")]
+from appliance.http.asgi import read_body
+from appliance.server.limits import Limits, LiveLimits
+from appliance.server.serve import serve
 
 
 async def echo(scope, receive, send):
@@ -32,11 +29,7 @@ async def echo(scope, receive, send):
 
 
 @asynccontextmanager
-async def serving(live: LiveLimits, lean: bool, release: trio.Event | None = None):
-    cfg = HyperConfig()  # as appliance.http.asgi.serve sets it
-    cfg.bind = ["127.0.0.1:0"]
-    cfg.accesslog = None
-    cfg.keep_alive_timeout = 75
+async def serving(live: LiveLimits, wire, release: trio.Event | None = None):
     release = release if release is not None else trio.Event()
 
     async def app(scope, receive, send):
@@ -44,11 +37,10 @@ async def serving(live: LiveLimits, lean: bool, release: trio.Event | None = Non
         await echo(scope, receive, send)
 
     async with trio.open_nursery() as n:
-        binds = await n.start(partial(serve_guarded, http_only(app), cfg, live,
-                                      shutdown_trigger=trio.sleep_forever, lean=lean))
-        host, _, port = binds[0].removeprefix("http://").rpartition(":")
+        host, port = await n.start(partial(serve, app, "127.0.0.1:0", "fake", limits=live,
+                                           **wire.serve_kwargs))
         try:
-            yield host, int(port)
+            yield host, port
         finally:
             n.cancel_scope.cancel()
 
@@ -73,12 +65,11 @@ def code(raw: bytes) -> str:
     return json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"]
 
 
-@pytest.mark.parametrize("lean", SERVERS)
-async def test_the_next_request_gets_the_reloaded_deadlines_and_budget(lean, autojump_clock):
+async def test_the_next_request_gets_the_reloaded_deadlines_and_budget(wire, autojump_clock):
     live = LiveLimits(Limits(header_read_seconds=10, body_read_seconds=30,
                              max_buffered_bytes=10_000))
-    async with serving(live, lean) as (host, port):
-        kept = await trio.open_tcp_stream(host, port)
+    async with serving(live, wire) as (host, port):
+        kept = await wire.connect(host, port)
         conn = h11.Connection(h11.CLIENT)
         assert await ask(kept, conn, post(5000)) == 200  # 5000 body bytes held: within 10 000
         assert live.set(Limits(header_read_seconds=3, body_read_seconds=5,
@@ -91,32 +82,32 @@ async def test_the_next_request_gets_the_reloaded_deadlines_and_budget(lean, aut
         assert raw.startswith(b"HTTP/1.1 408") and trio.current_time() - t0 == pytest.approx(
             3, abs=0.5)
 
-        fresh = await trio.open_tcp_stream(host, port)  # a new body deadline: 5 s, not 30
+        fresh = await wire.connect(host, port)  # a new body deadline: 5 s, not 30
         await fresh.send_all(post(10)[:-7])
         t0 = trio.current_time()
         raw = await until_closed(fresh)
         assert raw.startswith(b"HTTP/1.1 408") and code(raw) == "request_timeout"
         assert trio.current_time() - t0 == pytest.approx(5, abs=0.5)
 
-        fresh = await trio.open_tcp_stream(host, port)  # the new budget: 5000 bytes are too many
+        fresh = await wire.connect(host, port)  # the new budget: 5000 bytes are too many
         await fresh.send_all(post(5000))
         raw = await until_closed(fresh)
         assert raw.startswith(b"HTTP/1.1 503") and code(raw) == "busy"
 
 
-@pytest.mark.parametrize("lean", SERVERS)
-async def test_a_raised_connection_bound_lets_a_waiting_client_in(lean, autojump_clock):
+async def test_a_raised_connection_bound_lets_a_waiting_client_in(wire, autojump_clock):
     live = LiveLimits(Limits(max_connections=1))
     release = trio.Event()
-    async with serving(live, lean, release) as (host, port):
-        holder = await trio.open_tcp_stream(host, port)
+    async with serving(live, wire, release) as (host, port):
+        holder = await wire.connect(host, port)
         await holder.send_all(b"GET /hold HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         await trio.sleep(1)
-        waiting = await trio.open_tcp_stream(host, port)  # in the kernel's backlog
-        await waiting.send_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        # in the kernel's backlog (a TLS handshake waits for the accept: sent from the task)
+        waiting = await wire.connect(host, port, handshake=False)
         got: list[bytes] = []
 
         async def read_waiting() -> None:
+            await waiting.send_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             got.append(await until_closed(waiting))
 
         async with trio.open_nursery() as n:

@@ -14,13 +14,14 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance.config import load
-from appliance.http.asgi import read_body, serve
+from appliance.http.asgi import read_body
 from appliance.http.disconnect import wait_disconnect
 from appliance.node.app import NodeApp
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
+from appliance.server.serve import serve
 from appliance.wire import EngineInstall, Heartbeat, ModelState, StateEvent, watch_decoder
 
 TOKEN = "s3cret"

@@ -2,7 +2,8 @@
 Response) against raw trio peers that send exact bytes: the read deadline is exact though
 it is kept lazily (one cancel scope per relay), a cut interrupts a read but never a write,
 broken framing is an error and not a hang, and a body that ended by its framing hands its
-connection back to the pool."""
+connection back to the pool. The client side is our server's own send path
+(appliance/server/send.py) on a socket pair: the relay writes through it."""
 
 import socket
 from functools import partial
@@ -14,10 +15,11 @@ import trio.testing
 from h11io import request
 
 from appliance.client.upstream import Pool, UpstreamError
-from appliance.h1.chunked import ChunkedBody
+from appliance.h1.body import ChunkedBody
 from appliance.http.stream import Cut, relay_body
 from appliance.hub.translate import Converted
-from appliance.server.fastio import ChunkedSocket, DirectBody
+from appliance.net.transport import Transport
+from appliance.server.send import Sender
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -56,32 +58,29 @@ async def _start(nursery, script: list):
 
 
 class Client:
-    """The client: `direct` -- a DirectBody on a socket pair, its frames decoded by a
-    reader (the relay's fast path) -- or, with direct=False, the ASGI `send`. `delay`
-    makes each write slow: the ASGI send sleeps, the direct reader sleeps between reads
-    of a socket whose buffer is small."""
+    """The client: our server's send side on a socket pair, its chunked frames decoded by
+    a reader. `delay` makes each write slow: the reader sleeps between reads of a socket
+    whose buffers are small, so a big write waits for room."""
 
-    def __init__(self, direct: bool, delay: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
         self.body = b""
         self.delay = delay
-        self.direct: DirectBody | None = None
-        self._sock = self._peer = None
-        if direct:
-            self._sock, self._peer = socket.socketpair()
-            self._sock.setblocking(False)
-            self._peer.setblocking(False)
-            if delay:
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-                self._peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            self.direct = DirectBody(ChunkedSocket(trio.Lock(), self._sock, lambda: b""))
+        self._sock, self._peer = socket.socketpair()
+        self._peer.setblocking(False)
+        if delay:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            self._peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sender = Sender(Transport(self._sock))
+        self.sender.new_response("POST", "1.1")
+        self.sender.started = True  # (the response's head: a status, no headers)
+        self.sender.status = 200
 
     async def send(self, msg) -> None:
-        if self.delay:
-            await trio.sleep(self.delay)
-        self.body += msg["body"]
+        await self.sender.send(msg)
 
     async def read_frames(self) -> None:
         frames = ChunkedBody()
+        head = b""
         while True:
             if self.delay:
                 await trio.sleep(self.delay)
@@ -89,16 +88,22 @@ class Client:
             data = self._peer.recv(1024)
             if not data:
                 return
+            if head is not None:
+                head += data
+                if b"\r\n\r\n" not in head:
+                    continue
+                assert b"transfer-encoding: chunked" in head
+                data = head.partition(b"\r\n\r\n")[2]
+                head = None
             self.body += frames.feed(data)
 
     def end(self) -> None:
-        if self._sock is not None:
-            self._sock.shutdown(socket.SHUT_WR)
+        self._sock.shutdown(socket.SHUT_WR)
 
 
-async def _relay(script, *, direct, read_timeout=5.0, cut=None, errors=(UpstreamError,),
+async def _relay(script, *, read_timeout=5.0, cut=None, errors=(UpstreamError,),
                  client=None, trip_at=None):
-    client = client or Client(direct)
+    client = client or Client()
     async with trio.open_nursery() as nursery:
         url, served = await _start(nursery, script)
         pool = Pool()
@@ -109,16 +114,14 @@ async def _relay(script, *, direct, read_timeout=5.0, cut=None, errors=(Upstream
                 cut.trip("node_lost")
             nursery.start_soon(trip)
         reader = trio.Event()
-        if client.direct is not None:
-            async def read():
-                await client.read_frames()
-                reader.set()
-            nursery.start_soon(read)
-        else:
+
+        async def read():
+            await client.read_frames()
             reader.set()
+        nursery.start_soon(read)
         raised = None
         try:
-            r = await relay_body(resp, client.send, cut, errors, b"", client.direct)
+            r = await relay_body(resp, client.send, cut, errors, b"")
         except UpstreamError as e:  # raised outside the nursery: not in an ExceptionGroup
             raised = e
         finally:
@@ -131,14 +134,10 @@ async def _relay(script, *, direct, read_timeout=5.0, cut=None, errors=(Upstream
     return r, client, pool, served
 
 
-both = pytest.mark.parametrize("direct", [True, False], ids=["direct", "asgi"])
-
-
-@both
-async def test_the_read_deadline_counts_from_the_last_read_not_from_the_start(direct, autojump_clock):
+async def test_the_read_deadline_counts_from_the_last_read_not_from_the_start(autojump_clock):
     t0 = trio.current_time()
     script = [HEAD + frame(b"a"), 3, frame(b"b"), 3, frame(b"c"), "STALL"]
-    r, client, _, _ = await _relay(direct=direct, script=script, read_timeout=5)
+    r, client, _, _ = await _relay(script=script, read_timeout=5)
     # 6 s of tokens, then silence: it ends 5 s after the last byte, not at 5 s (the first
     # deadline, moved lazily) nor ever later.
     assert client.body == b"abc"
@@ -146,15 +145,13 @@ async def test_the_read_deadline_counts_from_the_last_read_not_from_the_start(di
     assert 11 <= trio.current_time() - t0 < 11.1
 
 
-@both
-async def test_a_read_deadline_not_in_errors_is_raised(direct, autojump_clock):
+async def test_a_read_deadline_not_in_errors_is_raised(autojump_clock):
     with pytest.raises(UpstreamError, match="sent nothing for 2 s"):
-        await _relay(direct=direct, script=[HEAD + frame(b"a"), "STALL"], read_timeout=2, errors=())
+        await _relay(script=[HEAD + frame(b"a"), "STALL"], read_timeout=2, errors=())
 
 
-@both
-async def test_a_body_that_ends_by_its_framing_ends_the_relay_and_its_connection_is_kept(direct):
-    r, client, pool, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + frame(b"b"), frame(b"c") + b"0\r\n\r\n",
+async def test_a_body_that_ends_by_its_framing_ends_the_relay_and_its_connection_is_kept():
+    r, client, pool, _ = await _relay(script=[HEAD + frame(b"a") + frame(b"b"), frame(b"c") + b"0\r\n\r\n",
                                        "STALL"])
     assert r.ended and client.body == b"abc" and r.tail == b"bc"[-2:]
     assert pool.idle_count() == 1
@@ -173,9 +170,8 @@ async def test_a_kept_connection_serves_the_next_request():
         nursery.cancel_scope.cancel()
 
 
-@both
-async def test_bytes_after_the_body_close_the_connection(direct):
-    _, client, pool, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + b"0\r\n\r\nJUNK", "STALL"])
+async def test_bytes_after_the_body_close_the_connection():
+    _, client, pool, _ = await _relay(script=[HEAD + frame(b"a") + b"0\r\n\r\nJUNK", "STALL"])
     assert client.body == b"a" and pool.idle_count() == 0
 
 
@@ -183,51 +179,46 @@ async def test_bytes_after_the_body_close_the_connection(direct):
     (b"zz\r\nhello\r\n", b"ok"), (b"1" * 9000, b"ok"), (b"5\nhello\r\n", b"ok"),
     (b"5\r\nhelloXX", b"okhello"),  # the payload before the break is passed on, then the error
 ])
-@both
-async def test_broken_framing_is_an_error_not_a_hang(direct, bad, passed, autojump_clock):
+async def test_broken_framing_is_an_error_not_a_hang(bad, passed, autojump_clock):
     t0 = trio.current_time()
-    r, client, pool, _ = await _relay(direct=direct, script=[HEAD + frame(b"ok") + bad, "STALL"], read_timeout=60)
+    r, client, pool, _ = await _relay(script=[HEAD + frame(b"ok") + bad, "STALL"], read_timeout=60)
     assert client.body == passed
     assert "broke off the response" in r.failure and not r.ended
     assert trio.current_time() - t0 < 1  # at once, not at the read deadline
     assert pool.idle_count() == 0
 
 
-@both
-async def test_a_peer_gone_mid_body_is_an_error(direct):
-    r, client, _, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + b"5\r\nhe", "CLOSE"])
+async def test_a_peer_gone_mid_body_is_an_error():
+    r, client, _, _ = await _relay(script=[HEAD + frame(b"a") + b"5\r\nhe", "CLOSE"])
     assert client.body == b"ahe" and "closed the connection mid-response" in r.failure
 
 
-@both
-async def test_a_cut_interrupts_the_read_at_once(direct, autojump_clock):
+async def test_a_cut_interrupts_the_read_at_once(autojump_clock):
     t0 = trio.current_time()
     cut = Cut()
-    r, client, _, _ = await _relay(direct=direct, script=[HEAD + frame(b"a"), 1, frame(b"b"), "STALL"], cut=cut,
+    r, client, _, _ = await _relay(script=[HEAD + frame(b"a"), 1, frame(b"b"), "STALL"], cut=cut,
                                    read_timeout=100, trip_at=3)
     assert client.body == b"ab" and not r.ended and not r.failure and cut.reason == "node_lost"
     assert 3 <= trio.current_time() - t0 < 3.1
 
 
-BIG = b"x" * 60000  # many times the small socket buffers: a direct write of it waits
+BIG = b"x" * 60000  # many times the small socket buffers: a write of it waits
 
 
-@both
-async def test_a_cut_never_interrupts_a_write(direct, autojump_clock):
+async def test_a_cut_never_interrupts_a_write(autojump_clock):
     cut = Cut()
-    # each write is slow (the ASGI send sleeps 2 s; the direct reader takes 1 KiB per 0.05 s
-    # from a 4 KiB buffer, ~3 s for BIG): the cut comes in the middle of one
-    client = Client(direct, delay=2 if not direct else 0.05)
-    r, client, _, _ = await _relay(direct=direct, script=[HEAD + frame(b"a") + frame(BIG), "STALL"],
+    # each write is slow (the reader takes 1 KiB per 0.05 s from a 4 KiB buffer, ~3 s for
+    # BIG): the cut comes in the middle of one
+    client = Client(delay=0.05)
+    r, client, _, _ = await _relay(script=[HEAD + frame(b"a") + frame(BIG), "STALL"],
                                    cut=cut, client=client, read_timeout=100, trip_at=1)
     assert client.body == b"a" + BIG and cut.reason == "node_lost" and not r.ended
 
 
-@both
-async def test_a_slow_write_does_not_count_against_the_read_deadline(direct, autojump_clock):
-    client = Client(direct, delay=4 if not direct else 0.05)  # each write > half the deadline
+async def test_a_slow_write_does_not_count_against_the_read_deadline(autojump_clock):
+    client = Client(delay=0.05)  # each write of BIG takes more than half the deadline
     script = [HEAD + frame(BIG), frame(BIG), frame(b"c") + b"0\r\n\r\n", "STALL"]
-    r, client, _, _ = await _relay(direct=direct, script=script, client=client, read_timeout=2)
+    r, client, _, _ = await _relay(script=script, client=client, read_timeout=2)
     assert r.ended and client.body == BIG + BIG + b"c"
 
 
@@ -243,17 +234,15 @@ class Upper:
         return b"END"
 
 
-@both
 async def test_a_translated_answer_goes_through_the_converter_with_the_same_deadline(
-        direct, autojump_clock):
+        autojump_clock):
     async with trio.open_nursery() as nursery:
         url, _ = await _start(nursery, [HEAD + frame(b"a"), 2, frame(b"b") + b"0\r\n\r\n"])
         resp = await Pool().request("POST", url, [], b"{}", read_timeout=5)
-        client = Client(direct)
-        if client.direct is not None:
-            nursery.start_soon(client.read_frames)
+        client = Client()
+        nursery.start_soon(client.read_frames)
         body = Converted(resp, Upper())
-        r = await relay_body(body, client.send, Cut(), (UpstreamError,), b"", client.direct)
+        r = await relay_body(body, client.send, Cut(), (UpstreamError,), b"")
         client.end()
         await trio.sleep(0.1)
         assert r.ended and body.ended and client.body == b"ABEND"
@@ -263,12 +252,10 @@ async def test_a_translated_answer_goes_through_the_converter_with_the_same_dead
     async with trio.open_nursery() as nursery:
         url, _ = await _start(nursery, [HEAD + frame(b"a"), "STALL"])
         resp = await Pool().request("POST", url, [], b"{}", read_timeout=5)
-        client = Client(direct)
-        if client.direct is not None:
-            nursery.start_soon(client.read_frames)
+        client = Client()
+        nursery.start_soon(client.read_frames)
         t0 = trio.current_time()
-        r = await relay_body(Converted(resp, Upper()), client.send, Cut(), (UpstreamError,),
-                             b"", client.direct)
+        r = await relay_body(Converted(resp, Upper()), client.send, Cut(), (UpstreamError,), b"")
         assert "sent nothing for 5 s" in r.failure and 5 <= trio.current_time() - t0 < 5.1
         await resp.aclose()
         client.end()

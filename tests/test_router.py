@@ -1,6 +1,6 @@
 """The hub's request path in-process: retry before the first byte, disconnect cancels
 upstream, error shapes, and the lean upstream pool's reuse -- against small fake nodes
-served on port 0 with the same `appliance.http.asgi.serve` the real processes use."""
+served on port 0 with the same `appliance.server.serve.serve` the real processes use."""
 
 import json
 import socket
@@ -10,11 +10,12 @@ import httpx
 import trio
 
 from appliance.config import load
-from appliance.http.asgi import read_body, serve
+from appliance.http.asgi import read_body
 from appliance.http.disconnect import wait_disconnect
 from appliance.http.errors import ApiError, error_body
 from appliance.hub.api.router import allowed, authenticate, decode_request
 from appliance.hub.run import run_hub
+from appliance.server.serve import serve
 from appliance.wire import ModelState, NodeState
 
 

@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 client (hub -> node, node -> engine): h11 over trio streams, pooled.
+"""The proxy's HTTP/1.1 client (hub -> node, node -> engine): our wire code, our sockets, pooled.
 
 Theory of operation: the request path is the one place where CPU per request matters
 (DESIGN 3: bytes in, bytes out), and a general client spends most of its time on
@@ -11,13 +11,15 @@ of a response: that (and only that) is retried once on a fresh connection. Conne
 the pool no longer needs are closed at once, never left to the garbage collector: the
 extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by a
 non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
--- otherwise each sits in CLOSE-WAIT holding an fd. On a plain TCP connection the request
-goes out with a plain send and every read waits once, then reads (appliance/server/fastio.py):
-trio's socket calls would add a scheduler round trip to each. The request head is written
-and the response head read by appliance/client/h1.py (plain functions: h11's events
+-- otherwise each sits in CLOSE-WAIT holding an fd. The connection is a `Transport`
+(appliance/net/transport.py), on a socket this module connects itself: on a plain TCP
+connection the request goes out with a plain send and every read waits once, then reads
+(trio's socket calls would add a scheduler round trip to each); TLS peers go through
+trio's SSLStream over the same socket. The request head is written and the response head
+read by appliance/h1/client.py, and every response body -- sized, chunked or
+close-delimited -- by appliance/h1/body.py's one reader (plain functions: h11's events
 and state machine cost ~40 us per exchange); a short answer whose body came with its head
-is handed over whole (`Response.whole`: no read, no deadline). Only a close-delimited
-body (no length) is read through h11, primed with the request as if it had sent it.
+is handed over whole (`Response.whole`: no read, no deadline).
 
 Timeouts belong to the caller's configuration: connecting is bounded by
 CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
@@ -32,10 +34,10 @@ import time
 from collections.abc import AsyncGenerator
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
-from appliance.client.h1 import (
+from appliance.h1.body import Body, BodyError, ChunkedBody, CloseBody, SizedBody, ends_at_close
+from appliance.h1.client import (
     CHUNKED,
     CLOSE,
     BrokenResponse,
@@ -43,14 +45,15 @@ from appliance.client.h1 import (
     encode_request,
     parse_response_head,
 )
-from appliance.h1.chunked import BodyError, ChunkedBody, SizedBody
-from appliance.server.fastio import plain_socket, recv_some, send_all
+from appliance.net.transport import TlsTransport, Transport, connect
 
 # Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
 CONNECT_SECONDS = 5.0
 # Idle connections are closed well before the peer's keep-alive (75 s, appliance.http.asgi)
 # would: a pool that outlives a load by 15 s at most, and never meets a peer's close.
 IDLE_SECONDS = 15.0
+# Closing a connection (a TLS close_notify) waits no longer than this.
+CLOSE_SECONDS = 1.0
 # Idle connections kept per peer; a burst opens more and closes the extra when it ends
 # (a node runs a handful of requests per model at once; 16 covers that with room).
 MAX_IDLE_PER_PEER = 16
@@ -74,47 +77,34 @@ class UpstreamError(Exception):
 
 
 def _before_answer(e: BaseException, read_timeout: float) -> str:
-    """What a failure before the response's head means, said for an operator -- not h11's
-    "can't handle event type ConnectionClosed when role=SERVER"."""
+    """What a failure before the response's head means, said for an operator."""
     if isinstance(e, trio.TooSlowError):
         return f"did not answer within {read_timeout:g} s"
-    if isinstance(e, BrokenResponse) or (isinstance(e, h11.RemoteProtocolError)
-                                         and "ConnectionClosed" not in str(e)):
+    if isinstance(e, BrokenResponse):
         return f"sent a broken response ({e})"
-    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError,
-                      h11.RemoteProtocolError)):
+    if isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)):
         return "closed the connection before answering"
     return f"failed before answering ({type(e).__name__}: {e})"
 
 
-def _new_h11() -> h11.Connection:
-    return h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=64 * 1024)
-
-
 class _Conn:
-    __slots__ = ("stream", "h11", "idle_since", "sock", "fd")
+    """One pooled connection: its transport, and since when it is idle."""
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-        self.sock = plain_socket(stream)  # body reads skip trio's per-call reschedule (fastio)
-        self.fd = self.sock.fileno() if self.sock is not None else -1
-        self.h11 = _new_h11()
+    __slots__ = ("transport", "idle_since", "sock", "fd")
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        # A plain socket's reads are inlined on the hot path (Response.receive); TLS: None.
+        self.sock = None if transport.tls else transport.sock
+        self.fd = transport.fileno()
         self.idle_since = 0.0
-
-    def _socket(self) -> trio.socket.SocketType | None:
-        s = self.stream
-        s = getattr(s, "transport_stream", s)  # TLS over TCP
-        sock: trio.socket.SocketType | None = getattr(s, "socket", None)
-        return sock
 
     def peer_closed(self) -> bool:
         """An idle connection whose peer hung up (or sent what no request asked for)."""
-        sock = self._socket()
-        if sock is None:
-            return False
         try:
             poller = select.poll()
-            poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+            poller.register(self.transport.fileno(),
+                            select.POLLIN | select.POLLERR | select.POLLHUP)
             # Readable while idle: the end of the stream, or bytes no request asked for.
             return bool(poller.poll(0))
         except (OSError, ValueError):
@@ -122,20 +112,13 @@ class _Conn:
 
     def close_now(self) -> None:
         """Close without waiting (an idle connection has nothing to flush)."""
-        sock = self._socket()
-        if sock is not None:
-            sock.close()
+        self.transport.close()
 
-
-async def _send_all(conn: _Conn, data: bytes) -> None:
-    """The request on the wire. On a plain socket: sent at once, a wait only while the
-    socket's buffer is full (trio's send_all pays a scheduler round trip per call; the
-    wait for the answer that follows is the checkpoint)."""
-    sock = conn.sock
-    if sock is None:
-        await conn.stream.send_all(data)
-        return
-    await send_all(sock, data, shield=False)
+    async def aclose(self) -> None:
+        """Close, bounded (a TLS close_notify to a peer that does not read)."""
+        with trio.move_on_after(CLOSE_SECONDS, shield=True):
+            await self.transport.aclose()
+        self.transport.close()
 
 
 class Response:
@@ -143,13 +126,11 @@ class Response:
     read's payload at a time, no deadline of its own: the caller's relay loop keeps one,
     appliance/http/stream.py) or `chunks()` (each read bounded by `read_timeout`).
 
-    A chunked or sized body is read by appliance/h1/chunked.py (the payload is passed
-    on, h11 never sees the body: its per-event cost was ~8% of a relayed token's); any
-    other framing (close-delimited, TLS peers included) through h11 as before."""
+    Every body is read by appliance/h1/body.py's reader for the head's framing (sized,
+    chunked, or up to the close); the payload is passed on as it came."""
 
-    def __init__(self, pool: Pool, key: _Key, conn: _Conn, ev: h11.Response | None,
-                 read_timeout: float, head: ResponseHead | None = None,
-                 early: bytes = b"") -> None:
+    def __init__(self, pool: Pool, key: _Key, conn: _Conn, head: ResponseHead,
+                 read_timeout: float, early: bytes = b"") -> None:
         self._pool = pool
         self._key = key
         self._conn: _Conn | None = conn
@@ -159,22 +140,13 @@ class Response:
         # same wait: `_waiting` keeps its start.
         self.waited_at = 0.0
         self._waiting = False
-        self._keep = True  # the connection may serve another request after this one
-        self._body: ChunkedBody | SizedBody | None
-        if head is not None:  # read by h1client (Pool._exchange): the usual case
-            self.status_code = head.status_code
-            self.headers = head.headers
-            self._body = ChunkedBody() if head.framing == CHUNKED else SizedBody(head.length)
-            self._early = early  # body bytes that came with the head
-            self._keep = head.keep_alive
-            return
-        assert ev is not None
-        self.status_code = ev.status_code
-        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in ev.headers}
-        self._body = _body_reader(conn.h11)
-        self._early = b""
-        if self._body is not None:
-            self._early = conn.h11.trailing_data[0]
+        self.status_code = head.status_code
+        self.headers = head.headers
+        self._body: Body = (ChunkedBody() if head.framing == CHUNKED
+                            else CloseBody() if head.framing == CLOSE
+                            else SizedBody(head.length))
+        self._early = early  # body bytes that came with the head
+        self._keep = head.keep_alive  # the connection may serve another request after this one
 
     async def receive(self) -> bytes:
         """The payload the next read brings (b"" once the body ended; at most one wait).
@@ -184,8 +156,6 @@ class Response:
         if conn is None:
             return b""
         body = self._body
-        if body is None:
-            return await self._receive_h11(conn)
         while True:
             if self._early:
                 data, self._early = self._early, b""
@@ -201,20 +171,23 @@ class Response:
                 sock = conn.sock
                 try:
                     if sock is not None:
-                        # recv_some inlined (a relayed token's hot path): one wait, one recv
+                        # a plain read inlined (a relayed token's hot path): one wait, one recv
                         await trio.lowlevel.wait_readable(conn.fd)
                         try:
                             data = sock.recv(READ_BYTES)
                         except BlockingIOError:
                             continue
                     else:
-                        data = bytes(await conn.stream.receive_some(READ_BYTES))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                        data = await conn.transport.receive(READ_BYTES)
+                except OSError as e:
                     await self._discard()
                     raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
                                         before_response=False) from None
                 self._waiting = False
                 if not data:
+                    if ends_at_close(body):  # a close-delimited body: its end
+                        await self._discard()
+                        return b""
                     await self._discard()
                     raise UpstreamError("closed the connection mid-response",
                                         before_response=False)
@@ -272,49 +245,12 @@ class Response:
                 return
             yield chunk
 
-    async def _receive_h11(self, conn: _Conn) -> bytes:
-        pending: list[bytes] = []
-        while True:
-            try:
-                ev = conn.h11.next_event()
-            except h11.RemoteProtocolError as e:
-                await self._discard()
-                raise UpstreamError(f"broke off the response ({e})",
-                                    before_response=False) from None
-            if isinstance(ev, h11.Data):
-                pending.append(ev.data)
-                continue
-            if isinstance(ev, h11.EndOfMessage):
-                self._release()
-                return b"".join(pending)
-            if ev is h11.NEED_DATA:
-                if pending:
-                    return b"".join(pending)
-                if not self._waiting:
-                    self._waiting = True
-                    self.waited_at = trio.current_time()
-                try:
-                    data: bytes | bytearray
-                    if conn.sock is not None:
-                        data = await recv_some(conn.sock, READ_BYTES)
-                    else:
-                        data = await conn.stream.receive_some(READ_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-                    await self._discard()
-                    raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
-                                        before_response=False) from None
-                self._waiting = False
-                conn.h11.receive_data(bytes(data))
-            else:  # ConnectionClosed, or anything a response should not hold
-                await self._discard()
-                raise UpstreamError("closed the connection mid-response", before_response=False)
-
     async def read(self) -> bytes:
         return b"".join([c async for c in self.chunks()])
 
-    def _finish(self, body: ChunkedBody | SizedBody) -> None:
-        """The body ended by its framing: the connection goes back to the pool with a
-        fresh h11 state (h11 never saw the body), unless the peer sent more than it framed."""
+    def _finish(self, body: Body) -> None:
+        """The body ended by its framing: the connection goes back to the pool, unless the
+        peer sent more than it framed or said it closes."""
         conn = self._conn
         if conn is None:
             return
@@ -322,8 +258,6 @@ class Response:
             self._conn = None
             conn.close_now()
             return
-        if conn.h11.our_state is not h11.IDLE:
-            conn.h11 = _new_h11()
         self._release()
 
     def _release(self) -> None:
@@ -337,35 +271,18 @@ class Response:
     async def _discard(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            with trio.move_on_after(1, shield=True):
-                await conn.stream.aclose()
+            await conn.aclose()
 
     async def aclose(self) -> None:
         """Done with it: a finished exchange goes back to the pool, anything else is closed."""
         conn = self._conn
         if conn is None:
             return
-        c = conn.h11
-        if self._body is None and c.our_state is h11.DONE and c.their_state is h11.DONE:
+        body = self._body
+        if body.done and not body.leftover and not self._early:
             self._release()
         else:
             await self._discard()
-
-
-def _body_reader(c: h11.Connection) -> ChunkedBody | SizedBody | None:
-    """The reader for the framing h11 chose from the response's head (it knows HEAD, 204,
-    304 and Transfer-Encoding's precedence), or None: let h11 read the body."""
-    if c.trailing_data[1]:
-        return None  # the peer already closed: h11 tells how the body ends
-    reader = getattr(c, "_reader", None)
-    name = type(reader).__name__
-    if name == "ChunkedReader":
-        return ChunkedBody()
-    if name == "ContentLengthReader":
-        remaining = getattr(reader, "_remaining", None)
-        if isinstance(remaining, int) and remaining >= 0:
-            return SizedBody(remaining)
-    return None
 
 
 class Pool:
@@ -376,12 +293,6 @@ class Pool:
         self._ssl = ssl_context
 
     def _put(self, key: _Key, conn: _Conn) -> None:
-        if conn.h11.our_state is not h11.IDLE:  # IDLE: a fresh state (Response._finish)
-            try:
-                conn.h11.start_next_cycle()
-            except h11.LocalProtocolError:
-                conn.close_now()
-                return
         conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(key, [])
         if len(idle) < MAX_IDLE_PER_PEER:
@@ -428,24 +339,28 @@ class Pool:
 
     async def _connect(self, key: _Key) -> _Conn:
         scheme, host, port = key
-        stream: trio.abc.Stream
         try:
             with trio.fail_after(CONNECT_SECONDS):
-                if scheme == "https":
-                    ctx = self._ssl or ssl.create_default_context()
-                    stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=ctx)
-                else:
-                    stream = await trio.open_tcp_stream(host, port)
+                sock = await connect(host, port)
+                if scheme != "https":
+                    return _Conn(Transport(sock))
+                tls = TlsTransport(sock, self._ssl or ssl.create_default_context(),
+                                   server_side=False, server_hostname=host)
+                try:
+                    await tls.handshake()
+                except BaseException:
+                    tls.close()
+                    raise
+                return _Conn(tls)
         except ConnectionRefusedError:
             raise UpstreamError(f"refused the connection at {host}:{port}") from None
         except trio.TooSlowError:
             raise UpstreamError(
                 f"could not be connected to at {host}:{port} within {CONNECT_SECONDS:g} s"
             ) from None
-        except (OSError, trio.BrokenResourceError) as e:
+        except OSError as e:
             raise UpstreamError(
                 f"could not be connected to at {host}:{port} ({type(e).__name__}: {e})") from None
-        return _Conn(stream)
 
     async def request(self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes,
                       read_timeout: float) -> Response:
@@ -477,18 +392,15 @@ class Pool:
                         read_timeout: float) -> Response:
         try:
             # ValueError (a header that would split the request) goes through: our bug
-            await _send_all(conn, encode_request(method, target, hdrs, len(body)) + body)
+            await conn.transport.send_all(encode_request(method, target, hdrs, len(body)) + body,
+                                          shield=False)
             buf = b""
             while True:
                 got = parse_response_head(buf, method == "HEAD")
                 if got is None:
                     # fail_after's own layers (two context managers) cost more than the read
                     with trio.CancelScope(deadline=trio.current_time() + read_timeout) as cs:
-                        data: bytes | bytearray = b""
-                        if conn.sock is not None:
-                            data = await recv_some(conn.sock, READ_BYTES)
-                        else:
-                            data = await conn.stream.receive_some(READ_BYTES)
+                        data = await conn.transport.receive(READ_BYTES)
                     if cs.cancelled_caught:
                         raise trio.TooSlowError
                     if not data:
@@ -501,49 +413,19 @@ class Pool:
                         raise BrokenResponse("101 Switching Protocols")
                     buf = buf[used:]  # 100 Continue, 103 Early Hints: the answer follows
                     continue
-                if head.framing == CLOSE:
-                    # No length: the body runs to the close; h11 reads it, as it did.
-                    return self._h11_response(key, conn, method, target, hdrs, body, buf,
-                                              read_timeout)
-                return Response(self, key, conn, None, read_timeout, head, buf[used:])
+                return Response(self, key, conn, head, read_timeout, buf[used:])
         except UpstreamError:
-            with trio.move_on_after(1, shield=True):
-                await conn.stream.aclose()
+            await conn.aclose()
             raise
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError,
-                h11.RemoteProtocolError, BrokenResponse) as e:
-            with trio.move_on_after(1, shield=True):
-                await conn.stream.aclose()
+        except (OSError, trio.TooSlowError, BrokenResponse) as e:
+            await conn.aclose()
             raise UpstreamError(_before_answer(e, read_timeout)) from None
         except BaseException:
-            with trio.move_on_after(1, shield=True):
-                await conn.stream.aclose()
+            await conn.aclose()
             raise
-
-    def _h11_response(self, key: _Key, conn: _Conn, method: str, target: str,
-                      hdrs: list[tuple[bytes, bytes]], body: bytes, raw: bytes,
-                      read_timeout: float) -> Response:
-        """A close-delimited answer, read by h11: its state as if it had sent the request,
-        then what came so far."""
-        c = conn.h11 = _new_h11()
-        c.send(h11.Request(method=method, target=target,
-                           headers=[*hdrs, (b"content-length", b"%d" % len(body))]))
-        if body:
-            c.send(h11.Data(data=body))
-        c.send(h11.EndOfMessage())
-        c.receive_data(raw)
-        while True:
-            ev = c.next_event()
-            if isinstance(ev, h11.Response):
-                resp = Response(self, key, conn, ev, read_timeout)
-                resp._keep = False  # its end is the connection's
-                return resp
-            if not isinstance(ev, h11.InformationalResponse):
-                raise UpstreamError("sent a broken response")
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, {}
         for conns in idle.values():
             for conn in conns:
-                with trio.move_on_after(1, shield=True):
-                    await conn.stream.aclose()
+                await conn.aclose()

@@ -96,10 +96,3 @@ def response_head(status: int, headers: list[tuple[bytes, bytes]], *, method: st
         lines.append(b"connection: close\r\n")
     lines.append(b"\r\n")
     return Framed(b"".join(lines), framing, length, close)
-
-
-def refusal(status: int, body: bytes) -> bytes:
-    """A whole JSON answer that closes the connection."""
-    return first_line(status) + date_header() + (
-        b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-        % len(body)) + body

@@ -8,15 +8,20 @@ the server then closes the connection, nothing behind the head is read. It accep
 less than h11 does, never more (tests/test_h1parse.py checks that against h11):
 
 - CRLF line ends only; no blank line before the request line; a request line of exactly
-  `TOKEN SP TARGET SP HTTP/1.x` (a target of visible ASCII); other versions get 505.
+  `TOKEN SP TARGET SP HTTP/1.x` (a target of visible ASCII, at most MAX_TARGET bytes,
+  else 414); HTTP/1.x with x above 1 is served as HTTP/1.1 (RFC 9110 2.5: a minor
+  version is backwards compatible); other versions get 505.
+- The target in absolute form (`http://host/path`, RFC 9112 3.2.2: a server MUST accept
+  it) is read as its path and query (origin form).
 - Header names are tokens (no space before the colon); values are visible bytes, spaces
   and tabs; obs-fold (a line starting with white space) is refused.
-- At most `max_headers` fields (431); the caller bounds the head's size (431).
+- At most `max_headers` fields (431); the caller bounds the head's size (431, or 414
+  when the request line alone is over MAX_TARGET).
 - Content-Length: digits only, one field only; Transfer-Encoding: `chunked` only (501
   for anything else), one field, not on HTTP/1.0; both together: 400 (RFC 9112 6.1).
 - One Host at most; HTTP/1.1 needs exactly one.
 
-A chunked request body is read by appliance/h1/chunked.py's `ChunkedBody`, the reader
+A chunked request body is read by appliance/h1/body.py's `ChunkedBody`, the reader
 of relayed responses too, with the same strictness (its trailers are checked with this
 module's TOKEN and VALUE).
 """
@@ -26,6 +31,9 @@ from __future__ import annotations
 import re
 
 MAX_HEADERS = 128
+# A request target longer than this is refused 414: nginx's default buffer for a request
+# line (large_client_header_buffers, 8 KiB); no route here is longer than a few dozen bytes.
+MAX_TARGET = 8192
 
 TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])")
@@ -66,9 +74,13 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
     if m is None:
         raise BadRequest(400, "malformed request line")
     method, target, major, minor = m.groups()
-    if major != b"1" or minor not in (b"0", b"1"):
+    if major != b"1":
         raise BadRequest(505, "HTTP version not supported")
-    version = "1.1" if minor == b"1" else "1.0"
+    version = "1.0" if minor == b"0" else "1.1"
+    if len(target) > MAX_TARGET:
+        raise BadRequest(414, "request target too long")
+    if target[:1] != b"/":
+        target = _origin_form(target)
     if len(lines) - 1 > max_headers:
         raise BadRequest(431, f"more than {max_headers} header fields")
     headers: list[tuple[bytes, bytes]] = []
@@ -117,3 +129,16 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
         raise BadRequest(400, "a request has one Host header (HTTP/1.1: exactly one)")
     return Head(method.decode("ascii"), target, version, headers, max(length, 0), chunked,
                 keep_alive, expect and version == "1.1")
+
+
+_ABSOLUTE = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]+")
+
+
+def _origin_form(target: bytes) -> bytes:
+    """The path and query of an absolute-form target (`http://host/p?q` -> `/p?q`); any
+    other target that does not start with "/" is refused (`*` means nothing to our routes)."""
+    m = _ABSOLUTE.match(target)
+    if m is None:
+        raise BadRequest(400, "malformed request target")
+    rest = target[m.end():]
+    return rest if rest[:1] == b"/" else b"/" + rest

@@ -7,32 +7,42 @@ when the client goes and sets `Gone.gone`, so the caller can tell "finished" fro
 last byte goes out too, and a finished response must not be interrupted then.
 
 Two ways to notice the hang-up, the same outcome:
-- Given the request's `scope` on a plain TCP connection (the listener's server puts the
-  connection in `state`, appliance/server/fastio.py's DIRECT_KEY), the client's socket is
-  watched by `Hangups`: one task per process, one epoll set of the sockets whose requests
-  wait now, each registered for the peer's close (EPOLLRDHUP, and the always-reported
-  HUP/ERR: never for readable bytes, so a pipelined request is no hang-up). A request
-  pays two epoll_ctl calls instead of a nursery and a watcher task (~35 us of CPU, a
-  third of the hub's own share of a short request). A socket the set cannot take (no
-  epoll, a socket already watched) falls back to the watcher.
-- Otherwise a watcher task beside the work waits for `http.disconnect` on `receive`.
+- The server offers a `HangupWatch` as the ASGI extension `HANGUP` in the request's
+  scope (appliance/server/connection.py: one epoll set per process watches the client's
+  socket, appliance/server/hangups.py): no task per request.
+- Otherwise (no such server, a test's fake scope, a socket it cannot watch) a watcher
+  task beside the work waits for `http.disconnect` on `receive`.
 """
 
 from __future__ import annotations
 
-import select
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
-from appliance.server.fastio import DIRECT_KEY, plain_socket
-
 Receive = Callable[[], Awaitable[dict[str, Any]]]
-_HUNG_UP = getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLHUP", 0) | getattr(
-    select, "EPOLLERR", 0)
+
+# The ASGI extension (scope["extensions"]) under which a server offers its HangupWatch.
+HANGUP = "appliance.hangup"
+
+
+class HangupWatch(Protocol):
+    """A server's word that it can tell when this request's client hangs up."""
+
+    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+        """Call `fn()` once when the client hangs up; returns the function that stops
+        watching, or None when this connection cannot be watched so."""
+        ...
+
+
+def hangup_watch(scope: dict[str, Any] | None) -> HangupWatch | None:
+    """The server's HangupWatch for this request, or None."""
+    if not scope:
+        return None
+    watch: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP)
+    return watch
 
 
 async def wait_disconnect(receive: Receive) -> None:
@@ -50,89 +60,6 @@ class Gone:
         self.gone = False
 
 
-def client_socket(scope: dict[str, Any] | None) -> socket.socket | None:
-    """The plain TCP socket of the request's client connection, or None (TLS, no server
-    connection in `state`, a test's fake scope)."""
-    if not scope:
-        return None
-    server = (scope.get("state") or {}).get(DIRECT_KEY)
-    if server is None:
-        return None
-    sock = getattr(server, "sock", None)  # the lean server's connection (appliance/http)
-    if isinstance(sock, socket.socket):
-        return sock
-    stream = getattr(server, "stream", None)  # hypercorn's TCPServer
-    return plain_socket(stream) if stream is not None else None
-
-
-class Hangups:
-    """The client sockets whose requests wait now, watched for the peer's close by one
-    task (started with the first `add` of a trio run, ended with the run)."""
-
-    def __init__(self) -> None:
-        self._ep = select.epoll()
-        self._calls: dict[int, Callable[[], None]] = {}
-
-    def add(self, sock: socket.socket, fn: Callable[[], None]) -> int | None:
-        """Call `fn()` (once, from the watching task) when `sock`'s peer hangs up; the
-        fd to `remove`, or None when it cannot be watched here."""
-        fd = sock.fileno()
-        if fd < 0 or fd in self._calls:
-            return None
-        try:
-            self._ep.register(fd, _HUNG_UP)
-        except OSError:
-            return None
-        self._calls[fd] = fn
-        return fd
-
-    def remove(self, fd: int) -> None:
-        if self._calls.pop(fd, None) is not None:
-            try:
-                self._ep.unregister(fd)
-            except OSError:  # closed meanwhile: the kernel dropped it from the set
-                pass
-
-    def watching(self) -> int:
-        return len(self._calls)
-
-    def fire(self) -> None:
-        """Call the function of every socket hung up now (the task's one step)."""
-        for fd, _ in self._ep.poll(0):
-            fn = self._calls.pop(fd, None)
-            try:
-                self._ep.unregister(fd)
-            except OSError:
-                pass
-            if fn is not None:
-                fn()
-
-    async def run(self) -> None:
-        try:
-            while True:
-                await trio.lowlevel.wait_readable(self._ep)
-                self.fire()
-        finally:
-            self._ep.close()
-
-
-_hangups: trio.lowlevel.RunVar[Hangups | None] = trio.lowlevel.RunVar("appliance_hangups")
-
-
-def _watcher() -> Hangups | None:
-    """This trio run's Hangups (started on first use), or None where there is no epoll."""
-    try:
-        return _hangups.get()
-    except LookupError:
-        pass
-    h: Hangups | None = None
-    if _HUNG_UP and hasattr(select, "epoll"):
-        h = Hangups()
-        trio.lowlevel.spawn_system_task(h.run, name="appliance.http.disconnect.Hangups")
-    _hangups.set(h)
-    return h
-
-
 @asynccontextmanager
 async def cancel_on_disconnect(receive: Receive, finished: Callable[[], bool] | None = None,
                                scope: dict[str, Any] | None = None) -> AsyncIterator[Gone]:
@@ -140,9 +67,8 @@ async def cancel_on_disconnect(receive: Receive, finished: Callable[[], bool] | 
     client hangs up (then `g.gone`), unless `finished()` says the answer is complete.
     `scope`: the request's, to watch its socket without a task (see above)."""
     g = Gone()
-    sock = client_socket(scope)
-    hangups = _watcher() if sock is not None else None
-    if hangups is not None and sock is not None:
+    server = hangup_watch(scope)
+    if server is not None:
         cs = trio.CancelScope()
 
         def hung_up() -> None:
@@ -151,13 +77,13 @@ async def cancel_on_disconnect(receive: Receive, finished: Callable[[], bool] | 
             g.gone = True
             cs.cancel()
 
-        fd = hangups.add(sock, hung_up)
-        if fd is not None:
+        stop = server.watch(hung_up)
+        if stop is not None:
             try:
                 with cs:
                     yield g
             finally:
-                hangups.remove(fd)
+                stop()
             return  # (also after our own cancel: the generator must not yield again)
     async with trio.open_nursery() as nursery:
         async def watch() -> None:

@@ -15,9 +15,12 @@ cancel scope for the whole relay, not one per read -- it is the Cut's scope, and
 carries the read deadline, lazily: its deadline is "read_timeout after some read began",
 never moved per read; when it fires, a read that began less than read_timeout ago (the
 body's `waited_at`) means it fired early, and a fresh scope continues with the deadline
-of the read in progress. So the deadline is exact and costs nothing per event. Writes
-never checkpoint unless they must wait, and every wait in a write is shielded: a cut or a
-deadline interrupts only a read (where nothing is lost), never a write half-way.
+of the read in progress. So the deadline is exact and costs nothing per event. Its writes
+are the ASGI `send` of our server (appliance/server/send.py), the one path every response
+byte takes, called inside that scope: that server's `send` never leaves a write half-way
+when cancelled (its waits are shielded once bytes go out), so a cut or a deadline
+interrupts only a read, where nothing is lost. `relay_chunks` writes outside its scopes,
+for any `send`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from typing import Any, Protocol
 import trio
 
 from appliance.http.errors import error_body
-from appliance.server.fastio import DirectBody
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -98,13 +100,10 @@ class Relayed:
 
 
 async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None,
-                       errors: tuple[type[BaseException], ...], tail: bytes = b"",
-                       direct: DirectBody | None = None) -> Relayed:
+                       errors: tuple[type[BaseException], ...], tail: bytes = b"") -> Relayed:
     """Copy `chunks` to the client as `more_body` messages until they end, a read raises
     one of `errors`, or `cut` trips. Does not send the final message: the caller ends the
-    response (normally, or with `stream_error`). With `direct` (appliance/server/fastio.py) the
-    chunks go straight to the client's connection; once a direct write fails (the client
-    is gone) the rest go through `send`, which meets the closed connection as before."""
+    response (normally, or with `stream_error`)."""
     r = Relayed()
     r.tail = tail
     while True:
@@ -119,9 +118,7 @@ async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None
                 r.failure = str(e) or type(e).__name__
         if r.ended or r.failure or chunk is None:
             return r
-        if direct is None or not await direct.write(chunk):
-            direct = None
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
         r.tail = (r.tail + chunk)[-2:]
 
 
@@ -140,32 +137,15 @@ class Body(Protocol):
 
 
 async def relay_body(body: Body, send: Send, cut: Cut | None,
-                     errors: tuple[type[BaseException], ...], tail: bytes = b"",
-                     direct: DirectBody | None = None) -> Relayed:
+                     errors: tuple[type[BaseException], ...], tail: bytes = b"") -> Relayed:
     """`relay_chunks` for a body read with `receive()`, each read bounded by
     `body.read_timeout` (`body.timed_out()` is then the failure, or raised when it is not
-    one of `errors`). With `direct`, the plain loop under one scope; without it (or once
-    the client is gone) the writes go through `send`, outside any scope of the relay's,
-    exactly as `relay_chunks` does."""
+    one of `errors`): the plain loop under one scope (see the module's docstring). `send`
+    must be our server's (or one that, like it, never leaves a write half-way when
+    cancelled)."""
     r = Relayed()
     r.tail = tail
-    if direct is not None:
-        left = await _relay_direct(body, cut, errors, direct, r)
-        if left is None:
-            return r
-        # The client is gone: this chunk, and the rest, through ASGI (which meets the
-        # closed connection and tells the app, as before).
-        await send({"type": "http.response.body", "body": left, "more_body": True})
-        r.tail = (r.tail + left)[-2:]
-    return await relay_chunks(_Reads(body), send, cut, errors, r.tail)
-
-
-async def _relay_direct(body: Body, cut: Cut | None, errors: tuple[type[BaseException], ...],
-                        direct: DirectBody, r: Relayed) -> bytes | None:
-    """The plain loop: until the body ends (`r.ended`), fails (`r.failure`) or is cut --
-    then None -- or a direct write fails: then the chunk it did not write."""
     receive = body.receive
-    write = direct.write
     deadline = trio.current_time() + body.read_timeout
     while True:
         scope = cut.reading() if cut is not None else trio.CancelScope()
@@ -176,42 +156,18 @@ async def _relay_direct(body: Body, cut: Cut | None, errors: tuple[type[BaseExce
                     chunk = await receive()
                     if not chunk:
                         r.ended = True
-                        return None
-                    if not await write(chunk):  # waits in a write are shielded (fastio)
-                        return chunk
+                        return r
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     r.tail = chunk[-2:] if len(chunk) > 1 else (r.tail + chunk)[-2:]
             except errors as e:
                 r.failure = str(e) or type(e).__name__
-                return None
+                return r
         if cut is not None and cut.reason:
-            return None
+            return r
         deadline = body.waited_at + body.read_timeout
         if trio.current_time() >= deadline:
             late = await body.timed_out()
             if isinstance(late, errors):
                 r.failure = str(late)
-                return None
+                return r
             raise late
-
-
-class _Reads:
-    """A Body as `relay_chunks`' iterator: each read bounded by the body's read_timeout."""
-
-    __slots__ = ("_body",)
-
-    def __init__(self, body: Body) -> None:
-        self._body = body
-
-    def __aiter__(self) -> _Reads:
-        return self
-
-    async def __anext__(self) -> bytes:
-        body = self._body
-        try:
-            with trio.fail_after(body.read_timeout):
-                chunk = await body.receive()
-        except trio.TooSlowError:
-            raise await body.timed_out() from None
-        if not chunk:
-            raise StopAsyncIteration
-        return chunk

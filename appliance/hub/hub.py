@@ -32,7 +32,7 @@ from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.fleet_metrics import ControlCollector
 from appliance.hub.observe.history import History, Recent
 from appliance.hub.observe.metrics import HubMetrics
-from appliance.server.listener import Limits, LiveLimits
+from appliance.server.limits import Limits, LiveLimits
 
 if TYPE_CHECKING:
     from appliance.hub.cluster.member import Member
@@ -110,7 +110,7 @@ class Hub:
 def hub_limits(cfg: Config) -> Limits:
     h = cfg.hub
     return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections,
-                  h.max_buffered_bytes)
+                  h.max_buffered_bytes, h.max_body_bytes)
 
 
 def auth_headers(cfg: Config) -> dict[str, str]:

@@ -8,7 +8,7 @@ once all of it listens. A stop (SIGTERM/SIGINT, or the caller's `stop` event) ma
 API server stop accepting and drain for `Hub__DrainSeconds` (a hub in a cluster hands
 its leadership over first: `Member.resign`), then cancels the rest; the exit code is 0.
 SIGHUP re-reads the env file; a bad one is refused with one log line and the old
-configuration stays. The listeners' limits (`Hub.limits`, appliance/server/listener.py's
+configuration stays. The listeners' limits (`Hub.limits`, appliance/server/limits.py's
 `LiveLimits`) follow a reload for new connections and requests, in every hub process.
 """
 
@@ -26,12 +26,12 @@ import trio
 
 from appliance import config as config_mod
 from appliance.config import Config
-from appliance.http.asgi import Bound, same_port, serve
 from appliance.hub.api.app import make_app
 from appliance.hub.hub import Hub, node_client
 from appliance.hub.observe.audit import check_path
 from appliance.hub.observe.history import read_hub, run_sampler
 from appliance.hub.workers import pool as workers
+from appliance.server.serve import Bound, same_port, serve
 
 if TYPE_CHECKING:
     from appliance.observe import sdnotify

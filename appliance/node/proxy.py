@@ -30,7 +30,6 @@ from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
-from appliance.server.fastio import DirectBody
 
 log = logging.getLogger("appliance.node.app")
 
@@ -174,7 +173,7 @@ class EngineProxy:
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
             started = True
             # an UpstreamError (the engine broke off, or its read deadline) goes through
-            await relay_body(resp, send, None, (), direct=DirectBody.open(scope))
+            await relay_body(resp, send, None, ())
             outcome.append(str(resp.status_code))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as e:

@@ -36,7 +36,6 @@ from prometheus_client import CollectorRegistry
 
 from appliance import config as config_mod
 from appliance.config import Config
-from appliance.http.asgi import Bound, same_port, serve
 from appliance.node.announce import announce_loop, hub_client
 from appliance.node.app import NodeApp
 from appliance.node.engines import make_engine
@@ -45,7 +44,8 @@ from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NVIDIA_SMI, NodeStateKeeper, parse_nvidia_smi
 from appliance.observe import sdnotify
 from appliance.observe.metricsapp import metrics_app
-from appliance.server.listener import Limits, LiveLimits
+from appliance.server.limits import Limits, LiveLimits
+from appliance.server.serve import Bound, same_port, serve
 from appliance.wire import Announce
 
 log = logging.getLogger("appliance.node")
@@ -62,7 +62,7 @@ NVIDIA_SMI_TIMEOUT = 10.0
 def node_limits(cfg: Config) -> Limits:
     """The node's listeners: its own read deadlines; connection and buffer bounds as the hub's."""
     return Limits(cfg.node.header_read_seconds, cfg.node.body_read_seconds, cfg.hub.max_connections,
-                  cfg.hub.max_buffered_bytes)
+                  cfg.hub.max_buffered_bytes, cfg.node.max_body_bytes)
 
 
 def _limits_line(lim: Limits) -> str:

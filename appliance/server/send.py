@@ -1,36 +1,38 @@
-"""The send side of a lean HTTP/1.1 connection (appliance/server/connection.py): ASGI response
-messages to bytes on the client's socket.
+"""The send side of one HTTP/1.1 connection (appliance/server/connection.py): ASGI response
+messages to bytes on the client's transport -- the one path every response byte takes.
 
 Theory of operation: `http.response.start` is only noted; the head is built
-(appliance/h1/head.py) with the first body message, so a small answer is one `send`
-of head + body with a content-length, and a streamed one (`more_body`) is chunked
-(HTTP/1.1) or delimited by the close (HTTP/1.0); HEAD, 1xx, 204 and 304 carry no body.
-Writes go straight to the socket (a plain `send`; trio only to wait while its buffer is
-full, shielded as hypercorn's writes are: a write cut half-way leaves the client's
-connection unknown), under the connection's lock. A streamed body may also be written by
-`DirectBody` (appliance/server/fastio.py) through `chunked_socket`: the lock, the socket
-and the head not yet sent, which goes out with the first chunk. A write that fails marks
-the connection `broken`: later writes are dropped and the receive side says
-`http.disconnect` (`stop_waiting`). The connection says when it must close after this
-answer (`closing`).
+(appliance/h1/head.py) with the first body message, so a small answer is one write of
+head + body with a content-length, and a streamed one (`more_body`) is chunked (HTTP/1.1)
+or delimited by the close (HTTP/1.0); HEAD, 1xx, 204 and 304 carry no body. Writes go
+straight to the transport (appliance/net/transport.py: on a plain socket a `send`, a wait
+only while the kernel's buffer is full), under the connection's lock.
+
+What a relay may rely on (appliance/http/stream.py calls `send` inside the scope that a
+`Cut` or a read deadline cancels): `send` never leaves a write half-way. Its only
+cancellable wait comes before any byte of the message is written (the lock); every wait
+once bytes are going out is shielded. A write that fails marks the connection's server
+side BROKEN (appliance/h1/state.py): later writes are dropped and the receive side says
+`http.disconnect` (`stop_waiting`).
 """
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import trio
 
 from appliance.h1.head import response_head
-from appliance.server.fastio import ChunkedSocket, send_all
+from appliance.h1.state import BROKEN, RESPONSE, RESPONSE_END, SEND_BODY, SEND_RESPONSE, Cycle
+from appliance.net.transport import Transport
 
 
 class Sender:
     """One connection's response side; `new_response` before each request."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.cycle = Cycle()
         self.lock = trio.Lock()
         self.broken = False  # a write failed
         self.new_response("GET", "1.1")
@@ -45,7 +47,6 @@ class Sender:
         self.framing = ""  # "sized", "chunked", "close", "none"
         self.out_left = 0
         self.done = False
-        self.close_after = False
 
     def closing(self) -> bool:
         """Whether the connection ends after this answer (the connection decides)."""
@@ -79,11 +80,10 @@ class Sender:
         f = response_head(self.status, self.head_headers, method=self.method,
                           version=self.version, body=body, more=more, close=self.closing())
         self.pending, self.framing, self.out_left = f.head, f.framing, f.length
-        self.close_after = self.close_after or f.close
-
-    def _take_head(self) -> bytes:
-        head, self.pending = self.pending, b""
-        return head
+        if f.close:
+            self.cycle.close()
+        if self.cycle.ours == SEND_RESPONSE:
+            self.cycle.server(RESPONSE)
 
     async def _body_out(self, body: bytes, more: bool) -> None:
         framing = self.framing
@@ -101,45 +101,37 @@ class Sender:
             if framing == "sized":
                 if len(body) > self.out_left:
                     data = body[:self.out_left]
-                    self.close_after = True  # the app wrote more than it said: cut
+                    self.cycle.close()  # the app wrote more than it said: cut
                 self.out_left -= len(data)
                 if not more and self.out_left:
-                    self.close_after = True  # ... or less
+                    self.cycle.close()  # ... or less
         if not more:
             self.done = True
         if self.pending:
-            data = self._take_head() + data
+            data = self.pending + data
+            self.pending = b""
         if data:
             await self._write(data)
         if not more:
+            if not self.broken and self.cycle.ours == SEND_BODY:
+                self.cycle.server(RESPONSE_END)
             self.stop_waiting()
 
-    def chunked_socket(self) -> ChunkedSocket | None:
-        """For DirectBody (appliance/server/fastio.py): the socket, if this response's body is
-        chunked on it. Decides the framing now (chunked) unless a body went out already."""
-        if not self.started or self.done or self.broken:
-            return None
-        if not self.framing:
-            self._frame(b"", True)
-        if self.framing != "chunked":
-            return None
-        return ChunkedSocket(self.lock, self.sock, self._take_head)
-
     async def _write(self, data: bytes, shield: bool = True) -> None:
-        """All of `data`, waiting only while the socket's buffer is full -- shielded unless
-        told otherwise: a write cut half-way leaves the client's connection unknown."""
+        """All of `data`, waiting only while the transport's buffer is full -- shielded
+        unless told otherwise: a write cut half-way leaves the client's connection unknown."""
         if self.broken:
             return
-        sock = self.sock
         lock = self.lock
         try:
             lock.acquire_nowait()
         except trio.WouldBlock:
             await lock.acquire()
         try:
-            await send_all(sock, data, shield)
+            await self.transport.send_all(data, shield)
         except OSError:
             self.broken = True
+            self.cycle.server(BROKEN)
             self.stop_waiting()  # receive() says http.disconnect now
         finally:
             lock.release()

@@ -65,11 +65,11 @@ from appliance.http.asgi import (
     Send,
     read_body,
     send_json,
-    serve,
 )
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
+from appliance.server.serve import serve
 from appliance.sim import tools as simtools
 from appliance.sim.cache import PrefixCaches
 from appliance.sim.core import (

@@ -33,7 +33,6 @@ from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
 from appliance.hub.api.flag import Flag
 from appliance.hub.decide.affinity import usage_of
-from appliance.server.fastio import DirectBody
 
 if TYPE_CHECKING:
     from appliance.hub.api.request import Request
@@ -158,8 +157,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         if first:
             await req.send({"type": "http.response.body", "body": first, "more_body": True})
             tail = first[-2:]
-        direct = DirectBody.open(req.scope)
-        relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail, direct)
+        relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
         if relayed.ended:
             await req.send_last(b"")
             return True, ""

@@ -87,7 +87,7 @@ class Request:
         self.headers: Headers = scope["headers"]
         self.request_id = request_id(self.headers)
         self.send = send
-        self.scope = scope  # a streamed body's fast path (appliance/server/fastio.py)
+        self.scope = scope  # the server's hang-up watch (appliance/http/disconnect.py)
         self.t0 = time.perf_counter()
         # who
         self.client = "anonymous"

@@ -41,7 +41,7 @@ from appliance.hub.decide import fair
 from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.limits import output_cap
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
-from appliance.server.listener import Refusal
+from appliance.server.limits import Refusal
 
 if TYPE_CHECKING:
     from appliance.hub.decide.admission import Place

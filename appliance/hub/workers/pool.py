@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from appliance.config import parse_listen
-from appliance.http.asgi import LISTEN_BACKLOG, BodyTooLarge, StartupError
+from appliance.http.asgi import BodyTooLarge
 from appliance.http.errors import ApiError
 from appliance.hub import translate
 from appliance.hub.api.flag import Flag
@@ -53,7 +53,8 @@ from appliance.hub.workers.lease import (
     LeaseError,
 )
 from appliance.hub.workers.workerset import WorkerSet
-from appliance.server.listener import Busy, Refusal, RequestTimeout
+from appliance.server.limits import Busy, Refusal, RequestTimeout
+from appliance.server.serve import LISTEN_BACKLOG, StartupError
 
 if TYPE_CHECKING:
     from appliance.hub.api.request import Request

@@ -32,7 +32,7 @@ import trio
 from appliance import config as config_mod
 from appliance.client.upstream import Pool
 from appliance.config import Config
-from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, serve
+from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
@@ -44,7 +44,8 @@ from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
 from appliance.hub.hub import auth_headers, client_ssl, hub_limits
 from appliance.hub.workers.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go
-from appliance.server.listener import LiveLimits, Refusal
+from appliance.server.limits import LiveLimits, Refusal
+from appliance.server.serve import serve
 
 log = logging.getLogger("appliance.hub.workers.worker")
 

@@ -1,4 +1,4 @@
-"""Reading a peer's response body without h11: chunked and sized framing, strictly, bounded.
+"""The one body reader of HTTP/1.1 messages, sized, chunked or close-delimited: strict, bounded.
 
 Theory of operation: a relayed stream is passed through unchanged (hub from node, node
 from engine), so the relay only needs the body's payload bytes, not h11's events. h11's
@@ -22,7 +22,15 @@ Strict on purpose -- every byte a peer sends is untrusted:
 A chunk's data is never buffered: what part of it a read brought is returned at once, so
 a chunk of any size costs no memory beyond the read itself.
 
-`SizedBody` is the same for a Content-Length body: payload until the count is reached.
+`SizedBody` is the same for a Content-Length body: payload until the count is reached;
+`CloseBody` for a response with neither (its end is the connection's: `end()`). All three
+have the same interface (`feed`, `done`, `leftover`, `error`), so a client reads every
+response body, and the server every request body, through this module.
+
+A request body sent in many tiny chunks costs CPU per chunk (1-byte chunks: 280 ms per MB),
+so a reader made with `min_average` refuses a body whose chunks, past the first
+FREE_CHUNKS, average fewer payload bytes than that (the server's request bodies; a relayed
+stream from a peer we dialled has one chunk per token and no such bound).
 """
 
 from __future__ import annotations
@@ -41,7 +49,12 @@ MAX_SIZE_DIGITS = 16
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _SIZE_DIGITS = re.compile(rb"[0-9A-Fa-f]{1,%d}" % MAX_SIZE_DIGITS)
-_CHUNK_EXT = re.compile(rb"(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
+# Extensions: `;` right after the digits (h11 refuses white space before it; so do we).
+_CHUNK_EXT = re.compile(rb"(?:;[\t\x20-\x7e\x80-\xff]*)?")
+# Chunks a body may have before `min_average` applies.
+FREE_CHUNKS = 1024
+# The server's bound on a request body's average chunk (appliance/server/connection.py).
+MIN_AVERAGE_CHUNK = 1024
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
 
 
@@ -52,9 +65,13 @@ class BodyError(Exception):
 class ChunkedBody:
     """Incremental, strict reader of a `Transfer-Encoding: chunked` body."""
 
-    __slots__ = ("_state", "_owed", "_buf", "_trailers", "leftover", "error")
+    __slots__ = ("_state", "_owed", "_buf", "_trailers", "leftover", "error", "_chunks",
+                 "_payload", "_min_average")
 
-    def __init__(self) -> None:
+    def __init__(self, min_average: int = 0) -> None:
+        self._min_average = min_average  # 0: no bound on the chunks' count
+        self._chunks = 0
+        self._payload = 0
         self._state = _SIZE
         self._owed = 0  # payload bytes the current chunk still owes
         self._buf = b""  # an incomplete size line, CRLF or trailer line
@@ -89,6 +106,7 @@ class ChunkedBody:
                     n = int(head, 16)
                     end = i + 2 + n
                     if n and len(data) == end + 2 and data[end:] == b"\r\n":
+                        self._count(n)
                         return data[i + 2:end]
         out: list[bytes] = []
         try:
@@ -130,6 +148,7 @@ class ChunkedBody:
                 n = _chunk_size(data[pos:i])
                 pos = i + 2
                 if n:
+                    self._count(n)
                     self._owed = n
                     self._state = _DATA
                 else:
@@ -150,6 +169,14 @@ class ChunkedBody:
                 self._trailers += len(line) + 2
                 if self._trailers > MAX_TRAILERS:
                     raise BodyError(f"trailers are over {MAX_TRAILERS} bytes")
+
+    def _count(self, n: int) -> None:
+        self._chunks += 1
+        self._payload += n
+        if (self._min_average and self._chunks > FREE_CHUNKS
+                and self._payload < self._chunks * self._min_average):
+            raise BodyError(f"more than {FREE_CHUNKS} chunks averaging under "
+                            f"{self._min_average} bytes")
 
     def _line_end(self, data: bytes, pos: int, what: str) -> int:
         """Where the line at `pos` ends (its CR), or -1 with the partial line kept for the
@@ -197,3 +224,36 @@ class SizedBody:
         out, self.leftover = data[:self._owed], self.leftover + data[self._owed:]
         self._owed = 0
         return out
+
+
+class CloseBody:
+    """A response body with no length and no chunking: everything until the connection's
+    end (`end()`, called at EOF). Never reusable: the connection ends with it."""
+
+    __slots__ = ("_ended", "leftover", "error")
+
+    def __init__(self) -> None:
+        self._ended = False
+        self.leftover = b""
+        self.error: BodyError | None = None  # never set: an end cannot be broken
+
+    @property
+    def done(self) -> bool:
+        return self._ended
+
+    def feed(self, data: bytes) -> bytes:
+        return data
+
+    def end(self) -> None:
+        self._ended = True
+
+
+Body = ChunkedBody | SizedBody | CloseBody
+
+
+def ends_at_close(body: Body) -> bool:
+    """Whether the end of the stream is this body's end (else it is cut short)."""
+    if isinstance(body, CloseBody):
+        body.end()
+        return True
+    return False

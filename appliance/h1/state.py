@@ -1,0 +1,125 @@
+"""One HTTP/1.1 connection's request/response cycle, as a table (after h11's `_state.py`).
+
+Theory of operation: a connection carries one request and one response at a time, each
+side moving through its own states; the server's code (appliance/server/connection.py)
+tells this table what happened (`client(event)`, `server(event)`) and asks it what may
+happen next (`reusable`, `must_close`). Nothing else decides whether a connection lives
+on, so the rules are in one place and testable without sockets:
+
+- The client (our peer, sending the request): IDLE -> SEND_BODY on its head (DONE at
+  once when it has no body) -> DONE at the body's end. Its close before DONE is an ERROR
+  (a body ended early); after DONE, CLOSED.
+- The server (us): IDLE -> SEND_RESPONSE once a request came -> SEND_BODY when the
+  response's head is decided -> DONE at the response's end. A write that failed, or a
+  response cut short (fewer or more bytes than it said), is an ERROR.
+- Keep-alive is off when either side said `close`, the request was HTTP/1.0 without
+  keep-alive, the server drains or ran out of requests (`close()`); a side that is DONE
+  on such a connection is MUST_CLOSE.
+- The next cycle starts only when both sides are DONE and keep-alive is on (`reusable`);
+  an answer that ended while its request's body is still owed leaves the client in
+  SEND_BODY: the server may read what the client already sent to get it to DONE (a body
+  already buffered whole), and otherwise closes.
+- ERROR and CLOSED never change again; MUST_CLOSE only to CLOSED or ERROR.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# States.
+IDLE: Final = "IDLE"
+SEND_RESPONSE: Final = "SEND_RESPONSE"
+SEND_BODY: Final = "SEND_BODY"
+DONE: Final = "DONE"
+MUST_CLOSE: Final = "MUST_CLOSE"
+CLOSED: Final = "CLOSED"
+ERROR: Final = "ERROR"
+
+# Events.
+REQUEST: Final = "REQUEST"  # the client's head was read (it has a body to send)
+REQUEST_NO_BODY: Final = "REQUEST_NO_BODY"  # ... a head with no body
+BODY_END: Final = "BODY_END"  # the last byte of the request's body was read
+RESPONSE: Final = "RESPONSE"  # the response's head (and framing) decided
+RESPONSE_END: Final = "RESPONSE_END"  # the last byte of the response was written
+PEER_CLOSED: Final = "PEER_CLOSED"  # the client's end of the stream (or a reset)
+BROKEN: Final = "BROKEN"  # a framing error, or a write that failed
+
+_CLIENT: dict[str, dict[str, str]] = {
+    IDLE: {REQUEST: SEND_BODY, REQUEST_NO_BODY: DONE, PEER_CLOSED: CLOSED, BROKEN: ERROR},
+    SEND_BODY: {BODY_END: DONE, PEER_CLOSED: ERROR, BROKEN: ERROR},
+    DONE: {PEER_CLOSED: CLOSED, BROKEN: ERROR},
+    MUST_CLOSE: {PEER_CLOSED: CLOSED, BROKEN: ERROR},
+    CLOSED: {},
+    ERROR: {},
+}
+_SERVER: dict[str, dict[str, str]] = {
+    IDLE: {BROKEN: ERROR},  # (SEND_RESPONSE follows the client's head: see _settle)
+    SEND_RESPONSE: {RESPONSE: SEND_BODY, BROKEN: ERROR},
+    SEND_BODY: {RESPONSE_END: DONE, BROKEN: ERROR},
+    DONE: {BROKEN: ERROR},
+    MUST_CLOSE: {BROKEN: ERROR},
+    CLOSED: {},
+    ERROR: {},
+}
+
+
+class ProtocolError(Exception):
+    """An event the table does not allow in the current state (a bug in the caller)."""
+
+
+class Cycle:
+    """The two sides' states on one connection (see the module's docstring)."""
+
+    __slots__ = ("their", "ours", "keep_alive")
+
+    def __init__(self) -> None:
+        self.their = IDLE
+        self.ours = IDLE
+        self.keep_alive = True
+
+    def client(self, event: str) -> None:
+        self.their = _step(_CLIENT, self.their, event, "client")
+        self._settle()
+
+    def server(self, event: str) -> None:
+        self.ours = _step(_SERVER, self.ours, event, "server")
+        self._settle()
+
+    def close(self) -> None:
+        """No next cycle: either side said close, or the server drains."""
+        self.keep_alive = False
+        self._settle()
+
+    def _settle(self) -> None:
+        if self.ours == IDLE and self.their in (SEND_BODY, DONE):
+            self.ours = SEND_RESPONSE
+        if not self.keep_alive:
+            if self.their == DONE:
+                self.their = MUST_CLOSE
+            if self.ours == DONE:
+                self.ours = MUST_CLOSE
+
+    @property
+    def reusable(self) -> bool:
+        """Both sides finished cleanly and keep-alive holds: the next request may come."""
+        return self.their == DONE and self.ours == DONE
+
+    @property
+    def body_owed(self) -> bool:
+        return self.their == SEND_BODY
+
+    @property
+    def answered(self) -> bool:
+        return self.ours in (DONE, MUST_CLOSE)
+
+    def next_cycle(self) -> None:
+        if not self.reusable:
+            raise ProtocolError(f"no next cycle from {self.their}/{self.ours}")
+        self.their = self.ours = IDLE
+
+
+def _step(table: dict[str, dict[str, str]], state: str, event: str, who: str) -> str:
+    try:
+        return table[state][event]
+    except KeyError:
+        raise ProtocolError(f"{who}: {event} is not allowed in {state}") from None

@@ -1,0 +1,208 @@
+"""One connection's bytes, plain or TLS, behind one interface (`Transport`).
+
+Theory of operation: a relayed token costs a proxy one read and one write per hop, and
+trio's socket calls pay a scheduler round trip around each (a checkpoint before, a
+shielded one after a success; docs/streams-profile.md). A plain connection here is the
+stdlib socket itself, which this module made or accepted (so no library's private socket
+is ever reached for): a read waits until the socket is readable (the one checkpoint:
+cancellation and deadlines work as usual), then `recv`s; a write `send`s at once and waits
+only while the kernel's buffer is full. A TLS connection is a `trio.SSLStream` over a
+trio socket stream made from that same socket: the same interface, trio's TLS underneath.
+
+Rules every caller relies on:
+- `receive` returns b"" at the end of the stream *and* when the connection broke (a reset,
+  a TLS error): either way nothing more will come.
+- `send_all` writes everything or raises `OSError`; its waits are shielded unless told
+  otherwise (a write cut half-way leaves the peer's framing unknown). The caller holds a
+  lock around it if two tasks could write (trio's SSLStream refuses concurrent sends).
+- `shutdown_write` sends our end (a TCP FIN; on TLS under the TLS records, without a
+  close_notify: the peer has what it was owed) so a closing server can drain the read side.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import ssl
+
+import trio
+
+# What one read asks for: a relayed body's reads are this or smaller.
+READ_BYTES = 65536
+# A TLS close sends close_notify; a peer that does not read gets no more than this.
+CLOSE_NOTIFY_SECONDS = 1.0
+# What a broken or closed connection raises out of trio (a read or write on it).
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+def nodelay(sock: socket.socket) -> None:
+    """Small writes go out at once (as trio's SocketStream sets it): a token is a write."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+async def recv_some(sock: socket.socket, max_bytes: int) -> bytes:
+    """The next bytes on a non-blocking `sock` (b"" at its end; OSError when it broke),
+    with one checkpoint: the wait."""
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        try:
+            return sock.recv(max_bytes)
+        except BlockingIOError:
+            continue
+
+
+async def send_all(sock: socket.socket, data: bytes, shield: bool = True) -> None:
+    """All of `data` on a non-blocking `sock` (OSError when the peer is gone); waits only
+    while its buffer is full -- shielded unless told otherwise."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = sock.send(view)
+        except BlockingIOError:
+            with trio.CancelScope(shield=shield):
+                await trio.lowlevel.wait_writable(sock)
+            continue
+        view = view[n:]
+
+
+class Transport:
+    """A plain connection: the socket itself (see the module's docstring)."""
+
+    __slots__ = ("sock", "tls")
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.tls = False
+
+    def fileno(self) -> int:
+        """The TCP socket's fd (to watch for the peer's hang-up), -1 once closed."""
+        return self.sock.fileno()
+
+    def peer(self) -> tuple[str, int] | None:
+        return _inet(self.sock, peer=True)
+
+    def local(self) -> tuple[str, int] | None:
+        return _inet(self.sock, peer=False)
+
+    async def receive(self, max_bytes: int = READ_BYTES) -> bytes:
+        try:
+            return await recv_some(self.sock, max_bytes)
+        except OSError:
+            return b""
+
+    def receive_nowait(self, max_bytes: int = READ_BYTES) -> bytes | None:
+        """What is already here (b"": the end), or None when a read would wait."""
+        try:
+            return self.sock.recv(max_bytes)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+
+    async def send_all(self, data: bytes, shield: bool = True) -> None:
+        await send_all(self.sock, data, shield)
+
+    def shutdown_write(self) -> bool:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close at once (nothing left to flush on a plain socket)."""
+        self.sock.close()
+
+    async def aclose(self) -> None:
+        self.sock.close()
+        await trio.lowlevel.checkpoint()
+
+
+class TlsTransport(Transport):
+    """A TLS connection over our socket: trio's SSLStream does the TLS (handshake on the
+    first read or write, bounded by the caller's deadline)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, *, server_side: bool,
+                 server_hostname: str | None = None) -> None:
+        super().__init__(sock)
+        self.tls = True
+        self.stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
+                                     context, server_side=server_side,
+                                     server_hostname=server_hostname, https_compatible=True)
+
+    async def handshake(self) -> None:
+        """The TLS handshake now (a client's first step); errors as `OSError`."""
+        try:
+            await self.stream.do_handshake()
+        except _GONE as e:
+            raise ConnectionError(f"TLS handshake failed: {e.__cause__ or e}") from None
+
+    async def receive(self, max_bytes: int = READ_BYTES) -> bytes:
+        try:
+            return bytes(await self.stream.receive_some(max_bytes))
+        except _GONE:
+            return b""
+
+    def receive_nowait(self, max_bytes: int = READ_BYTES) -> bytes | None:
+        return None  # TLS records: only the stream knows what is readable
+
+    async def send_all(self, data: bytes, shield: bool = True) -> None:
+        try:
+            with trio.CancelScope(shield=shield):
+                await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise ConnectionError(str(e) or "TLS connection broken") from None
+
+    def shutdown_write(self) -> bool:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)  # under the TLS records: see the docstring
+        except OSError:
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        with trio.move_on_after(CLOSE_NOTIFY_SECONDS, shield=True):  # a close_notify, bounded
+            try:
+                await self.stream.aclose()
+            except _GONE:
+                pass
+        self.sock.close()
+
+
+def _inet(sock: socket.socket, *, peer: bool) -> tuple[str, int] | None:
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        addr = sock.getpeername() if peer else sock.getsockname()
+    except OSError:
+        return None
+    return addr[0], addr[1]
+
+
+async def connect(host: str, port: int) -> socket.socket:
+    """A connected, non-blocking TCP socket to `host:port` (each resolved address in
+    turn); OSError when none answers. The caller bounds the time."""
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    last: OSError = OSError(errno.EHOSTUNREACH, f"no address for {host}")
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await trio.socket.from_stdlib_socket(sock).connect(addr)
+        except OSError as e:
+            sock.close()
+            last = e
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        nodelay(sock)
+        return sock
+    raise last

@@ -1,0 +1,29 @@
+"""The server's own refusals (408, 400, 413, 414, 431, 503 `busy` ...) as whole answers that
+close the connection, rendered by the one renderer (appliance/http/errors.py `render`) in
+the shape of the API the request came in on (`api_of`).
+
+Theory of operation: the connection (appliance/server/connection.py) refuses what breaks a
+listener rule before or beside the app; the client still gets an error its SDK can read.
+A path the server echoes is cut to `MAX_ECHO` characters (a 20 KB target is not sent
+back whole).
+"""
+
+from __future__ import annotations
+
+from appliance.h1.head import date_header, first_line
+from appliance.http.errors import ApiError, api_of, render
+
+# Characters of a request's path an error message or a log line repeats.
+MAX_ECHO = 200
+
+
+def echo(path: str) -> str:
+    """`path` as an error message may show it: at most MAX_ECHO characters."""
+    return path if len(path) <= MAX_ECHO else path[:MAX_ECHO] + "..."
+
+
+def refusal_answer(path: str, e: ApiError) -> bytes:
+    """The whole answer to a request on `path` refused with `e`; the connection closes."""
+    r = render(e, api_of(path), [(b"connection", b"close")])
+    return (first_line(r.status) + date_header()
+            + b"".join(k + b": " + v + b"\r\n" for k, v in r.headers) + b"\r\n" + r.body)
