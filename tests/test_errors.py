@@ -9,8 +9,6 @@ import json
 from typing import Any
 
 import pytest
-import trio
-from appliance.server.listener import Budget, Limits, LiveLimits, guard_app
 
 from appliance.http.errors import ApiError, api_of, render
 from appliance.http.respond import send_api_error
@@ -57,42 +55,6 @@ async def test_send_api_error_sends_what_render_made() -> None:
                     {"type": "http.response.body", "body": r.body}]
 
 
-async def _guarded(path: str, receive_gap: float, budget: int) -> tuple[int, dict[str, Any]]:
-    """One request through `guard_app` (the TLS listener's rules), its app reading a body
-    that arrives in two halves `receive_gap` seconds apart; the status and decoded body."""
-    sent: list[dict[str, Any]] = []
-    parts = [{"type": "http.request", "body": b"x" * 600, "more_body": True},
-             {"type": "http.request", "body": b"x" * 600, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        msg = parts.pop(0)
-        if not parts:
-            await trio.sleep(receive_gap)
-        return msg
-
-    async def send(msg: dict[str, Any]) -> None:
-        sent.append(msg)
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        while (await receive()).get("more_body"):
-            pass
-
-    live = LiveLimits(Limits(body_read_seconds=30))
-    guarded = guard_app(app, live, Budget(budget))
-    await guarded({"type": "http", "path": path, "headers": [], "state": {}}, receive, send)
-    return sent[0]["status"], json.loads(sent[1]["body"])
-
-
-async def test_guarded_408_and_busy_on_v1_messages_are_in_anthropics_shape(
-        autojump_clock: Any) -> None:
-    status, body = await _guarded("/v1/messages", receive_gap=60, budget=1 << 20)
-    assert status == 408 and body["type"] == "error"
-    assert body["error"]["type"] == "invalid_request_error"
-    status, body = await _guarded("/v1/messages", receive_gap=0, budget=1000)
-    assert status == 503 and body == {"type": "error", "error": {
-        "type": "overloaded_error",
-        "message": "the server holds too many request bodies now; retry shortly"}}
-    # The same refusals elsewhere keep their APIs' shapes.
-    assert (await _guarded("/v1/chat/completions", 0, 1000))[1]["error"]["code"] == "busy"
-    assert (await _guarded("/api/chat", 60, 1 << 20))[1] == {
-        "error": "request body not received within 30 s"}
+# The TLS listener's 408 and busy in Anthropic's shape: tests/test_h1.py
+# test_408_and_busy_on_v1_messages_are_in_anthropics_shape runs on plain and TLS (one
+# connection serves both since issue 19; guard_app is gone).
