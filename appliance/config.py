@@ -72,7 +72,7 @@ class HubConfig(_Section):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
-    # HTTP hygiene on every listener of the hub (appliance/server/listener.py). nginx's
+    # HTTP hygiene on every listener of the hub (appliance/server/limits.py, connection.py). nginx's
     # client_header_timeout/client_body_timeout are 60 s each; a request head is a few
     # hundred bytes, so 10 s is generous for it, and a 32 MiB body at LAN speed takes < 1 s.
     header_read_seconds: PosFloat = 10.0

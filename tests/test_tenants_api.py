@@ -13,8 +13,9 @@ import trio
 from prometheus_client import generate_latest
 
 from appliance.config import load
-from appliance.http.asgi import Receive, Scope, Send, read_body, serve
+from appliance.http.asgi import Receive, Scope, Send, read_body
 from appliance.hub.run import Hub, run_hub
+from appliance.server.serve import serve
 from appliance.wire import ModelState, NodeState
 
 ANSWER = {"id": "x", "object": "chat.completion", "model": "m",
