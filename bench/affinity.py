@@ -72,7 +72,8 @@ class Fleet:
                                    "Router__Affinity": affinity})
         env = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
                "Sim__Models__0__Name": MODEL, "Sim__TokensPerSecond": "100",
-               "Sim__Parallel": str(parallel), "Sim__CacheTokens": "32768",
+               "Sim__Parallel": str(parallel), "Node__ModelSlots": str(parallel),
+               "Sim__CacheTokens": "32768",
                "Sim__PrefillTokensPerSecond": "4000"}
         nodes = [self.procs.node(n, env) for n in NODES]
         for n in nodes:

@@ -274,6 +274,8 @@ class Admission:
         if route is None or not self.affinity.enabled:
             self.affinity.spread(model)
             return registry.pick(model, exclude=set(tried))
+        # At its limit: no place left for the model (its slots or its concurrency). Such
+        # a node still takes work from the pick when every node is (its engine queues it).
         nodes = [h for h in self._ready_nodes(model)
                  if h.name not in tried and h.ready(model) and h.has_concurrency()]
         cands = []

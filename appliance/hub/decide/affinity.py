@@ -177,7 +177,8 @@ def route_key(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]], block
 @dataclass(slots=True)
 class Candidate:
     """A node admission would send the request to: its name, its requests in flight,
-    and whether it is at its limit (no place left for the model)."""
+    and whether it is at its limit (no place left for the model: slots or concurrency,
+    so a free place elsewhere is used first and the reserve stays exact)."""
 
     name: str
     in_flight: int
