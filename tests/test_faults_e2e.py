@@ -324,18 +324,20 @@ def test_up_has_one_metrics_listener_honours_node_listen_and_feeds_the_watchdog(
         s.close()
 
 
-def test_audit_path_that_cannot_be_opened_exits_2_with_one_line(tmp_path):
+@pytest.mark.parametrize("where", ["file/audit.log", "missing/dir/audit.log"])
+def test_audit_path_that_cannot_be_opened_exits_2_with_one_line(tmp_path, where):
     (tmp_path / "file").write_text("")
     procs = Procs()
     try:
         from procs import Proc
 
         p = Proc("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                         "Audit__Path": str(tmp_path / "file" / "audit.log")})
+                         "Audit__Path": str(tmp_path / where)})
         procs.all.append(p)
         assert p.wait_exit(30) == 2
         time.sleep(0.2)
         lines = [x for x in p.stderr_lines if x.strip()]
         assert len(lines) == 1 and "Audit__Path" in lines[0], lines
+        assert not (tmp_path / "missing").exists()
     finally:
         procs.close()

@@ -6,6 +6,7 @@ and one count (malformed, client gone mid-body, node lost, drained)."""
 
 import json
 from functools import partial
+from pathlib import Path
 
 import httpx
 import ollama
@@ -268,9 +269,14 @@ def test_audit_path_that_cannot_be_opened_is_refused_at_start(tmp_path):
     from appliance.hub.observe.audit import check_path
 
     (tmp_path / "file").write_text("")
-    assert check_path(str(tmp_path / "ok" / "audit.log")) is None
+    assert check_path(str(tmp_path / "audit.log")) is None
     assert "Audit__Path" in check_path(str(tmp_path / "file" / "audit.log"))
     assert check_path("") is None
+    # A missing directory is refused, not created (not even at /).
+    why = check_path(str(tmp_path / "missing" / "audit.log"))
+    assert why is not None and "does not exist" in why and not (tmp_path / "missing").exists()
+    assert "does not exist" in (check_path("/no-such-dir-appliance/audit.log") or "")
+    assert not Path("/no-such-dir-appliance").exists()
 
 
 async def test_unwritable_audit_never_fails_a_request(tmp_path):

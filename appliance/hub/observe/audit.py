@@ -37,8 +37,12 @@ def check_path(path: str) -> str | None:
     """None when `path` (empty: stdout) can be opened for appending; else why not."""
     if not path:
         return None
+    # A missing directory is a typo or an unmounted volume, not something to create (even
+    # at /): refused at start, so the operator finds out now rather than at the first audit.
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"cannot open Audit__Path {path!r}: its directory {parent!r} does not exist"
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
                          0o600))  # created 0600, as _open does
     except OSError as e:
@@ -66,7 +70,6 @@ class AuditLog:
         if not self.path:
             return sys.stdout.buffer
         if self._fh is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             # Created 0600: lines name clients, models and nodes (the service's own group
             # may read it when the umask or a later chmod says so; never the world).
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
