@@ -318,3 +318,31 @@ async def test_a_place_is_given_back_on_any_exit_and_moves_to_the_least_loaded_o
         assert p.next(2) is None  # two nodes tried: no third attempt
         assert p.tried == [p.tried[0], p.tried[1]] and len(set(p.tried)) == 2
     assert a.in_flight_total == b.in_flight_total == 0
+
+
+def test_reserve_warning_is_pure_arithmetic():
+    from appliance.hub.decide.priority import reserve_warning
+
+    assert reserve_warning(1, [2, 2]) == ""
+    assert reserve_warning(3, [2, 2]) == ""
+    assert "4 places" in reserve_warning(4, [2, 2]) and "never run" in reserve_warning(5, [2, 2])
+    assert reserve_warning(8, [2, None]) == ""  # an uncapped node: room for everyone
+    assert reserve_warning(0, [0]) == "" and reserve_warning(3, []) == ""
+
+
+def test_a_reserve_as_large_as_the_fleet_is_said_in_log_and_status(caplog):
+    a, b = handle("a", max_concurrency=2), handle("b", max_concurrency=2)
+    r = registry(a, b)
+    adm, _ = make(r, Priority__ReserveSlots=3)
+    r.changed()
+    assert "warning" not in adm.status_block()  # 3 reserved of 4 places: background runs
+    b.connected = False  # b is lost: 2 places left, all reserved
+    r.changed()
+    block = adm.status_block()
+    assert "2 places" in block["warning"] and "never run" in block["warning"]
+    assert sum("Priority__ReserveSlots=3" in m for m in caplog.messages) == 1
+    r.changed()  # said once per change, not on every change
+    assert sum("Priority__ReserveSlots=3" in m for m in caplog.messages) == 1
+    b.connected = True
+    r.changed()
+    assert "warning" not in adm.status_block()

@@ -32,6 +32,7 @@ is on, so with it off the scrape is exactly what it was without the feature.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple, Protocol
@@ -57,6 +58,8 @@ from appliance.hub.decide.priority import (
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.observe.routing import RoutingCollector
 from appliance.wire import NodeState
+
+log = logging.getLogger("appliance.hub.decide.admission")
 
 
 class Preemptible(Protocol):
@@ -156,6 +159,7 @@ class Admission:
         # Background requests holding a place, per model, oldest first (Priority__Preempt).
         self._background: dict[str, dict[Preemptible, None]] = {}
         self.preempted = 0
+        self.reserve_problem = ""  # Priority__ReserveSlots >= the fleet's places (status)
         self._metrics = metrics_registry
         # The ready nodes per model, kept until the fleet's shape (a node's state, its
         # connection, its cordon) changes -- not on every finished request.
@@ -305,7 +309,20 @@ class Admission:
         if shape != self._shape:
             self._shape = shape
             self._ready.clear()
+            self._check_reserve()
         self._wake_waiters()
+
+    def _check_reserve(self) -> None:
+        """A reserve the whole fleet cannot exceed starves background work: said once per
+        change in the log (as the fleet becomes known after a start) and in /api/status."""
+        if not self.enabled:
+            return
+        caps = [h.state.max_concurrency for h in self.registry.nodes.values()
+                if h.connected and h.state is not None and not h.removed]
+        why = priority.reserve_warning(self.core.reserve, caps)
+        if why and why != self.reserve_problem:
+            log.warning("%s", why)
+        self.reserve_problem = why
 
     def _wake_waiters(self) -> None:
         """Whoever may go now goes (every change; a finished request changes no shape)."""
@@ -353,6 +370,8 @@ class Admission:
             out[c] = s.as_dict()
         if self.preempt:
             out["preempted"] = self.preempted
+        if self.reserve_problem:
+            out["warning"] = self.reserve_problem
         return out
 
     def statistics(self) -> dict[str, Any]:

@@ -96,6 +96,21 @@ def ready_nodes(nodes: Iterable[Any], model: str) -> list[Any]:
     return [h for h in nodes if h.ready(model)]
 
 
+def reserve_warning(reserve: int, caps: Iterable[int | None]) -> str:
+    """Why `Priority__ReserveSlots` leaves background work no place at all ("" when it
+    does not): the reserve is at least the places of every connected node together. A node
+    without a concurrency cap has unbounded places: no warning."""
+    total = 0
+    for cap in caps:
+        if cap is None:
+            return ""
+        total += cap
+    if reserve <= 0 or total == 0 or reserve < total:
+        return ""
+    return (f"Priority__ReserveSlots={reserve} is at least the fleet's {total} places: "
+            f"background requests can never run; lower it below {total}")
+
+
 def count(ready: Iterable[Any], model: str, places_need: int | None = None,
           room_need: int | None = None) -> Fleet:
     """`fleet_of` over nodes already known ready, in plain arithmetic.
