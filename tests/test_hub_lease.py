@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from appliance.config import load
 from appliance.hub.hub import Hub
 from appliance.hub.workers import workerset
-from appliance.hub.workers.lease import Ack, Answer, Ask, Conn, Cut, Done, Go
+from appliance.hub.workers.lease import Ack, Answer, Ask, Conn, Cut, Done, Go, Left
 from appliance.hub.workers.pool import _lease
 from appliance.wire import ModelState, NodeState
 
@@ -55,9 +55,15 @@ class FakeWorker:
                                  seq))
 
     async def drop(self) -> None:
+        """The worker died: its connection just ends."""
         await self.stream.aclose()
         with trio.fail_after(5):
             await self.handler_done.wait()
+
+    async def leave(self) -> None:
+        """The worker's client went away: the worker says so (`Left`), then ends the lease."""
+        await self.conn.send(Left())
+        await self.drop()
 
 
 async def make_hub(nursery: trio.Nursery, tmp_path, state: str = "ready") -> Hub:
@@ -111,10 +117,19 @@ async def test_dropped_while_queued_leaves_the_queue(autojump_clock, tmp_path):
         await settle()
         await trio.sleep(5)  # waiting, under Queue__MaxWaitSeconds
         assert hub.admission.core.models[MODEL].waiting == 1 and node.in_flight_total == 1
-        await queued.drop()  # the client went away while it waited
+        await queued.leave()  # the client went away while it waited
         assert hub.admission.core.models[MODEL].waiting == 0
         [line] = audit_lines(tmp_path, "queued")
         assert line["status"] == 499 and line["error"] == "client_disconnected"
+        dead = FakeWorker(hub, nursery, "dead")
+        await dead.ask()
+        await settle()
+        await trio.sleep(2)
+        assert hub.admission.core.models[MODEL].waiting == 1
+        await dead.drop()  # the worker holding it died while it waited
+        assert hub.admission.core.models[MODEL].waiting == 0
+        [line] = audit_lines(tmp_path, "dead")
+        assert line["status"] == 502 and line["error"] == "worker_lost"
         # The first ends normally; the place is free for the next one at once.
         await first.conn.send(Done("a", 200, 0.01, ""))
         assert isinstance(await first.conn.recv(), Ack)
@@ -128,7 +143,10 @@ async def test_dropped_while_queued_leaves_the_queue(autojump_clock, tmp_path):
         nursery.cancel_scope.cancel()
 
 
-async def test_dropped_while_loading_writes_one_line_and_holds_nothing(autojump_clock, tmp_path):
+@pytest.mark.parametrize("end, status, error", [("leave", 499, "client_disconnected"),
+                                                ("drop", 502, "worker_lost")])
+async def test_dropped_while_loading_writes_one_line_and_holds_nothing(autojump_clock, tmp_path,
+                                                                      end, status, error):
     async with trio.open_nursery() as nursery:
         hub = await make_hub(nursery, tmp_path, state="loading")
         node = hub.registry.nodes["a"]
@@ -137,9 +155,9 @@ async def test_dropped_while_loading_writes_one_line_and_holds_nothing(autojump_
         await settle()
         await trio.sleep(10)  # the activation waits (Router__ActivationWaitSeconds: 45)
         assert node.in_flight_total == 0 and not w.handler_done.is_set()
-        await w.drop()
+        await getattr(w, end)()
         [line] = audit_lines(tmp_path, "loading")
-        assert line["status"] == 499 and line["error"] == "client_disconnected"
+        assert line["status"] == status and line["error"] == error
         assert node.in_flight_total == 0
         nursery.cancel_scope.cancel()
 

@@ -69,6 +69,13 @@ _req_decoder = msgspec.json.Decoder(_Req)
 # Today's process copies the answer itself (relay_from); the main process of a hub with
 # workers hands the place to the worker holding the client (hub/workers.py).
 RelayFn = Callable[["NodeHandle", Request, translate.Plan], Awaitable[tuple[bool, str]]]
+# What a request whose connection ended before its answer is audited as: (499,
+# client_disconnected), unless its holder knows better (a hub worker that died: worker_lost).
+Hangup = Callable[[], tuple[int, str]]
+
+
+def _client_hangup() -> tuple[int, str]:
+    return 499, "client_disconnected"
 
 
 def authenticate(auth: AuthConfig, key: str | None) -> ClientConfig:
@@ -118,13 +125,14 @@ def decode_body(body: bytes) -> tuple[_Req, dict[str, Any]]:
 
 
 async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
-                           api: str, relay: RelayFn | None = None) -> None:
+                           api: str, relay: RelayFn | None = None,
+                           hangup: Hangup = _client_hangup) -> None:
     """One POST to an inference route: exactly one audit line and one count, whatever ends
     it (refused, malformed, client gone, node lost, drained, or a bug -- a 500 in the
     API's shape)."""
     req = Request(scope, send, api, Recorder(hub.audit, hub.metrics, hub.admission.enabled))
     try:
-        await _handle(hub, req, receive, relay)
+        await _handle(hub, req, receive, relay, hangup)
     except ApiError as e:  # raised while the watcher was cancelling: still answered
         await req.send_error(e)
     except Refusal as e:  # a body too slow, or too many bodies held: the listener answers
@@ -142,7 +150,8 @@ async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
         req.finish()  # synchronous: nothing in it can be cancelled
 
 
-async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | None) -> None:
+async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | None,
+                  hangup: Hangup) -> None:
     try:
         client = authenticate(hub.cfg.auth, request_key(req.headers))
         req.client = client.name
@@ -156,7 +165,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         if not hub.grace.over() and not _ready(hub, asked.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
             if not await _wait_grace(hub, receive, asked.model, req.scope):
-                req.status, req.error = 499, "client_disconnected"
+                req.status, req.error = hangup()
                 return
         model = translate.resolve(asked.model, hub.control.known)
         req.model = echo(model)
@@ -189,7 +198,8 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         except ApiError as e:
             await req.send_error(e)
     if gone.gone:
-        req.error = "client_disconnected"
+        status, req.error = hangup()
+        req.status = req.status or status
 
 
 def _used(req: Request) -> int | None:

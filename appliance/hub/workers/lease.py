@@ -10,7 +10,9 @@ place (`Go`: the node to relay from). A failed attempt before the first byte is 
 (the main picks the next node and sends another `Go`, or refuses); the end is `Done` (what
 the audit line says), acknowledged with `Ack` once the main wrote it, before the worker
 sends the last byte. `Cut` tells the worker the node was declared lost or the drain ran
-out. A connection that ends gives the place back (the main's `async with place` exits).
+out. `Left` tells the main the client went away before the relay began; a connection that
+ends without it before then was a worker dying (audited `worker_lost`). A connection that
+ends gives the place back (the main's `async with place` exits).
 A lease that ended cleanly (`Answer` replayed, or `Done` acknowledged) leaves its
 connection open for the worker's next request: the next `Ask` starts the next lease on it
 (no connect and accept per request); a `Cut` carries its lease's `seq`, so one sent as its
@@ -67,13 +69,18 @@ class Ack(msgspec.Struct, tag=True):
     pass
 
 
+class Left(msgspec.Struct, tag=True):
+    """The worker's client went away before the relay began (queued, loading): a lease
+    that ends without it was dropped by a dying worker (`worker_lost` in the audit)."""
+
+
 class Cut(msgspec.Struct, tag=True):
     reason: str  # "node_lost" or "shutting_down"
     lost_reason: str = ""
     seq: int = 0  # the lease it is for: one sent as the lease ended is ignored by the next
 
 
-Message = Ask | Go | Answer | Failed | Done | Ack | Cut
+Message = Ask | Go | Answer | Failed | Done | Ack | Cut | Left
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Message)
 _LEN = struct.Struct(">I")

@@ -51,6 +51,7 @@ from appliance.hub.workers.lease import (
     Failed,
     Go,
     LeaseError,
+    Left,
 )
 from appliance.hub.workers.workerset import WorkerSet
 from appliance.server.limits import Busy, Refusal, RequestTimeout
@@ -184,6 +185,7 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
     request held by the worker -- the router's path, relayed by the worker."""
     conn = Conn(stream, hub.cfg.hub.max_body_bytes + FRAME_SLACK)
     gone = trio.Event()
+    left = [False]  # the worker said its client went away (`Left`)
     inbox_in, inbox = trio.open_memory_channel[Any](4)
     current: list[LeaseRelay] = []  # the lease in progress
 
@@ -191,14 +193,23 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
         try:
             async with inbox_in:
                 while True:
-                    await inbox_in.send(await conn.recv())
+                    msg = await conn.recv()
+                    if isinstance(msg, Left):
+                        left[0] = True
+                        gone.set()
+                    else:
+                        await inbox_in.send(msg)
         except GONE:
             pass
         finally:
             # While the worker relays, its silence is the relay's to report (worker_lost);
-            # before (queued, loading), it is the client's: the router's disconnect.
+            # before (queued, loading), the router's disconnect: the client's if the worker
+            # said so (`Left`), else the worker died holding it (hangup below).
             if not (current and current[0].relaying):
                 gone.set()
+
+    def hangup() -> tuple[int, str]:
+        return (499, "client_disconnected") if left[0] else (502, "worker_lost")
 
     async with stream, trio.open_nursery() as nursery:
         nursery.start_soon(reader)
@@ -212,13 +223,14 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
                     return
                 relay = LeaseRelay(hub, conn, inbox, nursery, ask.seq)
                 current[:] = [relay]
-                if not await _one(hub, conn, ask, relay, gone) or gone.is_set():
+                if not await _one(hub, conn, ask, relay, gone, hangup) or gone.is_set():
                     return
         finally:
             nursery.cancel_scope.cancel()
 
 
-async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Event) -> bool:
+async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Event,
+               hangup: Callable[[], tuple[int, str]]) -> bool:
     """One lease; True when it ended cleanly (the connection may carry the next)."""
     limit = hub.cfg.hub.max_body_bytes
     handed = False
@@ -252,7 +264,7 @@ async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Eve
     scope = {"type": "http", "method": "POST", "path": ask.path,
              "headers": [(bytes(k), bytes(v)) for k, v in ask.headers], "state": {}}
     try:
-        await handle_inference(hub, scope, receive, send, ask.api, relay)
+        await handle_inference(hub, scope, receive, send, ask.api, relay, hangup)
     except Refusal:
         return False  # recorded; the worker's listener answers it (and closes this)
     return ask.fail in ("", "too_large")

@@ -43,7 +43,18 @@ from appliance.hub.api.relay import relay_from
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
 from appliance.hub.hub import auth_headers, client_ssl, hub_limits
-from appliance.hub.workers.lease import GONE, Ack, Answer, Ask, Conn, Cut, Done, Failed, Go
+from appliance.hub.workers.lease import (
+    GONE,
+    Ack,
+    Answer,
+    Ask,
+    Conn,
+    Cut,
+    Done,
+    Failed,
+    Go,
+    Left,
+)
 from appliance.server.limits import LiveLimits, Refusal
 from appliance.server.serve import serve
 
@@ -269,6 +280,12 @@ class Worker:
                 if client.gone and req.status:
                     req.error = "client_disconnected"
                     await report()
+                elif client.gone:  # before the relay: the main audits it as the client's
+                    with trio.move_on_after(ACK_SECONDS, shield=True):
+                        try:
+                            await conn.send(Left())
+                        except GONE:
+                            pass
             finally:
                 nursery.cancel_scope.cancel()
         return ended and not client.gone and (acked.is_set() or not done_sent)
