@@ -132,6 +132,26 @@ def nodes_table(nodes: list[dict[str, Any]]) -> str:
     return _table(rows)
 
 
+def _limit(used: int, limit: int | None) -> str:
+    return f"{used}" if limit is None else f"{used}/{limit}"
+
+
+def tenants_table(tenants: dict[str, Any]) -> str:
+    """Per key: requests and tokens this minute and today against the limits, in flight,
+    queued, tokens served and the share of them."""
+    rows = [["CLIENT", "REQ/MIN", "TOK/MIN", "TOK/DAY", "IN-FLIGHT", "QUEUED", "SERVED IN/OUT",
+             "SHARE", "WEIGHT", "429s"]]
+    for name, t in tenants.items():
+        lim = t["limits"]
+        rows.append([name, _limit(t["minute"]["requests"], lim["rpm"]),
+                     _limit(t["minute"]["tokens"], lim["tpm"]),
+                     _limit(t["day_tokens"], lim["tokens_per_day"]),
+                     _limit(t["in_flight"], lim["max_concurrent"]), str(t["queued"]),
+                     f"{t['served']['input']}/{t['served']['output']}", f"{t['share']:.0%}",
+                     f"{lim['weight']:g}", str(t["limited"])])
+    return _table(rows)
+
+
 def cluster_line(c: dict[str, Any]) -> str:
     """Several hubs: who leads, by which epoch, which hubs, and whether etcd answers."""
     leader = f"leader {c['leader']} (epoch {c['epoch']})" if c.get("leader") else "NO LEADER"
@@ -149,6 +169,8 @@ def render(cmd: str, body: dict[str, Any]) -> str:
                  else "no models", "", nodes_table(body["nodes"]) if body["nodes"] else "no nodes"]
         if body.get("cluster"):
             parts[1:1] = [cluster_line(body["cluster"])]
+        if body.get("tenants"):
+            parts += ["", tenants_table(body["tenants"])]
         return "\n".join(parts)
     if cmd == "models":
         return models_table(body["models"]) if body["models"] else "no models"

@@ -167,3 +167,32 @@ async def test_off_by_default_background_keeps_its_place(autojump_clock: trio.te
             nursery.cancel_scope.cancel()
     assert got["bg"].status_code == 200 and got["ess"].status_code == 200
     assert "preempted" not in (hub.admission.status_block() or {})
+
+
+# --- the rule, without sockets (hub/decide/preempt.py) ---------------------------------------
+
+class Req:
+    def __init__(self, started: bool = False) -> None:
+        self.started, self.preempted_ = started, False
+
+    def first_byte(self) -> bool:
+        return self.started
+
+    def preempt(self) -> None:
+        self.preempted_ = True
+
+
+def test_the_newest_without_a_first_byte_is_preempted_once() -> None:
+    from appliance.hub.decide.preempt import Victims
+
+    v = Victims()
+    old, started, new = Req(), Req(started=True), Req(started=True)
+    for r in (old, started, new):
+        v.hold("m", r)
+    assert v.preempt_one("other") is None
+    assert v.preempt_one("m") is old  # the newer two have their first byte
+    assert old.preempted_ and not started.preempted_ and not new.preempted_
+    assert v.preempt_one("m") is None  # nobody left who has no first byte
+    v.release("m", started)
+    v.release("m", new)
+    assert v.held("m") == 0 and v.preempted == 1

@@ -102,3 +102,35 @@ async def test_a_negative_max_tokens_is_a_400(tmp_path: Path) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         assert huge.status_code == 400 and huge.json()["error"]["param"] == "max_output_tokens"
         nursery.cancel_scope.cancel()
+
+
+async def test_status_and_ctl_show_each_key(tmp_path: Path) -> None:
+    from appliance import ctl
+
+    async with trio.open_nursery() as nursery:
+        _, url = await start(nursery, tmp_path, {"Auth__Clients__0__Tpm": "100000",
+                                                 "Auth__Clients__0__Weight": "2"})
+        async with httpx.AsyncClient(timeout=10, headers={"x-api-key": "k1"}) as c:
+            assert (await c.post(url + "/v1/chat/completions", json=CHAT)).status_code == 200
+            st = (await c.get(url + "/api/status")).json()
+            admin = (await c.get(url + "/admin/status")).json()
+        nursery.cancel_scope.cancel()
+    team = st["tenants"]["team"]
+    assert team["limits"]["tpm"] == 100000 and team["limits"]["weight"] == 2
+    assert team["minute"]["requests"] == 1 and team["minute"]["tokens"] > 0
+    assert team["in_flight"] == 0 and team["queued"] == 0 and team["share"] == 1.0
+    assert admin["tenants"]["team"]["requests"] == 1
+    text = ctl.render("status", admin)
+    header = next(line for line in text.splitlines() if line.startswith("CLIENT"))
+    assert "TOK/MIN" in header and "SHARE" in header
+    row = next(line for line in text.splitlines() if line.startswith("team"))
+    assert "/100000" in row and "100%" in row
+
+
+def test_history_has_tokens_per_second() -> None:
+    from appliance.hub.observe.history import History, Reading
+
+    h = History()
+    h.sample(100.0, Reading({}, {}, {}, tokens={"input": 100.0, "output": 10.0}))
+    point = h.sample(105.0, Reading({}, {}, {}, tokens={"input": 600.0, "output": 60.0}))
+    assert point is not None and point["tokens_per_s"] == {"input": 100.0, "output": 10.0}

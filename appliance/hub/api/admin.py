@@ -26,7 +26,7 @@ import httpx
 
 from appliance.bounds import echo
 from appliance.http.asgi import Receive, Scope, Send, send_json
-from appliance.hub.api.status import with_routing
+from appliance.hub.api.status import tenants_status, with_routing
 from appliance.hub.cluster.etcd import EtcdError
 from appliance.hub.fleet.nodes import NodeHandle
 
@@ -85,6 +85,8 @@ def status(hub: Hub) -> dict[str, Any]:
                         f"{hub.audit.last_error} ({hub.audit.write_errors} lost so far)")
     out: dict[str, Any] = {"satisfied": not problems, "problems": problems, "models": models,
                            "nodes": rows}
+    if (tenants := tenants_status(hub)) is not None:
+        out["tenants"] = tenants
     if (cluster := getattr(hub, "cluster", None)) is not None:
         out["cluster"] = cstatus = cluster.status()
         if not cstatus["leader"]:

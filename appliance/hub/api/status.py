@@ -69,7 +69,20 @@ def status_payload(hub: Hub) -> dict[str, Any]:
     block = hub.admission.status_block()
     if block is not None:
         out["priority"] = block
+    if (tenants := tenants_status(hub)) is not None:
+        out["tenants"] = tenants
     return out
+
+
+def tenants_status(hub: Hub) -> dict[str, Any] | None:
+    """Per key (hub/decide/limits.py): limits, use this minute and the last 24 h, in
+    flight, queued, tokens served and the share of them. None for a hub without limits
+    (a test's stand-in)."""
+    limiter = getattr(hub, "tenants", None)
+    if limiter is None:
+        return None
+    status: dict[str, Any] = limiter.status(time.time(), hub.admission.core.queued())
+    return status
 
 
 def _size_bytes(hub: Hub, model: str) -> int:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -45,6 +45,7 @@ from appliance.config import Config
 from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
 from appliance.hub.decide.fair import FairLane
+from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
     BACKGROUND,
     CLASSES,
@@ -60,14 +61,6 @@ from appliance.hub.observe.routing import RoutingCollector
 from appliance.wire import NodeState
 
 log = logging.getLogger("appliance.hub.decide.admission")
-
-
-class Preemptible(Protocol):
-    """A background request essential work may take the place of (the router's Request)."""
-
-    def first_byte(self) -> bool: ...
-
-    def preempt(self) -> None: ...
 
 
 class Demand(NamedTuple):
@@ -156,9 +149,7 @@ class Admission:
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
-        # Background requests holding a place, per model, oldest first (Priority__Preempt).
-        self._background: dict[str, dict[Preemptible, None]] = {}
-        self.preempted = 0
+        self.victims = Victims()  # background requests holding a place (preempt.py)
         self.reserve_problem = ""  # Priority__ReserveSlots >= the fleet's places (status)
         self._metrics = metrics_registry
         # The ready nodes per model, kept until the fleet's shape (a node's state, its
@@ -208,7 +199,7 @@ class Admission:
         w.event = trio.Event()
         self._dispatch(model)
         if not w.granted and w.cls == ESSENTIAL and self.preempt:
-            self._preempt_one(model)
+            self.victims.preempt_one(model)
         if not w.granted:
             try:
                 with trio.move_on_after(core.wait_limit(w)):
@@ -223,20 +214,6 @@ class Admission:
             return Ticket(model, w.cls, client, waited=True, fair=w.fair)
         core.leave(w, timed_out=True)
         raise core.timeout_error(w)
-
-    def _preempt_one(self, model: str) -> None:
-        """An essential request waits: the newest background request of `model` that has
-        no first byte yet gives its place (its relay answers 503 `preempted`, the engine's
-        work is cancelled; the place it frees wakes the essential waiter first)."""
-        running = self._background.get(model)
-        if not running:
-            return
-        for victim in reversed(list(running)):
-            if not victim.first_byte():
-                del running[victim]
-                self.preempted += 1
-                victim.preempt()
-                return
 
     @asynccontextmanager
     async def place(self, model: str, cls: str, client: str, in_flight: Any = None,
@@ -253,17 +230,13 @@ class Admission:
             ticket = await self.admit(model, cls, client, demand.cost, demand.weight)
         p = Place(self, model, cls, in_flight, ticket, route)
         p._take()  # no checkpoint since admit returned: this place is ours
-        held = None
         if victim is not None and self.preempt and ticket.cls == BACKGROUND:
-            held = self._background.setdefault(model, {})
-            held[victim] = None
+            self.victims.hold(model, victim)
         try:
             yield p
         finally:
-            if held is not None:
-                held.pop(victim, None)  # type: ignore[arg-type]
-                if not held and self._background.get(model) is held:
-                    del self._background[model]
+            if victim is not None:
+                self.victims.release(model, victim)
             p._give_back()
             if ticket.fair is not None and demand is not None:
                 used = demand.used()
@@ -369,7 +342,7 @@ class Admission:
         for c, s in self.core.classes.items():
             out[c] = s.as_dict()
         if self.preempt:
-            out["preempted"] = self.preempted
+            out["preempted"] = self.victims.preempted
         if self.reserve_problem:
             out["warning"] = self.reserve_problem
         return out

@@ -5,10 +5,11 @@ Theory of operation: the page at /ui/ should show how the fleet has been doing w
 Prometheus, so the hub keeps two small, bounded, in-memory records of itself:
 
 - `History`: every `STEP_SECONDS` a sampler task reads the hub's own Prometheus objects
-  (the request counter by status, the time-to-first-byte histogram, the queue and the
-  priority classes) and stores one point -- rates and quantiles over the step, computed
-  from the difference to the previous reading. `POINTS` points: 15 minutes. Reading the
-  counters happens here, off the request path; the request path pays nothing for it.
+  (the request counter by status, the time-to-first-byte histogram, the tokens by kind,
+  the queue and the priority classes) and stores one point -- rates and quantiles over the
+  step, computed from the difference to the previous reading. `POINTS` points: 15
+  minutes. Reading the counters happens here, off the request path; the request path pays
+  nothing for it.
 - `Recent`: the last `RECENT_MAX` request audit records (the audit log appends the dict
   it has just written; `Recent.add` keeps a copy of the named, harmless fields only, each
   string cut short -- never a header, never a key: the audit record holds the client's
@@ -78,13 +79,15 @@ class Reading:
     """One look at the counters: cumulative request counts by status, cumulative TTFB
     buckets, and the gauges as they are now."""
 
-    __slots__ = ("requests", "ttfb", "waiting", "in_flight", "nodes_up")
+    __slots__ = ("requests", "ttfb", "waiting", "in_flight", "nodes_up", "tokens")
 
     def __init__(self, requests: dict[str, float], ttfb: dict[float, float], waiting: dict[str,
                                                                                            float],
-                 in_flight: float = 0.0, nodes_up: int = 0) -> None:
+                 in_flight: float = 0.0, nodes_up: int = 0,
+                 tokens: dict[str, float] | None = None) -> None:
         self.requests, self.ttfb, self.waiting = requests, ttfb, waiting
         self.in_flight, self.nodes_up = in_flight, nodes_up
+        self.tokens = tokens or {}  # cumulative tokens by kind (input, output)
 
 
 class History:
@@ -107,13 +110,18 @@ class History:
             d = n if d < 0 else d
             if d > 0:
                 rps[status] = round(d / dt, 3)
+        tps = {}
+        for kind, n in r.tokens.items():
+            d = n - prev.tokens.get(kind, 0.0)
+            tps[kind] = round((n if d < 0 else d) / dt, 1)
         bounds = sorted(r.ttfb)
         deltas = [(b, max(0.0, r.ttfb[b] - prev.ttfb.get(b, 0.0))) for b in bounds]
         p50, p95 = quantile(0.5, deltas), quantile(0.95, deltas)
         point = {"t": round(t, 3), "rps": rps,
                  "ttfb_p50_ms": None if p50 is None else round(p50 * 1000, 1),
                  "ttfb_p95_ms": None if p95 is None else round(p95 * 1000, 1),
-                 "waiting": dict(r.waiting), "in_flight": r.in_flight, "nodes_up": r.nodes_up}
+                 "waiting": dict(r.waiting), "in_flight": r.in_flight, "nodes_up": r.nodes_up,
+                 "tokens_per_s": tps}
         self.points.append(point)
         return point
 
@@ -157,6 +165,10 @@ def read_hub(metrics: HubMetrics, admission: Admission, registry: Registry) -> R
         if s.name.endswith("_bucket"):
             b = float(s.labels["le"])
             ttfb[b] = ttfb.get(b, 0.0) + s.value
+    tokens: dict[str, float] = {}
+    for s in _samples(metrics.tokens):
+        if s.name.endswith("_total"):
+            tokens[s.labels["kind"]] = tokens.get(s.labels["kind"], 0.0) + s.value
     in_flight = sum(s.value for s in _samples(metrics.in_flight))
     stats = admission.statistics()
     if admission.enabled:
@@ -164,7 +176,7 @@ def read_hub(metrics: HubMetrics, admission: Admission, registry: Registry) -> R
     else:
         waiting = {"all": float(sum(m["waiting"] for m in stats["models"].values()))}
     nodes_up = sum(1 for h in list(registry.nodes.values()) if h.status() == "up")
-    return Reading(requests, ttfb, waiting, in_flight, nodes_up)
+    return Reading(requests, ttfb, waiting, in_flight, nodes_up, tokens)
 
 
 async def run_sampler(history: History, read: Callable[[], Reading], step: float = STEP_SECONDS,

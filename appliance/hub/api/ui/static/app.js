@@ -212,6 +212,27 @@ function drawPriority(status) {
   document.querySelector("#priority-table tbody").replaceChildren(...rows);
 }
 
+function drawTenants(status) {
+  const sec = document.getElementById("tenants");
+  const t = status.tenants || {};
+  const names = Object.keys(t);
+  sec.hidden = !names.length;
+  const of = (used, limit) => (limit === null || limit === undefined ? `${used}` : `${used} / ${limit}`);
+  const rows = names.map((n) => {
+    const x = t[n], l = x.limits;
+    return el("tr", { "data-client": n }, el("th", { scope: "row", text: n }),
+      el("td", { class: "num", text: of(x.minute.requests, l.rpm) }),
+      el("td", { class: "num", text: of(x.minute.tokens, l.tpm) }),
+      el("td", { class: "num", text: of(x.day_tokens, l.tokens_per_day) }),
+      el("td", { class: "num", text: of(x.in_flight, l.max_concurrent) }),
+      el("td", { class: "num", text: x.queued }),
+      el("td", { class: "num", text: `${x.served.input} / ${x.served.output}` }),
+      el("td", { class: "num", text: `${Math.round(x.share * 100)}%` }),
+      el("td", { class: x.limited ? "num err" : "num", text: x.limited }));
+  });
+  document.querySelector("#tenants-table tbody").replaceChildren(...rows);
+}
+
 function drawRecent(recent) {
   const rows = recent.requests.map((r) => el("tr", { "data-status": r.status },
     el("td", { text: new Date(r.ts * 1000).toLocaleTimeString(), title: r.request_id ? `request ${r.request_id}` : null }), el("td", { text: r.client || "–" }),
@@ -271,11 +292,14 @@ function drawCharts(h) {
   const pts = h.points;
   const statuses = [...new Set(pts.flatMap((p) => Object.keys(p.rps)))].sort();
   const waitKeys = [...new Set(pts.flatMap((p) => Object.keys(p.waiting)))];
+  const tokenKinds = [...new Set(pts.flatMap((p) => Object.keys(p.tokens_per_s || {})))].sort();
   const series = (key) => (name) => ({ name, points: pts.map((p) => [p.t, key(p, name)]) });
   document.getElementById("charts").replaceChildren(
     chart("Requests per second by status", statuses.map(series((p, s) => p.rps[s] || 0)), "/s", h.window_seconds),
     chart("Time to first byte", [series((p) => p.ttfb_p50_ms)("p50"), series((p) => p.ttfb_p95_ms)("p95")],
       " ms", h.window_seconds),
+    chart("Tokens per second", tokenKinds.map(series((p, k) => (p.tokens_per_s || {})[k] || 0)), "/s",
+      h.window_seconds),
     chart("Queue depth", waitKeys.map(series((p, k) => p.waiting[k] || 0)), "", h.window_seconds),
     chart("In flight and nodes up", [series((p) => p.in_flight)("in flight"), series((p) => p.nodes_up)("nodes up")],
       "", h.window_seconds));
@@ -311,6 +335,7 @@ async function refresh() {
     drawNodes(status, lastNodes);
     drawModels(status);
     drawPriority(status);
+    drawTenants(status);
     drawRecent(recent);
     if (Date.now() - lastHistory >= HISTORY_MS) {
       lastHistory = Date.now();
