@@ -12,9 +12,10 @@ import trio
 import trio.testing
 
 from appliance.config import load
-from appliance.http.asgi import Receive, Scope, Send, read_body, serve
+from appliance.http.asgi import Receive, Scope, Send, read_body
 from appliance.http.disconnect import wait_disconnect
 from appliance.hub.run import Hub, run_hub
+from appliance.server.serve import serve
 from appliance.wire import ModelState, NodeState
 
 
