@@ -38,6 +38,15 @@ def rss_kb(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
+def peak_rss_kb(pid: int) -> int:
+    """The process's peak resident set (VmHWM) so far."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
 def socket_inodes(pid: int) -> set[str]:
     """The inodes of the sockets open in `pid`'s fd table."""
     found = set()

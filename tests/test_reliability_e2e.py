@@ -6,12 +6,15 @@ that ordinary service goes on.
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
 import time
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from procfs import peak_rss_kb
 from procs import procs  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.e2e
@@ -55,3 +58,42 @@ def test_token_less_announce_heads_are_refused_before_their_body(procs):  # noqa
     finally:
         for s in socks:
             s.close()
+
+
+def test_decoded_bodies_count_against_the_budget_peak_rss_stays_under_twice_it(procs):  # noqa: F811
+    # 8 concurrent 30 MB bodies of a million tiny messages each, on the routes that decode
+    # and translate: before, the hub decoded what the byte budget admitted and grew by
+    # hundreds of MB per body; now the decoded estimate is held too, so what runs at once
+    # stays within the budget and the peak grows by less than twice it.
+    budget = 64 * 1024 * 1024
+    hub = procs.hub({"Hub__MaxBufferedBytes": str(budget), "Hub__MaxBodyBytes": str(40 << 20)})
+    body = json.dumps({"model": "m", "max_tokens": 5, "messages":
+                       [{"role": "user", "content": "a"}] * 1_000_000},
+                      separators=(",", ":")).encode()
+    assert len(body) > 25 << 20
+    base = peak_rss_kb(hub.pid)
+    statuses: list[int] = []
+
+    def post(path: str) -> None:
+        try:
+            r = httpx.post(hub.url + path, content=body, timeout=60,
+                           headers={"content-type": "application/json"})
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                assert r.headers.get("retry-after")
+        except httpx.HTTPError as e:  # a refused body may be cut while it is still sent
+            statuses.append(type(e).__name__)
+
+    paths = ["/v1/messages", "/v1/chat/completions", "/api/chat", "/v1/responses"] * 2
+    threads = [threading.Thread(target=post, args=(p,)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    grew = (peak_rss_kb(hub.pid) - base) * 1024
+    assert len(statuses) == 8 and 503 in statuses, statuses
+    assert grew < 2 * budget, f"peak RSS grew {grew >> 20} MiB for a {budget >> 20} MiB budget"
+    # Ordinary requests are still decoded and answered (no such model here: 404).
+    r = httpx.post(hub.url + "/v1/chat/completions", timeout=10,
+                   json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -56,6 +56,7 @@ from appliance.h1.state import (
     SEND_BODY,
     SEND_RESPONSE,
 )
+from appliance.http.budget import BODY_BUDGET
 from appliance.http.disconnect import HANGUP
 from appliance.http.errors import ApiError
 from appliance.net.transport import Transport
@@ -295,7 +296,7 @@ class Conn(Sender):
             "path": unquote(path.decode("ascii")) if b"%" in path else path.decode("ascii"),
             "raw_path": path, "query_string": query, "root_path": "", "headers": head.headers,
             "client": self.client, "server": self.server, "state": {},
-            "extensions": {HANGUP: self},
+            "extensions": {HANGUP: self, BODY_BUDGET: self},
         }
         self.slot.in_request = True
         try:
@@ -451,6 +452,14 @@ class Conn(Sender):
             if self.cycle.their in (IDLE, DONE, MUST_CLOSE):  # (mid-body: the reader says so)
                 self.cycle.client(PEER_CLOSED)
         return b""
+
+    def hold(self, n: int) -> bool:
+        """BodyBudget (http/budget.py): `n` more bytes held for this request, given back
+        with its body when it ends; False when the listener's bound would be passed."""
+        if not self.shared.budget.take(n):
+            return False
+        self.held += n
+        return True
 
     def _deliver(self, data: bytes) -> dict[str, Any]:
         n = len(data)

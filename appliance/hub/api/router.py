@@ -31,6 +31,7 @@ import trio
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import AuthConfig, ClientConfig
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body
+from appliance.http.budget import hold_decoded
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError
 from appliance.http.keys import request_key
@@ -161,6 +162,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         except BodyTooLarge:
             raise ApiError(413, "body_too_large",
                            f"body over Hub__MaxBodyBytes ({limit} bytes)") from None
+        hold_decoded(req.scope, body)  # its decoded size counts against the body budget
         asked, obj = decode_body(body)
         if not hub.grace.over() and not _ready(hub, asked.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
