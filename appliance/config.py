@@ -234,6 +234,9 @@ class ModelDef(_Section):
     # Always-on replica count; 0 means on demand.
     replicas: NonNegInt = 0
     idle_unload_seconds: NonNeg = 300.0
+    # The engine kind that serves it; "": any engine that can serve the source (a `.gguf`
+    # path: llamacpp's). Placement, parking and /api/pull consider only such nodes.
+    engine: EngineKind | Literal[""] = ""
 
 
 class ModelsConfig(_Section):
@@ -477,6 +480,8 @@ def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None =
         msg = str(e)
         m = re.search(r" - at `([^`]+)`$", msg)
         var = _path_to_var(m.group(1)) if m else ""
+        # An indexed section's list (`Models__0__X` is Models.Items[0].X) is named as set.
+        var = re.sub(r"__Items(?=__\d)", "", var)
         reason = msg[: m.start()] if m else msg
         shown = originals.get(var.lower(), var)
         value = merged.get(shown, "")
@@ -532,6 +537,7 @@ def _enum_hint(var: str, got: str) -> str:
         "priority": typing.get_args(PriorityClass),
         "kind": typing.get_args(EngineKind),
         "affinity": typing.get_args(AffinityMode),
+        "engine": typing.get_args(EngineKind),
     }.get(var.rsplit("__", 1)[-1].lower(), ())
     if not choices:
         return ""

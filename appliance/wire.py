@@ -50,6 +50,9 @@ class NodeState(msgspec.Struct):
     name: str
     version: str = __version__
     engines: list[EngineInstall] = []
+    # The node's Engine__Kind, said even while its engine does not answer (then `engines` is
+    # empty): the hub places a model only on nodes whose kind can serve it. "": an older node.
+    engine: str = ""
     memory_total_mb: int | None = None
     memory_used_mb: int | None = None
     max_concurrency: int | None = None

@@ -145,17 +145,17 @@ async def test_retry_unparks_and_it_is_tried_again(nursery, autojump_clock):
 
 
 async def test_definition_change_by_reload_unparks(nursery, autojump_clock):
-    control, registry, ops, _, _ = make([{"Name": "kev", "Source": "/m/kev.gguf"}],
+    control, registry, ops, _, _ = make([{"Name": "kev", "Source": "/m/kev.bin"}],
                                         {"a": (8000, {"kev": 500})},
                                         Models__ParkAfterFailures=2)
     ops.fail["kev"] = KEV_ERROR
     await nursery.start(control.run)
     assert (await error_of(control.activate("kev"))).code == "model_parked"
-    control.reload(cfg([{"Name": "kev", "Source": "/m/kev.gguf"}], Models__ParkAfterFailures=2))
+    control.reload(cfg([{"Name": "kev", "Source": "/m/kev.bin"}], Models__ParkAfterFailures=2))
     # same definition: still parked
     assert (await error_of(control.make_servable("kev"))).code == "model_parked"
     ops.fail["kev"] = ""  # the new file loads
-    control.reload(cfg([{"Name": "kev", "Source": "/m/kev-fixed.gguf"}],
+    control.reload(cfg([{"Name": "kev", "Source": "/m/kev-fixed.bin"}],
                        Models__ParkAfterFailures=2))
     await control.make_servable("kev")  # asks once, waits for that decision
     assert len(ops.loads) == 3

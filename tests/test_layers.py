@@ -35,7 +35,8 @@ CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.ht
          "appliance.hub.decide.priority", "appliance.hub.decide.placement", "appliance.hub.decide.fit",
          "appliance.node.state", "appliance.hub.cluster.state", "appliance.hub.translate",
          "appliance.hub.decide.fair", "appliance.hub.decide.limits",
-         "appliance.hub.decide.affinity")
+         "appliance.hub.decide.affinity", "appliance.hub.decide.capable",
+         "appliance.hub.decide.catalog")
 SHELL_LIBS = ("trio", "httpx", "h11", "hypercorn", "anyio", "prometheus_client")
 
 

@@ -9,6 +9,8 @@ from appliance.wire import EngineInstall, ModelState
 
 
 class FakeEngine:
+    kind = "sim"
+
     def __init__(self, models=None, used=0):
         self._models = models if models is not None else [ModelState("m1", size_mb=500)]
         self.used = used

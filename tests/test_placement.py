@@ -13,13 +13,13 @@ from appliance.wire import EngineInstall, ModelState, NodeState
 
 
 def node(name: str, total: int | None = 8000, used: int = 0, models=(),
-         up: bool = True) -> NodeHandle:
+         up: bool = True, kind: str = "sim") -> NodeHandle:
     """A connected node; `models` are (name, size_mb, state) or names (available, 1000 MiB)."""
     h = NodeHandle(name, f"http://{name}:9090", static=True)
     ms = [ModelState(m, 1000) if isinstance(m, str) else ModelState(m[0], m[1], m[2])
           for m in models]
-    h.state = NodeState(name=name, engines=[EngineInstall("sim", "0.1")], memory_total_mb=total,
-                        memory_used_mb=used, models=ms)
+    h.state = NodeState(name=name, engines=[EngineInstall(kind, "0.1")], engine=kind,
+                        memory_total_mb=total, memory_used_mb=used, models=ms)
     h.connected = up
     return h
 
@@ -77,8 +77,12 @@ def test_no_node_up_and_no_node_with_the_model_are_reasons():
     a.connected = True
     core.ask("m", [a], 0.0)
     assert "no node that is up has it" in core.health["m"].unplaceable
-    _, acts = core.ask("src", [a], 0.0)  # a Source: any routable node will do
-    assert acts[0].request.source == "/models/src.gguf"
+    _, acts = core.ask("src", [a], 0.0)  # a .gguf source: llama.cpp's, and `a` runs the sim
+    assert acts == [] and core.health["src"].unplaceable == (
+        "needs a llamacpp engine (its .gguf source); no node that is up runs one (a sim)")
+    lc = node("lc", models=[], kind="llamacpp")
+    _, acts = core.ask("src", [a, lc], 0.0)  # a Source: any capable routable node will do
+    assert [(x.node, x.request.source) for x in acts] == [("lc", "/models/src.gguf")]
 
 
 def test_room_is_made_by_unloading_idle_on_demand_replicas_only():
@@ -127,7 +131,7 @@ def test_parking_after_five_failures_with_capped_backoff():
 
 
 def test_retry_and_definition_change_unpark_and_success_resets():
-    core = Models(cfg([{"Name": "kev", "Source": "a.gguf"}], Models__ParkAfterFailures=2))
+    core = Models(cfg([{"Name": "kev", "Source": "a.bin"}], Models__ParkAfterFailures=2))
     a = node("a", models=["kev"])
     for t in (0.0, 1.0):
         core.ask("kev", [a], t)
@@ -141,10 +145,10 @@ def test_retry_and_definition_change_unpark_and_success_resets():
     core.load_done("kev", "a", "boom", 3.0)
     assert core.health["kev"].parked
     # Same definition: still parked. A new Source: unparked.
-    assert core.reconfigure(cfg([{"Name": "kev", "Source": "a.gguf"}],
+    assert core.reconfigure(cfg([{"Name": "kev", "Source": "a.bin"}],
                                 Models__ParkAfterFailures=2)) == []
     assert core.health["kev"].parked
-    assert core.reconfigure(cfg([{"Name": "kev", "Source": "b.gguf"}],
+    assert core.reconfigure(cfg([{"Name": "kev", "Source": "b.bin"}],
                                 Models__ParkAfterFailures=2)) == ["kev"]
     assert not core.health["kev"].parked
     # One failure, then a success: the count is back to 0.

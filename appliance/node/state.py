@@ -59,6 +59,7 @@ def parse_nvidia_smi(text: str) -> tuple[int, int] | None:
 class EngineView(Protocol):
     """The part of an Engine the keeper reads (so the core is tested without one)."""
 
+    kind: str
     def installs(self) -> list[EngineInstall]: ...
     def models(self) -> list[ModelState]: ...
     def memory_used_mb(self) -> int: ...
@@ -250,6 +251,7 @@ class NodeStateKeeper:
         return NodeState(
             name=self.name,
             engines=list(self.engine.installs()),
+            engine=self.engine.kind,
             memory_total_mb=total,
             memory_used_mb=used,
             max_concurrency=self.max_concurrency,

@@ -2,7 +2,9 @@
 
 Theory of operation: a pull or a delete goes to every connected node whose engine
 manages its own models (`ollama`, `sim`) -- or only to `?node=NAME` -- through the node's
-`POST /node/v1/pull` / `POST /node/v1/delete`. One fan-out (`fan_out`) serves both: each
+`POST /node/v1/pull` / `POST /node/v1/delete`; a catalog model tied to an engine kind
+(`Models__N__Engine`, a `.gguf` source: llama.cpp) goes only to nodes of that kind, so a
+sim never "pulls" a llama.cpp model. One fan-out (`fan_out`) serves both: each
 node's operation is its own task, at most NODES_AT_ONCE at a time (a pull downloads
 gigabytes: a bound on the fleet's share of the uplink; a delete is cheap, but the same
 bound costs nothing), and each ends with its outcome, kept in the order the nodes were
@@ -30,9 +32,10 @@ from urllib.parse import parse_qs
 import msgspec
 import trio
 
+from appliance.bounds import echo
 from appliance.client.upstream import UpstreamError
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read_body, send_json
-from appliance.hub.translate import engine_kind
+from appliance.hub.decide import capable
 
 if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
@@ -64,10 +67,11 @@ def admin_ok(hub: Hub, scope: Scope) -> bool:
     return not key or hmac.compare_digest((bearer(scope) or "").encode(), key.encode())
 
 
-def _targets(hub: Hub, node: str | None) -> list[NodeHandle]:
+def _targets(hub: Hub, node: str | None, model: str) -> list[NodeHandle]:
+    spec = hub.control.core.spec(model)
     return [h for h in list(hub.registry.nodes.values())
-            if h.connected and h.state is not None and engine_kind(h.state) in MANAGING_KINDS
-            and (node is None or h.name == node)]
+            if h.connected and h.state is not None and h.kind() in MANAGING_KINDS
+            and capable.serves(spec, h) and (node is None or h.name == node)]
 
 
 async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send, action: str) -> None:
@@ -88,9 +92,16 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send, action: s
         return
     model = req.model or req.name
     node = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("node") or [None])[0]
-    targets = _targets(hub, node)
     if not model:
         await send_json(send, 400, {"error": "model is required"})
+        return
+    targets = _targets(hub, node, model)
+    spec = hub.control.core.spec(model)
+    need = capable.engine_for(spec.engine, spec.source)
+    if not targets and need and need not in MANAGING_KINDS:
+        await send_json(send, 501, {"error": f"model {echo(model)!r} is served by {need} "
+                                             f"engines, which do not {action} models: they read "
+                                             "model files the operator puts in place"})
         return
     if not targets:
         if node:

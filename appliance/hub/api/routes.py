@@ -52,9 +52,11 @@ from appliance.http.respond import send_api_error
 from appliance.hub.api import modelops, status
 from appliance.hub.api.requestid import request_id
 from appliance.hub.api.router import allowed, authenticate
-from appliance.hub.translate import OPENAI_ONLY, engine_kind, resolve
+from appliance.hub.decide import capable
+from appliance.hub.translate import OPENAI_ONLY, resolve
 
 if TYPE_CHECKING:
+    from appliance.hub.fleet.nodes import NodeHandle
     from appliance.hub.hub import Hub
 
 log = logging.getLogger("appliance.hub.api.routes")
@@ -247,12 +249,19 @@ async def _show(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
         await send_api_error(send, "ollama", e)
 
 
+def _capable(hub: Hub, model: str) -> list[NodeHandle]:
+    """Connected nodes that list `model` and whose engine can serve it (capable.py): a sim
+    that lists a llama.cpp model's name does not describe it."""
+    spec = hub.control.core.spec(model)
+    return [n for n in list(hub.registry.nodes.values())
+            if n.connected and n.state is not None and n.state.model(model) is not None
+            and capable.serves(spec, n)]
+
+
 async def _show_from_node(hub: Hub, model: str) -> bytes | None:
-    """A node with an Ollama-speaking engine that knows the model answers for it."""
-    for node in list(hub.registry.nodes.values()):
-        st = node.state
-        if not node.connected or st is None or st.model(
-            model) is None or engine_kind(st) in OPENAI_ONLY:
+    """A capable node with an Ollama-speaking engine that knows the model answers for it."""
+    for node in _capable(hub, model):
+        if node.kind() in OPENAI_ONLY:
             continue
         with trio.move_on_after(SHOW_READ_SECONDS):
             try:
@@ -273,8 +282,7 @@ async def _show_from_node(hub: Hub, model: str) -> bytes | None:
 
 def _show_synth(hub: Hub, model: str) -> dict[str, Any]:
     """What the hub knows of a model on an OpenAI-only engine (a GGUF's header for llama.cpp)."""
-    kinds = sorted({engine_kind(n.state) for n in hub.registry.nodes.values()
-                    if n.state is not None and n.state.model(model) is not None} - {""})
+    kinds = sorted({n.kind() for n in _capable(hub, model)} - {""})
     meta = status.model_meta(hub, model)
     family = (meta.family if meta is not None and meta.family else "") or (kinds[0] if kinds
                                                                            else "")

@@ -274,7 +274,7 @@ class Control:
                 # takes ours again (node/fence.py: within one lease).
                 h.fenced = str(e)[:300]
         else:
-            self.core.load_done(act.model, act.node, error, self.now())
+            self.core.load_done(act.model, act.node, error, self.now(), self._nodes())
         self._audit_events()
         self._wake_up()
 

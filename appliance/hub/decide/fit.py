@@ -4,9 +4,12 @@ Theory of operation: a pure function of the node handles and the loads in progre
 placement.py; it never changes anything. DESIGN 4: a replica goes to a routable node that
 lists the model (or any routable node when the catalog gives a Source to load from) with
 enough free memory -- the declared `MemoryMb`, else the node's size x 1.2 -- and loads in
-progress reserve theirs. Among nodes that fit, the most free wins. When none fits as it is,
-room may be made by unloading idle on-demand replicas, least recently used first, choosing
-the node that needs the fewest unloads; never an always-on replica, never one with work in
+progress reserve theirs. Only nodes whose engine can serve the model count (capable.py:
+`Models__N__Engine`, a `.gguf` source is llama.cpp's), and not the nodes where a start
+of it just failed (`avoid`: placement tries another capable node first). Among nodes
+that fit, the most free wins. When none fits as it is, room may be made by unloading idle
+on-demand replicas, least recently used first, choosing the node that needs the fewest
+unloads; never an always-on replica, never one with work in
 flight. When that fails too, the answer is a reason that names the numbers an operator needs
 ("needs 9800 MiB; the most free is 7900 MiB on gpu-a").
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+from appliance.hub.decide import capable
 
 # Headroom over a model's size when no MemoryMb is declared (DESIGN 4).
 SIZE_FACTOR = 1.2
@@ -62,15 +67,22 @@ def victims(h: Any, model: str, spec_of: Callable[[str], Any],
 
 def choose(spec: Any, nodes: list[Any], holding: set[str], pending: list[Any],
            spec_of: Callable[[str], Any],
-           last_used_of: Callable[[str], float | None]) -> tuple[Any, list[str]] | str:
-    """(node handle, models to unload from it first) for one more replica, or why none fits."""
+           last_used_of: Callable[[str], float | None],
+           avoid: set[str] | frozenset[str] = frozenset()) -> tuple[Any, list[str]] | str:
+    """(node handle, models to unload from it first) for one more replica, or why none fits.
+    `avoid`: nodes where a start of it failed in this round."""
     name = spec.name
     up = [h for h in nodes if h.routable()]
     if not up:
         known = ", ".join(f"{h.name} {h.status()}" for h in nodes) or "none known"
         return f"no node is up ({known})"
-    cands = [h for h in up if h.name not in holding and (spec.source
-                                                         or h.state.model(name) is not None)]
+    able = [h for h in up if capable.serves(spec, h)]
+    if not able:
+        return capable.why_none(spec, up)
+    cands = [h for h in able if h.name not in holding and h.name not in avoid
+             and (spec.source or h.state.model(name) is not None)]
+    if not cands and avoid and any(h.name in avoid for h in able):
+        return f"its start failed on {', '.join(sorted(avoid))} and no other node can take it"
     if not cands:
         if holding:
             return (f"needs {spec.replicas or 1} replicas; every node that can hold it has one "

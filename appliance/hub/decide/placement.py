@@ -14,6 +14,9 @@ The rules (DESIGN 4):
   replicas, the reason with its numbers). No node fits: the model is unplaceable; the
   warning is logged when the reason changes or every `Models__WarningIntervalSeconds`,
   never once per attempt.
+- Only nodes whose engine can serve the model count (capable.py). A start failure on one
+  node is tried next on another capable node that has not failed it in this round, at
+  once; only when every capable node failed does the round count as one failure:
 - A start failure (the node's answer, or none in time) counts; the next attempt waits a
   doubling backoff capped at `Models__RetryBackoffMaxSeconds`; `Models__ParkAfterFailures`
   in a row park the model: never placed again until its definition (Source, Profile or the
@@ -30,8 +33,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.config import Config, ModelDef
-from appliance.hub.decide import fit
+from appliance.config import Config
+from appliance.hub.decide import capable, fit
+from appliance.hub.decide.catalog import Health, Spec, catalog
 from appliance.wire import LoadRequest
 
 log = logging.getLogger("appliance.hub.decide.placement")
@@ -41,45 +45,6 @@ BACKOFF_START = 1.0
 # How long a load the node answered 200 counts as a replica before the node's own state
 # shows it: a few heartbeats (DESIGN 2 default 2 s).
 SETTLE_SECONDS = 10.0
-# IdleUnloadSeconds of a discovered model (ModelDef's default).
-DISCOVERED_IDLE = ModelDef().idle_unload_seconds
-
-
-@dataclass
-class Spec:
-    """A model's definition: from the catalog, or a discovered model's defaults."""
-
-    name: str
-    source: str = ""
-    profile: str = ""
-    args: str = ""
-    memory_mb: int | None = None
-    replicas: int = 0
-    idle_unload_seconds: float = DISCOVERED_IDLE
-    configured: bool = False
-
-    def definition(self) -> tuple[str, str, str]:
-        return (self.source, self.profile, self.args)
-
-
-@dataclass
-class Health:
-    """What the control plane remembers about one model."""
-
-    failures: int = 0
-    last_error: str = ""
-    parked: bool = False
-    unplaceable: str = ""
-    next_attempt: float = 0.0
-    asked: bool = False
-    last_used: float | None = None
-    # The last request's Ollama `keep_alive` in seconds (inf: until unloaded, 0: unload
-    # once idle); None: the catalog's IdleUnloadSeconds.
-    keep: float | None = None
-    asked_gen: int = 0
-    decided_gen: int = 0
-    warned_reason: str = ""
-    warned_at: float = -math.inf
 
 
 @dataclass
@@ -109,15 +74,6 @@ class Unload:
 
 
 Action = Load | Unload
-
-
-def catalog(cfg: Config) -> dict[str, Spec]:
-    out = {}
-    for d in cfg.models.items:
-        args = cfg.profiles[d.profile].args if d.profile in cfg.profiles else ""
-        out[d.name] = Spec(d.name, d.source, d.profile, args, d.memory_mb, d.replicas,
-                           d.idle_unload_seconds, configured=True)
-    return out
 
 
 class Models:
@@ -170,6 +126,7 @@ class Models:
             if old is not None and old.definition() != spec.definition():
                 was = h.parked
                 h.parked, h.failures, h.next_attempt, h.unplaceable = False, 0, 0.0, ""
+                h.tried.clear()
                 if was:
                     unparked.append(name)
                     self.events.append(("model_unparked", {"model": name,
@@ -230,8 +187,10 @@ class Models:
         """One replica of `name`: a Load (reserving its memory), or why it fits nowhere."""
         spec = self.spec(name)
         ready, loading = self.replicas(name, nodes)
+        hl = self.health.get(name)
         got = fit.choose(spec, nodes, set(ready) | set(loading), self.pending, self.spec,
-                         lambda m: self.health[m].last_used if m in self.health else None)
+                         lambda m: self.health[m].last_used if m in self.health else None,
+                         avoid=hl.tried if hl is not None else set())
         if isinstance(got, str):
             return got
         h, victims = got
@@ -346,21 +305,34 @@ class Models:
                 out.append(Unload(name, h.name, f"idle for {limit:g} s"))
         return out
 
-    def load_done(self, model: str, node: str, error: str | None, now: float) -> None:
-        """The node answered a load: None is success, else its words (a start failure)."""
+    def load_done(self, model: str, node: str, error: str | None, now: float,
+                  nodes: list[Any] | None = None) -> None:
+        """The node answered a load: None is success, else its words (a start failure).
+        `nodes`: the fleet now; a failure is tried on another capable node of it first."""
         p = next((p for p in self.pending if p.model == model and p.node == node), None)
         h = self._h(model)
         if error is None:
             if p is not None:
                 p.settle_until = now + SETTLE_SECONDS
             h.failures, h.last_error, h.next_attempt = 0, "", 0.0
+            h.tried.clear()
             self.events.append(("model_loaded", {"model": model, "node": node}))
             return
         if p is not None:
             self.pending.remove(p)
-        h.failures += 1
         h.last_error = error
+        h.tried.add(node)
         park = self.cfg.models.park_after_failures
+        others = self._untried(model, nodes or [])
+        if others:
+            log.warning("model %s: start failed on %s: %s; trying another node (%s)", model,
+                        node, error, ", ".join(others))
+            self.events.append(("model_start_failed", {
+                "model": model, "node": node, "error": error,
+                "consecutive_start_failures": h.failures, "next_nodes": others}))
+            return
+        h.tried.clear()
+        h.failures += 1
         fields = {"model": model, "node": node, "error": error,
                   "consecutive_start_failures": h.failures}
         if h.failures >= park:
@@ -376,6 +348,13 @@ class Models:
                     model, h.failures, park, node, error, delay)
         self.events.append(("model_start_failed", {**fields, "retry_in": delay}))
 
+    def _untried(self, model: str, nodes: list[Any]) -> list[str]:
+        """Capable nodes that are up and have not failed `model` in this round."""
+        spec, tried = self.spec(model), self._h(model).tried
+        return sorted(n.name for n in nodes
+                      if n.routable() and n.name not in tried and capable.serves(spec, n)
+                      and (spec.source or n.state.model(model) is not None))
+
     def load_lost(self, model: str, node: str, reason: str, now: float) -> None:
         """The node could not be reached: not the model's fault, so nothing is counted."""
         self.pending = [p for p in self.pending if not (p.model == model and p.node == node)]
@@ -390,6 +369,7 @@ class Models:
         h = self._h(name)
         was = h.parked
         h.parked, h.failures, h.next_attempt, h.unplaceable = False, 0, 0.0, ""
+        h.tried.clear()
         h.asked, h.last_used = True, now
         self.events.append(("model_retry", {"model": name, "was_parked": was}))
         return True

@@ -14,10 +14,12 @@ no one polls the registry except the activation waiter, on purpose.
 from __future__ import annotations
 
 import logging
+import typing
 from collections.abc import Callable
 
 import trio
 
+from appliance.config import EngineKind
 from appliance.hub.api.flag import Flag
 from appliance.wire import NodeState
 
@@ -25,6 +27,8 @@ log = logging.getLogger("appliance.hub.fleet.nodes")
 
 # A node is lost after this many heartbeats pass without a line (DESIGN 2).
 MISSED_HEARTBEATS = 3
+# The engine kinds a node may say it runs; anything else a peer sends reads as unknown.
+ENGINE_KINDS = frozenset(typing.get_args(EngineKind))
 
 
 class NodeHandle:
@@ -86,6 +90,18 @@ class NodeHandle:
         if st.over_limits:
             return "over_limits"
         return "up"
+
+    def kind(self) -> str:
+        """The node's engine kind: its Engine__Kind (an older node: its first install's),
+        "" while unknown or not one this hub knows (a peer's word, checked here)."""
+        st = self.state
+        if st is None:
+            return ""
+        if st.engine in ENGINE_KINDS:
+            return st.engine
+        if not st.engine and st.engines and st.engines[0].kind in ENGINE_KINDS:
+            return st.engines[0].kind
+        return ""
 
     def routable(self) -> bool:
         return self.status() == "up"
