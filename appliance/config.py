@@ -174,11 +174,22 @@ class EngineConfig(_Section):
     poll_seconds: PosFloat = 5.0
 
 
+SimCapability = Literal["completion", "tools", "vision", "embedding", "thinking"]
+# What a simulated model can do unless told (no vision: images to it are refused, as a text
+# model's are).
+SIM_CAPABILITIES: tuple[SimCapability, ...] = ("completion", "tools", "thinking", "embedding")
+
+
 class SimModel(_Section):
     name: str = ""
     size_mb: NonNegInt = 500
     load_seconds: NonNeg = 0.0
     fail_load: str = ""
+    # What /api/show says it can do; empty: SIM_CAPABILITIES.
+    capabilities: list[SimCapability] = []
+
+    def caps(self) -> list[str]:
+        return list(self.capabilities or SIM_CAPABILITIES)
 
 
 class SimConfig(_Section):
@@ -482,6 +493,8 @@ def load(environ: typing.Mapping[str, str] | None = None, env_file: str | None =
         var = _path_to_var(m.group(1)) if m else ""
         # An indexed section's list (`Models__0__X` is Models.Items[0].X) is named as set.
         var = re.sub(r"__Items(?=__\d)", "", var)
+        if var.lower() not in originals:  # an item of a comma-separated list: the list's name
+            var = re.sub(r"__\d+$", "", var)
         reason = msg[: m.start()] if m else msg
         shown = originals.get(var.lower(), var)
         value = merged.get(shown, "")

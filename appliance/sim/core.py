@@ -61,6 +61,7 @@ SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
 class Msg(msgspec.Struct):
     role: str = ""
     content: Any = ""
+    images: Any = None  # Ollama's base64 images of a message
 
 
 class Options(msgspec.Struct):
@@ -93,6 +94,13 @@ class Req(msgspec.Struct):
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # llama.cpp's, vLLM's: enable_thinking
     reasoning_effort: str | None = None
+    think: Any = None  # Ollama's: true, false, or "low" | "medium" | "high"
+    images: Any = None  # Ollama /api/generate's base64 images
+    response_format: Any = None  # OpenAI's: json_object, json_schema
+    format: Any = None  # Ollama's: "json" or a JSON schema
+    n: int | None = None
+    logprobs: Any = None  # chat: a bool (top_logprobs says how many); completions: an int
+    top_logprobs: int | None = None
 
 
 req_decoder = msgspec.json.Decoder(Req)
@@ -112,7 +120,9 @@ THINK_TOKENS = 4
 
 def wants_thinking(req: Req) -> bool:
     """A chat asking to think: `chat_template_kwargs.enable_thinking` true (llama.cpp,
-    vLLM) or a `reasoning_effort`."""
+    vLLM), a `reasoning_effort`, or Ollama's `think` (true or a level)."""
+    if req.think is not None and req.think is not False:
+        return True
     kw = req.chat_template_kwargs or {}
     return kw.get("enable_thinking") is True or (req.reasoning_effort is not None
                                                  and kw.get("enable_thinking") is not False)
@@ -288,15 +298,21 @@ def ollama_frame(model: str, chat: bool) -> Frame:
     if chat:
         f.prefix = start + b',"message":{"role":"assistant","content":'
         f.suffix = b'},"done":false}\n'
+        f.think_prefix = start + b',"message":{"role":"assistant","content":"","thinking":'
     else:
         f.prefix, f.suffix = start + b',"response":', b',"done":false}\n'
+        f.think_prefix = start + b',"response":"","thinking":'
 
     def whole(text: str, st: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"model": model, "created_at": created}
         if chat:
             out["message"] = {"role": "assistant", "content": text}
+            if st.get("thinking") and text:
+                out["message"]["thinking"] = st["thinking"]
         else:
             out["response"] = text
+            if st.get("thinking") and text:
+                out["thinking"] = st["thinking"]
         out.update(done=True, done_reason=st["finish"], total_duration=st["total_ns"],
                    load_duration=st["load_ns"], prompt_eval_count=st["prompt"],
                    prompt_eval_duration=0,

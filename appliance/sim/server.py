@@ -70,6 +70,7 @@ from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.server.serve import serve
+from appliance.sim import choices, shape
 from appliance.sim import tools as simtools
 from appliance.sim.cache import PrefixCaches
 from appliance.sim.core import (
@@ -192,7 +193,13 @@ class SimApp:
         t_load = trio.current_time()
         await self.state.ensure_loaded(m)  # ApiError from here is still a clean refusal
         load_ns = int((trio.current_time() - t_load) * 1e9)
-        toks, stop_word = cut_at_stop(tokens(seed, n), stops_of(req))
+        json_on, schema = shape.wanted_schema(req.response_format, req.format)
+        if json_on:  # structured output: JSON text (valid against the schema given), whole
+            words = "".join(t for t, _ in tokens(seed, 4))
+            toks, stop_word = shape.pieces(shape.json_text(schema, words)), None
+            n, finish = len(toks), "stop"
+        else:
+            toks, stop_word = cut_at_stop(tokens(seed, n), stops_of(req))
         if stop_word is not None:
             n, finish = len(toks), "stop"
         think = tokens(seed + b"/think", THINK_TOKENS) if (frame.think_prefix
@@ -246,6 +253,7 @@ class SimApp:
         req = await self._request(receive)
         m = self._model(req, "ollama")
         chat = path == "/api/chat"
+        choices.check(m.spec.caps(), m.spec.name, req)
         frame = ollama_frame(req.model or m.spec.name, chat)
         if not (req.messages if chat else req.prompt):
             # No prompt: Ollama's load (or, with keep_alive 0, unload) request.
@@ -318,7 +326,7 @@ class SimApp:
             "parameters": "", "template": "{{ .Prompt }}", "details": _DETAILS,
             "model_info": {"general.architecture": "sim", "general.parameter_count": 0,
                            "sim.context_length": MAX_TOKENS, "sim.embedding_length": EMBED_DIM},
-            "capabilities": ["completion", "embedding"], "modified_at": iso(self.state.started_at),
+            "capabilities": m.spec.caps(), "modified_at": iso(self.state.started_at),
             "x_simulated": True})
 
     async def ollama_pull(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
@@ -365,6 +373,10 @@ class SimApp:
         chat = path == "/v1/chat/completions"
         if chat and not req.messages:
             raise ApiError(400, "invalid_request", "'messages' is required and must not be empty")
+        choices.check(m.spec.caps(), m.spec.name, req)
+        if choices.wants_choices(req, chat):
+            await choices.answer(self.state, receive, send, m, req, chat)
+            return
         usage = req.stream_options is not None and req.stream_options.include_usage
         call = None
         if chat and req.messages:
