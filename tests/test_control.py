@@ -30,6 +30,7 @@ class FakeOps:
         self.controls: list[tuple[str, str]] = []
         self.asserted: list[str] = []
         self.forged: dict[str, int] = {}
+        self.unload_seconds = 0.0
 
     async def load(self, h, model, req, read_seconds):
         self.loads.append((h.name, model, trio.current_time()))
@@ -43,6 +44,7 @@ class FakeOps:
 
     async def unload(self, h, model):
         self.unloads.append((h.name, model))
+        await trio.sleep(self.unload_seconds)
         set_state(h, model, "available")
         self.registry.changed()
         return None
@@ -334,3 +336,38 @@ async def test_every_turn_of_the_loop_beats_for_the_watchdog(nursery, autojump_c
     assert len(beats) >= 11
     assert max(b - a for a, b in zip(beats, beats[1:], strict=False)) <= 1.0
     assert beats[0] == start
+
+
+async def test_a_request_right_after_keep_alive_0_waits_for_the_reload(nursery, autojump_clock):
+    """keep_alive 0 then the next request (issue 20): the replica being unloaded is not
+    routed to, and its reload waits for the unload -- never a 503 "not loaded"."""
+    control, registry, ops, _, _ = make([{"Name": "m"}], {"a": (8000, {"m": 500})})
+    ops.unload_seconds = 2.0
+    await nursery.start(control.run)
+    await control.make_servable("m")
+    [h] = registry.nodes.values()
+    assert h.ready("m") and len(ops.loads) == 1
+    control.touch("m", 0)  # the first request's keep_alive 0, at its end
+    await trio.sleep(0.5)  # the unload is in flight: the node still says ready
+    assert ops.unloads == [("a", "m")] and h.state.model("m").state == "ready"
+    assert not h.ready("m") and registry.ready_nodes("m") == []
+    start = trio.current_time()
+    await control.make_servable("m")  # the second request: reloaded, then served
+    assert [(n, m) for n, m, _ in ops.loads] == [("a", "m"), ("a", "m")]
+    assert ops.loads[1][2] >= start + 1.5  # the load went out once the unload was done
+    assert h.ready("m") and h.unloading == set()
+
+
+async def test_a_refused_unload_leaves_the_replica_routable(nursery, autojump_clock):
+    control, registry, ops, _, _ = make([{"Name": "m"}], {"a": (8000, {"m": 500})})
+    await nursery.start(control.run)
+    await control.make_servable("m")
+
+    async def refuse(h, model):
+        return "busy"
+
+    ops.unload = refuse
+    control.touch("m", 0)
+    await trio.sleep(0.5)
+    [h] = registry.nodes.values()
+    assert h.ready("m") and h.unloading == set()

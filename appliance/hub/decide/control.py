@@ -166,7 +166,9 @@ class Control:
         # control loop that hangs gets the service restarted.
         self.beat: Callable[[], None] = lambda: None
         self._decided = trio.Event()
-        self._unloading: set[tuple[str, str]] = set()
+        # Idle unloads in flight, (node, model) -> set when done: a load of the same model
+        # on the same node waits for it (keep_alive 0, then a request: unload, then load).
+        self._unloading: dict[tuple[str, str], trio.Event] = {}
         self._last_now = 0.0
         # appliance.hub.cluster.member.Member when Cluster__Etcd is set (it sets itself)
         self.cluster: Cluster | None = None
@@ -233,7 +235,9 @@ class Control:
             if isinstance(act, Load):
                 self._nursery.start_soon(self._load, act)
             elif isinstance(act, Unload) and (act.node, act.model) not in self._unloading:
-                self._unloading.add((act.node, act.model))
+                self._unloading[(act.node, act.model)] = trio.Event()
+                if (h := self.registry.nodes.get(act.node)) is not None:
+                    h.unloading.add(act.model)  # from the decision on, no request goes there
                 self._nursery.start_soon(self._idle_unload, act)
 
     def _audit_events(self) -> None:
@@ -248,6 +252,10 @@ class Control:
         try:
             if h is None:
                 raise httpx.ConnectError(f"node {act.node} is gone")
+            going = self._unloading.get((act.node, act.model))
+            if going is not None:  # bounded: the unload's own bound
+                with trio.move_on_after(CONNECT_SECONDS + UNLOAD_SECONDS):
+                    await going.wait()
             for victim in act.victims:
                 if h.in_flight.get(victim, 0):
                     raise httpx.ConnectError(
@@ -257,11 +265,15 @@ class Control:
                 if self.audit is not None:
                     self.audit.event("model_unload", model=victim, node=act.node,
                                      why=f"room for {act.model}")
-                await self.ops.unload(h, victim)
+                h.unloading.add(victim)
+                if await self.ops.unload(h, victim):
+                    h.unloading.discard(victim)  # refused: it is still there
             with trio.move_on_after(bound) as scope:
                 error = await self.ops.load(h, act.model, act.request, bound)
             if scope.cancelled_caught:
                 error = f"node {act.node} did not answer the load within {bound:g} s"
+            if error is None:
+                h.unloading.discard(act.model)  # loaded again: ready as the node says
         except httpx.TransportError as e:
             self.core.load_lost(act.model, act.node, f"{type(e).__name__}: {e}", self.now())
         except StaleLeader as e:
@@ -280,18 +292,25 @@ class Control:
 
     async def _idle_unload(self, act: Unload) -> None:
         h = self.registry.nodes.get(act.node)
+        done = False
         try:
             if h is not None:
                 log.info("unloading %s from %s: %s", act.model, act.node, act.why)
                 if self.audit is not None:
                     self.audit.event("model_unload", model=act.model, node=act.node, why=act.why)
+                h.unloading.add(act.model)  # no new request goes there meanwhile
                 err = await self.ops.unload(h, act.model)
                 if err:
                     log.warning("unload of %s on %s refused: %s", act.model, act.node, err)
+                done = not err
         except (httpx.TransportError, StaleLeader) as e:
             log.warning("unload of %s on %s not done: %s", act.model, act.node, e)
         finally:
-            self._unloading.discard((act.node, act.model))
+            if h is not None and not done:
+                h.unloading.discard(act.model)  # still there: routable as before
+            ev = self._unloading.pop((act.node, act.model), None)
+            if ev is not None:
+                ev.set()
 
     # --- what the router calls ---------------------------------------------------------
 

@@ -39,11 +39,16 @@ def free_on(h: Any, pending: list[Any]) -> int | None:
     free: int | None = h.memory_free_mb()
     if free is None:
         return None
+    going: set[str] = getattr(h, "unloading", set())
+    for name in going:  # being unloaded: its memory is as good as free
+        m = h.state.model(name)
+        if m is not None and m.state in ("ready", "loading"):
+            free += m.size_mb
     for p in pending:
         if p.node == h.name:
             m = h.state.model(p.model)
-            if m is None or m.state not in ("ready", "loading"):  # the node counts those itself
-                free -= p.need
+            if m is None or m.state not in ("ready", "loading") or p.model in going:
+                free -= p.need  # (the node counts the ones it shows itself)
     return free
 
 

@@ -300,7 +300,7 @@ class Models:
             return []
         out: list[Action] = []
         for h in nodes:
-            if (h.routable() and (m := h.state.model(name)) is not None and m.state == "ready"
+            if (h.ready(name) and (m := h.state.model(name)) is not None
                     and not m.in_flight and not h.in_flight.get(name, 0)):
                 out.append(Unload(name, h.name, f"idle for {limit:g} s"))
         return out

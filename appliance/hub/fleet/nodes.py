@@ -63,6 +63,10 @@ class NodeHandle:
         # this leader's epoch, the node's words ("" when it takes it).
         self.epoch = 0
         self.fenced = ""
+        # Models the hub is unloading (or has unloaded) here whose unload the node's state
+        # does not show yet: not ready for routing, so a request right after an unload
+        # (keep_alive 0) waits for a fresh load instead of meeting "not loaded" (503).
+        self.unloading: set[str] = set()
 
     @property
     def auth(self) -> dict[str, str]:
@@ -110,7 +114,7 @@ class NodeHandle:
         if not self.routable():
             return False
         m = self.state.model(model) if self.state is not None else None
-        return m is not None and m.state == "ready"
+        return m is not None and m.state == "ready" and model not in self.unloading
 
     def places_left(self, model: str) -> int | None:
         """What is left of max_concurrency and of the model's slots, the lesser; None:
@@ -230,6 +234,10 @@ class Registry:
         if self.shared:
             count_other_hubs(h, state)
         h.state = state
+        for name in list(h.unloading):  # the node shows the unload: its own word again
+            m = state.model(name)
+            if m is None or m.state != "ready":
+                h.unloading.discard(name)
         if not h.connected:
             h.lost = Flag()
         h.connected = True
