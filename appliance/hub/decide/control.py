@@ -266,8 +266,12 @@ class Control:
                     self.audit.event("model_unload", model=victim, node=act.node,
                                      why=f"room for {act.model}")
                 h.unloading.add(victim)
-                if await self.ops.unload(h, victim):
-                    h.unloading.discard(victim)  # refused: it is still there
+                refused: str | None = "not answered"
+                try:
+                    refused = await self.ops.unload(h, victim)
+                finally:
+                    if refused:
+                        h.unloading.discard(victim)  # still there: routable as before
             with trio.move_on_after(bound) as scope:
                 error = await self.ops.load(h, act.model, act.request, bound)
             if scope.cancelled_caught:
