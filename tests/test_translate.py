@@ -16,7 +16,8 @@ from appliance.hub.translate import (
     resolve,
     responses,
 )
-from appliance.hub.translate.common import ErrorConverter, SSEReader
+from appliance.hub.translate.common import SSEReader
+from appliance.hub.translate.errors import ErrorConverter
 from appliance.wire import EngineInstall, NodeState
 
 PNG = "iVBORw0KGgo="

@@ -33,8 +33,11 @@ from appliance.node.state import NodeStateKeeper
 
 log = logging.getLogger("appliance.node.app")
 
-# Request headers the engine needs; everything else (our bearer above all) stays here.
-FORWARD_REQUEST = (b"content-type", b"accept", b"accept-encoding", b"x-request-id", b"user-agent")
+# Request headers the engine needs; everything else (our bearer above all) stays here. The
+# body's type is the node's own: a JSON object it decoded (llama-cpp-python's FastAPI
+# answers a body without `application/json` with an error).
+FORWARD_REQUEST = (b"accept", b"accept-encoding", b"x-request-id", b"user-agent")
+JSON_BODY = (b"content-type", b"application/json")
 # Response headers the client needs to read the bytes as the engine meant them.
 FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry-after")
 
@@ -155,7 +158,7 @@ class EngineProxy:
         raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         url = upstream + raw + (("?" + scope["query_string"].decode("latin-1"))
                                 if scope.get("query_string") else "")
-        headers = [(k, v) for k, v in scope["headers"] if k in FORWARD_REQUEST]
+        headers = [JSON_BODY, *((k, v) for k, v in scope["headers"] if k in FORWARD_REQUEST)]
         started = False
         resp = None
         try:

@@ -33,6 +33,7 @@ from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
 from appliance.hub.api.flag import Flag
 from appliance.hub.decide.affinity import usage_of
+from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
 
 if TYPE_CHECKING:
     from appliance.hub.api.request import Request
@@ -118,8 +119,8 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             # The node (paused, full) or its engine (still loading) refused: try another.
             why = b""
             with cut.reading():
-                why = (await resp.read())[:200]
-            return False, f"answered 503 ({why.decode(errors='replace')})"
+                why = (await resp.read())[:ERROR_BODY_LIMIT]
+            return False, f"answered 503 ({engine_message(503, why)})"
         first = resp.whole() if conv is None else None  # a short answer: no read to wait on
         if first is None:
             with cut.reading():

@@ -25,8 +25,11 @@ from appliance.hub.decide.limits import Lease, Usage
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
 
-# Headers a client sends that the node should see too; the rest (keys) stay here.
-FORWARD_HEADERS = (b"content-type", b"accept", b"user-agent")
+# Headers a client sends that the node should see too; the rest (keys) stay here. Not its
+# content-type: the body the hub sends is JSON it checked (or built), whatever the client
+# said (litellm's ollama provider and `curl -d` say nothing, or form-urlencoded).
+FORWARD_HEADERS = (b"accept", b"user-agent")
+JSON_BODY = (b"content-type", b"application/json")
 
 
 class Recorder:
@@ -146,9 +149,9 @@ class Request:
         return [(b"x-request-id", self.request_id.encode())] if self.request_id else []
 
     def forward_headers(self) -> Headers:
-        """The client's headers the node sees, and the request id."""
+        """The client's headers the node sees, the body's type, and the request id."""
         kept = [(k, v) for k, v in self.headers if k in FORWARD_HEADERS]
-        return kept + self.id_headers()
+        return [JSON_BODY, *kept, *self.id_headers()]
 
     async def send_start(self, status: int, headers: Headers) -> None:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})

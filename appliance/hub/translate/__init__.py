@@ -26,7 +26,6 @@ from typing import Any, Protocol
 from appliance.http.errors import ApiError
 from appliance.hub.translate import anthropic, ollama, responses
 from appliance.hub.translate.common import (
-    ErrorConverter,
     bad,
     check_openai_chat,
     check_openai_completion,
@@ -34,6 +33,7 @@ from appliance.hub.translate.common import (
     decode_object,
     enc,
 )
+from appliance.hub.translate.errors import ErrorConverter
 from appliance.wire import NodeState
 
 # Engine kinds that speak only OpenAI's API (DESIGN 6); the others speak Ollama's too.
@@ -53,7 +53,9 @@ class Converter(Protocol):
 
 
 class Plan:
-    """What to send to one node and how to read its answer; `convert` None: pass through."""
+    """What to send to one node and how to read its answer; `convert` None: pass through.
+    An answer of status 400 or more is never passed through: it becomes the hub's own error
+    in the client's shape (translate/errors.py), whatever the engine wrote."""
 
     __slots__ = ("path", "body", "convert", "api")
 
@@ -65,6 +67,8 @@ class Plan:
         self.convert = convert
 
     def converter(self, status: int) -> Converter | None:
+        if status >= 400:
+            return ErrorConverter(self.api, status)
         if self.convert is None:
             return None
         if status != 200:

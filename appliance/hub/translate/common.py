@@ -5,8 +5,7 @@ values) into an OpenAI chat-completions body, and the engine's answer back, chun
 chunk. The checks here raise `ApiError(400, "invalid_request", ..., param=...)` so a bad
 field is the client's 400 in its own API's shape, never the engine's 500. `SSEReader`
 cuts an engine's `text/event-stream` into `data:` payloads whatever the chunking;
-`ErrorConverter` buffers an engine's refusal (any status but 200) and renders its message
-in the client's shape. Nothing here does I/O.
+an engine's refusal is translate/errors.py's. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -15,11 +14,9 @@ from typing import Any
 
 import msgspec
 
-from appliance.http.errors import ApiError, error_body
+from appliance.http.errors import ApiError
 
 enc = msgspec.json.Encoder()
-# An engine's error body worth quoting is short; more is cut (and never buffered past it).
-ERROR_BODY_LIMIT = 64 * 1024
 # A single SSE line from an engine: a chunk of a few tokens is < 1 KiB; 1 MiB is absurd.
 SSE_LINE_LIMIT = 1024 * 1024
 
@@ -166,44 +163,6 @@ class SSEReader:
             self._buf = self._buf[i + 1:]
             if line.startswith(b"data:"):
                 out.append(line[5:].strip())
-
-
-def engine_message(status: int, body: bytes) -> str:
-    """The human words in an engine's error body, whatever its shape."""
-    try:
-        obj = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        text = body[:500].decode(errors="replace").strip()
-        return text or f"engine answered {status}"
-    if isinstance(obj, dict):
-        err = obj.get("error", obj.get("detail", obj.get("message")))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        if err:
-            return str(err)
-    return f"engine answered {status}"
-
-
-class ErrorConverter:
-    """An engine's non-200 answer, rendered in the client's API shape."""
-
-    content_type = b"application/json"
-
-    def __init__(self, api: str, status: int) -> None:
-        self.api = api
-        self.status = status
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        if len(self._buf) < ERROR_BODY_LIMIT:
-            self._buf += chunk[:ERROR_BODY_LIMIT - len(self._buf)]
-        return b""
-
-    def end(self) -> bytes:
-        code = "engine_error" if self.status >= 500 else "invalid_request"
-        if self.status == 404:
-            code = "model_not_found"
-        return error_body(self.api, self.status, code, engine_message(self.status, self._buf))
 
 
 def usage_of(obj: dict[str, Any]) -> tuple[int, int]:
