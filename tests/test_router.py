@@ -93,9 +93,10 @@ async def test_failed_node_before_first_byte_is_retried_on_another():
             r = await c.post(url + "/v1/chat/completions", json={"model": "m", "stream": True})
         assert r.status_code == 200
         assert "good-0" in r.text and r.text.endswith("data: [DONE]\n\n")
-        # The node got the client's bytes as they were, plus the node token header, not the client's
-        # key.
-        assert json.loads(good.requests[0]["body"]) == {"model": "m", "stream": True}
+        # The node got the client's body with the stream's usage asked for, plus the node token
+        # header, not the client's key.
+        assert json.loads(good.requests[0]["body"]) == {"model": "m", "stream": True,
+                                                        "stream_options": {"include_usage": True}}
         with trio.fail_after(5):
             while hub.registry.nodes["good"].in_flight_total:
                 await hub.registry.wait_changed()

@@ -18,6 +18,7 @@ from appliance.hub.translate import (
 )
 from appliance.hub.translate.common import SSEReader
 from appliance.hub.translate.errors import ErrorConverter
+from appliance.hub.translate.usage import NDJSONMeter
 from appliance.wire import EngineInstall, NodeState
 
 PNG = "iVBORw0KGgo="
@@ -72,7 +73,9 @@ def test_ollama_chat_request_maps_options_format_images_and_tools():
                                                        "arguments": {"city": "Paris"}}}]},
                          {"role": "tool", "content": "sunny", "tool_name": "weather"}]}
     req, stream = ollama.chat_request(body, "m:latest")
-    assert stream is False and "stream_options" not in req
+    # The engine streams whatever the client asked (the first token splits the durations).
+    assert stream is False and req["stream"] is True
+    assert req["stream_options"] == {"include_usage": True}
     assert req["model"] == "m:latest"
     assert (req["temperature"], req["top_k"], req["max_tokens"], req["stop"],
             req["seed"]) == (0.2, 5, 9, ["\n"], 4)
@@ -122,8 +125,8 @@ def test_ollama_chat_stream_becomes_ndjson_with_a_final_done_line_whatever_the_c
         last = lines[-1]
         assert last["done_reason"] == "length"
         assert (last["prompt_eval_count"], last["eval_count"]) == (7, 3)
-        assert last["total_duration"] > 0 and last[
-            "total_duration"] == last["prompt_eval_duration"] + last["eval_duration"]
+        assert last["total_duration"] > 0 and last["total_duration"] == last[
+            "load_duration"] + last["prompt_eval_duration"] + last["eval_duration"]
 
 
 def test_ollama_stream_gathers_tool_call_pieces_into_one_call():
@@ -170,7 +173,8 @@ def test_prepare_passes_native_bytes_through_and_translates_for_openai_engines()
     prep = prepare("/api/chat", "ollama", body, "m", "m")
     for kind in ("ollama", "sim", ""):
         p = prep.for_engine(kind)
-        assert (p.path, p.body, p.converter(200)) == ("/api/chat", body, None)
+        assert (p.path, p.body) == ("/api/chat", body)
+        assert isinstance(p.converter(200, "application/x-ndjson"), NDJSONMeter)
     for kind in ("llamacpp", "openai"):
         p = prep.for_engine(kind)
         assert p.path == "/v1/chat/completions" and json.loads(

@@ -33,7 +33,9 @@ from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
 from appliance.hub.api.flag import Flag
 from appliance.hub.decide.affinity import usage_of
+from appliance.hub.translate.common import Start
 from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
+from appliance.hub.translate.usage import Meter, SSEMeter
 
 if TYPE_CHECKING:
     from appliance.hub.api.request import Request
@@ -102,6 +104,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
                  read_seconds: float, cut: Cut) -> tuple[bool, str]:
     resp = None
     headers: Headers = [*req.forward_headers(), *node.auth_raw]  # a per-node token wins
+    start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # the clock of Ollama's durations
     with cut.reading():
         try:
             resp = await upstream.request("POST", node.url + plan.path, headers, plan.body,
@@ -110,10 +113,12 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             return False, str(e)
     if resp is None:
         return cut_before_answer(cut)
-    conv = plan.converter(resp.status_code)
-    # Passed through: the node's payload as it is; translated: through the converter,
-    # which parses every event. Both read by relay_body's one loop.
-    body: Response | translate.Converted = resp if conv is None else translate.Converted(resp, conv)
+    conv = plan.converter(resp.status_code, resp.headers.get("content-type", ""), start)
+    # Passed through: the node's payload through a meter (its bytes as they are, bar a usage
+    # chunk the client did not ask for); translated: through the converter. Either parses
+    # every event for the usage. Both read by relay_body's one loop.
+    metered = isinstance(conv, Meter)
+    body = translate.Converted(resp, conv)
     try:
         if resp.status_code == 503:
             # The node (paused, full) or its engine (still loading) refused: try another.
@@ -121,7 +126,8 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             with cut.reading():
                 why = (await resp.read())[:ERROR_BODY_LIMIT]
             return False, f"answered 503 ({engine_message(503, why)})"
-        first = resp.whole() if conv is None else None  # a short answer: no read to wait on
+        whole = resp.whole()  # a short answer: no read to wait on
+        first = body.take_whole(whole) if whole is not None else None
         if first is None:
             with cut.reading():
                 try:
@@ -134,23 +140,27 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         req.node = node.name
         req.status = resp.status_code
         req.ttfb = time.perf_counter() - req.t0
-
-        if conv is None:
+        if metered:
             ctype = resp.headers.get("content-type", "application/json")
-            clen = resp.headers.get("content-length")
+            # The node's length holds while the meter passes every byte on.
+            clen = None if isinstance(conv, SSEMeter) and conv.drop else resp.headers.get(
+                "content-length")
         else:
             ctype = conv.content_type.decode()
-            clen = str(len(first)) if isinstance(body, translate.Converted) and body.ended else None
+            clen = None
+        if body.ended:
+            clen = str(len(first))
         start_headers = [(b"content-type", ctype.encode()), *req.id_headers()]
         if clen is not None and clen.isdigit() and int(clen) == len(first):
             # A whole answer in the first read (every short, non-streamed one): one
             # body message with its length, no chunked framing, fewer writes.
             start_headers.append((b"content-length", clen.encode()))
-            if req.route is not None and conv is None:
+            if req.route is not None and metered:
                 seen = usage_of(first)  # what the engine says of its prompt cache
                 if seen is not None:
                     req.route.prompt_tokens, req.route.cached_tokens = seen
             await req.send_start(resp.status_code, start_headers)
+            req.usage = conv.usage()
             await req.send_last(first)
             return True, ""
         await req.send_start(resp.status_code, start_headers)
@@ -159,6 +169,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             await req.send({"type": "http.response.body", "body": first, "more_body": True})
             tail = first[-2:]
         relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
+        req.usage = conv.usage()  # cut short: what was counted so far
         if relayed.ended:
             await req.send_last(b"")
             return True, ""

@@ -19,11 +19,12 @@ from appliance.http.asgi import Scope, Send
 from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.api.flag import Flag
 from appliance.hub.api.requestid import request_id
+from appliance.hub.decide import limits
 from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.affinity import Route
-from appliance.hub.decide.limits import Lease, Usage
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
+from appliance.hub.translate.usage import Usage
 
 # Headers a client sends that the node should see too; the rest (keys) stay here. Not its
 # content-type: the body the hub sends is JSON it checked (or built), whatever the client
@@ -110,11 +111,12 @@ class Request:
         self.ttfb: float | None = None
         self.error = ""
         self.done = False
-        # tokens: what the engine said it used, (input, output) -- None: it said nothing;
-        # the key's reservation (limits.py), settled from it at `finish`; what was counted.
-        self.usage: tuple[int, int] | None = None
-        self.lease: Lease | None = None
-        self.tokens: Usage | None = None
+        # tokens: the answer's usage as the relay read it (translate/usage.py: the engine's
+        # counts, else the hub's, `estimated`) -- None: no answer was relayed; the key's
+        # reservation (limits.py), settled from it at `finish`; what was counted.
+        self.usage: Usage | None = None
+        self.lease: limits.Lease | None = None
+        self.tokens: limits.Usage | None = None
         self.demand: Demand | None = None  # fair queueing's charge (admission.py)
         # Set when essential work takes this background request's place before its first
         # byte (Priority__Preempt): the relay's cut ends it with 503 `preempted`.
@@ -131,7 +133,11 @@ class Request:
         if self.lease is not None:
             served = bool(self.node) and self.status < 400
             # Never answered by an engine (refused, queued out, failed): nothing was used.
-            self.tokens = self.lease.settle(self.usage if served else (0, 0))
+            # Counts the hub made itself (the engine gave none) are reported, not settled.
+            u = self.usage
+            said = (u.input, u.output) if u is not None and not u.estimated else None
+            counted = (u.input, u.output) if u is not None and u.estimated else None
+            self.tokens = self.lease.settle(said if served else (0, 0), counted)
         self._recorder.record(self)
 
     # --- preemption (admission.py's Preemptible) ----------------------------------------

@@ -203,15 +203,22 @@ class Lease:
         self.minute_bin, self.day_bin = minute_bin, day_bin
         self.done = False
 
-    def settle(self, used: tuple[int, int] | None) -> Usage:
+    def settle(self, used: tuple[int, int] | None,
+               counted: tuple[int, int] | None = None) -> Usage:
         """The request ended having used `used` = (input, output) tokens as the engine
-        says (None: it said nothing). Returns what was counted."""
+        says (None: it said nothing; then `counted` is what the hub counted itself, if
+        anything). Returns what was counted."""
         if self.done:
             return Usage(0, 0, True)
         self.done = True
         t = self.tenant
         t.in_flight -= 1
-        if used is None:
+        if used is None and counted is not None:
+            # The window keeps the whole reservation; what is reported (metrics, audit) is
+            # the hub's count (generated chunks, the prompt's text / 4), marked estimated.
+            out = max(0, counted[1]) if self.cap is None else min(max(0, counted[1]), self.cap)
+            u = Usage(min(max(0, counted[0]), self.input_bound), out, True)
+        elif used is None:
             # The window keeps the whole reservation; what is reported (metrics, audit) is
             # the input's estimate, marked estimated: an output nobody counted is not made up.
             u = Usage(input_estimate(self.input_bound), 0, True)

@@ -7,15 +7,20 @@ node tried, `prepared.for_engine(kind)` answers a `Plan`: the path and body to s
 when the answer needs translating, a converter (`feed(chunk) -> bytes`, `end() -> bytes`,
 `content_type`) -- sync and pure, so tests call them with bytes.
 
-Who speaks what (the README's route table is this function):
-- OpenAI chat/completions/embeddings: every engine natively; bytes pass untouched.
+Who speaks what (docs/api.md's route table is this function):
+- OpenAI chat/completions/embeddings: every engine natively; bytes pass through, read by a
+  meter for their token counts (translate/usage.py). A streamed chat or completion asks
+  the engine for its usage (`stream_options.include_usage`); the meter drops that chunk
+  again when the client did not ask for it.
 - Ollama /api/*: `ollama` and `sim` natively; `llamacpp` and `openai` engines get the
   chat-completions / embeddings translation (translate/ollama.py).
 - Anthropic /v1/messages and OpenAI /v1/responses: always onto chat completions, the one
   API every engine kind here speaks (translate/anthropic.py, translate/responses.py);
   /v1/messages/count_tokens as a one-token chat whose usage the engine counts.
-A name resolved by the hub (`llama3.2` -> `llama3.2:latest`) is written into a forwarded
-body; otherwise a forwarded body is the client's own bytes.
+A name resolved by the hub (`llama3.2` -> `llama3.2:latest`) or the usage asked for is
+written into a forwarded body; otherwise a forwarded body is the client's own bytes. Every
+answer's converter ends with the answer's `Usage` (the engine's counts, else the hub's,
+marked estimated), which the relay puts on the request.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Protocol
 from appliance.http.errors import ApiError
 from appliance.hub.translate import anthropic, ollama, responses
 from appliance.hub.translate.common import (
+    Start,
     bad,
     check_openai_chat,
     check_openai_completion,
@@ -34,6 +40,7 @@ from appliance.hub.translate.common import (
     enc,
 )
 from appliance.hub.translate.errors import ErrorConverter
+from appliance.hub.translate.usage import Usage, meter, prompt_estimate
 from appliance.wire import NodeState
 
 # Engine kinds that speak only OpenAI's API (DESIGN 6); the others speak Ollama's too.
@@ -51,39 +58,49 @@ class Converter(Protocol):
 
     def end(self) -> bytes: ...
 
+    def usage(self) -> Usage | None: ...
+
+
+Make = Callable[[Start], Converter]
+
 
 class Plan:
     """What to send to one node and how to read its answer; `convert` None: pass through.
     An answer of status 400 or more is never passed through: it becomes the hub's own error
     in the client's shape (translate/errors.py), whatever the engine wrote."""
 
-    __slots__ = ("path", "body", "convert", "api")
+    __slots__ = ("path", "body", "convert", "api", "prompt", "drop_usage")
 
-    def __init__(self, path: str, body: bytes, api: str,
-                 convert: Callable[[], Converter] | None = None) -> None:
+    def __init__(self, path: str, body: bytes, api: str, convert: Make | None = None,
+                 prompt: int = 0, drop_usage: bool = False) -> None:
         self.path = path
         self.body = body
         self.api = api
         self.convert = convert
+        self.prompt = prompt  # the prompt's estimate in tokens (translate/usage.py)
+        self.drop_usage = drop_usage  # the hub asked for the stream's usage, the client not
 
-    def converter(self, status: int) -> Converter | None:
-        if status >= 400:
+    def converter(self, status: int, content_type: str = "",
+                  start: Start | None = None) -> Converter:
+        """How to read an answer of `status` and `content_type`: an error converter, the
+        translation, or (passed through) a meter."""
+        if status >= 400 or (self.convert is not None and status != 200):
             return ErrorConverter(self.api, status)
         if self.convert is None:
-            return None
-        if status != 200:
-            return ErrorConverter(self.api, status)
-        return self.convert()
+            return meter(self.api, content_type, self.prompt, self.drop_usage)
+        return self.convert(start or Start(0, 0))
 
 
 class Prepared:
     __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only",
-                 "need")
+                 "need", "prompt", "drop_usage")
 
     def __init__(self, path: str, api: str, body: bytes, translated: tuple[str,
                                                                            bytes] | None = None,
-                 make: Callable[[], Converter] | None = None, always: bool = False,
-                 refused: ApiError | None = None) -> None:
+                 make: Make | None = None, always: bool = False,
+                 refused: ApiError | None = None, prompt: int = 0) -> None:
+        self.prompt = prompt  # the prompt's estimate in tokens, for an engine that counts none
+        self.drop_usage = False  # include_usage was added by the hub
         self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
         self.load_only = False  # Ollama's load/unload request: no prompt, no messages
         self.need = 0  # the fewest context tokens a translated Ollama request takes
@@ -100,11 +117,12 @@ class Prepared:
         if self.refused is not None and (self.always or kind in OPENAI_ONLY):
             raise self.refused
         if self.translated is None or not (self.always or kind in OPENAI_ONLY):
-            return Plan(self.path, self.body, self.api)
+            return Plan(self.path, self.body, self.api, prompt=self.prompt,
+                        drop_usage=self.drop_usage)
         if context and self.need > context:
             raise ollama.too_long(self.need, context)
         path, body = self.translated
-        return Plan(path, body, self.api, self.make)
+        return Plan(path, body, self.api, self.make, self.prompt)
 
 
 def _openai_check(check: Callable[[dict[str, Any]], None],
@@ -131,6 +149,23 @@ def _with_model(body: bytes, obj: dict[str, Any], given: str, model: str) -> byt
     return enc.encode({**obj, "model": model})
 
 
+# The OpenAI routes whose streams carry a usage chunk when asked (`stream_options`).
+_USAGE_STREAMS = frozenset({CHAT, "/v1/completions"})
+
+
+def _asks_usage(obj: dict[str, Any]) -> bool:
+    so = obj.get("stream_options")
+    return isinstance(so, dict) and so.get("include_usage") is True
+
+
+def _with_usage(obj: dict[str, Any], model: str) -> bytes:
+    """The body with the stream's usage asked for (the client's other stream options kept)."""
+    so = obj.get("stream_options")
+    return enc.encode({**obj, "model": model,
+                       "stream_options": {**(so if isinstance(so, dict) else {}),
+                                          "include_usage": True}})
+
+
 def prepare(path: str, api: str, body: bytes, given: str, model: str,
             obj: dict[str, Any] | None = None) -> Prepared:
     """Check and translate once; `given` is the body's model name, `model` the resolved one;
@@ -139,19 +174,25 @@ def prepare(path: str, api: str, body: bytes, given: str, model: str,
         obj = decode_object(body)
     fwd = _with_model(body, obj, given, model)
     if path in _OPENAI_CHECKS:
-        return Prepared(path, api, fwd, refused=_OPENAI_CHECKS[path](obj))
+        refused = _OPENAI_CHECKS[path](obj)
+        ask = path in _USAGE_STREAMS and obj.get("stream") is True and not _asks_usage(obj)
+        prep = Prepared(path, api, _with_usage(obj, model) if ask else fwd, refused=refused,
+                        prompt=prompt_estimate(obj))
+        prep.drop_usage = ask
+        return prep
     try:
         return _translated(path, api, obj, fwd, given, model)
     except ApiError as e:
         if path.startswith("/api/"):
             # An engine that speaks Ollama natively judges the body itself (a bare
             # `/api/embed` may be its own business); only a translation needs it whole.
-            return Prepared(path, api, fwd, refused=e)
+            return Prepared(path, api, fwd, refused=e, prompt=prompt_estimate(obj))
         raise
 
 
 def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str,
                 model: str) -> Prepared:
+    prompt = prompt_estimate(obj)
     if path in ("/api/chat", "/api/generate"):
         chat = path == "/api/chat"
         load_only = not (obj.get("messages") if chat else obj.get("prompt"))
@@ -163,7 +204,9 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
         else:
             req, stream = (ollama.chat_request if chat else ollama.generate_request)(obj, model)
         prep = Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda: ollama.ChatConverter(given, stream, chat, load_only=load_only))
+                        lambda start: ollama.ChatConverter(given, stream, chat, start,
+                                                           load_only=load_only, prompt=prompt),
+                        prompt=prompt)
         prep.load_only = load_only
         prep.need = 0 if load_only else ollama.context_floor(req)
         return prep
@@ -171,22 +214,27 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
         legacy = path == "/api/embeddings"
         req = ollama.embed_request(obj, model, legacy)
         return Prepared(path, api, fwd, (EMBEDDINGS, enc.encode(req)),
-                        lambda: ollama.EmbedConverter(given, legacy))
+                        lambda start: ollama.EmbedConverter(given, legacy, start, prompt=prompt),
+                        prompt=prompt)
     if path == "/v1/messages":
         req, stream = anthropic.request(obj, model)
         stops = req.get("stop")
         return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda: anthropic.MessagesConverter(
-                            given, stream, stops if isinstance(stops, list) else None),
-                        always=True)
+                        lambda start: anthropic.MessagesConverter(
+                            given, stream, stops if isinstance(stops, list) else None,
+                            prompt=prompt),
+                        always=True, prompt=prompt)
     if path == "/v1/messages/count_tokens":
         return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
-                        anthropic.CountConverter, always=True)
+                        lambda start: anthropic.CountConverter(prompt), always=True,
+                        prompt=prompt)
     if path == "/v1/responses":
         req, stream, echo = responses.request(obj, model)
         return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda: responses.ResponsesConverter(given, stream, echo), always=True)
-    return Prepared(path, api, fwd)
+                        lambda start: responses.ResponsesConverter(given, stream, echo,
+                                                                   prompt=prompt),
+                        always=True, prompt=prompt)
+    return Prepared(path, api, fwd, prompt=prompt)
 
 
 def resolve(name: str, known: Callable[[str], bool]) -> str:
@@ -232,10 +280,10 @@ class Body(Protocol):
 
 
 class Converted:
-    """A translated answer for appliance/http/stream.py's `relay_body`: the node's payload
-    through `conv` (which parses every event); `ended` once the converter's last bytes
-    were handed out. Not an async generator: one loop reads it, and closing the upstream
-    stays the caller's."""
+    """A node's answer for appliance/http/stream.py's `relay_body`: its payload through
+    `conv` (a translation or a meter; either parses every event); `ended` once the
+    converter's last bytes were handed out. Not an async generator: one loop reads it, and
+    closing the upstream stays the caller's."""
 
     __slots__ = ("_body", "_conv", "ended")
 
@@ -254,6 +302,11 @@ class Converted:
 
     async def timed_out(self) -> Exception:
         return await self._body.timed_out()
+
+    def take_whole(self, data: bytes) -> bytes:
+        """The converter's whole output for an answer that came whole with its head."""
+        self.ended = True
+        return self._conv.feed(data) + self._conv.end()
 
     async def receive(self) -> bytes:
         """The converter's output for the next reads (b"" once it ended); safe to cancel:

@@ -6,10 +6,14 @@ content parts (text, image as a data: or plain URL), `tool_use` blocks the assis
 `tool_calls` (with their ids), `tool_result` blocks `tool` messages answering those ids;
 `max_tokens` (required, as Anthropic requires it), `stop_sequences`, `temperature`,
 `top_p`, `top_k`, tools (`input_schema` -> `parameters`) and `tool_choice` map one to
-one. The answer comes back as a `message` with text and `tool_use` blocks, `stop_reason`
-(end_turn, max_tokens, tool_use, stop_sequence) and usage; streamed, as Anthropic's event sequence:
-message_start, ping, then per block content_block_start / _delta / _stop (text_delta or
-input_json_delta), message_delta with the stop reason and output tokens, message_stop.
+one; structured output (`output_config.format`, a JSON schema) becomes `response_format`.
+The answer comes back as a `message` with text and `tool_use` blocks, `stop_reason`
+(end_turn, max_tokens, tool_use, stop_sequence) and usage; streamed, as Anthropic's event
+sequence: message_start, ping, then per block content_block_start / _delta / _stop (text_delta or
+input_json_delta), message_delta with the stop reason and the usage, message_stop.
+Usage is the engine's, else the hub's count (translate/usage.py); message_start, sent
+before the engine has counted anything, carries the prompt's estimate, and message_delta
+the final input and output tokens (the SDKs take those). Ids are random.
 
 Which stop sequence ended an answer: engines strip it from the text, and OpenAI's
 finish_reason "stop" is the same for an end-of-sequence token and a stop sequence. So
@@ -21,7 +25,7 @@ OpenAI routes) gives `end_turn` and null rather than a guess.
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from typing import Any
 
 from appliance.hub.translate.common import (
@@ -35,12 +39,16 @@ from appliance.hub.translate.common import (
     integer,
     parse_args,
     stop_list,
-    usage_of,
 )
+from appliance.hub.translate.usage import Tally, Usage
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
          "content_filter": "end_turn"}
-_ids = itertools.count(1)
+
+
+def new_id(prefix: str) -> str:
+    """A random id (unique across hub restarts and hubs): 24 characters as Anthropic's."""
+    return f"{prefix}{secrets.token_hex(12)}"
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -149,6 +157,26 @@ def _tools(obj: dict[str, Any], out: dict[str, Any]) -> None:
             out["parallel_tool_calls"] = False
 
 
+def _output_format(obj: dict[str, Any], out: dict[str, Any]) -> None:
+    """Structured output: `output_config.format` (or the beta's `output_format`), a JSON
+    schema, as chat's `response_format` -- which the node turns into what its engine takes."""
+    cfg = obj.get("output_config")
+    if cfg is not None and not isinstance(cfg, dict):
+        raise bad("output_config must be an object", "output_config")
+    fmt, where = (cfg or {}).get("format"), "output_config.format"
+    if fmt is None:
+        fmt, where = obj.get("output_format"), "output_format"
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad(f"{where}.type must be 'json_schema'", f"{where}.type")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise bad(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+    out["response_format"] = {"type": "json_schema",
+                              "json_schema": {"name": "output", "schema": schema, "strict": True}}
+
+
 def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool]:
     """(OpenAI chat body, stream) for a Messages body."""
     max_tokens = integer(obj, "max_tokens")
@@ -174,6 +202,7 @@ def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool]:
     if stop:
         out["stop"] = stop
     _tools(obj, out)
+    _output_format(obj, out)
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream must be a boolean", "stream")
@@ -190,13 +219,14 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 class MessagesConverter(EventsConverter):
     """An engine's chat-completions answer as an Anthropic message (or its event stream)."""
 
-    def __init__(self, model: str, stream: bool, stops: list[str] | None = None) -> None:
+    def __init__(self, model: str, stream: bool, stops: list[str] | None = None,
+                 prompt: int = 0) -> None:
         self.model = model
         self.stream = stream
         self.stops = stops or []  # the request's stop_sequences
         self._matched: str | None = None  # the one the engine says it stopped on
         self.content_type = b"text/event-stream" if stream else b"application/json"
-        self.id = f"msg_{next(_ids):024d}"
+        self.id = new_id("msg_")
         self._buf = b""
         self._sse = SSEReader()
         self._started = False
@@ -204,7 +234,7 @@ class MessagesConverter(EventsConverter):
         self._kind = ""  # "text" or "tool:<openai index>"
         self._next = 0
         self._finish = "stop"
-        self._usage = (0, 0)
+        self._tally = Tally(prompt)
         self._done = False
 
     def _stop_word(self, obj: dict[str, Any], ch: dict[str, Any]) -> None:
@@ -222,12 +252,11 @@ class MessagesConverter(EventsConverter):
             return "stop_sequence", self._matched
         return _STOP.get(finish, "end_turn"), None
 
-    def _message(self, content: list[Any], stop: str | None, usage: tuple[int, int],
+    def _message(self, content: list[Any], stop: str | None, usage: Usage,
                  seq: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content,
-                "stop_reason": stop, "stop_sequence": seq,
-                "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
+                "stop_reason": stop, "stop_sequence": seq, "usage": usage_block(usage)}
 
     # --- whole -----------------------------------------------------------------------
 
@@ -241,14 +270,15 @@ class MessagesConverter(EventsConverter):
             content.append({"type": "text", "text": msg["content"]})
         for c in msg.get("tool_calls") or []:
             fn = c.get("function", {}) if isinstance(c, dict) else {}
-            content.append({"type": "tool_use", "id": c.get("id") or f"toolu_{next(_ids)}",
+            content.append({"type": "tool_use", "id": c.get("id") or new_id("toolu_"),
                             "name": fn.get("name", ""), "input": parse_args(fn.get("arguments"))})
         finish = ch.get("finish_reason") or "stop"
         self._stop_word(obj, ch)
         stop, seq = self._stop(finish if isinstance(finish, str) else "stop")
         if any(b["type"] == "tool_use" for b in content):
             stop, seq = "tool_use", None
-        return enc.encode(self._message(content, stop, usage_of(obj), seq))
+        self._tally.see_whole(obj)
+        return enc.encode(self._message(content, stop, self._tally.usage(), seq))
 
     # --- stream ----------------------------------------------------------------------
 
@@ -270,14 +300,15 @@ class MessagesConverter(EventsConverter):
         if self._started:
             return []
         self._started = True
-        return [_sse("message_start", {"type": "message_start", "message": self._message([], None,
-                                                                                         (0, 0))}),
+        # The prompt's count is known only at the end (message_delta says it again, and
+        # the SDKs take that one); until then the hub's estimate, never a 0.
+        first = Usage(max(1, self._tally.prompt), 0, 0, estimated=True)
+        return [_sse("message_start", {"type": "message_start",
+                                       "message": self._message([], None, first)}),
                 _sse("ping", {"type": "ping"})]
 
     def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
-        if isinstance(obj.get("usage"), dict):
-            self._usage = usage_of(obj)
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return out
@@ -301,7 +332,7 @@ class MessagesConverter(EventsConverter):
             if self._kind != kind or self._block is None:
                 self._finish = "tool_calls"
                 out += self._open(kind, {"type": "tool_use", "id": d.get("id")
-                                         or f"toolu_{next(_ids)}",
+                                         or new_id("toolu_"),
                                          "name": fn.get("name") or "", "input": {}})
             piece = fn.get("arguments")
             if isinstance(piece, str) and piece:
@@ -319,8 +350,7 @@ class MessagesConverter(EventsConverter):
         stop, seq = self._stop(self._finish)
         out.append(_sse("message_delta", {"type": "message_delta",
                                           "delta": {"stop_reason": stop, "stop_sequence": seq},
-                                          "usage": {"input_tokens": self._usage[0],
-                                                    "output_tokens": self._usage[1]}}))
+                                          "usage": usage_block(self._tally.usage())}))
         out.append(_sse("message_stop", {"type": "message_stop"}))
         return out
 
@@ -333,7 +363,22 @@ def count_request(obj: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 class CountConverter(Buffered):
-    """An engine's one-token answer as `{"input_tokens": N}`."""
+    """An engine's one-token answer as `{"input_tokens": N}` (the hub's estimate where the
+    engine counts none)."""
+
+    def __init__(self, prompt: int = 0) -> None:
+        self.prompt = prompt
 
     def _answer(self, obj: dict[str, Any]) -> bytes:
-        return enc.encode({"input_tokens": usage_of(obj)[0]})
+        t = Tally(self.prompt)
+        t.see_whole(obj)
+        return enc.encode({"input_tokens": t.usage().input})
+
+
+def usage_block(u: Usage) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` are the prompt's tokens not read from the cache,
+    `cache_read_input_tokens` those that were."""
+    out = {"input_tokens": max(0, u.input - u.cached), "output_tokens": u.output}
+    if u.cached:
+        out["cache_read_input_tokens"] = u.cached
+    return out

@@ -10,15 +10,24 @@ an engine's refusal is translate/errors.py's. Nothing here does I/O.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from appliance.http.errors import ApiError
+from appliance.hub.translate.usage import Tally, Usage
 
 enc = msgspec.json.Encoder()
 # A single SSE line from an engine: a chunk of a few tokens is < 1 KiB; 1 MiB is absurd.
 SSE_LINE_LIMIT = 1024 * 1024
+
+
+class Start(NamedTuple):
+    """When the hub got the request and when it sent it to a node (perf_counter_ns): the
+    clock a translation's durations are read from."""
+
+    request_ns: int
+    sent_ns: int
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -221,11 +230,16 @@ class ToolCallAccumulator:
 class EventsConverter:
     """An engine's chat-completions answer as another API's answer: buffered whole and
     rendered by `_whole`, or, streamed, each engine chunk through `_chunk` after `_start`, and
-    `_finish_events` once at `[DONE]` or the end. Subclasses set `stream`, `_buf`, `_sse`."""
+    `_finish_events` once at `[DONE]` or the end. Subclasses set `stream`, `_buf`, `_sse`
+    and `_tally` (which every chunk, and a whole answer, is shown to)."""
 
     stream: bool
     _buf: bytes
     _sse: SSEReader
+    _tally: Tally
+
+    def usage(self) -> Usage | None:
+        return self._tally.usage()
 
     def _whole(self) -> bytes:
         raise NotImplementedError
@@ -253,6 +267,7 @@ class EventsConverter:
             except (msgspec.DecodeError, RecursionError):
                 continue
             if isinstance(obj, dict):
+                self._tally.see(obj)
                 out += self._chunk(obj)
         return b"".join(out)
 
@@ -270,6 +285,9 @@ class Buffered:
 
     def _answer(self, obj: dict[str, Any]) -> bytes:
         raise NotImplementedError
+
+    def usage(self) -> Usage | None:
+        return None
 
     def feed(self, chunk: bytes) -> bytes:
         self._buf += chunk

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from appliance.http.errors import error_body
+from appliance.hub.translate.usage import Usage
 
 # An engine's error body worth quoting is short; more is cut (and never buffered past it).
 ERROR_BODY_LIMIT = 64 * 1024
@@ -132,3 +133,6 @@ class ErrorConverter:
     def end(self) -> bytes:
         code, message = engine_error(self.status, self._buf)
         return error_body(self.api, self.status, code, message)
+
+    def usage(self) -> Usage | None:
+        return None  # nothing was generated

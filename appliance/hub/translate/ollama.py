@@ -15,8 +15,10 @@ pass as they are (Ollama copied OpenAI's shape) and tool calls come back with th
 arguments decoded, as Ollama gives them. A streamed answer is NDJSON, one line per
 engine chunk with text, the tool calls in one line when the engine finished them, and
 the last line `done: true` with `done_reason`, the counts from the engine's usage
-(asked for with `stream_options.include_usage`) and durations measured here (llama.cpp's
-own `timings` where it sends them). The clock is injected so tests can pin durations.
+(asked for with `stream_options.include_usage`; counted by the hub where it gives none,
+translate/usage.py) and durations from the hub's own clock (llama.cpp's own `timings`
+where it sends them): the engine always streams, so the first token's time splits prompt
+from eval. The clock is injected so tests can pin durations.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import msgspec
 from appliance.hub.translate.common import (
     Buffered,
     SSEReader,
+    Start,
     ToolCallAccumulator,
     bad,
     enc,
@@ -41,8 +44,8 @@ from appliance.hub.translate.common import (
     number,
     parse_args,
     stop_list,
-    usage_of,
 )
+from appliance.hub.translate.usage import WHOLE_LIMIT, Tally, Usage
 
 # Ollama's options that are sampling fields of an OpenAI request, by their OpenAI name.
 # top_k, min_p, repeat_penalty are llama.cpp's and vLLM's extensions of the same body.
@@ -217,9 +220,10 @@ def _common(obj: dict[str, Any], out: dict[str, Any]) -> tuple[dict[str, Any], b
     _options(obj, out)
     _think(obj, out)
     _format(obj, out)
-    out["stream"] = stream
-    if stream:
-        out["stream_options"] = {"include_usage": True}
+    # The engine streams whatever the client asked: the first token's time is the split
+    # between prompt and eval durations (ChatConverter), and the usage comes with it.
+    out["stream"] = True
+    out["stream_options"] = {"include_usage": True}
     return out, stream
 
 
@@ -253,26 +257,39 @@ def _ollama_calls(calls: Any) -> list[dict[str, Any]]:
 
 
 class ChatConverter:
-    """An engine's chat-completions answer as Ollama's /api/chat or /api/generate answer."""
+    """An engine's chat-completions answer as Ollama's /api/chat or /api/generate answer.
 
-    def __init__(self, model: str, stream: bool, chat: bool,
-                 clock: Callable[[], int] = time.perf_counter_ns,
-                 load_only: bool = False) -> None:
+    The engine is asked to stream whatever the client asked (`_common`), so the hub sees
+    when the first token came: `prompt_eval_duration` is the time from sending to it,
+    `eval_duration` from it to the end, `load_duration` the hub's own wait before sending
+    (activation, queue) -- llama.cpp's `timings` replace the first two where it sends them.
+    A client that asked for one answer gets the pieces gathered into it. An engine that
+    answered whole anyway (the load request asks it to) is read whole."""
+
+    def __init__(self, model: str, stream: bool, chat: bool, start: Start | None = None,
+                 clock: Callable[[], int] = time.perf_counter_ns, load_only: bool = False,
+                 prompt: int = 0) -> None:
         self.model = model
         self.load_only = load_only  # Ollama's load request: the engine's token is not the answer
         self.stream = stream
         self.chat = chat
         self.content_type = b"application/x-ndjson" if stream else b"application/json"
         self._clock = clock
-        self._t0 = clock()
+        now = clock()
+        self._request_ns = start.request_ns if start is not None and start.request_ns else now
+        self._sent_ns = start.sent_ns if start is not None and start.sent_ns else now
         self._first: int | None = None
         self._sse = SSEReader()
-        self._buf = b""
+        self._events = 0
+        self._raw: list[bytes] = []  # the engine's bytes until its first event
+        self._raw_size = 0
+        self._text: list[str] = []  # gathered for a client that asked for one answer
+        self._thought: list[str] = []
         self._tools = ToolCallAccumulator()
+        self._whole_calls: list[dict[str, Any]] = []
         self._finish = "stop"
-        self._usage = (0, 0)
+        self._tally = Tally(prompt)
         self._timings: dict[str, Any] | None = None
-        self._thinking = ""
         self._done = False
 
     def _line(self, text: str, calls: list[dict[str, Any]] | None = None,
@@ -292,69 +309,89 @@ class ChatConverter:
         base["done"] = False
         return base
 
-    def _final(self, line: dict[str, Any]) -> dict[str, Any]:
-        end = self._clock()
-        total = end - self._t0
-        prompt_ns = (self._first or end) - self._t0
+    def durations(self, end: int) -> dict[str, int]:
+        """Ollama's four durations (ns) at `end`, each at least 1 (clients divide by them),
+        total at least the other three together."""
+        load = max(1, self._sent_ns - self._request_ns)
+        first = self._first if self._first is not None else end
+        prompt_ns, eval_ns = first - self._sent_ns, end - first
         t = self._timings or {}
         if isinstance(t.get("prompt_ms"), (int, float)) and isinstance(t.get("predicted_ms"),
                                                                        (int, float)):
             prompt_ns, eval_ns = int(t["prompt_ms"] * 1e6), int(t["predicted_ms"] * 1e6)
-        else:
-            eval_ns = total - prompt_ns
+        prompt_ns, eval_ns = max(1, prompt_ns), max(1, eval_ns)
+        total = max(end - self._request_ns, load + prompt_ns + eval_ns)
+        return {"total_duration": total, "load_duration": load,
+                "prompt_eval_duration": prompt_ns, "eval_duration": eval_ns}
+
+    def usage(self) -> Usage | None:
+        return None if self.load_only else self._tally.usage()
+
+    def _final(self, line: dict[str, Any]) -> dict[str, Any]:
+        u = self._tally.usage() if not self.load_only else Usage()
+        d = self.durations(self._clock())
         line.update({"done": True, "done_reason": _DONE_REASONS.get(self._finish, self._finish),
-                     "total_duration": total, "load_duration": 0,
-                     "prompt_eval_count": self._usage[0], "prompt_eval_duration": prompt_ns,
-                     "eval_count": self._usage[1], "eval_duration": eval_ns})
+                     "total_duration": d["total_duration"], "load_duration": d["load_duration"],
+                     "prompt_eval_count": u.input,
+                     "prompt_eval_duration": d["prompt_eval_duration"],
+                     "eval_count": u.output, "eval_duration": d["eval_duration"]})
         if not self.chat:
             line["context"] = []
         return line
 
-    def _take(self, obj: dict[str, Any]) -> tuple[str, list[Any]]:
-        """Text of one chunk (or whole body); counts, finish and tool calls remembered, the
-        engine's reasoning in `self._thinking`."""
-        self._thinking = ""
-        if isinstance(obj.get("usage"), dict):
-            self._usage = usage_of(obj)
+    def _take(self, obj: dict[str, Any], whole: bool = False) -> tuple[str, str]:
+        """(text, reasoning) of one chunk (or the whole body); counts, finish, timings and
+        tool calls remembered."""
+        if whole:
+            self._tally.see_whole(obj)
+        else:
+            self._tally.see(obj)
         if isinstance(obj.get("timings"), dict):
             self._timings = obj["timings"]
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            return "", []
+            return "", ""
         ch = choices[0]
         if isinstance(ch.get("finish_reason"), str):
             self._finish = ch["finish_reason"]
-        part = ch.get("delta") if self.stream else ch.get("message")
+        part = ch.get("message") if whole else ch.get("delta")
         if not isinstance(part, dict):
-            return "", []
+            return "", ""
         text: Any = part.get("content") if isinstance(part.get("content"), str) else ""
         r = part.get("reasoning_content")
-        self._thinking = r if isinstance(r, str) else ""
-        if self.stream:
-            self._tools.add(part.get("tool_calls"))
-            return text, []
-        return text, _ollama_calls(part.get("tool_calls"))
+        if whole:
+            self._whole_calls = _ollama_calls(part.get("tool_calls"))
+        elif self._tools.add(part.get("tool_calls")) and self._first is None:
+            self._first = self._clock()
+        return text, r if isinstance(r, str) else ""
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self.stream:
-            self._buf += chunk
-            return b""
+        if not self._events and self._raw_size < WHOLE_LIMIT:
+            self._raw.append(chunk)
+            self._raw_size += len(chunk)
         out = []
         for data in self._sse.feed(chunk):
+            self._events += 1
             if data == b"[DONE]":
-                out.append(self._end_line())
+                if self.stream:
+                    out.append(self._end_line())
                 continue
             try:
                 obj = msgspec.json.decode(data)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 continue
             if not isinstance(obj, dict):
                 continue
-            text, _ = self._take(obj)
-            if text or self._thinking:
-                if self._first is None:
-                    self._first = self._clock()
-                out.append(enc.encode(self._line(text, None, self._thinking)) + b"\n")
+            text, thinking = self._take(obj)
+            if not (text or thinking):
+                continue
+            if self._first is None:
+                self._first = self._clock()
+            if self.stream:
+                out.append(enc.encode(self._line(text, None, thinking)) + b"\n")
+            else:
+                self._text.append(text)
+                self._thought.append(thinking)
         return b"".join(out)
 
     def _end_line(self) -> bytes:
@@ -368,26 +405,45 @@ class ChatConverter:
         return out + enc.encode(self._final(self._line(""))) + b"\n"
 
     def end(self) -> bytes:
+        if not self._events and self._raw:  # answered whole, not streamed
+            text, thinking = self._take(engine_object(b"".join(self._raw)), whole=True)
+            self._text, self._thought = [text], [thinking]
+            self._first = self._first or self._clock()
         if self.stream:
+            if self._text:  # a whole answer for a streaming client: one line, then the last
+                line = enc.encode(self._line("".join(self._text), None,
+                                             "".join(self._thought))) + b"\n"
+                return line + self._end_line()
             return self._end_line()
-        text, calls = self._take(engine_object(self._buf))
+        if self._done:
+            return b""
+        self._done = True
+        calls = self._whole_calls or _ollama_calls(self._tools.whole())
+        text, thinking = "".join(self._text), "".join(self._thought)
         if self.load_only:
-            text, calls, self._finish, self._usage = "", [], "load", (0, 0)
-            self._thinking = ""
-        return enc.encode(self._final(self._line(text, calls, self._thinking)))
+            text, calls, thinking, self._finish = "", [], "", "load"
+        return enc.encode(self._final(self._line(text, calls, thinking)))
 
 
 class EmbedConverter(Buffered):
     """An engine's /v1/embeddings answer as Ollama's /api/embed (or legacy /api/embeddings)."""
 
-    def __init__(self, model: str, legacy: bool,
-                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
+    def __init__(self, model: str, legacy: bool, start: Start | None = None,
+                 clock: Callable[[], int] = time.perf_counter_ns, prompt: int = 0) -> None:
         self.model = model
         self.legacy = legacy
         self._clock = clock
-        self._t0 = clock()
+        now = clock()
+        self._request_ns = start.request_ns if start is not None and start.request_ns else now
+        self._sent_ns = start.sent_ns if start is not None and start.sent_ns else now
+        self._tally = Tally(prompt)
+
+    def usage(self) -> Usage | None:
+        u = self._tally.usage()
+        return Usage(u.input, 0, u.cached, u.estimated)
 
     def _answer(self, obj: dict[str, Any]) -> bytes:
+        self._tally.see_whole(obj)
         data = obj.get("data")
         rows = sorted((d for d in data if isinstance(d, dict)) if isinstance(data, list) else (),
                       key=lambda d: d.get("index", 0))
@@ -395,9 +451,9 @@ class EmbedConverter(Buffered):
         if self.legacy:
             return enc.encode({"embedding": vecs[0] if vecs else []})
         return enc.encode({"model": self.model, "embeddings": vecs,
-                           "total_duration": self._clock() - self._t0,
-                           "load_duration": 0,
-                           "prompt_eval_count": usage_of(obj)[0]})
+                           "total_duration": max(1, self._clock() - self._request_ns),
+                           "load_duration": max(1, self._sent_ns - self._request_ns),
+                           "prompt_eval_count": self._tally.usage().input})
 
 
 def unload_answer(model: str, chat: bool) -> bytes:

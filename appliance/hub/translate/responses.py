@@ -10,12 +10,15 @@ response_format. The answer is a `response` object with `message` and `function_
 output items; streamed, the event sequence the SDK reads: response.created,
 response.in_progress, output_item.added, content_part.added, output_text.delta ...,
 output_text.done, content_part.done, output_item.done (and function_call_arguments.delta
-/ .done for calls), response.completed -- each with its `sequence_number`.
+/ .done for calls), response.completed -- each with its `sequence_number`. An answer the
+cap cut (finish_reason `length`) is `incomplete` with `incomplete_details.reason:
+max_output_tokens` (its last event `response.incomplete`), as OpenAI's. The usage is the
+engine's, else the hub's count (translate/usage.py); ids are random.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 from typing import Any
 
@@ -28,10 +31,11 @@ from appliance.hub.translate.common import (
     enc,
     engine_object,
     integer,
-    usage_of,
 )
+from appliance.hub.translate.usage import Tally, Usage
 
-_ids = itertools.count(1)
+# The finish reason that means the cap cut the answer: the response is `incomplete`.
+CUT = "length"
 
 
 def _part(p: Any, where: str) -> dict[str, Any]:
@@ -87,6 +91,35 @@ def _items(items: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _text_format(obj: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """`text.format` as chat's `response_format` (the node turns a JSON schema into what
+    its engine takes); the format the response echoes."""
+    text = obj.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad("'text' must be an object", "text")
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {"type": "text"}
+    if kind == "json_object":
+        out["response_format"] = {"type": "json_object"}
+        return {"type": "json_object"}
+    if kind != "json_schema" or not isinstance(fmt, dict):
+        raise bad("'text.format.type' must be text, json_object or json_schema",
+                  "text.format.type")
+    schema, name = fmt.get("schema"), fmt.get("name", "response")
+    if not isinstance(schema, dict):
+        raise bad("'text.format.schema' must be a JSON schema object", "text.format.schema")
+    if not isinstance(name, str):
+        raise bad("'text.format.name' must be a string", "text.format.name")
+    strict = fmt.get("strict") is True
+    out["response_format"] = {"type": "json_schema", "json_schema": {
+        "name": name, "schema": schema, "strict": strict}}
+    return {"type": "json_schema", "name": name, "schema": schema, "strict": strict}
+
+
 def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool, dict[str, Any]]:
     """(OpenAI chat body, stream, the request fields the response object echoes)."""
     if obj.get("previous_response_id") is not None:
@@ -135,14 +168,7 @@ def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool, dict
         out["tool_choice"] = tc
     elif isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
         out["tool_choice"] = {"type": "function", "function": {"name": tc["name"]}}
-    fmt = (obj.get("text") or {}).get("format") if isinstance(obj.get("text"), dict) else None
-    if isinstance(fmt, dict):
-        if fmt.get("type") == "json_object":
-            out["response_format"] = {"type": "json_object"}
-        elif fmt.get("type") == "json_schema":
-            out["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": fmt.get("name", "response"), "schema": fmt.get("schema", {}),
-                "strict": fmt.get("strict", False)}}
+    fmt = _text_format(obj, out)
     stream = obj.get("stream", False)
     if stream is None:
         stream = False
@@ -154,6 +180,7 @@ def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool, dict
     echo: dict[str, Any] = {
             "instructions": instr, "max_output_tokens": mx, "temperature": out.get("temperature"),
             "top_p": out.get("top_p"), "tools": tools or [], "tool_choice": tc or "auto",
+            "text": {"format": fmt},
             "metadata": obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}}
     return out, stream, echo
 
@@ -161,14 +188,17 @@ def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool, dict
 class ResponsesConverter(EventsConverter):
     """An engine's chat-completions answer as a Responses `response` (or its event stream)."""
 
-    def __init__(self, model: str, stream: bool, echo: dict[str, Any]) -> None:
+    def __init__(self, model: str, stream: bool, echo: dict[str, Any], prompt: int = 0) -> None:
         self.model = model
         self.stream = stream
         self.echo = echo
         self.content_type = b"text/event-stream" if stream else b"application/json"
-        n = next(_ids)
-        self.id = f"resp_{n:024d}"
-        self._msg_id = f"msg_{n:024d}"
+        # Random: unique across hub restarts and hubs (a counter started again at 1).
+        n = secrets.token_hex(24)
+        self.id = f"resp_{n}"
+        self._msg_id = f"msg_{n}"
+        self._tally = Tally(prompt)
+        self._finish = "stop"
         self.created = int(time.time())
         self._buf = b""
         self._sse = SSEReader()
@@ -178,18 +208,22 @@ class ResponsesConverter(EventsConverter):
         self._tools = ToolCallAccumulator()
         self._tool_items: dict[int, int] = {}  # engine tool index -> output_index
         self._outputs = 0
-        self._usage = (0, 0)
         self._done = False
 
-    def _response(self, status: str, output: list[Any],
-                  usage: tuple[int, int] | None) -> dict[str, Any]:
+    def _status(self) -> str:
+        """`incomplete` when the cap (max_output_tokens) cut the answer, else `completed`."""
+        return "incomplete" if self._finish == CUT else "completed"
+
+    def _response(self, status: str, output: list[Any], usage: Usage | None) -> dict[str, Any]:
         r = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
              "model": self.model, "output": output, "parallel_tool_calls": True, "error": None,
-             "incomplete_details": None, "text": {"format": {"type": "text"}}, **self.echo}
+             "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete"
+                                    else None),
+             "text": {"format": {"type": "text"}}, **self.echo}
         r["usage"] = None if usage is None else {
-            "input_tokens": usage[0], "output_tokens": usage[1],
-            "total_tokens": usage[0] + usage[1],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens": usage.input, "output_tokens": usage.output,
+            "total_tokens": usage.input + usage.output,
+            "input_tokens_details": {"cached_tokens": usage.cached},
             "output_tokens_details": {"reasoning_tokens": 0}}
         return r
 
@@ -217,14 +251,18 @@ class ResponsesConverter(EventsConverter):
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
         msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
+        if isinstance(ch.get("finish_reason"), str):
+            self._finish = ch["finish_reason"]
+        status = self._status()
         output = []
         if isinstance(msg.get("content"), str) and msg["content"]:
-            output.append(self._message_item(msg["content"], "completed"))
+            output.append(self._message_item(msg["content"], status))
         for c in msg.get("tool_calls") or []:
             fn = c.get("function", {}) if isinstance(c, dict) else {}
             output.append(self._call_item({"id": c.get("id", ""), "name": fn.get("name", ""),
                                            "arguments": fn.get("arguments") or "{}"}, "completed"))
-        return enc.encode(self._response("completed", output, usage_of(obj)))
+        self._tally.see_whole(obj)
+        return enc.encode(self._response(status, output, self._tally.usage()))
 
     # --- stream ----------------------------------------------------------------------
 
@@ -238,11 +276,11 @@ class ResponsesConverter(EventsConverter):
 
     def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
-        if isinstance(obj.get("usage"), dict):
-            self._usage = usage_of(obj)
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return out
+        if isinstance(choices[0].get("finish_reason"), str):
+            self._finish = choices[0]["finish_reason"]
         delta: Any = (choices[0].get("delta")
                                  if isinstance(choices[0].get("delta"), dict) else {})
         text = delta.get("content")
@@ -279,9 +317,10 @@ class ResponsesConverter(EventsConverter):
             return []
         self._done = True
         out = self._start()
+        status = self._status()
         output: list[tuple[int, dict[str, Any]]] = []
         if self._text is not None:
-            item = self._message_item(self._text, "completed")
+            item = self._message_item(self._text, status)
             part = item["content"][0]
             out.append(self._ev("response.output_text.done", item_id=self._msg_id,
                                 output_index=self._msg_index,
@@ -300,7 +339,8 @@ class ResponsesConverter(EventsConverter):
                                 arguments=call["arguments"]))
             out.append(self._ev("response.output_item.done", output_index=oi, item=item))
             output.append((oi, item))
-        resp = self._response("completed", [i for _, i in sorted(output, key=lambda p: p[0])],
-                              self._usage)
-        out.append(self._ev("response.completed", response=resp))
+        resp = self._response(status, [i for _, i in sorted(output, key=lambda p: p[0])],
+                              self._tally.usage())
+        # OpenAI ends a cut answer with `response.incomplete`, any other with `.completed`.
+        out.append(self._ev(f"response.{status}", response=resp))
         return out

@@ -26,6 +26,8 @@ import struct
 import msgspec
 import trio
 
+from appliance.hub.translate.usage import Usage
+
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -63,6 +65,7 @@ class Done(msgspec.Struct, tag=True):
     status: int
     ttfb: float | None
     error: str
+    usage: Usage | None = None  # the answer's tokens, as the worker's relay read them
 
 
 class Ack(msgspec.Struct, tag=True):

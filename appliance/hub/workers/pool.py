@@ -353,6 +353,7 @@ class LeaseRelay:
                 return False, msg.why
             if isinstance(msg, Done):
                 req.node, req.status, req.ttfb = msg.node, msg.status, msg.ttfb
+                req.usage = msg.usage
                 req.error = msg.error or req.error
                 req.finish()
                 try:

@@ -260,7 +260,7 @@ class Worker:
             done_sent = True
             with trio.move_on_after(ACK_SECONDS, shield=True):
                 try:
-                    await conn.send(Done(req.node, req.status, req.ttfb, req.error))
+                    await conn.send(Done(req.node, req.status, req.ttfb, req.error, req.usage))
                 except GONE:
                     return
                 await acked.wait()

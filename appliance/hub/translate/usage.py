@@ -1,0 +1,281 @@
+"""Token counts of one answer: what the engine said, or what the hub counted.
+
+Theory of operation: every answer the hub relays ends with a `Usage` on its `Request`
+(input, output and cached prompt tokens; `estimated` when the hub counted them itself) --
+what token limits, `appliance_tokens_total` and the prompt-cache figures read. The engine's
+own counts come first: OpenAI's `usage` (the hub asks for it on streams with
+`stream_options.include_usage`, and drops that chunk again when the client did not ask),
+Ollama's `prompt_eval_count` / `eval_count`. An engine that gives none (llama-cpp-python
+ignores `include_usage`) is counted: one output token per generated chunk (an engine sends
+one token per chunk), the prompt estimated from its text at BYTES_PER_TOKEN.
+
+A passed-through answer is read by a meter (`SSEMeter`, `NDJSONMeter`, `JSONMeter`): a
+converter that hands each read's bytes on unchanged -- bar the usage chunk the client did
+not ask for -- and parses only complete events; a translated one counts in its converter.
+Sync and pure, no I/O: tests feed them bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+# OpenAI's rule of thumb for English text: a token is about 4 characters (bytes for ASCII).
+BYTES_PER_TOKEN = 4
+# A whole (non-streamed) answer is parsed for its usage up to this size; past it only its
+# head and tail are kept (usage sits at one end: vLLM's last, llama-server's keys sorted).
+WHOLE_LIMIT = 4 * 1024 * 1024
+EDGE_BYTES = 64 * 1024
+# One SSE event or NDJSON line held while incomplete: a chunk is < 1 KiB; past this it is
+# not one the hub parses (the bytes still pass).
+EVENT_LIMIT = 1024 * 1024
+# Body keys whose strings are not prompt text: images (base64 or URLs), a part's type.
+_NOT_TEXT = frozenset({"images", "image_url", "source", "input_image", "type"})
+_USAGE = re.compile(rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
+
+
+class Usage(msgspec.Struct):
+    """Tokens of one request: prompt (`input`, of which `cached` came from the engine's
+    prompt cache) and generated (`output`); `estimated`: counted by the hub."""
+
+    input: int = 0
+    output: int = 0
+    cached: int = 0
+    estimated: bool = False
+
+
+def estimate(nbytes: int) -> int:
+    return -(-nbytes // BYTES_PER_TOKEN) if nbytes > 0 else 0
+
+
+def text_bytes(v: Any, depth: int = 0) -> int:
+    """Bytes of the text in a body's value (messages, prompt, input): strings, nested."""
+    if isinstance(v, str):
+        return len(v.encode())
+    if depth > 8:
+        return 0
+    if isinstance(v, list):
+        return sum(text_bytes(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return sum(text_bytes(x, depth + 1) for k, x in v.items() if k not in _NOT_TEXT)
+    return 0
+
+
+def prompt_estimate(obj: dict[str, Any]) -> int:
+    """The prompt of a chat, completion or embedding body (OpenAI's or Ollama's), in tokens
+    at BYTES_PER_TOKEN: messages, prompt, input, system, instructions and tools."""
+    keys = ("messages", "prompt", "input", "system", "instructions", "tools")
+    return estimate(sum(text_bytes(obj.get(k)) for k in keys))
+
+
+def openai_usage(obj: dict[str, Any]) -> Usage | None:
+    """The usage of an OpenAI body or chunk (chat, completion, embedding), None if absent."""
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return None
+    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    d = u.get("prompt_tokens_details")
+    cached = d.get("cached_tokens") if isinstance(d, dict) else None
+    return Usage(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0,
+                 cached if isinstance(cached, int) else 0)
+
+
+def ollama_usage(obj: dict[str, Any]) -> Usage | None:
+    """Ollama's counts on a last line (or an embed answer), None if absent."""
+    p, c = obj.get("prompt_eval_count"), obj.get("eval_count")
+    if not isinstance(p, int) and not isinstance(c, int):
+        return None
+    return Usage(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0)
+
+
+def _decode(data: bytes) -> dict[str, Any] | None:
+    try:
+        obj = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _generated(obj: dict[str, Any]) -> bool:
+    """Does this chunk carry a generated piece (text, reasoning, a tool call's)?"""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for ch in choices:
+        if not isinstance(ch, dict):
+            continue
+        if isinstance(ch.get("text"), str) and ch["text"]:
+            return True
+        d = ch.get("delta")
+        if isinstance(d, dict) and (d.get("content") or d.get("reasoning_content")
+                                    or d.get("tool_calls")):
+            return True
+    return False
+
+
+def _answer_text(obj: dict[str, Any]) -> int:
+    """Bytes of the generated text of a whole answer (OpenAI's or Ollama's)."""
+    n = 0
+    for ch in obj.get("choices") or ():
+        if isinstance(ch, dict):
+            n += text_bytes(ch.get("text")) + text_bytes(ch.get("message"))
+    return n + text_bytes(obj.get("message")) + text_bytes(obj.get("response"))
+
+
+class Tally:
+    """One answer's counts as they come: the engine's usage when it gives one, else the
+    generated chunks (or a whole answer's text) and the prompt's estimate."""
+
+    def __init__(self, prompt: int) -> None:
+        self.prompt = prompt  # the estimate, for an engine that gives no usage
+        self.found: Usage | None = None
+        self.chunks = 0
+        self.text = 0  # bytes of generated text in a whole answer (for its estimate)
+
+    def see(self, obj: dict[str, Any]) -> None:
+        """One streamed chunk (OpenAI's)."""
+        u = openai_usage(obj)
+        if u is not None:
+            self.found = u
+        if _generated(obj):
+            self.chunks += 1
+
+    def see_whole(self, obj: dict[str, Any]) -> None:
+        """A whole answer (OpenAI's)."""
+        self.found = openai_usage(obj)
+        self.text = _answer_text(obj)
+
+    def usage(self) -> Usage:
+        if self.found is not None:
+            return self.found
+        return Usage(self.prompt, self.chunks or estimate(self.text), 0, estimated=True)
+
+
+class Meter(Tally):
+    """A passed-through answer's tally; the node's content type and length stand."""
+
+    content_type = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        raise NotImplementedError
+
+    def end(self) -> bytes:
+        raise NotImplementedError
+
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
+class SSEMeter(Meter):
+    """An OpenAI event stream, passed on; the usage-only chunk dropped when `drop` (then an
+    incomplete event is held until its end, which engines send in the same write)."""
+
+    def __init__(self, prompt: int, drop: bool) -> None:
+        super().__init__(prompt)
+        self.drop = drop
+        self._carry = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._carry + chunk if self._carry else chunk
+        kept: list[bytes] = []
+        pos = 0
+        for m in _EVENT_END.finditer(data):
+            if self._count(data[pos:m.start()]) or not self.drop:
+                kept.append(data[pos:m.end()])
+            pos = m.end()
+        rest = data[pos:]
+        self._carry = rest if len(rest) <= EVENT_LIMIT else b""
+        if not self.drop:
+            return chunk
+        if not self._carry:
+            kept.append(rest)  # too long to be an event: passed on unparsed
+        return b"".join(kept)
+
+    def _count(self, event: bytes) -> bool:
+        """Count one complete event; False for the usage-only chunk the client did not ask
+        for."""
+        i = event.find(b"data:")
+        obj = _decode(event[i + 5:].strip()) if i >= 0 else None
+        if obj is None:
+            return True
+        self.see(obj)
+        return not (self.drop and obj.get("choices") == [] and "usage" in obj)
+
+    def end(self) -> bytes:
+        rest, self._carry = self._carry, b""
+        return rest if self.drop else b""
+
+
+class NDJSONMeter(Meter):
+    """Ollama's line stream, passed on: the last line's counts, else one per line."""
+
+    def __init__(self, prompt: int) -> None:
+        super().__init__(prompt)
+        self._carry = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._carry + chunk if self._carry else chunk
+        end = data.rfind(b"\n")
+        lines, rest = (data[:end], data[end + 1:]) if end >= 0 else (b"", data)
+        self._carry = rest if len(rest) <= EVENT_LIMIT else b""
+        for line in lines.split(b"\n") if lines else ():
+            obj = _decode(line)
+            if obj is None:
+                continue
+            if obj.get("done") is True:
+                self.found = ollama_usage(obj) or self.found
+            else:
+                self.chunks += 1
+        return chunk
+
+    def end(self) -> bytes:
+        if self._carry:
+            self.feed(b"\n")
+        return b""
+
+
+class JSONMeter(Meter):
+    """A whole answer (OpenAI's or Ollama's), passed on; its usage read at the end."""
+
+    def __init__(self, prompt: int, api: str) -> None:
+        super().__init__(prompt)
+        self.api = api
+        self._head: list[bytes] = []
+        self._tail = b""
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._size += len(chunk)
+        if self._size <= WHOLE_LIMIT:
+            self._head.append(chunk)
+        else:
+            self._tail = (self._tail + chunk)[-EDGE_BYTES:]
+        return chunk
+
+    def end(self) -> bytes:
+        head = b"".join(self._head)
+        obj = _decode(head) if not self._tail else None
+        if obj is not None:
+            self.see_whole(obj)
+            if self.api == "ollama":
+                self.found = ollama_usage(obj) or self.found
+            return b""
+        for edge in (self._tail, head[:EDGE_BYTES]):
+            m = _USAGE.search(edge)
+            u = _decode(b'{"usage":' + m.group(1) + b"}") if m is not None else None
+            if u is not None:
+                self.found = openai_usage(u)
+                break
+        return b""
+
+
+def meter(api: str, content_type: str, prompt: int, drop: bool) -> Meter:
+    """The meter for a passed-through answer of `content_type`; `drop`: the hub asked for
+    the usage chunk, the client did not."""
+    if "event-stream" in content_type:
+        return SSEMeter(prompt, drop)
+    if "ndjson" in content_type:
+        return NDJSONMeter(prompt)
+    return JSONMeter(prompt, api)
