@@ -220,15 +220,20 @@ def test_openai_responses_stream_equals_whole_and_function_tools(fleet, model):
     oc = openai.OpenAI(base_url=fleet.hub.url + "/v1", api_key="anyone", max_retries=0, timeout=30)
     r = oc.responses.create(model=model, instructions="be brief", input="hello",
                             max_output_tokens=9)
-    assert r.output_text and r.status == "completed" and r.usage.output_tokens == 9
+    # The cap cut the answer: incomplete, as OpenAI says it (the stream ends with
+    # response.incomplete).
+    assert r.output_text and r.status == "incomplete" and r.usage.output_tokens == 9
+    assert r.incomplete_details.reason == "max_output_tokens"
     deltas, done = [], None
     for ev in oc.responses.create(model=model, instructions="be brief", input="hello",
                                   max_output_tokens=9, stream=True):
         if ev.type == "response.output_text.delta":
             deltas.append(ev.delta)
-        elif ev.type == "response.completed":
+        elif ev.type in ("response.completed", "response.incomplete"):
             done = ev.response
     assert "".join(deltas) == r.output_text == done.output_text
+    assert done.status == "incomplete" and done.usage.output_tokens == 9
+    assert r.id != done.id and r.id.startswith("resp_")
 
     tool = {"type": "function", **WEATHER["function"]}
     t = oc.responses.create(model=model, input=USER, tools=[tool])

@@ -165,12 +165,21 @@ class Meter(Tally):
         raise NotImplementedError
 
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
+# A generated piece in a chunk, as engines encode it (compact, or with Python's spaces);
+# not an empty one (a role-only first chunk's `"content":""`).
+_PIECE = re.compile(rb'"(?:content|reasoning_content|text|arguments)": ?"(?!")')
+
+
+def _count_pieces(events: bytes) -> int:
+    """Generated pieces in complete events, counted on the bytes with one scan (no decode:
+    this runs for every event of every stream passed through, bench/streams.py)."""
+    return len(_PIECE.findall(events))
 
 
 class SSEMeter(Meter):
     """An OpenAI event stream, passed on; the usage-only chunk dropped when `drop` (then an
-    incomplete event is held until its end, which engines send in the same write)."""
+    incomplete event is held until its end, which engines send in the same write). Only an
+    event that names `"usage"` is decoded; the others are counted on their bytes."""
 
     def __init__(self, prompt: int, drop: bool) -> None:
         super().__init__(prompt)
@@ -179,29 +188,40 @@ class SSEMeter(Meter):
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._carry + chunk if self._carry else chunk
-        kept: list[bytes] = []
-        pos = 0
-        for m in _EVENT_END.finditer(data):
-            if self._count(data[pos:m.start()]) or not self.drop:
-                kept.append(data[pos:m.end()])
-            pos = m.end()
-        rest = data[pos:]
+        sep = b"\n\n" if b"\r" not in data else b"\r\n\r\n"
+        end = data.rfind(sep)
+        if end < 0:
+            self._carry = data if len(data) <= EVENT_LIMIT else b""
+            if not self.drop:
+                return chunk
+            return b"" if self._carry else data  # too long to be an event: passed on
+        cut = end + len(sep)
+        whole, rest = data[:cut], data[cut:]
         self._carry = rest if len(rest) <= EVENT_LIMIT else b""
+        if b'"usage"' in whole:
+            kept = self._with_usage(whole, sep)
+        else:
+            self.chunks += _count_pieces(whole)
+            kept = whole
         if not self.drop:
             return chunk
-        if not self._carry:
-            kept.append(rest)  # too long to be an event: passed on unparsed
-        return b"".join(kept)
+        return kept if self._carry else kept + rest
 
-    def _count(self, event: bytes) -> bool:
-        """Count one complete event; False for the usage-only chunk the client did not ask
-        for."""
-        i = event.find(b"data:")
-        obj = _decode(event[i + 5:].strip()) if i >= 0 else None
-        if obj is None:
-            return True
-        self.see(obj)
-        return not (self.drop and obj.get("choices") == [] and "usage" in obj)
+    def _with_usage(self, whole: bytes, sep: bytes) -> bytes:
+        """Complete events of which some name a usage: each decoded; the bytes to pass on
+        when dropping (the usage-only chunk left out)."""
+        kept: list[bytes] = []
+        for event in whole.split(sep)[:-1]:
+            i = event.find(b"data:")
+            obj = _decode(event[i + 5:].strip()) if i >= 0 and b'"usage"' in event else None
+            if obj is None:
+                self.chunks += _count_pieces(event)
+                kept.append(event + sep)
+                continue
+            self.see(obj)
+            if not (self.drop and obj.get("choices") == [] and "usage" in obj):
+                kept.append(event + sep)
+        return b"".join(kept)
 
     def end(self) -> bytes:
         rest, self._carry = self._carry, b""
