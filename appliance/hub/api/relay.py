@@ -170,6 +170,10 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             tail = first[-2:]
         relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
         req.usage = conv.usage()  # cut short: what was counted so far
+        if req.route is not None and isinstance(conv, SSEMeter) and conv.usage_payload:
+            seen = usage_of(conv.usage_payload)  # a stream's word on the prompt cache
+            if seen is not None:
+                req.route.prompt_tokens, req.route.cached_tokens = seen
         if relayed.ended:
             await req.send_last(b"")
             return True, ""

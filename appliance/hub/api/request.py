@@ -62,6 +62,8 @@ class Recorder:
             fields["routing"] = route.reason
             if route.cached_tokens is not None:
                 fields["cached_tokens"] = route.cached_tokens
+        if "cached_tokens" not in fields and req.usage is not None and req.usage.cached:
+            fields["cached_tokens"] = req.usage.cached  # as the engine reported it
         self.audit.request(**fields)
         m = self.metrics
         m.requests_of(req.client, req.label, str(req.status)).inc()

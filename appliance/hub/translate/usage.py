@@ -185,6 +185,7 @@ class SSEMeter(Meter):
         super().__init__(prompt)
         self.drop = drop
         self._carry = b""
+        self.usage_payload = b""  # the last event naming a usage, as the engine sent it
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._carry + chunk if self._carry else chunk
@@ -213,12 +214,14 @@ class SSEMeter(Meter):
         kept: list[bytes] = []
         for event in whole.split(sep)[:-1]:
             i = event.find(b"data:")
-            obj = _decode(event[i + 5:].strip()) if i >= 0 and b'"usage"' in event else None
+            payload = event[i + 5:].strip() if i >= 0 and b'"usage"' in event else b""
+            obj = _decode(payload) if payload else None
             if obj is None:
                 self.chunks += _count_pieces(event)
                 kept.append(event + sep)
                 continue
             self.see(obj)
+            self.usage_payload = payload
             if not (self.drop and obj.get("choices") == [] and "usage" in obj):
                 kept.append(event + sep)
         return b"".join(kept)
