@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.config import load
-from appliance.http.asgi import read_body, serve
+from appliance.http.asgi import read_body
 from appliance.hub.run import run_hub
 from appliance.hub.translate.errors import MESSAGE_LIMIT, ErrorConverter, engine_error
+from appliance.server.serve import serve
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 TRACEBACK = """Traceback (most recent call last):

@@ -18,8 +18,9 @@ import openai
 import trio
 
 from appliance.config import load
-from appliance.http.asgi import read_body, serve
+from appliance.http.asgi import read_body
 from appliance.hub.run import run_hub
+from appliance.server.serve import serve
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
