@@ -14,8 +14,16 @@ from __future__ import annotations
 # A model or node name an operator would read is well under 200 characters (Ollama tags
 # are name:tag, Hugging Face repos owner/name); longer ones are cut with "...".
 ECHO_CHARS = 200
+# A request's path repeated in an error message or a log line (issue 22: a 20 KB target was
+# echoed whole): no route here is longer than a few dozen characters.
+PATH_ECHO = 200
 # The one label value for every name the process does not know.
 OTHER_LABEL = "other"
+
+
+def echo_path(path: str) -> str:
+    """A request's path as an error message or a log line repeats it."""
+    return echo(path, PATH_ECHO)
 
 
 def echo(text: str, n: int = ECHO_CHARS) -> str:

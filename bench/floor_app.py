@@ -29,14 +29,12 @@ async def main(server: str) -> None:
             cfg = Config()
             cfg.bind = ["127.0.0.1:0"]
             cfg.accesslog = None
+            cfg.loglevel = "WARNING"  # (its "Running on" line: ours follows)
             binds = await nursery.start(partial(hyper_serve, http_only(app), cfg,
                                                 mode="asgi"))
-            where = binds[0]
-        else:
-            host, port = await nursery.start(partial(serve, app, "127.0.0.1:0", "floor",
-                                                     announce=False))
-            where = f"http://{host}:{port}"
-        print(f"floor ({server}) listening on {where}", file=sys.stderr, flush=True)
+            print(f"floor ({server}) listening on {binds[0]}", file=sys.stderr, flush=True)
+        else:  # its own line: `appliance floor listening on http://HOST:PORT`
+            await nursery.start(partial(serve, app, "127.0.0.1:0", "floor"))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from appliance.bounds import echo
+from appliance.bounds import echo, echo_path
 from appliance.config import Config
 from appliance.http.asgi import (
     BodyTooLarge,
@@ -114,7 +114,8 @@ class NodeApp:
             await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]),
                             CONTENT_TYPE_LATEST.encode())
         else:
-            await self._error(send, NODE_API, 404, "not_found", f"no route {method} {path}")
+            await self._error(send, NODE_API, 404, "not_found",
+                f"no route {method} {echo_path(path)}")
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.token:

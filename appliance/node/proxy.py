@@ -19,7 +19,7 @@ import msgspec
 import trio
 
 from appliance import __version__
-from appliance.bounds import OTHER_LABEL, echo
+from appliance.bounds import OTHER_LABEL, echo, echo_path
 from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
@@ -77,12 +77,12 @@ class EngineProxy:
             if listing is None:
                 await send_error(send, api, 405, "method_not_allowed",
                                   "GET serves /v1/models, /api/tags, /api/ps, /api/version; "
-                                  f"{path} takes POST")
+                                  f"{echo_path(path)} takes POST")
             else:
                 await send_json(send, 200, listing)
             return
         if method != "POST":
-            await send_error(send, api, 405, "method_not_allowed", f"{path} takes POST")
+            await send_error(send, api, 405, "method_not_allowed", f"{echo_path(path)} takes POST")
             return
         await self._proxy(scope, receive, send, api)
 

@@ -42,7 +42,8 @@ from urllib.parse import unquote
 
 import trio
 
-from appliance.h1.body import BodyError, ChunkedBody
+from appliance.bounds import echo_path
+from appliance.h1.body import MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
 from appliance.h1.parse import MAX_TARGET, BadRequest, Head, parse_head
 from appliance.h1.state import (
     BODY_END,
@@ -72,7 +73,7 @@ from appliance.server.limits import (
     RequestTimeout,
     trim,
 )
-from appliance.server.refuse import echo, refusal_answer
+from appliance.server.refuse import refusal_answer
 from appliance.server.send import Sender
 
 log = logging.getLogger("appliance.server.listener")
@@ -156,7 +157,8 @@ class Conn(Sender):
     def _reset(self, head: Head | None) -> None:
         self.head = head
         self.body_left = head.length if head is not None else 0
-        self.chunks = ChunkedBody() if head is not None and head.chunked else None
+        self.chunks = (ChunkedBody(MIN_AVERAGE_CHUNK) if head is not None and head.chunked
+                       else None)
         self.end_given = False  # the last http.request message went to the app
         self.bad: BadRequest | None = None
         self.held = 0
@@ -304,7 +306,7 @@ class Conn(Sender):
         except Refusal as e:
             await self._refuse(scope["path"], e)
         except Exception:
-            log.exception("error in the app serving %s %s", head.method, echo(scope["path"]))
+            log.exception("error in the app serving %s %s", head.method, echo_path(scope["path"]))
         finally:
             self.slot.in_request = False
             sh.budget.give(self.held)

@@ -4,22 +4,13 @@ the shape of the API the request came in on (`api_of`).
 
 Theory of operation: the connection (appliance/server/connection.py) refuses what breaks a
 listener rule before or beside the app; the client still gets an error its SDK can read.
-A path the server echoes is cut to `MAX_ECHO` characters (a 20 KB target is not sent
-back whole).
+A path the server echoes is cut to PATH_ECHO characters (appliance/bounds.py).
 """
 
 from __future__ import annotations
 
 from appliance.h1.head import date_header, first_line
 from appliance.http.errors import ApiError, api_of, render
-
-# Characters of a request's path an error message or a log line repeats.
-MAX_ECHO = 200
-
-
-def echo(path: str) -> str:
-    """`path` as an error message may show it: at most MAX_ECHO characters."""
-    return path if len(path) <= MAX_ECHO else path[:MAX_ECHO] + "..."
 
 
 def refusal_answer(path: str, e: ApiError) -> bytes:

@@ -55,6 +55,7 @@ import msgspec
 import trio
 
 from appliance import __version__
+from appliance.bounds import echo_path
 from appliance.config import Config, ConfigError, MiB, SimConfig
 from appliance.config import load as load_config
 from appliance.http.asgi import (
@@ -151,8 +152,9 @@ class SimApp:
             if handler is None:
                 if path in self._paths:
                     raise ApiError(405, "method_not_allowed",
-                                   f"method {scope['method']} not allowed on {path}")
-                raise ApiError(404, "not_found", f"no such path {path} on the simulated engine")
+                                   f"method {scope['method']} not allowed on {echo_path(path)}")
+                raise ApiError(404, "not_found",
+                    f"no such path {echo_path(path)} on the simulated engine")
             await handler(scope, receive, send, path)
         except ApiError as e:  # raised only before a response starts
             await send_api_error(send, api, e, [SIM_HEADER])

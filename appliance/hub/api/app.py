@@ -19,6 +19,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from appliance import __version__
+from appliance.bounds import echo_path
 from appliance.http.asgi import (
     App,
     BodyTooLarge,
@@ -69,7 +70,7 @@ def make_app(hub: Hub) -> App:
         api = INFERENCE.get(path)
         if api is not None:
             if method != "POST":
-                await _error(send, path, 405, "method_not_allowed", f"{path} takes POST")
+                await _error(send, path, 405, "method_not_allowed", f"{echo_path(path)} takes POST")
                 return
             await handle_inference(hub, scope, receive, send, api)
             return
@@ -77,13 +78,13 @@ def make_app(hub: Hub) -> App:
             return
         if path in GETS:
             if method not in ("GET", "HEAD"):
-                await _error(send, path, 405, "method_not_allowed", f"{path} takes GET")
+                await _error(send, path, 405, "method_not_allowed", f"{echo_path(path)} takes GET")
                 return
             await _get(hub, scope, send, path)
             return
         if path == "/api/nodes/announce":
             if method != "POST":
-                await _error(send, path, 405, "method_not_allowed", f"{path} takes POST")
+                await _error(send, path, 405, "method_not_allowed", f"{echo_path(path)} takes POST")
                 return
             await _announce(hub, scope, receive, send)
             return
@@ -97,7 +98,7 @@ def make_app(hub: Hub) -> App:
             return
         if await ui.handle(hub, scope, send, lambda: _admin_ok(hub, scope)):
             return
-        await _error(send, path, 404, "not_found", f"no route {method} {path}")
+        await _error(send, path, 404, "not_found", f"no route {method} {echo_path(path)}")
 
     origins = [o.strip() for o in hub.cfg.hub.cors_origins.split(",") if o.strip()]
     # Inference answers carry the id the router made (forwarded and audited too).

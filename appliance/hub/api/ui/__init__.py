@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
+from appliance.bounds import echo_path
 from appliance.http.asgi import Scope, Send, send_json
 from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
@@ -80,7 +81,7 @@ async def handle(hub: Hub, scope: Scope, send: Send, admin_ok: Callable[[], bool
         return False
     if method not in ("GET", "HEAD"):
         await send_api_error(send, "ollama",
-                             ApiError(405, "method_not_allowed", f"{path} takes GET"))
+                             ApiError(405, "method_not_allowed", f"{echo_path(path)} takes GET"))
         return True
     if path == "/ui":
         await _redirect(send, b"/ui/")
