@@ -65,12 +65,20 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Fleet:
-    def __init__(self, affinity: str, parallel: int) -> None:
+    """A hub (two on one etcd with `etcd`) and three sim nodes, the model ready on all."""
+
+    def __init__(self, affinity: str, parallel: int, etcd: str = "") -> None:
         self.procs = Procs()
-        self.audit = os.path.join(tempfile.mkdtemp(prefix="affinity-"), "audit.jsonl")
-        self.hub = self.procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": self.audit,
-                                   "Router__Affinity": affinity})
-        env = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+        tmp = tempfile.mkdtemp(prefix="affinity-")
+        self.audits = [os.path.join(tmp, f"audit-{i}.jsonl") for i in range(2 if etcd else 1)]
+        self.audit = self.audits[0]
+        cluster = {"Cluster__Etcd": etcd, "Cluster__LeaseSeconds": "3"} if etcd else {}
+        self.hubs = [self.procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": a,
+                                     "Router__Affinity": affinity, "Hub__Name": f"hub-{i}",
+                                     **cluster}) for i, a in enumerate(self.audits)]
+        self.hub = self.hubs[0]
+        env = {"Hub__Url": ",".join(h.url for h in self.hubs), "Auth__NodeToken": TOKEN,
+               "Node__AnnounceSeconds": "1",
                "Sim__Models__0__Name": MODEL, "Sim__TokensPerSecond": "100",
                "Sim__Parallel": str(parallel), "Node__ModelSlots": str(parallel),
                "Sim__CacheTokens": "32768",
@@ -81,15 +89,16 @@ class Fleet:
                            headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
             r.raise_for_status()
 
-        def ready() -> bool:
-            st = httpx.get(self.hub.url + "/api/status", timeout=5).json()
+        def ready(url: str) -> bool:
+            st = httpx.get(url + "/api/status", timeout=5).json()
             m = next((m for m in st["models"] if m["name"] == MODEL), None)
             return m is not None and len(m["nodes"]) == 3
 
-        wait_until(ready, what="ready on three nodes")
+        for h in self.hubs:
+            wait_until(lambda h=h: ready(h.url), timeout=60, what="ready on three nodes")
 
-    def lines(self) -> list[dict[str, Any]]:
-        with open(self.audit) as f:
+    def lines(self, audit: str = "") -> list[dict[str, Any]]:
+        with open(audit or self.audit) as f:
             return [x for x in map(json.loads, f) if x.get("kind") == "request"]
 
     def close(self) -> None:
@@ -104,14 +113,14 @@ class Sample:
 
 
 async def one(c: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
-              sample: Sample | None) -> str:
+              sample: Sample | None, headers: dict[str, str] | None = None) -> str:
     t0 = time.perf_counter()
     first = None
     answer: list[str] = []
     usage: dict[str, Any] = {}
     async with c.stream("POST", url + "/v1/chat/completions", json={
             "model": MODEL, "messages": messages, "max_tokens": 16, "stream": True,
-            "stream_options": {"include_usage": True}}) as r:
+            "stream_options": {"include_usage": True}}, headers=headers) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
@@ -130,8 +139,11 @@ async def one(c: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
     return "".join(answer)
 
 
-async def chats(url: str, n: int, turns: int, shared: bool, seed: int) -> Sample:
-    """N chats of `turns` turns at once; the follow-up turns' figures."""
+async def chats(url: str, n: int, turns: int, shared: bool, seed: int,
+                urls: tuple[str, ...] = (), session: bool = False) -> Sample:
+    """N chats of `turns` turns at once; the follow-up turns' figures. With `urls`, turn t
+    goes to urls[t % len(urls)] (several hubs), each request named in its
+    x-request-id (`s{seed}c{i}t{t}`), and with `session` each chat names itself in x-session-id."""
     follow = Sample()
     rng = random.Random(seed)
     system = text(random.Random(seed * 7 + 1), CONTEXT_BYTES)
@@ -142,7 +154,11 @@ async def chats(url: str, n: int, turns: int, shared: bool, seed: int) -> Sample
         msgs = [{"role": "system", "content": ctx}]
         for t in range(turns):
             msgs.append({"role": "user", "content": f"chat {i} turn {t}: " + text(own, 200)})
-            ans = await one(c, url, msgs, follow if t else None)
+            headers = {"x-request-id": f"s{seed}c{i}t{t}"}
+            if session:
+                headers["x-session-id"] = f"chat-{seed}-{i}"
+            ans = await one(c, urls[t % len(urls)] if urls else url, msgs,
+                            follow if t else None, headers)
             msgs.append({"role": "assistant", "content": ans})
 
     limits = httpx.Limits(max_connections=n + 10)
@@ -204,14 +220,82 @@ def run(affinity: str, args: argparse.Namespace) -> dict[str, float]:
         fleet.close()
 
 
+def decision_us(n: int = 2000) -> dict[str, float]:
+    """The affinity work of one request, in-process: key + choose + served, for a chat
+    carrying ~2k tokens (the chain: 32 blocks), and for one naming its session."""
+    from appliance.hub.decide.affinity import Affinity, Candidate
+
+    rng = random.Random(5)
+    a = Affinity()
+    cands = [Candidate(name, 10) for name in NODES]
+    bodies = [{"model": MODEL, "messages": [
+        {"role": "system", "content": text(random.Random(rng.random()), CONTEXT_BYTES)},
+        {"role": "user", "content": "q"}]} for _ in range(50)]
+    out: dict[str, float] = {}
+    for kind, headers in (("prefix", []), ("session", [(b"x-session-id", b"chat-1")])):
+        t0 = time.perf_counter()
+        for i in range(n):
+            route = a.key(bodies[i % 50], headers)
+            assert route is not None
+            node = a.choose(MODEL, route, cands)
+            a.served(MODEL, route, node or NODES[0])
+        out[f"decision_us_{kind}"] = (time.perf_counter() - t0) / n * 1e6
+    return out
+
+
+def same_node_share(fleet: Fleet, seed: int) -> float:
+    """Of the follow-up turns, the share that went where the chat's previous turn went
+    (each turn through the other hub)."""
+    node = {x["request_id"]: x["node"] for a in fleet.audits for x in fleet.lines(a)
+            if x.get("request_id", "").startswith(f"s{seed}c")}
+    same = total = 0
+    for rid, n in node.items():
+        chat, _, t = rid.partition("t")
+        prev = node.get(f"{chat}t{int(t) - 1}") if t.isdigit() else None
+        if prev is not None:
+            total += 1
+            same += prev == n
+    return same / max(1, total)
+
+
+def run_ha(args: argparse.Namespace) -> dict[str, float]:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from etcd_proc import EtcdProc
+
+    etcd = EtcdProc(os.path.join(tempfile.mkdtemp(prefix="affinity-etcd-"), "etcd"))
+    etcd.start()
+    fleet = Fleet("on", args.parallel, etcd.url)
+    try:
+        urls = tuple(h.url for h in fleet.hubs)
+        out: dict[str, float] = {}
+        for session in (True, False):
+            seed = 10 + session
+            s = trio.run(chats, "", args.chats, args.turns, False, seed, urls, session)
+            key = "session" if session else "prefix"
+            out[f"{key}_cached_ratio"] = s.cached / max(1, s.prompt)
+            out[f"{key}_same_node"] = same_node_share(fleet, seed)
+        return out
+    finally:
+        fleet.close()
+        etcd.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chats", type=int, default=30)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--parallel", type=int, default=32, help="Sim__Parallel per node")
+    ap.add_argument("--ha", action="store_true", help="also: two hubs on one etcd")
+    ap.add_argument("--ha-only", action="store_true", help="only the two-hub case")
     args = ap.parse_args()
+    if args.ha_only:
+        for k, v in run_ha(args).items():
+            print(f"  {k:32} {v:.3f}")
+        return
     off = run("off", args)
     on = run("on", args)
+    for k, v in decision_us().items():
+        off[k], on[k] = 0.0, v
     print(f"{args.chats} chats x {args.turns} turns, 3 sim nodes, ~2k-token contexts, "
           f"prefill 4000 tok/s, Sim__Parallel={args.parallel}")
     print(f"{'figure':34} {'off':>10} {'on':>10} {'on/off':>8}")
@@ -220,6 +304,11 @@ def main() -> None:
         print(f"{k:34} {off[k]:10.3f} {on[k]:10.3f} {ratio:8.2f}")
     print(f"follow-up TTFT p50, off/on: own {off['own_ttft_p50_ms'] / on['own_ttft_p50_ms']:.1f}x, "
           f"shared {off['shared_ttft_p50_ms'] / on['shared_ttft_p50_ms']:.1f}x")
+    if args.ha:
+        ha = run_ha(args)
+        print("two hubs on one etcd, affinity on, each chat's turns alternating between them:")
+        for k, v in ha.items():
+            print(f"  {k:32} {v:.3f}")
 
 
 if __name__ == "__main__":

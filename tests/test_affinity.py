@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from appliance import config
 from appliance.hub.decide.affinity import (
+    BALANCE_SLACK,
     MAX_BLOCKS,
     PREFIX,
     SESSION,
@@ -20,6 +21,7 @@ from appliance.hub.decide.affinity import (
     Route,
     chain_of,
     first_within,
+    load_limit,
     render,
     rendezvous,
     route_key,
@@ -160,12 +162,21 @@ def test_the_load_bound_under_a_hot_session() -> None:
         nodes[got] += 1
         placed[got] += 1
         mean = sum(nodes.values()) / 3
-        assert max(nodes.values()) <= 1.25 * mean + 1
+        assert max(nodes.values()) <= max(1.25 * mean + 1, mean + BALANCE_SLACK)
     assert len(placed) == 3 and a.stats("m").moved > 0
     # with room, the session stays on its own node
     home = rendezvous(b"hot-session-key0", ["a", "b", "c"])[0]
     assert a.choose("m", Route(session=b"hot-session-key0"),
                     [Candidate(n, 4) for n in "abc"]) == home
+
+
+def test_the_bound_is_the_factor_at_scale_and_a_slack_at_a_handful() -> None:
+    assert load_limit(cands(0, 0, 0), 1.25) == BALANCE_SLACK
+    assert load_limit(cands(100, 100, 100), 1.25) == 126  # ceil(1.25 x 301 / 3)
+    order = ["n0", "n1", "n2"]
+    assert first_within(order, cands(4, 0, 0), 1.25) == ("n0", False)  # 5 <= 1 + 4
+    assert first_within(order, cands(5, 0, 0), 1.25) == ("n1", True)  # 6 > 1 + 4
+    assert first_within(order, cands(150, 100, 100), 1.25) == ("n1", True)  # 151 > 147
 
 
 def test_a_full_node_is_passed_over_and_none_within_means_spread() -> None:

@@ -4,7 +4,7 @@ Theory of operation: a real engine (vLLM's automatic prefix caching, llama-serve
 cache) keeps the KV state of the prompts it has processed, in blocks; a new prompt whose
 first blocks are there skips their prefill. The sim keeps the same bookkeeping without the
 tensors: per model (and per load of it: an unload empties it), an LRU set of block
-digests, each chained to the one before, so a block is found only when everything before
+checksums, each continued from the one before, so a block is found only when everything before
 it is the same. A prompt's cached tokens are its leading blocks found; the rest is
 "prefilled" at `Sim__PrefillTokensPerSecond` before the first token goes out, and its
 blocks are then remembered, least recently used first out, within `Sim__CacheTokens`.
@@ -18,7 +18,7 @@ sleeps for what `lookup` says.
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections import OrderedDict
 
 # vLLM's default KV block: 16 tokens; at the sim's 4 bytes a token, 64 bytes.
@@ -27,16 +27,16 @@ BYTES_PER_TOKEN = 4
 BLOCK_BYTES = BLOCK_TOKENS * BYTES_PER_TOKEN
 
 
-def blocks_of(prompt: bytes, most: int) -> list[bytes]:
-    """The chained digests of the prompt's first `most` full blocks."""
-    out: list[bytes] = []
-    prev = b""
+def blocks_of(prompt: bytes, most: int) -> list[int]:
+    """The prompt's first `most` full blocks, each as CRC-32 and Adler-32 of the prompt
+    through it (running sums: a block is found only when everything before it matches)."""
+    out: list[int] = []
+    crc, adler = 0, 1
     view = memoryview(prompt)
     for i in range(min(most, len(prompt) // BLOCK_BYTES)):
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(view[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES])
-        prev = h.digest()
-        out.append(prev)
+        part = view[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES]
+        crc, adler = zlib.crc32(part, crc), zlib.adler32(part, adler)
+        out.append(crc << 32 | adler)
     return out
 
 
@@ -47,7 +47,7 @@ class PrefixCache:
 
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity = capacity_tokens // BLOCK_TOKENS
-        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.blocks: OrderedDict[int, None] = OrderedDict()
 
     def use(self, prompt: bytes, prompt_tokens: int) -> int:
         """The prompt's tokens found cached (its leading blocks); then its blocks are the

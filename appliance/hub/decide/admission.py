@@ -258,7 +258,10 @@ class Admission:
         cands = []
         for h in nodes:
             left = h.places_left(model)
-            cands.append(Candidate(h.name, h.in_flight_total, left is not None and left <= 0))
+            # The load bound weighs this hub's own requests: other hubs' (HA) arrive a
+            # heartbeat late, and a stale count would move a session they keep home.
+            own = h.in_flight_total - h.others_total
+            cands.append(Candidate(h.name, own, left is not None and left <= 0))
         name = self.affinity.choose(model, route, cands)
         if name is not None:
             return next(h for h in nodes if h.name == name)

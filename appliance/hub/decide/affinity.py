@@ -22,8 +22,11 @@ admission would accept, and the shell takes the first of them.
    with a load bound (`Router__AffinityLoadFactor`, HAProxy's `hash-balance-factor`
    rule from "Consistent Hashing with Bounded Loads", Mirrokni et al. 2016): a node may
    take the request while its in-flight + 1 stays within ceil(factor x (total + 1) / n)
-   over the n candidates; one above it, or at its limit (no place left), is passed over
-   for the next in rendezvous order. A node that joins or leaves moves only its share.
+   over the n candidates -- or within the mean + `BALANCE_SLACK`, whichever is more: at a
+   handful of requests the factor alone moves sessions on every chance fluctuation (SGLang's
+   cache-aware router has the same absolute threshold, 32 by default, for the same
+   reason); one above it, or at its limit (no place left), is passed over for the next in
+   rendezvous order. A node that joins or leaves moves only its share.
 3. A prefix index per model for requests without a session key: block hash -> the node
    that last served a prompt holding that block, LRU-bounded by
    `Router__AffinityIndexEntries`; the longest match wins, else rendezvous on the first
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +68,11 @@ BYTES_PER_TOKEN = 4
 # A predicted hit is confirmed when the engine reports at least this share of the matched
 # prefix as cached (templates and tokenizers make the two numbers differ a little).
 CONFIRM_SHARE = 0.5
+
+# Requests a node may run above the mean before the load bound applies: a few more on a
+# warm node cost less than a cold prefill (llama-server runs 4 slots by default, Ollama
+# up to OLLAMA_NUM_PARALLEL=4); the factor takes over from ~16 requests per node.
+BALANCE_SLACK = 4
 
 SESSION, PREFIX, SPREAD = "session", "prefix", "spread"
 REASONS = (SESSION, PREFIX, SPREAD)
@@ -148,18 +157,22 @@ def render(obj: dict[str, Any]) -> bytes:
 
 
 def chain_of(data: bytes, block: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    """The prefix-hash chain: block i's digest covers block i and the digest before it.
+    """The prefix-hash chain: block i's value is CRC-32 and Adler-32 of the text through
+    block i, each continued from the one before (zlib's running checksums: 64 bits for a
+    microsecond a block, where a cryptographic hash costs several). CRC-32 changes for any
+    change of up to 32 bits, so an edit in block k changes every value from k on; a
+    collision of both sums misroutes one request to a cold cache, nothing worse.
     A text shorter than one block has none: its prefill is too short to be worth a
     detour, so it is spread by load like any request with nothing to go on."""
     n = min(len(data) // block, max_blocks)
     view = memoryview(data)
     out: list[int] = []
-    prev = b""
+    crc, adler = 0, 1
+    crc32, adler32 = zlib.crc32, zlib.adler32
     for i in range(n):
-        h = hashlib.blake2b(prev, digest_size=8)
-        h.update(view[i * block:(i + 1) * block])
-        prev = h.digest()
-        out.append(int.from_bytes(prev, "little"))
+        part = view[i * block:(i + 1) * block]
+        crc, adler = crc32(part, crc), adler32(part, adler)
+        out.append(crc << 32 | adler)
     return out
 
 
@@ -194,7 +207,8 @@ def rendezvous(key: bytes, names: Iterable[str]) -> list[str]:
 def load_limit(candidates: Sequence[Candidate], factor: float) -> int:
     """The most requests in flight a node may have after taking this one."""
     total = sum(c.in_flight for c in candidates)
-    return math.ceil(factor * (total + 1) / len(candidates))
+    n = len(candidates)
+    return max(math.ceil(factor * (total + 1) / n), total // n + BALANCE_SLACK)
 
 
 def first_within(order: Iterable[str], candidates: Sequence[Candidate],
