@@ -14,6 +14,9 @@ the file, or `--fake-mode MODE`):
 - `chatty`: writes 1 MiB of log lines to stderr before it is healthy (a node that does
   not read the pipe continuously would block it).
 - `crash`: becomes healthy, then exits with an error 0.5 s later.
+- `python`: as `python -m llama_cpp.server`: no `/health` (404), and a `response_format`
+  of type `json_schema` is a 422 in FastAPI's shape (llama-cpp-python takes only
+  `json_object`, with a `schema`).
 - a file that does not exist: llama.cpp's "failed to open GGUF file" line, exit 1.
 `--health-delay S` (default 0.2) is how long it reports "loading" first.
 """
@@ -78,6 +81,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         ready = self.state["ready"]
         if self.path == "/health":
+            if self.state.get("mode") == "python":
+                return self._json(404, {"detail": "Not Found"})
             if not ready:
                 return self._json(503, {"error": {"code": 503, "message": "Loading model"}})
             return self._json(200, {"status": "ok"})
@@ -98,6 +103,12 @@ class Handler(BaseHTTPRequestHandler):
         if not self.state["ready"]:
             return self._json(503, {"error": {"code": 503, "message": "Loading model"}})
         chat = self.path == "/v1/chat/completions"
+        rf = req.get("response_format")
+        if self.state.get("mode") == "python" and isinstance(rf, dict) and rf.get(
+                "type") not in (None, "text", "json_object"):
+            return self._json(422, {"detail": [{"type": "literal_error",
+                                                "loc": ["body", "response_format", "type"],
+                                                "msg": "Input should be 'text' or 'json_object'"}]})
         if not chat and self.path != "/v1/completions":
             return self._json(404, {"error": {"code": 404, "message": "File Not Found"}})
         count = int(req.get("max_tokens") or 8)
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     if mode == "kev":
         time.sleep(0.1)
         fail_kev(path)
-    Handler.state = {"ready": False, "model": path}
+    Handler.state = {"ready": False, "model": path, "mode": mode}
     srv = ThreadingHTTPServer((opts.host, opts.port), Handler)
     srv.daemon_threads = True
     sys.stderr.write(f"main: server is listening on http://{opts.host}:{opts.port}\n")

@@ -4,10 +4,12 @@ Theory of operation: `EngineProxy.handle` answers the listings (GET /v1/models, 
 /api/ps, /api/version) from the node's state and relays every POST to the engine that
 serves its model. It reads the body (bounded by `Node__MaxBodyBytes`), decodes only
 `model`, asks the keeper for a place (`try_start`) and streams the same bytes to the engine
-and the engine's bytes back, chunk by chunk (`appliance.http.stream.relay_body`). The
-copy is cancelled when the client hangs up (`appliance.http.disconnect`), so a client that
-goes away frees its place at once; an engine that breaks off mid-stream ends the stream
-with an error event in its own framing. Every request is counted once (NodeMetrics).
+-- fitted to the fields it takes where they differ (engines/params.py), as JSON whatever
+content type the client gave -- and the engine's bytes back, chunk by chunk
+(`appliance.http.stream.relay_body`). The copy is cancelled when the client hangs up
+(`appliance.http.disconnect`), so a client that goes away frees its place at once; an
+engine that breaks off mid-stream ends the stream with an error event in its own framing.
+Every request is counted once (NodeMetrics).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from appliance.http.errors import Api, ApiError, Headers
 from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
+from appliance.node.engines.params import fit
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
 
@@ -135,6 +138,9 @@ class EngineProxy:
                                   f"model {echo(model)} not found on node {self.keeper.name}")
                 self._count(OTHER_LABEL, "404")  # a client-chosen name never becomes a label
             return
+        # The body as this engine takes it (engines/params.py: max_completion_tokens,
+        # json_schema); untouched where it names neither.
+        body = fit(self.engine.dialect(model), scope["path"], body)
         refused = self.keeper.try_start(model)
         if refused is not None:
             await send_error(send, api, 503, "no_capacity", refused, [(b"retry-after", b"1")])

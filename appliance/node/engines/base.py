@@ -62,6 +62,10 @@ class Engine(abc.ABC):
     def upstream(self, model: str) -> str | None:
         """Base URL (no trailing slash) that serves `model`'s /v1 and /api paths, or None."""
 
+    def dialect(self, model: str) -> str:
+        """Which request fields the engine serving `model` takes (engines/params.py)."""
+        return "openai"
+
     def memory_used_mb(self) -> int:
         """MiB the loaded models take, by the engine's own account."""
         return sum(m.size_mb for m in self.models() if m.state in ("ready", "loading"))

@@ -12,6 +12,9 @@ after the model is loaded), `GET /v1/models` is 200. Both of these start:
 
 The word `python` is run as found on PATH: give the full interpreter path of the
 environment where llama-cpp-python is installed. Wrapper scripts should `exec` the server.
+Which of the two serves a model (its `dialect`, engines/params.py: llama-cpp-python takes
+neither `max_completion_tokens` nor `json_schema`) is known from the command
+(`-m llama_cpp.server`) or, behind a wrapper, from its missing `/health`.
 
 It owns the processes, never their time bound: load() polls until ready or until the
 process exits; the node wraps it in `Engine__StartTimeoutSeconds`, and a cancelled load
@@ -43,6 +46,7 @@ from appliance.config import Config
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.childproc import Child
 from appliance.node.engines.gguf import read_meta
+from appliance.node.engines.params import LLAMA_CPP_PYTHON, OPENAI
 from appliance.wire import EngineInstall, ModelState, ModelStatus
 
 log = logging.getLogger("appliance.node.llamacpp")
@@ -134,6 +138,7 @@ class _Model:
         self.stopped = trio.Event()  # the process is gone
         self.unloading = False
         self.started = False  # load() has returned: it served
+        self.dialect = OPENAI  # llama-server; LLAMA_CPP_PYTHON once the server shows it is
         try:
             self.size_mb = math.ceil(os.path.getsize(self.source) / MiB)
         except OSError:
@@ -187,6 +192,10 @@ class LlamaCppEngine(Engine):
             return None
         return f"http://127.0.0.1:{m.port}"
 
+    def dialect(self, model: str) -> str:
+        m = self._models.get(model)
+        return m.dialect if m is not None else OPENAI
+
     def pid(self, model: str) -> int | None:
         """The engine process serving `model` (for diagnostics and tests)."""
         m = self._models.get(model)
@@ -225,6 +234,8 @@ class LlamaCppEngine(Engine):
             try:
                 m.port = free_port()
                 argv = expand_command(self.command, m.source, m.port, m.args)
+                if argv[1:3] == ["-m", "llama_cpp.server"]:
+                    m.dialect = LLAMA_CPP_PYTHON
                 try:
                     m.child = Child(argv)
                 except (OSError, IndexError) as e:
@@ -289,6 +300,7 @@ class LlamaCppEngine(Engine):
                     return True
                 if r.status_code == 404 and len(paths) > 1:
                     paths.pop(0)  # no /health here (llama_cpp.server): ask /v1/models
+                    m.dialect = LLAMA_CPP_PYTHON
                     continue
             except httpx.TransportError:
                 pass

@@ -29,6 +29,7 @@ import trio
 
 from appliance.config import Config, MiB
 from appliance.node.engines.base import Engine, EngineError
+from appliance.node.engines.params import OLLAMA
 from appliance.wire import EngineInstall, ModelMeta, ModelState, ModelStatus
 
 log = logging.getLogger("appliance.node.engine")
@@ -267,6 +268,10 @@ class OllamaEngine(PolledEngine):
 
     def memory_used_mb(self) -> int:
         return sum(self._ps.values())
+
+    def dialect(self, model: str) -> str:
+        """Ollama's OpenAI routes take `max_tokens`, not `max_completion_tokens`."""
+        return OLLAMA
 
     def upstream(self, model: str) -> str | None:
         if not self._up:

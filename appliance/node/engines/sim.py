@@ -13,6 +13,7 @@ import trio
 
 from appliance.config import Config
 from appliance.node.engines.ollama import OllamaEngine
+from appliance.node.engines.params import OPENAI
 from appliance.sim.server import make_sim_app, reconfigure, serve_sim
 
 SIM_LISTEN = "127.0.0.1:0"  # loopback only: the node is the sim's one client
@@ -31,6 +32,10 @@ class SimEngine(OllamaEngine):
             host, port = await nursery.start(serve_sim, self.app, SIM_LISTEN)
             self.url = f"http://{host}:{port}"
             await super().run(task_status=task_status)
+
+    def dialect(self, model: str) -> str:
+        """The sim takes OpenAI's fields as OpenAI names them (unlike Ollama)."""
+        return OPENAI
 
     def reconfigure(self, cfg: Config) -> None:
         """New Sim__* settings (SIGHUP); the next poll shows the new model list."""
