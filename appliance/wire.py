@@ -35,6 +35,9 @@ class ModelMeta(msgspec.Struct, omit_defaults=True):
     parameter_size: str = ""
     quantization_level: str = ""
     context_length: int = 0
+    # What the engine says the model can do (Ollama's words: completion, tools, vision,
+    # embedding, thinking); None: it says nothing.
+    capabilities: list[str] | None = None
 
 
 class ModelState(msgspec.Struct):

@@ -156,3 +156,40 @@ async def test_pull_of_a_llamacpp_model_is_a_501_that_says_why():
     assert sent[0]["status"] == 501
     body = msgspec.json.decode(sent[1]["body"])
     assert body["error"].startswith("model 'tiny' is served by llamacpp engines, which do not pull")
+
+
+PNG = "iVBORw0KGgo="
+
+
+@pytest.mark.parametrize(("body", "images"), [
+    ({"messages": [{"role": "user", "content": "hi"}]}, False),
+    ({"messages": [{"role": "user", "content": "look", "images": [PNG]}]}, True),
+    ({"prompt": "look", "images": [PNG]}, True),
+    ({"prompt": "look", "images": []}, False),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}}]}]}, True),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": PNG}}]}]}, True),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     True),
+    ({"input": "look"}, False),
+])
+def test_images_in_a_body_of_any_api(body, images):
+    assert capable.has_images(body) is images
+
+
+def test_what_a_model_can_do_is_what_capable_engines_say():
+    from appliance.wire import ModelMeta, ModelState
+
+    spec = Models(cfg([{"Name": "m"}])).spec("m")
+    a, b = node("a", kind="ollama"), node("b", kind="sim")
+    assert capable.model_capabilities(spec, [a, b], "m") is None  # nobody lists it
+    a.state.models.append(ModelState("m", 100, meta=ModelMeta(capabilities=["completion"])))
+    b.state.models.append(ModelState("m", 100, meta=ModelMeta()))  # says nothing
+    assert capable.model_capabilities(spec, [a, b], "m") == {"completion"}
+    b.state.models[-1].meta.capabilities = ["completion", "vision"]
+    assert capable.model_capabilities(spec, [a, b], "m") == {"completion", "vision"}
+    pinned = Models(cfg([{"Name": "m", "Engine": "ollama"}])).spec("m")
+    assert capable.model_capabilities(pinned, [a, b], "m") == {"completion"}

@@ -52,10 +52,7 @@ LIMITS = {
 # Cells that fail because of the hub's translation side (worktree `engines`: content type,
 # usage counts, durations, max_completion_tokens, json_schema mapping): expected to work
 # once that lands.
-THEIRS: dict[tuple[str, str, str], str] = {
-    ("sim", "anthropic", "structured"):
-        "the hub drops Anthropic output_config.format (translation: worktree engines)",
-}
+THEIRS: dict[tuple[str, str, str], str] = {}
 
 
 class Fleet:
@@ -67,9 +64,11 @@ class Fleet:
         procs.node("sim-n", {**common, "Sim__TokensPerSecond": "2000",
                              "Sim__Models__0__Name": "sim-chat",
                              "Sim__Models__1__Name": "sim-embed",
-                             "Sim__Models__1__Capabilities": "embedding"})
+                             "Sim__Models__1__Capabilities": "embedding",
+                             "Sim__Models__2__Name": "sim-eyes",
+                             "Sim__Models__2__Capabilities": "completion,vision"})
         self.models = {"sim": ("sim-chat", "sim-embed")}
-        wait_until(lambda: {"sim-chat", "sim-embed"} <= {
+        wait_until(lambda: {"sim-chat", "sim-embed", "sim-eyes"} <= {
             m["name"] for m in httpx.get(self.hub.url + "/api/status", timeout=10).json()["models"]},
                    what="models known")
 
@@ -382,3 +381,41 @@ def test_open_webui_call_sequence_with_token_stats(fleet):
                what="unloaded")
     again = c.post("/api/chat", json={**body, "stream": False})
     assert again.status_code == 200 and again.json()["message"]["content"]
+
+
+# --- images to a model without vision -------------------------------------------------
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+def test_images_to_a_model_without_vision_are_a_400_in_each_apis_shape(fleet):
+    import anthropic
+    import ollama
+    import openai
+
+    url = "data:image/png;base64," + PNG
+    oa = _openai(fleet)
+    parts = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": url}}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        oa.chat.completions.create(model="sim-chat", messages=[{"role": "user",
+                                                                "content": parts}])
+    assert ei.value.code == "invalid_request" and "image" in ei.value.message
+    ol = ollama.Client(host=fleet.hub.url, timeout=60)
+    with pytest.raises(ollama.ResponseError) as oe:
+        ol.chat(model="sim-chat", messages=[{"role": "user", "content": "what is this?",
+                                             "images": [PNG]}])
+    assert oe.value.status_code == 400 and "image" in oe.value.error
+    an = anthropic.Anthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as ae:
+        an.messages.create(model="sim-chat", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": PNG}}]}])
+    assert ae.value.body["type"] == "error" and "image" in ae.value.body["error"]["message"]
+    # A model whose engine says vision takes them.
+    assert ol.chat(model="sim-eyes", messages=[{"role": "user", "content": "what is this?",
+                                                "images": [PNG]}]).message.content
+    assert oa.chat.completions.create(model="sim-eyes", messages=[
+        {"role": "user", "content": parts}]).choices[0].message.content
+    caps = httpx.post(fleet.hub.url + "/api/show", json={"model": "sim-eyes"}).json()
+    assert caps["capabilities"] == ["completion", "vision"]

@@ -224,3 +224,17 @@ async def test_sim_engine_server_stops_with_run():
     async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as c:
         with pytest.raises(httpx.ConnectError):
             await c.get(url + "/api/tags")
+
+
+async def test_the_engines_capabilities_reach_the_models_meta():
+    """/api/show's capabilities, asked once per model and digest (issue 20 item 6)."""
+    models = [SimModel(name="eyes", capabilities=["completion", "vision"]),
+              SimModel(name="embed", capabilities=["embedding"])]
+    engine = SimEngine(config("sim", models=models))
+    async with running(engine):
+        caps = {m.name: m.meta.capabilities for m in engine.models()}
+        assert caps == {"eyes": ["completion", "vision"], "embed": ["embedding"]}
+        before = engine.app.state.statistics()
+        await engine.refresh()
+        assert {m.name: m.meta.capabilities for m in engine.models()} == caps
+        assert engine.app.state.statistics() == before

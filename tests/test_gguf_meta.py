@@ -21,3 +21,23 @@ def test_anything_else_is_no_metadata(tmp_path):
     cut.write_bytes(tiny.read_bytes()[:40])  # the header, then nothing: what was read, or None
     meta = read_meta(str(cut))
     assert meta is None or meta.format == "gguf"
+
+
+def test_digest_parameter_count_and_capabilities(tmp_path):
+    """llama.cpp models in /api/tags need a digest and a parameter size (issue 20)."""
+    from appliance.node.engines import gguf
+    from appliance.node.engines.llamacpp import with_args
+
+    tiny, kev = make_gguf.write_pair(tmp_path, seed=1)
+    meta = read_meta(str(tiny))
+    assert len(meta.digest) == 64 and meta.digest == read_meta(str(tiny)).digest
+    assert meta.digest != read_meta(str(kev)).digest
+    assert meta.parameter_size == "124.61K"  # counted from the tensor infos (no size label)
+    assert meta.capabilities == ["completion"]  # its template names no tools, no <think>
+    assert gguf.human_count(494_032_768) == "494.03M" and gguf.human_count(8_030_000_000) == "8.0B"
+    assert gguf.capabilities("llama", None, "{% if tools %}...<think>") == [
+        "completion", "tools", "thinking"]
+    assert gguf.capabilities("nomic-bert", 1, "") == ["embedding"]
+    assert gguf.capabilities("qwen2", 3, "") == ["completion", "embedding"]
+    assert with_args(read_meta(str(tiny)), "--mmproj /m/proj.gguf --ctx-size 512").capabilities == [
+        "completion", "vision"]

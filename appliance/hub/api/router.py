@@ -38,7 +38,7 @@ from appliance.http.keys import request_key
 from appliance.hub import translate
 from appliance.hub.api.relay import relay_from
 from appliance.hub.api.request import Recorder, Request
-from appliance.hub.decide import fair
+from appliance.hub.decide import capable, fair
 from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.limits import output_cap
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
@@ -177,6 +177,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
             raise ApiError(404, "model_not_found", f"model {echo(asked.model)!r} not found")
         req.label = model
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
+        refuse_images(hub, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
         # The key's limits (limits.py): reserved now, settled in Request.finish.
         cap = output_cap(obj)
@@ -208,6 +209,19 @@ def _used(req: Request) -> int | None:
     """What the request really cost, in fair queueing's terms (None: the engine said nothing)."""
     t = req.tokens
     return None if t is None or t.estimated else fair.cost(t.input, t.output)
+
+
+def refuse_images(hub: Hub, model: str, obj: dict[str, Any]) -> None:
+    """Images for a model whose engines say it has no vision: a 400 in the API's shape
+    (as Ollama answers), not an engine's 500 or a silent drop."""
+    if not capable.has_images(obj):
+        return
+    caps = capable.model_capabilities(hub.control.core.spec(model),
+                                      list(hub.registry.nodes.values()), model)
+    if caps is not None and "vision" not in caps:
+        raise ApiError(400, "invalid_request",
+                       f"model {echo(model)!r} does not support image input (its engine lists "
+                       f"{', '.join(sorted(caps)) or 'no capabilities'})")
 
 
 def _ready(hub: Hub, name: str) -> bool:

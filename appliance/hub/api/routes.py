@@ -289,7 +289,9 @@ def _show_synth(hub: Hub, model: str) -> dict[str, Any]:
     info: dict[str, Any] = {"general.architecture": family}
     if meta is not None and meta.context_length:
         info[f"{family}.context_length"] = meta.context_length
-    caps = ["embedding"] if "embed" in model else ["completion", "tools"]
+    known = capable.model_capabilities(hub.control.core.spec(model), _capable(hub, model), model)
+    caps = sorted(known) if known is not None else (
+        ["embedding"] if "embed" in model else ["completion", "tools"])
     details = status.details(meta)
     details["family"] = family
     details["families"] = details["families"] or ([family] if family else None)

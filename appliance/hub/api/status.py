@@ -7,6 +7,7 @@ control plane and admission -- nothing is cached, so nothing goes stale. The key
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,15 @@ def model_meta(hub: Hub, model: str) -> ModelMeta | None:
     return best
 
 
+def digest(hub: Hub, model: str, meta: ModelMeta | None) -> str:
+    """The engine's digest; for a model no engine describes yet, a stable stand-in (the
+    sha256 of its name and catalog source), so clients that key on it never see ""."""
+    if meta is not None and meta.digest:
+        return meta.digest
+    spec = hub.control.core.spec(model)
+    return hashlib.sha256(f"{model}\n{spec.source}".encode()).hexdigest()
+
+
 def details(meta: ModelMeta | None) -> dict[str, Any]:
     if meta is None:
         return {"parent_model": "", "format": "", "family": "", "families": None,
@@ -162,8 +172,8 @@ def ollama_tags(hub: Hub, client_allowed: Callable[[str], bool]) -> dict[str, An
                        "modified_at": (meta.modified_at if meta is not None and meta.modified_at
                                        else time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                           time.gmtime(STARTED_AT))),
-                       "size": _size_bytes(hub, m["name"]), "digest": meta.digest
-                       if meta is not None else "",
+                       "size": _size_bytes(hub, m["name"]),
+                       "digest": digest(hub, m["name"], meta),
                        "details": details(meta),
                        "status": _health(m), "last_error": m["last_error"], "reason": m["reason"]})
     return {"models": models}
@@ -176,7 +186,7 @@ def ollama_ps(hub: Hub, client_allowed: Callable[[str], bool]) -> dict[str, Any]
             size = _size_bytes(hub, m["name"])
             meta = model_meta(hub, m["name"])
             entry = {"name": m["name"], "model": m["name"], "size": size, "size_vram": size,
-                     "digest": meta.digest if meta is not None else "", "details": details(meta),
+                     "digest": digest(hub, m["name"], meta), "details": details(meta),
                      "expires_at": _expires_at(hub, m["name"])}
             if meta is not None and meta.context_length:
                 entry["context_length"] = meta.context_length

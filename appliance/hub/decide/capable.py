@@ -5,11 +5,14 @@ catalog (`Models__N__Engine`), or by its source's form -- a `.gguf` path is a fi
 llama.cpp reads -- and otherwise any engine may serve it. A node says its kind in its
 `NodeState.engine` (the hub checks the word: `NodeHandle.kind()`); a node whose kind is
 unknown serves only models that any engine may serve. Placement, parking counts,
-`/api/pull` and `/api/show` ask this one rule. Pure functions, no I/O.
+`/api/pull` and `/api/show` ask this one rule. What a model can do is what the engines of
+capable nodes say (`ModelMeta.capabilities`); a request with images for a model they say
+has no vision is refused (400) before any node sees it. Pure functions, no I/O.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 LLAMACPP = "llamacpp"
@@ -36,3 +39,44 @@ def why_none(spec: Any, up: list[Any]) -> str:
     kinds = ", ".join(f"{h.name} {h.kind() or 'unknown'}" for h in up) or "none up"
     how = "Models__N__Engine" if getattr(spec, "engine", "") else "its .gguf source"
     return f"needs a {need} engine ({how}); no node that is up runs one ({kinds})"
+
+
+# --- what a model can do -----------------------------------------------------------------
+
+# Content-part types that carry an image: OpenAI chat, Responses, Anthropic.
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+
+
+def model_capabilities(spec: Any, nodes: Iterable[Any], model: str) -> set[str] | None:
+    """What the engines of capable nodes say `model` can do (their union); None when none
+    of them says (an engine that reports no capabilities: nothing is refused for it)."""
+    out: set[str] | None = None
+    for h in nodes:
+        st = h.state
+        m = st.model(model) if st is not None else None
+        if m is None or m.meta is None or m.meta.capabilities is None or not serves(spec, h):
+            continue
+        out = (out or set()) | set(m.meta.capabilities)
+    return out
+
+
+def _parts_have_images(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in content)
+
+
+def has_images(body: dict[str, Any]) -> bool:
+    """Images in a request body of any API: Ollama's `images` (a message's, or
+    /api/generate's), OpenAI `image_url` parts, Responses `input_image`, Anthropic `image`
+    blocks. Only the messages' own level is looked at (no deep walk of a client's JSON)."""
+    if body.get("images"):
+        return True
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if not isinstance(items, list):
+            continue
+        for msg in items:
+            if isinstance(msg, dict) and (msg.get("images") or _parts_have_images(
+                    msg.get("content")) or msg.get("type") in IMAGE_PARTS):
+                return True
+    return False

@@ -47,7 +47,7 @@ from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.childproc import Child
 from appliance.node.engines.gguf import read_meta
 from appliance.node.engines.params import LLAMA_CPP_PYTHON, OPENAI
-from appliance.wire import EngineInstall, ModelState, ModelStatus
+from appliance.wire import EngineInstall, ModelMeta, ModelState, ModelStatus
 
 log = logging.getLogger("appliance.node.llamacpp")
 
@@ -123,8 +123,24 @@ def free_port() -> int:
         return port
 
 
+def with_args(meta: ModelMeta | None, args: str) -> ModelMeta | None:
+    """The file's capabilities plus what the server's arguments add: a vision projector
+    (`--mmproj`), an embedding endpoint (`--embedding(s)`)."""
+    if meta is None:
+        return None
+    words = shlex.split(args) if args else []
+    caps = list(meta.capabilities or [])
+    if any(w in ("--mmproj", "-mm", "--mmproj-url") for w in words) and "vision" not in caps:
+        caps.append("vision")
+    if any(w in ("--embedding", "--embeddings") for w in words) and "embedding" not in caps:
+        caps.append("embedding")
+    meta.capabilities = caps
+    return meta
+
+
 class _Model:
-    def __init__(self, name: str, source: str, args: str) -> None:
+    def __init__(self, name: str, source: str, args: str,
+                 meta: ModelMeta | None = None) -> None:
         self.name, self.source, self.args = name, source or name, args
         self.state: ModelStatus = "loading"
         self.last_error = ""
@@ -143,7 +159,7 @@ class _Model:
             self.size_mb = math.ceil(os.path.getsize(self.source) / MiB)
         except OSError:
             self.size_mb = 0
-        self.meta = read_meta(self.source) if self.size_mb else None
+        self.meta = with_args(meta, args)
 
     def error_text(self) -> str:
         return pick_error(self.tail.decode("utf-8", "replace"))
@@ -211,7 +227,9 @@ class LlamaCppEngine(Engine):
             if old.state == "ready" and (old.source, old.args) == (source or model, args):
                 return
             await self.unload(model)
-        m = _Model(model, source, args)
+        path = source or model
+        meta = await trio.to_thread.run_sync(read_meta, path) if os.path.isfile(path) else None
+        m = _Model(model, source, args, meta)
         self._models[model] = m
         self.on_change()
         await self._nursery.start(self._run_model, m)

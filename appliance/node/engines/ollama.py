@@ -118,6 +118,18 @@ class _Tags(msgspec.Struct):
     models: list[_Tag] | None = None
 
 
+class _Show(msgspec.Struct):
+    capabilities: list[str] | None = None
+
+
+_show_decoder = msgspec.json.Decoder(_Show)
+# /api/show calls per poll for models whose capabilities are not known yet (one per new
+# model or digest; the rest wait for the next poll); what one may list, and how long a word.
+SHOWS_PER_POLL = 16
+MAX_CAPABILITIES = 16
+MAX_CAPABILITY_CHARS = 32
+
+
 class _Version(msgspec.Struct):
     version: str = ""
 
@@ -194,6 +206,8 @@ class OllamaEngine(PolledEngine):
         self._loading: set[str] = set()
         self._failed: dict[str, str] = {}  # name -> the engine's words
         self._alias: dict[str, str] = {}  # name the hub asked for -> name Ollama lists
+        # (name, digest) -> what /api/show says it can do (None: it said nothing)
+        self._caps: dict[tuple[str, str], list[str] | None] = {}
 
     # --- the long-lived part -------------------------------------------------------------
 
@@ -217,10 +231,30 @@ class OllamaEngine(PolledEngine):
             name = t.name or t.model
             if name in meta and t.context_length:
                 meta[name].context_length = t.context_length
+        await self._read_capabilities(client, tags)
+        for t in tags:
+            meta[t.name or t.model].capabilities = self._caps.get((t.name or t.model, t.digest))
         self._meta = meta
         for name in self._ps:
             self._failed.pop(name, None)
         self._notify()
+
+    async def _read_capabilities(self, client: httpx.AsyncClient, tags: list[_Tag]) -> None:
+        """Ask /api/show what each new model (or new digest) can do; a bounded few a poll."""
+        keys = {(t.name or t.model, t.digest) for t in tags}
+        self._caps = {k: v for k, v in self._caps.items() if k in keys}
+        for name, digest in sorted(keys - set(self._caps))[:SHOWS_PER_POLL]:
+            r = await client.post("/api/show", json={"model": name})
+            caps = None
+            if r.status_code == 200:
+                try:
+                    said = _show_decoder.decode(r.content).capabilities
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    said = None
+                if said is not None:
+                    caps = [c for c in said[:MAX_CAPABILITIES]
+                            if 0 < len(c) <= MAX_CAPABILITY_CHARS]
+            self._caps[(name, digest)] = caps
 
     @staticmethod
     async def _get_tags(client: httpx.AsyncClient, path: str) -> list[_Tag]:
