@@ -1,6 +1,7 @@
 """What the hub and the node add: the same requests direct, through a node, through hub + node.
 
 Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N] [--ui-polling]
+     [--affinity on|off]
 
 Starts three real processes on loopback -- `appliance sim` (no artificial delay), an
 `appliance node` fronting it (Engine__Kind=ollama at the sim's URL) and an `appliance hub`
@@ -124,6 +125,8 @@ def main() -> None:
                     help="non-streaming requests per target and concurrency")
     ap.add_argument("--stream-requests", type=int, default=64,
                     help="streamed requests per target and concurrency")
+    ap.add_argument("--affinity", choices=("on", "off"), default="on",
+                    help="the hub's Router__Affinity (issue 23: its cost per request)")
     ap.add_argument("--ui-polling", action="store_true",
                     help="poll the hub as its /ui/ page does, all run long")
     args = ap.parse_args()
@@ -145,7 +148,7 @@ def main() -> None:
                                      "Engine__Kind": "openai", "Engine__Url": sim2.url,
                                      "Node__ModelSlots": "64"})
         hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                                  "Audit__Path": os.devnull,
+                                  "Audit__Path": os.devnull, "Router__Affinity": args.affinity,
                                   "Nodes__0__Name": "bench", "Nodes__0__Url": node.url,
                                   "Nodes__1__Name": "bench-oai", "Nodes__1__Url": node2.url},
                           wait=("hub",))

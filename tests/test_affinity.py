@@ -274,9 +274,13 @@ def test_lru_keeps_what_is_used() -> None:
     assert 2 not in ix.entries and 1 in ix.entries
 
 
-def test_off_gives_no_key() -> None:
+def test_off_keys_nothing_but_still_counts_the_engines_cache() -> None:
     a = Affinity(enabled=False)
-    assert a.key({"prompt_cache_key": "x"}, []) is None
+    r = a.key({"prompt_cache_key": "x", "prompt": "p" * 5000}, [])
+    assert r.session is None and r.chain == []
+    r.prompt_tokens, r.cached_tokens = 1000, 250
+    a.served("m", r, "n0")
+    assert a.status("m")["cache_hit_ratio"] == 0.25 and not a.index
 
 
 def test_configure_new_block_size_clears_the_index() -> None:

@@ -81,6 +81,17 @@ def test_turn_two_lands_on_turn_ones_node_and_the_engine_reports_it_cached(fleet
                   'reason="prefix"') == len(convos)
     assert metric(hub, "appliance_cached_prompt_tokens_total", 'model="sim-small"') == cached
     assert metric(hub, "appliance_prompt_tokens_total", 'model="sim-small"') > cached
+    # a streamed turn whose client asked for no usage: the hub still reads the engine's
+    with httpx.Client(base_url=hub.url, timeout=30) as c:
+        m = [*convos[0], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "h?"}]
+        with c.stream("POST", "/v1/chat/completions", json={
+                "model": "sim-small", "messages": m, "max_tokens": 4, "stream": True}) as r:
+            body = r.read().decode()
+    assert '"usage"' not in body and "[DONE]" in body
+    last = audit_nodes(audit)[-1]
+    assert last["node"] == turn1[0] and last["routing"] == "prefix" and last["cached_tokens"] > 0
+    assert metric(hub, "appliance_cached_prompt_tokens_total",
+                  'model="sim-small"') == cached + last["cached_tokens"]
 
 
 def test_a_named_session_stays_on_one_node(fleet):

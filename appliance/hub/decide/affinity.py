@@ -332,8 +332,10 @@ class Affinity:
             while len(ix.entries) > entries:
                 ix.entries.popitem(last=False)
 
-    def key(self, obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> Route | None:
-        return route_key(obj, headers, self.block) if self.enabled else None
+    def key(self, obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> Route:
+        """The request's key; while off an empty one, so the engines' cache figures are
+        counted all the same (nothing is hashed)."""
+        return route_key(obj, headers, self.block) if self.enabled else Route()
 
     def stats(self, model: str) -> ModelStats:
         s = self.models.get(model)
