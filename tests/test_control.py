@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_placement import cfg, set_state
 
 from appliance.http.errors import ApiError
-from appliance.hub.decide.control import Control
+from appliance.hub.decide.control import Control, NodeRefused
 from appliance.hub.fleet.nodes import Registry
 from appliance.hub.observe.fleet_metrics import ControlCollector
 from appliance.wire import EngineInstall, ModelState, NodeState
@@ -40,14 +40,14 @@ class FakeOps:
         err = self.fail.get(model)
         set_state(h, model, "failed" if err else "ready")
         self.registry.changed()
-        return err or None
+        if err:
+            raise NodeRefused(500, err)
 
     async def unload(self, h, model):
         self.unloads.append((h.name, model))
         await trio.sleep(self.unload_seconds)
         set_state(h, model, "available")
         self.registry.changed()
-        return None
 
     async def assert_epoch(self, h):
         """The leader's epoch asserted to `h`; `forged[name]`: an epoch the node keeps
@@ -61,7 +61,6 @@ class FakeOps:
         self.controls.append((h.name, action))
         h.state.paused = action == "pause"
         self.registry.changed()
-        return 200, ""
 
 
 class FakeAudit:

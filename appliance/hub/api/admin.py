@@ -28,6 +28,7 @@ from appliance.bounds import echo
 from appliance.http.asgi import Receive, Scope, Send, send_json
 from appliance.hub.api.status import tenants_status, with_routing
 from appliance.hub.cluster.etcd import EtcdError
+from appliance.hub.decide.control import NodeRefused
 from appliance.hub.fleet.nodes import NodeHandle
 
 if TYPE_CHECKING:
@@ -188,13 +189,13 @@ async def _node_action(hub: Hub, name: str, action: str, send: Send) -> None:
                                                  f"{e}"})
     else:
         try:
-            code, err = await hub.control.ops.control(h, action)
+            await hub.control.ops.control(h, action)
         except httpx.TransportError as e:
             return await send_json(send, 502,
                                    {"error": f"node {name} did not answer {action}: "
                                              f"{type(e).__name__}: {e}"})
-        if code != 200:
-            return await send_json(send, 502, {"error": f"node {name} refused {action}: {err}"})
+        except NodeRefused as e:
+            return await send_json(send, 502, {"error": f"node {name} refused {action}: {e}"})
         log.warning("node %s %sd by an operator", name, action)
     _event(hub, action, node=name)
     await send_json(send, 200, {"node": name, "action": action, "status": h.status()})

@@ -5,7 +5,7 @@ copies its answer to the client byte for byte (`appliance.http.stream.relay_body
 loop, no parsing), or with the API translation `plan` asks for (`translate.Converted`: the
 same loop, every read's payload through the converter). It waits for the node's first body
 chunk before it answers the client, so a node that fails before the first byte -- refused
-(503), broke off, was declared lost -- is reported back as `(False, why)` and the router may
+(503), broke off, was declared lost -- is raised as `NotAnswered(why)` and the router may
 try another.
 Two events may end the copy before the node does: the node declared lost (its handle's
 `lost` event: a SIGSTOPped node would otherwise hold its streams for
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
@@ -59,7 +59,13 @@ async def receive_within(body: Response | translate.Converted) -> bytes:
         raise await body.timed_out() from None
 
 
-def cut_before_answer(cut: Cut) -> tuple[bool, str]:
+class NotAnswered(Exception):
+    """The node failed before the first byte of its answer (refused, broke off, declared
+    lost): nothing reached the client, so another node may be tried. The message says why,
+    worded to follow "node NAME"."""
+
+
+def cut_before_answer(cut: Cut) -> NoReturn:
     if cut.reason == "shutting_down":
         raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
                        retry_after=SHUTTING_DOWN_RETRY_AFTER)
@@ -67,13 +73,14 @@ def cut_before_answer(cut: Cut) -> tuple[bool, str]:
         raise ApiError(503, "preempted", "this background request gave its place to essential "
                        "work before its first byte (Priority__Preempt); retry shortly",
                        retry_after=PREEMPTED_RETRY_AFTER)
-    return False, "was declared lost before answering"
+    raise NotAnswered("was declared lost before answering")
 
 
 async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
-                     read_seconds: float, drain_over: trio.Event | Flag) -> tuple[bool, str]:
-    """(True, "") once the response went out; (False, why) when it failed before the first
-    byte -- including the node being declared lost while the request waited on it."""
+                     read_seconds: float, drain_over: trio.Event | Flag) -> None:
+    """Returns once the response went out; raises NotAnswered when the node failed before
+    the first byte -- including it being declared lost while the request waited on it --
+    and ApiError when the request is refused (the drain ended, preempted)."""
     cut = Cut()
     lost, drain = node.lost, drain_over
     if isinstance(lost, Flag) and isinstance(drain, Flag):
@@ -90,18 +97,23 @@ async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstr
             lost.unsubscribe(on_lost)
             drain.unsubscribe(on_drain)
             req.preempted.unsubscribe(on_preempt)
+    failure: NotAnswered | ApiError | None = None
     async with trio.open_nursery() as watchers:
         watchers.start_soon(cut.watch, node.lost, "node_lost")
         watchers.start_soon(cut.watch, drain_over, "shutting_down")
         watchers.start_soon(cut.watch, req.preempted, "preempted")
         try:
-            return await _relay(node, req, plan, upstream, read_seconds, cut)
+            await _relay(node, req, plan, upstream, read_seconds, cut)
+        except (NotAnswered, ApiError) as e:  # raised outside: not in an ExceptionGroup
+            failure = e
         finally:
             watchers.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
 async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
-                 read_seconds: float, cut: Cut) -> tuple[bool, str]:
+                 read_seconds: float, cut: Cut) -> None:
     resp = None
     headers: Headers = [*req.forward_headers(), *node.auth_raw]  # a per-node token wins
     start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # the clock of Ollama's durations
@@ -110,9 +122,9 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             resp = await upstream.request("POST", node.url + plan.path, headers, plan.body,
                                           read_seconds)
         except UpstreamError as e:
-            return False, str(e)
+            raise NotAnswered(str(e)) from None
     if resp is None:
-        return cut_before_answer(cut)
+        cut_before_answer(cut)
     conv = plan.converter(resp.status_code, resp.headers.get("content-type", ""), start)
     # Passed through: the node's payload through a meter (its bytes as they are, bar a usage
     # chunk the client did not ask for); translated: through the converter. Either parses
@@ -125,7 +137,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             why = b""
             with cut.reading():
                 why = (await resp.read())[:ERROR_BODY_LIMIT]
-            return False, f"answered 503 ({engine_message(503, why)})"
+            raise NotAnswered(f"answered 503 ({engine_message(503, why)})")
         whole = resp.whole()  # a short answer: no read to wait on
         first = body.take_whole(whole) if whole is not None else None
         if first is None:
@@ -133,10 +145,10 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
                 try:
                     first = await receive_within(body)
                 except UpstreamError as e:
-                    return False, str(e)
+                    raise NotAnswered(str(e)) from None
         if first is None or cut.reason == "preempted":
             # Preempted while the first read was already done: the client has had nothing.
-            return cut_before_answer(cut)
+            cut_before_answer(cut)
         req.node = node.name
         req.status = resp.status_code
         req.ttfb = time.perf_counter() - req.t0
@@ -162,7 +174,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             await req.send_start(resp.status_code, start_headers)
             req.usage = conv.usage()
             await req.send_last(first)
-            return True, ""
+            return
         await req.send_start(resp.status_code, start_headers)
         tail = b""
         if first:
@@ -176,7 +188,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
                 req.route.prompt_tokens, req.route.cached_tokens = seen
         if relayed.ended:
             await req.send_last(b"")
-            return True, ""
+            return
         code = cut.reason or "node_lost"
         if code == "shutting_down":
             msg = ("the hub is shutting down: stream cut at the end of the drain "
@@ -193,7 +205,6 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             await req.send_last(event)
         else:
             req.finish()
-        return True, ""
     finally:
         if not resp.released:
             with trio.move_on_after(1, shield=True):

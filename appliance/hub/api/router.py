@@ -36,7 +36,7 @@ from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError
 from appliance.http.keys import request_key
 from appliance.hub import translate
-from appliance.hub.api.relay import relay_from
+from appliance.hub.api.relay import NotAnswered, relay_from
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.decide import capable, fair
 from appliance.hub.decide.admission import Demand
@@ -66,10 +66,11 @@ class _Req(msgspec.Struct):
 
 _req_decoder = msgspec.json.Decoder(_Req)
 
-# One attempt on one node: (True, "") answered, (False, why) failed before the first byte.
-# Today's process copies the answer itself (relay_from); the main process of a hub with
-# workers hands the place to the worker holding the client (hub/workers.py).
-RelayFn = Callable[["NodeHandle", Request, translate.Plan], Awaitable[tuple[bool, str]]]
+# One attempt on one node: returns once answered; raises relay.NotAnswered when it failed
+# before the first byte (another node may be tried), ApiError when refused. Today's process
+# copies the answer itself (relay_from); the main process of a hub with workers hands the
+# place to the worker holding the client (hub/workers/pool.py).
+RelayFn = Callable[["NodeHandle", Request, translate.Plan], Awaitable[None]]
 # What a request whose connection ended before its answer is audited as: (499,
 # client_disconnected), unless its holder knows better (a hub worker that died: worker_lost).
 Hangup = Callable[[], tuple[int, str]]
@@ -271,16 +272,17 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
         plan = prep.for_engine(translate.engine_kind(node.state),
                                translate.context_length(node.state, model))
         req.node = node.name  # the audit line names where it went, even if it fails there
-        if relay is not None:
-            ok, why = await relay(node, req, plan)
-        else:
-            ok, why = await relay_from(node, req, plan, hub.upstream,
-                                       hub.cfg.hub.upstream_read_seconds, hub.drain_over)
-        if ok:
+        try:
+            if relay is not None:
+                await relay(node, req, plan)
+            else:
+                await relay_from(node, req, plan, hub.upstream,
+                                 hub.cfg.hub.upstream_read_seconds, hub.drain_over)
             if req.route is not None and req.status == 200:
                 hub.admission.affinity.served(model, req.route, node.name)
             return
-        last = f"node {node.name} {why}"
+        except NotAnswered as e:
+            last = f"node {node.name} {e}"
         nxt = place.next(MAX_ATTEMPTS)
         log.warning("%s: request for %s from %s %s", last, model, req.client,
                     f"retried on {nxt.name}" if nxt is not None else "has no other node to go to")

@@ -87,6 +87,15 @@ def _error_of(resp: httpx.Response) -> str:
     return f"node answered {resp.status_code}: {resp.text[:300]}"
 
 
+class NodeRefused(Exception):
+    """The node answered a control call with an error; the message is its (or its
+    engine's) own words, `status` the HTTP status."""
+
+    def __init__(self, status: int, words: str) -> None:
+        super().__init__(words)
+        self.status = status
+
+
 class StaleLeader(Exception):
     """A node refused a load/unload: it has seen a newer leader's epoch."""
 
@@ -122,33 +131,36 @@ class NodeOps:
         h.fenced = "" if resp.status_code == 200 else _error_of(resp)[:300]
 
     @staticmethod
-    def _answer(resp: httpx.Response) -> str | None:
-        if resp.status_code == 409:
+    def _answer(resp: httpx.Response, stale: bool = True) -> None:
+        if resp.status_code == 409 and stale:
             raise StaleLeader(_error_of(resp))
-        return None if resp.status_code == 200 else _error_of(resp)
+        if resp.status_code != 200:
+            raise NodeRefused(resp.status_code, _error_of(resp))
 
     async def load(self, h: NodeHandle, model: str, req: LoadRequest,
-                   read_seconds: float) -> str | None:
-        """None when ready; else the engine's own words. Raises httpx.TransportError."""
+                   read_seconds: float) -> None:
+        """Returns once ready. Raises NodeRefused (the engine's own words), StaleLeader,
+        httpx.TransportError."""
         resp = await self.client.post(
             f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load",
             content=_enc.encode(req),
             headers=self._headers(**{"content-type": "application/json"}, **h.auth),
             timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
-        return self._answer(resp)
+        self._answer(resp)
 
-    async def unload(self, h: NodeHandle, model: str) -> str | None:
+    async def unload(self, h: NodeHandle, model: str) -> None:
+        """Raises as `load` does."""
         resp = await self.client.post(
             f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
                                       headers=self._headers(**h.auth),
                                       timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
-        return self._answer(resp)
+        self._answer(resp)
 
-    async def control(self, h: NodeHandle, action: str) -> tuple[int, str]:
-        """`pause`/`resume`/`leave`/`join`: (status, error text or "")."""
+    async def control(self, h: NodeHandle, action: str) -> None:
+        """`pause`/`resume`/`leave`/`join`. Raises NodeRefused, httpx.TransportError."""
         resp = await self.client.post(f"{h.url}/node/v1/{action}", headers=h.auth,
                                       timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
-        return resp.status_code, "" if resp.status_code == 200 else _error_of(resp)
+        self._answer(resp, stale=False)
 
 
 class Control:
@@ -266,14 +278,20 @@ class Control:
                     self.audit.event("model_unload", model=victim, node=act.node,
                                      why=f"room for {act.model}")
                 h.unloading.add(victim)
-                refused: str | None = "not answered"
                 try:
-                    refused = await self.ops.unload(h, victim)
-                finally:
-                    if refused:
-                        h.unloading.discard(victim)  # still there: routable as before
+                    await self.ops.unload(h, victim)
+                except NodeRefused as e:  # still there: routable as before; the load may fail
+                    h.unloading.discard(victim)
+                    log.warning("unload of %s on %s refused: %s", victim, act.node, e)
+                except BaseException:
+                    h.unloading.discard(victim)  # still there: routable as before
+                    raise
+            error = None
             with trio.move_on_after(bound) as scope:
-                error = await self.ops.load(h, act.model, act.request, bound)
+                try:
+                    await self.ops.load(h, act.model, act.request, bound)
+                except NodeRefused as e:
+                    error = str(e)
             if scope.cancelled_caught:
                 error = f"node {act.node} did not answer the load within {bound:g} s"
             if error is None:
@@ -303,10 +321,10 @@ class Control:
                 if self.audit is not None:
                     self.audit.event("model_unload", model=act.model, node=act.node, why=act.why)
                 h.unloading.add(act.model)  # no new request goes there meanwhile
-                err = await self.ops.unload(h, act.model)
-                if err:
-                    log.warning("unload of %s on %s refused: %s", act.model, act.node, err)
-                done = not err
+                await self.ops.unload(h, act.model)
+                done = True
+        except NodeRefused as e:
+            log.warning("unload of %s on %s refused: %s", act.model, act.node, e)
         except (httpx.TransportError, StaleLeader) as e:
             log.warning("unload of %s on %s not done: %s", act.model, act.node, e)
         finally:

@@ -10,23 +10,87 @@ of it just failed (`avoid`: placement tries another capable node first). Among n
 that fit, the most free wins. When none fits as it is, room may be made by unloading idle
 on-demand replicas, least recently used first, choosing the node that needs the fewest
 unloads; never an always-on replica, never one with work in
-flight. When that fails too, the answer is a reason that names the numbers an operator needs
-("needs 9800 MiB; the most free is 7900 MiB on gpu-a").
+flight. When that fails too, the answer is `NoFit` with a reason that names the numbers an
+operator needs ("needs 9800 MiB; the most free is 7900 MiB on gpu-a").
+
+What it reads of a model's definition, a node and a load in progress is stated as the
+protocols `Spec`, `Node` and `Reserved` (placement.py's Spec and Pending, hub/fleet/nodes.py's
+NodeHandle), so the function is tested with plain stand-ins.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from appliance.hub.decide import capable
+from appliance.wire import NodeState
 
 # Headroom over a model's size when no MemoryMb is declared (DESIGN 4).
 SIZE_FACTOR = 1.2
 
 
-def need_on(spec: Any, h: Any) -> int:
+class Spec(Protocol):
+    """A model's definition (placement.Spec)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def memory_mb(self) -> int | None: ...
+    @property
+    def replicas(self) -> int: ...
+
+
+class Node(Protocol):
+    """A node as the hub knows it (fleet/nodes.NodeHandle; capable.serves reads its kind())."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> NodeState | None: ...
+    @property
+    def in_flight(self) -> Mapping[str, int]: ...
+    def routable(self) -> bool: ...
+    def status(self) -> str: ...
+    def memory_free_mb(self) -> int | None: ...
+
+
+class Reserved(Protocol):
+    """A load in progress, holding its memory (placement.Pending)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def need(self) -> int: ...
+    @property
+    def victims(self) -> tuple[str, ...]: ...
+
+
+N = TypeVar("N", bound=Node)
+
+
+@dataclass(frozen=True)
+class Fit(Generic[N]):
+    """One more replica goes on `node`, after unloading `victims` there (in this order)."""
+
+    node: N
+    victims: list[str]
+
+
+@dataclass(frozen=True)
+class NoFit:
+    """No node can take one more replica; `why` names the numbers."""
+
+    why: str
+
+
+def need_on(spec: Spec, h: Node) -> int:
     """MiB the model of `spec` needs on node `h`: declared, else the node's size x 1.2."""
     if spec.memory_mb is not None:
         return int(spec.memory_mb)
@@ -34,11 +98,11 @@ def need_on(spec: Any, h: Any) -> int:
     return math.ceil(m.size_mb * SIZE_FACTOR) if m is not None and m.size_mb else 0
 
 
-def free_on(h: Any, pending: list[Any]) -> int | None:
+def free_on(h: Node, pending: Sequence[Reserved]) -> int | None:
     """Free MiB on `h` less what loads in progress reserve; None: the node declares none."""
     free: int | None = h.memory_free_mb()
-    if free is None:
-        return None
+    if free is None or h.state is None:
+        return free
     going: set[str] = getattr(h, "unloading", set())
     for name in going:  # being unloaded: its memory is as good as free
         m = h.state.model(name)
@@ -52,11 +116,13 @@ def free_on(h: Any, pending: list[Any]) -> int | None:
     return free
 
 
-def victims(h: Any, model: str, spec_of: Callable[[str], Any],
+def victims(h: Node, model: str, spec_of: Callable[[str], Spec],
             last_used_of: Callable[[str], float | None],
-            pending: list[Any]) -> list[tuple[str, int]]:
+            pending: Sequence[Reserved]) -> list[tuple[str, int]]:
     """Idle on-demand replicas on `h` that may be unloaded for `model`, least recently used
     first, with the MiB each frees."""
+    if h.state is None:
+        return []
     busy = {m for p in pending if p.node == h.name for m in (p.model, *p.victims)}
     out = []
     for m in h.state.models:
@@ -70,30 +136,33 @@ def victims(h: Any, model: str, spec_of: Callable[[str], Any],
     return [(n, f) for n, f, _ in out]
 
 
-def choose(spec: Any, nodes: list[Any], holding: set[str], pending: list[Any],
-           spec_of: Callable[[str], Any],
+def choose(spec: Spec, nodes: Sequence[N], holding: set[str], pending: Sequence[Reserved],
+           spec_of: Callable[[str], Spec],
            last_used_of: Callable[[str], float | None],
-           avoid: set[str] | frozenset[str] = frozenset()) -> tuple[Any, list[str]] | str:
-    """(node handle, models to unload from it first) for one more replica, or why none fits.
+           avoid: set[str] | frozenset[str] = frozenset()) -> Fit[N] | NoFit:
+    """Where one more replica goes (and what to unload there first), or why nowhere.
     `avoid`: nodes where a start of it failed in this round."""
     name = spec.name
     up = [h for h in nodes if h.routable()]
     if not up:
         known = ", ".join(f"{h.name} {h.status()}" for h in nodes) or "none known"
-        return f"no node is up ({known})"
+        return NoFit(f"no node is up ({known})")
     able = [h for h in up if capable.serves(spec, h)]
     if not able:
-        return capable.why_none(spec, up)
+        return NoFit(capable.why_none(spec, up))
     cands = [h for h in able if h.name not in holding and h.name not in avoid
-             and (spec.source or h.state.model(name) is not None)]
+             and h.state is not None and (spec.source or h.state.model(name) is not None)]
     if not cands and avoid and any(h.name in avoid for h in able):
-        return f"its start failed on {', '.join(sorted(avoid))} and no other node can take it"
+        return NoFit(f"its start failed on {', '.join(sorted(avoid))} and no other node can "
+                     "take it")
     if not cands:
         if holding:
-            return (f"needs {spec.replicas or 1} replicas; every node that can hold it has one "
-                    f"({len(holding)})")
-        return "no node that is up has it (and the catalog gives no Source to load it from)"
-    fits, short = [], []
+            return NoFit(f"needs {spec.replicas or 1} replicas; every node that can hold it has "
+                         f"one ({len(holding)})")
+        return NoFit("no node that is up has it (and the catalog gives no Source to load it "
+                     "from)")
+    fits: list[tuple[float, str, N]] = []
+    short: list[tuple[N, int, int]] = []
     for h in cands:
         need, free = need_on(spec, h), free_on(h, pending)
         if free is None or free >= need:
@@ -101,8 +170,8 @@ def choose(spec: Any, nodes: list[Any], holding: set[str], pending: list[Any],
         else:
             short.append((h, need, free))
     if fits:
-        return max(fits, key=lambda f: (f[0], f[1]))[2], []
-    plans = []
+        return Fit(max(fits, key=lambda f: (f[0], f[1]))[2], [])
+    plans: list[tuple[int, int, str, N, list[str]]] = []
     for h, need, free in short:
         got, chosen = free, []
         for victim, freed in victims(h, name, spec_of, last_used_of, pending):
@@ -113,8 +182,9 @@ def choose(spec: Any, nodes: list[Any], holding: set[str], pending: list[Any],
         if got >= need:
             plans.append((len(chosen), -got, h.name, h, chosen))
     if plans:
-        return min(plans, key=lambda p: p[:3])[3:]
+        best = min(plans, key=lambda p: p[:3])
+        return Fit(best[3], best[4])
     h, need, free = max(short, key=lambda s: (s[2], s[0].name))
     reclaim = sum(f for _, f in victims(h, name, spec_of, last_used_of, pending))
     extra = f" ({free + reclaim} MiB with its idle models unloaded)" if reclaim else ""
-    return f"needs {need} MiB; the most free is {free} MiB on {h.name}{extra}"
+    return NoFit(f"needs {need} MiB; the most free is {free} MiB on {h.name}{extra}")

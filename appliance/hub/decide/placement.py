@@ -191,9 +191,9 @@ class Models:
         got = fit.choose(spec, nodes, set(ready) | set(loading), self.pending, self.spec,
                          lambda m: self.health[m].last_used if m in self.health else None,
                          avoid=hl.tried if hl is not None else set())
-        if isinstance(got, str):
-            return got
-        h, victims = got
+        if isinstance(got, fit.NoFit):
+            return got.why
+        h, victims = got.node, got.victims
         for victim in victims:  # its want goes with it, or the two would evict each other forever
             self._h(victim).asked = False
         self.pending.append(Pending(name, h.name, fit.need_on(spec, h), victims=tuple(victims)))

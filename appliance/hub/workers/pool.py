@@ -38,7 +38,7 @@ from appliance.http.asgi import BodyTooLarge
 from appliance.http.errors import ApiError
 from appliance.hub import translate
 from appliance.hub.api.flag import Flag
-from appliance.hub.api.relay import SHUTTING_DOWN_RETRY_AFTER
+from appliance.hub.api.relay import SHUTTING_DOWN_RETRY_AFTER, NotAnswered
 from appliance.hub.api.router import handle_inference
 from appliance.hub.workers.lease import (
     GONE,
@@ -280,20 +280,19 @@ class LeaseRelay:
         self.nursery = nursery  # the connection's: where a `Cut` is sent from
         self.seq = seq
 
-    async def __call__(self, node: NodeHandle, req: Request,
-                       plan: translate.Plan) -> tuple[bool, str]:
+    async def __call__(self, node: NodeHandle, req: Request, plan: translate.Plan) -> None:
         self.relaying = True
         try:
-            return await self._relay(node, req)
+            await self._relay(node, req)
         finally:
             self.relaying = False
 
-    async def _relay(self, node: NodeHandle, req: Request) -> tuple[bool, str]:
+    async def _relay(self, node: NodeHandle, req: Request) -> None:
         req.node = node.name
         await self.conn.send(Go(node.name, node.url, node.auth_raw,
                                 translate.engine_kind(node.state), req.label))
 
-        outcome: tuple[bool, str] | ApiError
+        failure: ApiError | NotAnswered | None = None
         lost, drain = node.lost, self.hub.drain_over
         if isinstance(lost, Flag) and isinstance(drain, Flag) and self.nursery is not None:
             # The hub's own flags (hub/flag.py): a `Cut` is sent when one is set, no task
@@ -304,9 +303,9 @@ class LeaseRelay:
             lost.subscribe(on_lost)
             drain.subscribe(on_drain)
             try:
-                outcome = await self._end(node, req)
-            except ApiError as e:
-                outcome = e
+                await self._end(node, req)
+            except (ApiError, NotAnswered) as e:
+                failure = e
             finally:
                 lost.unsubscribe(on_lost)
                 drain.unsubscribe(on_drain)
@@ -315,14 +314,13 @@ class LeaseRelay:
                 watchers.start_soon(self._cut_when, lost, node, "node_lost")
                 watchers.start_soon(self._cut_when, drain, node, "shutting_down")
                 try:
-                    outcome = await self._end(node, req)
-                except ApiError as e:  # raised outside the nursery: not an ExceptionGroup
-                    outcome = e
+                    await self._end(node, req)
+                except (ApiError, NotAnswered) as e:  # raised outside: not an ExceptionGroup
+                    failure = e
                 finally:
                     watchers.cancel_scope.cancel()
-        if isinstance(outcome, ApiError):
-            raise outcome
-        return outcome
+        if failure is not None:
+            raise failure
 
     async def _cut(self, node: NodeHandle, reason: str) -> None:
         try:
@@ -334,8 +332,9 @@ class LeaseRelay:
         await ev.wait()
         await self._cut(node, reason)
 
-    async def _end(self, node: NodeHandle, req: Request) -> tuple[bool, str]:
-        """What the worker says next: failed before the first byte, or done."""
+    async def _end(self, node: NodeHandle, req: Request) -> None:
+        """What the worker says next: done (returns), or failed before the first byte
+        (NotAnswered)."""
         while True:
             try:
                 msg = await self.inbox.receive()
@@ -350,7 +349,7 @@ class LeaseRelay:
                 if msg.drain:
                     raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
                                    retry_after=SHUTTING_DOWN_RETRY_AFTER)
-                return False, msg.why
+                raise NotAnswered(msg.why)
             if isinstance(msg, Done):
                 req.node, req.status, req.ttfb = msg.node, msg.status, msg.ttfb
                 req.usage = msg.usage
@@ -360,5 +359,5 @@ class LeaseRelay:
                     await self.conn.send(Ack())
                 except GONE:
                     pass
-                return True, ""
+                return
             raise LeaseError(f"unexpected {type(msg).__name__} from a worker")

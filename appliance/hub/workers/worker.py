@@ -39,7 +39,7 @@ from appliance.http.respond import send_api_error
 from appliance.hub import translate
 from appliance.hub.api.app import INFERENCE
 from appliance.hub.api.flag import Flag
-from appliance.hub.api.relay import relay_from
+from appliance.hub.api.relay import NotAnswered, relay_from
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
 from appliance.hub.hub import auth_headers, client_ssl, hub_limits
@@ -311,16 +311,17 @@ class Worker:
             plan = translate.prepare(req.path, req.api, body, given, msg.model).for_engine(
                 msg.kind)
             try:
-                ok, failed = await relay_from(_Node(msg, cuts),  # type: ignore[arg-type]
-                                              req, plan, self.upstream,
-                                              self.cfg.hub.upstream_read_seconds, cuts.drain)
+                await relay_from(_Node(msg, cuts),  # type: ignore[arg-type]
+                                 req, plan, self.upstream, self.cfg.hub.upstream_read_seconds,
+                                 cuts.drain)
             except ApiError as e:
                 await conn.send(Failed(e.message, drain=e.code == "shutting_down"))
                 continue
-            if ok:
-                await report()
-                return True
-            await conn.send(Failed(failed))
+            except NotAnswered as e:
+                await conn.send(Failed(str(e)))
+                continue
+            await report()
+            return True
 
 
 async def run_worker(cfg: Config, fd: int, where: str, env_file: str | None = None) -> None:
