@@ -363,7 +363,7 @@ async def test_a_refused_unload_leaves_the_replica_routable(nursery, autojump_cl
     await control.make_servable("m")
 
     async def refuse(h, model):
-        return "busy"
+        raise NodeRefused(503, "busy")
 
     ops.unload = refuse
     control.touch("m", 0)
