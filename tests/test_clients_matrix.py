@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +28,10 @@ from pydantic import BaseModel
 pytestmark = pytest.mark.e2e
 
 TOKEN = "node-secret"
-ENGINES = ["sim"]
+# `sim`: the sim node, which speaks Ollama and OpenAI natively (bytes pass through);
+# `openai`: a node with Engine__Kind=openai in front of a standalone sim, so the hub
+# translates Ollama and Anthropic onto chat completions as it does for llama.cpp and vLLM.
+ENGINES = ["sim", "openai"]
 CLIENTS = ["openai", "ollama", "anthropic", "lc-openai", "lc-ollama", "lc-anthropic",
            "litellm", "litellm-ollama"]
 CELLS = ["chat", "stream-usage", "structured", "tools", "embeddings"]
@@ -55,9 +60,17 @@ LIMITS = {
 THEIRS: dict[tuple[str, str, str], str] = {}
 
 
+FAKE_LLAMA = Path(__file__).with_name("fake_llama_server.py")
+
+
 class Fleet:
-    def __init__(self, procs: Procs) -> None:
-        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Router__ActivationWaitSeconds": "30"},
+    def __init__(self, procs: Procs, tmp: Path) -> None:
+        import make_gguf
+
+        tiny, _ = make_gguf.write_pair(tmp, seed=1)
+        # `tiny` is a GGUF: only the llama.cpp node may run it (placement, pull, show).
+        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Router__ActivationWaitSeconds": "30",
+                              "Models__0__Name": "tiny", "Models__0__Source": str(tiny)},
                              metrics=False)
         common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
                   "Node__AnnounceSeconds": "1"}
@@ -67,8 +80,17 @@ class Fleet:
                              "Sim__Models__1__Capabilities": "embedding",
                              "Sim__Models__2__Name": "sim-eyes",
                              "Sim__Models__2__Capabilities": "completion,vision"})
-        self.models = {"sim": ("sim-chat", "sim-embed")}
-        wait_until(lambda: {"sim-chat", "sim-embed", "sim-eyes"} <= {
+        upstream = procs.start("sim", {"Sim__Listen": "127.0.0.1:0",
+                                       "Sim__TokensPerSecond": "2000",
+                                       "Sim__Models__0__Name": "o-chat",
+                                       "Sim__Models__1__Name": "o-embed"})
+        procs.node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": upstream.url,
+                             "Engine__PollSeconds": "1"})
+        procs.node("lc-n", {**common, "Engine__Kind": "llamacpp", "Engine__Command":
+                            f"{sys.executable} {FAKE_LLAMA} -m {{model}} --port {{port}} "
+                            "--health-delay 0.05"})
+        self.models = {"sim": ("sim-chat", "sim-embed"), "openai": ("o-chat", "o-embed")}
+        wait_until(lambda: {"sim-chat", "sim-embed", "sim-eyes", "o-chat", "o-embed"} <= {
             m["name"] for m in httpx.get(self.hub.url + "/api/status", timeout=10).json()["models"]},
                    what="models known")
 
@@ -78,10 +100,10 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def fleet(tmp_path_factory):
     procs = Procs()
     try:
-        yield Fleet(procs)
+        yield Fleet(procs, tmp_path_factory.mktemp("matrix"))
     finally:
         procs.close()
 
@@ -344,15 +366,16 @@ def test_curl_without_a_content_type(fleet, engine, route):
 # --- Open WebUI's calls, replayed -------------------------------------------------------
 
 
-def test_open_webui_call_sequence_with_token_stats(fleet):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_open_webui_call_sequence_with_token_stats(fleet, engine):
     """What Open WebUI sends to an Ollama connection, in its order: version, tags, ps,
     show, a streamed chat (its token stats: eval_count / eval_duration), the title task,
     an embedding, the unload button -- and a chat after the unload."""
-    chat, embed = fleet.models["sim"]
+    chat, embed = fleet.models[engine]
     c = httpx.Client(base_url=fleet.hub.url, timeout=60)
     assert c.get("/api/version").json()["version"]
     tags = {m["name"]: m for m in c.get("/api/tags").json()["models"]}
-    assert chat in tags and tags[chat]["digest"] and tags[chat]["details"]["family"]
+    assert chat in tags and tags[chat]["digest"] and isinstance(tags[chat]["details"], dict)
     assert isinstance(c.get("/api/ps").json()["models"], list)
     show = c.post("/api/show", json={"model": chat}).json()
     assert "completion" in show["capabilities"] and show["model_info"]
@@ -419,3 +442,28 @@ def test_images_to_a_model_without_vision_are_a_400_in_each_apis_shape(fleet):
         {"role": "user", "content": parts}]).choices[0].message.content
     caps = httpx.post(fleet.hub.url + "/api/show", json={"model": "sim-eyes"}).json()
     assert caps["capabilities"] == ["completion", "vision"]
+
+
+# --- a llama.cpp model (the fake llama-server): placed on its engine, kept alive right ------
+
+
+def test_a_gguf_model_runs_on_the_llamacpp_node_and_keep_alive_0_reloads(fleet):
+    """The GGUF goes to the llama.cpp node only (never the sim or the openai node); the
+    sim cannot "pull" it; its tags carry a digest and a parameter size from the file; and
+    keep_alive 0 followed by a request reloads it -- no 503 "not loaded" (issue 20)."""
+    import ollama
+
+    ol = ollama.Client(host=fleet.hub.url, timeout=60)
+    for _ in range(4):
+        assert ol.chat(model="tiny", messages=USER, keep_alive=0).message.content
+        assert ol.chat(model="tiny", messages=USER).message.content
+    status = httpx.get(fleet.hub.url + "/api/status", timeout=10).json()
+    [tiny] = [m for m in status["models"] if m["name"] == "tiny"]
+    assert tiny["nodes"] == ["lc-n"] and tiny["consecutive_start_failures"] == 0
+    tags = {m["model"]: m for m in ol.list().model_dump()["models"]}
+    assert tags["tiny"]["digest"] and tags["tiny"]["details"]["parameter_size"] == "124.61K"
+    with pytest.raises(ollama.ResponseError) as ei:
+        ol.pull("tiny")
+    assert ei.value.status_code == 501 and "llamacpp" in ei.value.error
+    show = ol.show("tiny")
+    assert show.capabilities == ["completion"] and show.details.family == "llama"
