@@ -20,6 +20,7 @@ from appliance.config import load
 from appliance.hub.hub import Hub
 from appliance.hub.workers import workerset
 from appliance.hub.workers.lease import Ack, Answer, Ask, Conn, Cut, Done, Go, Left
+from appliance.hub.translate.usage import Usage
 from appliance.hub.workers.pool import _lease
 from appliance.wire import ModelState, NodeState
 
@@ -224,6 +225,27 @@ async def test_a_connection_carries_one_lease_after_another(autojump_clock, tmp_
         await w.drop()
         for rid in ("first", "second"):
             assert [x["status"] for x in audit_lines(tmp_path, rid)] == [200]
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_workers_usage_reaches_the_main_processs_record(autojump_clock, tmp_path):
+    """The worker read the answer's usage; `Done` carries it to the main process, whose
+    audit line and key's lease count it (counted by the hub: marked estimated)."""
+    async with trio.open_nursery() as nursery:
+        hub = await make_hub(nursery, tmp_path)
+        w = FakeWorker(hub, nursery, "")
+        for seq, (rid, usage) in enumerate((("said", Usage(12, 5, 8)),
+                                            ("counted", Usage(9, 4, 0, estimated=True))), 1):
+            await w.ask(rid, seq)
+            assert isinstance(await w.conn.recv(), Go)
+            await w.conn.send(Done("a", 200, 0.01, "", usage))
+            assert isinstance(await w.conn.recv(), Ack)
+        await w.drop()
+        (said,) = audit_lines(tmp_path, "said")
+        (counted,) = audit_lines(tmp_path, "counted")
+        assert (said["input_tokens"], said["output_tokens"], said["cached_tokens"]) == (12, 5, 8)
+        assert "tokens_estimated" not in said
+        assert (counted["output_tokens"], counted["tokens_estimated"]) == (4, True)
         nursery.cancel_scope.cancel()
 
 
