@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.config import load
 from appliance.hub.hub import Hub
+from appliance.hub.translate.usage import Usage
 from appliance.hub.workers import workerset
 from appliance.hub.workers.lease import Ack, Answer, Ask, Conn, Cut, Done, Go, Left
-from appliance.hub.translate.usage import Usage
 from appliance.hub.workers.pool import _lease
 from appliance.wire import ModelState, NodeState
 
