@@ -31,7 +31,11 @@ generate at once per model, the rest wait for a slot; a client that goes away ca
 request and frees its slot. Each token costs one bytes join: the request's chunk prefix
 and suffix are built once, the words' JSON at import. A chat that offers tools, last
 message the user's, gets one tool call instead (`appliance.sim.tools`), so clients' tool
-round trips run against the sim.
+round trips run against the sim. Ollama's `think` gets a `thinking` field the same way.
+Asked for JSON (`response_format`, Ollama `format`) the answer is JSON text, valid against
+a given schema (`appliance.sim.shape`); `n` choices, log probabilities and a list of
+prompts are `appliance.sim.choices`'. What a model can do is `Sim__Models__N__Capabilities`
+(/api/show); images without `vision` and `think` without `thinking` are a 400.
 
 It says it is simulated: every response carries the header `x-appliance-engine: sim`;
 OpenAI bodies carry `"system_fingerprint": "appliance-sim"` (and /v1/models
