@@ -24,6 +24,7 @@ Between two keys that stay backlogged the counters differ by at most one request
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -38,9 +39,15 @@ def cost(tokens_in: int, tokens_out: int) -> int:
 
 class FairLane:
     """The waiters of one class for one model. Waiters are objects with `client`, `cost`
-    (charge at grant) and `weight`; `fair` is set to the (lane, episode) they were charged in."""
+    (charge at grant) and `weight`; `fair` is set to the (lane, episode) they were charged in.
 
-    __slots__ = ("keys", "counters", "last", "n", "episode", "grants")
+    The backlogged keys sit in a heap ordered by (counter, last grant, when the key joined
+    the backlog); a key's entry is replaced, not updated, when its counter changes (a stale
+    entry is skipped when it surfaces), so each step is O(log keys) -- 10,000 waiting keys
+    cost what 2 do."""
+
+    __slots__ = ("keys", "counters", "last", "n", "episode", "grants", "_heap", "_version",
+                 "_joined", "_since")
 
     def __init__(self) -> None:
         self.keys: dict[str, OrderedDict[Any, None]] = {}
@@ -49,6 +56,10 @@ class FairLane:
         self.n = 0
         self.episode = 0
         self.grants = 0
+        self._heap: list[tuple[float, int, int, str, int]] = []
+        self._version: dict[str, int] = {}
+        self._joined = 0
+        self._since: dict[str, int] = {}  # when each backlogged key joined the backlog
 
     def __len__(self) -> int:
         return self.n
@@ -60,15 +71,40 @@ class FairLane:
         for q in self.keys.values():
             yield from q
 
+    def _push(self, k: str) -> None:
+        v = self._version.get(k, 0) + 1
+        self._version[k] = v
+        heapq.heappush(self._heap, (self.counters.get(k, 0.0), self.last.get(k, -1),
+                                    self._since[k], k, v))
+        if len(self._heap) > 2 * len(self.keys) + 64:  # stale entries: rebuild
+            self._heap = [e for e in self._heap if self._version.get(e[3]) == e[4]]
+            heapq.heapify(self._heap)
+
+    def _top(self) -> tuple[float, int, int, str, int] | None:
+        heap = self._heap
+        while heap:
+            e = heap[0]
+            if e[3] in self.keys and self._version.get(e[3]) == e[4]:
+                return e
+            heapq.heappop(heap)
+        return None
+
     def add(self, w: Any) -> None:
         if not self.n:  # a new backlog: a new episode, nobody owes anything
             self.episode += 1
             self.counters.clear()
+            self._heap.clear()
+            self._version.clear()
+            self._since.clear()
         q = self.keys.get(w.client)
         if q is None:
-            floor = min((self.counters.get(k, 0.0) for k in self.keys), default=0.0)
+            top = self._top()
+            floor = top[0] if top is not None else 0.0
             self.counters[w.client] = max(self.counters.get(w.client, 0.0), floor)
             q = self.keys[w.client] = OrderedDict()
+            self._joined += 1
+            self._since[w.client] = self._joined
+            self._push(w.client)
         q[w] = None
         self.n += 1
 
@@ -78,36 +114,30 @@ class FairLane:
             return False
         self.n -= 1
         if not q:
-            del self.keys[w.client]
+            del self.keys[w.client]  # its heap entry goes stale
+            del self._since[w.client]
         return True
 
-    def _next_key(self) -> str | None:
-        if len(self.keys) == 1:
-            return next(iter(self.keys))
-        best: tuple[float, int] | None = None
-        key = None
-        for k in self.keys:  # insertion order: the oldest key first among equals
-            rank = (self.counters.get(k, 0.0), self.last.get(k, -1))
-            if best is None or rank < best:
-                best, key = rank, k
-        return key
-
     def head(self) -> Any:
-        k = self._next_key()
-        return None if k is None else next(iter(self.keys[k]))
+        top = self._top()
+        return None if top is None else next(iter(self.keys[top[3]]))
 
     def pop(self) -> Any:
-        k = self._next_key()
-        if k is None:
+        top = self._top()
+        if top is None:
             raise IndexError("no waiter")
+        k = top[3]
         q = self.keys[k]
         w = q.popitem(last=False)[0]
         self.n -= 1
-        if not q:
-            del self.keys[k]
         self.counters[k] = self.counters.get(k, 0.0) + w.cost / w.weight
         self.grants += 1
         self.last[k] = self.grants
+        if q:
+            self._push(k)
+        else:
+            del self.keys[k]
+            del self._since[k]
         w.fair = (self, self.episode)
         return w
 
@@ -116,6 +146,8 @@ class FairLane:
         """A granted request ended having cost `used` (charged `charged` at grant)."""
         if episode == self.episode and client in self.counters:
             self.counters[client] += (used - charged) / weight
+            if client in self.keys:
+                self._push(client)
 
     def backlog(self) -> dict[str, int]:
         """Waiters per key."""
