@@ -13,8 +13,8 @@ reader thread here counts the events. The child is one of:
   sock.send`: a scheduler round trip around each call);
 - `relay`: the project's pass-through relay -- appliance/client/upstream.py's Response reading
   the chunked body (appliance/h1/body.py), appliance/http/stream.py's `relay_body`
-  (one cancel scope per relay, a lazy read deadline, a Cut) writing with
-  appliance/server/fastio.py's DirectBody;
+  (one cancel scope per relay, a lazy read deadline, a Cut) writing through the server's
+  ASGI `send` (appliance/server/send.py), the one path every response byte takes;
 - `epoll`: no trio -- a plain loop over one epoll registered once (`poll`, `recv`, `send`
   per event): what a relay outside trio's run loop would pay in Python.
 
@@ -62,24 +62,18 @@ def child(mode: str, ins: list[socket.socket], outs: list[socket.socket]) -> Non
             await d.send(data)
 
     async def relay(src: socket.socket, dst: socket.socket) -> None:
-        import h11
-        from appliance.server.fastio import ChunkedSocket, DirectBody
-
         from appliance.client.upstream import Pool, Response, UpstreamError, _Conn
+        from appliance.h1.client import parse_response_head
         from appliance.http.stream import Cut, relay_body
+        from appliance.net.transport import Transport
+        from appliance.server.send import Sender
 
-        conn = _Conn(trio.SocketStream(trio.socket.from_stdlib_socket(src)))
-        conn.h11.send(h11.Request(method="POST", target="/", headers=[("host", "x"),
-                                                                      ("content-length", "0")]))
-        conn.h11.send(h11.EndOfMessage())
-        conn.h11.receive_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        resp = Response(Pool(), ("http", "x", 1), conn, conn.h11.next_event(), 60.0)
-        direct = DirectBody(ChunkedSocket(trio.Lock(), dst, lambda: b""))
-
-        async def send(msg) -> None:
-            raise AssertionError("the direct path only")
-
-        await relay_body(resp, send, Cut(), (UpstreamError,), b"", direct)
+        got = parse_response_head(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        assert got is not None
+        resp = Response(Pool(), ("http", "x", 1), _Conn(Transport(src)), got[0], 60.0)
+        out = Sender(Transport(dst))  # the server's send path: what every response byte takes
+        out.started, out.status = True, 200
+        await relay_body(resp, out.send, Cut(), (UpstreamError,), b"")
 
     if mode == "epoll":
         # No trio: one level-triggered epoll registered once, a plain loop (what a relay
