@@ -4,7 +4,9 @@ One fleet for the whole module: a hub with keys required, an admin key and an au
 short read deadlines and small bounds, and three announcing sim nodes -- node3 with its
 own per-node token. Each case sends what an attacker would, asserts the answer, and then
 `healthy()` checks that an ordinary request still succeeds, that /metrics stayed small
-and that the hub's memory stayed within bounds.
+and that the hub's memory stayed within bounds. The whole module runs twice: the hub's
+API on a plain listener and on a TLS one (tests/wire.py; the nodes verify it with the
+test CA) -- one connection serves both, and both must hold every rule.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import socketserver
+import ssl
 import threading
 import time
 
@@ -19,6 +22,7 @@ import httpx
 import pytest
 from procfs import fd_count, rss_kb
 from procs import Procs, wait_until
+from wire import KINDS, Wire
 
 pytestmark = pytest.mark.e2e
 
@@ -34,8 +38,23 @@ RSS_LIMIT_KB = 600 * 1024
 METRICS_GROWTH = 16 * 1024
 
 
+# The hub's TLS client context while the TLS fleet runs (raw sockets to https URLs use it).
+TLS: dict[str, ssl.SSLContext] = {}
+
+
+def connect(url: str, timeout: float) -> socket.socket:
+    """A blocking client socket to `url` (TLS-wrapped for https)."""
+    host, port = url.split("//")[1].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=timeout)
+    if url.startswith("https://"):
+        return TLS["ctx"].wrap_socket(s, server_hostname=host)
+    return s
+
+
 class Fleet:
-    def __init__(self, tmp) -> None:
+    def __init__(self, tmp, wire) -> None:
+        self.wire = wire
+        self.verify = wire.ssl_context or True
         self.procs = Procs()
         self.audit = tmp / "audit.jsonl"
         self.hub = self.procs.hub({
@@ -47,7 +66,7 @@ class Fleet:
             "Hub__HeaderReadSeconds": str(HEADER_S), "Hub__BodyReadSeconds": str(BODY_S),
             "Hub__MaxConnections": str(MAX_CONNECTIONS), "Hub__MaxBufferedBytes": str(MAX_BUFFERED),
             "Hub__ForgetNodeSeconds": str(FORGET_S), "Hub__ReconnectMaxSeconds": "0.5",
-            "Hub__MaxNodes": str(MAX_NODES),
+            "Hub__MaxNodes": str(MAX_NODES), **wire.env,
         })
         self.url = self.hub.url
         self.metrics_url = self.hub.urls["metrics"]
@@ -57,6 +76,7 @@ class Fleet:
                                      {"Auth__Nodes__0__Name": "node3",
                                       "Auth__Nodes__0__Token": TOKEN3})):
             env = {"Hub__Url": self.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+                   **({"Node__TlsCa": wire.ca} if wire.tls else {}),
                    "Node__HeaderReadSeconds": str(HEADER_S), "Node__BodyReadSeconds": str(BODY_S),
                    **extra}
             for i, m in enumerate(models):
@@ -68,7 +88,7 @@ class Fleet:
 
     def admin(self, method: str, path: str) -> httpx.Response:
         return httpx.request(method, self.url + path, headers={"authorization": f"Bearer {ADMIN}"},
-                             timeout=10)
+                             timeout=10, verify=self.verify)
 
     def nodes(self) -> dict[str, dict]:
         return {n["name"]: n for n in self.admin("GET", "/admin/nodes").json()["nodes"]}
@@ -83,12 +103,12 @@ class Fleet:
         return httpx.post(self.url + "/v1/chat/completions",
                           headers={"authorization": f"Bearer {KEY}"}, timeout=60,
                           json={"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                "max_tokens": 3}, **kw)
+                                "max_tokens": 3}, verify=self.verify, **kw)
 
     def announce(self, name: str, url: str, token: str = TOKEN) -> httpx.Response:
         return httpx.post(self.url + "/api/nodes/announce",
                           headers={"authorization": f"Bearer {token}"},
-                          json={"name": name, "url": url}, timeout=10)
+                          json={"name": name, "url": url}, timeout=10, verify=self.verify)
 
     def audit_lines(self) -> list[dict]:
         return [json.loads(x) for x in self.audit.read_text().splitlines() if x.strip()]
@@ -100,9 +120,13 @@ class Fleet:
         return fd_count(self.hub.pid)
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("hostile"))
+@pytest.fixture(scope="module", params=KINDS)
+def fleet(request, tmp_path_factory):
+    wire = (Wire("tls", request.getfixturevalue("wire_pki")) if request.param == "tls"
+            else Wire("plain"))
+    if wire.ssl_context is not None:
+        TLS["ctx"] = wire.ssl_context
+    f = Fleet(tmp_path_factory.mktemp("hostile"), wire)
     try:
         yield f
     except BaseException:
@@ -145,7 +169,7 @@ def read_all(s: socket.socket) -> bytes:
     while True:
         try:
             chunk = s.recv(65536)
-        except (TimeoutError, ConnectionResetError):
+        except OSError:  # a timeout, a reset; a TLS peer gone without close_notify
             return got
         if not chunk:
             return got
@@ -154,8 +178,7 @@ def read_all(s: socket.socket) -> bytes:
 
 def raw(url: str, data: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
     """Send `data` on a fresh connection; (everything answered, whether the server closed)."""
-    host, port = url.split("//")[1].rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=wait)
+    s = connect(url, wait)
     try:
         s.sendall(data)
         got = b""
@@ -164,7 +187,7 @@ def raw(url: str, data: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
                 chunk = s.recv(65536)
             except TimeoutError:
                 return got, False
-            except ConnectionResetError:
+            except OSError:  # a reset; a TLS peer gone without close_notify
                 return got, True
             if not chunk:
                 return got, True
@@ -237,7 +260,7 @@ def test_ghosts_are_forgotten_ctl_forget_works_and_the_fleet_is_bounded(fleet):
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()  # nothing listens there
-    with httpx.Client(base_url=f.url, headers={"authorization": f"Bearer {TOKEN}"},
+    with httpx.Client(base_url=f.url, verify=f.verify, headers={"authorization": f"Bearer {TOKEN}"},
                       timeout=10) as c:
         codes = [c.post("/api/nodes/announce", json={"name": f"ghost-{i}",
                                                      "url": f"http://127.0.0.1:{port}"}).status_code
@@ -263,7 +286,8 @@ def test_ghosts_are_forgotten_ctl_forget_works_and_the_fleet_is_bounded(fleet):
 def test_unknown_model_names_do_not_grow_metrics(fleet):
     f = fleet
     before = len(f.scrape())
-    with httpx.Client(base_url=f.url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as c:
+    with httpx.Client(base_url=f.url, headers={"authorization": f"Bearer {KEY}"}, timeout=30,
+                      verify=f.verify) as c:
         for i in range(2000):
             r = c.post("/v1/chat/completions", json={"model": f"no-such-model-{i}", "messages": []})
             assert r.status_code == 404
@@ -329,10 +353,9 @@ def test_huge_headers_deep_json_and_a_100mb_body(fleet):
     assert got.startswith(b"HTTP/1.1 431") and closed
     deep = b'{"model": "sim-small", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     r = httpx.post(f.url + "/v1/chat/completions", content=deep,
-                   headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=30, verify=f.verify)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    host, port = f.url.split("//")[1].rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=30)
+    s = connect(f.url, 30)
     answer = b""
     try:
         s.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (100 * MiB))
@@ -352,9 +375,7 @@ def test_huge_headers_deep_json_and_a_100mb_body(fleet):
 
 def test_bodies_held_at_once_are_bounded_with_503_busy(fleet):
     f = fleet
-    host, port = f.url.split("//")[1].rsplit(":", 1)
-    first = socket.create_connection((host, int(port)), timeout=30)
-    second = socket.create_connection((host, int(port)), timeout=30)
+    first, second = connect(f.url, 30), connect(f.url, 30)
     try:
         first.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (30 * MiB) + b"x" * (28 * MiB))
         second.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (
@@ -381,6 +402,8 @@ def test_many_slow_clients_hold_no_more_than_max_connections(fleet):
             socks.append(s)
         time.sleep(0.3)
         for s in socks:
+            if f.wire.tls:
+                break  # a TLS client that never finishes its handshake: as slow
             try:
                 s.send(b"GET /health HTTP/1.1\r\n")
             except OSError:
