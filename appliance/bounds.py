@@ -5,8 +5,8 @@ that outlive the request -- error messages, audit lines and metric labels. A lab
 makes a series for as long as the process lives, so only names the process knows become
 labels (models in the catalog or on a node, configured client names); everything else is
 counted under `OTHER_LABEL`. Echoed text is cut to `ECHO_CHARS`, so a 100 KB name costs
-a 100 KB request, not a 100 KB answer and a 100 KB audit line. This module decides
-nothing else and imports no role.
+a 100 KB request, not a 100 KB answer and a 100 KB audit line. `CLEANUP_SECONDS` bounds
+the shielded cleanup after a cancel. This module decides nothing else and imports no role.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ ECHO_CHARS = 200
 PATH_ECHO = 200
 # The one label value for every name the process does not know.
 OTHER_LABEL = "other"
+# A shielded cleanup after a cancel (closing an upstream answer, revoking an etcd lease) is
+# one write on loopback or a LAN: a second is plenty, and a shield must never wait forever.
+CLEANUP_SECONDS = 1.0
 
 
 def echo_path(path: str) -> str:

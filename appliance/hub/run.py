@@ -42,6 +42,8 @@ HUB_METRICS_DEFAULT = "0.0.0.0:9464"
 # After the drain runs out, the time streams get to send their error event and end before
 # the server cancels what is left: one write each, on loopback or a LAN.
 DRAIN_CUT_SECONDS = 2.0
+# Closing the request path's pool at exit: each idle connection's close, on a LAN.
+POOL_CLOSE_SECONDS = 2.0
 
 
 # What `run_hub` hands to `nursery.start`: the hub and its bound address.
@@ -119,7 +121,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
                     await workers.reap_workers(hub.workers, where, cfg.hub.drain_seconds
                                                + DRAIN_CUT_SECONDS + workers.STOP_SECONDS)
         nursery.cancel_scope.cancel()
-        with trio.move_on_after(2, shield=True):
+        with trio.move_on_after(POOL_CLOSE_SECONDS, shield=True):
             await hub.upstream.aclose()
 
 

@@ -16,6 +16,7 @@ import logging
 import msgspec
 import trio
 
+from appliance.bounds import CLEANUP_SECONDS
 from appliance.client.upstream import Pool, UpstreamError
 from appliance.http.asgi import BodyTooLarge, Receive, Send, read_body
 from appliance.http.errors import ApiError
@@ -92,5 +93,5 @@ async def handle(engine: Engine, pool: Pool, read_seconds: float, receive: Recei
                         "more_body": False})
     finally:
         if resp is not None:
-            with trio.move_on_after(1, shield=True):
+            with trio.move_on_after(CLEANUP_SECONDS, shield=True):
                 await resp.aclose()

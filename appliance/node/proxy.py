@@ -21,7 +21,7 @@ import msgspec
 import trio
 
 from appliance import __version__
-from appliance.bounds import OTHER_LABEL, echo, echo_path
+from appliance.bounds import CLEANUP_SECONDS, OTHER_LABEL, echo, echo_path
 from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
@@ -200,6 +200,6 @@ class EngineProxy:
                     await send({"type": "http.response.body", "body": event, "more_body": False})
         finally:
             if resp is not None and not resp.released:
-                with trio.move_on_after(1, shield=True):
+                with trio.move_on_after(CLEANUP_SECONDS, shield=True):
                     await resp.aclose()
 

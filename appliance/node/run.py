@@ -57,6 +57,8 @@ NODE_METRICS_DEFAULT = "0.0.0.0:9465"
 GPU_POLL_SECONDS = 5.0
 # A wedged driver can make nvidia-smi hang; past this the reading is skipped.
 NVIDIA_SMI_TIMEOUT = 10.0
+# Closing the app (its engine pool) at exit: each idle connection's close, on loopback.
+POOL_CLOSE_SECONDS = 2.0
 
 
 def node_limits(cfg: Config) -> Limits:
@@ -198,7 +200,7 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         api_stop.set()
         await api_done.wait()
         nursery.cancel_scope.cancel()
-        with trio.move_on_after(2, shield=True):
+        with trio.move_on_after(POOL_CLOSE_SECONDS, shield=True):
             await app.aclose()
 
 

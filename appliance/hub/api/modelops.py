@@ -32,7 +32,7 @@ from urllib.parse import parse_qs
 import msgspec
 import trio
 
-from appliance.bounds import echo
+from appliance.bounds import CLEANUP_SECONDS, echo
 from appliance.client.upstream import UpstreamError
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read_body, send_json
 from appliance.hub.decide import capable
@@ -187,7 +187,7 @@ async def _delete_one(hub: Hub, h: NodeHandle, model: str, body: bytes) -> str:
             return f"node lost during the delete: {e}"
         finally:
             if resp is not None:
-                with trio.move_on_after(1, shield=True):
+                with trio.move_on_after(CLEANUP_SECONDS, shield=True):
                     await resp.aclose()
     log.warning("delete %s on %s: no answer in %g s", model, h.name, DELETE_SECONDS)
     return f"no answer in {DELETE_SECONDS:g} s"
@@ -239,7 +239,7 @@ async def _pull_one(hub: Hub, h: NodeHandle, body: bytes, emit: Emit | None) -> 
         error = f"node lost during the pull: {e}"
     finally:
         if resp is not None:
-            with trio.move_on_after(1, shield=True):
+            with trio.move_on_after(CLEANUP_SECONDS, shield=True):
                 await resp.aclose()
     return n, error
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
+from appliance.bounds import CLEANUP_SECONDS
 from appliance.client.upstream import Pool, Response, UpstreamError
 from appliance.http.errors import ApiError, Headers
 from appliance.http.stream import Cut, relay_body, stream_error
@@ -207,5 +208,5 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             req.finish()
     finally:
         if not resp.released:
-            with trio.move_on_after(1, shield=True):
+            with trio.move_on_after(CLEANUP_SECONDS, shield=True):
                 await resp.aclose()

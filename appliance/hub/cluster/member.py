@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import trio
 
+from appliance.bounds import CLEANUP_SECONDS
 from appliance.config import Config
 from appliance.hub.cluster import state
 from appliance.hub.cluster.etcd import Etcd, EtcdError
@@ -202,7 +203,7 @@ class Member:
             if self.tenure.epoch:  # decide nothing more before the next leader can start
                 self._step_down("this hub is stopping")
             if lease:  # a clean stop hands leadership over at once instead of after the lease
-                with trio.move_on_after(1, shield=True):
+                with trio.move_on_after(CLEANUP_SECONDS, shield=True):
                     try:
                         await self.etcd.revoke(lease)
                     except EtcdError:
