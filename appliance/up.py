@@ -125,7 +125,8 @@ async def _run(cfg: Config, env_file: str | None, notifier: Notifier, stop: trio
 
         async def hub_task(*, task_status: HubStarted = trio.TASK_STATUS_IGNORED) -> None:
             try:
-                await run_hub(node_cfg, stop, task_status=task_status)
+                # the control loop's every turn feeds the watchdog
+                await run_hub(node_cfg, stop, beat=heartbeat.beat, task_status=task_status)
             finally:
                 hub_done.set()
 
@@ -135,7 +136,6 @@ async def _run(cfg: Config, env_file: str | None, notifier: Notifier, stop: trio
 
         hub, _addr = await nursery.start(hub_task)
         notifier.ready()
-        hub.control.beat = heartbeat.beat  # the control loop's every turn feeds the watchdog
         nursery.start_soon(feed_watchdog)
         def reload_both() -> None:
             new = reload_hub(hub, env_file, adjust)

@@ -84,12 +84,13 @@ def add_node(registry: Registry, name: str, total: int, models: dict[str, int]) 
     registry.apply_state(h, state)
 
 
-def make(models: list[dict], nodes: dict[str, tuple[int, dict[str, int]]], **extra):
+def make(models: list[dict], nodes: dict[str, tuple[int, dict[str, int]]], beat=lambda: None,
+         **extra):
     registry = Registry()
     for name, (total, ms) in nodes.items():
         add_node(registry, name, total, ms)
     ops, audit, metrics = FakeOps(registry), FakeAudit(), CollectorRegistry()
-    control = Control(cfg(models, **extra), registry, None, audit, ops=ops)
+    control = Control(cfg(models, **extra), registry, None, audit, ops=ops, beat=beat)
     metrics.register(ControlCollector(control))
     return control, registry, ops, audit, metrics
 
@@ -326,9 +327,9 @@ async def test_the_loop_warns_twice_for_1000_failed_placements_in_ten_minutes(nu
 async def test_every_turn_of_the_loop_beats_for_the_watchdog(nursery, autojump_clock):
     """systemd's watchdog is fed from the control loop: it turns at least every
     Hub__ControlIntervalSeconds (1 s) even with nothing to do."""
-    control, _, _, _, _ = make([{"Name": "m"}], {"a": (8000, {"m": 500})})
     beats: list[float] = []
-    control.beat = lambda: beats.append(trio.current_time())
+    control, _, _, _, _ = make([{"Name": "m"}], {"a": (8000, {"m": 500})},
+                               beat=lambda: beats.append(trio.current_time()))
     start = trio.current_time()
     await nursery.start(control.run)
     await trio.sleep(10.5)

@@ -20,7 +20,7 @@ import trio
 from procs import wait_until
 
 from appliance import config
-from appliance.node.engines.base import EngineError
+from appliance.node.engines.base import EngineError, unheard
 from appliance.node.engines.llamacpp import LlamaCppEngine, expand_command, pick_error
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -47,8 +47,9 @@ def wait_gone(pid: int, seconds: float = 10.0) -> bool:
     return True
 
 
-def make_engine(command: str = FAKE_CMD) -> LlamaCppEngine:
-    return LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": command}))
+def make_engine(command: str = FAKE_CMD, on_change=unheard) -> LlamaCppEngine:
+    return LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": command}),
+                          on_change)
 
 
 @pytest.fixture
@@ -95,9 +96,8 @@ def test_pick_error_falls_back_to_traceback_then_last_lines():
 
 
 async def test_load_ready_completion_unload(nursery, model_file):
-    eng = make_engine()
     changes = []
-    eng.on_change = lambda: changes.append([(m.name, m.state) for m in eng.models()])
+    eng = make_engine(on_change=lambda: changes.append([(m.name, m.state) for m in eng.models()]))
     await nursery.start(eng.run)
     assert eng.installs()[0].kind == "llamacpp"
     path = model_file("tiny.gguf")

@@ -73,8 +73,8 @@ class Upstream:
 class FakeEngine(Engine):
     kind = "fake"
 
-    def __init__(self, url: str) -> None:
-        super().__init__()
+    def __init__(self, url: str, on_change) -> None:
+        super().__init__(on_change)
         self.url = url
         self._models = {n: ModelState(n, size_mb=500) for n in ("sim-small", "qwen2.5:0.5b",
                                                                 "org/model:q4", "broken")}
@@ -134,9 +134,8 @@ async def running_node(**env):
     up = Upstream()
     async with trio.open_nursery() as nursery:
         uhost, uport = await nursery.start(partial(serve, up, "127.0.0.1:0", "sim"))
-        engine = FakeEngine(f"http://{uhost}:{uport}")
+        engine = FakeEngine(f"http://{uhost}:{uport}", lambda: keeper.changed())
         keeper = NodeStateKeeper("gpu-a", cfg.node, engine)
-        engine.on_change = keeper.changed
         metrics = NodeMetrics(CollectorRegistry(), keeper)
         app = NodeApp(cfg, keeper, engine, metrics)
         host, port = await nursery.start(partial(serve, app, "127.0.0.1:0", "node"))

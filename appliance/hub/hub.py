@@ -12,6 +12,7 @@ derives from the configuration the same way.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,9 @@ if TYPE_CHECKING:
 class Hub:
     """Everything a request handler needs, in one place."""
 
-    def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
+    def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery,
+                 beat: Callable[[], None] = lambda: None) -> None:
+        """`beat`: called at every turn of the control loop (systemd's watchdog)."""
         self.cfg = cfg
         self.limits = LiveLimits(hub_limits(cfg))  # every listener of this process (reload)
         self.node_client = node_client
@@ -58,7 +61,7 @@ class Hub:
         self.admission = Admission(cfg, self.registry, self.metrics_registry)
         # Per-key limits; with several hubs each enforces its share (hubs alive).
         self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
-        self.control = Control(cfg, self.registry, node_client, self.audit)
+        self.control = Control(cfg, self.registry, node_client, self.audit, beat=beat)
         self.metrics_registry.register(ControlCollector(self.control))
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
         # a `shutting_down` error event and a proper end, before the server cancels.

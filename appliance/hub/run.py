@@ -51,9 +51,11 @@ HubStarted = trio.TaskStatus[tuple[Hub, tuple[str, int]]]
 
 
 async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
+                  beat: Callable[[], None] = lambda: None,
                   task_status: HubStarted = trio.TASK_STATUS_IGNORED) -> None:
+    """`beat`: called at every turn of the control loop (feeds systemd's watchdog)."""
     async with node_client(cfg) as client, trio.open_nursery() as nursery:
-        hub = Hub(cfg, client, nursery)
+        hub = Hub(cfg, client, nursery, beat)
         metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
         same_port(metrics_listen, cfg.hub.listen, "Hub__Listen")
         if not cfg.auth.node_token and not cfg.auth.nodes:
@@ -207,7 +209,9 @@ async def _main(cfg: Config, env_file: str | None) -> None:
 
     async def hub_task(*, task_status: HubStarted = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await run_hub(cfg, stop, env_file=env_file, task_status=task_status)
+            # the control loop's every turn feeds the watchdog
+            await run_hub(cfg, stop, env_file=env_file, beat=heartbeat.beat,
+                          task_status=task_status)
         finally:
             hub_done.set()
 
@@ -215,7 +219,6 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         async with trio.open_nursery() as nursery:
             hub, _addr = await nursery.start(hub_task)
             notifier.ready()
-            hub.control.beat = heartbeat.beat  # the control loop's every turn feeds the watchdog
             nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
             nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub,
                                                                                 env_file), "hub")

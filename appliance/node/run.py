@@ -151,9 +151,10 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
     (host, port) of the node API once every listener is bound."""
     stop = stop if stop is not None else trio.Event()
     name = cfg.node_name()
-    engine = make_engine(cfg)
+    # The keeper reads the engine and the engine tells the keeper of each change (only once it
+    # runs): the one pair built around each other.
+    engine = make_engine(cfg, on_change=lambda: keeper.changed())
     keeper = NodeStateKeeper(name, cfg.node, engine)
-    engine.on_change = keeper.changed
     metrics = NodeMetrics(registry if registry is not None else CollectorRegistry(), keeper)
     limits = LiveLimits(node_limits(cfg))  # both listeners; a reload sets new ones
     async with hub_client(cfg) as hclient, trio.open_nursery() as nursery:

@@ -165,7 +165,8 @@ class NodeOps:
 
 class Control:
     def __init__(self, cfg: Config, registry: Registry, node_client: httpx.AsyncClient,
-                 audit: AuditLog | None, *, ops: NodeOps | None = None) -> None:
+                 audit: AuditLog | None, *, ops: NodeOps | None = None,
+                 beat: Callable[[], None] = lambda: None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.audit = audit
@@ -176,7 +177,7 @@ class Control:
         self._wake = trio.Event()
         # Called once per turn of the loop: the hub feeds systemd's watchdog from here, so a
         # control loop that hangs gets the service restarted.
-        self.beat: Callable[[], None] = lambda: None
+        self.beat = beat
         self._decided = trio.Event()
         # Idle unloads in flight, (node, model) -> set when done: a load of the same model
         # on the same node waits for it (keep_alive 0, then a request: unload, then load).

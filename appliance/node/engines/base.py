@@ -4,8 +4,8 @@ Theory of operation: an engine adapter owns the engine's processes or connection
 knows which models exist, which are loaded, and where each loaded model is served (a
 base URL on loopback or the upstream). It never counts requests or enforces limits --
 the node does that -- and it never proxies bytes: the node streams to `upstream(model)`.
-It tells the node about every change through the `on_change` callback it was given, so
-the node can publish a new `NodeState` on its watch stream.
+It tells the node about every change through the `on_change` callback its constructor was
+given, so the node can publish a new `NodeState` on its watch stream.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ import trio
 
 from appliance.wire import EngineInstall, ModelState
 
+Changed = Callable[[], None]
+
+
+def unheard() -> None:
+    """No one listens (an engine built alone, in a test)."""
+
 
 class EngineError(Exception):
     """A load or unload the engine refused; the message is the engine's own words."""
@@ -25,8 +31,8 @@ class EngineError(Exception):
 class Engine(abc.ABC):
     kind: str = ""
 
-    def __init__(self) -> None:
-        self.on_change: Callable[[], None] = lambda: None
+    def __init__(self, on_change: Changed = unheard) -> None:
+        self.on_change = on_change
 
     @abc.abstractmethod
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -43,7 +43,7 @@ import httpx
 import trio
 
 from appliance.config import Config
-from appliance.node.engines.base import Engine, EngineError
+from appliance.node.engines.base import Changed, Engine, EngineError, unheard
 from appliance.node.engines.childproc import Child
 from appliance.node.engines.gguf import read_meta
 from appliance.node.engines.params import LLAMA_CPP_PYTHON, OPENAI
@@ -168,8 +168,8 @@ class _Model:
 class LlamaCppEngine(Engine):
     kind = "llamacpp"
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
+    def __init__(self, cfg: Config, on_change: Changed = unheard) -> None:
+        super().__init__(on_change)
         self.command = cfg.engine.command
         self._models: dict[str, _Model] = {}
         self._nursery: trio.Nursery | None = None

@@ -28,7 +28,7 @@ import msgspec
 import trio
 
 from appliance.config import Config, MiB
-from appliance.node.engines.base import Engine, EngineError
+from appliance.node.engines.base import Changed, Engine, EngineError, unheard
 from appliance.node.engines.params import OLLAMA
 from appliance.wire import EngineInstall, ModelMeta, ModelState, ModelStatus
 
@@ -151,8 +151,8 @@ class PolledEngine(Engine):
     what to read (`refresh`) and what to forget (`_forget`).
     """
 
-    def __init__(self, url: str, poll_seconds: float) -> None:
-        super().__init__()
+    def __init__(self, url: str, poll_seconds: float, on_change: Changed = unheard) -> None:
+        super().__init__(on_change)
         self.url = url
         self.poll_seconds = poll_seconds
         self._client: httpx.AsyncClient | None = None
@@ -198,8 +198,8 @@ class PolledEngine(Engine):
 class OllamaEngine(PolledEngine):
     kind = "ollama"
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg.engine.url.rstrip("/"), cfg.engine.poll_seconds)
+    def __init__(self, cfg: Config, on_change: Changed = unheard) -> None:
+        super().__init__(cfg.engine.url.rstrip("/"), cfg.engine.poll_seconds, on_change)
         self._tags: dict[str, int] = {}  # name -> size MiB, from /api/tags
         self._ps: dict[str, int] = {}  # name -> MiB in memory, from /api/ps
         self._meta: dict[str, ModelMeta] = {}  # name -> what tags (and ps: context length) say

@@ -18,7 +18,7 @@ import msgspec
 import trio
 
 from appliance.config import Config
-from appliance.node.engines.base import EngineError
+from appliance.node.engines.base import Changed, EngineError, unheard
 from appliance.node.engines.ollama import POLL_ERRORS, POLL_TIMEOUT_SECONDS, PolledEngine
 from appliance.wire import EngineInstall, ModelState
 
@@ -39,8 +39,9 @@ _models_decoder = msgspec.json.Decoder(_Models)
 class OpenAIEngine(PolledEngine):
     kind = "openai"
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg.engine.url.rstrip("/").removesuffix("/v1"), cfg.engine.poll_seconds)
+    def __init__(self, cfg: Config, on_change: Changed = unheard) -> None:
+        super().__init__(cfg.engine.url.rstrip("/").removesuffix("/v1"), cfg.engine.poll_seconds,
+                         on_change)
         self._models: list[str] = []
 
     async def refresh(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import trio
 
 from appliance.config import Config
+from appliance.node.engines.base import Changed, unheard
 from appliance.node.engines.ollama import OllamaEngine
 from appliance.node.engines.params import OPENAI
 from appliance.sim.server import make_sim_app, reconfigure, serve_sim
@@ -22,8 +23,8 @@ SIM_LISTEN = "127.0.0.1:0"  # loopback only: the node is the sim's one client
 class SimEngine(OllamaEngine):
     kind = "sim"
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: Config, on_change: Changed = unheard) -> None:
+        super().__init__(cfg, on_change)
         self.url = ""  # known once the sim listens
         self.app = make_sim_app(cfg.sim)  # the sim's state is self.app.state
 
