@@ -105,3 +105,16 @@ async def test_llamacpp_adapter_knows_llama_cpp_python_by_its_missing_health(
     with trio.fail_after(20):
         await eng.unload("server")
         await eng.unload("python")
+
+
+def test_the_servers_answer_with_the_models_name_not_its_file() -> None:
+    from appliance.node.engines.llamacpp import with_alias
+
+    server = ["/opt/llama/llama-server", "-m", "/models/x.gguf", "--port", "1"]
+    assert with_alias(server, "tiny") == [*server, "--alias", "tiny"]
+    python = ["/venv/bin/python", "-m", "llama_cpp.server", "--model", "/m/x.gguf"]
+    assert with_alias(python, "tiny") == [*python, "--model_alias", "tiny"]
+    named = [*server, "--alias=mine"]
+    assert with_alias(named, "tiny") == named  # the operator's own alias stands
+    wrapper = ["/usr/local/bin/run-llama.sh", "/models/x.gguf"]
+    assert with_alias(wrapper, "tiny") == wrapper  # an unknown command is left alone

@@ -116,6 +116,22 @@ def expand_command(template: str, model: str, port: int, args: str) -> list[str]
     return argv
 
 
+_ALIAS_FLAGS = ("-a", "--alias", "--model_alias", "--model-alias")
+
+
+def with_alias(argv: list[str], name: str) -> list[str]:
+    """`argv` with the model's name as the server's own: both servers otherwise answer
+    with the file path as `model` (a path in every client's answer). Only for the two
+    servers known by their command, and only where the operator named no alias."""
+    if any(a in _ALIAS_FLAGS or a.split("=", 1)[0] in _ALIAS_FLAGS for a in argv):
+        return argv
+    if argv[1:3] == ["-m", "llama_cpp.server"]:
+        return [*argv, "--model_alias", name]
+    if argv and os.path.basename(argv[0]).startswith("llama-server"):
+        return [*argv, "--alias", name]
+    return argv
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -251,7 +267,8 @@ class LlamaCppEngine(Engine):
         with m.scope:
             try:
                 m.port = free_port()
-                argv = expand_command(self.command, m.source, m.port, m.args)
+                argv = with_alias(expand_command(self.command, m.source, m.port, m.args),
+                                  m.name)
                 if argv[1:3] == ["-m", "llama_cpp.server"]:
                     m.dialect = LLAMA_CPP_PYTHON
                 try:
