@@ -71,6 +71,24 @@ def test_tokens_reserve_at_admission_and_settle_down() -> None:
     lim.admit("team", 1.0, 100, 500)
 
 
+def test_running_requests_that_will_settle_make_retry_after_a_second() -> None:
+    lim = Limiter([client(tpm=1000)], 100)
+    done = lim.admit("team", 0.0, 100, 400)
+    done.settle((20, 30))  # 50 used: stays in the window for a minute
+    running = lim.admit("team", 1.0, 100, 400)  # 500 reserved, still running
+    with pytest.raises(ApiError) as e:
+        lim.admit("team", 2.0, 100, 400)
+    assert hdr(e.value)["retry-after"] == "1"  # its settlement may free the room any time
+    running.settle((20, 30))
+    lim.admit("team", 3.0, 100, 400)  # and it did
+    lim2 = Limiter([client(tpm=1000)], 100)
+    lim2.admit("team", 0.0, 100, 400).settle((100, 400))
+    lim2.admit("team", 10.0, 100, 400).settle((100, 400))
+    with pytest.raises(ApiError) as e:  # all settled: exact, the first expires at 60.1
+        lim2.admit("team", 20.0, 100, 400)
+    assert hdr(e.value)["retry-after"] == "41"
+
+
 def test_no_usage_keeps_the_reservation() -> None:
     lim = Limiter([client(tpm=1000)], 300)
     lease = lim.admit("team", 0.0, 40, None)  # 40 bytes in + 300 reserved for the answer

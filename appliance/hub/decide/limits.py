@@ -24,7 +24,9 @@ The one decision: may this key's request go now, and if not, exactly when could 
   stands. (`input_estimate`, bytes / 4, is what fair queueing charges before the usage is
   known; it is no bound.)
 - A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
-  window would have room for this request (rounded up to the second), with the
+  window would have room for this request as its old reservations expire (rounded up to
+  the second) -- or 1 s when the key's running requests, once settled below what they
+  reserved, would make the room sooner (when they end is not known) -- with the
   x-ratelimit-* headers OpenAI sends and the anthropic-ratelimit-* ones the Anthropic SDK
   reads. A limit of 0 refuses every request (no Retry-After, x-should-retry: false); so
   does a request that alone reserves more than the limit.
@@ -59,6 +61,8 @@ CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 # Retry-After of a refusal by MaxConcurrent: when a running request ends is not known; a
 # short answer takes about this long.
 CONCURRENT_RETRY_AFTER = 1.0
+# Retry-After of a token refusal that running requests' settlements may cure: a second.
+SETTLE_RETRY_AFTER = 1.0
 
 
 class Window:
@@ -178,7 +182,7 @@ class Usage(NamedTuple):
 class Tenant:
     """One key's windows and counters (kept across reloads by name)."""
 
-    __slots__ = ("requests", "tokens", "day", "in_flight", "served_in", "served_out",
+    __slots__ = ("requests", "tokens", "day", "in_flight", "pending", "served_in", "served_out",
                  "admitted", "limited")
 
     def __init__(self) -> None:
@@ -186,6 +190,7 @@ class Tenant:
         self.tokens = Window(MINUTE, MINUTE_BIN)
         self.day = Window(DAY, DAY_BIN)
         self.in_flight = 0
+        self.pending = 0  # tokens reserved by requests still running (not yet settled)
         self.served_in = 0
         self.served_out = 0
         self.admitted = 0
@@ -213,6 +218,7 @@ class Lease:
         self.done = True
         t = self.tenant
         t.in_flight -= 1
+        t.pending -= self.reserved
         if used is None and counted is not None:
             # The window keeps the whole reservation; what is reported (metrics, audit) is
             # the hub's count (generated chunks, the prompt's text / 4), marked estimated.
@@ -294,6 +300,7 @@ class Limiter:
         mb = t.tokens.add(now, reserve)
         db = t.day.add(now, reserve)
         t.in_flight += 1
+        t.pending += reserve
         t.admitted += 1
         return Lease(t, reserve, body_bytes, cap, mb, db)
 
@@ -307,6 +314,12 @@ class Limiter:
             if limit is None:
                 continue
             wait = window.wait(now, need, limit)
+            if (kind == "tokens" and SETTLE_RETRY_AFTER < wait < math.inf
+                    and window.used(now) - t.pending + need <= limit):
+                # Room comes back as the key's running requests settle below what they
+                # reserved, sooner than old reservations expire: when is not known, so
+                # the client looks again in a second.
+                wait = SETTLE_RETRY_AFTER
             if wait > 0 and (worst is None or wait > worst[0]):
                 worst = (wait, what, var, limit, kind)
         if worst is None and lim.concurrent is not None and t.in_flight >= lim.concurrent:
