@@ -191,6 +191,13 @@ def _trickle(url: str, stop: threading.Event) -> None:
             i += 1
 
 
+def _click(driver, css: str) -> None:
+    """Click `css`, again if the page redrew it between the find and the click."""
+    from selenium.webdriver.common.by import By
+
+    _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, css).click() or True, f"click {css}")
+
+
 def _text(driver, css: str) -> str:
     from selenium.webdriver.common.by import By
 
@@ -237,6 +244,9 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     assert "parked" in row and KEV in row and " 5 " in f" {row} ", row
     _wait(d, lambda d: "sim-fit" in _text(d, "#models tr[data-model='sim-fit'][data-state=ready]"),
           "sim-fit ready")
+    # How its requests were placed (session / prefix / spread) and the engines' cache share.
+    _wait(d, lambda d: " · " in _text(d, "#models tr[data-model='sim-fit'] td.routing")
+          and "cached" in _text(d, "#models tr[data-model='sim-fit'] td.routing"), "routing cell")
     # The requests above, in the last-requests table and the requests-per-second chart.
     _wait(d, lambda d: "sim-fit" in _text(d, "#recent tbody")
           and "404" in _text(d, "#recent tbody"), "recent rows")
@@ -287,8 +297,7 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         "b.getAttribute('aria-label')).join()")
 
     # Retry (confirmed) takes the model out of parked; the audit names the admin.
-    d.find_element(By.CSS_SELECTOR,
-                   "#attention button[data-action=retry][data-model='kev-0.5b']").click()
+    _click(d, "#attention button[data-action=retry][data-model='kev-0.5b']")
     _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
     _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "#attention li[data-model='kev-0.5b']")
           and d.find_elements(By.CSS_SELECTOR,
@@ -300,7 +309,7 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         "action"] == "retry" and admin[-1]["actor"] == "admin" and admin[-1]["model"] == "kev-0.5b"
 
     # Cordon through the page: confirmed, applied, audited.
-    d.find_element(By.CSS_SELECTOR, "button[data-action=cordon][data-node=gpu-b]").click()
+    _click(d, "button[data-action=cordon][data-node=gpu-b]")
     _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
     _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR,
                                        "article.node[data-node=gpu-b][data-status=cordoned]"),
@@ -316,7 +325,7 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
 
     # Forget the lost node (DELETE /admin/nodes/gpu-a): it leaves the page, or -- on a hub
     # without that route -- the page shows the hub's own refusal, not a silent nothing.
-    d.find_element(By.CSS_SELECTOR, "button[data-action=forget][data-node=gpu-a]").click()
+    _click(d, "button[data-action=forget][data-node=gpu-a]")
     _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
     _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]")
           or "Forget node gpu-a failed: " in d.find_element(By.ID, "notice").text,

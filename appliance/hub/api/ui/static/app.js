@@ -182,6 +182,15 @@ function drawNodes(status, detail) {
   box.replaceChildren(...(cards.length ? cards : [el("p", { class: "muted", text: "No nodes known yet." })]));
 }
 
+// How requests were placed (session / prefix / spread) and the share of prompt tokens the
+// engines reported cached (hub/decide/affinity.py).
+function routingText(r) {
+  if (!r) return "–";
+  const p = r.placed;
+  const hit = r.cache_hit_ratio == null ? "–" : `${Math.round(r.cache_hit_ratio * 100)}%`;
+  return `${p.session} / ${p.prefix} / ${p.spread} · ${hit} cached`;
+}
+
 function drawModels(status) {
   const rank = { parked: 0, unplaceable: 1, loading: 2, available: 3, ready: 4, "on-demand": 5 };
   const models = [...status.models].sort((a, b) =>
@@ -194,6 +203,7 @@ function drawModels(status) {
       el("td", { class: "num", text: `${m.ready} / ${m.desired}` }), el("td", { class: "num", text: m.loading }),
       el("td", { class: "num failures", text: m.consecutive_start_failures }),
       el("td", { text: (m.nodes || []).join(", ") || "–" }),
+      el("td", { class: "routing", text: routingText(m.routing) }),
       el("td", { class: m.parked || m.unplaceable ? "err" : "", text: why || "–" }));
   });
   document.querySelector("#models tbody").replaceChildren(...rows);
