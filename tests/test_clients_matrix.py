@@ -7,8 +7,10 @@ test id. Cells that wait on the hub's translation side (another engineer's work)
 expected to fail, non-strictly, naming it.
 
 One fleet for the module (fast: the sim answers at 2,000 tokens/s). The engines are
-`ENGINES`; llama.cpp's own llama-server joins the list once its cached build and fixture
-land in tests/ (worktree `llama`).
+`ENGINES`: the sim, an openai-kind node (the hub's translation), and llama.cpp's own
+llama-server (the cached build of tests/llama_cache.py, `make llama-server`; its cells are
+skipped, saying so, where it is not built) serving the tiny GGUF of tests/make_gguf.py --
+whose limits (no tools in its template, no JSON it can finish) are named in the ids.
 """
 
 from __future__ import annotations
@@ -28,10 +30,26 @@ from pydantic import BaseModel
 pytestmark = pytest.mark.e2e
 
 TOKEN = "node-secret"
+
+
+def llama_server_binary() -> Path | None:
+    """The cached llama-server build (tests/llama_cache.py), None when not built here."""
+    import llama_cache
+
+    found = getattr(llama_cache, "cached_server", None)
+    if found is not None:
+        path: Path | None = found()
+        return path
+    path = llama_cache.CACHE / f"llama-server-{llama_cache.VERSION}" / "llama-server"
+    return path if os.access(path, os.X_OK) else None
+
+
+LLAMA_SERVER = llama_server_binary()
 # `sim`: the sim node, which speaks Ollama and OpenAI natively (bytes pass through);
 # `openai`: a node with Engine__Kind=openai in front of a standalone sim, so the hub
-# translates Ollama and Anthropic onto chat completions as it does for llama.cpp and vLLM.
-ENGINES = ["sim", "openai"]
+# translates Ollama and Anthropic onto chat completions as it does for llama.cpp and vLLM;
+# `llama-server`: llama.cpp's own server behind a llamacpp node (translated likewise).
+ENGINES = ["sim", "openai", "llama-server"]
 CLIENTS = ["openai", "ollama", "anthropic", "lc-openai", "lc-ollama", "lc-anthropic",
            "litellm", "litellm-ollama"]
 CELLS = ["chat", "stream-usage", "structured", "tools", "embeddings"]
@@ -53,7 +71,14 @@ class Person(BaseModel):
 LIMITS = {
     ("*", "anthropic", "embeddings"): "the-Anthropic-API-has-no-embeddings",
     ("*", "lc-anthropic", "embeddings"): "the-Anthropic-API-has-no-embeddings",
+    # The tiny test model's chat template has no tools (llama-server --jinja calls none),
+    # and its random weights never finish a JSON value (the server's JSON parser: a 500).
+    **{("llama-server", c, "tools"): "tiny-model-template-has-no-tools" for c in CLIENTS},
+    **{("llama-server", c, "structured"): "tiny-model-never-finishes-JSON" for c in CLIENTS},
 }
+if LLAMA_SERVER is None:  # every llama-server cell says why it did not run
+    LIMITS.update({("llama-server", c, cell): "llama-server-not-built:make-llama-server"
+                   for c in CLIENTS for cell in CELLS})
 # Cells that fail because of the hub's translation side (worktree `engines`: content type,
 # usage counts, durations, max_completion_tokens, json_schema mapping): expected to work
 # once that lands.
@@ -68,9 +93,13 @@ class Fleet:
         import make_gguf
 
         tiny, _ = make_gguf.write_pair(tmp, seed=1)
-        # `tiny` is a GGUF: only the llama.cpp node may run it (placement, pull, show).
+        # `tiny` is a GGUF: only the llama.cpp node may run it (placement, pull, show);
+        # `tiny-embed` is the same file served with llama-server's embeddings on.
         self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Router__ActivationWaitSeconds": "30",
-                              "Models__0__Name": "tiny", "Models__0__Source": str(tiny)},
+                              "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
+                              "Models__1__Name": "tiny-embed", "Models__1__Source": str(tiny),
+                              "Models__1__Profile": "embed",
+                              "Profiles__embed__Args": "--embeddings --pooling mean"},
                              metrics=False)
         common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
                   "Node__AnnounceSeconds": "1"}
@@ -86,10 +115,15 @@ class Fleet:
                                        "Sim__Models__1__Name": "o-embed"})
         procs.node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": upstream.url,
                              "Engine__PollSeconds": "1"})
-        procs.node("lc-n", {**common, "Engine__Kind": "llamacpp", "Engine__Command":
-                            f"{sys.executable} {FAKE_LLAMA} -m {{model}} --port {{port}} "
-                            "--health-delay 0.05"})
-        self.models = {"sim": ("sim-chat", "sim-embed"), "openai": ("o-chat", "o-embed")}
+        # llama.cpp's own server where it is built (as tests/llama_cache.py starts it: one
+        # thread, the tiny model's context, --jinja), else the stand-in for the GGUF test.
+        command = (f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 --port {{port}} -c 256 -t 1 "
+                   "--jinja {args}" if LLAMA_SERVER is not None else
+                   f"{sys.executable} {FAKE_LLAMA} -m {{model}} --port {{port}} "
+                   "--health-delay 0.05")
+        procs.node("lc-n", {**common, "Engine__Kind": "llamacpp", "Engine__Command": command})
+        self.models = {"sim": ("sim-chat", "sim-embed"), "openai": ("o-chat", "o-embed"),
+                       "llama-server": ("tiny", "tiny-embed")}
         wait_until(lambda: {"sim-chat", "sim-embed", "sim-eyes", "o-chat", "o-embed"} <= {
             m["name"] for m in httpx.get(self.hub.url + "/api/status", timeout=10).json()["models"]},
                    what="models known")
@@ -348,7 +382,15 @@ CURL = {
 }
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+def _engines() -> list[Any]:
+    return [pytest.param(e, id=e + ("-skip:llama-server-not-built" if e == "llama-server"
+                                    and LLAMA_SERVER is None else ""),
+                         marks=[pytest.mark.skip(reason="llama-server not built")]
+                         if e == "llama-server" and LLAMA_SERVER is None else [])
+            for e in ENGINES]
+
+
+@pytest.mark.parametrize("engine", _engines())
 @pytest.mark.parametrize("route", list(CURL))
 def test_curl_without_a_content_type(fleet, engine, route):
     """The README's `curl .../api/chat -d '{...}'`: a JSON body sent with no content type
@@ -366,7 +408,7 @@ def test_curl_without_a_content_type(fleet, engine, route):
 # --- Open WebUI's calls, replayed -------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", _engines())
 def test_open_webui_call_sequence_with_token_stats(fleet, engine):
     """What Open WebUI sends to an Ollama connection, in its order: version, tags, ps,
     show, a streamed chat (its token stats: eval_count / eval_duration), the title task,
@@ -444,7 +486,7 @@ def test_images_to_a_model_without_vision_are_a_400_in_each_apis_shape(fleet):
     assert caps["capabilities"] == ["completion", "vision"]
 
 
-# --- a llama.cpp model (the fake llama-server): placed on its engine, kept alive right ------
+# --- a llama.cpp model (llama-server, else its stand-in): placed on its engine, kept alive --
 
 
 def test_a_gguf_model_runs_on_the_llamacpp_node_and_keep_alive_0_reloads(fleet):
