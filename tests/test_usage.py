@@ -112,22 +112,36 @@ def test_prepare_asks_for_the_stream_usage_only_when_the_client_did_not() -> Non
 
     asked = plan({"model": "m", "messages": USER, "stream": True})
     assert json.loads(asked.body)["stream_options"] == {"include_usage": True}
-    assert asked.drop_usage and asked.prompt == 10 + 1  # "user" counts too
+    assert asked.drop_usage and asked.prompt == prompt_estimate(json.dumps(
+        {"model": "m", "messages": USER, "stream": True}).encode())
     own = {"model": "m", "messages": USER, "stream": True,
            "stream_options": {"include_usage": True}}
     assert not plan(own).drop_usage and json.loads(plan(own).body) == own
     whole = {"model": "m", "messages": USER}
     assert json.loads(plan(whole).body) == whole and not plan(whole).drop_usage
     emb = prepare("/v1/embeddings", "openai", b'{"model":"m","input":["abcd","efgh"]}', "m", "m")
-    assert emb.prompt == 2
+    assert emb.prompt == 10  # 37 bytes: the body's JSON counts too (no tokenizer here)
 
 
-def test_prompt_estimate_counts_text_not_images() -> None:
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "a" * 36},
-                                         {"type": "image_url",
-                                          "image_url": {"url": "data:image/png;base64," + "A" * 4000}}]}]
-    assert prompt_estimate({"messages": msgs}) == 10
-    assert prompt_estimate({"prompt": "abcdefgh", "system": "abcd", "images": ["A" * 400]}) == 3
+def test_prompt_estimate_counts_text_not_images_in_every_api() -> None:
+    text = {"model": "m", "messages": [{"role": "user", "content": "a" * 400}]}
+    base = prompt_estimate(json.dumps(text).encode())
+    assert 100 <= base <= 110
+    png = "iVBORw0KGgo" + "A" * 40_000
+    openai_img = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a" * 400},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}}]}]}
+    anthropic_img = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a" * 400},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": png}}]}]}
+    ollama_img = {"model": "m", "messages": [{"role": "user", "content": "a" * 400,
+                                              "images": [png, png]}]}
+    for obj in (openai_img, anthropic_img, ollama_img):
+        assert base <= prompt_estimate(json.dumps(obj).encode()) <= base + 40, obj["messages"][0]
+    # A million tiny messages: the JSON around each is not counted, and it takes no time.
+    many = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}] * 10**6})
+    assert prompt_estimate(many.encode()) < 10**6
 
 
 # --- Ollama's counts and durations -----------------------------------------------------

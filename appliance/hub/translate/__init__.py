@@ -177,7 +177,7 @@ def prepare(path: str, api: str, body: bytes, given: str, model: str,
         refused = _OPENAI_CHECKS[path](obj)
         ask = path in _USAGE_STREAMS and obj.get("stream") is True and not _asks_usage(obj)
         prep = Prepared(path, api, _with_usage(obj, model) if ask else fwd, refused=refused,
-                        prompt=prompt_estimate(obj))
+                        prompt=prompt_estimate(body))
         prep.drop_usage = ask
         return prep
     try:
@@ -186,13 +186,13 @@ def prepare(path: str, api: str, body: bytes, given: str, model: str,
         if path.startswith("/api/"):
             # An engine that speaks Ollama natively judges the body itself (a bare
             # `/api/embed` may be its own business); only a translation needs it whole.
-            return Prepared(path, api, fwd, refused=e, prompt=prompt_estimate(obj))
+            return Prepared(path, api, fwd, refused=e, prompt=prompt_estimate(body))
         raise
 
 
 def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str,
                 model: str) -> Prepared:
-    prompt = prompt_estimate(obj)
+    prompt = prompt_estimate(fwd)
     if path in ("/api/chat", "/api/generate"):
         chat = path == "/api/chat"
         load_only = not (obj.get("messages") if chat else obj.get("prompt"))
