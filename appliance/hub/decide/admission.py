@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -72,6 +72,13 @@ class Demand(NamedTuple):
     used: Callable[[], int | None]
 
 
+class Gauge(Protocol):
+    """A gauge's child (prometheus_client): the in-flight count of one model."""
+
+    def inc(self, amount: float = 1) -> None: ...
+    def dec(self, amount: float = 1) -> None: ...
+
+
 class Place:
     """A request's place: the node it is on now (`node`, counted in flight) and the
     nodes it was on (`tried`). Made by `Admission.place`."""
@@ -79,11 +86,11 @@ class Place:
     __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket",
                  "route")
 
-    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Any,
+    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Gauge | None,
                  ticket: Ticket, route: Route | None = None) -> None:
         self._admission, self.model, self.cls = admission, model, cls
         self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
-        self.node: Any = None
+        self.node: NodeHandle | None = None
         self.tried: list[str] = []
         self.ticket = ticket
         self.route = route
@@ -107,9 +114,10 @@ class Place:
 
     async def wait_slot(self) -> None:
         """Hold a non-essential request while its node's slots for the model are all sent."""
-        await self._admission.wait_slot(self.node, self.model, self.cls)
+        if self.node is not None:
+            await self._admission.wait_slot(self.node, self.model, self.cls)
 
-    def next(self, max_attempts: int) -> Any:
+    def next(self, max_attempts: int) -> NodeHandle | None:
         """Give the current node back; take the next other (None: none left, or
         `max_attempts` nodes tried)."""
         self._give_back()
@@ -196,14 +204,14 @@ class Admission:
                         room_need: count(ready, model, places_need, room_need), cost, weight)
         if w is None:
             return Ticket(model, cls, client)
-        w.event = trio.Event()
+        w.event = woken = trio.Event()
         self._dispatch(model)
         if not w.granted and w.cls == ESSENTIAL and self.preempt:
             self.victims.preempt_one(model)
         if not w.granted:
             try:
                 with trio.move_on_after(core.wait_limit(w)):
-                    await w.event.wait()
+                    await woken.wait()
             except BaseException:
                 # Cancelled (the client hung up): out of the queue now, grant passed on.
                 if core.leave(w, timed_out=False):
@@ -216,7 +224,7 @@ class Admission:
         raise core.timeout_error(w)
 
     @asynccontextmanager
-    async def place(self, model: str, cls: str, client: str, in_flight: Any = None,
+    async def place(self, model: str, cls: str, client: str, in_flight: Gauge | None = None,
                     demand: Demand | None = None,
                     route: Route | None = None,
                     victim: Preemptible | None = None) -> AsyncIterator[Place]:
@@ -278,7 +286,8 @@ class Admission:
 
     def _dispatch(self, model: str) -> None:
         for w in self.core.dispatch(model, self.fleet(model)):
-            w.event.set()
+            if w.event is not None:
+                w.event.set()
 
     def _on_change(self) -> None:
         shape = [(h, h.state, h.connected, h.cordoned) for h in self.registry.nodes.values()]
@@ -316,11 +325,11 @@ class Admission:
         w = self.slots.enter(node.name, model, cls, node.in_flight.get(model, 0), node.state.slots)
         if w is None:
             return
-        w.event = trio.Event()
+        w.event = woken = trio.Event()
         self._dispatch_slots(node.name, model)
         try:
             with trio.move_on_after(self.slot_wait):
-                await w.event.wait()
+                await woken.wait()
         finally:
             if not w.granted:
                 self.slots.leave(node.name, w)  # ran out: sent anyway; or cancelled
@@ -333,7 +342,8 @@ class Admission:
             woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0), h.state.slots,
                                         h.routable())
         for w in woken:
-            w.event.set()
+            if w.event is not None:
+                w.event.set()
 
     # --- visibility ----------------------------------------------------------------------
 

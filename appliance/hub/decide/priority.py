@@ -36,11 +36,12 @@ whose node has more requests sent for the model than slots waits for one to fini
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from appliance.http.errors import ApiError
 from appliance.hub.decide.fair import FairLane
+from appliance.wire import NodeState
 
 CLASSES = ("essential", "normal", "background")
 RANK = {c: i for i, c in enumerate(CLASSES)}
@@ -71,7 +72,30 @@ class Fleet(NamedTuple):
     room: int | None
 
 
-def fleet_of(nodes: Iterable[Any], model: str) -> Fleet:
+class Node(Protocol):
+    """A node as admission counts it (hub/fleet/nodes.NodeHandle)."""
+
+    @property
+    def state(self) -> NodeState | None: ...
+    @property
+    def in_flight(self) -> Mapping[str, int]: ...
+    @property
+    def in_flight_total(self) -> int: ...
+    def ready(self, model: str) -> bool: ...
+    def places_left(self, model: str) -> int | None: ...
+
+
+N = TypeVar("N", bound=Node)
+
+
+class Wakeup(Protocol):
+    """The shell's trio.Event a waiter sleeps on (the core only holds it)."""
+
+    def set(self) -> None: ...
+    async def wait(self) -> None: ...
+
+
+def fleet_of(nodes: Iterable[Node], model: str) -> Fleet:
     """`places` and `room` for `model` over the nodes it can be routed to now.
 
     The reference definition, in terms of `NodeHandle.places_left`; `count` is the fast
@@ -80,7 +104,7 @@ def fleet_of(nodes: Iterable[Any], model: str) -> Fleet:
     places: int | None = 0
     room: int | None = 0
     for h in nodes:
-        if not h.ready(model):
+        if not h.ready(model) or h.state is None:
             continue
         if places is not None:
             left = h.places_left(model)
@@ -91,7 +115,7 @@ def fleet_of(nodes: Iterable[Any], model: str) -> Fleet:
     return Fleet(places, room)
 
 
-def ready_nodes(nodes: Iterable[Any], model: str) -> list[Any]:
+def ready_nodes(nodes: Iterable[N], model: str) -> list[N]:
     """The nodes `model` can be routed to now (what `count` walks)."""
     return [h for h in nodes if h.ready(model)]
 
@@ -111,7 +135,7 @@ def reserve_warning(reserve: int, caps: Iterable[int | None]) -> str:
             f"background requests can never run; lower it below {total}")
 
 
-def count(ready: Iterable[Any], model: str, places_need: int | None = None,
+def count(ready: Iterable[Node], model: str, places_need: int | None = None,
           room_need: int | None = None) -> Fleet:
     """`fleet_of` over nodes already known ready, in plain arithmetic.
 
@@ -123,6 +147,8 @@ def count(ready: Iterable[Any], model: str, places_need: int | None = None,
     room: int | None = 0
     for h in ready:
         st = h.state
+        if st is None:  # not ready after all
+            continue
         cap = st.max_concurrency
         slots = st.slots
         if cap is None:
@@ -161,7 +187,7 @@ class Waiter:
         self.cls = cls
         self.client = client
         self.granted = False
-        self.event: Any = None  # the shell's trio.Event
+        self.event: Wakeup | None = None  # the shell's trio.Event
         # fair.py: the charge at grant, the key's weight, and (lane, episode) once charged
         self.cost = cost
         self.weight = weight
