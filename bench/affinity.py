@@ -15,10 +15,16 @@ before any request. Cases, each run against both hubs:
   to first token and max/min requests per node (from the audit lines).
 - hub CPU per request (utime + stime of the hub process over the `own` case).
 
+`--llama`: the `own` case on three `Engine__Kind=llamacpp` nodes running llama.cpp's own
+llama-server (the cached build of tests/llama_cache.py, `make llama-server`) with the
+suite's tiny GGUF (tests/make_gguf.py: 256 tokens of context, so short chats; blocks of 32
+bytes), affinity off vs on: llama-server's reported cached/prompt and TTFT p50.
+
 Streams with `stream_options.include_usage`; TTFT is the client's time to its first
 content chunk. Prints one table, affinity off vs on.
 
-    .venv/bin/python bench/affinity.py [--chats 30 --turns 10]
+    .venv/bin/python bench/affinity.py [--chats 30 --turns 10] [--ha]
+    .venv/bin/python bench/affinity.py --llama [--chats 6 --turns 4]
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ TOKEN = "bench"
 MODEL = "sim-small"
 NODES = ("gpu-a", "gpu-b", "gpu-c")
 CONTEXT_BYTES = 8000  # ~2k tokens at the sim's 4 bytes a token
+USER_BYTES = 200  # a follow-up question
+MAX_TOKENS = 16
+ENGINE = "sim"
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
          "rho sigma tau upsilon phi chi psi omega def class return import yield async").split()
 
@@ -64,8 +73,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def use_llama() -> str:
+    """Switch the chats to the tiny GGUF on llama-server; returns the server's path."""
+    global MODEL, CONTEXT_BYTES, USER_BYTES, MAX_TOKENS, WORDS, ENGINE
+    import make_gguf
+    from test_clients_matrix import LLAMA_SERVER
+
+    if LLAMA_SERVER is None:
+        sys.exit("llama-server is not built here: make llama-server")
+    MODEL, CONTEXT_BYTES, USER_BYTES, MAX_TOKENS, ENGINE = "tiny", 60, 10, 4, "llama"
+    WORDS = tuple(make_gguf.WORDS)
+    return str(LLAMA_SERVER)
+
+
 class Fleet:
-    """A hub (two on one etcd with `etcd`) and three sim nodes, the model ready on all."""
+    """A hub (two on one etcd with `etcd`) and three sim nodes -- or llama-server nodes
+    after `use_llama` -- the model ready on all."""
 
     def __init__(self, affinity: str, parallel: int, etcd: str = "") -> None:
         self.procs = Procs()
@@ -73,9 +96,16 @@ class Fleet:
         self.audits = [os.path.join(tmp, f"audit-{i}.jsonl") for i in range(2 if etcd else 1)]
         self.audit = self.audits[0]
         cluster = {"Cluster__Etcd": etcd, "Cluster__LeaseSeconds": "3"} if etcd else {}
+        llama: dict[str, str] = {}
+        if ENGINE == "llama":
+            import make_gguf
+
+            tiny, _ = make_gguf.write_pair(tmp, seed=3)
+            llama = {"Models__0__Name": MODEL, "Models__0__Source": str(tiny),
+                     "Models__0__Replicas": "3", "Router__AffinityBlockChars": "32"}
         self.hubs = [self.procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": a,
                                      "Router__Affinity": affinity, "Hub__Name": f"hub-{i}",
-                                     **cluster}) for i, a in enumerate(self.audits)]
+                                     **cluster, **llama}) for i, a in enumerate(self.audits)]
         self.hub = self.hubs[0]
         env = {"Hub__Url": ",".join(h.url for h in self.hubs), "Auth__NodeToken": TOKEN,
                "Node__AnnounceSeconds": "1",
@@ -83,8 +113,17 @@ class Fleet:
                "Sim__Parallel": str(parallel), "Node__ModelSlots": str(parallel),
                "Sim__CacheTokens": "32768",
                "Sim__PrefillTokensPerSecond": "4000"}
+        if ENGINE == "llama":
+            from test_clients_matrix import LLAMA_SERVER
+
+            env = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
+                   "Node__AnnounceSeconds": "1", "Node__MemoryMb": "1000",
+                   "Node__ModelSlots": "4", "Engine__Kind": "llamacpp",
+                   "Engine__StartTimeoutSeconds": "60",
+                   "Engine__Command": f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 "
+                                      "--port {port} -c 1024 -np 4 -t 1 {args}"}
         nodes = [self.procs.node(n, env) for n in NODES]
-        for n in nodes:
+        for n in nodes if ENGINE == "sim" else []:
             r = httpx.post(n.url + f"/node/v1/models/{MODEL}/load",
                            headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
             r.raise_for_status()
@@ -118,24 +157,34 @@ async def one(c: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
     first = None
     answer: list[str] = []
     usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
     async with c.stream("POST", url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": messages, "max_tokens": 16, "stream": True,
+            "model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
             "stream_options": {"include_usage": True}}, headers=headers) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             ev = json.loads(line[6:])
             if ev.get("usage"):
                 usage = ev["usage"]
+            t = ev.get("timings")
+            if isinstance(t, dict) and "cache_n" in t and "prompt_n" in t:  # llama-server's
+                timings = t
             for ch in ev.get("choices", []):
                 if ch["delta"].get("content"):
                     first = first if first is not None else time.perf_counter() - t0
                     answer.append(ch["delta"]["content"])
     if sample is not None:
         sample.ttft.append(first if first is not None else time.perf_counter() - t0)
-        sample.prompt += usage.get("prompt_tokens", 0)
-        sample.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        if "cached_tokens" in details:
+            sample.prompt += usage.get("prompt_tokens", 0)
+            sample.cached += details["cached_tokens"]
+        elif timings:
+            sample.prompt += timings["cache_n"] + timings["prompt_n"]
+            sample.cached += timings["cache_n"]
     return "".join(answer)
 
 
@@ -153,7 +202,7 @@ async def chats(url: str, n: int, turns: int, shared: bool, seed: int,
         ctx = system if shared else text(own, CONTEXT_BYTES)
         msgs = [{"role": "system", "content": ctx}]
         for t in range(turns):
-            msgs.append({"role": "user", "content": f"chat {i} turn {t}: " + text(own, 200)})
+            msgs.append({"role": "user", "content": text(own, USER_BYTES)})
             headers = {"x-request-id": f"s{seed}c{i}t{t}"}
             if session:
                 headers["x-session-id"] = f"chat-{seed}-{i}"
@@ -287,7 +336,24 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=32, help="Sim__Parallel per node")
     ap.add_argument("--ha", action="store_true", help="also: two hubs on one etcd")
     ap.add_argument("--ha-only", action="store_true", help="only the two-hub case")
+    ap.add_argument("--llama", action="store_true",
+                    help="the own-context chats on three llama-server nodes, off vs on")
     args = ap.parse_args()
+    if args.llama:
+        use_llama()
+        figures = {}
+        for mode in ("off", "on"):
+            fleet = Fleet(mode, args.parallel)
+            try:
+                figures[mode] = trio.run(chats, fleet.hub.url, args.chats, args.turns, False, 1)
+            finally:
+                fleet.close()
+        print(f"{args.chats} chats x {args.turns} turns, 3 llama-server nodes (tiny GGUF, "
+              "-np 4), each chat its own context")
+        for mode, s in figures.items():
+            print(f"  {mode:4} cached/prompt {s.cached / max(1, s.prompt):.3f}  "
+                  f"follow-up TTFT p50 {statistics.median(s.ttft) * 1000:.1f} ms")
+        return
     if args.ha_only:
         for k, v in run_ha(args).items():
             print(f"  {k:32} {v:.3f}")
