@@ -37,9 +37,13 @@ def fleet(procs, tmp_path):
         r = httpx.post(n.url + "/node/v1/models/sim-small/load",
                        headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
         assert r.status_code == 200, r.text
+    wait_ready(hub)
+    return hub, audit, nodes
+
+
+def wait_ready(hub) -> None:
     wait_until(lambda: len(next((m for m in status(hub)["models"] if m["name"] == "sim-small"),
                                 {"nodes": []})["nodes"]) == 3, what="ready on three nodes")
-    return hub, audit
 
 
 def chat(c: httpx.Client, messages: list, **headers: str) -> dict:
@@ -54,7 +58,7 @@ def audit_nodes(audit) -> list[dict]:
 
 
 def test_turn_two_lands_on_turn_ones_node_and_the_engine_reports_it_cached(fleet):
-    hub, audit = fleet
+    hub, audit, _ = fleet
     convos = [[{"role": "system", "content": f"repository {i}: " + "def f(x): return x\n" * 120},
                {"role": "user", "content": "what does f do?"}] for i in range(6)]
     with httpx.Client(base_url=hub.url, timeout=30) as c:
@@ -95,7 +99,7 @@ def test_turn_two_lands_on_turn_ones_node_and_the_engine_reports_it_cached(fleet
 
 
 def test_a_named_session_stays_on_one_node(fleet):
-    hub, audit = fleet
+    hub, audit, _ = fleet
     with httpx.Client(base_url=hub.url, timeout=30) as c:
         for i in range(6):  # short prompts: only the header keeps them together
             chat(c, [{"role": "user", "content": f"turn {i}"}], **{"x-session-id": "s-42"})
@@ -107,3 +111,27 @@ def test_a_named_session_stays_on_one_node(fleet):
     assert all(x["routing"] == "session" for x in lines)
     assert "x" * 200 not in audit.read_text()  # a session value is never written anywhere
     assert metric(hub, "appliance_routing_decisions_total", 'reason="session"') == 9
+
+
+def test_a_hub_restart_keeps_sessions_on_their_nodes(fleet, procs, tmp_path):
+    """Rendezvous needs no state: a new hub (the nodes given statically) sends each named
+    session where the old one did."""
+    hub, audit, nodes = fleet
+
+    def place_sessions(url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            for i in range(8):
+                chat(c, [{"role": "user", "content": "hi"}], **{"x-session-id": f"user-{i}"})
+
+    place_sessions(hub.url)
+    before = [x["node"] for x in audit_nodes(audit)]
+    assert len(set(before)) >= 2
+    hub.kill()
+    audit2 = tmp_path / "audit2.jsonl"
+    static = {f"Nodes__{i}__{k}": v for i, n in enumerate(nodes)
+              for k, v in (("Name", NODES[i]), ("Url", n.url))}
+    hub2 = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit2), **static})
+    wait_ready(hub2)
+    place_sessions(hub2.url)
+    assert [x["node"] for x in audit_nodes(audit2)] == before
+
