@@ -77,6 +77,10 @@ class HubConfig(_Section):
     # hundred bytes, so 10 s is generous for it, and a 32 MiB body at LAN speed takes < 1 s.
     header_read_seconds: PosFloat = 10.0
     body_read_seconds: PosFloat = 60.0
+    # A write to a client that makes no progress this long ends the connection (its place
+    # is given back, the audit says client_too_slow): a client that stops reading holds
+    # nothing longer, and the drain ends whatever clients do.
+    write_stall_seconds: PosFloat = 30.0
     # Open client connections per listener; beyond it new ones wait in the kernel's backlog.
     max_connections: PosInt = 4096
     # Bytes of request bodies held at once per listener; beyond it 503 `busy`.
@@ -154,9 +158,11 @@ class NodeConfig(_Section):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
-    # The node API's twins of Hub__HeaderReadSeconds / Hub__BodyReadSeconds.
+    # The node API's twins of Hub__HeaderReadSeconds / Hub__BodyReadSeconds /
+    # Hub__WriteStallSeconds.
     header_read_seconds: PosFloat = 10.0
     body_read_seconds: PosFloat = 60.0
+    write_stall_seconds: PosFloat = 30.0
     # The node's own twins of the hub's settings (it read Hub__* before; those are still
     # read when these are unset, with a warning: NODE_OWN).
     max_body_bytes: PosInt = 32 * MiB

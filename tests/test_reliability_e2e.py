@@ -7,6 +7,7 @@ that ordinary service goes on.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from procfs import peak_rss_kb
-from procs import procs  # noqa: F401  (the fixture)
+from procs import procs, wait_until  # noqa: F401  (procs: the fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -97,3 +98,94 @@ def test_decoded_bodies_count_against_the_budget_peak_rss_stays_under_twice_it(p
     r = httpx.post(hub.url + "/v1/chat/completions", timeout=10,
                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+NODE_TOKEN = "node-secret"
+STALL_S = 2
+
+
+def _stalled_client(url: str, path: str, body: dict, headers: dict[str, str]) -> socket.socket:
+    """A client that asks for a long stream and never reads a byte of it (a 2 KiB receive
+    buffer: the server's writes stop making progress almost at once)."""
+    host, port = _addr(url)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect((host, port))
+    data = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _long_stream(n: int) -> dict:
+    return {"model": "sim-small", "stream": True, "max_tokens": 4096,
+            "messages": [{"role": "user", "content": f"tell me everything {n}"}]}
+
+
+def _node_in_flight(hub_url: str) -> int:
+    nodes = httpx.get(hub_url + "/api/status", timeout=10).json()["nodes"]
+    return sum(n["in_flight"] for n in nodes)
+
+
+def test_clients_that_stop_reading_give_their_places_back_within_the_write_stall(
+        procs, tmp_path):  # noqa: F811
+    audit = tmp_path / "audit.jsonl"
+    hub = procs.hub({"Auth__NodeToken": NODE_TOKEN, "Hub__WriteStallSeconds": str(STALL_S),
+                     "Audit__Path": str(audit), "Queue__MaxWaitSeconds": "30"})
+    procs.node("gpu", {"Hub__Url": hub.url, "Auth__NodeToken": NODE_TOKEN,
+                       "Node__MaxConcurrency": "4", "Node__WriteStallSeconds": str(STALL_S)})
+    wait_until(lambda: _ready(hub.url), timeout=30, what="the node's model ready")
+    socks = [_stalled_client(hub.url, "/v1/chat/completions", _long_stream(i), {})
+             for i in range(4)]
+    try:
+        wait_until(lambda: _node_in_flight(hub.url) == 4, timeout=10, what="4 places held")
+        t0 = time.monotonic()
+        wait_until(lambda: _node_in_flight(hub.url) == 0, timeout=STALL_S + 8,
+                   what="the places given back")
+        assert time.monotonic() - t0 < STALL_S + 2 + 1  # (+1: the status poll's own pace)
+        r = httpx.post(hub.url + "/v1/chat/completions", timeout=30,
+                       json={"model": "sim-small", "max_tokens": 3,
+                             "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        lines = [json.loads(x) for x in audit.read_text().splitlines() if x.strip()]
+        slow = [x for x in lines if x.get("error") == "client_too_slow"]
+        assert len(slow) == 4 and {x["status"] for x in slow} == {499}, [(x.get("status"), x.get("error"), x.get("kind")) for x in lines]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.parametrize("role", ["hub", "node"])
+def test_sigterm_with_clients_that_never_read_exits_within_the_drain(procs, role):  # noqa: F811
+    # The write stall is long (30 s, the default): the drain's end alone must end the writes.
+    hub = procs.hub({"Auth__NodeToken": NODE_TOKEN, "Hub__DrainSeconds": "2"})
+    node = procs.node("gpu", {"Hub__Url": hub.url, "Auth__NodeToken": NODE_TOKEN,
+                              "Node__MaxConcurrency": "4", "Node__DrainSeconds": "2"})
+    wait_until(lambda: _ready(hub.url), timeout=30, what="the node's model ready")
+    target = hub if role == "hub" else node
+    auth = {} if role == "hub" else {"authorization": f"Bearer {NODE_TOKEN}"}
+    socks = [_stalled_client(target.url, "/v1/chat/completions", _long_stream(i), auth)
+             for i in range(4)]
+    try:
+        wait_until(lambda: _node_in_flight(hub.url) == 4, timeout=10, what="4 places held")
+        time.sleep(0.5)  # let the writes fill the buffers and block
+        t0 = time.monotonic()
+        target.signal(signal.SIGTERM)
+        code = target.wait_exit(2 + 5 + 5)
+        took = time.monotonic() - t0
+        assert code is not None and took < 2 + 5, f"{role} took {took:.1f} s to exit"
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _ready(hub_url: str) -> bool:
+    """The node is up and its model answers (loaded on demand by this very request)."""
+    try:
+        r = httpx.post(hub_url + "/v1/chat/completions", timeout=30,
+                       json={"model": "sim-small", "max_tokens": 1,
+                             "messages": [{"role": "user", "content": "warm up"}]})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200

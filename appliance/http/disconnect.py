@@ -31,6 +31,10 @@ HANGUP = "appliance.hangup"
 class HangupWatch(Protocol):
     """A server's word that it can tell when this request's client hangs up."""
 
+    # The client stopped reading: a write made no progress for WriteStallSeconds and the
+    # connection was ended (audited `client_too_slow`, not a clean answer).
+    stalled: bool
+
     def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
         """Call `fn()` once when the client hangs up; returns the function that stops
         watching, or None when this connection cannot be watched so."""
@@ -43,6 +47,12 @@ def hangup_watch(scope: dict[str, Any] | None) -> HangupWatch | None:
         return None
     watch: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP)
     return watch
+
+
+def stalled(scope: dict[str, Any] | None) -> bool:
+    """Did this request's connection end because its client stopped reading?"""
+    watch = hangup_watch(scope)
+    return watch is not None and watch.stalled
 
 
 async def wait_disconnect(receive: Receive) -> None:

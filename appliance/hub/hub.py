@@ -113,7 +113,7 @@ class Hub:
 def hub_limits(cfg: Config) -> Limits:
     h = cfg.hub
     return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections,
-                  h.max_buffered_bytes, h.max_body_bytes)
+                  h.max_buffered_bytes, h.max_body_bytes, h.write_stall_seconds)
 
 
 def auth_headers(cfg: Config) -> dict[str, str]:

@@ -13,7 +13,9 @@ Rules every caller relies on:
 - `receive` returns b"" at the end of the stream *and* when the connection broke (a reset,
   a TLS error): either way nothing more will come.
 - `send_all` writes everything or raises `OSError`; its waits are shielded unless told
-  otherwise (a write cut half-way leaves the peer's framing unknown). The caller holds a
+  otherwise (a write cut half-way leaves the peer's framing unknown), but never longer
+  than `stall` seconds without progress (then `WriteStalled`: a peer that stopped reading
+  holds nothing), and none waits past `abort_by`'s deadline (the drain's end). The caller holds a
   lock around it if two tasks could write (trio's SSLStream refuses concurrent sends).
 - `shutdown_write` sends our end (a TCP FIN; on TLS under the TLS records, without a
   close_notify: the peer has what it was owed) so a closing server can drain the read side.
@@ -21,9 +23,12 @@ Rules every caller relies on:
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import math
 import socket
 import ssl
+from collections.abc import Iterator
 
 import trio
 
@@ -55,16 +60,31 @@ async def recv_some(sock: socket.socket, max_bytes: int) -> bytes:
             continue
 
 
-async def send_all(sock: socket.socket, data: bytes, shield: bool = True) -> None:
+# What one TLS write waits for at most before it must have progressed (the TLS stream
+# shows no partial progress: it is fed in pieces this large).
+TLS_PIECE = 16 * 1024
+
+
+class WriteStalled(OSError):
+    """A write made no progress for the transport's `stall` seconds, or was aborted."""
+
+
+async def send_all(sock: socket.socket, data: bytes, shield: bool = True,
+                   guard: Transport | None = None) -> None:
     """All of `data` on a non-blocking `sock` (OSError when the peer is gone); waits only
-    while its buffer is full -- shielded unless told otherwise."""
+    while its buffer is full -- shielded unless told otherwise, and each wait bounded by
+    `guard`'s stall (any progress starts it again)."""
     view = memoryview(data)
     while view:
         try:
             n = sock.send(view)
         except BlockingIOError:
-            with trio.CancelScope(shield=shield):
-                await trio.lowlevel.wait_writable(sock)
+            if guard is None:
+                with trio.CancelScope(shield=shield):
+                    await trio.lowlevel.wait_writable(sock)
+            else:
+                with guard.waiting(shield):
+                    await trio.lowlevel.wait_writable(sock)
             continue
         view = view[n:]
 
@@ -72,12 +92,40 @@ async def send_all(sock: socket.socket, data: bytes, shield: bool = True) -> Non
 class Transport:
     """A plain connection: the socket itself (see the module's docstring)."""
 
-    __slots__ = ("sock", "tls")
+    __slots__ = ("sock", "tls", "stall", "_by", "_wait")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, stall: float = math.inf) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.tls = False
+        self.stall = stall  # seconds a write may make no progress (math.inf: unbounded)
+        self._by = math.inf  # no write waits past this (the drain's end)
+        self._wait: trio.CancelScope | None = None  # the write waiting now
+
+    @contextlib.contextmanager
+    def waiting(self, shield: bool) -> Iterator[None]:
+        """One wait of a write: shielded as asked, ended by the stall or by `abort`."""
+        if trio.current_time() >= self._by:
+            raise WriteStalled(errno.ETIMEDOUT, "the connection was aborted at the drain's end")
+        scope = trio.CancelScope(shield=shield,
+                                 deadline=min(trio.current_time() + self.stall, self._by))
+        self._wait = scope
+        try:
+            with scope:
+                yield
+        finally:
+            self._wait = None
+        if scope.cancelled_caught:
+            raise WriteStalled(errno.ETIMEDOUT,
+                               f"the peer read nothing for {self.stall:g} s"
+                               if trio.current_time() < self._by else
+                               "the connection was aborted at the drain's end")
+
+    def abort_by(self, deadline: float) -> None:
+        """No write waits past `deadline` (trio's clock): the one waiting now included."""
+        self._by = min(self._by, deadline)
+        if self._wait is not None:
+            self._wait.deadline = min(self._wait.deadline, self._by)
 
     def fileno(self) -> int:
         """The TCP socket's fd (to watch for the peer's hang-up), -1 once closed."""
@@ -105,7 +153,7 @@ class Transport:
             return b""
 
     async def send_all(self, data: bytes, shield: bool = True) -> None:
-        await send_all(self.sock, data, shield)
+        await send_all(self.sock, data, shield, self)
 
     def shutdown_write(self) -> bool:
         try:
@@ -130,8 +178,8 @@ class TlsTransport(Transport):
     __slots__ = ("stream",)
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, *, server_side: bool,
-                 server_hostname: str | None = None) -> None:
-        super().__init__(sock)
+                 server_hostname: str | None = None, stall: float = math.inf) -> None:
+        super().__init__(sock, stall)
         self.tls = True
         self.stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
                                      context, server_side=server_side,
@@ -155,8 +203,15 @@ class TlsTransport(Transport):
 
     async def send_all(self, data: bytes, shield: bool = True) -> None:
         try:
-            with trio.CancelScope(shield=shield):
-                await self.stream.send_all(data)
+            if self.stall == math.inf and self._by == math.inf:
+                with trio.CancelScope(shield=shield):
+                    await self.stream.send_all(data)
+                return
+            # The TLS stream shows no partial progress: fed in pieces, each bounded.
+            view = memoryview(data)
+            for i in range(0, max(len(view), 1), TLS_PIECE):
+                with self.waiting(shield):
+                    await self.stream.send_all(view[i:i + TLS_PIECE])
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise ConnectionError(str(e) or "TLS connection broken") from None
 

@@ -64,7 +64,8 @@ POOL_CLOSE_SECONDS = 2.0
 def node_limits(cfg: Config) -> Limits:
     """The node's listeners: its own read deadlines; connection and buffer bounds as the hub's."""
     return Limits(cfg.node.header_read_seconds, cfg.node.body_read_seconds, cfg.hub.max_connections,
-                  cfg.hub.max_buffered_bytes, cfg.node.max_body_bytes)
+                  cfg.hub.max_buffered_bytes, cfg.node.max_body_bytes,
+                  cfg.node.write_stall_seconds)
 
 
 def _limits_line(lim: Limits) -> str:

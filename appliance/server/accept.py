@@ -141,6 +141,7 @@ async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socke
                     max_head=settings.max_head, max_requests=settings.max_requests)
     slots = Slots(live)
     open_slots: dict[Slot, None] = {}  # open connections, oldest first
+    transports: dict[Slot, Transport] = {}
     shed = Shed()
 
     def follow(new: Limits) -> None:  # a reload: what is not read per connection or request
@@ -150,13 +151,16 @@ async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socke
     async def connection(sock: socket.socket) -> None:
         slot = Slot()
         open_slots[slot] = None
-        transport = (TlsTransport(sock, tls, server_side=True) if tls is not None
-                     else Transport(sock))
+        stall = live.now.write_stall_seconds
+        transport = (TlsTransport(sock, tls, server_side=True, stall=stall) if tls is not None
+                     else Transport(sock, stall))
+        transports[slot] = transport
         try:
             with slot.cancel:
                 await Conn(transport, shared, slot).run()
         finally:
             open_slots.pop(slot, None)
+            transports.pop(slot, None)
             slots.release()
             with trio.move_on_after(CLOSE_SECONDS, shield=True):
                 await transport.aclose()
@@ -190,3 +194,7 @@ async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socke
                     if not s.in_request:
                         s.cancel.cancel()
                 handlers.cancel_scope.deadline = trio.current_time() + settings.drain
+                # Writes waiting on clients that do not read are shielded from that cancel:
+                # they end at the same deadline, so the process exits within the drain.
+                for t in list(transports.values()):
+                    t.abort_by(handlers.cancel_scope.deadline)

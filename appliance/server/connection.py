@@ -149,6 +149,7 @@ class Conn(Sender):
         self.requests = 0
         self.linger = False  # an answer refused the request: drain its read side before the close
         self._waiter: trio.CancelScope | None = None  # receive() waiting for the disconnect
+        self._hangup: Callable[[], None] | None = None  # a HangupWatch watcher (watch)
         self.client = transport.peer()
         self.server = transport.local()
         self.scheme = "https" if transport.tls else "http"
@@ -177,8 +178,18 @@ class Conn(Sender):
                 or self.requests >= sh.max_requests)
 
     def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
-        """appliance/http/disconnect.py's HangupWatch: `fn()` once when the client hangs up."""
-        return watch_hangup(self.transport.fileno(), fn)
+        """appliance/http/disconnect.py's HangupWatch: `fn()` once when the client hangs up
+        -- or when a write to it fails (it stopped reading, or the connection broke)."""
+        stop = watch_hangup(self.transport.fileno(), fn)
+        if stop is None:
+            return None
+        self._hangup = fn
+
+        def unwatch() -> None:
+            self._hangup = None
+            stop()
+
+        return unwatch
 
     # --- the connection ----------------------------------------------------------------------
 
@@ -500,6 +511,9 @@ class Conn(Sender):
     def stop_waiting(self) -> None:
         if self._waiter is not None:
             self._waiter.cancel()
+        if self.broken and self._hangup is not None:  # a watcher waits on the socket alone
+            fn, self._hangup = self._hangup, None
+            fn()
 
 
 def _path_of(raw: bytes) -> str:

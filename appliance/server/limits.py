@@ -43,6 +43,8 @@ class Limits:
     # A request whose declared Content-Length is over this is refused 413 before any of
     # its body is read (0: the apps bound bodies as they read them).
     max_body_bytes: int = 0
+    # A write that makes no progress this long ends the connection (net/transport.py).
+    write_stall_seconds: float = 30.0
 
 
 class LiveLimits:

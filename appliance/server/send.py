@@ -24,7 +24,7 @@ import trio
 
 from appliance.h1.head import response_head
 from appliance.h1.state import BROKEN, RESPONSE, RESPONSE_END, SEND_BODY, SEND_RESPONSE, Cycle
-from appliance.net.transport import Transport
+from appliance.net.transport import Transport, WriteStalled
 
 
 class Sender:
@@ -35,6 +35,7 @@ class Sender:
         self.cycle = Cycle()
         self.lock = trio.Lock()
         self.broken = False  # a write failed
+        self.stalled = False  # ... because the client read nothing for WriteStallSeconds
         self.new_response("GET", "1.1")
 
     def new_response(self, method: str, version: str) -> None:
@@ -129,7 +130,8 @@ class Sender:
             await lock.acquire()
         try:
             await self.transport.send_all(data, shield)
-        except OSError:
+        except OSError as e:
+            self.stalled = isinstance(e, WriteStalled)
             self.broken = True
             self.cycle.server(BROKEN)
             self.stop_waiting()  # receive() says http.disconnect now

@@ -32,7 +32,7 @@ from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import AuthConfig, ClientConfig
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body
 from appliance.http.budget import hold_decoded
-from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.disconnect import cancel_on_disconnect, stalled
 from appliance.http.errors import ApiError
 from appliance.http.keys import request_key
 from appliance.hub import translate
@@ -202,8 +202,11 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         except ApiError as e:
             await req.send_error(e)
     if gone.gone:
-        status, req.error = hangup()
-        req.status = req.status or status
+        if stalled(req.scope):  # it stopped reading: its place is back, nothing was delivered
+            req.status, req.error = 499, "client_too_slow"
+        else:
+            status, req.error = hangup()
+            req.status = req.status or status
 
 
 def _used(req: Request) -> int | None:
