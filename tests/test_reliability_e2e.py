@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import ssl
 import threading
 import time
 from urllib.parse import urlsplit
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from procfs import peak_rss_kb
 from procs import procs, wait_until  # noqa: F401  (procs: the fixture)
+from test_tls import client_ctx, make_ca, make_cert
 
 pytestmark = pytest.mark.e2e
 
@@ -104,72 +106,117 @@ NODE_TOKEN = "node-secret"
 STALL_S = 2
 
 
-def _stalled_client(url: str, path: str, body: dict, headers: dict[str, str]) -> socket.socket:
-    """A client that asks for a long stream and never reads a byte of it (a 2 KiB receive
-    buffer: the server's writes stop making progress almost at once)."""
-    host, port = _addr(url)
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-    s.connect((host, port))
-    data = json.dumps(body).encode()
-    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}"
-              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return s
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = make_ca(d)
+    return {"ca": ca[0], "hub": make_cert(d, ca, "hub"), "node": make_cert(d, ca, "node")}
+
+
+class Fleet:
+    """A hub and one 4-place sim node, plain or TLS (both listeners)."""
+
+    def __init__(self, procs, pki, tls: bool, hub_env: dict[str, str],  # noqa: F811
+                 node_env: dict[str, str]) -> None:
+        self.tls = pki if tls else None
+        # (the node asks for a client certificate: the hub's serves)
+        self.verify: ssl.SSLContext | bool = client_ctx(pki["ca"], pki["hub"]) if tls else True
+        t_hub = ({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
+                  "Hub__TlsCa": pki["ca"]} if tls else {})
+        t_node = ({"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
+                   "Node__TlsCa": pki["ca"]} if tls else {})
+        # Heartbeats every 2 s: the sim builds these long answers eagerly, and a loaded
+        # 2-core box must not see the node as lost while it does.
+        self.hub = procs.hub({"Auth__NodeToken": NODE_TOKEN, "Node__HeartbeatSeconds": "2",
+                              **t_hub, **hub_env})
+        self.node = procs.node("gpu", {"Hub__Url": self.hub.url, "Auth__NodeToken": NODE_TOKEN,
+                                       "Node__MaxConcurrency": "4", "Node__AnnounceSeconds": "1",
+                                       "Node__HeartbeatSeconds": "2",
+                                       **t_node, **node_env})
+        wait_until(self.ready, timeout=30, what="the node's model answers")
+
+    def ready(self) -> bool:
+        """The node is up and its model answers (loaded on demand by this very request)."""
+        try:
+            r = httpx.post(self.hub.url + "/v1/chat/completions", timeout=30, verify=self.verify,
+                           json={"model": "sim-small", "max_tokens": 1,
+                                 "messages": [{"role": "user", "content": "warm up"}]})
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def held(self) -> int:
+        """Places held on the node: its own count (a client may talk to it directly)."""
+        r = httpx.get(self.node.url + "/node/v1/state", timeout=5, verify=self.verify,
+                      headers={"authorization": f"Bearer {NODE_TOKEN}"})
+        return int(r.json()["in_flight"])
+
+    def stalled_client(self, url: str, n: int, headers: dict[str, str]) -> socket.socket:
+        """A client that asks for a long stream and never reads a byte of it (a 2 KiB
+        receive buffer: the server's writes stop making progress once the ~4 MB of socket
+        buffers between them are full)."""
+        host, port = _addr(url)
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        raw.connect((host, port))
+        s = (client_ctx(self.tls["ca"], self.tls["hub"]).wrap_socket(raw, server_hostname="127.0.0.1")
+             if self.tls else raw)
+        data = json.dumps(_long_stream(n)).encode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  f"Content-Type: application/json\r\n{head}"
+                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        return s
 
 
 def _long_stream(n: int) -> dict:
-    return {"model": "sim-small", "stream": True, "max_tokens": 4096,
+    # ~10 MB of events (two choices with log probabilities): more than the socket buffers.
+    return {"model": "sim-small", "stream": True, "max_tokens": 4096, "n": 2, "logprobs": True,
+            "top_logprobs": 10,
             "messages": [{"role": "user", "content": f"tell me everything {n}"}]}
 
 
-def _node_in_flight(hub_url: str) -> int:
-    nodes = httpx.get(hub_url + "/api/status", timeout=10).json()["nodes"]
-    return sum(n["in_flight"] for n in nodes)
-
-
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_clients_that_stop_reading_give_their_places_back_within_the_write_stall(
-        procs, tmp_path):  # noqa: F811
+        procs, pki, tmp_path, tls):  # noqa: F811
     audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": NODE_TOKEN, "Hub__WriteStallSeconds": str(STALL_S),
-                     "Audit__Path": str(audit), "Queue__MaxWaitSeconds": "30"})
-    procs.node("gpu", {"Hub__Url": hub.url, "Auth__NodeToken": NODE_TOKEN,
-                       "Node__MaxConcurrency": "4", "Node__WriteStallSeconds": str(STALL_S)})
-    wait_until(lambda: _ready(hub.url), timeout=30, what="the node's model ready")
-    socks = [_stalled_client(hub.url, "/v1/chat/completions", _long_stream(i), {})
-             for i in range(4)]
+    f = Fleet(procs, pki, tls, {"Hub__WriteStallSeconds": str(STALL_S),
+                                "Audit__Path": str(audit)},
+              {"Node__WriteStallSeconds": str(STALL_S * 5)})  # the hub's fires first
+    t0 = time.monotonic()
+    socks = [f.stalled_client(f.hub.url, i, {}) for i in range(4)]
     try:
-        wait_until(lambda: _node_in_flight(hub.url) == 4, timeout=10, what="4 places held")
-        t0 = time.monotonic()
-        wait_until(lambda: _node_in_flight(hub.url) == 0, timeout=STALL_S + 8,
-                   what="the places given back")
-        assert time.monotonic() - t0 < STALL_S + 2 + 1  # (+1: the status poll's own pace)
-        r = httpx.post(hub.url + "/v1/chat/completions", timeout=30,
+        wait_until(lambda: f.held() > 0, timeout=10, what="places held")
+        wait_until(lambda: f.held() == 0, timeout=STALL_S + 15, what="the places given back")
+        # The stall counts from when the writes stop progressing: after the sim has made
+        # ~10 MB of events per stream and they filled the socket buffers (a few seconds on
+        # a loaded 2-core box), then WriteStallSeconds.
+        assert time.monotonic() - t0 < STALL_S + 2 + 4
+        r = httpx.post(f.hub.url + "/v1/chat/completions", timeout=30, verify=f.verify,
                        json={"model": "sim-small", "max_tokens": 3,
                              "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200
         lines = [json.loads(x) for x in audit.read_text().splitlines() if x.strip()]
         slow = [x for x in lines if x.get("error") == "client_too_slow"]
-        assert len(slow) == 4 and {x["status"] for x in slow} == {499}, [(x.get("status"), x.get("error"), x.get("kind")) for x in lines]
+        assert len(slow) == 4 and {x["status"] for x in slow} == {499}, [
+            (x.get("status"), x.get("error"), x.get("ms")) for x in lines if x.get("kind") == "request"]
     finally:
         for s in socks:
             s.close()
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.parametrize("role", ["hub", "node"])
-def test_sigterm_with_clients_that_never_read_exits_within_the_drain(procs, role):  # noqa: F811
+def test_sigterm_with_clients_that_never_read_exits_within_the_drain(procs, pki, role,  # noqa: F811
+                                                                     tls):
     # The write stall is long (30 s, the default): the drain's end alone must end the writes.
-    hub = procs.hub({"Auth__NodeToken": NODE_TOKEN, "Hub__DrainSeconds": "2"})
-    node = procs.node("gpu", {"Hub__Url": hub.url, "Auth__NodeToken": NODE_TOKEN,
-                              "Node__MaxConcurrency": "4", "Node__DrainSeconds": "2"})
-    wait_until(lambda: _ready(hub.url), timeout=30, what="the node's model ready")
-    target = hub if role == "hub" else node
+    f = Fleet(procs, pki, tls, {"Hub__DrainSeconds": "2"}, {"Node__DrainSeconds": "2"})
+    target = f.hub if role == "hub" else f.node
     auth = {} if role == "hub" else {"authorization": f"Bearer {NODE_TOKEN}"}
-    socks = [_stalled_client(target.url, "/v1/chat/completions", _long_stream(i), auth)
-             for i in range(4)]
+    socks = [f.stalled_client(target.url, i, auth) for i in range(4)]
     try:
-        wait_until(lambda: _node_in_flight(hub.url) == 4, timeout=10, what="4 places held")
-        time.sleep(0.5)  # let the writes fill the buffers and block
+        wait_until(lambda: f.held() == 4, timeout=20, what="4 places held")
+        time.sleep(1)  # let the writes fill the buffers and block
         t0 = time.monotonic()
         target.signal(signal.SIGTERM)
         code = target.wait_exit(2 + 5 + 5)
@@ -178,14 +225,3 @@ def test_sigterm_with_clients_that_never_read_exits_within_the_drain(procs, role
     finally:
         for s in socks:
             s.close()
-
-
-def _ready(hub_url: str) -> bool:
-    """The node is up and its model answers (loaded on demand by this very request)."""
-    try:
-        r = httpx.post(hub_url + "/v1/chat/completions", timeout=30,
-                       json={"model": "sim-small", "max_tokens": 1,
-                             "messages": [{"role": "user", "content": "warm up"}]})
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200
