@@ -41,3 +41,15 @@ def test_digest_parameter_count_and_capabilities(tmp_path):
     assert gguf.capabilities("qwen2", 3, "") == ["completion", "embedding"]
     assert with_args(read_meta(str(tiny)), "--mmproj /m/proj.gguf --ctx-size 512").capabilities == [
         "completion", "vision"]
+
+
+def test_llama_servers_props_correct_what_the_file_says():
+    from appliance.node.engines.llamacpp import props_capabilities
+
+    props = {"modalities": {"vision": True, "audio": False},
+             "chat_template_caps": {"supports_tools": False, "supports_tool_calls": False}}
+    assert props_capabilities(["completion", "tools"], props) == ["completion", "vision"]
+    on = {"modalities": {"vision": False},
+          "chat_template_caps": {"supports_tools": True, "supports_tool_calls": True}}
+    assert props_capabilities(["completion", "vision"], on) == ["completion", "tools"]
+    assert props_capabilities(["completion"], {"modalities": "odd"}) == ["completion"]

@@ -154,6 +154,20 @@ def with_args(meta: ModelMeta | None, args: str) -> ModelMeta | None:
     return meta
 
 
+def props_capabilities(caps: list[str], props: dict[str, object]) -> list[str]:
+    """`caps` as llama-server's /props corrects them: `modalities.vision` says vision, the
+    chat template's caps say tools (with --jinja; without it the server calls none)."""
+    out = list(caps)
+    modalities = props.get("modalities")
+    if isinstance(modalities, dict) and isinstance(modalities.get("vision"), bool):
+        out = [c for c in out if c != "vision"] + (["vision"] if modalities["vision"] else [])
+    tmpl = props.get("chat_template_caps")
+    if isinstance(tmpl, dict) and isinstance(tmpl.get("supports_tools"), bool):
+        tools = tmpl["supports_tools"] and tmpl.get("supports_tool_calls") is not False
+        out = [c for c in out if c != "tools"] + (["tools"] if tools else [])
+    return out
+
+
 class _Model:
     def __init__(self, name: str, source: str, args: str,
                  meta: ModelMeta | None = None) -> None:
@@ -309,6 +323,7 @@ class LlamaCppEngine(Engine):
             nursery.start_soon(self._pump, m)
             nursery.start_soon(self._watch_exit, m)
             if await self._wait_ready(m):
+                await self._read_props(m)
                 m.state = "ready"
                 m.settled.set()
                 self.on_change()
@@ -342,6 +357,19 @@ class LlamaCppEngine(Engine):
             with trio.move_on_after(POLL_SECONDS):
                 await m.exited.wait()
         return False
+
+    async def _read_props(self, m: _Model) -> None:
+        """What the running server says the model can do (llama-server's /props: its
+        modalities and its chat template's caps) over what the file said; a server
+        without /props (llama_cpp.server) keeps the file's word."""
+        assert self._client is not None
+        try:
+            r = await self._client.get(f"http://127.0.0.1:{m.port}/props")
+            props = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            props = None
+        if isinstance(props, dict) and m.meta is not None:
+            m.meta.capabilities = props_capabilities(m.meta.capabilities or [], props)
 
     async def _watch_exit(self, m: _Model) -> None:
         assert m.child is not None
