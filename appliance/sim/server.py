@@ -2,7 +2,8 @@
 
 Theory of operation: `SimApp` is a plain ASGI app around a `SimState` (`appliance.sim.core`:
 models, load state, slots, deterministic output and its framing) that speaks what the real
-engines speak, dispatching (method, path) by hand:
+engines speak, dispatching (method, path) by hand (the model-management routes and the
+shared body reading are `appliance.sim.models`'):
 
 - Ollama: POST /api/chat, /api/generate (NDJSON stream unless `"stream": false`),
   /api/embed, /api/embeddings, /api/show, /api/pull (a model of the default size
@@ -58,18 +59,14 @@ from typing import Any
 import msgspec
 import trio
 
-from appliance import __version__
 from appliance.bounds import echo_path
-from appliance.config import Config, ConfigError, MiB, SimConfig
+from appliance.config import Config, ConfigError, SimConfig
 from appliance.config import load as load_config
 from appliance.http.asgi import (
     JSON_HEADERS,
-    BodyTooLarge,
     Receive,
     Scope,
     Send,
-    read_body,
-    send_json,
 )
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
@@ -79,14 +76,11 @@ from appliance.sim import choices, shape
 from appliance.sim import tools as simtools
 from appliance.sim.cache import PrefixCaches
 from appliance.sim.core import (
-    EMBED_DIM,
     FINGERPRINT,
-    MAX_TOKENS,
     NDJSON,
     SIM_HEADER,
     SSE,
     THINK_TOKENS,
-    VERSION,
     Frame,
     Req,
     SimModelState,
@@ -98,31 +92,23 @@ from appliance.sim.core import (
     iso,
     ollama_frame,
     openai_frame,
-    req_decoder,
     stops_of,
     tokens,
     wants_thinking,
 )
+from appliance.sim.core import VERSION as VERSION  # re-exported: the sim's /api/version
+from appliance.sim.models import ModelRoutes, send_sim_json
 
 log = logging.getLogger("appliance.sim.server")
 
-# Bodies past 32 MiB are refused, as by the hub's default Hub__MaxBodyBytes.
-MAX_BODY = 32 * MiB
 # SIGTERM lets in-flight generations finish this long before they are cut.
 DRAIN_SECONDS = 5.0
 _JSON = [*JSON_HEADERS, SIM_HEADER]
-_DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
-            "parameter_size": "sim", "quantization_level": "none"}
 _enc = msgspec.json.Encoder()
 Handler = Callable[[Scope, Receive, Send, str], Awaitable[None]]  # (scope, receive, send, path)
 
 
-async def _send_json(send: Send, status: int, obj: Any) -> None:
-    """The project's `send_json`, with the sim's engine header."""
-    await send_json(send, status, obj, [SIM_HEADER])
-
-
-class SimApp:
+class SimApp(ModelRoutes):
     """The ASGI app; `state` is its SimState, `cache` its prefix caches (sim/cache.py)."""
 
     def __init__(self, state: SimState, cache: PrefixCaches | None = None) -> None:
@@ -164,31 +150,6 @@ class SimApp:
             await send_api_error(send, api, e, [SIM_HEADER])
 
     # --- shared ------------------------------------------------------------------------
-
-    async def _request(self, receive: Receive) -> Req:
-        try:
-            body = await read_body(receive, MAX_BODY)
-        except BodyTooLarge:
-            raise ApiError(413, "body_too_large", f"request body over {MAX_BODY} bytes") from None
-        try:
-            return req_decoder.decode(body)
-        except msgspec.ValidationError as e:
-            raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
-        except msgspec.DecodeError as e:
-            raise ApiError(400, "invalid_json", f"invalid JSON: {e}") from None
-        except RecursionError:
-            raise ApiError(400, "invalid_json", "invalid JSON: nested too deeply") from None
-
-    def _model(self, req: Req, api: str) -> SimModelState:
-        name = req.model or req.name
-        if not name:
-            raise ApiError(400, "invalid_request", "model is required")
-        m = self.state.lookup(name)
-        if m is None:
-            msg = (f'model "{name}" not found, try pulling it first' if api == "ollama"
-                   else f"The model `{name}` does not exist or you do not have access to it.")
-            raise ApiError(404, "model_not_found", msg)
-        return m
 
     async def _generate(self, receive: Receive, send: Send, m: SimModelState, req: Req,
                         seed: bytes, frame: Frame, stream: bool,
@@ -251,7 +212,7 @@ class SimApp:
                     text = "".join(t for t, _ in toks)
                     if unload_after:
                         self.state.unload(m)
-                    await _send_json(send, 200, frame.whole(text, st))
+                    await send_sim_json(send, 200, frame.whole(text, st))
 
     # --- Ollama ------------------------------------------------------------------------
 
@@ -271,7 +232,7 @@ class SimApp:
                 reason = "load"
             out = frame.whole("", {"finish": reason, "total_ns": 0, "load_ns": 0, "prompt": 0,
                                    "completion": 0, "eval_ns": 0})
-            await _send_json(send, 200, out)
+            await send_sim_json(send, 200, out)
             return
         call = None
         if chat and req.messages:
@@ -298,78 +259,13 @@ class SimApp:
         await self.state.ensure_loaded(m)
         vecs = [embedding(_enc.encode([m.spec.name, i])) for i in items]
         if legacy:
-            await _send_json(send, 200, {"embedding": vecs[0] if vecs else [], "x_simulated": True})
+            await send_sim_json(send, 200, {"embedding": vecs[0] if vecs else [],
+                                            "x_simulated": True})
             return
-        await _send_json(send, 200, {"model": req.model, "embeddings": vecs, "total_duration": 0,
+        await send_sim_json(send, 200, {"model": req.model, "embeddings": vecs, "total_duration": 0,
                                      "load_duration": 0, "prompt_eval_count": sum(len(i) // 4 + 1
                                                                                   for i in items),
                                      "x_simulated": True})
-
-    def _tag(self, m: SimModelState) -> dict[str, Any]:
-        size = m.spec.size_mb * MiB
-        return {"name": m.spec.name, "model": m.spec.name,
-                "modified_at": iso(self.state.started_at),
-                "size": size, "digest": m.digest, "details": _DETAILS}
-
-    async def ollama_tags(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        await _send_json(send, 200, {"models": [self._tag(m) for m in self.state.models.values()]})
-
-    async def ollama_ps(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        # Loaded models stay loaded until keep_alive 0: Ollama shows that as a far expiry.
-        forever = "2318-01-01T00:00:00Z"
-        out = [{**self._tag(m), "expires_at": forever, "size_vram": m.spec.size_mb * MiB,
-                "context_length": MAX_TOKENS} for m in self.state.models.values() if m.loaded]
-        await _send_json(send, 200, {"models": out})
-
-    async def ollama_version(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        await _send_json(send, 200, {"version": VERSION})
-
-    async def ollama_show(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        m = self._model(await self._request(receive), "ollama")
-        await _send_json(send, 200, {
-            "license": "",
-            "modelfile": f"# simulated by appliance {__version__}\nFROM {m.spec.name}\n",
-            "parameters": "", "template": "{{ .Prompt }}", "details": _DETAILS,
-            "model_info": {"general.architecture": "sim", "general.parameter_count": 0,
-                           "sim.context_length": MAX_TOKENS, "sim.embedding_length": EMBED_DIM},
-            "capabilities": m.spec.caps(), "modified_at": iso(self.state.started_at),
-            "x_simulated": True})
-
-    async def ollama_pull(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        """Ollama's pull, simulated: progress lines, then the model exists."""
-        req = await self._request(receive)
-        name = req.model or req.name
-        if not name:
-            raise ApiError(400, "invalid_request", "model is required")
-        m = self.state.add(name)
-        size = m.spec.size_mb * MiB
-        lines = [{"status": "pulling manifest"},
-                 *({"status": f"pulling {m.digest[:12]}", "digest": f"sha256:{m.digest}",
-                    "total": size,
-                    "completed": size * i // 4} for i in range(1, 5)),
-                 {"status": "verifying sha256 digest"}, {"status": "writing manifest"},
-                 {"status": "success"}]
-        if req.stream is False:
-            await _send_json(send, 200, {"status": "success"})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
-        await send({"type": "http.response.body", "body": b"".join(_enc.encode(x) + b"\n"
-                                                                   for x in lines)})
-
-    async def ollama_delete(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        req = await self._request(receive)
-        name = req.model or req.name
-        if not self.state.remove(name):
-            raise ApiError(404, "model_not_found", f"model '{name}' not found")
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [SIM_HEADER, (b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b""})
-
-    async def root(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8"), SIM_HEADER]})
-        await send({"type": "http.response.body",
-                    "body": b"Ollama is running (simulated by appliance)"})
 
     # --- OpenAI ------------------------------------------------------------------------
 
@@ -419,12 +315,12 @@ class SimApp:
                 shown = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
             data.append({"object": "embedding", "index": i, "embedding": shown})
         n = sum(len(_enc.encode(item)) // 4 + 1 for item in x)
-        await _send_json(send, 200, {"object": "list", "data": data, "model": req.model,
+        await send_sim_json(send, 200, {"object": "list", "data": data, "model": req.model,
                                      "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     async def openai_models(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         created = int(self.state.started_at)
-        await _send_json(send, 200, {"object": "list", "data": [
+        await send_sim_json(send, 200, {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": FINGERPRINT}
             for name in self.state.models]})
 
