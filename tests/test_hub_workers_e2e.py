@@ -70,6 +70,17 @@ def test_request_through_a_worker_counts_once_in_the_main(procs, tmp_path):
     # the place is given back just after the last byte (as with one process)
     wait_until(lambda: httpx.get(hub.url + "/api/status", headers=ADMIN_H).json()["nodes"][0]
                ["in_flight"] == 0, what="the place given back")
+    # What the engine said of its prompt cache comes back with the worker's Done: the
+    # second of two long prompts is counted cached in the main process.
+    for _ in range(2):
+        r = on_worker.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "the same long prompt " * 40}]})
+        assert r.status_code == 200
+    routing = next(m for m in httpx.get(hub.url + "/api/status", headers=ADMIN_H).json()["models"]
+                   if m["name"] == MODEL)["routing"]
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and routing["cached_prompt_tokens"] == cached
 
     # A stream the client abandons gives its place back in the main process.
     with on_worker.stream("POST", "/v1/chat/completions",

@@ -66,6 +66,8 @@ class Done(msgspec.Struct, tag=True):
     ttfb: float | None
     error: str
     usage: Usage | None = None  # the answer's tokens, as the worker's relay read them
+    # (prompt, cached) tokens where the engine reported its prompt cache (affinity.py)
+    cache: tuple[int, int] | None = None
 
 
 class Ack(msgspec.Struct, tag=True):

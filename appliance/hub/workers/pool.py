@@ -353,6 +353,8 @@ class LeaseRelay:
             if isinstance(msg, Done):
                 req.node, req.status, req.ttfb = msg.node, msg.status, msg.ttfb
                 req.usage = msg.usage
+                if msg.cache is not None and req.route is not None:
+                    req.route.prompt_tokens, req.route.cached_tokens = msg.cache
                 req.error = msg.error or req.error
                 req.finish()
                 try:

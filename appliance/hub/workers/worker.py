@@ -42,6 +42,7 @@ from appliance.hub.api.flag import Flag
 from appliance.hub.api.relay import NotAnswered, relay_from
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
+from appliance.hub.decide.affinity import Route
 from appliance.hub.hub import auth_headers, client_ssl, hub_limits
 from appliance.hub.workers.lease import (
     GONE,
@@ -260,7 +261,11 @@ class Worker:
             done_sent = True
             with trio.move_on_after(ACK_SECONDS, shield=True):
                 try:
-                    await conn.send(Done(req.node, req.status, req.ttfb, req.error, req.usage))
+                    r = req.route
+                    cache = (None if r is None or r.prompt_tokens is None
+                             or r.cached_tokens is None else (r.prompt_tokens, r.cached_tokens))
+                    await conn.send(Done(req.node, req.status, req.ttfb, req.error, req.usage,
+                                         cache))
                 except GONE:
                     return
                 await acked.wait()
@@ -271,6 +276,7 @@ class Worker:
             await send(msg)
 
         req = Request(scope, send_last_reported, api, _NoRecord())
+        req.route = Route()  # the relay fills in what the engine says of its prompt cache
         ended = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
