@@ -3,13 +3,14 @@
 Theory of operation: `EngineProxy.handle` answers the listings (GET /v1/models, /api/tags,
 /api/ps, /api/version) from the node's state and relays every POST to the engine that
 serves its model. It reads the body (bounded by `Node__MaxBodyBytes`), decodes only
-`model`, asks the keeper for a place (`try_start`) and streams the same bytes to the engine
+`model`, takes a place (node/request.py's `NodeRequest.start`) and streams the same bytes
+to the engine
 -- fitted to the fields it takes where they differ (engines/params.py), as JSON whatever
 content type the client gave -- and the engine's bytes back, chunk by chunk
 (`appliance.http.stream.relay_body`). The copy is cancelled when the client hangs up
 (`appliance.http.disconnect`), so a client that goes away frees its place at once; an
 engine that breaks off mid-stream ends the stream with an error event in its own framing.
-Every request is counted once (NodeMetrics).
+Every request is counted and its place given back once (`NodeRequest.finish`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import msgspec
 import trio
 
 from appliance import __version__
-from appliance.bounds import CLEANUP_SECONDS, OTHER_LABEL, echo, echo_path
+from appliance.bounds import CLEANUP_SECONDS, echo, echo_path
 from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
@@ -32,6 +33,7 @@ from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.engines.params import fit
 from appliance.node.metrics import NodeMetrics
+from appliance.node.request import NodeRequest
 from appliance.node.state import NodeStateKeeper
 
 log = logging.getLogger("appliance.node.app")
@@ -103,10 +105,6 @@ class EngineProxy:
             return {"version": __version__}
         return None
 
-    def _count(self, model: str, status: str) -> None:
-        if self.metrics is not None:
-            self.metrics.request(model, status)
-
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
         limit = self.cfg.node.max_body_bytes
         try:
@@ -126,41 +124,41 @@ class EngineProxy:
         except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
             await send_error(send, api, 400, "invalid_json", "body is not JSON")
             return
-        upstream = self.engine.upstream(model)
-        if upstream is None:
-            if any(m.name == model for m in self.engine.models()):
-                await send_error(send, api, 503, "no_capacity",
-                                  f"model {model} is not loaded on node {self.keeper.name}",
-                                  [(b"retry-after", b"1")])
-                self._count(model, "503")
-            else:
-                await send_error(send, api, 404, "model_not_found",
-                                  f"model {echo(model)} not found on node {self.keeper.name}")
-                self._count(OTHER_LABEL, "404")  # a client-chosen name never becomes a label
-            return
-        # The body as this engine takes it (engines/params.py: max_completion_tokens,
-        # json_schema); untouched where it names neither.
-        body = fit(self.engine.dialect(model), scope["path"], body)
-        refused = self.keeper.try_start(model)
-        if refused is not None:
-            await send_error(send, api, 503, "no_capacity", refused, [(b"retry-after", b"1")])
-            self._count(model, "503")
-            return
-        outcome: list[str] = []  # _forward appends the status once the last byte is out
+        req = NodeRequest(self.keeper, self.metrics, model)
         client = None
         try:
-            # After the last byte a disconnect is just the end (`outcome` is set then).
-            async with cancel_on_disconnect(receive, lambda: bool(outcome), scope) as client:
-                await self._forward(scope, send, api, upstream, body, outcome)
+            upstream = self.engine.upstream(model)
+            if upstream is None:
+                if any(m.name == model for m in self.engine.models()):
+                    req.status = "503"
+                    await send_error(send, api, 503, "no_capacity",
+                                     f"model {model} is not loaded on node {self.keeper.name}",
+                                     [(b"retry-after", b"1")])
+                else:
+                    req.unknown_model()
+                    req.status = "404"
+                    await send_error(send, api, 404, "model_not_found",
+                                     f"model {echo(model)} not found on node {self.keeper.name}")
+                return
+            # The body as this engine takes it (engines/params.py: max_completion_tokens,
+            # json_schema); untouched where it names neither.
+            body = fit(self.engine.dialect(model), scope["path"], body)
+            refused = req.start()
+            if refused is not None:
+                req.status = "503"
+                await send_error(send, api, 503, "no_capacity", refused, [(b"retry-after", b"1")])
+                return
+            # After the last byte a disconnect is just the end (the status is set then).
+            async with cancel_on_disconnect(receive, lambda: req.status is not None,
+                                            scope) as client:
+                await self._forward(scope, send, api, upstream, body, req)
         finally:
-            self.keeper.finish(model)
-            gone = client is not None and client.gone
-            self._count(model, outcome[0] if outcome else ("client_gone" if gone else "cancelled"))
+            req.finish("client_gone" if client is not None and client.gone else "cancelled")
 
     async def _forward(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
-                       outcome: list[str]) -> None:
-        """Stream `body` to the engine and its answer back; the status for metrics goes
-        into `outcome` just before the last byte goes out."""
+                       req: NodeRequest) -> None:
+        """Stream `body` to the engine and its answer back; the status for metrics is set
+        on `req` just before the last byte goes out."""
         raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         url = upstream + raw + (("?" + scope["query_string"].decode("latin-1"))
                                 if scope.get("query_string") else "")
@@ -176,23 +174,23 @@ class EngineProxy:
             if whole is not None:  # a short answer, whole with its head: one message
                 await send({"type": "http.response.start", "status": resp.status_code,
                             "headers": out})
-                outcome.append(str(resp.status_code))
+                req.status = str(resp.status_code)
                 await send({"type": "http.response.body", "body": whole, "more_body": False})
                 return
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
             started = True
             # an UpstreamError (the engine broke off, or its read deadline) goes through
             await relay_body(resp, send, None, ())
-            outcome.append(str(resp.status_code))
+            req.status = str(resp.status_code)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as e:
             why = f"engine at {upstream} {e}"
             log.warning("%s %s: %s", scope["method"], raw, why)
             if not started:
-                outcome.append("502")
+                req.status = "502"
                 await send_error(send, api, 502, "engine_error", why)
             else:
-                outcome.append("engine_error")
+                req.status = "engine_error"
                 assert resp is not None  # started: it answered
                 if "content-length" not in resp.headers:  # a sized body cannot carry an error event
                     ctype = resp.headers.get("content-type", "")
