@@ -116,5 +116,25 @@ load_request_decoder = msgspec.json.Decoder(LoadRequest)
 # Fencing (HA): the leading hub's epoch rides on every load and unload it sends; a node
 # refuses a call from an older epoch than the highest it has seen (409 `stale_leader`).
 EPOCH_HEADER = "x-appliance-epoch"
+# The node's own Node__HeartbeatSeconds, on its watch stream's head: the hub declares it
+# lost after MISSED_HEARTBEATS of *its* interval, whatever the hub's own setting says.
+HEARTBEAT_HEADER = "x-appliance-heartbeat"
+# What the hub takes of it: a node cannot make itself unlosable (nor lost at once).
+HEARTBEAT_BOUNDS = (0.05, 300.0)
+
+
+def heartbeat_of(raw: str | None, default: float) -> float:
+    """The interval a node's watch stream says (HEARTBEAT_HEADER), bounded; `default`
+    (the hub's Node__HeartbeatSeconds) when absent or malformed."""
+    if raw is None or len(raw) > 16:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        return default
+    if value != value:  # NaN
+        return default
+    low, high = HEARTBEAT_BOUNDS
+    return min(max(value, low), high)
 # The leader's lease length in seconds, beside its epoch (appliance/node/fence.py).
 LEASE_HEADER = "x-appliance-lease"

@@ -1,6 +1,7 @@
 """The hub's node registry decisions and its supervisor loop, under trio's MockClock."""
 
 import httpx
+import pytest
 import trio
 
 from appliance.hub.decide.priority import count, ready_nodes
@@ -80,8 +81,9 @@ def test_pick_respects_max_concurrency():
     assert r.pick("m") is None
 
 
-def _watch_transport(script):
-    """An httpx transport whose /node/v1/watch yields `script` lines with virtual pauses."""
+def _watch_transport(script, headers=None):
+    """An httpx transport whose /node/v1/watch yields `script` lines with virtual pauses
+    (`headers`: the watch answer's, e.g. the node's heartbeat interval)."""
 
     class Stream(httpx.AsyncByteStream):
         async def __aiter__(self):
@@ -97,7 +99,7 @@ def _watch_transport(script):
         if served:
             raise httpx.ConnectError("refused")
         served.append(1)
-        return httpx.Response(200, stream=Stream())
+        return httpx.Response(200, stream=Stream(), headers=headers or {})
 
     return httpx.MockTransport(handler)
 
@@ -123,6 +125,30 @@ async def test_lost_after_three_missed_heartbeats(autojump_clock):
     assert events[0][0] == "node_up"
     kind, at, reason = events[1]
     assert kind == "node_lost" and at == 7.0 and "no heartbeat for 6 s" in reason
+
+
+@pytest.mark.parametrize("said, lost_at", [("0.5", 1 + 1.5), ("4", 1 + 12.0), ("nan", 7.0),
+                                           ("1e9", 1 + 900.0), ("0", 0.15)])
+async def test_lost_after_three_of_the_nodes_own_heartbeats(autojump_clock, said, lost_at):
+    # The node says its interval on the watch stream; the hub counts 3 of those (bounded:
+    # 0.05..300 s), not 3 of its own Node__HeartbeatSeconds (2 s here).
+    state = NodeState(name="a", models=[ModelState(name="m", state="ready")])
+    script = [(0, encode_event(StateEvent(state=state))), (1, encode_event(Heartbeat())),
+              (10_000, None)]
+    reg = Registry()
+    h, _ = reg.upsert("a", "http://a:1", static=True)
+    events = []
+    transport = _watch_transport(script, {"x-appliance-heartbeat": said})
+    async with httpx.AsyncClient(transport=transport) as client:
+        async with trio.open_nursery() as nursery:
+            start = trio.current_time()
+            nursery.start_soon(lambda: supervise(
+                client, h, reg, heartbeat=2.0, backoff_max=30,
+                on_event=lambda k, n, r: events.append((k, trio.current_time() - start))))
+            await trio.sleep(lost_at + 0.01)
+            nursery.cancel_scope.cancel()
+    assert [k for k, _ in events[:2]] == ["node_up", "node_lost"]
+    assert events[1][1] == pytest.approx(lost_at)
 
 
 async def test_backoff_is_capped_and_reconnects(autojump_clock):

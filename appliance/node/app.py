@@ -53,6 +53,7 @@ from appliance.node.state import NodeStateKeeper
 from appliance.observe.metricsapp import render
 from appliance.wire import (
     EPOCH_HEADER,
+    HEARTBEAT_HEADER,
     LEASE_HEADER,
     Heartbeat,
     LoadRequest,
@@ -270,7 +271,9 @@ class NodeApp:
         await send_json(send, 200, {"model": model, "state": "available"})
 
     async def _watch(self, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
+        every = f"{self.cfg.node.heartbeat_seconds:g}".encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*NDJSON, (HEARTBEAT_HEADER.encode(), every)]})
         async with cancel_on_disconnect(receive) as client:
             await self._watch_lines(send)
         if not client.gone:

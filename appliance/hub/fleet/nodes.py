@@ -63,6 +63,8 @@ class NodeHandle:
         # this leader's epoch, the node's words ("" when it takes it).
         self.epoch = 0
         self.fenced = ""
+        # The node's own heartbeat interval, as its watch stream said (0: not yet heard).
+        self.heartbeat = 0.0
         # Models the hub is unloading (or has unloaded) here whose unload the node's state
         # does not show yet: not ready for routing, so a request right after an unload
         # (keep_alive 0) waits for a fresh load instead of meeting "not loaded" (503).

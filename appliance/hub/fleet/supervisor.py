@@ -20,7 +20,13 @@ import trio
 
 from appliance.http.errors import describe
 from appliance.hub.fleet.nodes import MISSED_HEARTBEATS, NodeHandle, Registry
-from appliance.wire import Heartbeat, StateEvent, watch_decoder
+from appliance.wire import (
+    HEARTBEAT_HEADER,
+    Heartbeat,
+    StateEvent,
+    heartbeat_of,
+    watch_decoder,
+)
 
 log = logging.getLogger("appliance.hub.fleet.nodes")
 
@@ -31,13 +37,15 @@ BACKOFF_START = 0.5
 async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Registry,
                       heartbeat: float,
                       on_event: Callable[[str, NodeHandle, str], None]) -> None:
-    """Follow one watch stream until it ends; raise on transport errors and silences."""
-    silence = MISSED_HEARTBEATS * heartbeat
+    """Follow one watch stream until it ends; raise on transport errors and silences
+    (MISSED_HEARTBEATS of the node's own interval, as its stream says: h.heartbeat)."""
     async with client.stream("GET", f"{h.url}/node/v1/watch", headers=h.auth) as resp:
         if resp.status_code != 200:
             body = (await resp.aread())[:200].decode(errors="replace")
             raise httpx.HTTPStatusError(f"watch answered {resp.status_code}: {body}",
                                         request=resp.request, response=resp)
+        h.heartbeat = heartbeat_of(resp.headers.get(HEARTBEAT_HEADER), heartbeat)
+        silence = MISSED_HEARTBEATS * h.heartbeat
         lines = resp.aiter_lines().__aiter__()
         while True:
             with trio.fail_after(silence):
@@ -79,7 +87,7 @@ async def _supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registr
             await follow_once(client, h, registry, heartbeat, on_event)
             reason = "watch stream ended"
         except trio.TooSlowError:
-            reason = f"no heartbeat for {MISSED_HEARTBEATS * heartbeat:g} s"
+            reason = f"no heartbeat for {MISSED_HEARTBEATS * (h.heartbeat or heartbeat):g} s"
         except (httpx.TransportError, httpx.HTTPStatusError, httpx.StreamError) as e:
             reason = describe(e)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
