@@ -7,7 +7,8 @@ own counts come first: OpenAI's `usage` (the hub asks for it on streams with
 `stream_options.include_usage`, and drops that chunk again when the client did not ask),
 Ollama's `prompt_eval_count` / `eval_count`. An engine that gives none (llama-cpp-python
 ignores `include_usage`) is counted: one output token per generated chunk (an engine sends
-one token per chunk), the prompt estimated from its text at BYTES_PER_TOKEN.
+one token per chunk), the prompt estimated from the client's body at BYTES_PER_TOKEN (its
+bytes less images and the JSON around each message: `prompt_estimate`).
 
 A passed-through answer is read by a meter (`SSEMeter`, `NDJSONMeter`, `JSONMeter`): a
 converter that hands each read's bytes on unchanged -- bar the usage chunk the client did
