@@ -29,14 +29,16 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance ctl",
                                 description="Operate a running hub (admin API).")
-    p.add_argument("--json", action="store_true", help="print the hub's JSON instead of a table")
-    p.add_argument("--url", default=os.environ.get("APPLIANCE_HUB_URL", DEFAULT_URL),
-                   help="the hub (APPLIANCE_HUB_URL, default %(default)s)")
-    p.add_argument("--key-file", default="",
-                   help="read the admin key from this file (else APPLIANCE_ADMIN_KEY)")
-    p.add_argument("--key", default=None,
-                   help="admin key on the command line: visible in the process list; prefer "
-                                               "--key-file or APPLIANCE_ADMIN_KEY")
+    options = [
+        p.add_argument("--json", action="store_true",
+                       help="print the hub's JSON instead of a table"),
+        p.add_argument("--url", default=os.environ.get("APPLIANCE_HUB_URL", DEFAULT_URL),
+                       help="the hub (APPLIANCE_HUB_URL, default %(default)s)"),
+        p.add_argument("--key-file", default="",
+                       help="read the admin key from this file (else APPLIANCE_ADMIN_KEY)"),
+        p.add_argument("--key", default=None,
+                       help="admin key on the command line: visible in the process list; "
+                            "prefer --key-file or APPLIANCE_ADMIN_KEY")]
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status",
                    help="models against what they should have now, and nodes; exit 1 if not "
@@ -58,17 +60,16 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(action, help=text)
         sp.add_argument("model")
         sp.add_argument("--node", default=None, help="only this node")
-    _options_anywhere(p, sub)
+    _options_anywhere(options, list(sub.choices.values()))
     return p
 
 
-def _options_anywhere(p: argparse.ArgumentParser,
-                      sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _options_anywhere(options: list[argparse.Action],
+                      subcommands: list[argparse.ArgumentParser]) -> None:
     """`ctl status --json` as well as `ctl --json status` (the README shows the first):
-    every option of `p` is accepted after the subcommand too. Each subcommand gets a copy
-    whose default is SUPPRESS, so an option given before the subcommand is not reset."""
-    options = [a for a in p._actions if a.option_strings and a.dest != "help"]
-    for sp in sub.choices.values():
+    every top-level option is accepted after the subcommand too. Each subcommand gets a
+    copy whose default is SUPPRESS, so an option given before the subcommand is not reset."""
+    for sp in subcommands:
         for a in options:
             if a.nargs == 0:
                 sp.add_argument(*a.option_strings, action="store_const", const=a.const,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import calendar
-import ssl
 
 import pytest
 
@@ -43,5 +42,9 @@ def test_missing_or_broken_file_raises_oserror(tmp_path):
         cert_not_after(str(tmp_path / "absent.pem"))
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate\n")
-    with pytest.raises(ssl.SSLError):
+    with pytest.raises(OSError):
         cert_not_after(str(bad))
+    garbled = tmp_path / "garbled.pem"
+    garbled.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ValueError):
+        cert_not_after(str(garbled))
