@@ -218,3 +218,49 @@ def test_a_socket_is_left_for_the_os_to_pick():  # (listening_socket binds port 
     s = listening_socket("127.0.0.1:0")
     assert s.getsockname()[1] > 0 and s.type == socket.SOCK_STREAM
     s.close()
+
+
+# The inputs on which the plain and the TLS path of one listener disagreed (issue 22, when
+# hypercorn served TLS): one connection serves both now, and each gets one answer.
+DISAGREED = [
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: b\r\n c\r\n\r\n", 400),  # obs-fold
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: b\x7fc\r\n\r\n", 400),  # DEL in a value
+    (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(128))
+     + b"\r\n", 431),  # 129 fields
+    (b"GET / HTTP/1.1\nHost: x\n\n", 400),  # LF-only head (no CRLF CRLF: cut at the deadline)
+    (b"GET / HTTP/1.2\r\nHost: x\r\nConnection: close\r\n\r\n", 200),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nab", 400),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2, 2\r\n\r\nab", 400),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2 \r\nab\r\n0\r\n\r\n",
+     400),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+     + b"0" * 16 + b"2\r\nab\r\n0\r\n\r\n", 400),  # 17 hex digits
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2;" + b"e" * 5000
+     + b"\r\nab\r\n0\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2 ; a=b\r\nab\r\n"
+     b"0\r\n\r\n", 400),
+]
+
+
+@pytest.mark.parametrize("data,status", DISAGREED)
+async def test_plain_and_tls_give_one_answer(wire_pki, data, status, autojump_clock):
+    from wire import Wire
+
+    answers = []
+    for wire in (Wire("plain"), Wire("tls", wire_pki)):
+        async with running(wire, echo, header_read_seconds=5) as (host, port, _):
+            stream = await wire.connect(host, port)
+            await stream.send_all(data)
+            answers.append((await until_closed(stream))[:12])
+    expected = b"HTTP/1.1 %d" % status if b"\n\n" not in data else b"HTTP/1.1 408"
+    assert answers[0] == answers[1] == expected
+
+
+async def test_a_stalled_tls_handshake_is_cut_at_the_head_deadline(wire_pki, autojump_clock):
+    from wire import Wire
+
+    async with running(Wire("tls", wire_pki), echo, header_read_seconds=7) as (host, port, _):
+        tcp = await trio.open_tcp_stream(host, port)  # never says hello
+        t0 = trio.current_time()
+        assert await until_closed(tcp) == b""
+        assert trio.current_time() - t0 == pytest.approx(7, abs=0.5)
