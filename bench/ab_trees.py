@@ -3,8 +3,7 @@
 Run: .venv/bin/python bench/ab_trees.py TREE_A TREE_B [ROUNDS]
 
 TREE_A and TREE_B are checkouts of this repository (e.g. `git worktree add /tmp/a main~3`,
-or a copy with one switch flipped: `lean: bool = False` in appliance/server/listener.py's
-serve_guarded serves plain connections by hypercorn). Starts one sim engine and, per tree,
+or `git archive COMMIT | tar -x -C /tmp/a`). Starts one sim engine and, per tree,
 a node and a hub in front of it (the processes import that tree's `appliance`), then for
 ROUNDS rounds (default 10) sends 100 short chats at concurrency 1 to the engine, each
 node and each hub, alternating A and B, and prints p50, the added p50 and the CPU per
