@@ -9,6 +9,13 @@ connections are then appliance/server/accept.py's, plain and TLS alike.
 
 TLS offers only HTTP/1.1 (ALPN `http/1.1`): the connection speaks nothing else, and a
 client that asks for h2 falls back, as every HTTP client does.
+
+Why TLS is not hypercorn's (issue 19): through its public interface (Config and ASGI
+middleware) the head deadline cannot be kept -- a head trickled a byte a second never
+reaches any middleware, and hypercorn's `read_timeout` is per read -- nor the connection
+bound with shedding (no hook at accept) nor the prompt close of a connection its client
+left; keeping them took a private TCPServer subclass and a monkeypatch. So TLS runs the
+same connection as plain TCP, over trio's SSLStream: one code path, one suite.
 """
 
 from __future__ import annotations
