@@ -25,8 +25,9 @@ The one decision: may this key's request go now, and if not, exactly when could 
   known; it is no bound.)
 - A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
   window would have room for this request as its old reservations expire (rounded up to
-  the second) -- or 1 s when the key's running requests, once settled below what they
-  reserved, would make the room sooner (when they end is not known) -- with the
+  the second) -- sooner when the key's running requests, settling below what they reserved
+  (by the key's recent ratio of use to reservation), would make the room before that: 1 s
+  (when they end is not known) or when the rest expires -- with the
   x-ratelimit-* headers OpenAI sends and the anthropic-ratelimit-* ones the Anthropic SDK
   reads. A limit of 0 refuses every request (no Retry-After, x-should-retry: false); so
   does a request that alone reserves more than the limit.
@@ -63,6 +64,9 @@ CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 CONCURRENT_RETRY_AFTER = 1.0
 # Retry-After of a token refusal that running requests' settlements may cure: a second.
 SETTLE_RETRY_AFTER = 1.0
+# The weight of the newest settlement in a key's ratio of use to reservation: about the
+# last ten requests.
+RATIO_WEIGHT = 0.2
 
 
 class Window:
@@ -182,7 +186,8 @@ class Usage(NamedTuple):
 class Tenant:
     """One key's windows and counters (kept across reloads by name)."""
 
-    __slots__ = ("requests", "tokens", "day", "in_flight", "pending", "served_in", "served_out",
+    __slots__ = ("requests", "tokens", "day", "in_flight", "pending", "ratio", "served_in",
+                 "served_out",
                  "admitted", "limited")
 
     def __init__(self) -> None:
@@ -191,6 +196,8 @@ class Tenant:
         self.day = Window(DAY, DAY_BIN)
         self.in_flight = 0
         self.pending = 0  # tokens reserved by requests still running (not yet settled)
+        # Recent use / reservation of the key's settled requests (an EWMA; 1 until known).
+        self.ratio = 1.0
         self.served_in = 0
         self.served_out = 0
         self.admitted = 0
@@ -235,6 +242,8 @@ class Lease:
                 out = min(out, self.cap)
             u = Usage(inp, out, False)
             delta = u.input + u.output - self.reserved
+            if self.reserved:
+                t.ratio += RATIO_WEIGHT * ((u.input + u.output) / self.reserved - t.ratio)
             t.tokens.adjust(self.minute_bin, delta)
             t.day.adjust(self.day_bin, delta)
         t.served_in += u.input
@@ -314,12 +323,14 @@ class Limiter:
             if limit is None:
                 continue
             wait = window.wait(now, need, limit)
-            if (kind == "tokens" and SETTLE_RETRY_AFTER < wait < math.inf
-                    and window.used(now) - t.pending + need <= limit):
-                # Room comes back as the key's running requests settle below what they
-                # reserved, sooner than old reservations expire: when is not known, so
-                # the client looks again in a second.
-                wait = SETTLE_RETRY_AFTER
+            credit = int(t.pending * (1.0 - t.ratio))
+            if kind == "tokens" and SETTLE_RETRY_AFTER < wait < math.inf and credit > 0:
+                # The key's running requests will settle below what they reserved (by its
+                # recent ratio of use to reservation): the room comes back sooner than old
+                # reservations expire -- at their end (not known: a second) or when the
+                # rest expires.
+                sooner = window.wait(now, max(0, need - credit), limit)
+                wait = max(SETTLE_RETRY_AFTER, sooner) if sooner < wait else wait
             if wait > 0 and (worst is None or wait > worst[0]):
                 worst = (wait, what, var, limit, kind)
         if worst is None and lim.concurrent is not None and t.in_flight >= lim.concurrent:
