@@ -89,6 +89,16 @@ def test_running_requests_that_will_settle_make_retry_after_a_second() -> None:
     assert hdr(e.value)["retry-after"] == "41"
 
 
+def test_fair_queueing_charges_what_the_key_recently_used() -> None:
+    lim = Limiter([client(weight=2.0)], 1000)
+    assert lim.demand("team", 400, 500) == (100 + 2 * 500, 2.0)  # nothing known: the cap
+    for _ in range(30):
+        lim.admit("team", 0.0, 400, 500).settle((40, 60))
+    cost, weight = lim.demand("team", 400, 500)
+    assert abs(cost - (40 + 2 * 60)) <= 3 and weight == 2.0
+    assert lim.demand("team", 400, 10)[0] <= 40 + 2 * 10 + 3  # never more than the cap
+
+
 def test_no_usage_keeps_the_reservation() -> None:
     lim = Limiter([client(tpm=1000)], 300)
     lease = lim.admit("team", 0.0, 40, None)  # 40 bytes in + 300 reserved for the answer

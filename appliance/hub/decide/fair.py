@@ -10,8 +10,9 @@ its weight (`Auth__Clients__N__Weight`: weight 2 is served twice as much).
   served), then to the oldest waiter. With one key it is plain FIFO.
 - Granting a waiter charges its key the request's expected cost: input tokens + 2 x
   output tokens (the paper's weights: an output token costs the engine about twice an
-  input token), the input as estimated and the output as the request's cap. When the
-  request ends `settle` charges the difference to what it really used.
+  input token), as the key's recent requests went (limits.Limiter.demand; the paper
+  counts output as it is generated, which a byte relay does not see). When the request
+  ends `settle` charges the difference to what it really used.
 - A key that arrives (or returns) while others are backlogged starts at the lowest counter
   among them -- at least its own -- so time away earns no credit. When the lane empties the
   episode ends and every counter starts again at 0 (charges still settling from the old

@@ -21,8 +21,8 @@ The one decision: may this key's request go now, and if not, exactly when could 
   request that named no cap can go beyond its reservation (by what it used over
   Auth__ReserveOutputTokens), and that excess is charged to the window, so the next
   requests wait for it. No usage at all (an engine that reports none): the reservation
-  stands. (`input_estimate`, bytes / 4, is what fair queueing charges before the usage is
-  known; it is no bound.)
+  stands. (Fair queueing charges a request its expected cost instead, `Limiter.demand`:
+  the key's recent tokens per byte and output; `input_estimate`, bytes / 4, is no bound.)
 - A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
   window would have room for this request as its old reservations expire (rounded up to
   the second) -- sooner when the key's running requests, settling below what they reserved
@@ -64,8 +64,8 @@ CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 CONCURRENT_RETRY_AFTER = 1.0
 # Retry-After of a token refusal that running requests' settlements may cure: a second.
 SETTLE_RETRY_AFTER = 1.0
-# The weight of the newest settlement in a key's ratio of use to reservation: about the
-# last ten requests.
+# The weight of the newest settlement in a key's averages (use to reservation, tokens per
+# byte, output): about the last ten requests.
 RATIO_WEIGHT = 0.2
 
 
@@ -186,8 +186,8 @@ class Usage(NamedTuple):
 class Tenant:
     """One key's windows and counters (kept across reloads by name)."""
 
-    __slots__ = ("requests", "tokens", "day", "in_flight", "pending", "ratio", "served_in",
-                 "served_out",
+    __slots__ = ("requests", "tokens", "day", "in_flight", "pending", "ratio", "in_per_byte",
+                 "out_avg", "served_in", "served_out",
                  "admitted", "limited")
 
     def __init__(self) -> None:
@@ -196,8 +196,12 @@ class Tenant:
         self.day = Window(DAY, DAY_BIN)
         self.in_flight = 0
         self.pending = 0  # tokens reserved by requests still running (not yet settled)
-        # Recent use / reservation of the key's settled requests (an EWMA; 1 until known).
-        self.ratio = 1.0
+        # Recent use / reservation of the key's settled requests (an EWMA from the first
+        # one; None until then), input tokens per body byte and output tokens (fair
+        # queueing's expected cost).
+        self.ratio: float | None = None
+        self.in_per_byte = 1.0 / BYTES_PER_TOKEN
+        self.out_avg: float | None = None
         self.served_in = 0
         self.served_out = 0
         self.admitted = 0
@@ -243,7 +247,12 @@ class Lease:
             u = Usage(inp, out, False)
             delta = u.input + u.output - self.reserved
             if self.reserved:
-                t.ratio += RATIO_WEIGHT * ((u.input + u.output) / self.reserved - t.ratio)
+                r = (u.input + u.output) / self.reserved
+                t.ratio = r if t.ratio is None else t.ratio + RATIO_WEIGHT * (r - t.ratio)
+            if self.input_bound:
+                t.in_per_byte += RATIO_WEIGHT * (u.input / self.input_bound - t.in_per_byte)
+            t.out_avg = u.output if t.out_avg is None else (
+                t.out_avg + RATIO_WEIGHT * (u.output - t.out_avg))
             t.tokens.adjust(self.minute_bin, delta)
             t.day.adjust(self.day_bin, delta)
         t.served_in += u.input
@@ -292,9 +301,17 @@ class Limiter:
         return t
 
     def demand(self, name: str, body_bytes: int, cap: int | None) -> tuple[int, float]:
-        """What fair queueing charges a request at grant, and its key's weight."""
+        """What fair queueing charges a request at grant, and its key's weight: its
+        expected cost -- the input at the key's recent tokens per body byte, the output at
+        the key's recent average (at most the cap) -- so that what the settlement corrects
+        at the end is small either way. A cap charged whole and refunded at the end would
+        lower a busy key's counter below a newcomer's after the newcomer was lifted to it."""
+        t = self.tenant(name)
         out = cap if cap is not None else self.reserve_output
-        return fair.cost(input_estimate(body_bytes), out), self.limits(name).weight
+        if t.out_avg is not None:
+            out = min(out, math.ceil(t.out_avg))
+        inp = max(1, math.ceil(body_bytes * t.in_per_byte))
+        return fair.cost(inp, out), self.limits(name).weight
 
     def admit(self, name: str, now: float, body_bytes: int, cap: int | None) -> Lease:
         """Reserve for one request of key `name`, or raise ApiError 429."""
@@ -323,7 +340,8 @@ class Limiter:
             if limit is None:
                 continue
             wait = window.wait(now, need, limit)
-            credit = int(t.pending * (1.0 - t.ratio))
+            # Nothing settled yet: any of it may come back.
+            credit = int(t.pending * (1.0 - (t.ratio if t.ratio is not None else 0.0)))
             if kind == "tokens" and SETTLE_RETRY_AFTER < wait < math.inf and credit > 0:
                 # The key's running requests will settle below what they reserved (by its
                 # recent ratio of use to reservation): the room comes back sooner than old
