@@ -26,6 +26,8 @@ import httpx
 
 from appliance.bounds import echo
 from appliance.http.asgi import Receive, Scope, Send, send_json
+from appliance.http.errors import ApiError, api_of
+from appliance.http.respond import send_api_error
 from appliance.hub.api.status import tenants_status, with_routing
 from appliance.hub.cluster.etcd import EtcdError
 from appliance.hub.decide.control import NodeRefused
@@ -108,11 +110,19 @@ def _event(hub: Hub, action: str, **fields: Any) -> None:
 
 
 async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
+    """One /admin/ request; a refusal is an ApiError, answered in the path's shape."""
+    try:
+        await _handle(hub, scope, send)
+    except ApiError as e:
+        await send_api_error(send, api_of(scope["path"]), e)
+
+
+async def _handle(hub: Hub, scope: Scope, send: Send) -> None:
     method, segs = scope["method"], _segments(scope)
     rest = segs[1:]  # after "admin"
     if rest in (["status"], ["models"], ["nodes"]):
         if method != "GET":
-            return await send_json(send, 405, {"error": f"{method} not allowed; use GET"})
+            raise ApiError(405, "method_not_allowed", f"{method} not allowed; use GET")
         views: dict[str, Callable[[], dict[str, Any]]] = {
             "status": lambda: status(hub),
             "models": lambda: {"models": hub.control.model_details()},
@@ -121,36 +131,33 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
         return await send_json(send, 200, body)
     if len(rest) >= 3 and rest[0] == "models" and rest[-1] == "retry":
         if method != "POST":
-            return await send_json(send, 405, {"error": f"{method} not allowed; use POST"})
+            raise ApiError(405, "method_not_allowed", f"{method} not allowed; use POST")
         model = "/".join(rest[1:-1])
         parked = bool(hub.control.core.health.get(model) and hub.control.core.health[model].parked)
         if not hub.control.known(model):
-            return await send_json(send, 404, {"error": f"model {echo(model)!r} not found"})
+            raise ApiError(404, "model_not_found", f"model {echo(model)!r} not found")
         if (cluster := getattr(hub, "cluster", None)) is not None and not cluster.leading:
             try:  # a follower: the leader applies it (and every hub sees the result)
                 await cluster.request_retry(model)
             except EtcdError as e:
-                return await send_json(send, 503,
-                                       {"error": f"no leader to retry {echo(model)!r}: etcd: {e}"})
+                raise ApiError(503, "no_leader",
+                               f"no leader to retry {echo(model)!r}: etcd: {e}") from None
         elif not hub.control.retry(model):
-            return await send_json(send, 404, {"error": f"model {echo(model)!r} not found"})
+            raise ApiError(404, "model_not_found", f"model {echo(model)!r} not found")
         _event(hub, "retry", model=model, was_parked=parked)
         return await send_json(send, 200, {"model": model, "retried": True, "was_parked": parked})
     if len(rest) == 2 and rest[0] == "nodes":
         if method != "DELETE":
-            error = f"{method} not allowed; use DELETE to forget the node"
-            return await send_json(send, 405, {"error": error})
+            raise ApiError(405, "method_not_allowed",
+                           f"{method} not allowed; use DELETE to forget the node")
         return await _forget(hub, rest[1], send)
     if len(rest) == 3 and rest[0] == "nodes" and rest[2] in NODE_ACTIONS:
         if method != "POST":
-            return await send_json(send, 405, {"error": f"{method} not allowed; use POST"})
+            raise ApiError(405, "method_not_allowed", f"{method} not allowed; use POST")
         return await _node_action(hub, rest[1], rest[2], send)
-    await send_json(send, 404,
-                    {"error": "no such admin path; see GET /admin/status, /admin/models, "
-                              "/admin/nodes,"
-                                         " POST /admin/models/MODEL/retry, "
-                                         "/admin/nodes/NODE/{cordon,uncordon,pause,resume},"
-                                         " DELETE /admin/nodes/NODE"})
+    raise ApiError(404, "not_found", "no such admin path; see GET /admin/status, /admin/models, "
+                   "/admin/nodes, POST /admin/models/MODEL/retry, "
+                   "/admin/nodes/NODE/{cordon,uncordon,pause,resume}, DELETE /admin/nodes/NODE")
 
 
 async def _forget(hub: Hub, name: str, send: Send) -> None:
@@ -158,7 +165,7 @@ async def _forget(hub: Hub, name: str, send: Send) -> None:
     a static one at the next reload or start."""
     h = hub.registry.nodes.get(name)
     if h is None or h.removed:
-        return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
+        raise ApiError(404, "not_found", f"node {echo(name)!r} not found")
     hub.registry.forget(h)
     log.warning("node %s at %s forgotten by an operator", name, h.url)
     if (cluster := getattr(hub, "cluster",
@@ -174,7 +181,7 @@ async def _forget(hub: Hub, name: str, send: Send) -> None:
 async def _node_action(hub: Hub, name: str, action: str, send: Send) -> None:
     h = hub.registry.nodes.get(name)
     if h is None or h.removed:
-        return await send_json(send, 404, {"error": f"node {echo(name)!r} not found"})
+        raise ApiError(404, "not_found", f"node {echo(name)!r} not found")
     if action in ("cordon", "uncordon"):
         h.cordoned = action == "cordon"
         log.warning("node %s %sed by an operator", name, action)
@@ -184,18 +191,16 @@ async def _node_action(hub: Hub, name: str, action: str, send: Send) -> None:
             try:
                 await cluster.set_cordon(name, h.cordoned)
             except EtcdError as e:
-                return await send_json(send, 503,
-                                       {"error": f"node {name} {action}ed on this hub only: etcd: "
-                                                 f"{e}"})
+                raise ApiError(503, "cluster_unavailable",
+                               f"node {name} {action}ed on this hub only: etcd: {e}") from None
     else:
         try:
             await hub.control.ops.control(h, action)
         except httpx.TransportError as e:
-            return await send_json(send, 502,
-                                   {"error": f"node {name} did not answer {action}: "
-                                             f"{type(e).__name__}: {e}"})
+            raise ApiError(502, "node_error", f"node {name} did not answer {action}: "
+                           f"{type(e).__name__}: {e}") from None
         except NodeRefused as e:
-            return await send_json(send, 502, {"error": f"node {name} refused {action}: {e}"})
+            raise ApiError(502, "node_error", f"node {name} refused {action}: {e}") from None
         log.warning("node %s %sd by an operator", name, action)
     _event(hub, action, node=name)
     await send_json(send, 200, {"node": name, "action": action, "status": h.status()})

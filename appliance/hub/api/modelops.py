@@ -35,6 +35,8 @@ import trio
 from appliance.bounds import CLEANUP_SECONDS, echo
 from appliance.client.upstream import UpstreamError
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read_body, send_json
+from appliance.http.errors import ApiError, api_of
+from appliance.http.respond import send_api_error
 from appliance.hub.decide import capable
 
 if TYPE_CHECKING:
@@ -75,43 +77,44 @@ def _targets(hub: Hub, node: str | None, model: str) -> list[NodeHandle]:
 
 
 async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send, action: str) -> None:
+    """`/api/pull` or `/api/delete`; a refusal is an ApiError, answered in Ollama's shape."""
+    try:
+        await _handle(hub, scope, receive, send, action)
+    except ApiError as e:
+        await send_api_error(send, api_of(scope["path"]), e)
+
+
+async def _handle(hub: Hub, scope: Scope, receive: Receive, send: Send, action: str) -> None:
     want = "POST" if action == "pull" else "DELETE"
     if scope["method"] != want and not (action == "delete" and scope["method"] == "POST"):
-        await send_json(send, 405, {"error": f"/api/{action} takes {want}"})
-        return
+        raise ApiError(405, "method_not_allowed", f"/api/{action} takes {want}")
     if not admin_ok(hub, scope):
-        await send_json(send, 401, {"error": f"/api/{action} needs the admin key"})
-        return
+        raise ApiError(401, "invalid_api_key", f"/api/{action} needs the admin key")
     try:
         req = msgspec.json.decode(await read_body(receive, BODY_LIMIT), type=_Body)
     except BodyTooLarge:
-        await send_json(send, 413, {"error": "body too large"})
-        return
+        raise ApiError(413, "body_too_large", "body too large") from None
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        await send_json(send, 400, {"error": f"invalid request: {e}"})
-        return
+        raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
     model = req.model or req.name
     node = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("node") or [None])[0]
     if not model:
-        await send_json(send, 400, {"error": "model is required"})
-        return
+        raise ApiError(400, "invalid_request", "model is required")
     targets = _targets(hub, node, model)
     spec = hub.control.core.spec(model)
     need = capable.engine_for(spec.engine, spec.source)
     if not targets and need and need not in MANAGING_KINDS:
-        await send_json(send, 501, {"error": f"model {echo(model)!r} is served by {need} "
-                                             f"engines, which do not {action} models: they read "
-                                             "model files the operator puts in place"})
-        return
+        raise ApiError(501, "not_implemented",
+                       f"model {echo(model)!r} is served by {need} engines, which do not "
+                       f"{action} models: they read model files the operator puts in place")
     if not targets:
         if node:
             what = f"node {node!r} is not connected or its engine does not"
         else:
             what = "no connected node's engine does"
-        await send_json(send, 501,
-                        {"error": f"{what} {action} models (ollama engines do; llama.cpp and "
-                                  "openai engines read model files the operator puts in place)"})
-        return
+        raise ApiError(501, "not_implemented",
+                       f"{what} {action} models (ollama engines do; llama.cpp and openai engines "
+                       "read model files the operator puts in place)")
     hub.audit.event(f"model_{action}", model=model, nodes=[h.name for h in targets])
     body = _enc.encode({"model": model})
     if action == "delete":
