@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
+
 from appliance.bounds import OTHER_LABEL
 from appliance.node.request import NodeRequest
+from appliance.node.state import Refused
 
 
 class Keeper:
     def __init__(self, refuse: str | None = None) -> None:
         self.refuse, self.in_flight = refuse, 0
 
-    def try_start(self, model: str) -> str | None:
-        if self.refuse is None:
-            self.in_flight += 1
-        return self.refuse
+    def try_start(self, model: str) -> None:
+        if self.refuse is not None:
+            raise Refused(self.refuse)
+        self.in_flight += 1
 
     def finish(self, model: str) -> None:
         self.in_flight -= 1
@@ -30,7 +33,8 @@ class Metrics:
 def test_a_served_request_gives_its_place_back_and_counts_once() -> None:
     keeper, metrics = Keeper(), Metrics()
     req = NodeRequest(keeper, metrics, "m")  # type: ignore[arg-type]
-    assert req.start() is None and keeper.in_flight == 1
+    req.start()
+    assert keeper.in_flight == 1
     req.status = "200"
     req.finish("cancelled")
     req.finish("cancelled")
@@ -40,7 +44,8 @@ def test_a_served_request_gives_its_place_back_and_counts_once() -> None:
 def test_a_refused_or_abandoned_request_is_counted_without_giving_back_a_place() -> None:
     keeper, metrics = Keeper(refuse="full"), Metrics()
     req = NodeRequest(keeper, metrics, "m")  # type: ignore[arg-type]
-    assert req.start() == "full"
+    with pytest.raises(Refused, match="full"):
+        req.start()
     req.status = "503"
     req.finish("cancelled")
     assert keeper.in_flight == 0 and metrics.counted == [("m", "503")]

@@ -1,10 +1,11 @@
 """NodeStateKeeper: limits, switches, the change counter, over-limits, merged model states."""
 
+import pytest
 import trio
 
 from appliance.config import NodeConfig
 from appliance.node.changes import ChangeWaiter
-from appliance.node.state import NodeStateKeeper, parse_nvidia_smi
+from appliance.node.state import NodeStateKeeper, Refused, parse_nvidia_smi
 from appliance.wire import EngineInstall, ModelState
 
 
@@ -43,15 +44,15 @@ def test_defaults_published():
 
 def test_max_concurrency_enforced_and_counted():
     k = keeper(max_concurrency=2)
-    assert k.try_start("m1") is None
-    assert k.try_start("m2") is None
-    reason = k.try_start("m1")
-    assert reason and "Node__MaxConcurrency 2" in reason
+    k.try_start("m1")
+    k.try_start("m2")
+    with pytest.raises(Refused, match="Node__MaxConcurrency 2"):
+        k.try_start("m1")
     st = k.snapshot()
     assert st.in_flight == 2
     assert st.model("m1").in_flight == 1
     k.finish("m2")
-    assert k.try_start("m1") is None
+    k.try_start("m1")
     assert k.snapshot().model("m1").in_flight == 2
     k.finish("m1")
     k.finish("m1")
@@ -60,28 +61,31 @@ def test_max_concurrency_enforced_and_counted():
 
 def test_slots_are_published_not_enforced():
     k = keeper(model_slots=1)
-    assert k.try_start("m1") is None
-    assert k.try_start("m1") is None
+    k.try_start("m1")
+    k.try_start("m1")
     st = k.snapshot()
     assert st.slots == 1 and st.model("m1").in_flight == 2
 
 
 def test_paused_left_draining_refuse_but_running_work_finishes():
     k = keeper()
-    assert k.try_start("m1") is None
+    k.try_start("m1")
     k.set_paused(True)
-    assert "paused" in k.try_start("m1")
+    with pytest.raises(Refused, match="paused"):
+        k.try_start("m1")
     assert k.snapshot().paused
     k.finish("m1")
     assert k.snapshot().in_flight == 0
     k.set_paused(False)
     k.set_left(True)
-    assert "left" in k.try_start("m1")
+    with pytest.raises(Refused, match="left"):
+        k.try_start("m1")
     assert k.snapshot().left
     k.set_left(False)
-    assert k.try_start("m1") is None
+    k.try_start("m1")
     k.drain()
-    assert "shutting down" in k.try_start("m1")
+    with pytest.raises(Refused, match="shutting down"):
+        k.try_start("m1")
 
 
 def test_change_counter_bumps_only_on_change():
@@ -91,7 +95,8 @@ def test_change_counter_bumps_only_on_change():
     assert k.version == v
     k.set_paused(True)
     assert k.version == v + 1
-    assert k.try_start("m1") is not None  # refused: no change
+    with pytest.raises(Refused):  # refused: no change
+        k.try_start("m1")
     assert k.version == v + 1
     k.set_paused(False)
     assert k.version == v + 2
@@ -169,7 +174,7 @@ def test_memory_declared_without_gpu_uses_engine_account():
 def test_lowered_concurrency_by_reload_is_over_limits():
     k = keeper(max_concurrency=3)
     for _ in range(3):
-        assert k.try_start("m1") is None
+        k.try_start("m1")
     changes = k.apply_limits(NodeConfig(max_concurrency=2, model_slots=4))
     assert changes == ["Node__MaxConcurrency 3 -> 2", "Node__ModelSlots 1 -> 4"]
     st = k.snapshot()

@@ -34,7 +34,7 @@ from appliance.node.engines.base import Engine
 from appliance.node.engines.params import fit
 from appliance.node.metrics import NodeMetrics
 from appliance.node.request import NodeRequest
-from appliance.node.state import NodeStateKeeper
+from appliance.node.state import NodeStateKeeper, Refused
 
 log = logging.getLogger("appliance.node.app")
 
@@ -143,10 +143,11 @@ class EngineProxy:
             # The body as this engine takes it (engines/params.py: max_completion_tokens,
             # json_schema); untouched where it names neither.
             body = fit(self.engine.dialect(model), scope["path"], body)
-            refused = req.start()
-            if refused is not None:
+            try:
+                req.start()
+            except Refused as e:
                 req.status = "503"
-                await send_error(send, api, 503, "no_capacity", refused, [(b"retry-after", b"1")])
+                await send_error(send, api, 503, "no_capacity", str(e), [(b"retry-after", b"1")])
                 return
             # After the last byte a disconnect is just the end (the status is set then).
             async with cancel_on_disconnect(receive, lambda: req.status is not None,

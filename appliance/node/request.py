@@ -2,9 +2,9 @@
 
 Theory of operation: `NodeRequest(keeper, metrics, model)` is made once the body names its
 model. `start()` takes its place among the node's in-flight requests (Node__MaxConcurrency,
-Node__ModelSlots) or says why not; whoever answers sets `status` (the label of
-`appliance_node_requests_total`: an HTTP status, or `engine_error` when an answer broke
-off) just before the last byte. `finish(otherwise)` -- in a `finally` -- gives the place
+Node__ModelSlots) or raises the keeper's `Refused` saying why not; whoever answers sets
+`status` (the label of `appliance_node_requests_total`: an HTTP status, or `engine_error`
+when an answer broke off) just before the last byte. `finish(otherwise)` -- in a `finally` -- gives the place
 back and counts the request, exactly once; a request that ended with no status is counted
 under `otherwise` (`client_gone`, `cancelled`).
 """
@@ -30,11 +30,10 @@ class NodeRequest:
         """The model is not on this node: a client-chosen name never becomes a label."""
         self.label = OTHER_LABEL
 
-    def start(self) -> str | None:
-        """Take a place among the node's in-flight requests (None), or say why not."""
-        refused = self.keeper.try_start(self.model)
-        self.started = refused is None
-        return refused
+    def start(self) -> None:
+        """Take a place among the node's in-flight requests; raises Refused (why not)."""
+        self.keeper.try_start(self.model)
+        self.started = True
 
     def finish(self, otherwise: str) -> None:
         """Give the place back and count the request; once (later calls do nothing)."""

@@ -10,10 +10,10 @@ slots, memory, paused, left). Every change bumps `version` and calls the listene
 publishes without polling.
 In-flight counts are the exception: they ride on the next heartbeat (see `_counted`).
 
-It makes one decision: `try_start(model)` admits a request (and counts it) or says why
-not -- paused, left, draining, or at `Node__MaxConcurrency`. Slots (`Node__ModelSlots`)
-are counted and published, never enforced here: the engine queues past its slots, and
-the hub's admission is what keeps work inside them.
+It makes one decision: `try_start(model)` admits a request (and counts it) or raises
+`Refused` saying why not -- paused, left, draining, or at `Node__MaxConcurrency`. Slots
+(`Node__ModelSlots`) are counted and published, never enforced here: the engine queues
+past its slots, and the hub's admission is what keeps work inside them.
 
 Over limits is the owner's budget being exceeded by the box as a whole: GPU memory used
 by everything (as `nvidia-smi` measures it) above `Node__MemoryMb`, or work in flight
@@ -63,6 +63,11 @@ class EngineView(Protocol):
     def installs(self) -> list[EngineInstall]: ...
     def models(self) -> list[ModelState]: ...
     def memory_used_mb(self) -> int: ...
+
+
+class Refused(Exception):
+    """The node takes no new request now; the message says why (shutting down, left,
+    paused, at Node__MaxConcurrency)."""
 
 
 class NodeStateKeeper:
@@ -149,16 +154,15 @@ class NodeStateKeeper:
                     f"({self.in_flight_total} in flight)")
         return None
 
-    def try_start(self, model: str) -> str | None:
-        """Admit one request for `model` and count it (None), or say why not."""
+    def try_start(self, model: str) -> None:
+        """Admit one request for `model` and count it; raises Refused saying why not."""
         reason = self.refusal()
         if reason is not None:
-            return reason
+            raise Refused(reason)
         over = bool(self.over_limits())
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         self.in_flight_total += 1
         self._counted(over)
-        return None
 
     def finish(self, model: str) -> None:
         """One admitted request for `model` is over (completed, failed or abandoned)."""
