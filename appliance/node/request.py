@@ -4,9 +4,9 @@ Theory of operation: `NodeRequest(keeper, metrics, model)` is made once the body
 model. `start()` takes its place among the node's in-flight requests (Node__MaxConcurrency,
 Node__ModelSlots) or raises the keeper's `Refused` saying why not; whoever answers sets
 `status` (the label of `appliance_node_requests_total`: an HTTP status, or `engine_error`
-when an answer broke off) just before the last byte. `finish(otherwise)` -- in a `finally` -- gives the place
-back and counts the request, exactly once; a request that ended with no status is counted
-under `otherwise` (`client_gone`, `cancelled`).
+when an answer broke off) just before the last byte. `finish(otherwise)` -- in a
+`finally` -- gives the place back and counts the request, exactly once; a request that
+ended with no status is counted under `otherwise` (`client_gone`, `cancelled`).
 """
 
 from __future__ import annotations
