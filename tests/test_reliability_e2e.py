@@ -225,3 +225,41 @@ def test_sigterm_with_clients_that_never_read_exits_within_the_drain(procs, pki,
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_stream_the_socket_buffers_held_but_the_client_never_read_is_not_a_clean_200(
+        procs, pki, tmp_path):  # noqa: F811
+    # An ordinary stream (~1 MB: all of it fits in the socket buffers, so no write ever
+    # waits) to a client that reads nothing: at the stream's end the hub waits for the bytes
+    # to leave, at most WriteStallSeconds, and audits 499 client_too_slow. A client that
+    # reads gets the same stream audited as a clean 200.
+    audit = tmp_path / "audit.jsonl"
+    f = Fleet(procs, pki, False, {"Hub__WriteStallSeconds": str(STALL_S),
+                                  "Audit__Path": str(audit)}, {})
+    body = {"model": "sim-small", "stream": True, "max_tokens": 4096,
+            "messages": [{"role": "user", "content": "a long one"}]}
+    host, port = _addr(f.hub.url)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect((host, port))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+              b"\r\nx-request-id: never-read\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data))
+    try:
+        with httpx.stream("POST", f.hub.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"x-request-id": "read-all"}) as r:
+            got = sum(len(c) for c in r.iter_bytes())
+        assert r.status_code == 200 and got > 100_000
+
+        def line(rid: str) -> dict | None:
+            for x in audit.read_text().splitlines():
+                if f'"{rid}"' in x:
+                    return json.loads(x)
+            return None
+
+        slow = wait_until(lambda: line("never-read"), timeout=STALL_S + 10, what="its audit")
+        assert (slow["status"], slow.get("error")) == (499, "client_too_slow"), slow
+        clean = line("read-all")
+        assert clean is not None and clean["status"] == 200 and not clean.get("error"), clean
+    finally:
+        s.close()

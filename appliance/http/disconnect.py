@@ -35,6 +35,11 @@ class HangupWatch(Protocol):
     # connection was ended (audited `client_too_slow`, not a clean answer).
     stalled: bool
 
+    async def delivered(self) -> bool:
+        """Before a stream's last bytes: wait (bounded) until what was written has left;
+        False when the client never took it (it is stalled and hung up)."""
+        ...
+
     def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
         """Call `fn()` once when the client hangs up; returns the function that stops
         watching, or None when this connection cannot be watched so."""
@@ -47,6 +52,14 @@ def hangup_watch(scope: dict[str, Any] | None) -> HangupWatch | None:
         return None
     watch: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP)
     return watch
+
+
+async def delivered(scope: dict[str, Any] | None) -> bool:
+    """Wait until this request's stream so far has reached its client (a server that can
+    tell; else at once): False when it never did (the client stopped reading, and was hung
+    up: `stalled`)."""
+    watch = hangup_watch(scope)
+    return True if watch is None else await watch.delivered()
 
 
 def stalled(scope: dict[str, Any] | None) -> bool:

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import math
 import socket
 import ssl
+import struct
 from collections.abc import Iterator
 
 import trio
@@ -63,6 +65,21 @@ async def recv_some(sock: socket.socket, max_bytes: int) -> bytes:
 # What one TLS write waits for at most before it must have progressed (the TLS stream
 # shows no partial progress: it is fed in pieces this large).
 TLS_PIECE = 16 * 1024
+
+
+# Linux's SIOCOUTQNSD (linux/sockios.h): bytes of a TCP socket's send queue not yet sent
+# (a peer whose receive window is shut keeps them there). Unlike SIOCOUTQ it does not count
+# bytes sent but not yet acknowledged, so a reading peer's delayed ACK costs no wait.
+SIOCOUTQNSD = 0x894B
+_INT = struct.Struct("i")
+
+
+def unsent(sock: socket.socket) -> int:
+    """Bytes written to `sock` the kernel has not sent yet; 0 when it cannot say."""
+    try:
+        return int(_INT.unpack(fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, b"\0" * 4))[0])
+    except (OSError, ValueError):
+        return 0
 
 
 class WriteStalled(OSError):
@@ -120,6 +137,22 @@ class Transport:
                                f"the peer read nothing for {self.stall:g} s"
                                if trio.current_time() < self._by else
                                "the connection was aborted at the drain's end")
+
+    async def wait_sent(self) -> bool:
+        """Whether every byte written has left (the peer's window took it), waiting for it
+        at most `stall` seconds and not past `abort_by`'s deadline: a stream's end, so a
+        client that read nothing of an answer the socket buffers held is not taken for
+        one that received it."""
+        deadline = min(trio.current_time() + self.stall, self._by)
+        pause = 0.001
+        while unsent(self.sock) > 0:
+            now = trio.current_time()
+            if now >= deadline:
+                return False
+            with trio.CancelScope(shield=True):  # bounded by `deadline`
+                await trio.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 0.05)
+        return True
 
     def abort_by(self, deadline: float) -> None:
         """No write waits past `deadline` (trio's clock): the one waiting now included."""

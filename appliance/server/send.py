@@ -118,6 +118,20 @@ class Sender:
                 self.cycle.server(RESPONSE_END)
             self.stop_waiting()
 
+    async def delivered(self) -> bool:
+        """Before a stream's last bytes (http/disconnect.py's HangupWatch): the socket
+        buffers may hold the whole answer for a client that reads nothing. Waits (bounded
+        by the write stall) until what was written has left; if it never does, the client
+        is too slow: the connection ends as for a stalled write (False)."""
+        if self.broken or self.framing not in ("chunked", "close"):
+            return not self.stalled
+        if await self.transport.wait_sent():
+            return True
+        self.stalled = self.broken = True
+        self.cycle.server(BROKEN)
+        self.stop_waiting()
+        return False
+
     async def _write(self, data: bytes, shield: bool = True) -> None:
         """All of `data`, waiting only while the transport's buffer is full -- shielded
         unless told otherwise: a write cut half-way leaves the client's connection unknown."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
+from appliance.http.disconnect import delivered
 from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.api.flag import Flag
 from appliance.hub.api.requestid import request_id
@@ -165,7 +166,13 @@ class Request:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def send_last(self, body: bytes) -> None:
-        """The last body message: the request is finished (recorded) first."""
+        """The last body message: the request is finished (recorded) first -- once what
+        was sent has left for the client (a client that read none of a stream the socket
+        buffers held is hung up there: audited client_too_slow, never a clean 200)."""
+        if not await delivered(self.scope):
+            self.status, self.error = 499, "client_too_slow"
+            self.finish()
+            return
         self.finish()
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
