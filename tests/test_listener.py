@@ -4,6 +4,8 @@ state table (appliance/server/limits.py, accept.py; appliance/h1/state.py)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from appliance.h1.state import (
     BODY_END,
@@ -74,3 +76,39 @@ def test_close_and_early_answers_and_hang_ups_end_the_connection():
     assert (c.their, c.ours) == (MUST_CLOSE, MUST_CLOSE) and not c.reusable
     with pytest.raises(ProtocolError):
         c.next_cycle()
+
+
+CLIENT_EVENTS = [REQUEST, REQUEST_NO_BODY, BODY_END, PEER_CLOSED, "BROKEN"]
+SERVER_EVENTS = [RESPONSE, RESPONSE_END, "BROKEN"]
+
+
+@given(st.lists(st.one_of(st.tuples(st.just("client"), st.sampled_from(CLIENT_EVENTS)),
+                          st.tuples(st.just("server"), st.sampled_from(SERVER_EVENTS)),
+                          st.tuples(st.just("close"), st.just("")),
+                          st.tuples(st.just("next"), st.just(""))), max_size=30))
+def test_the_table_never_reuses_a_connection_it_must_close(steps):
+    """Whatever happens in whatever order: a step the table forbids raises (and changes
+    nothing); ERROR and CLOSED are final; the next cycle starts only when both sides are
+    DONE; once keep-alive is off, no cycle follows."""
+    c = Cycle()
+    for who, ev in steps:
+        before = (c.their, c.ours, c.keep_alive)
+        try:
+            if who == "client":
+                c.client(ev)
+            elif who == "server":
+                c.server(ev)
+            elif who == "close":
+                c.close()
+            else:
+                assert c.reusable == (before[0] == before[1] == DONE)
+                c.next_cycle()
+                assert (c.their, c.ours) == ("IDLE", "IDLE") and c.keep_alive
+        except ProtocolError:
+            assert (c.their, c.ours, c.keep_alive) == before
+            continue
+        if before[0] in (ERROR, "CLOSED"):
+            assert c.their == before[0]
+        if not c.keep_alive:
+            assert not c.reusable
+        assert not (c.reusable and SEND_BODY in (c.their, c.ours))
