@@ -45,13 +45,15 @@ class FairLane:
     The backlogged keys sit in a heap ordered by (counter, last grant, when the key joined
     the backlog); a key's entry is replaced, not updated, when its counter changes (a stale
     entry is skipped when it surfaces), so each step is O(log keys) -- 10,000 waiting keys
-    cost what 2 do."""
+    cost what 2 do. A key with one waiter holds it as it is; two or more, in a FIFO (an
+    OrderedDict: O(1) removal of one that leaves)."""
 
     __slots__ = ("keys", "counters", "last", "n", "episode", "grants", "_heap", "_version",
                  "_joined", "_since")
 
     def __init__(self) -> None:
-        self.keys: dict[str, OrderedDict[Any, None]] = {}
+        # key -> its one waiter, or an OrderedDict of them (oldest first)
+        self.keys: dict[str, Any] = {}
         self.counters: dict[str, float] = {}
         self.last: dict[str, int] = {}  # grant sequence number of each key's last grant
         self.n = 0
@@ -70,58 +72,83 @@ class FairLane:
 
     def __iter__(self) -> Iterator[Any]:
         for q in self.keys.values():
-            yield from q
+            if type(q) is OrderedDict:
+                yield from q
+            else:
+                yield q
 
     def _push(self, k: str) -> None:
         v = self._version.get(k, 0) + 1
         self._version[k] = v
-        heapq.heappush(self._heap, (self.counters.get(k, 0.0), self.last.get(k, -1),
-                                    self._since[k], k, v))
-        if len(self._heap) > 2 * len(self.keys) + 64:  # stale entries: rebuild
-            self._heap = [e for e in self._heap if self._version.get(e[3]) == e[4]]
+        heap = self._heap
+        heapq.heappush(heap, (self.counters.get(k, 0.0), self.last.get(k, -1), self._since[k],
+                              k, v))
+        if len(heap) > 2 * len(self.keys) + 64:  # stale entries: rebuild
+            version = self._version
+            self._heap = [e for e in heap if e[3] in self.keys and version.get(e[3]) == e[4]]
             heapq.heapify(self._heap)
 
     def _top(self) -> tuple[float, int, int, str, int] | None:
-        heap = self._heap
+        heap, keys, version = self._heap, self.keys, self._version
         while heap:
             e = heap[0]
-            if e[3] in self.keys and self._version.get(e[3]) == e[4]:
+            if e[3] in keys and version[e[3]] == e[4]:
                 return e
             heapq.heappop(heap)
         return None
+
+    def _drop(self, k: str) -> None:
+        del self.keys[k]  # its heap entry goes stale
+        del self._since[k]
 
     def add(self, w: Any) -> None:
         if not self.n:  # a new backlog: a new episode, nobody owes anything
             self.episode += 1
             self.counters.clear()
+            self.last.clear()
             self._heap.clear()
             self._version.clear()
             self._since.clear()
-        q = self.keys.get(w.client)
+        k = w.client
+        q = self.keys.get(k)
         if q is None:
             top = self._top()
             floor = top[0] if top is not None else 0.0
-            self.counters[w.client] = max(self.counters.get(w.client, 0.0), floor)
-            q = self.keys[w.client] = OrderedDict()
+            own = self.counters.get(k, 0.0)
+            self.counters[k] = own if own > floor else floor
+            self.keys[k] = w
             self._joined += 1
-            self._since[w.client] = self._joined
-            self._push(w.client)
-        q[w] = None
+            self._since[k] = self._joined
+            self._push(k)
+        elif type(q) is OrderedDict:
+            q[w] = None
+        else:
+            self.keys[k] = OrderedDict(((q, None), (w, None)))
         self.n += 1
 
     def remove(self, w: Any) -> bool:
-        q = self.keys.get(w.client)
-        if q is None or q.pop(w, 0) is not None:
+        k = w.client
+        q = self.keys.get(k)
+        if q is None:
+            return False
+        if type(q) is OrderedDict:
+            if q.pop(w, 0) is not None:
+                return False
+            if not q:
+                self._drop(k)
+        elif q is w:
+            self._drop(k)
+        else:
             return False
         self.n -= 1
-        if not q:
-            del self.keys[w.client]  # its heap entry goes stale
-            del self._since[w.client]
         return True
 
     def head(self) -> Any:
         top = self._top()
-        return None if top is None else next(iter(self.keys[top[3]]))
+        if top is None:
+            return None
+        q = self.keys[top[3]]
+        return next(iter(q)) if type(q) is OrderedDict else q
 
     def pop(self) -> Any:
         top = self._top()
@@ -129,16 +156,19 @@ class FairLane:
             raise IndexError("no waiter")
         k = top[3]
         q = self.keys[k]
-        w = q.popitem(last=False)[0]
+        if type(q) is OrderedDict:
+            w = q.popitem(last=False)[0]
+            more = bool(q)
+        else:
+            w, more = q, False
         self.n -= 1
         self.counters[k] = self.counters.get(k, 0.0) + w.cost / w.weight
         self.grants += 1
         self.last[k] = self.grants
-        if q:
+        if more:
             self._push(k)
         else:
-            del self.keys[k]
-            del self._since[k]
+            self._drop(k)
         w.fair = (self, self.episode)
         return w
 
@@ -152,4 +182,4 @@ class FairLane:
 
     def backlog(self) -> dict[str, int]:
         """Waiters per key."""
-        return {k: len(q) for k, q in self.keys.items()}
+        return {k: len(q) if type(q) is OrderedDict else 1 for k, q in self.keys.items()}
