@@ -255,6 +255,11 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     assert "Reserve: 1 place" in d.find_element(By.ID, "priority").text
     normal = _text(d, "#priority-table tr[data-class=normal]").split()
     assert normal[0] == "normal" and int(normal[-1]) >= 2, normal  # requests: at least the two 200s
+    # Each client's use (the anonymous one here: no keys are configured), and tokens per
+    # second among the charts.
+    anon = _text(d, "#tenants-table tr[data-client=anonymous]")
+    assert anon.startswith("anonymous") and " / " in anon, anon
+    _wait(d, lambda d: "Tokens per second" in _text(d, "#charts figcaption"), "the tokens chart")
 
     _wait(d,
           lambda d: len(
