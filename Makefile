@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv unit lint clean binary llamacpp-wheel test-deps
+.PHONY: run test venv unit lint clean binary llamacpp-wheel llama-server test-deps
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
@@ -21,13 +21,25 @@ run: $(STAMP)
 
 # Real llama.cpp for the `llamacpp` tests: llama-cpp-python[server], compiled once (minutes)
 # into ~/.cache/appliance/wheels, outside the clone, and installed from there (seconds).
-LLAMA_STAMP := $(VENV)/.llamacpp-0.3.36
+LLAMA_VERSION := 0.3.36
+LLAMA_STAMP := $(VENV)/.llamacpp-$(LLAMA_VERSION)
 
 $(LLAMA_STAMP): $(STAMP) tests/llama_cache.py
 	$(BIN)/python tests/llama_cache.py
 	touch $(LLAMA_STAMP)
 
 llamacpp-wheel: $(LLAMA_STAMP)
+
+# llama.cpp's own llama-server for the same `llamacpp` tests: built once (minutes) from the
+# llama.cpp the llama-cpp-python sdist vendors, cached outside the clone and never rebuilt
+# when there (order-only prerequisite: a newer venv does not make it stale).
+APPLIANCE_CACHE_DIR ?= $(HOME)/.cache/appliance
+LLAMA_SERVER := $(APPLIANCE_CACHE_DIR)/llama-server-$(LLAMA_VERSION)/llama-server
+
+$(LLAMA_SERVER): | $(STAMP)
+	$(BIN)/python tests/llama_cache.py --server
+
+llama-server: $(LLAMA_SERVER)
 
 # systemd-analyze (tests/test_systemd_units.py), promtool (tests/test_alerts.py,
 # tests/test_dashboard.py), headless chromium + chromedriver (tests/test_ui_browser.py),
@@ -61,7 +73,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: $(STAMP) $(LLAMA_STAMP) test-deps lint
+test: $(STAMP) $(LLAMA_STAMP) $(LLAMA_SERVER) test-deps lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 unit: $(STAMP)

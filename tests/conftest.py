@@ -1,6 +1,11 @@
 """Shared fixtures: `procs` starts real appliance processes (see tests/procs.py); `wire` is
-each kind of listener, plain and TLS, for the suites that run over both (tests/wire.py)."""
+each kind of listener, plain and TLS, for the suites that run over both (tests/wire.py);
+`real_server` is each real llama.cpp server the `llamacpp` tests run on, `llama_server_bin`
+the cached llama-server binary (both from tests/llama_cache.py)."""
 
+from pathlib import Path
+
+import llama_cache
 import pytest
 from procs import procs  # noqa: F401  (fixture)
 from wire import KINDS, Wire, have_openssl, make_pki
@@ -18,3 +23,22 @@ def wire(request) -> Wire:
     if request.param == "plain":
         return Wire("plain")
     return Wire("tls", request.getfixturevalue("wire_pki"))
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    """llama.cpp's own llama-server, built once by `make llama-server` (run by `make test`)."""
+    path = llama_cache.cached_server()
+    if path is None:
+        pytest.skip("llama-server not built: run `make llama-server`")
+    return path
+
+
+@pytest.fixture(scope="module", params=[s.name for s in llama_cache.real_servers()])
+def real_server(request) -> llama_cache.RealServer:
+    """Each real server in turn: llama.cpp's llama-server, then llama-cpp-python's
+    `python -m llama_cpp.server`; one that is not installed here is skipped."""
+    server = next(s for s in llama_cache.real_servers() if s.name == request.param)
+    if server.missing:
+        pytest.skip(server.missing)
+    return server

@@ -1,8 +1,9 @@
 """End to end with real llama.cpp: a hub and two `Engine__Kind=llamacpp` nodes.
 
-One fleet for the module (each real process costs a second or two of this machine's two
-cores): gpu-a (2000 MiB) and gpu-b (1000 MiB), both starting `python -m llama_cpp.server`
-from the cached build, and a catalog of three on-demand models -- `tiny` (the seeded GGUF
+One fleet per real server (each real process costs a second or two of this machine's two
+cores; tests/conftest.py's `real_server`: llama.cpp's own `llama-server`, then
+llama-cpp-python's `python -m llama_cpp.server`, both from the cached builds): gpu-a
+(2000 MiB) and gpu-b (1000 MiB), and a catalog of three on-demand models -- `tiny` (the seeded GGUF
 of tests/make_gguf.py, unloaded after 3 idle seconds), `kev` (its copy that llama.cpp
 refuses) and `huge` (the same file declared at 50000 MiB, above every node). Requests go
 through the hub with the official `openai` client; status comes from `/api/status`.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -22,28 +22,23 @@ import httpx
 import make_gguf
 import openai
 import pytest
+from llama_cache import RealServer
 from procs import Procs, clean_env, wait_until
 from test_llamacpp_engine import alive
 from test_llamacpp_real import KEV_LINE, engine_children
 
-pytestmark = [
-    pytest.mark.llamacpp,
-    pytest.mark.e2e,
-    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                       reason="llama-cpp-python not installed: run `make llamacpp-wheel`"),
-]
+pytestmark = [pytest.mark.llamacpp, pytest.mark.e2e]
 
 TOKEN = "llama-fleet-secret"
-COMMAND = (f"{shlex.quote(sys.executable)} -m llama_cpp.server --model {{model}} --host 127.0.0.1 "
-           "--port {port} --n_ctx 256 {args}")
 IDLE_UNLOAD = 3
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 class Fleet:
-    def __init__(self, tiny: str, kev: str) -> None:
+    def __init__(self, server: RealServer, tiny: str, kev: str) -> None:
+        self.server = server
         self.procs = Procs()
-        node_env = {"Engine__Kind": "llamacpp", "Engine__Command": COMMAND,
+        node_env = {"Engine__Kind": "llamacpp", "Engine__Command": server.command,
                     "Auth__NodeToken": TOKEN,
                     "Engine__StartTimeoutSeconds": "60"}
         self.a = self.procs.node("gpu-a", {**node_env, "Node__MemoryMb": "2000"})
@@ -80,9 +75,9 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, real_server):
     tiny, kev = make_gguf.write_pair(tmp_path_factory.mktemp("gguf"), seed=11)
-    f = Fleet(str(tiny), str(kev))
+    f = Fleet(real_server, str(tiny), str(kev))
     try:
         yield f
     finally:
@@ -99,13 +94,37 @@ def test_cold_model_streams_through_the_hub_then_idles_out(fleet):
     assert r.choices[0].message.content
     (where,) = fleet.model("tiny")["nodes"]
     node = fleet.node_proc(where)
-    (engine,) = engine_children(node.pid)
+    (engine,) = engine_children(node.pid, fleet.server.marker)
     _same_stream_as_the_engine_alone(fleet, node)
     # Idle for IdleUnloadSeconds: the hub unloads it and the process is gone.
     wait_until(lambda: fleet.model("tiny")["ready"] == 0, IDLE_UNLOAD + 15,
                "tiny unloaded when idle")
     wait_until(lambda: not alive(engine), 15, f"engine pid {engine} stopped")
-    assert engine_children(node.pid) == []
+    assert engine_children(node.pid, fleet.server.marker) == []
+
+
+def test_openai_client_chat_through_the_hub(fleet):
+    """The official `openai` client through the hub to a node's real server, whole and
+    streamed: an assistant message, a finish reason, token counts; asked for, the stream's
+    last chunk carries the usage (llama-server sends it; llama_cpp.server sends none)."""
+    r = fleet.client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
+                                             temperature=0, seed=3)
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage is not None and r.usage.prompt_tokens > 0
+    assert 0 < r.usage.completion_tokens <= 8
+    chunks = list(fleet.client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, seed=3, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert text and finish == [choice.finish_reason]
+    if fleet.server.name == "llama-server":
+        assert text == choice.message.content  # greedy: the same text both ways
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
 def test_too_large_is_answered_at_once_with_its_numbers(fleet):

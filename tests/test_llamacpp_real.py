@@ -1,17 +1,18 @@
-"""The `llamacpp` engine with real llama.cpp (llama-cpp-python's server) and a real GGUF.
+"""The `llamacpp` engine with real llama.cpp servers and a real GGUF.
 
-Needs `make llamacpp-wheel` (run by `make test`): llama-cpp-python[server] in this venv,
-from the cached wheel. The model is tests/make_gguf.py's tiny llama (random weights,
-gibberish at thousands of tokens per second); its `kev` copy is refused by llama.cpp with
-its own error line, which must come out as the model's last error.
+Each test runs on each real server (tests/conftest.py's `real_server`): llama.cpp's own
+`llama-server` (built once by `make llama-server`, run by `make test`) and llama-cpp-python's
+`python -m llama_cpp.server` (`make llamacpp-wheel`); one that is not built is skipped. The
+model is tests/make_gguf.py's tiny llama (random weights, gibberish at thousands of tokens
+per second); its `kev` copy is refused by llama.cpp with its own error line, which must come
+out as the model's last error.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import re
 import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -23,21 +24,25 @@ import make_gguf
 import openai
 import pytest
 import trio
+from llama_cache import VERSION, RealServer
 from test_llamacpp_engine import alive, wait_gone
 
 from appliance import config
 from appliance.node.engines.base import EngineError
 from appliance.node.engines.llamacpp import LlamaCppEngine
 
-pytestmark = [
-    pytest.mark.llamacpp,
-    pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                       reason="llama-cpp-python not installed: run `make llamacpp-wheel`"),
-]
+pytestmark = pytest.mark.llamacpp
 
-COMMAND = (f"{shlex.quote(sys.executable)} -m llama_cpp.server --model {{model}} --host 127.0.0.1 "
-           "--port {port} --n_ctx 256 {args}")
 KEV_LINE = "unknown model architecture: 'kev'"
+
+
+def assert_version(server: RealServer, version: str) -> None:
+    """The engine's install probe: llama-cpp-python's package version, or llama-server's
+    `--version` (`version: 0.5.0-dev (build 1, commit 0c1e570)` for 0.3.36's vendored one)."""
+    if server.name == "llama_cpp.server":
+        assert version == VERSION
+    else:
+        assert re.match(r"\d+\.\d+", version), version
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +50,21 @@ def gguf_pair(tmp_path_factory):
     return make_gguf.write_pair(tmp_path_factory.mktemp("gguf"), seed=7)
 
 
-def make_engine() -> LlamaCppEngine:
-    return LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": COMMAND}))
+def make_engine(server: RealServer) -> LlamaCppEngine:
+    return LlamaCppEngine(config.load({"Engine__Kind": "llamacpp",
+                                       "Engine__Command": server.command}))
 
 
-async def test_real_load_chat_stream_unload(nursery, gguf_pair):
+async def test_real_load_chat_stream_unload(nursery, gguf_pair, real_server):
     tiny, _ = gguf_pair
-    eng = make_engine()
+    eng = make_engine(real_server)
     await nursery.start(eng.run)
-    assert eng.installs()[0].version == "0.3.36"
+    assert_version(real_server, eng.installs()[0].version)
     t0 = time.monotonic()
     with trio.fail_after(60):
         await eng.load("tiny", str(tiny))
     cold = time.monotonic() - t0
-    print(f"\nllamacpp real: cold start to ready {cold:.2f} s")
+    print(f"\n{real_server.name}: cold start to ready {cold:.2f} s")
     (m,) = eng.models()
     assert (m.state, m.size_mb) == ("ready", 1)
     client = openai.OpenAI(base_url=eng.upstream("tiny") + "/v1", api_key="none", timeout=30,
@@ -83,7 +89,7 @@ async def test_real_load_chat_stream_unload(nursery, gguf_pair):
 
     text, full, n_chunks, ttft = await trio.to_thread.run_sync(chat)
     print(
-        f"llamacpp real: chat 16 tokens {full * 1000:.0f} ms; stream {n_chunks} chunks, first "
+        f"{real_server.name}: chat 16 tokens {full * 1000:.0f} ms; stream {n_chunks} chunks, first "
         f"token {ttft * 1000:.0f} ms")
     assert text
     assert n_chunks >= 2
@@ -93,14 +99,14 @@ async def test_real_load_chat_stream_unload(nursery, gguf_pair):
     assert not alive(pid)
 
 
-async def test_real_kev_fails_with_llamacpp_error(nursery, gguf_pair):
+async def test_real_kev_fails_with_llamacpp_error(nursery, gguf_pair, real_server):
     _, kev = gguf_pair
-    eng = make_engine()
+    eng = make_engine(real_server)
     await nursery.start(eng.run)
     t0 = time.monotonic()
     with trio.fail_after(60), pytest.raises(EngineError) as err:
         await eng.load("kev", str(kev))
-    print(f"\nllamacpp real: kev refused in {time.monotonic() - t0:.2f} s: {err.value}")
+    print(f"\n{real_server.name}: kev refused in {time.monotonic() - t0:.2f} s: {err.value}")
     assert KEV_LINE in str(err.value)
     (m,) = eng.models()
     assert m.state == "failed" and KEV_LINE in m.last_error and "Traceback" not in m.last_error
@@ -109,26 +115,27 @@ async def test_real_kev_fails_with_llamacpp_error(nursery, gguf_pair):
 PARENT = str(Path(__file__).with_name("llama_parent.py"))  # a node-like parent process
 
 
-def test_real_sigkill_of_the_node_leaves_no_llama_server(gguf_pair):
+def test_real_sigkill_of_the_node_leaves_no_llama_server(gguf_pair, real_server):
     tiny, _ = gguf_pair
-    parent = subprocess.Popen([sys.executable, PARENT, COMMAND, str(tiny)], stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen([sys.executable, PARENT, real_server.command, str(tiny)],
+                              stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 60)
         assert ready, "the node-like parent did not load its model in 60 s"
         child = int(parent.stdout.readline())
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            assert b"llama_cpp.server" in f.read()
+            assert real_server.marker in f.read()
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
-        assert wait_gone(child), f"llama_cpp.server pid {child} outlived its node"
+        assert wait_gone(child), f"{real_server.name} pid {child} outlived its node"
     finally:
         parent.kill()
         parent.wait(10)
 
 
-def engine_children(node_pid: int) -> list[int]:
-    """pids of the llama_cpp.server processes whose parent is `node_pid`."""
+def engine_children(node_pid: int, marker: bytes) -> list[int]:
+    """pids of the engine processes (`marker` in their command line) whose parent is
+    `node_pid`."""
     found = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -140,29 +147,31 @@ def engine_children(node_pid: int) -> list[int]:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == node_pid and b"llama_cpp.server" in cmd:
+        if ppid == node_pid and marker in cmd:
             found.append(int(d))
     return found
 
 
 @pytest.mark.e2e
-def test_real_node_process_loads_serves_refuses_kev_and_dies_clean(procs, gguf_pair):
+def test_real_node_process_loads_serves_refuses_kev_and_dies_clean(procs, gguf_pair, real_server):
     """`appliance node` with Engine__Kind=llamacpp, as an operator runs it."""
     tiny, kev = gguf_pair
     token = "llama-node-secret"
     node = procs.start("node", {
         "Node__Name": "llama-e2e", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-        "Engine__Kind": "llamacpp", "Engine__Command": COMMAND, "Engine__StartTimeoutSeconds": "60",
+        "Engine__Kind": "llamacpp", "Engine__Command": real_server.command,
+        "Engine__StartTimeoutSeconds": "60",
         "Auth__NodeToken": token, "Node__HeartbeatSeconds": "0.5",
     })
     with httpx.Client(base_url=node.url, headers={"authorization": f"Bearer {token}"},
                       timeout=60) as c:
-        assert c.get("/node/v1/state").json()["engines"] == [{"kind": "llamacpp",
-                                                              "version": "0.3.36"}]
+        (engine,) = c.get("/node/v1/state").json()["engines"]
+        assert engine["kind"] == "llamacpp"
+        assert_version(real_server, engine["version"])
         t0 = time.monotonic()
         r = c.post("/node/v1/models/tiny/load", json={"source": str(tiny)})
         assert r.status_code == 200, r.text
-        print(f"\nllamacpp real: node load of a cold model {time.monotonic() - t0:.2f} s")
+        print(f"\n{real_server.name}: node load of a cold model {time.monotonic() - t0:.2f} s")
         r = c.post("/node/v1/models/kev/load", json={"source": str(kev)})
         assert r.status_code == 502 and KEV_LINE in r.text, r.text
         models = {m["name"]: m for m in c.get("/node/v1/state").json()["models"]}
@@ -176,7 +185,7 @@ def test_real_node_process_loads_serves_refuses_kev_and_dies_clean(procs, gguf_p
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=True)
               if c.choices]
     assert len([c for c in chunks if c]) >= 2
-    (engine,) = engine_children(node.pid)
+    (child,) = engine_children(node.pid, real_server.marker)
     node.signal(signal.SIGKILL)
     node.wait_exit(10)
-    assert wait_gone(engine), f"llama_cpp.server pid {engine} outlived its node"
+    assert wait_gone(child), f"{real_server.name} pid {child} outlived its node"
