@@ -38,6 +38,8 @@ def llama_server_bin() -> Path:
 def real_server(request) -> llama_cache.RealServer:
     """Each real server in turn: llama.cpp's llama-server, then llama-cpp-python's
     `python -m llama_cpp.server`; one that is not installed here is skipped."""
+    if request.param == "llama-server":
+        return llama_cache.llama_server(request.getfixturevalue("llama_server_bin"))
     server = next(s for s in llama_cache.real_servers() if s.name == request.param)
     if server.missing:
         pytest.skip(server.missing)
