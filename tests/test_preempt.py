@@ -142,6 +142,37 @@ async def test_a_started_stream_is_never_cut(autojump_clock: trio.testing.MockCl
     assert hub.admission.status_block()["preempted"] == 0  # type: ignore[index]
 
 
+async def test_a_preempt_after_the_first_byte_cuts_nothing(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Whoever asks (a race with the victim choice), the relay cuts only before the first
+    byte: the request's own flag set mid-stream leaves the stream whole."""
+    node = Node(first_byte=True)
+    got: dict[str, httpx.Response] = {}
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            hub, url = await start(nursery, node)
+            async with httpx.AsyncClient(timeout=15) as c:
+                async def background() -> None:
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                                             headers={"x-api-key": "kb"})
+
+                nursery.start_soon(background)
+                await node.arrived.wait()
+                while not hub.admission.victims.holding("m"):
+                    await trio.sleep(0.01)  # virtual
+                [req] = hub.admission.victims.holding("m")
+                while not req.first_byte():
+                    await trio.sleep(0.01)  # virtual
+                req.preempt()
+                await trio.sleep(0.1)  # virtual
+                node.release.set()
+                while "bg" not in got:
+                    await trio.sleep(0.01)  # virtual
+            nursery.cancel_scope.cancel()
+    assert got["bg"].status_code == 200 and got["bg"].text.endswith("data: [DONE]\n\n")
+    assert not node.cancelled.is_set()
+
+
 async def test_off_by_default_background_keeps_its_place(autojump_clock: trio.testing.MockClock) -> None:
     node = Node(first_byte=False)
     got: dict[str, httpx.Response] = {}

@@ -66,14 +66,30 @@ class NotAnswered(Exception):
     worded to follow "node NAME"."""
 
 
+def preempted_error() -> ApiError:
+    return ApiError(503, "preempted", "this background request gave its place to essential "
+                    "work before its first byte (Priority__Preempt); retry shortly",
+                    retry_after=PREEMPTED_RETRY_AFTER)
+
+
+def _preempt(cut: Cut, req: Request) -> None:
+    """Preempted: cut the request -- only before its first byte; a started stream is never
+    cut, whoever asks."""
+    if req.ttfb is None:
+        cut.trip("preempted")
+
+
+async def _watch_preempt(cut: Cut, req: Request) -> None:
+    await req.preempted.wait()
+    _preempt(cut, req)
+
+
 def cut_before_answer(cut: Cut) -> NoReturn:
     if cut.reason == "shutting_down":
         raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
                        retry_after=SHUTTING_DOWN_RETRY_AFTER)
     if cut.reason == "preempted":
-        raise ApiError(503, "preempted", "this background request gave its place to essential "
-                       "work before its first byte (Priority__Preempt); retry shortly",
-                       retry_after=PREEMPTED_RETRY_AFTER)
+        raise preempted_error()
     raise NotAnswered("was declared lost before answering")
 
 
@@ -88,7 +104,7 @@ async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstr
         # The hub's own nodes and drain: the cut is called when they are set (flag.py),
         # no watcher tasks.
         on_lost, on_drain = partial(cut.trip, "node_lost"), partial(cut.trip, "shutting_down")
-        on_preempt = partial(cut.trip, "preempted")
+        on_preempt = partial(_preempt, cut, req)
         lost.subscribe(on_lost)
         drain.subscribe(on_drain)
         req.preempted.subscribe(on_preempt)
@@ -102,7 +118,7 @@ async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstr
     async with trio.open_nursery() as watchers:
         watchers.start_soon(cut.watch, node.lost, "node_lost")
         watchers.start_soon(cut.watch, drain_over, "shutting_down")
-        watchers.start_soon(cut.watch, req.preempted, "preempted")
+        watchers.start_soon(_watch_preempt, cut, req)
         try:
             await _relay(node, req, plan, upstream, read_seconds, cut)
         except (NotAnswered, ApiError) as e:  # raised outside: not in an ExceptionGroup

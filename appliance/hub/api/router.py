@@ -255,8 +255,11 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
     await hub.control.make_servable(model, keep)
     try:
         in_flight = hub.metrics.in_flight_of(model)
+        # Preemptible only where this process relays: a worker's first byte is known
+        # here only when its answer has ended (Priority__Preempt).
+        victim = req if relay is None else None
         async with hub.admission.place(model, req.cls, req.client, in_flight,
-                                       req.demand, req.route, req) as place:
+                                       req.demand, req.route, victim) as place:
             await _proxy(hub, req, place, model, prep, relay)
     finally:
         hub.control.touch(model, keep)  # idle time counts from the end of the work

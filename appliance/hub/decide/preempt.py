@@ -57,3 +57,7 @@ class Victims:
 
     def held(self, model: str) -> int:
         return len(self._held.get(model, ()))
+
+    def holding(self, model: str) -> list[Preemptible]:
+        """The held requests of `model`, oldest first."""
+        return list(self._held.get(model, ()))
