@@ -79,6 +79,13 @@ class Fleet:
         ready = set(st["models"][0]["nodes"]) if st["models"] else set()
         return up & ready
 
+    def wait_holding(self, name: str, timeout: float = 20.0) -> None:
+        """Until node `name` holds streams (a fixed pause from the start raced the dispatch
+        on a loaded box: the fault then hit a node that held none)."""
+        def holding() -> bool:
+            return any(n["name"] == name and n["in_flight"] > 0 for n in self.status()["nodes"])
+        wait_until(holding, timeout, f"{name} holding streams", interval=0.02)
+
     def wait_routable(self, *names: str, timeout: float = 30.0) -> None:
         wait_until(lambda: set(names) <= self.routable(), timeout, f"{names} routable")
 
@@ -198,7 +205,8 @@ def test_kill_9_of_a_node_under_streams(fleet):
     victim = fleet.nodes["gpu-a"]
 
     def kill():
-        time.sleep(0.8)
+        fleet.wait_holding("gpu-a")
+        time.sleep(0.5)  # its streams are under way (a fault before the first byte is retried)
         victim.signal(signal.SIGKILL)
 
     got = run_streams(fleet.url, 12, tokens=60, during=kill)
@@ -215,7 +223,8 @@ def test_sigstop_of_a_node_ends_its_streams_with_node_lost(fleet):
     victim = fleet.nodes["gpu-b"]
 
     def stop():
-        time.sleep(0.8)
+        fleet.wait_holding("gpu-b")
+        time.sleep(0.5)  # its streams are under way (a fault before the first byte is retried)
         victim.signal(signal.SIGSTOP)
 
     try:

@@ -26,6 +26,7 @@ from procs import Procs, clean_env, wait_until
 pytestmark = [pytest.mark.e2e, needs_etcd]
 
 LEASE = 3
+NODE_COUNT = 2  # n1 and n2, both able to run every model
 TOKEN = "node-secret"
 KEV = "unknown model architecture: 'kev'"
 SIM = {
@@ -261,15 +262,18 @@ def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
     r = fleet.chat(follower, "kev-0.5b")
     assert r.status_code == 503 and r.json()[
         "error"]["code"] == "model_parked" and KEV in r.text, r.text
-    assert fleet.loads("kev-0.5b") == 5
+    # Five rounds, each a start on both nodes (a failed start is tried on the other capable
+    # node before the round counts toward parking).
+    assert fleet.loads("kev-0.5b") == 5 * NODE_COUNT
     for h in fleet.hubs:  # parked on both hubs, answered at once
         st = next(m for m in fleet.status(h)["models"] if m["name"] == "kev-0.5b")
         assert st["parked"] and st["consecutive_start_failures"] == 5 and st["last_error"] == KEV
         assert fleet.chat(h, "kev-0.5b").json()["error"]["code"] == "model_parked"
-    # `ctl retry` on the follower: the leader tries it again (five more loads at the nodes).
+    # `ctl retry` on the follower: the leader tries it again (five more rounds at the nodes).
     r = httpx.post(fleet.hubs[follower].url + "/admin/models/kev-0.5b/retry", timeout=10)
     assert r.status_code == 200
-    wait_until(lambda: fleet.loads("kev-0.5b") == 10, timeout=30, what="kev retried by the leader")
+    wait_until(lambda: fleet.loads("kev-0.5b") == 10 * NODE_COUNT, timeout=30,
+               what="kev retried by the leader")
     wait_until(lambda: all(next(m for m in fleet.status(h)["models"]
                                 if m["name"] == "kev-0.5b")["parked"]
                            for h in fleet.hubs), what="kev parked again on both hubs")
@@ -302,7 +306,7 @@ def test_kill_leader_failover(fleet):
     # Parked survives the failover: answered at once, the node never asked again.
     r = fleet.chat(survivor, "kev-0.5b")
     assert r.json()["error"]["code"] == "model_parked"
-    assert fleet.loads("kev-0.5b") == 10
+    assert fleet.loads("kev-0.5b") == 10 * NODE_COUNT
     fleet.start_hub(leader)  # back as a follower for the next cases
     wait_until(lambda: fleet.cluster(leader).get("leader") == survivor,
                what="restarted hub follows")
