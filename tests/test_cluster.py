@@ -107,54 +107,78 @@ class Store:
 
 
 class FakeEtcd:
-    """One hub's view of the store; `down` makes every call fail as an unreachable etcd."""
+    """One hub's view of the store; `down` makes every call fail as an unreachable etcd.
+
+    Latency on trio's clock: a call reaches the store `latency` seconds after it is sent,
+    and its answer comes back `answer[call]` seconds after the store acted on it (a
+    keepalive the store renews at once but the hub hears of late). `renewals` logs each
+    grant or keepalive that kept a lease: (lease, sent, answered, ttl) -- what the hub may
+    honestly count its tenure from."""
 
     def __init__(self, store: Store) -> None:
         self.s = store
         self.down = False
+        self.latency = 0.01
+        self.answer: dict[str, float] = {}
+        self.renewals: list[tuple[int, float, float, int]] = []
 
     async def _call(self) -> Store:
-        await trio.sleep(0.01)
+        await trio.sleep(self.latency)
         if self.down:
             raise EtcdUnavailable("no etcd endpoint answered")
         self.s.expire()
         return self.s
 
+    async def _back(self, call: str) -> None:
+        await trio.sleep(self.answer.get(call, 0.0))
+
     async def grant(self, ttl):
+        sent = trio.current_time()
         s = await self._call()
         lid = next(s.ids)
         s.leases[lid] = (trio.current_time() + ttl, ttl)
+        await self._back("grant")
+        self.renewals.append((lid, sent, trio.current_time(), ttl))
         return lid, ttl
 
     async def keepalive(self, lid):
+        sent = trio.current_time()
         s = await self._call()
         if lid not in s.leases:
+            await self._back("keepalive")
             return 0
         ttl = s.leases[lid][1]
         s.leases[lid] = (trio.current_time() + ttl, ttl)
+        await self._back("keepalive")
+        self.renewals.append((lid, sent, trio.current_time(), ttl))
         return ttl
 
     async def revoke(self, lid):
         (await self._call()).drop(lid)
 
     async def put(self, key, value, lease=0):
-        return (await self._call()).write(key, value, lease)
+        rev = (await self._call()).write(key, value, lease)
+        await self._back("put")
+        return rev
 
     async def delete(self, key):
         s = await self._call()
         if s.kv.pop(key, None) is not None:
             s.rev += 1
+        await self._back("delete")
         return s.rev
 
     async def get_prefix(self, prefix):
         s = await self._call()
-        return s.rev, [v for k, v in sorted(s.kv.items()) if k.startswith(prefix)]
+        got = s.rev, [v for k, v in sorted(s.kv.items()) if k.startswith(prefix)]
+        await self._back("get_prefix")
+        return got
 
     async def create(self, key, value, lease):
         s = await self._call()
-        if key in s.kv:
-            return False, s.rev, s.kv[key]
-        return True, s.write(key, value, lease), None
+        got = (False, s.rev, s.kv[key]) if key in s.kv else (True, s.write(key, value, lease), None)
+        await self._back("create")
+        return got
 
 
 class Hub:

@@ -346,20 +346,29 @@ class Member:
             state.adopt(core._h(model), rec, spec.definition(), spec.configured)
 
     async def _lead(self, snap: state.Snapshot) -> None:
+        """Every decision here checks `leading` first: an etcd answer awaited in between may
+        come back after the tenure ended (the module's promise: a lapsed tenure decides
+        nothing)."""
         control = self.control
         for model, rev in snap.retries.items():
+            if not self.leading:
+                return
             if rev > self._retried.get(model, 0):
                 self._retried[model] = rev
                 if control.known(model):
                     control.retry(model)
                 await self.etcd.delete(self.keys.retry(model))
         for model, rev in snap.asks.items():
+            if not self.leading:
+                return
             if rev > max(self._decided.get(model, 0), self.decided(model)):
                 if control.known(model):
                     control.ask(model)
                 self._decided[model] = rev
         core = control.core
         for model, h in list(core.health.items()):
+            if not self.leading:
+                return
             rec = state.record_of(h, core.spec(model).definition(), self._decided.get(model, 0))
             raw = state.encode(rec)
             key = self.keys.health(model)
