@@ -19,6 +19,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from procs import wait_until
 from test_apis_e2e import CHAT_MODELS, USER, fleet  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.e2e
@@ -79,9 +80,15 @@ def test_audit_lines_carry_the_tokens(fleet):  # noqa: F811
     for model in CHAT_MODELS:
         list(oc.chat.completions.create(model=model, messages=USER, max_tokens=4, stream=True,
                                         extra_headers={"x-request-id": f"count-{model}"}))
-    with open(fleet.audit) as f:
-        lines = {x.get("request_id"): x for x in map(json.loads, f)}
+    def lines() -> dict[str, dict]:
+        with open(fleet.audit) as f:
+            return {x.get("request_id"): x for x in map(json.loads, f)}
+
+    # The line is written before the stream's last byte, but the SDK stops reading at
+    # `[DONE]`, a chunk earlier: wait for it as any reader of the file would.
+    got = wait_until(lambda: (lambda ls: ls if all(f"count-{m}" in ls for m in CHAT_MODELS)
+                              else None)(lines()), timeout=10, what="the audit lines")
     for model in CHAT_MODELS:
-        line = lines[f"count-{model}"]
+        line = got[f"count-{model}"]
         assert line["output_tokens"] == 4 and line["input_tokens"] > 0
         assert "tokens_estimated" not in line  # the sim reports its usage
