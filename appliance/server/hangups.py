@@ -7,8 +7,9 @@ one task per process holds one epoll set of the sockets whose requests wait now,
 registered for the peer's close (EPOLLRDHUP, and the always-reported HUP/ERR: never for
 readable bytes, so a pipelined request is no hang-up). A request pays two epoll_ctl
 calls. The connection (appliance/server/connection.py) offers this to apps as its
-`HangupWatch` (`watch`); a socket the set cannot take (no epoll, one already watched)
-gets None, and the app falls back to a watcher task.
+`HangupWatch` (`watch`, on its receive side: appliance/server/receive.py); a socket the
+set cannot take (no epoll, one already watched) gets None, and the app falls back to a
+watcher task.
 """
 
 from __future__ import annotations

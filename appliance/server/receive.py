@@ -1,0 +1,260 @@
+"""The receive side of one HTTP/1.1 connection (appliance/server/connection.py): the
+request's body to the app's `receive`, and the wait for its client to go.
+
+Theory of operation: `Receiver` sits between the send side (appliance/server/send.py,
+`Sender`) and the connection loop (connection.py, `Conn`), which calls `new_request` with
+each head. Bodies are framed by appliance/h1/body.py (chunked) or counted down here
+(Content-Length); the client's side of `self.cycle` (appliance/h1/state.py) moves as they
+end, break or are skipped. Nothing here writes but the `100 Continue`; a refusal is raised
+(`Busy`, `RequestTimeout`) or noted (`bad`) and the connection answers it.
+
+The rules:
+- Body: read only when the app asks (`receive`), each read bounded by the body deadline
+  (`body_deadline`, set by the connection per request: 408 `request_timeout`); the bytes
+  the apps hold count against the listener's `Budget` (503 `busy`), decoded estimates
+  too (`hold`, the ASGI extension BODY_BUDGET). `Expect: 100-continue` is answered on the
+  first body read, unless the response began or body bytes are already here.
+- Broken framing, or a client gone before the body's end, is a 400 (`bad`): the app is
+  told `http.disconnect` and the connection refuses and closes.
+- Once the body is read, `receive` waits for the client to go (EOF, an error, a write
+  that failed) or for the response to end, and says `http.disconnect`, so a hub relaying a
+  stream cancels the upstream when its client leaves. Pipelined bytes read meanwhile are
+  kept for the next request (up to a bound). The ASGI extension HANGUP (`watch`) tells
+  the same without a waiting task (appliance/server/hangups.py).
+- A body the app did not read but that is already here whole is skipped
+  (`_skip_unread_body`), so the connection may serve the next request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from appliance.h1.body import MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
+from appliance.h1.parse import BadRequest, Head
+from appliance.h1.state import BODY_END, BROKEN, DONE, IDLE, MUST_CLOSE, PEER_CLOSED, SEND_BODY
+from appliance.net.transport import Transport
+from appliance.server.hangups import watch_hangup
+from appliance.server.limits import Budget, Busy, RequestTimeout
+from appliance.server.send import Sender
+
+MAX_RECV = 65536
+# Pipelined bytes held while a response is written; past this the connection stops reading.
+MAX_PIPELINED = 64 * 1024
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _chunks_feed(body: ChunkedBody, data: bytes) -> bytes:
+    """The payload of a chunked request body in `data` (the reader keeps what it needs of
+    a partial line); broken framing is a 400, at once even after some payload."""
+    try:
+        payload = body.feed(data)
+        if body.error is not None:
+            raise body.error
+    except BodyError as e:
+        raise BadRequest(400, str(e)) from None
+    return payload
+
+
+def _disconnect() -> dict[str, Any]:  # a fresh dict each time: an app may change what it got
+    return {"type": "http.disconnect"}
+
+
+class Receiver(Sender):
+    """One connection's request side (see the module's docstring); `new_request` with
+    each head."""
+
+    def __init__(self, transport: Transport, budget: Budget) -> None:
+        super().__init__(transport)
+        self.budget = budget
+        self.buf = b""
+        self.eof = False  # the client closed (or broke) its side
+        self.linger = False  # an answer refused the request: drain its read side before the close
+        self.body_deadline = float("inf")  # the connection sets it per request
+        self._waiter: trio.CancelScope | None = None  # receive() waiting for the disconnect
+        self._hangup: Callable[[], None] | None = None  # a HangupWatch watcher (watch)
+        self.new_request(None)
+
+    def new_request(self, head: Head | None) -> None:
+        self.head = head
+        self.body_left = head.length if head is not None else 0
+        self.chunks = (ChunkedBody(MIN_AVERAGE_CHUNK) if head is not None and head.chunked
+                       else None)
+        self.end_given = False  # the last http.request message went to the app
+        self.bad: BadRequest | None = None
+        self.held = 0
+        self.reads = 0
+        self.continued = False
+        self.new_response(head.method if head is not None else "GET",
+                          head.version if head is not None else "1.1")
+
+    @property
+    def body_ended(self) -> bool:
+        return self.cycle.their != SEND_BODY
+
+    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+        """appliance/http/disconnect.py's HangupWatch: `fn()` once when the client hangs up
+        -- or when a write to it fails (it stopped reading, or the connection broke)."""
+        stop = watch_hangup(self.transport.fileno(), fn)
+        if stop is None:
+            return None
+        self._hangup = fn
+
+        def unwatch() -> None:
+            self._hangup = None
+            stop()
+
+        return unwatch
+
+    async def _wait(self, deadline: float) -> bytes | None:
+        """The next bytes (b"" at the end), or None past `deadline`."""
+        with trio.CancelScope(deadline=deadline):
+            data = await self.transport.receive(MAX_RECV)
+            if not data:
+                self._eof()
+            return data
+        return None
+
+    def _eof(self) -> bytes:
+        if not self.eof:
+            self.eof = True
+            if self.cycle.their in (IDLE, DONE, MUST_CLOSE):  # (mid-body: the reader says so)
+                self.cycle.client(PEER_CLOSED)
+        return b""
+
+    # --- the app's receive ---------------------------------------------------------------
+
+    async def receive(self) -> dict[str, Any]:
+        if self.bad is not None or self.broken:
+            return _disconnect()
+        if not self.body_ended:
+            return await self._body()
+        if not self.end_given:
+            self.end_given = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        return await self._wait_disconnect()
+
+    async def _body(self) -> dict[str, Any]:
+        if self.head is not None and self.head.expect_continue and not self.continued:
+            self.continued = True
+            if not self.started and not self.buf:
+                await self._write(_CONTINUE)
+        while True:
+            if self.chunks is not None:
+                try:
+                    data = _chunks_feed(self.chunks, self.buf)
+                except BadRequest as e:
+                    return self._broken_body(e)
+                self.buf = self.chunks.leftover  # b"" until the body's end: the rest is kept there
+                if data or self.chunks.done:
+                    if self.chunks.done:
+                        self.cycle.client(BODY_END)
+                    return self._deliver(data)
+            elif self.buf:
+                data = self.buf[:self.body_left]
+                self.buf = self.buf[len(data):]
+                self.body_left -= len(data)
+                if self.body_left == 0:
+                    self.cycle.client(BODY_END)
+                return self._deliver(data)
+            got = await self._read_body()
+            if not got:  # the client left before the body's end: as h11 says, a 400
+                return self._broken_body(BadRequest(400, "the request body ended early"))
+            if self.chunks is None and len(got) <= self.body_left:
+                self.body_left -= len(got)
+                if self.body_left == 0:
+                    self.cycle.client(BODY_END)
+                return self._deliver(got)
+            self.buf += got
+
+    def _broken_body(self, e: BadRequest) -> dict[str, Any]:
+        self.bad = e
+        self.linger = True
+        if self.cycle.their == SEND_BODY:
+            self.cycle.client(BROKEN)
+        return _disconnect()
+
+    async def _read_body(self) -> bytes:
+        self.reads += 1
+        if self.reads == 1:  # the body most often followed its head: no wait for it
+            data = self.transport.receive_nowait(MAX_RECV)
+            if data is not None:
+                return data or self._eof()
+        data = await self._wait(self.body_deadline)
+        if data is None:
+            raise RequestTimeout()
+        return data
+
+    def hold(self, n: int) -> bool:
+        """BodyBudget (http/budget.py): `n` more bytes held for this request, given back
+        with its body when it ends; False when the listener's bound would be passed."""
+        if not self.budget.take(n):
+            return False
+        self.held += n
+        return True
+
+    def _deliver(self, data: bytes) -> dict[str, Any]:
+        n = len(data)
+        if n:
+            if not self.budget.take(n):
+                raise Busy()
+            self.held += n
+        ended = self.body_ended
+        if ended:
+            self.end_given = True
+        return {"type": "http.request", "body": data, "more_body": not ended}
+
+    def _skip_unread_body(self) -> None:
+        """Drop a body the app did not read if it is already here whole (the client is
+        then DONE and the connection may serve the next request)."""
+        if self.body_ended:
+            return
+        if self.chunks is not None:
+            try:
+                _chunks_feed(self.chunks, self.buf)
+            except BadRequest:
+                self.cycle.client(BROKEN)
+                return
+            if not self.chunks.done:
+                return
+            self.buf = self.chunks.leftover
+        elif len(self.buf) >= self.body_left:
+            self.buf = self.buf[self.body_left:]
+            self.body_left = 0
+        else:
+            return
+        self.cycle.client(BODY_END)
+
+    # --- the disconnect ------------------------------------------------------------------
+
+    async def _wait_disconnect(self) -> dict[str, Any]:
+        """The body is read: wait for the client to go or the response to end."""
+        if self.done or self.eof:
+            return _disconnect()
+        transport = self.transport
+        extra = bytearray()  # pipelined bytes (grown in place, however they trickle in)
+        try:
+            with trio.CancelScope() as cs:
+                self._waiter = cs
+                while True:
+                    if len(self.buf) + len(extra) >= MAX_PIPELINED:
+                        await trio.sleep_forever()  # read no further until the answer is out
+                    data = await transport.receive(MAX_RECV)
+                    if not data:
+                        self._eof()
+                        break
+                    extra += data
+        finally:
+            self._waiter = None
+            if extra:
+                self.buf += bytes(extra)
+        return _disconnect()
+
+    def stop_waiting(self) -> None:
+        if self._waiter is not None:
+            self._waiter.cancel()
+        if self.broken and self._hangup is not None:  # a watcher waits on the socket alone
+            fn, self._hangup = self._hangup, None
+            fn()
