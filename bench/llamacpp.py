@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -117,11 +118,17 @@ def cold_start(hub, node, audit_path: str) -> dict[str, float]:
             "decided": placing - t0, "spawned": spawned - loading, "loaded": loaded - ready}
 
 
-def stream_once(client: httpx.Client, url: str, body: dict) -> tuple[float, float, float, int]:
-    """(time to first event, mean gap between events, time per event, events) for one stream."""
+def stream_once(client: httpx.Client, url: str, body: dict) -> tuple[float, float, float, int,
+                                                                     float]:
+    """(time to first event, mean gap between events, time per event, events, time per
+    token) for one stream. Time per token is the whole stream over max_tokens when it ended
+    on `length` (it made them all), NaN otherwise: llama-server holds back a token that ends
+    inside a UTF-8 character and sends it with the next, so its events are fewer than its
+    tokens, while llama_cpp.server sends one per token."""
     t0 = time.perf_counter()
     first = last = None
     n = 0
+    finish = None
     with client.stream("POST", url, json=body) as r:
         assert r.status_code == 200, (r.status_code, r.read()[:200])
         for line in r.iter_lines():
@@ -129,8 +136,11 @@ def stream_once(client: httpx.Client, url: str, body: dict) -> tuple[float, floa
                 last = time.perf_counter()
                 first = first or last
                 n += 1
-    assert n >= 2, f"{url}: {n} events"
-    return first - t0, (last - first) / (n - 1), (last - t0) / n, n
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                finish = choices[0].get("finish_reason") or finish
+    assert n >= 2 and first is not None and last is not None, f"{url}: {n} events"
+    per_token = (last - t0) / body["max_tokens"] if finish == "length" else math.nan
+    return first - t0, (last - first) / (n - 1), (last - t0) / n, n, per_token
 
 
 @dataclass
@@ -201,7 +211,7 @@ def per_token(rigs: list[Rig], requests: int, tokens: int) -> None:
 
 def medians(rig: Rig) -> dict[str, tuple[float, ...]]:
     assert rig.results is not None
-    return {t: tuple(statistics.median(r[i] for r in rs) for i in range(4))
+    return {t: tuple(statistics.median(r[i] for r in rs) for i in (0, 1, 2, 3, 4))
             for t, rs in rig.results.items()}
 
 
@@ -223,12 +233,15 @@ def report(rig: Rig, requests: int, tokens: int) -> None:
     counts = {t: sorted({r[3] for r in rs}) for t, rs in rig.results.items()}
     print(f"streamed chats, {requests} per target, alternating, max_tokens {tokens}, medians "
           f"(events per request: engine {counts['engine alone']}, hub {counts['hub+node']}):")
-    print(f"  {'target':<14}{'first event ms':>15}{'gap/event ms':>14}{'wall/event ms':>15}")
+    print(f"  {'target':<14}{'first event ms':>15}{'gap/event ms':>14}{'wall/event ms':>15}"
+          f"{'wall/token ms':>15}")
     for t, m in med.items():
-        print(f"  {t:<14}{m[0] * ms:>15.2f}{m[1] * ms:>14.3f}{m[2] * ms:>15.3f}")
+        print(f"  {t:<14}{m[0] * ms:>15.2f}{m[1] * ms:>14.3f}{m[2] * ms:>15.3f}"
+              f"{m[4] * ms:>15.3f}")
     print(f"  {'hub+node adds':<14}{(h[0] - e[0]) * ms:>15.2f}{(h[1] - e[1]) * ms:>14.3f}"
-          f"{(h[2] - e[2]) * ms:>15.3f}")
-    print(f"  {'ratio':<14}{h[0] / e[0]:>14.2f}x{h[1] / e[1]:>13.2f}x{h[2] / e[2]:>14.2f}x")
+          f"{(h[2] - e[2]) * ms:>15.3f}{(h[4] - e[4]) * ms:>15.3f}")
+    print(f"  {'ratio':<14}{h[0] / e[0]:>14.2f}x{h[1] / e[1]:>13.2f}x{h[2] / e[2]:>14.2f}x"
+          f"{h[4] / e[4]:>14.2f}x")
     cpu, ev = rig.cpu, max(rig.events, 1)
     print(f"  CPU spent through hub+node: hub {cpu['hub'] / requests * ms:.1f} ms per request = "
           f"{cpu['hub'] / ev * 1e6:.0f} us per event, node {cpu['node'] / requests * ms:.1f} ms"
@@ -244,10 +257,12 @@ def compare(a: Rig, b: Rig) -> None:
         for k in ("placement", "engine", "first", "total")]
     ma, mb = medians(a), medians(b)
     for t in TARGETS:
-        for i, what in ((0, "first event"), (1, "gap/event"), (2, "wall/event")):
+        for i, what in ((0, "first event"), (1, "gap/event"), (2, "wall/event"),
+                        (4, "wall/token")):
             rows.append((f"{t} {what}", ma[t][i] * ms, mb[t][i] * ms))
-    rows.append(("hub+node adds, wall/event", (ma["hub+node"][2] - ma["engine alone"][2]) * ms,
-                 (mb["hub+node"][2] - mb["engine alone"][2]) * ms))
+    for i, what in ((2, "wall/event"), (4, "wall/token")):
+        rows.append((f"hub+node adds, {what}", (ma["hub+node"][i] - ma["engine alone"][i]) * ms,
+                     (mb["hub+node"][i] - mb["engine alone"][i]) * ms))
     for proc in ("hub", "node"):
         rows.append((f"{proc} CPU/event", a.cpu[proc] / max(a.events, 1) * ms,
                      b.cpu[proc] / max(b.events, 1) * ms))
