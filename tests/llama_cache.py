@@ -156,10 +156,11 @@ class RealServer:
 
 def llama_server(binary: Path | None = None) -> RealServer:
     """llama.cpp's own server, the cached build: one thread (two cores shared by tests),
-    the tiny model's context, `--jinja` for templates and tools."""
+    the tiny model's context, `--jinja` for templates and tools, greedy (`--temp 0`: the
+    tiny model's answers are the same every run; sampled, it now and then ends at once)."""
     binary = binary or cached_server()
     command = (f"{shlex.quote(str(binary or SERVER))} -m {{model}} --host 127.0.0.1 "
-               f"--port {{port}} -c {N_CTX} -t 1 --jinja {{args}}")
+               f"--port {{port}} -c {N_CTX} -t 1 --jinja --temp 0 {{args}}")
     return RealServer("llama-server", command, b"llama-server",
                       "" if binary else "llama-server not built: run `make llama-server`")
 
