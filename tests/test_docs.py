@@ -22,12 +22,12 @@ import re
 import typing
 from collections.abc import Set
 from pathlib import Path
-from typing import Annotated
 
 import msgspec
 import pytest
 
 from appliance import config
+from appliance.config import _strip  # the loader's own: Annotated[X] -> X, X | None -> X
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ROOT / "appliance"
@@ -46,17 +46,6 @@ NOT_SERIES = {
 METRIC_CALLS = {"Counter": True, "CounterMetricFamily": True, "Gauge": False,
                 "GaugeMetricFamily": False, "Histogram": False, "Summary": False,
                 "Info": False}
-
-
-def _strip(tp: typing.Any) -> typing.Any:
-    """Annotated[X, ...] -> X; X | None -> X."""
-    while typing.get_origin(tp) is Annotated:
-        tp = typing.get_args(tp)[0]
-    if typing.get_origin(tp) in (typing.Union, __import__("types").UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return _strip(args[0])
-    return tp
 
 
 def _is_struct(tp: typing.Any) -> bool:

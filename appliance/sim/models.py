@@ -15,7 +15,15 @@ import msgspec
 
 from appliance import __version__
 from appliance.config import MiB
-from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
+from appliance.http.asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    decode_json,
+    read_body,
+    send_json,
+)
 from appliance.http.errors import ApiError
 from appliance.sim.core import (
     EMBED_DIM,
@@ -50,14 +58,7 @@ class ModelRoutes:
             body = await read_body(receive, MAX_BODY)
         except BodyTooLarge:
             raise ApiError(413, "body_too_large", f"request body over {MAX_BODY} bytes") from None
-        try:
-            return req_decoder.decode(body)
-        except msgspec.ValidationError as e:
-            raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
-        except msgspec.DecodeError as e:
-            raise ApiError(400, "invalid_json", f"invalid JSON: {e}") from None
-        except RecursionError:
-            raise ApiError(400, "invalid_json", "invalid JSON: nested too deeply") from None
+        return decode_json(req_decoder, body)
 
     def _model(self, req: Req, api: str) -> SimModelState:
         name = req.model or req.name

@@ -30,7 +30,7 @@ import trio
 
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import AuthConfig, ClientConfig
-from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body
+from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, decode_json, read_body
 from appliance.http.budget import hold_decoded
 from appliance.http.disconnect import cancel_on_disconnect, stalled
 from appliance.http.errors import ApiError
@@ -99,15 +99,7 @@ def allowed(client: ClientConfig, model: str) -> bool:
 
 
 def decode_request(body: bytes) -> _Req:
-    try:
-        return _req_decoder.decode(body)
-    except msgspec.ValidationError as e:
-        raise ApiError(400, "invalid_request", f"invalid request: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ApiError(400, "invalid_json", f"body is not valid JSON: {e}") from None
-    except RecursionError:
-        # msgspec skips unknown fields recursively: 100k nested arrays exhaust the stack.
-        raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+    return decode_json(_req_decoder, body)
 
 
 def decode_body(body: bytes) -> tuple[_Req, dict[str, Any]]:
