@@ -14,12 +14,12 @@ from appliance.hub.decide.priority import (
     QUEUE_RETRY_AFTER,
     AdmissionCore,
     Fleet,
-    SlotQueues,
     count,
     effective_class,
     fleet_of,
     ready_nodes,
 )
+from appliance.hub.decide.slots import SlotQueues
 
 
 def core(enabled=True, reserve=1, max_depth=64, max_wait=30.0,
