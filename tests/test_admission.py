@@ -11,12 +11,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from appliance import config
 from appliance.http.errors import ApiError
 from appliance.hub.decide.admission import Admission
+from appliance.hub.observe import queue_metrics
 
 
 def make(r, **env) -> tuple[Admission, CollectorRegistry]:
     env = {"Priority__Enabled": "true", **{k: str(v) for k, v in env.items()}}
     metrics = CollectorRegistry()
-    return Admission(config.load(env), r, metrics), metrics
+    adm = Admission(config.load(env), r)
+    queue_metrics.register(metrics, adm)
+    return adm, metrics
 
 
 async def go(adm: Admission, r, model: str, cls: str, client: str, log: list,
@@ -200,7 +203,8 @@ async def test_a_granted_place_whose_client_hangs_up_goes_to_the_next(autojump_c
 async def test_priority_off_nothing_waits_that_did_not_wait_before(autojump_clock):
     r = registry(handle("a"))
     metrics = CollectorRegistry()
-    adm = Admission(config.load({"Priority__ReserveSlots": "5"}), r, metrics)
+    adm = Admission(config.load({"Priority__ReserveSlots": "5"}), r)
+    queue_metrics.register(metrics, adm)
     assert adm.enabled is False and adm.status_block() is None
     assert adm.effective_class("essential", [(b"x-priority", b"background")]) == "normal"
     t0 = trio.current_time()
@@ -264,7 +268,8 @@ PRIORITY_SERIES = ["appliance_priority_reserve_slots", "appliance_priority_waiti
 async def test_scrape_and_status_with_priority_on_and_off():
     r = registry(handle("a"))
     off = CollectorRegistry()
-    adm_off = Admission(config.load({}), r, off)
+    adm_off = Admission(config.load({}), r)
+    queue_metrics.register(off, adm_off)
     text = generate_latest(off).decode()
     assert "priority" not in text
     assert "# TYPE appliance_queue_waiting gauge" in text
@@ -290,7 +295,8 @@ async def test_scrape_and_status_with_priority_on_and_off():
 async def test_reload_turns_the_series_on_and_off():
     r = registry(handle("a"))
     metrics = CollectorRegistry()
-    adm = Admission(config.load({}), r, metrics)
+    adm = Admission(config.load({}), r)
+    queue_metrics.register(metrics, adm)
     adm.reload(config.load({"Priority__Enabled": "true"}))
     assert metrics.get_sample_value("appliance_priority_reserve_slots") == 1
     assert adm.status_block() is not None

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from appliance import config
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.affinity import SESSION, SPREAD, Route, rendezvous, route_key
+from appliance.hub.observe import queue_metrics
 
 HOT = b"one-hot-session!"
 
@@ -18,7 +19,9 @@ HOT = b"one-hot-session!"
 def make(r, **env) -> tuple[Admission, CollectorRegistry]:
     env = {"Priority__Enabled": "true", **{k: str(v) for k, v in env.items()}}
     metrics = CollectorRegistry()
-    return Admission(config.load(env), r, metrics), metrics
+    adm = Admission(config.load(env), r)
+    queue_metrics.register(metrics, adm)
+    return adm, metrics
 
 
 async def go(adm: Admission, cls: str, client: str, log: list, hold: trio.Event | None = None,

@@ -12,6 +12,8 @@ that crosses a layer fails here (lazy imports inside functions count too).
   the hub imports nothing of the node or the sim.
 - The decision cores import no trio, no HTTP library and no role shell: only the other
   cores, the configuration, the wire types and `appliance.http.errors`.
+- Nothing under `appliance.hub.decide` imports prometheus_client: its series are read at
+  scrape time from hub/observe/.
 - No import cycles, counting type-only imports (`if TYPE_CHECKING:`) and imports inside
   functions: a cycle hidden from the interpreter still ties the modules together for a
   reader and for every refactoring.
@@ -32,7 +34,7 @@ LAUNCHERS = ("appliance.cli", "appliance.up", "appliance.ctl", "appliance.__main
 ROLES = HUB + NODE + SIM + LAUNCHERS
 
 CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.http.errors",
-         "appliance.hub.decide.priority", "appliance.hub.decide.placement", "appliance.hub.decide.fit",
+         "appliance.hub.decide.priority", "appliance.hub.decide.slots", "appliance.hub.decide.placement", "appliance.hub.decide.fit",
          "appliance.node.state", "appliance.hub.cluster.state", "appliance.hub.translate",
          "appliance.hub.decide.fair", "appliance.hub.decide.limits",
          "appliance.hub.decide.affinity", "appliance.hub.decide.capable",
@@ -150,6 +152,11 @@ def test_decision_cores_import_no_trio_no_http_no_shell():
             elif n.startswith("appliance") and n != "appliance" and not under(n, CORES):
                 bad.append(f"{mod} imports {n} (not a core)")
     assert bad == []
+
+
+def test_decide_imports_no_prometheus_client():
+    assert under("prometheus_client.core", ("prometheus_client",))
+    assert violations(("appliance.hub.decide",), ("prometheus_client",)) == []
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -22,13 +22,14 @@ from prometheus_client import CollectorRegistry
 
 from appliance.client.upstream import Pool
 from appliance.config import Config
-from appliance.hub.api.flag import Flag
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.control import Control
 from appliance.hub.decide.grace import StartupGrace
 from appliance.hub.decide.limits import Limiter
+from appliance.hub.fleet.flag import Flag
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.fleet.supervisor import supervise
+from appliance.hub.observe import queue_metrics
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.fleet_metrics import ControlCollector
 from appliance.hub.observe.history import History, Recent
@@ -58,14 +59,15 @@ class Hub:
         self.before_scrape = [self.metrics.refresh]
         self.audit = AuditLog(cfg.audit.path, cfg.audit.max_bytes, cfg.audit.backups)
         self.audit.on_error = self.metrics.audit_write_errors.inc
-        self.admission = Admission(cfg, self.registry, self.metrics_registry)
+        self.admission = Admission(cfg, self.registry)
+        queue_metrics.register(self.metrics_registry, self.admission)
         # Per-key limits; with several hubs each enforces its share (hubs alive).
         self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
         self.control = Control(cfg, self.registry, node_client, self.audit, beat=beat)
         self.metrics_registry.register(ControlCollector(self.control))
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
         # a `shutting_down` error event and a proper end, before the server cancels.
-        self.drain_over = Flag()  # hub/flag.py: streams are cut by it without a task each
+        self.drain_over = Flag()  # hub/fleet/flag.py: streams are cut by it without a task each
         self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
         # The page's memory (history.py): 15 minutes of counters, the last request records.
         self.history = History()

@@ -19,27 +19,24 @@ other, and on any exit everything given back. Which node: with a `route` (affini
 would consider (ready, with concurrency left, not tried) and the first within its load
 bound is taken; none within it, or no route, and the pick takes the one with the most
 places left. Admission itself never looks at the route. Its parts:
-- `Admission(cfg, registry, metrics_registry)`; `enabled`; `effective_class(cls, headers)`
+- `Admission(cfg, registry)`; `enabled`; `effective_class(cls, headers)`
 - `await admit(model, cls, client) -> Ticket`: returns when the request may be sent.
 - `await wait_slot(node, model, cls)`: Queue__SlotWaitSeconds before sending.
 - `status_block() -> dict | None`: `priority` for /api/status (None while off).
 - `reload(cfg)`: new numbers for new waiters (SIGHUP).
 
-Metrics: `appliance_queue_{waiting,timeouts_total,rejected_total}{model}` always;
-`appliance_priority_reserve_slots` and `appliance_priority_*{class}` only while priority
-is on, so with it off the scrape is exactly what it was without the feature.
+Its series are read at scrape time by hub/observe/queue_metrics.py: nothing here imports
+prometheus_client.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple, Protocol
 
 import trio
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from appliance.config import Config
 from appliance.hub.decide import priority
@@ -48,19 +45,17 @@ from appliance.hub.decide.fair import FairLane
 from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
     BACKGROUND,
-    CLASSES,
     ESSENTIAL,
     AdmissionCore,
     Fleet,
-    SlotQueues,
     count,
     ready_nodes,
 )
+from appliance.hub.decide.slots import SlotQueues
 from appliance.hub.fleet.nodes import NodeHandle, Registry
-from appliance.hub.observe.routing import RoutingCollector
 from appliance.wire import NodeState
 
-log = logging.getLogger("appliance.hub.decide.admission")
+log = logging.getLogger(__name__)
 
 
 class Demand(NamedTuple):
@@ -148,8 +143,7 @@ def _affinity(cfg: Config) -> dict[str, Any]:
 
 
 class Admission:
-    def __init__(self, cfg: Config, registry: Registry,
-                 metrics_registry: CollectorRegistry | None) -> None:
+    def __init__(self, cfg: Config, registry: Registry) -> None:
         self.cfg = cfg
         self.registry = registry
         self.core = AdmissionCore(**_settings(cfg))
@@ -159,35 +153,22 @@ class Admission:
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
         self.victims = Victims()  # background requests holding a place (preempt.py)
         self.reserve_problem = ""  # Priority__ReserveSlots >= the fleet's places (status)
-        self._metrics = metrics_registry
         # The ready nodes per model, kept until the fleet's shape (a node's state, its
         # connection, its cordon) changes -- not on every finished request.
         self._ready: dict[str, list[NodeHandle]] = {}
         self._shape: list[tuple[NodeHandle, NodeState | None, bool, bool]] = []
-        self._priority_collector = PriorityCollector(self.core)
         # Which of the nodes it may go to a request goes to (affinity.py).
         self.affinity = Affinity(**_affinity(cfg))
-        if metrics_registry is not None:
-            metrics_registry.register(QueueCollector(self.core))
-            metrics_registry.register(RoutingCollector(self.affinity))
-            if self.enabled:
-                metrics_registry.register(self._priority_collector)
         registry.add_listener(self._on_change, on_finish=self._wake_waiters)
 
     def reload(self, cfg: Config) -> None:
         """New settings apply to new waiters; one that waits keeps its bound."""
         self.cfg = cfg
-        was = self.enabled
         self.core.configure(**_settings(cfg))
         self.affinity.configure(**_affinity(cfg))
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
-        if self._metrics is not None and was != self.enabled:
-            if self.enabled:
-                self._metrics.register(self._priority_collector)
-            else:
-                self._metrics.unregister(self._priority_collector)
         self._on_change()
 
     def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes,
@@ -362,64 +343,3 @@ class Admission:
 
     def statistics(self) -> dict[str, Any]:
         return self.core.statistics()
-
-
-class QueueCollector:
-    """`appliance_queue_*{model}`, read from the core at scrape time."""
-
-    def __init__(self, core: AdmissionCore) -> None:
-        self.core = core
-
-    def collect(self) -> Iterator[Metric]:
-        waiting = GaugeMetricFamily("appliance_queue_waiting",
-                                    "Requests waiting for admission, by model.",
-                                    labels=["model"])
-        timeouts = CounterMetricFamily("appliance_queue_timeouts",
-                                       "Waits for admission that ran out (503), by model.",
-                                       labels=["model"])
-        rejected = CounterMetricFamily("appliance_queue_rejected",
-                                       "Requests refused at once because "
-                                       "Queue__MaxDepth requests already waited (queue_full), by "
-                                       "model.",
-                                       labels=["model"])
-        for model, s in sorted(self.core.models.items()):
-            waiting.add_metric([model], s.waiting)
-            timeouts.add_metric([model], s.timeouts)
-            rejected.add_metric([model], s.full)
-        yield waiting
-        yield timeouts
-        yield rejected
-
-
-class PriorityCollector:
-    """`appliance_priority_*`, registered only while priority is on."""
-
-    def __init__(self, core: AdmissionCore) -> None:
-        self.core = core
-
-    def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("appliance_priority_reserve_slots",
-                                "Free places background work may not take "
-                                "(Priority__ReserveSlots).",
-                                value=self.core.reserve)
-        waiting = GaugeMetricFamily("appliance_priority_waiting", "Requests waiting now, by class.",
-                                    labels=["class"])
-        held = CounterMetricFamily("appliance_priority_held",
-                                   "Requests that had to wait, by class.", labels=["class"])
-        released = CounterMetricFamily("appliance_priority_released",
-                                       "Waiting requests that went, by class.",
-                                       labels=["class"])
-        timed_out = CounterMetricFamily("appliance_priority_timed_out",
-                                        "Waits that ran out (503), by class.",
-                                        labels=["class"])
-        requests = CounterMetricFamily("appliance_priority_requests",
-                                       "Requests admitted or refused, by class.",
-                                       labels=["class"])
-        for c in CLASSES:
-            s = self.core.classes[c]
-            waiting.add_metric([c], s.waiting)
-            held.add_metric([c], s.held)
-            released.add_metric([c], s.released)
-            timed_out.add_metric([c], s.timed_out)
-            requests.add_metric([c], s.requests)
-        yield from (waiting, held, released, timed_out, requests)
