@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from appliance import config
 from appliance.hub.decide.affinity import (
     BALANCE_SLACK,
-    MAX_BLOCKS,
     PREFIX,
     SESSION,
     SPREAD,
@@ -19,15 +18,13 @@ from appliance.hub.decide.affinity import (
     Candidate,
     PrefixIndex,
     Route,
-    chain_of,
     first_within,
     load_limit,
-    render,
     rendezvous,
     route_key,
-    session_of,
     usage_of,
 )
+from appliance.hub.translate.prompt import MAX_BLOCKS, chain_of, render, session_of
 
 BLOCK = 256
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,15 +52,8 @@ from typing import Any
 
 import msgspec
 
-# Request headers naming a session, in the order they are honoured (DESIGN 9.2); ASGI
-# header names are lower case. Claude Code sends x-claude-code-session-id; Codex sends
-# session_id and conversation_id; x-session-id is the generic one (OpenCode and proxies).
-SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id", b"session_id",
-                   b"conversation_id")
-# Blocks hashed per request, at most: 128 x 256 bytes is 32 KiB of prompt (~8k tokens).
-# Past it every turn of a conversation shares the same chain, which still names the node
-# that served it last: longer prompts cost no more to key.
-MAX_BLOCKS = 128
+from appliance.hub.translate.prompt import chain_of, render, session_of
+
 # Bytes per token of English text in the BPE vocabularies of today's models (the usual
 # rule of thumb: ~4); converts a matched prefix in bytes to the tokens an engine reports.
 BYTES_PER_TOKEN = 4
@@ -77,15 +69,8 @@ BALANCE_SLACK = 4
 SESSION, PREFIX, SPREAD = "session", "prefix", "spread"
 REASONS = (SESSION, PREFIX, SPREAD)
 
-_enc = msgspec.json.Encoder()
-
-
 def _h(data: bytes | memoryview, size: int = 8) -> bytes:
     return hashlib.blake2b(data, digest_size=size).digest()
-
-
-def _text(v: str) -> bytes:
-    return v.encode("utf-8", "surrogatepass")
 
 
 # --- the key ---------------------------------------------------------------------------
@@ -105,75 +90,6 @@ class Route:
     entry_seq: int = 0  # the order of the index entry that predicted it
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
-
-
-def session_of(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The session key's digest, first found wins (None: none given)."""
-    v = obj.get("prompt_cache_key")
-    if isinstance(v, str) and v:
-        return _h(b"k" + _text(v), 16)
-    found: dict[bytes, bytes] = {}
-    for name, value in headers:
-        if name in SESSION_HEADERS and value and name not in found:
-            found[name] = value
-    for name in SESSION_HEADERS:
-        if name in found:
-            return _h(b"h" + found[name], 16)
-    meta = obj.get("metadata")
-    if isinstance(meta, dict):
-        uid = meta.get("user_id")
-        if isinstance(uid, str) and uid:
-            return _h(b"u" + _text(uid), 16)
-    return None
-
-
-def _part(v: Any, open_list: bool) -> bytes:
-    """One field as bytes: a string as it is, anything else as its JSON; a list without
-    its closing bracket (`open_list`), so one more item extends the bytes."""
-    if isinstance(v, str):
-        return _text(v)
-    data = _enc.encode(v)
-    return data[:-1] if open_list and isinstance(v, list) else data
-
-
-def render(obj: dict[str, Any]) -> bytes:
-    """The request in the order a chat template renders it: tools, system, then the
-    conversation (messages, a Responses `input`, or a prompt). A later turn of the same
-    conversation renders to these bytes followed by more."""
-    out = bytearray()
-    tools = obj.get("tools")
-    if tools:
-        out += b"\x1eT" + _part(tools, False)
-    for name in ("system", "instructions"):  # Anthropic, Ollama generate; Responses
-        v = obj.get(name)
-        if v:
-            out += b"\x1eS" + _part(v, False)
-    for name in ("messages", "input", "prompt"):
-        v = obj.get(name)
-        if v:
-            out += b"\x1eM" + _part(v, True)
-            break
-    return bytes(out)
-
-
-def chain_of(data: bytes, block: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    """The prefix-hash chain: block i's value is CRC-32 and Adler-32 of the text through
-    block i, each continued from the one before (zlib's running checksums: 64 bits for a
-    microsecond a block, where a cryptographic hash costs several). CRC-32 changes for any
-    change of up to 32 bits, so an edit in block k changes every value from k on; a
-    collision of both sums misroutes one request to a cold cache, nothing worse.
-    A text shorter than one block has none: its prefill is too short to be worth a
-    detour, so it is spread by load like any request with nothing to go on."""
-    n = min(len(data) // block, max_blocks)
-    view = memoryview(data)
-    out: list[int] = []
-    crc, adler = 0, 1
-    crc32, adler32 = zlib.crc32, zlib.adler32
-    for i in range(n):
-        part = view[i * block:(i + 1) * block]
-        crc, adler = crc32(part, crc), adler32(part, adler)
-        out.append(crc << 32 | adler)
-    return out
 
 
 def route_key(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]], block: int) -> Route:
