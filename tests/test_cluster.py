@@ -21,9 +21,10 @@ from appliance.hub.cluster import state
 from appliance.hub.cluster.etcd import KV, Etcd, EtcdError, EtcdUnavailable, prefix_end, unb64
 from appliance.hub.cluster.member import Member
 from appliance.hub.decide import activation
-from appliance.hub.decide.control import Control, StaleLeader
+from appliance.hub.decide.control import Control
 from appliance.hub.decide.priority import count, ready_nodes
 from appliance.hub.fleet.nodes import Registry
+from appliance.hub.fleet.ops import StaleLeader
 
 LEASE = 3
 KEV = "unknown model architecture: 'kev'"

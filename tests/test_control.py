@@ -10,8 +10,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_placement import cfg, set_state
 
 from appliance.http.errors import ApiError
-from appliance.hub.decide.control import Control, NodeRefused
+from appliance.hub.decide.control import Control
 from appliance.hub.fleet.nodes import Registry
+from appliance.hub.fleet.ops import NodeRefused
 from appliance.hub.observe.fleet_metrics import ControlCollector
 from appliance.wire import EngineInstall, ModelState, NodeState
 

@@ -30,13 +30,13 @@ from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub.api.status import tenants_status, with_routing
 from appliance.hub.cluster.etcd import EtcdError
-from appliance.hub.decide.control import NodeRefused
 from appliance.hub.fleet.nodes import NodeHandle
+from appliance.hub.fleet.ops import NodeRefused
 
 if TYPE_CHECKING:
     from appliance.hub.hub import Hub
 
-log = logging.getLogger("appliance.hub.api.admin")
+log = logging.getLogger(__name__)
 
 NODE_ACTIONS = ("cordon", "uncordon", "pause", "resume")
 

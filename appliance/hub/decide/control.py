@@ -1,45 +1,29 @@
 """The control plane: what runs where, as a thin trio shell around placement.Models.
 
-Theory of operation: `Control.run` is the control loop in the hub's nursery. Each pass
-(every `Hub__ControlIntervalSeconds`, and at once when the fleet changes, a model is asked
-for or a load ends -- a request's end only while a model waits for room) hands the node
-handles and the time to the synchronous core, which answers with loads and unloads; the
-shell carries each out as its own task and reports the node's answer back. All node calls
-go through `NodeOps` (injectable: the unit tests use a fake, so they need no sockets), each
-with its bound at the call site: a load may take minutes, so it is bounded generously from
-`Engine__StartTimeoutSeconds` and the node's own answer (502/504 with the engine's words)
-is what normally ends it.
+Owns the control loop (`Control.run`, in the hub's nursery): each pass -- every
+`Hub__ControlIntervalSeconds`, and at once when the fleet changes, a model is asked for or
+a load ends -- hands the nodes and the time to the synchronous core, carries out the loads
+and unloads it answers, each as its own task through `NodeOps` (hub/fleet/ops.py,
+injectable), and reports the node's answer back. A load is bounded from
+`Engine__StartTimeoutSeconds`; the node's own 502/504 normally ends it first.
 
-Interface the router and status rely on:
-- `Control(cfg, registry, node_client, audit)`, `await run(task_status=)` (its series:
-  hub/observe/fleet_metrics.py's `ControlCollector`, registered by the hub)
-- `known(model)`: in the catalog or discovered on a node.
-- `await make_servable(model, keep)`: the one call a request makes: returns once a replica
-  is ready, or raises ApiError (parked; unplaceable by a fresh attempt -- a stored
-  unplaceable result is never trusted -- or still loading after the wait). It asks for a
-  placement at most once and waits for that very decision (activation.py).
-- `touch(model)`: a request used it (idle unload counts from the last one).
-- `models_status()`: the `models` list of /api/status (DESIGN 9 keys exactly).
-- `reload(cfg)` (SIGHUP), `retry(model) -> bool` (`appliance ctl retry`).
+What the router and status call: `known(model)`; `await make_servable(model, keep)` (once
+a replica is ready, or ApiError: parked, unplaceable by a fresh decision, still loading);
+`touch(model)`; `models_status()`; `reload(cfg)`; `retry(model)`.
 
-With several hubs (`Cluster__Etcd`, appliance/hub/cluster/) `cluster` is this hub's member:
-only while it leads does the loop plan (loads, unloads, idle unloads, backoff, parking),
-every load and unload carrying its epoch (`NodeOps.epoch`); a node's 409 `stale_leader`
-counts nothing against the model and marks the node fenced (only etcd ends a tenure; the
-node gives a forged epoch up within a lease: node/fence.py). A follower's activation asks
-the leader through etcd (activation.activate_via_leader). Without it `cluster` is None
-and this hub always leads.
+With `Cluster__Etcd`, `cluster` is this hub's member: only while it leads does the loop
+plan, every load and unload carrying its epoch; a node's 409 `stale_leader` marks the node
+fenced. A follower's activation asks the leader through etcd (activation.py). It must not
+decide placement (placement.py does) nor speak HTTP itself (ops.py does).
 """
 
 from __future__ import annotations
 
 import logging
-import urllib.parse
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import httpx
-import msgspec
 import trio
 
 from appliance.config import Config
@@ -47,8 +31,15 @@ from appliance.http.errors import ApiError
 from appliance.hub.decide import activation
 from appliance.hub.decide.placement import Action, Load, Models, Unload
 from appliance.hub.fleet.nodes import NodeHandle, Registry
+from appliance.hub.fleet.ops import (
+    CONNECT_SECONDS,
+    UNLOAD_SECONDS,
+    NodeGone,
+    NodeOps,
+    NodeRefused,
+    StaleLeader,
+)
 from appliance.hub.observe.audit import AuditLog
-from appliance.wire import EPOCH_HEADER, LEASE_HEADER, LoadRequest
 
 
 class Cluster(activation.Leader, Protocol):
@@ -61,106 +52,11 @@ class Cluster(activation.Leader, Protocol):
     def leading(self) -> bool: ...
 
 
-log = logging.getLogger("appliance.hub.decide.control")
+log = logging.getLogger(__name__)
 
-# Connecting to a node on the LAN: a few seconds or it is not there.
-CONNECT_SECONDS = 10.0
-# An unload or a pause/resume is quick on any engine; a minute is already a sick node.
-UNLOAD_SECONDS = 60.0
-CONTROL_SECONDS = 10.0
 # Bound of one load: the node gives up after its Engine__StartTimeoutSeconds and answers
 # 504; we wait for that answer, plus a model download's worth of slack on top.
 LOAD_SLACK_SECONDS = 120.0
-
-_enc = msgspec.json.Encoder()
-
-
-def _error_of(resp: httpx.Response) -> str:
-    try:
-        err = resp.json().get("error")
-        if isinstance(err, dict):
-            err = err.get("message")
-        if err:
-            return str(err)
-    except (ValueError, AttributeError):
-        pass
-    return f"node answered {resp.status_code}: {resp.text[:300]}"
-
-
-class NodeRefused(Exception):
-    """The node answered a control call with an error; the message is its (or its
-    engine's) own words, `status` the HTTP status."""
-
-    def __init__(self, status: int, words: str) -> None:
-        super().__init__(words)
-        self.status = status
-
-
-class StaleLeader(Exception):
-    """A node refused a load/unload: it has seen a newer leader's epoch."""
-
-
-class NodeOps:
-    """The node's control API over the hub's shared node client (node token included).
-    `epoch`: the leader's epoch sent with every load and unload (HA fencing); None alone;
-    `lease`: its lease length, sent beside it (node/fence.py)."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
-        self.epoch: int | None = None
-        self.lease = 0.0
-
-    def _headers(self, **extra: str) -> dict[str, str]:
-        if self.epoch is not None:
-            extra[EPOCH_HEADER] = str(self.epoch)
-            if self.lease:
-                extra[LEASE_HEADER] = f"{self.lease:g}"
-        return extra
-
-    async def assert_epoch(self, h: NodeHandle) -> None:
-        """The leader's epoch re-asserted to `h` (each tick): records on `h` the epoch the
-        node keeps and, when it refuses ours, why (`h.fenced`). Raises httpx.TransportError."""
-        resp = await self.client.post(f"{h.url}/node/v1/epoch", headers=self._headers(**h.auth),
-                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
-        try:
-            epoch = resp.json().get("epoch")
-        except (ValueError, AttributeError):
-            epoch = None
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch < 2**63:
-            h.epoch = epoch
-        h.fenced = "" if resp.status_code == 200 else _error_of(resp)[:300]
-
-    @staticmethod
-    def _answer(resp: httpx.Response, stale: bool = True) -> None:
-        if resp.status_code == 409 and stale:
-            raise StaleLeader(_error_of(resp))
-        if resp.status_code != 200:
-            raise NodeRefused(resp.status_code, _error_of(resp))
-
-    async def load(self, h: NodeHandle, model: str, req: LoadRequest,
-                   read_seconds: float) -> None:
-        """Returns once ready. Raises NodeRefused (the engine's own words), StaleLeader,
-        httpx.TransportError."""
-        resp = await self.client.post(
-            f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/load",
-            content=_enc.encode(req),
-            headers=self._headers(**{"content-type": "application/json"}, **h.auth),
-            timeout=httpx.Timeout(CONNECT_SECONDS, read=read_seconds))
-        self._answer(resp)
-
-    async def unload(self, h: NodeHandle, model: str) -> None:
-        """Raises as `load` does."""
-        resp = await self.client.post(
-            f"{h.url}/node/v1/models/{urllib.parse.quote(model, safe='')}/unload",
-                                      headers=self._headers(**h.auth),
-                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=UNLOAD_SECONDS))
-        self._answer(resp)
-
-    async def control(self, h: NodeHandle, action: str) -> None:
-        """`pause`/`resume`/`leave`/`join`. Raises NodeRefused, httpx.TransportError."""
-        resp = await self.client.post(f"{h.url}/node/v1/{action}", headers=h.auth,
-                                      timeout=httpx.Timeout(CONNECT_SECONDS, read=CONTROL_SECONDS))
-        self._answer(resp, stale=False)
 
 
 class Control:
@@ -264,14 +160,14 @@ class Control:
         bound = 2 * self.cfg.engine.start_timeout_seconds + LOAD_SLACK_SECONDS
         try:
             if h is None:
-                raise httpx.ConnectError(f"node {act.node} is gone")
+                raise NodeGone(f"node {act.node} is gone")
             going = self._unloading.get((act.node, act.model))
             if going is not None:  # bounded: the unload's own bound
                 with trio.move_on_after(CONNECT_SECONDS + UNLOAD_SECONDS):
                     await going.wait()
             for victim in act.victims:
                 if h.in_flight.get(victim, 0):
-                    raise httpx.ConnectError(
+                    raise NodeGone(
                         f"{victim} on {act.node} took work while room was being made")
                 log.info("unloading idle %s from %s to make room for %s", victim, act.node,
                          act.model)
@@ -297,7 +193,7 @@ class Control:
                 error = f"node {act.node} did not answer the load within {bound:g} s"
             if error is None:
                 h.unloading.discard(act.model)  # loaded again: ready as the node says
-        except httpx.TransportError as e:
+        except (httpx.TransportError, NodeGone) as e:
             self.core.load_lost(act.model, act.node, f"{type(e).__name__}: {e}", self.now())
         except StaleLeader as e:
             self.core.load_lost(act.model, act.node, f"refused as a stale leader: {e}", self.now())
