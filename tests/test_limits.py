@@ -103,7 +103,7 @@ def test_no_usage_keeps_the_reservation() -> None:
     lim = Limiter([client(tpm=1000)], 300)
     lease = lim.admit("team", 0.0, 40, None)  # 40 bytes in + 300 reserved for the answer
     u = lease.settle(None)
-    assert u == limits.Usage(10, 0, True)  # reported: the input's estimate, bytes / 4
+    assert u == limits.Settled(10, 0, True)  # reported: the input's estimate, bytes / 4
     assert lim.tenants["team"].tokens.used(0.0) == 340
 
 
@@ -119,10 +119,10 @@ def test_an_engine_that_lies_is_clamped_to_the_possible() -> None:
     lim = Limiter([client(tpm=100_000)], 300)
     lease = lim.admit("team", 0.0, 400, 50)
     u = lease.settle((10**9, 10**9))
-    assert u == limits.Usage(400, 50, False)
+    assert u == limits.Settled(400, 50, False)
     lease2 = lim.admit("team", 0.0, 400, 50)
-    assert lease2.settle((-5, -5)) == limits.Usage(0, 0, False)
-    assert lease2.settle((1, 1)) == limits.Usage(0, 0, True)  # settled once
+    assert lease2.settle((-5, -5)) == limits.Settled(0, 0, False)
+    assert lease2.settle((1, 1)) == limits.Settled(0, 0, True)  # settled once
 
 
 def test_limit_zero_refuses_without_retry() -> None:

@@ -8,7 +8,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from appliance.http.stream import Cut
-from appliance.hub.api.flag import Flag
+from appliance.hub.fleet.flag import Flag
 from appliance.hub.fleet.nodes import Registry
 from appliance.observe.children import Children
 

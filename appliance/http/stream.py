@@ -37,7 +37,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Waitable(Protocol):
-    """A trio.Event, or anything else waited on the same way (appliance/hub/api/flag.py)."""
+    """A trio.Event, or anything else waited on the same way (appliance/hub/fleet/flag.py)."""
 
     async def wait(self) -> None: ...
 

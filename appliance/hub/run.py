@@ -36,7 +36,7 @@ from appliance.server.serve import Bound, same_port, serve
 if TYPE_CHECKING:
     from appliance.observe import sdnotify
 
-log = logging.getLogger("appliance.hub")
+log = logging.getLogger(__name__)
 
 HUB_METRICS_DEFAULT = "0.0.0.0:9464"
 # After the drain runs out, the time streams get to send their error event and end before

@@ -23,7 +23,7 @@ from appliance.config import Config
 from appliance.http.errors import describe
 from appliance.wire import Announce
 
-log = logging.getLogger("appliance.node.announce")
+log = logging.getLogger(__name__)
 
 _enc = msgspec.json.Encoder()
 

@@ -62,12 +62,12 @@ from appliance.wire import (
     load_request_decoder,
 )
 
-log = logging.getLogger("appliance.node.app")
+log = logging.getLogger(__name__)
 
 # A load/unload body is two short strings; 64 KiB is generous.
 CONTROL_BODY_LIMIT = 64 * 1024
-# Bound on closing an upstream response after the client went away (STYLE 6).
-CLEANUP_SECONDS = 5.0
+# Bound on unloading an engine whose load timed out (llamacpp stops it within ~8 s).
+UNLOAD_AFTER_TIMEOUT_SECONDS = 5.0
 NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]
 
 
@@ -243,7 +243,7 @@ class NodeApp:
             error = f"health never came in {timeout:g} s"
             k.load_failed(model, error)
             log.warning("load of %s failed: %s", model, error)
-            with trio.move_on_after(CLEANUP_SECONDS, shield=True):
+            with trio.move_on_after(UNLOAD_AFTER_TIMEOUT_SECONDS, shield=True):
                 try:
                     await self.engine.unload(model)
                 except (EngineError, httpx.HTTPError, OSError) as e:

@@ -25,7 +25,7 @@ from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.ollama import POLL_ERRORS, PolledEngine
 from appliance.node.proxy import NODE_API
 
-log = logging.getLogger("appliance.node.modelops")
+log = logging.getLogger(__name__)
 
 # A pull/delete body is a model name and a flag or two.
 BODY_LIMIT = 64 * 1024

@@ -36,7 +36,7 @@ from appliance.node.metrics import NodeMetrics
 from appliance.node.request import NodeRequest
 from appliance.node.state import NodeStateKeeper, Refused
 
-log = logging.getLogger("appliance.node.app")
+log = logging.getLogger(__name__)
 
 # Request headers the engine needs; everything else (our bearer above all) stays here. The
 # body's type is the node's own: a JSON object it decoded (llama-cpp-python's FastAPI

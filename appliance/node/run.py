@@ -48,7 +48,7 @@ from appliance.server.limits import Limits, LiveLimits
 from appliance.server.serve import Bound, same_port, serve
 from appliance.wire import Announce
 
-log = logging.getLogger("appliance.node")
+log = logging.getLogger(__name__)
 
 # DESIGN 9: the node's metrics listener unless Metrics__Listen says otherwise.
 NODE_METRICS_DEFAULT = "0.0.0.0:9465"

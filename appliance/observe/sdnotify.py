@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-log = logging.getLogger("appliance.observe.sdnotify")
+log = logging.getLogger(__name__)
 
 NOTIFY_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 

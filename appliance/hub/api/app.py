@@ -44,7 +44,7 @@ from appliance.wire import announce_decoder
 if TYPE_CHECKING:
     from appliance.hub.hub import Hub
 
-log = logging.getLogger("appliance.hub.api.app")
+log = logging.getLogger(__name__)
 
 # The inference routes, each with its API (`errors.api_of`, the one path -> API map).
 INFERENCE = {p: api_of(p) for p in (

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
     from appliance.hub.hub import Hub
 
-log = logging.getLogger("appliance.hub.api.modelops")
+log = logging.getLogger(__name__)
 
 BODY_LIMIT = 64 * 1024
 MANAGING_KINDS = ("ollama", "sim")

@@ -10,7 +10,7 @@ try another.
 Two events may end the copy before the node does: the node declared lost (its handle's
 `lost` event: a SIGSTOPped node would otherwise hold its streams for
 Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` is tripped by
-both -- called from their setters when they are `Flag`s (hub/flag.py: no task per
+both -- called from their setters when they are `Flag`s (hub/fleet/flag.py: no task per
 request), else watched by two tasks -- and cancels only the read in progress, never a
 write to the client. Before the first byte a
 lost node means "try another node" and a drain a 503 `shutting_down`; after it, the error
@@ -32,8 +32,8 @@ from appliance.client.upstream import Pool, Response, UpstreamError
 from appliance.http.errors import ApiError, Headers
 from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
-from appliance.hub.api.flag import Flag
 from appliance.hub.decide.affinity import usage_of
+from appliance.hub.fleet.flag import Flag
 from appliance.hub.translate.common import Start
 from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
 from appliance.hub.translate.usage import Meter, SSEMeter
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from appliance.hub.api.request import Request
     from appliance.hub.fleet.nodes import NodeHandle
 
-log = logging.getLogger("appliance.hub.api.router")
+log = logging.getLogger(__name__)
 
 # Retry-After of a request cut by the drain before its first byte: another hub, or this
 # one restarted, takes it a moment later.

@@ -18,11 +18,11 @@ from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
 from appliance.http.disconnect import delivered
 from appliance.http.errors import ApiError, Headers, render
-from appliance.hub.api.flag import Flag
 from appliance.hub.api.requestid import request_id
 from appliance.hub.decide import limits
 from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.affinity import Route
+from appliance.hub.fleet.flag import Flag
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
 from appliance.hub.translate.usage import Usage
@@ -119,7 +119,7 @@ class Request:
         # reservation (limits.py), settled from it at `finish`; what was counted.
         self.usage: Usage | None = None
         self.lease: limits.Lease | None = None
-        self.tokens: limits.Usage | None = None
+        self.tokens: limits.Settled | None = None
         self.demand: Demand | None = None  # fair queueing's charge (admission.py)
         # Set when essential work takes this background request's place before its first
         # byte (Priority__Preempt): the relay's cut ends it with 503 `preempted`.

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
     from appliance.hub.hub import Hub
 
-log = logging.getLogger("appliance.hub.api.router")
+log = logging.getLogger(__name__)
 
 ANONYMOUS = ClientConfig(name="anonymous", key="", priority="normal", models=[])
 # Retry-After for "no node can serve it now": about one heartbeat round of a fleet.

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
     from appliance.hub.hub import Hub
 
-log = logging.getLogger("appliance.hub.api.routes")
+log = logging.getLogger(__name__)
 
 # The Ollama API this hub implements (routes and fields of Ollama 0.12); clients that
 # compare versions read this one.

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from appliance.hub.decide.control import Control
     from appliance.hub.fleet.nodes import NodeHandle, Registry
 
-log = logging.getLogger("appliance.hub.cluster")
+log = logging.getLogger(__name__)
 
 # The poll and campaign period: a quarter of the lease, at most half a second, so a dead
 # leader's key is taken over within LeaseSeconds + 0.5 s and a follower sees a placement

@@ -131,7 +131,7 @@ class Window:
         return max(0.0, (next(reversed(self.bins)) + self.nbins + 1) * self.width - now)
 
 
-class Limits(NamedTuple):
+class TenantLimits(NamedTuple):
     """One key's limits as this hub enforces them (its share); None: no limit."""
 
     rpm: int | None
@@ -147,12 +147,12 @@ def share(limit: int | None, hubs: int) -> int | None:
     return max(1, limit // hubs)
 
 
-def limits_of(c: ClientConfig, hubs: int = 1) -> Limits:
-    return Limits(share(c.rpm, hubs), share(c.tpm, hubs), share(c.tokens_per_day, hubs),
+def limits_of(c: ClientConfig, hubs: int = 1) -> TenantLimits:
+    return TenantLimits(share(c.rpm, hubs), share(c.tpm, hubs), share(c.tokens_per_day, hubs),
                   share(c.max_concurrent, hubs), c.weight)
 
 
-NO_LIMITS = Limits(None, None, None, None, 1.0)
+NO_LIMITS = TenantLimits(None, None, None, None, 1.0)
 
 
 def output_cap(obj: dict[str, Any]) -> int | None:
@@ -177,7 +177,7 @@ def input_estimate(body_bytes: int) -> int:
     return max(1, -(-body_bytes // BYTES_PER_TOKEN))
 
 
-class Usage(NamedTuple):
+class Settled(NamedTuple):
     input: int
     output: int
     estimated: bool  # no usage from the engine: the reservation stands
@@ -220,12 +220,12 @@ class Lease:
         self.done = False
 
     def settle(self, used: tuple[int, int] | None,
-               counted: tuple[int, int] | None = None) -> Usage:
+               counted: tuple[int, int] | None = None) -> Settled:
         """The request ended having used `used` = (input, output) tokens as the engine
         says (None: it said nothing; then `counted` is what the hub counted itself, if
         anything). Returns what was counted."""
         if self.done:
-            return Usage(0, 0, True)
+            return Settled(0, 0, True)
         self.done = True
         t = self.tenant
         t.in_flight -= 1
@@ -234,17 +234,17 @@ class Lease:
             # The window keeps the whole reservation; what is reported (metrics, audit) is
             # the hub's count (generated chunks, the prompt's text / 4), marked estimated.
             out = max(0, counted[1]) if self.cap is None else min(max(0, counted[1]), self.cap)
-            u = Usage(min(max(0, counted[0]), self.input_bound), out, True)
+            u = Settled(min(max(0, counted[0]), self.input_bound), out, True)
         elif used is None:
             # The window keeps the whole reservation; what is reported (metrics, audit) is
             # the input's estimate, marked estimated: an output nobody counted is not made up.
-            u = Usage(input_estimate(self.input_bound), 0, True)
+            u = Settled(input_estimate(self.input_bound), 0, True)
         else:
             inp = min(max(0, used[0]), self.input_bound)
             out = max(0, used[1])
             if self.cap is not None:
                 out = min(out, self.cap)
-            u = Usage(inp, out, False)
+            u = Settled(inp, out, False)
             delta = u.input + u.output - self.reserved
             if self.reserved:
                 r = (u.input + u.output) / self.reserved
@@ -290,7 +290,7 @@ class Limiter:
         self.clients = {c.name: c for c in clients}
         self.reserve_output = reserve_output
 
-    def limits(self, name: str) -> Limits:
+    def limits(self, name: str) -> TenantLimits:
         c = self.clients.get(name)
         return NO_LIMITS if c is None else limits_of(c, max(1, self.hubs()))
 
@@ -330,7 +330,7 @@ class Limiter:
         t.admitted += 1
         return Lease(t, reserve, body_bytes, cap, mb, db)
 
-    def _check(self, name: str, lim: Limits, t: Tenant, now: float,
+    def _check(self, name: str, lim: TenantLimits, t: Tenant, now: float,
                reserve: int) -> ApiError | None:
         checks = (("requests per minute", "Rpm", lim.rpm, t.requests, 1, "requests"),
                   ("tokens per minute", "Tpm", lim.tpm, t.tokens, reserve, "tokens"),
@@ -374,7 +374,7 @@ class Limiter:
                             f"client {name!r} is over its {what} limit of {limit} "
                             f"(Auth__Clients__N__{var}); retry in {math.ceil(wait)} s")
 
-    def _refuse(self, lim: Limits, t: Tenant, now: float, wait: float | None, kind: str,
+    def _refuse(self, lim: TenantLimits, t: Tenant, now: float, wait: float | None, kind: str,
                 message: str) -> ApiError:
         extra = self.headers(lim, t, now)
         if wait is None:
@@ -383,7 +383,7 @@ class Limiter:
             extra.append((b"retry-after", str(max(1, math.ceil(wait))).encode()))
         return ApiError(429, "rate_limit_exceeded", message, extra=extra, kind=kind)
 
-    def headers(self, lim: Limits, t: Tenant, now: float) -> Headers:
+    def headers(self, lim: TenantLimits, t: Tenant, now: float) -> Headers:
         """x-ratelimit-{limit,remaining,reset}-{requests,tokens} and the Anthropic SDK's
         anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}."""
         out: Headers = []

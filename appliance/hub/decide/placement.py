@@ -38,7 +38,7 @@ from appliance.hub.decide import capable, fit
 from appliance.hub.decide.catalog import Health, Spec, catalog
 from appliance.wire import LoadRequest
 
-log = logging.getLogger("appliance.hub.decide.placement")
+log = logging.getLogger(__name__)
 
 # First pause after a start failure; doubles per failure up to Models__RetryBackoffMaxSeconds.
 BACKOFF_START = 1.0

@@ -20,10 +20,10 @@ from collections.abc import Callable
 import trio
 
 from appliance.config import EngineKind
-from appliance.hub.api.flag import Flag
+from appliance.hub.fleet.flag import Flag
 from appliance.wire import NodeState
 
-log = logging.getLogger("appliance.hub.fleet.nodes")
+log = logging.getLogger(__name__)
 
 # A node is lost after this many heartbeats pass without a line (DESIGN 2).
 MISSED_HEARTBEATS = 3

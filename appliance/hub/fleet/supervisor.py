@@ -28,7 +28,7 @@ from appliance.wire import (
     watch_decoder,
 )
 
-log = logging.getLogger("appliance.hub.fleet.nodes")
+log = logging.getLogger(__name__)
 
 # First reconnect delay; doubles per failure up to Hub__ReconnectMaxSeconds.
 BACKOFF_START = 0.5

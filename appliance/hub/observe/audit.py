@@ -27,7 +27,7 @@ import msgspec
 if TYPE_CHECKING:
     from appliance.hub.observe.history import Recent
 
-log = logging.getLogger("appliance.hub.observe.audit")
+log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 # A full disk fails every line: one log line a minute says so without flooding the log.
 ERROR_LOG_SECONDS = 60.0

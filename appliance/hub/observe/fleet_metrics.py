@@ -22,7 +22,7 @@ from appliance.server.tlsinfo import cert_not_after
 if TYPE_CHECKING:
     from appliance.hub.decide.control import Control
 
-log = logging.getLogger("appliance.hub.model_metrics")
+log = logging.getLogger(__name__)
 
 _MODEL = [
     ("appliance_model_desired",

@@ -37,9 +37,9 @@ from appliance.config import parse_listen
 from appliance.http.asgi import BodyTooLarge
 from appliance.http.errors import ApiError
 from appliance.hub import translate
-from appliance.hub.api.flag import Flag
 from appliance.hub.api.relay import SHUTTING_DOWN_RETRY_AFTER, NotAnswered
 from appliance.hub.api.router import handle_inference
+from appliance.hub.fleet.flag import Flag
 from appliance.hub.workers.lease import (
     GONE,
     Ack,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
     from appliance.hub.hub import Hub
 
-log = logging.getLogger("appliance.hub.workers.pool")
+log = logging.getLogger(__name__)
 
 WORKER_ENV = "APPLIANCE_HUB_WORKER"  # "FD:DIR" in a worker's environment
 # A lease's frames: the body (Hub__MaxBodyBytes) and its headers.
@@ -295,7 +295,7 @@ class LeaseRelay:
         failure: ApiError | NotAnswered | None = None
         lost, drain = node.lost, self.hub.drain_over
         if isinstance(lost, Flag) and isinstance(drain, Flag) and self.nursery is not None:
-            # The hub's own flags (hub/flag.py): a `Cut` is sent when one is set, no task
+            # The hub's own flags (hub/fleet/flag.py): a `Cut` is sent when one is set, no task
             # waits for it meanwhile.
             nursery = self.nursery
             on_lost = partial(nursery.start_soon, self._cut, node, "node_lost")

@@ -38,11 +38,11 @@ from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub import translate
 from appliance.hub.api.app import INFERENCE
-from appliance.hub.api.flag import Flag
 from appliance.hub.api.relay import NotAnswered, relay_from
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
 from appliance.hub.decide.affinity import Route
+from appliance.hub.fleet.flag import Flag
 from appliance.hub.hub import auth_headers, client_ssl, hub_limits
 from appliance.hub.workers.lease import (
     GONE,
@@ -59,7 +59,7 @@ from appliance.hub.workers.lease import (
 from appliance.server.limits import LiveLimits, Refusal
 from appliance.server.serve import serve
 
-log = logging.getLogger("appliance.hub.workers.worker")
+log = logging.getLogger(__name__)
 
 HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
        b"proxy-connection", b"trailer"}
@@ -80,7 +80,7 @@ class _Cuts:
     """What the main's `Cut` messages said: the current node lost, the drain over."""
 
     def __init__(self) -> None:
-        # Flags (hub/flag.py): relay_from's cut subscribes to them, no watcher tasks.
+        # Flags (hub/fleet/flag.py): relay_from's cut subscribes to them, no watcher tasks.
         self.lost, self.drain, self.why = Flag(), Flag(), ""
 
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-log = logging.getLogger("appliance.hub.workers.pool")
+log = logging.getLogger(__name__)
 
 BACKOFF_START = 0.5
 BACKOFF_MAX = 30.0

@@ -49,7 +49,7 @@ from appliance.node.engines.gguf import read_meta
 from appliance.node.engines.params import LLAMA_CPP_PYTHON, OPENAI
 from appliance.wire import EngineInstall, ModelMeta, ModelState, ModelStatus
 
-log = logging.getLogger("appliance.node.llamacpp")
+log = logging.getLogger(__name__)
 
 # 64 KiB of output: llama.cpp prints ~200 lines of model metadata before the error, and
 # llama-cpp-python adds a 20-line traceback after it; this keeps both with room to spare.
@@ -63,7 +63,7 @@ DRAIN_SECONDS = 1.0
 # stuck (a driver call) and gets SIGKILL. The GPU memory is freed either way.
 STOP_GRACE_SECONDS = 5.0
 KILL_WAIT_SECONDS = 2.0
-CLEANUP_SECONDS = STOP_GRACE_SECONDS + KILL_WAIT_SECONDS + 1.0
+STOP_SECONDS = STOP_GRACE_SECONDS + KILL_WAIT_SECONDS + 1.0
 # Per-request bound of the readiness poll (loopback; a server that accepts and then
 # hangs for 2 s is polled again).
 HEALTH_TIMEOUT = httpx.Timeout(2.0)
@@ -305,7 +305,7 @@ class LlamaCppEngine(Engine):
                     m.state = "failed"
                 elif m.state == "ready":  # unloaded, or the engine is shutting down
                     m.state = "available"
-                with trio.move_on_after(CLEANUP_SECONDS, shield=True):
+                with trio.move_on_after(STOP_SECONDS, shield=True):
                     await self._stop(m)
                 if m.child is not None:
                     self._children.discard(m.child)

@@ -32,7 +32,7 @@ from appliance.node.engines.base import Changed, Engine, EngineError, unheard
 from appliance.node.engines.params import OLLAMA
 from appliance.wire import EngineInstall, ModelMeta, ModelState, ModelStatus
 
-log = logging.getLogger("appliance.node.engine")
+log = logging.getLogger(__name__)
 
 # One poll (tags + ps + version) that takes longer than this counts as the engine being
 # away: Ollama answers these from memory in milliseconds even while it loads a model.

@@ -22,7 +22,7 @@ from appliance.node.engines.base import Changed, EngineError, unheard
 from appliance.node.engines.ollama import POLL_ERRORS, POLL_TIMEOUT_SECONDS, PolledEngine
 from appliance.wire import EngineInstall, ModelState
 
-log = logging.getLogger("appliance.node.engine")
+log = logging.getLogger(__name__)
 
 
 class _Model(msgspec.Struct):
