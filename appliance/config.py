@@ -168,6 +168,11 @@ class NodeConfig(_Section):
     max_body_bytes: PosInt = 32 * MiB
     upstream_read_seconds: PosFloat = 600.0
     drain_seconds: NonNeg = 30.0
+    # Generation probes (node/probe.py): a model idle this long gets a one-token generation
+    # (0: no probes); a probe -- or a streamed request's first byte -- that takes longer
+    # than the timeout marks the replica unhealthy.
+    probe_seconds: NonNeg = 60.0
+    probe_timeout_seconds: PosFloat = 30.0
 
 
 class EngineConfig(_Section):
@@ -191,6 +196,8 @@ class SimModel(_Section):
     size_mb: NonNegInt = 500
     load_seconds: NonNeg = 0.0
     fail_load: str = ""
+    # A fault for probes: the model loads and /health answers, but no generation starts.
+    hang: bool = False
     # What /api/show says it can do; empty: SIM_CAPABILITIES.
     capabilities: list[SimCapability] = []
 

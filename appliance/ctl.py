@@ -128,8 +128,10 @@ def nodes_table(nodes: list[dict[str, Any]]) -> str:
         engines = ",".join(f"{e['kind']} {e['version']}".strip() for e in n["engines"]) or "-"
         status = n["status"] + (f" ({n['lost_reason']})" if n["status"] == "lost"
                                 and n["lost_reason"] else "")
+        sick = n.get("unhealthy") or {}
+        ready = [f"{m} (UNHEALTHY: {sick[m]})" if m in sick else m for m in n["models"]["ready"]]
         rows.append([n["name"], status, engines, mem, str(n["in_flight"]),
-                     ",".join(n["models"]["ready"]) or "-", n["url"]])
+                     ",".join(ready) or "-", n["url"]])
     return _table(rows)
 
 

@@ -16,6 +16,10 @@ import msgspec
 from appliance import __version__
 
 ModelStatus = Literal["available", "loading", "ready", "failed"]
+# A loaded model's generation health, as the node's probes last found it (node/probe.py).
+# A plain str on the wire (a newer peer may say more); the hub routes only to "ok".
+HEALTHY = "ok"
+UNHEALTHY = "replica_unhealthy"
 
 
 class EngineInstall(msgspec.Struct):
@@ -47,6 +51,11 @@ class ModelState(msgspec.Struct):
     last_error: str = ""
     in_flight: int = 0
     meta: ModelMeta | None = None
+    # "replica_unhealthy": a generation probe failed, or a request got no first byte within
+    # Node__ProbeTimeoutSeconds; `health_error` says which. The hub routes nothing here then.
+    health: str = HEALTHY
+    health_error: str = ""
+    probe_failures: int = 0  # probes of this model that failed since the node started
 
 
 class NodeState(msgspec.Struct):

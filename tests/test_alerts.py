@@ -64,7 +64,8 @@ def test_every_alert_is_tested_and_every_failure_mode_has_one():
     assert set(alerts) <= tested, set(alerts) - tested
     for mode in ("ModelNotReady", "ModelParked", "ModelUnplaceable", "ModelStartFailures",
                  "NodeDown",
-                 "CertificateExpiring", "NoLeader", "LeaderFlapping", "AuditWriteFailing"):
+                 "CertificateExpiring", "NoLeader", "LeaderFlapping", "AuditWriteFailing",
+                 "ReplicaUnhealthy"):
         assert f"Appliance{mode}" in alerts
 
 

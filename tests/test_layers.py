@@ -35,7 +35,8 @@ ROLES = HUB + NODE + SIM + LAUNCHERS
 
 CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.http.errors",
          "appliance.hub.decide.priority", "appliance.hub.decide.slots", "appliance.hub.decide.placement", "appliance.hub.decide.fit",
-         "appliance.node.state", "appliance.hub.cluster.state", "appliance.hub.translate",
+         "appliance.node.state", "appliance.node.health", "appliance.hub.cluster.state",
+         "appliance.hub.translate",
          "appliance.hub.decide.fair", "appliance.hub.decide.limits",
          "appliance.hub.decide.affinity", "appliance.hub.decide.capable",
          "appliance.hub.decide.catalog")

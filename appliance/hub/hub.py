@@ -34,6 +34,7 @@ from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.fleet_metrics import ControlCollector
 from appliance.hub.observe.history import History, Recent
 from appliance.hub.observe.metrics import HubMetrics
+from appliance.hub.observe.replica_metrics import ReplicaCollector
 from appliance.server.limits import Limits, LiveLimits
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class Hub:
         # Per-key limits; with several hubs each enforces its share (hubs alive).
         self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
         self.control = Control(cfg, self.registry, node_client, self.audit, beat=beat)
+        self.registry.health_listeners.append(self._replica_health)
+        self.metrics_registry.register(ReplicaCollector(self.registry))
         self.metrics_registry.register(ControlCollector(self.control))
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
         # a `shutting_down` error event and a proper end, before the server cancels.
@@ -99,6 +102,14 @@ class Hub:
 
     def _node_event(self, kind: str, h: NodeHandle, reason: str) -> None:
         self.audit.event(kind, node=h.name, url=h.url, reason=reason)
+
+    def _replica_health(self, h: NodeHandle, model: str, why: str) -> None:
+        """A node's probes turned a replica unhealthy (`why`) or healthy again ("")."""
+        if why:
+            self.audit.event("replica_unhealthy", node=h.name, model=model, reason=why)
+            self.control.replica_failed(model, h.name, why)
+        else:
+            self.audit.event("replica_healthy", node=h.name, model=model)
 
     def reload(self, cfg: Config) -> None:
         self.cfg = cfg

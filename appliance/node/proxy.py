@@ -11,6 +11,8 @@ content type the client gave -- and the engine's bytes back, chunk by chunk
 (`appliance.http.disconnect`), so a client that goes away frees its place at once; an
 engine that breaks off mid-stream ends the stream with an error event in its own framing.
 Every request is counted and its place given back once (`NodeRequest.finish`).
+A model marked unhealthy (node/health.py) is answered 503 `replica_unhealthy` at once, and
+a request waiting on it for its first byte is cut and answered the same (the hub retries).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
 from appliance.node.engines.params import fit
+from appliance.node.health import Waiting
 from appliance.node.metrics import NodeMetrics
 from appliance.node.request import NodeRequest
 from appliance.node.state import NodeStateKeeper, Refused
+from appliance.wire import UNHEALTHY
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,11 @@ FORWARD_RESPONSE = ("content-type", "content-length", "content-encoding", "retry
 
 class _ModelOnly(msgspec.Struct):
     model: str
+    stream: object = None  # anything: only `true` (or Ollama's default) says streamed
+
+
+# Ollama's generating routes stream unless told `"stream": false`; OpenAI's only when asked.
+STREAM_BY_DEFAULT = ("/api/chat", "/api/generate")
 
 
 _model_decoder = msgspec.json.Decoder(_ModelOnly)
@@ -68,6 +77,7 @@ class EngineProxy:
     def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine,
                  metrics: NodeMetrics | None) -> None:
         self.cfg, self.keeper, self.engine, self.metrics = cfg, keeper, engine, metrics
+        self.health = keeper.health  # each ready model's first bytes watched (node/health.py)
         # The proxy's own lean client to the engine (appliance/client/upstream.py): no proxies
         # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
         self.pool = Pool()
@@ -116,7 +126,8 @@ class EngineProxy:
         except trio.BrokenResourceError:
             return
         try:
-            model = _model_decoder.decode(body).model
+            head = _model_decoder.decode(body)
+            model = head.model
         except msgspec.ValidationError:
             await send_error(send, api, 400, "invalid_request",
                               "body must be a JSON object with a string `model`")
@@ -143,21 +154,69 @@ class EngineProxy:
             # The body as this engine takes it (engines/params.py: max_completion_tokens,
             # json_schema); untouched where it names neither.
             body = fit(self.engine.dialect(model), scope["path"], body)
+            sick = self.health.unhealthy(model) if self.health is not None else ""
+            if sick:
+                req.status = "503"
+                await send_error(send, api, 503, UNHEALTHY,
+                                 f"model {model} on node {self.keeper.name} is unhealthy: {sick}",
+                                 [(b"retry-after", b"1")])
+                return
             try:
                 req.start()
             except Refused as e:
                 req.status = "503"
                 await send_error(send, api, 503, "no_capacity", str(e), [(b"retry-after", b"1")])
                 return
+            streamed = head.stream is True or (head.stream is None
+                                               and scope["path"] in STREAM_BY_DEFAULT)
             # After the last byte a disconnect is just the end (the status is set then).
             async with cancel_on_disconnect(receive, lambda: req.status is not None,
                                             scope) as client:
-                await self._forward(scope, send, api, upstream, body, req)
+                await self._watched(scope, send, api, upstream, body, req, streamed)
         finally:
             req.finish("client_gone" if client is not None and client.gone else "cancelled")
 
+    async def _watched(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
+                       req: NodeRequest, streamed: bool) -> None:
+        """`_forward`, watched for its first byte (node/health.py): cut and answered 503
+        `replica_unhealthy` (the hub tries another node) if the replica is marked unhealthy
+        before the engine answers."""
+        health = self.health
+        if health is None:
+            await self._forward(scope, send, api, upstream, body, req, None)
+            return
+        cs = trio.CancelScope()
+        w = health.request(req.model, streamed, trio.current_time(), cs.cancel)
+        try:
+            with cs:
+                await self._forward(scope, send, api, upstream, body, req, w)
+        finally:
+            health.ended(w, trio.current_time())
+        if not (cs.cancelled_caught and w.was_cut):
+            return
+        why = (f"model {req.model} on node {self.keeper.name} is unhealthy: "
+               f"{health.unhealthy(req.model) or 'no first byte in time'}")
+        if req.sent_type is None:
+            req.status = "503"
+            await send_error(send, api, 503, UNHEALTHY, why, [(b"retry-after", b"1")])
+        else:  # its head went out, no byte after it: the stream's own error event
+            req.status = "engine_error"
+            event = stream_error(req.sent_type, api, UNHEALTHY, why, status=503)
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+
+    def _first_byte(self, send: Send, w: Waiting) -> Send:
+        """`send` that tells the health watch of each body chunk."""
+        health = self.health
+        assert health is not None
+
+        async def sending(message: dict[str, Any]) -> None:
+            if message.get("body"):  # each chunk: the replica generates
+                health.answered(w, trio.current_time())
+            await send(message)
+        return sending
+
     async def _forward(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
-                       req: NodeRequest) -> None:
+                       req: NodeRequest, w: Waiting | None) -> None:
         """Stream `body` to the engine and its answer back; the status for metrics is set
         on `req` just before the last byte goes out."""
         raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
@@ -173,6 +232,8 @@ class EngineProxy:
                    if k in resp.headers]
             whole = resp.whole()
             if whole is not None:  # a short answer, whole with its head: one message
+                if w is not None and self.health is not None:
+                    self.health.answered(w, trio.current_time())
                 await send({"type": "http.response.start", "status": resp.status_code,
                             "headers": out})
                 req.status = str(resp.status_code)
@@ -180,8 +241,9 @@ class EngineProxy:
                 return
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
             started = True
+            req.sent_type = resp.headers.get("content-type", "")
             # an UpstreamError (the engine broke off, or its read deadline) goes through
-            await relay_body(resp, send, None, ())
+            await relay_body(resp, send if w is None else self._first_byte(send, w), None, ())
             req.status = str(resp.status_code)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as e:

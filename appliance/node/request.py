@@ -17,7 +17,7 @@ from appliance.node.state import NodeStateKeeper
 
 
 class NodeRequest:
-    __slots__ = ("keeper", "metrics", "model", "label", "status", "started", "done")
+    __slots__ = ("keeper", "metrics", "model", "label", "status", "started", "done", "sent_type")
 
     def __init__(self, keeper: NodeStateKeeper, metrics: NodeMetrics | None, model: str) -> None:
         self.keeper, self.metrics, self.model = keeper, metrics, model
@@ -25,6 +25,8 @@ class NodeRequest:
         self.status: str | None = None
         self.started = False
         self.done = False
+        # The content type of the head sent to the client; None while none went out.
+        self.sent_type: str | None = None
 
     def unknown_model(self) -> None:
         """The model is not on this node: a client-chosen name never becomes a label."""

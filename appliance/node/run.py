@@ -3,7 +3,8 @@
 Theory of operation: `run_node` builds the engine adapter (`make_engine`), the state
 keeper and the app, then starts with `nursery.start` the engine supervisor, the GPU
 memory reader, the node API server, the metrics server (`Metrics__Listen`, default
-0.0.0.0:9465, empty: none) and one announcer per hub in `Hub__Url`. It hands the
+0.0.0.0:9465, empty: none), the generation prober (node/probe.py; `Node__ProbeSeconds`
+0: none) and one announcer per hub in `Hub__Url`. It hands the
 bound API address to `task_status.started` only once all of it listens.
 
 `run_node` installs no signal handlers, so `appliance up` can run it beside the hub in
@@ -40,7 +41,9 @@ from appliance.node.announce import announce_loop, hub_client
 from appliance.node.app import NodeApp
 from appliance.node.engines import make_engine
 from appliance.node.engines.base import Engine
+from appliance.node.health import ReplicaHealth
 from appliance.node.metrics import NodeMetrics
+from appliance.node.probe import Prober
 from appliance.node.state import NVIDIA_SMI, NodeStateKeeper, parse_nvidia_smi
 from appliance.observe import sdnotify
 from appliance.observe.metricsapp import metrics_app
@@ -132,6 +135,9 @@ async def apply_reloads(keeper: NodeStateKeeper, engine: Engine,
             if reconfigure is not None:
                 reconfigure(new)
             changes = keeper.apply_limits(new.node)
+            if keeper.health is not None:
+                keeper.health.configure(new.node.probe_seconds,
+                                        new.node.probe_timeout_seconds)
             if listeners is not None and listeners.set(node_limits(new)):
                 changes.append("listener limits now " + _limits_line(listeners.now))
             if changes:
@@ -156,6 +162,9 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
     # runs): the one pair built around each other.
     engine = make_engine(cfg, on_change=lambda: keeper.changed())
     keeper = NodeStateKeeper(name, cfg.node, engine)
+    if cfg.node.probe_seconds > 0:  # generation probes (node/health.py, node/probe.py)
+        keeper.health = ReplicaHealth(cfg.node.probe_seconds, cfg.node.probe_timeout_seconds,
+                                      on_change=keeper.changed)
     metrics = NodeMetrics(registry if registry is not None else CollectorRegistry(), keeper)
     limits = LiveLimits(node_limits(cfg))  # both listeners; a reload sets new ones
     async with hub_client(cfg) as hclient, trio.open_nursery() as nursery:
@@ -163,6 +172,8 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         await nursery.start(poll_gpu_memory, keeper, GPU_POLL_SECONDS)
         app = NodeApp(cfg, keeper, engine, metrics)
         nursery.start_soon(app.proxy.pool.sweep_every)  # idle engine connections closed promptly
+        if keeper.health is not None:
+            await nursery.start(Prober(cfg, keeper.health, keeper, engine, app.proxy.pool).run)
         api_stop, api_done = trio.Event(), trio.Event()
 
         async def api_server(*, task_status: Bound = trio.TASK_STATUS_IGNORED) -> None:

@@ -10,6 +10,8 @@ slots, memory, paused, left). Every change bumps `version` and calls the listene
 publishes without polling.
 In-flight counts are the exception: they ride on the next heartbeat (see `_counted`).
 
+Each ready model's generation health comes from `health` (node/health.py) when set.
+
 It makes one decision: `try_start(model)` admits a request (and counts it) or raises
 `Refused` saying why not -- paused, left, draining, or at `Node__MaxConcurrency`. Slots
 (`Node__ModelSlots`) are counted and published, never enforced here: the engine queues
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from appliance.config import NodeConfig
+from appliance.node.health import ReplicaHealth
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 # The query the shell runs; one line per GPU, "total, used" in MiB.
@@ -88,6 +91,8 @@ class NodeStateKeeper:
         self.gpu: tuple[int, int] | None = None
         self.version = 0
         self._listeners: list[Callable[[], None]] = []
+        # Each ready model's generation health (node/health.py); None: not watched.
+        self.health: ReplicaHealth | None = None
 
     # --- change notification -----------------------------------------------------------
 
@@ -240,6 +245,8 @@ class NodeStateKeeper:
                     m.state = "failed"
                     m.last_error = m.last_error or self._failed[m.name]
             m.in_flight = self.in_flight.get(m.name, 0)
+            if self.health is not None:
+                m.health, m.health_error, m.probe_failures = self.health.of(m.name)
             out.append(m)
         # Loads of models the engine does not list (yet, or at all) still show.
         for name in sorted((self._loading | set(self._failed)) - seen):

@@ -212,7 +212,9 @@ class SimState:
             m = old.get(spec.name)
             if m is None or m.spec != spec or m.parallel != sim_cfg.parallel:
                 fresh = SimModelState(spec, sim_cfg.parallel)
-                fresh.loaded = m is not None and m.spec == spec and m.loaded
+                # Hang toggled alone (a fault switched by SIGHUP) keeps the model loaded.
+                same = m is not None and msgspec.structs.replace(m.spec, hang=spec.hang) == spec
+                fresh.loaded = same and m is not None and m.loaded
                 m = fresh
             self.models[spec.name] = m
 

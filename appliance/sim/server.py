@@ -16,6 +16,8 @@ Loading follows Ollama: a generate/chat with no prompt (no messages) loads the m
 failing load (`Sim__Models__N__FailLoad`) is a 500 before the response starts:
 `{"error": TEXT}` on /api, code `model_load_failed` on /v1. Refusals keep each API's shape
 (400 `invalid_json`/`invalid_request`, 404 `model_not_found`, 413 `body_too_large`).
+A model with `Sim__Models__N__Hang` loads and is listed, but its generations never start
+(no head, no byte) until the client goes away: the fault the node's probes look for.
 
 Generation: `max_tokens` / `max_completion_tokens` / `options.num_predict` tokens (default
 16, finish "stop"; when given, finish "length"; capped at 4096). A stop sequence
@@ -177,6 +179,8 @@ class SimApp(ModelRoutes):
                               "load_ns": load_ns}
         tps = self.state.tokens_per_second
         async with cancel_on_disconnect(receive):  # a client gone frees its slot at once
+            if m.spec.hang:  # Sim__Models__N__Hang: loaded, /health fine, no token ever
+                await trio.sleep_forever()
             async with m.slots:
                 # Prefill of what the prefix cache does not hold, before the first token.
                 st["cached"], prefill = self.cache.lookup(m.spec.name, m.loads, seed,

@@ -56,6 +56,9 @@ def node_row(h: NodeHandle) -> dict[str, Any]:
         "memory_used_mb": st.memory_used_mb if st is not None else None,
         "max_concurrency": st.max_concurrency if st is not None else None,
         "in_flight": h.in_flight_total, "models": by_state,
+        # ready replicas the node says do not generate, and why (its probes)
+        "unhealthy": {m.name: h.unhealthy(m.name) for m in (st.models if st is not None else [])
+                      if h.unhealthy(m.name)},
         # HA fencing: the leader epoch the node keeps, and why it refuses this leader's.
         "epoch": h.epoch, "fenced": h.fenced,
     }

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from appliance import __version__
 from appliance.hub.decide.affinity import Affinity
 from appliance.hub.fleet.nodes import NodeHandle
-from appliance.wire import ModelMeta
+from appliance.wire import HEALTHY, UNHEALTHY, ModelMeta
 
 if TYPE_CHECKING:
     from appliance.hub.hub import Hub
@@ -29,8 +29,11 @@ def node_entry(h: NodeHandle) -> dict[str, Any]:
     st = h.state
     models = []
     if st is not None:
+        # health: "ok", or "replica_unhealthy" with why (the node's generation probes)
         models = [{"name": m.name, "state": m.state, "size_mb": m.size_mb,
-                   "in_flight": h.in_flight.get(m.name, 0), "last_error": m.last_error}
+                   "in_flight": h.in_flight.get(m.name, 0), "last_error": m.last_error,
+                   "health": UNHEALTHY if h.unhealthy(m.name) else HEALTHY,
+                   "health_error": h.unhealthy(m.name)}
                   for m in st.models]
     return {
         "name": h.name,

@@ -303,6 +303,13 @@ class Control:
             await activation.activate_via_leader(self.cluster, self, model,
                                                  self.cfg.router.activation_wait_seconds)
 
+    def replica_failed(self, model: str, node: str, why: str) -> None:
+        """A node says its ready replica stopped generating: counted toward parking like a
+        failed start (by the leader only: one count per failure across hubs)."""
+        if self.leading():
+            self.core.replica_failed(model, node, why, self.now())
+            self._wake_up()
+
     def touch(self, model: str, keep: float | None = None) -> None:
         """A request used `model`; `keep`: its keep_alive in seconds (None: the catalog's)."""
         self.core.touch(model, self.now(), keep)

@@ -188,7 +188,9 @@ class Models:
         spec = self.spec(name)
         ready, loading = self.replicas(name, nodes)
         hl = self.health.get(name)
-        got = fit.choose(spec, nodes, set(ready) | set(loading), self.pending, self.spec,
+        # A node whose replica of it does not generate (unhealthy) takes no second one.
+        sick = {h.name for h in nodes if h.routable() and h.unhealthy(name)}
+        got = fit.choose(spec, nodes, set(ready) | set(loading) | sick, self.pending, self.spec,
                          lambda m: self.health[m].last_used if m in self.health else None,
                          avoid=hl.tried if hl is not None else set())
         if isinstance(got, fit.NoFit):
@@ -322,7 +324,6 @@ class Models:
             self.pending.remove(p)
         h.last_error = error
         h.tried.add(node)
-        park = self.cfg.models.park_after_failures
         others = self._untried(model, nodes or [])
         if others:
             log.warning("model %s: start failed on %s: %s; trying another node (%s)", model,
@@ -332,6 +333,18 @@ class Models:
                 "consecutive_start_failures": h.failures, "next_nodes": others}))
             return
         h.tried.clear()
+        self._count_failure(model, node, error, now)
+
+    def replica_failed(self, model: str, node: str, error: str, now: float) -> None:
+        """A ready replica stopped generating (the node's probes): it counts toward parking
+        like a failed start (the node restarts what it can; the next load resets it)."""
+        h = self._h(model)
+        h.last_error = error
+        self._count_failure(model, node, error, now)
+
+    def _count_failure(self, model: str, node: str, error: str, now: float) -> None:
+        h = self._h(model)
+        park = self.cfg.models.park_after_failures
         h.failures += 1
         fields = {"model": model, "node": node, "error": error,
                   "consecutive_start_failures": h.failures}

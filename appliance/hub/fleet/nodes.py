@@ -4,7 +4,9 @@ Theory of operation: a node is known statically (`Nodes__N__*`) or by announcing
 either way it gets a `NodeHandle` here and one supervisor task (supervisor.py) that keeps
 the handle true from the node's watch stream.
 
-The handle's decisions (status, routable, free places) are plain synchronous code. The
+The handle's decisions (status, routable, free places) are plain synchronous code. A
+replica the node says is unhealthy (its generation probes, node/health.py) is not ready:
+nothing is routed to it, and the turn is told to `health_listeners`. The
 hub counts its own in-flight requests per node and model, because the node's count
 arrives a heartbeat late and admission must not hand one place out twice. Every change
 calls the registry's listeners (admission wakes its waiters, status is recomputed) --
@@ -21,7 +23,7 @@ import trio
 
 from appliance.config import EngineKind
 from appliance.hub.fleet.flag import Flag
-from appliance.wire import NodeState
+from appliance.wire import UNHEALTHY, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,15 @@ class NodeHandle:
         if not self.routable():
             return False
         m = self.state.model(model) if self.state is not None else None
-        return m is not None and m.state == "ready" and model not in self.unloading
+        return (m is not None and m.state == "ready" and m.health != UNHEALTHY
+                and model not in self.unloading)
+
+    def unhealthy(self, model: str) -> str:
+        """Why the node says its ready replica of `model` does not generate, or ""."""
+        m = self.state.model(model) if self.state is not None else None
+        if m is None or m.state != "ready" or m.health != UNHEALTHY:
+            return ""
+        return m.health_error or UNHEALTHY
 
     def places_left(self, model: str) -> int | None:
         """What is left of max_concurrency and of the model's slots, the lesser; None:
@@ -154,6 +164,9 @@ class Registry:
         self.shared = False
         self._changed = trio.Event()
         self._turn = 0  # rotates ties in pick
+        # Called with (node, model, why) when a replica turns unhealthy (why) or healthy
+        # again ("") by the node's own word (its generation probes): audit, parking count.
+        self.health_listeners: list[Callable[[NodeHandle, str, str], None]] = []
 
     def add_listener(self, fn: Callable[[], None],
                      on_finish: Callable[[], None] | None = None) -> None:
@@ -235,6 +248,7 @@ class Registry:
     def apply_state(self, h: NodeHandle, state: NodeState) -> None:
         if self.shared:
             count_other_hubs(h, state)
+        turned = health_turns(h, state)
         h.state = state
         for name in list(h.unloading):  # the node shows the unload: its own word again
             m = state.model(name)
@@ -246,6 +260,9 @@ class Registry:
         h.lost_since = None
         h.answered = True
         h.lost_reason = ""
+        for model, why in turned:
+            for fn in self.health_listeners:
+                fn(h, model, why)
         self.changed()
 
     def forget(self, h: NodeHandle) -> None:
@@ -289,3 +306,17 @@ def count_other_hubs(h: NodeHandle, state: NodeState) -> None:
     ours_total = max(0, h.in_flight_total - h.others_total)
     h.others_total = max(0, state.in_flight - ours_total)
     h.in_flight_total = ours_total + h.others_total
+
+
+def health_turns(h: NodeHandle, state: NodeState) -> list[tuple[str, str]]:
+    """Replicas whose health turns with `state`: (model, why) turned unhealthy, (model, "")
+    healthy again. A node's first state after a (re)connect turns only what is unhealthy."""
+    out = []
+    for m in state.models:
+        was = h.unhealthy(m.name) if h.connected else ""
+        now = (m.health_error or UNHEALTHY) if m.state == "ready" and m.health == UNHEALTHY else ""
+        if was != now and (now or was):
+            if now and was:  # unhealthy still, for another reason: no turn
+                continue
+            out.append((m.name, now))
+    return out

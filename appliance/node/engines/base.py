@@ -30,6 +30,8 @@ class EngineError(Exception):
 
 class Engine(abc.ABC):
     kind: str = ""
+    # The node runs the engine's processes itself and may restart one (`restart`).
+    restartable: bool = False
 
     def __init__(self, on_change: Changed = unheard) -> None:
         self.on_change = on_change
@@ -67,6 +69,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def upstream(self, model: str) -> str | None:
         """Base URL (no trailing slash) that serves `model`'s /v1 and /api paths, or None."""
+
+    async def restart(self, model: str) -> None:
+        """Stop the process serving `model` and start it again as it was loaded (a replica
+        whose generation hangs); only where `restartable`. No timeout: the caller's."""
+        raise EngineError(f"the {self.kind} engine's processes are not the node's to restart")
 
     def dialect(self, model: str) -> str:
         """Which request fields the engine serving `model` takes (engines/params.py)."""

@@ -197,6 +197,7 @@ class _Model:
 
 class LlamaCppEngine(Engine):
     kind = "llamacpp"
+    restartable = True
 
     def __init__(self, cfg: Config, on_change: Changed = unheard) -> None:
         super().__init__(on_change)
@@ -273,6 +274,16 @@ class LlamaCppEngine(Engine):
             m.scope.cancel()
             await m.stopped.wait()  # bounded: the model's own cleanup is
         self.on_change()
+
+    async def restart(self, model: str) -> None:
+        """A hung server (node/probe.py): stopped -- SIGKILL past the grace, so a stopped
+        process goes too -- and started again with the source and arguments it had."""
+        m = self._models.get(model)
+        if m is None:
+            raise EngineError(f"{model} is not loaded here")
+        source, args = m.source, m.args
+        await self.unload(model)
+        await self.load(model, source, args)
 
     # --- one model's process -----------------------------------------------------------
 

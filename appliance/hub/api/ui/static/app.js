@@ -160,7 +160,7 @@ function drawNodes(status, detail) {
     const mem = total ? el("span", {}, `${fmtMiB(used || 0)} of ${fmtMiB(total)}`,
       el("div", { class: "bar", role: "img", "aria-label": `${pct}% of GPU memory used` },
         el("span", { style: `width:${pct}%` }))) : "not declared";
-    const models = (n.models || []).map((m) => `${m.name} (${m.state}${m.in_flight ? `, ${m.in_flight} in flight` : ""})`);
+    const models = (n.models || []).map((m) => `${m.name} (${m.state}${m.health === "replica_unhealthy" ? `, UNHEALTHY: ${m.health_error}` : ""}${m.in_flight ? `, ${m.in_flight} in flight` : ""})`);
     const why = n.status === "over_limits" ? d.over_limits_reason : n.status === "lost" ? d.lost_reason : "";
     const actions = el("div", { class: "actions" },
       d.cordoned ? nodeButton(n.name, "uncordon", "Uncordon") : nodeButton(n.name, "cordon", "Cordon"),
