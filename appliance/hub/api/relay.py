@@ -197,8 +197,11 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         if first:
             await req.send({"type": "http.response.body", "body": first, "more_body": True})
             tail = first[-2:]
-        relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
-        req.usage = conv.usage()  # cut short: what was counted so far
+        try:
+            relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
+        finally:
+            # Cut short, or the client gone (this scope cancelled): what was relayed so far.
+            req.usage = conv.usage()
         if req.route is not None and isinstance(conv, SSEMeter) and conv.usage_payload:
             seen = usage_of(conv.usage_payload)  # a stream's word on the prompt cache
             if seen is not None:

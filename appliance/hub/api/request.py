@@ -134,7 +134,9 @@ class Request:
         self.done = True
         self.status = self.status or 499
         if self.lease is not None:
-            served = bool(self.node) and self.status < 400
+            # Answered, or hung up mid-answer (what was relayed is counted and charged).
+            served = bool(self.node) and (self.status < 400 or (
+                self.status == 499 and self.usage is not None))
             # Never answered by an engine (refused, queued out, failed): nothing was used.
             # Counts the hub made itself (the engine gave none) are reported, not settled.
             u = self.usage

@@ -196,9 +196,8 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
     if gone.gone:
         if stalled(req.scope):  # it stopped reading: its place is back, nothing was delivered
             req.status, req.error = 499, "client_too_slow"
-        else:
-            status, req.error = hangup()
-            req.status = req.status or status
+        else:  # audited as the hang-up, whatever had started (its tokens are counted)
+            req.status, req.error = hangup()
 
 
 def _used(req: Request) -> int | None:

@@ -235,6 +235,12 @@ class Lease:
             # the hub's count (generated chunks, the prompt's text / 4), marked estimated.
             out = max(0, counted[1]) if self.cap is None else min(max(0, counted[1]), self.cap)
             u = Settled(min(max(0, counted[0]), self.input_bound), out, True)
+            # ... and what was counted beyond it (a stream hung up after more than it
+            # reserved): a key never dodges its window by hanging up.
+            over = u.input + u.output - self.reserved
+            if over > 0:
+                t.tokens.adjust(self.minute_bin, over)
+                t.day.adjust(self.day_bin, over)
         elif used is None:
             # The window keeps the whole reservation; what is reported (metrics, audit) is
             # the input's estimate, marked estimated: an output nobody counted is not made up.

@@ -283,8 +283,8 @@ class Worker:
             try:
                 async with cancel_on_disconnect(receive, lambda: req.done, scope) as client:
                     ended = await self._serve(conn, req, inbox, cuts, send, body, report)
-                if client.gone and req.status:
-                    req.error = "client_disconnected"
+                if client.gone and req.status:  # mid-answer: what was relayed is counted
+                    req.status, req.error = 499, "client_disconnected"
                     await report()
                 elif client.gone:  # before the relay: the main audits it as the client's
                     with trio.move_on_after(ACK_SECONDS, shield=True):
