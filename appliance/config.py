@@ -284,6 +284,23 @@ class AuditConfig(_Section):
     backups: NonNegInt = 5
 
 
+class StoreConfig(_Section):
+    # Where files, batches, stored responses and conversations live (hub/store/): the
+    # SQLite file, the uploaded files in `files/` beside it. The systemd unit's
+    # StateDirectory; `appliance up`: under $XDG_STATE_HOME/appliance/; empty: no store.
+    path: str = "/var/lib/appliance/store.db"
+    # OpenAI's own bound on one upload is 512 MB; the total bounds the disk the hub takes.
+    max_file_mb: PosInt = 512
+    max_total_mb: PosInt = 10240
+    # Stored responses are kept 30 days, as OpenAI keeps them.
+    response_days: PosInt = 30
+
+
+class BatchConfig(_Section):
+    # Batch lines in flight at once per hub (each is background work on the fleet).
+    max_concurrent: PosInt = 4
+
+
 class ClusterConfig(_Section):
     # etcd endpoints (comma-separated http(s)://HOST:PORT); empty: one hub, no etcd.
     etcd: str = ""
@@ -315,6 +332,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, rename="pascal"):
     profiles: dict[str, Profile] = {}
     audit: AuditConfig = msgspec.field(default_factory=AuditConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
 
     def node_name(self) -> str:
         return self.node.name or socket.gethostname()

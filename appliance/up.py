@@ -20,6 +20,7 @@ the start) and both listen addresses stay until the next start.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -29,7 +30,7 @@ import httpx
 import msgspec
 import trio
 
-from appliance.config import Config, NodeRef
+from appliance.config import Config, NodeRef, StoreConfig
 from appliance.hub.run import SIGNALS, HubStarted, handle_signals, reload_hub, run_hub
 
 if TYPE_CHECKING:
@@ -75,7 +76,17 @@ def up_config(cfg: Config, use_ollama: bool) -> Config:
                                      url=OLLAMA_URL if use_ollama else cfg.engine.url)
     metrics = cfg.metrics if cfg.metrics.listen is not None else msgspec.structs.replace(
         cfg.metrics, listen="")
-    return msgspec.structs.replace(cfg, hub=hub, node=node, engine=engine, metrics=metrics)
+    store = cfg.store if cfg.store.path != StoreConfig().path else msgspec.structs.replace(
+        cfg.store, path=user_store_path())
+    return msgspec.structs.replace(cfg, hub=hub, node=node, engine=engine, metrics=metrics,
+                                   store=store)
+
+
+def user_store_path() -> str:
+    """The per-user store (XDG Base Directory: $XDG_STATE_HOME, else ~/.local/state)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return os.path.join(base, "appliance", "store.db")
 
 
 async def _main(cfg: Config, env_file: str | None) -> None:

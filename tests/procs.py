@@ -142,7 +142,8 @@ class Procs:
 
     def hub(self, env: dict[str, str] | None = None, metrics: bool = True) -> Proc:
         e = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0" if metrics else "",
-             "Node__HeartbeatSeconds": "0.5", "Hub__DrainSeconds": "5"}
+             "Node__HeartbeatSeconds": "0.5", "Hub__DrainSeconds": "5",
+             "Store__Path": ""}  # no store unless the test gives one (the default is /var/lib)
         e.update(env or {})
         return self.start("hub", e, wait=("hub", "metrics") if metrics else ("hub",))
 

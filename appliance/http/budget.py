@@ -31,6 +31,17 @@ class BodyBudget(Protocol):
         False (nothing held) when that would pass the bound."""
         ...
 
+    def release(self, n: int) -> None:
+        """`n` bytes of this request's body no longer held (a stream written to disk)."""
+        ...
+
+
+def release(scope: dict[str, Any] | None, n: int) -> None:
+    """Give back `n` body bytes the app has written away (no budget offered: nothing)."""
+    budget: BodyBudget | None = ((scope or {}).get("extensions") or {}).get(BODY_BUDGET)
+    if budget is not None:
+        budget.release(n)
+
 
 def decoded_estimate(body: bytes) -> int:
     """The bytes a decoded `body` may cost: its own plus ITEM_BYTES per JSON item."""

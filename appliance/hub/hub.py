@@ -37,8 +37,14 @@ from appliance.hub.observe.metrics import HubMetrics
 from appliance.hub.observe.replica_metrics import ReplicaCollector
 from appliance.server.limits import Limits, LiveLimits
 
+MiB = 1024 * 1024
+# A multipart upload's own bytes around the file: boundaries, part heads, small fields.
+UPLOAD_SLACK = 64 * 1024
+
 if TYPE_CHECKING:
     from appliance.hub.cluster.member import Member
+    from appliance.hub.store.runner import Batches
+    from appliance.hub.store.store import Store
     from appliance.hub.workers.workerset import WorkerSet
 
 
@@ -80,6 +86,9 @@ class Hub:
         self.cluster: Member | None = None
         # with Hub__Workers>1 (hub/workers.py sets it)
         self.workers: WorkerSet | None = None
+        # with Store__Path (run_hub opens it; hub/store/): files, batches, stored responses
+        self.store: Store | None = None
+        self.batches: Batches | None = None
 
     def hubs_alive(self) -> int:
         """Hubs in the cluster view (this one counted), 1 without a cluster."""
@@ -125,8 +134,11 @@ class Hub:
 
 def hub_limits(cfg: Config) -> Limits:
     h = cfg.hub
+    # A file upload is streamed to disk (hub/api/files.py): its bound is the store's.
+    uploads = frozenset({b"/v1/files"}) if cfg.store.path else frozenset()
     return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections,
-                  h.max_buffered_bytes, h.max_body_bytes, h.write_stall_seconds)
+                  h.max_buffered_bytes, h.max_body_bytes, h.write_stall_seconds,
+                  uploads, cfg.store.max_file_mb * MiB + UPLOAD_SLACK)
 
 
 def auth_headers(cfg: Config) -> dict[str, str]:

@@ -66,6 +66,7 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
         if cfg.cluster.etcd:
             await nursery.start(_cluster, hub)
         await nursery.start(hub.control.run)
+        await nursery.start(_store, hub)
         await nursery.start(run_sampler, hub.history, partial(read_hub, hub.metrics, hub.admission,
                                                               hub.registry))
         api_done = trio.Event()
@@ -125,6 +126,25 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
         nursery.cancel_scope.cancel()
         with trio.move_on_after(POOL_CLOSE_SECONDS, shield=True):
             await hub.upstream.aclose()
+
+
+async def _store(hub: Hub, *,
+                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Store__Path: files, batches, stored responses (hub/store/); batches resume here."""
+    from appliance.hub.api.router import handle_inference
+    from appliance.hub.store.runner import Batches
+    from appliance.hub.store.store import open_store
+
+    hub.store = await trio.to_thread.run_sync(open_store, hub.cfg.store, hub.cfg.hub_name(),
+                                              hub.metrics_registry)
+    if hub.store is None:
+        task_status.started()
+        return
+    hub.batches = Batches(lambda: hub.cfg, hub.store, partial(handle_inference, hub))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.store.sweep_every)
+        await nursery.start(hub.batches.run)
+        task_status.started()
 
 
 async def _cluster(hub: Hub, *,

@@ -54,6 +54,7 @@ from appliance.server.limits import (
     LiveLimits,
     Refusal,
     RequestTimeout,
+    body_limit,
     trim,
 )
 from appliance.server.receive import Receiver
@@ -178,7 +179,7 @@ class Conn(Receiver):
         except BadRequest as e:
             await self._refuse_raw(e.status, "invalid_request", e.message, _path_of(raw))
             return None
-        limit = sh.limits.max_body_bytes
+        limit = body_limit(sh.limits, head.target)
         if limit and head.length > limit:  # said up front: refused before any of it is read
             await self._refuse_raw(413, "body_too_large",
                                    f"request body of {head.length} bytes is over the bound "

@@ -45,6 +45,17 @@ class Limits:
     max_body_bytes: int = 0
     # A write that makes no progress this long ends the connection (net/transport.py).
     write_stall_seconds: float = 30.0
+    # Paths whose bodies the app streams to disk (the hub's file uploads): their declared
+    # length is bounded by `max_upload_bytes` instead.
+    upload_paths: frozenset[bytes] = frozenset()
+    max_upload_bytes: int = 0
+
+
+def body_limit(limits: Limits, target: bytes) -> int:
+    """The largest body a request for `target` may declare (0: no bound)."""
+    if limits.upload_paths and target.partition(b"?")[0] in limits.upload_paths:
+        return limits.max_upload_bytes
+    return limits.max_body_bytes
 
 
 class LiveLimits:

@@ -195,6 +195,12 @@ class Receiver(Sender):
         self.held += n
         return True
 
+    def release(self, n: int) -> None:
+        """BodyBudget: `n` bytes the app no longer holds (written to disk) given back now."""
+        n = min(n, self.held)
+        self.budget.give(n)
+        self.held -= n
+
     def _deliver(self, data: bytes) -> dict[str, Any]:
         n = len(data)
         if n:

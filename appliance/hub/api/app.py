@@ -34,7 +34,7 @@ from appliance.http.asgi import (
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub.api import routes as apiroutes
-from appliance.hub.api import status, ui
+from appliance.hub.api import status, stored, ui
 from appliance.hub.api.router import allowed, authenticate, handle_inference
 from appliance.hub.cluster.etcd import EtcdError
 from appliance.hub.fleet import announce
@@ -75,6 +75,8 @@ def make_app(hub: Hub) -> App:
             await handle_inference(hub, scope, receive, send, api)
             return
         if await apiroutes.handle(hub, scope, receive, send):
+            return
+        if await stored.handle(hub, scope, receive, send):
             return
         if path in GETS:
             if method not in ("GET", "HEAD"):

@@ -32,6 +32,8 @@ from appliance.hub.translate.usage import Usage
 # said (litellm's ollama provider and `curl -d` say nothing, or form-urlencoded).
 FORWARD_HEADERS = (b"accept", b"user-agent")
 JSON_BODY = (b"content-type", b"application/json")
+# The scope key of a batch line's batch id (hub/store/runner.py sets it; the audit says it).
+BATCH_SCOPE = "appliance.batch"
 
 
 class Recorder:
@@ -47,6 +49,9 @@ class Recorder:
                                   "ms": round(elapsed * 1000, 2)}
         if req.request_id:
             fields["request_id"] = req.request_id
+        batch = req.scope.get(BATCH_SCOPE)
+        if batch:
+            fields["batch"] = batch  # a batch line (hub/store/runner.py)
         if req.ttfb is not None:
             fields["ttfb_ms"] = round(req.ttfb * 1000, 2)
         if req.error:

@@ -1,0 +1,49 @@
+"""The routes over stored objects, by path: files, batches, message batches (and, as they
+land, stored responses and conversations).
+
+Theory of operation: `handle` answers a path under one of PREFIXES and returns True, or
+returns False and leaves the request to the app. It authenticates (objects.caller) and
+renders every refusal in the API's own shape (`/v1/messages/...` Anthropic's, the rest
+OpenAI's); what each route does is its module's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from appliance.http.asgi import Receive, Scope, Send
+from appliance.http.errors import ApiError, api_of
+from appliance.http.respond import send_api_error
+from appliance.hub.api import batches, files
+from appliance.hub.api.objects import caller
+
+if TYPE_CHECKING:
+    from appliance.hub.hub import Hub
+
+PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
+
+
+def _rest(path: str, prefix: str) -> list[str] | None:
+    """The segments after `prefix`, or None when `path` is not under it."""
+    if path == prefix or path == prefix + "/":
+        return []
+    if not path.startswith(prefix + "/"):
+        return None
+    return [s for s in path[len(prefix) + 1:].split("/")]
+
+
+async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> bool:
+    path = scope["path"]
+    for prefix, fn in (("/v1/files", files.handle), ("/v1/batches", batches.handle_openai),
+                       ("/v1/messages/batches", batches.handle_anthropic)):
+        rest = _rest(path, prefix)
+        if rest is None:
+            continue
+        try:
+            if any(not s for s in rest):
+                raise ApiError(404, "not_found", "no such route")
+            await fn(hub, scope, receive, send, caller(hub, scope), rest)
+        except ApiError as e:
+            await send_api_error(send, api_of(path), e)
+        return True
+    return False

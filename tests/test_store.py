@@ -1,0 +1,171 @@
+"""The store's pure parts: the multipart reader, object ids, a batch's line checks and
+output shapes, and the SQLite tables (ownership, pages, lines pending until committed)."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from appliance.http.multipart import Done, MultipartError, Part, PartEnd, Reader, boundary_of
+from appliance.hub.store import ids, lines
+from appliance.hub.store.db import Db, Obj
+
+BOUNDARY = "----xyz"
+
+
+def form(fields: dict[str, str], content: bytes, filename: str = "in.jsonl") -> bytes:
+    out = b""
+    for k, v in fields.items():
+        out += (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n"
+                ).encode()
+    out += (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"{filename}\"\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
+    return out + content + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def read(body: bytes, step: int) -> tuple[dict[str, bytes], list[Part]]:
+    r = Reader(BOUNDARY)
+    got: dict[str, bytes] = {}
+    parts: list[Part] = []
+    cur = ""
+    done = False
+    for i in range(0, len(body), step):
+        for e in r.feed(body[i:i + step]):
+            if isinstance(e, Part):
+                parts.append(e)
+                cur = e.name
+                got[cur] = b""
+            elif isinstance(e, bytes):
+                got[cur] += e
+            elif isinstance(e, Done):
+                done = True
+            else:
+                assert isinstance(e, PartEnd)
+    assert done
+    return got, parts
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 64, 100000])
+def test_multipart_any_chunking_gives_the_same_parts(step):
+    # content that holds the delimiter's start, CRLFs and dashes, split anywhere
+    content = b"a\r\n--" + BOUNDARY[:-1].encode() + b"\r\n\r\n--x" * 50 + b"\r\n-"
+    got, parts = read(form({"purpose": "batch"}, content), step)
+    assert got == {"purpose": b"batch", "file": content}
+    assert parts[1].filename == "in.jsonl" and parts[0].filename is None
+
+
+def test_multipart_holds_back_at_most_a_delimiter():
+    r = Reader(BOUNDARY)
+    head = form({}, b"")[: -len(f"\r\n--{BOUNDARY}--\r\n")]
+    r.feed(head)
+    out = r.feed(b"x" * 1_000_000)
+    assert sum(len(e) for e in out if isinstance(e, bytes)) >= 1_000_000 - len(BOUNDARY) - 4
+    assert len(r.buf) <= len(BOUNDARY) + 4
+
+
+def test_multipart_refuses_a_huge_part_head_and_finds_boundaries():
+    r = Reader(BOUNDARY)
+    with pytest.raises(MultipartError):
+        r.feed(f"--{BOUNDARY}\r\n".encode() + b"X" * 20000)
+    assert boundary_of('multipart/form-data; boundary="ab c"') == "ab c"
+    assert boundary_of("multipart/form-data; charset=x; boundary=abc") == "abc"
+    assert boundary_of("application/json") is None
+
+
+def test_ids_name_their_hub():
+    oid = ids.new("batch_", "hub-a.lan")
+    assert oid.startswith("batch_hub-a.lan-") and ids.holder(oid, "batch_") == "hub-a.lan"
+    assert ids.holder(oid, "file-") is None
+    assert ids.holder("batch_abc", "batch_") is None
+    assert ids.holder("batch_x/../y" + "0" * 30, "batch_") is None
+    assert ids.new("file-", "we ird/name").startswith("file-we-ird-name-")
+
+
+def _line(cid, url="/v1/chat/completions", **body):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url,
+                       "body": {"model": "m", **body}}).encode()
+
+
+def test_check_lines_bad_lines_are_error_rows_and_the_rest_run():
+    raw = [_line("a", stream=True), b"{not json", b"[1]", b"", _line("a"),
+           _line("b", url="/v1/embeddings"), json.dumps({"custom_id": "c", "body": {}}).encode(),
+           _line("d")]
+    rows = list(lines.check_lines(raw, "/v1/chat/completions"))
+    assert [r[2] for r in rows] == ["pending", "failed", "failed", "failed", "failed", "failed",
+                                    "pending"]
+    assert [r[0] for r in rows] == list(range(7))  # the empty line is not a line
+    assert "stream" not in json.loads(rows[0][3])  # a batch keeps whole answers
+    dup = json.loads(rows[3][4])["error"]
+    assert dup["code"] == "duplicate_custom_id" and dup["message"].startswith("line 4:")
+    assert json.loads(rows[1][4])["error"]["code"] == "invalid_json"
+
+
+def test_check_lines_bounds_the_count():
+    with pytest.raises(ValueError):
+        list(lines.check_lines((_line(f"x{i}") for i in range(lines.MAX_LINES + 1)),
+                               "/v1/chat/completions"))
+
+
+def test_output_shapes():
+    ok = json.loads(lines.result(200, {"x": 1}, "rid"))
+    assert lines.openai_line("c", ok) == {"id": ok["id"], "custom_id": "c", "error": None,
+                                          "response": {"status_code": 200, "request_id": "rid",
+                                                       "body": {"x": 1}}}
+    assert lines.anthropic_line("c", "completed", ok)["result"] == {"type": "succeeded",
+                                                                     "message": {"x": 1}}
+    refused = json.loads(lines.result(404, {"type": "error", "error": {
+        "type": "not_found_error", "message": "no"}}, "rid"))
+    assert lines.anthropic_line("c", "failed", refused)["result"]["error"]["error"]["type"] \
+        == "not_found_error"
+    assert lines.anthropic_line("c", "cancelled", None) == {"custom_id": "c",
+                                                            "result": {"type": "canceled"}}
+    assert lines.encode_line({"t": "a\u2028b"}) == b'{"t":"a\\u2028b"}\n'
+
+
+def _obj(oid: str, owner: str, t: int, kind: str = "file") -> Obj:
+    return Obj(oid, kind, owner, t, None, 10, "", {"id": oid})
+
+
+def test_db_ownership_pages_and_lines(tmp_path):
+    db = Db(str(tmp_path / "s" / "store.db"))
+    for i in range(5):
+        db.put(_obj(f"f{i}", "alice" if i % 2 == 0 else "bob", 100 + i))
+    assert db.get("file", "f1", "alice") is None  # bob's: alice cannot see it
+    assert db.get("file", "f1", None) is not None  # the admin can
+    page, more = db.page("file", "alice", None, 2)
+    assert [o.id for o in page] == ["f4", "f2"] and more
+    page, more = db.page("file", "alice", "f2", 2)
+    assert [o.id for o in page] == ["f0"] and not more
+    assert [o.id for o in db.page("file", None, None, 10, newest_first=False)[0]] == [
+        "f0", "f1", "f2", "f3", "f4"]
+    b = _obj("b1", "alice", 1, "batch")
+    b.state = "in_progress"
+    db.add_lines(b, [(0, "x", "pending", "{}", None), (1, "y", "failed", None, "{}"),
+                     (2, "z", "pending", "{}", None)])
+    assert [r[0] for r in db.pending("b1")] == [0, 2]
+    b.data["n"] = 1
+    db.line_done(b, 0, "completed", '{"ok":1}')
+    db.line_done(b, 0, "failed", '{"twice":1}')  # a line's result is committed once
+    assert db.results("b1")[0][2:] == ("completed", '{"ok":1}')
+    assert db.get("batch", "b1", None).data["n"] == 1
+    assert db.line_states("b1") == {"completed": 1, "failed": 1, "pending": 1}
+    assert db.cancel_pending(b, "cancelled", "{}") == 1
+    assert [o.id for o in db.in_state("batch", ["in_progress"])] == ["b1"]
+    db.close()
+    again = Db(str(tmp_path / "s" / "store.db"))  # reopened: everything is there
+    assert again.line_states("b1") == {"completed": 1, "failed": 1, "cancelled": 1}
+    assert again.total_bytes() > 50
+    again.delete("b1")
+    assert again.line_states("b1") == {} and again.get("batch", "b1", None) is None
+
+
+def test_db_items_in_order(tmp_path):
+    db = Db(str(tmp_path / "store.db"))
+    db.add_items("c", [("i1", {"id": "i1"}), ("i2", {"id": "i2"})])
+    db.add_items("c", [("i3", {"id": "i3"})])
+    assert [i["id"] for i in db.items("c", None, 10, False)[0]] == ["i1", "i2", "i3"]
+    assert [i["id"] for i in db.items("c", "i3", 1, True)[0]] == ["i2"]
+    assert db.delete_item("c", "i2") and not db.delete_item("c", "i2")
+    assert msgspec.json.encode(db.item("c", "i1")) == b'{"id":"i1"}'
