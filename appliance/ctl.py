@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.parse
 from typing import Any, TextIO
 
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                         "satisfied")
     sub.add_parser("models", help="every model's health")
     sub.add_parser("nodes", help="every node")
+    sp = sub.add_parser("slow", help="the slowest requests of the last hour, and where their "
+                                     "time went")
+    sp.add_argument("--limit", type=int, default=20, help="how many (at most 20)")
     sp = sub.add_parser("retry", help="unpark a model and try it again")
     sp.add_argument("model")
     for action, text in (("cordon", "stop routing to a node"), ("uncordon",
@@ -135,6 +139,30 @@ def nodes_table(nodes: list[dict[str, Any]]) -> str:
     return _table(rows)
 
 
+def _num(row: dict[str, Any], key: str, fmt: str = "{:g}") -> str:
+    v = row.get(key)
+    return "-" if v is None else fmt.format(v)
+
+
+def slow_table(rows: list[dict[str, Any]]) -> str:
+    """`ctl slow`: each slow request's total and where it went -- activation (LOAD),
+    admission (QUEUE), the node before its first byte (NODE WAIT), first token (TTFT) --
+    then the prompt tokens computed / cached, output tokens and their rate."""
+    out = [["TIME", "CLIENT", "MODEL", "NODE", "STATUS", "TOTAL ms", "LOAD", "QUEUE",
+            "NODE WAIT", "TTFT", "PREFILL/CACHED", "OUT", "TOK/S", "REQUEST"]]
+    for r in rows:
+        when = time.strftime("%H:%M:%S", time.localtime(r["ts"])) if r.get("ts") else "-"
+        status = f"{r.get('status', '-')}" + (f" {r['error']}" if r.get("error") else "")
+        out.append([when, r.get("client") or "-", r.get("model") or "-", r.get("node") or "-",
+                    status, _num(r, "ms", "{:.0f}"), _num(r, "load_ms", "{:.0f}"),
+                    _num(r, "queue_ms", "{:.0f}"), _num(r, "node_wait_ms", "{:.0f}"),
+                    _num(r, "ttfb_ms", "{:.0f}"),
+                    f"{_num(r, 'prefill_tokens')}/{_num(r, 'cached_tokens')}",
+                    _num(r, "output_tokens"), _num(r, "decode_tps"),
+                    r.get("trace_id") or r.get("request_id") or "-"])
+    return _table(out)
+
+
 def _limit(used: int, limit: int | None) -> str:
     return f"{used}" if limit is None else f"{used}/{limit}"
 
@@ -179,6 +207,8 @@ def render(cmd: str, body: dict[str, Any]) -> str:
         return models_table(body["models"]) if body["models"] else "no models"
     if cmd == "nodes":
         return nodes_table(body["nodes"]) if body["nodes"] else "no nodes"
+    if cmd == "slow":
+        return slow_table(body["requests"]) if body["requests"] else "no requests in the last hour"
     if cmd == "retry":
         return f"{body['model']}: {'unparked, ' if body.get('was_parked') else ''}trying again"
     if cmd == "forget":
@@ -192,6 +222,8 @@ def request(args: argparse.Namespace, client: httpx.Client) -> httpx.Response:
 
     if args.cmd in ("status", "models", "nodes"):
         return client.get(f"/admin/{args.cmd}")
+    if args.cmd == "slow":
+        return client.get("/api/requests/slow", params={"limit": str(args.limit)})
     if args.cmd == "retry":
         return client.post(f"/admin/models/{q(args.model)}/retry")
     if args.cmd == "forget":

@@ -35,6 +35,7 @@ from appliance.hub.observe.fleet_metrics import ControlCollector
 from appliance.hub.observe.history import History, Recent
 from appliance.hub.observe.metrics import HubMetrics
 from appliance.hub.observe.replica_metrics import ReplicaCollector
+from appliance.hub.observe.slow import SlowRequests
 from appliance.server.limits import Limits, LiveLimits
 
 MiB = 1024 * 1024
@@ -82,6 +83,7 @@ class Hub:
         self.history = History()
         self.recent = Recent()
         self.audit.recent = self.recent
+        self.slow = self.audit.slow = SlowRequests()  # the hour's slowest ("why slow")
         # with Cluster__Etcd (run_hub sets it)
         self.cluster: Member | None = None
         # with Hub__Workers>1 (hub/workers.py sets it)

@@ -34,6 +34,8 @@ FORWARD_HEADERS = (b"accept", b"user-agent")
 JSON_BODY = (b"content-type", b"application/json")
 # The scope key of a batch line's batch id (hub/store/runner.py sets it; the audit says it).
 BATCH_SCOPE = "appliance.batch"
+# Below this much time after the first byte an answer came whole: no decode rate is said.
+DECODE_MIN_SECONDS = 0.001
 
 
 class Recorder:
@@ -54,6 +56,7 @@ class Recorder:
             fields["batch"] = batch  # a batch line (hub/store/runner.py)
         if req.ttfb is not None:
             fields["ttfb_ms"] = round(req.ttfb * 1000, 2)
+        fields.update(breakdown(req, elapsed))
         if req.error:
             fields["error"] = req.error
         if self.priority_on:
@@ -70,6 +73,9 @@ class Recorder:
                 fields["cached_tokens"] = route.cached_tokens
         if "cached_tokens" not in fields and req.usage is not None and req.usage.cached:
             fields["cached_tokens"] = req.usage.cached  # as the engine reported it
+        if tokens is not None:
+            fields.update(token_breakdown(tokens.input, tokens.output,
+                                          fields.get("cached_tokens"), req.ttfb, elapsed))
         self.audit.request(**fields)
         m = self.metrics
         m.requests_of(req.client, req.label, str(req.status)).inc()
@@ -84,13 +90,42 @@ class Recorder:
                 m.ttfb_of(req.label).observe(req.ttfb)
 
 
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+def breakdown(req: Request, elapsed: float) -> dict[str, float]:
+    """Where the time went ("why slow"): `load_ms` the activation wait, `queue_ms`
+    admission's and the slot wait, `node_wait_ms` from the first send to a node to the
+    first byte (a retry included) -- each only where the request got that far."""
+    out = {}
+    if req.load_s is not None:
+        out["load_ms"] = _ms(req.load_s)
+    if req.queue_s is not None:
+        out["queue_ms"] = _ms(req.queue_s)
+    if req.sent_at is not None and req.ttfb is not None:
+        out["node_wait_ms"] = _ms(max(0.0, req.t0 + req.ttfb - req.sent_at))
+    return out
+
+
+def token_breakdown(input_tokens: int, output_tokens: int, cached: int | None,
+                    ttfb: float | None, elapsed: float) -> dict[str, float]:
+    """`prefill_tokens`: the prompt tokens the engine had to compute (input less cached);
+    `decode_tps`: output tokens a second after the first byte (a stream's; a whole answer
+    has no decode time of its own to divide by)."""
+    out: dict[str, float] = {"prefill_tokens": max(0, input_tokens - (cached or 0))}
+    if ttfb is not None and output_tokens > 1 and elapsed - ttfb >= DECODE_MIN_SECONDS:
+        out["decode_tps"] = round(output_tokens / (elapsed - ttfb), 1)
+    return out
+
+
 class Request:
     """`api` is "openai", "ollama" or "anthropic" (the shape of answers and errors)."""
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
                  "scope", "usage", "lease", "tokens", "demand", "preempted", "_recorder",
-                 "route")
+                 "route", "load_s", "queue_s", "sent_at")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
@@ -117,6 +152,11 @@ class Request:
         # what happened
         self.status = 0
         self.ttfb: float | None = None
+        # where the time went (perf_counter seconds): activation wait, admission and slot
+        # waits, and when it was first sent to a node (the audit's breakdown)
+        self.load_s: float | None = None
+        self.queue_s: float | None = None
+        self.sent_at: float | None = None
         self.error = ""
         self.done = False
         # tokens: the answer's usage as the relay read it (translate/usage.py: the engine's

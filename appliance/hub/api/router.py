@@ -243,14 +243,18 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
                                    *req.id_headers()])
         await req.send_last(body)
         return
+    t = time.perf_counter()
     await hub.control.make_servable(model, keep)
+    req.load_s = time.perf_counter() - t  # the activation wait (audit `load_ms`)
     try:
         in_flight = hub.metrics.in_flight_of(model)
         # Preemptible only where this process relays: a worker's first byte is known
         # here only when its answer has ended (Priority__Preempt).
         victim = req if relay is None else None
+        t = time.perf_counter()
         async with hub.admission.place(model, req.cls, req.client, in_flight,
                                        req.demand, req.route, victim) as place:
+            req.queue_s = time.perf_counter() - t  # admission's wait (audit `queue_ms`)
             await _proxy(hub, req, place, model, prep, relay)
     finally:
         hub.control.touch(model, keep)  # idle time counts from the end of the work
@@ -265,7 +269,11 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
     node = place.node
     while node is not None:
         req.tried = place.tried
+        t = time.perf_counter()
         await place.wait_slot()
+        req.queue_s = (req.queue_s or 0.0) + time.perf_counter() - t
+        if req.sent_at is None:  # node_wait_ms: from the first send to the first byte
+            req.sent_at = time.perf_counter()
         plan = prep.for_engine(translate.engine_kind(node.state),
                                translate.context_length(node.state, model))
         req.node = node.name  # the audit line names where it went, even if it fails there

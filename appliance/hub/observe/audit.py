@@ -26,6 +26,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from appliance.hub.observe.history import Recent
+    from appliance.hub.observe.slow import SlowRequests
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -65,6 +66,7 @@ class AuditLog:
         self._logged_at = float("-inf")
         # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
         self.recent: Recent | None = None
+        self.slow: SlowRequests | None = None  # the hour's slowest (slow.py)
 
     def _open(self) -> IO[bytes]:
         if not self.path:
@@ -127,6 +129,8 @@ class AuditLog:
         self.write(record)
         if self.recent is not None:
             self.recent.add(record)
+        if self.slow is not None:
+            self.slow.add(record)
 
     def event(self, kind: str, **fields: Any) -> None:
         self.write({"ts": round(time.time(), 3), "kind": kind, **fields})

@@ -1,12 +1,13 @@
-"""The hub's own web page: `/ui/` and the two small JSON feeds only it needs.
+"""The hub's own web page: `/ui/` and the small JSON feeds only it needs.
 
 Theory of operation: the page is three static files (HTML, CSS, JavaScript) shipped in
 the package -- no build step, no CDN, because edge boxes are often offline -- read once
 from disk and served from memory. Only the names in `FILES` are served: a path is looked
 up, never joined onto the file system. The page reads what an operator reads:
-`/api/status`, `/admin/nodes`, and the two feeds here, `/api/status/history` (15 minutes
-of the hub's own counters, history.py) and `/api/requests/recent` (the last request audit
-records); the feeds take the admin key when one is set, exactly like `/api/status`.
+`/api/status`, `/admin/nodes`, and the feeds here, `/api/status/history` (15 minutes
+of the hub's own counters, history.py), `/api/requests/recent` (the last request audit
+records) and `/api/requests/slow` (the hour's slowest with their breakdown, slow.py, also
+`appliance ctl slow`); the feeds take the admin key when one is set, exactly like `/api/status`.
 Actions go through the existing admin API, so they are audited there. The page itself is
 open: it holds no data, and asks for the admin key (kept in the tab's sessionStorage)
 only when the hub answers 401.
@@ -18,6 +19,7 @@ sent to `/ui/` there); `/ui` without the slash is sent to `/ui/` here.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
@@ -45,7 +47,7 @@ PAGE_HEADERS = [
     (b"referrer-policy", b"no-referrer"),
     (b"cache-control", b"no-cache"),
 ]
-FEEDS = ("/api/status/history", "/api/requests/recent")
+FEEDS = ("/api/status/history", "/api/requests/recent", "/api/requests/slow")
 _cache: dict[str, bytes] = {}
 
 
@@ -91,7 +93,12 @@ async def handle(hub: Hub, scope: Scope, send: Send, admin_ok: Callable[[], bool
             await send_api_error(send, "openai",
                                  ApiError(401, "invalid_api_key", "the admin key is required"))
             return True
-        body = hub.history.payload() if path == FEEDS[0] else hub.recent.payload(_limit(scope))
+        if path == FEEDS[0]:
+            body = hub.history.payload()
+        elif path == FEEDS[1]:
+            body = hub.recent.payload(_limit(scope))
+        else:
+            body = hub.slow.payload(_limit(scope), time.time())
         await send_json(send, 200, body)
         return True
     name = path[len("/ui/"):] or "index.html"

@@ -254,6 +254,22 @@ function drawRecent(recent) {
     ...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No requests yet." }))]));
 }
 
+// The hour's slowest requests and where their time went (hub/observe/slow.py).
+function drawSlow(slow) {
+  const n = (v) => (v == null ? "–" : v);
+  const rows = slow.requests.map((r) => el("tr", { "data-status": r.status },
+    el("td", { text: new Date(r.ts * 1000).toLocaleTimeString(), title: r.trace_id ? `trace ${r.trace_id}` : r.request_id ? `request ${r.request_id}` : null }),
+    el("td", { text: r.client || "–" }), el("td", { text: r.model || "–" }), el("td", { text: r.node || "–" }),
+    el("td", { class: r.status >= 400 ? "err" : "", text: r.error ? `${r.status} ${r.error}` : r.status }),
+    el("td", { class: "num", text: fmtMs(r.ms) }), el("td", { class: "num", text: fmtMs(r.load_ms) }),
+    el("td", { class: "num", text: fmtMs(r.queue_ms) }), el("td", { class: "num", text: fmtMs(r.node_wait_ms) }),
+    el("td", { class: "num", text: fmtMs(r.ttfb_ms) }),
+    el("td", { class: "num", text: `${n(r.prefill_tokens)} / ${n(r.cached_tokens)}` }),
+    el("td", { class: "num", text: n(r.output_tokens) }), el("td", { class: "num", text: n(r.decode_tps) })));
+  document.querySelector("#slow tbody").replaceChildren(
+    ...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 13, class: "muted", text: "No requests in the last hour." }))]));
+}
+
 // --- charts (inline SVG, no library) ----------------------------------------------------
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -350,6 +366,7 @@ async function refresh() {
     if (Date.now() - lastHistory >= HISTORY_MS) {
       lastHistory = Date.now();
       drawCharts(await api("/api/status/history"));
+      drawSlow(await api("/api/requests/slow?limit=10"));
     }
     document.getElementById("forget-key").hidden = !sessionStorage.getItem(KEY);
     const n = document.getElementById("notice");
