@@ -233,6 +233,9 @@ class RouterConfig(_Section):
     # Bytes per prefix block: llama.cpp and vLLM reuse a cache by tokens (vLLM in blocks of
     # 16 tokens), 256 bytes is ~64 tokens: a short system prompt is a few blocks.
     affinity_block_chars: Annotated[int, msgspec.Meta(ge=16, le=1_048_576)] = 256
+    # The longest a request waits for the node that holds its cache while that pays
+    # (decide/cost.py); 0: never waits. 10 s is a few answers' time on one slot.
+    home_wait_seconds: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 10.0
 
 
 class QueueConfig(_Section):

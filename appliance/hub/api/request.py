@@ -71,6 +71,11 @@ class Recorder:
             fields["routing"] = route.reason
             if route.cached_tokens is not None:
                 fields["cached_tokens"] = route.cached_tokens
+            if route.home_wait is not None:  # it waited for its home node (decide/home.py)
+                predicted, waited, outcome = route.home_wait
+                fields["home_wait"] = {"predicted_ms": round(predicted * 1000, 1),
+                                       "waited_ms": round(waited * 1000, 1),
+                                       "outcome": outcome}
         if "cached_tokens" not in fields and req.usage is not None and req.usage.cached:
             fields["cached_tokens"] = req.usage.cached  # as the engine reported it
         if tokens is not None:

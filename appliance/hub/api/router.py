@@ -179,6 +179,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         req.demand = Demand(cost, weight, partial(_used, req))
         if not prep.load_only and "embed" not in req.path:
             req.route = hub.admission.affinity.key(obj, req.headers)
+            req.route.size = len(body)
     except ApiError as e:
         await req.send_error(e)
         return
@@ -274,6 +275,8 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
         req.queue_s = (req.queue_s or 0.0) + time.perf_counter() - t
         if req.sent_at is None:  # node_wait_ms: from the first send to the first byte
             req.sent_at = time.perf_counter()
+        node = place.node or node  # a home wait that ran out moves it (decide/home.py)
+        req.tried = place.tried
         plan = prep.for_engine(translate.engine_kind(node.state),
                                translate.context_length(node.state, model))
         req.node = node.name  # the audit line names where it went, even if it fails there
@@ -284,7 +287,8 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
                 await relay_from(node, req, plan, hub.upstream,
                                  hub.cfg.hub.upstream_read_seconds, hub.drain_over)
             if req.route is not None and req.status == 200:
-                hub.admission.affinity.served(model, req.route, node.name)
+                first = req.t0 + req.ttfb if req.ttfb is not None else None
+                hub.admission.served(place, req.route, first)
             return
         except NotAnswered as e:
             last = f"node {node.name} {e}"

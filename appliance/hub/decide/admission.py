@@ -32,6 +32,7 @@ prometheus_client.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple, Protocol
@@ -41,7 +42,9 @@ import trio
 from appliance.config import Config
 from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
+from appliance.hub.decide.costroute import CostRouter
 from appliance.hub.decide.fair import FairLane
+from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT
 from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
     BACKGROUND,
@@ -79,7 +82,7 @@ class Place:
     nodes it was on (`tried`). Made by `Admission.place`."""
 
     __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket",
-                 "route")
+                 "route", "home", "sent_at", "clean")
 
     def __init__(self, admission: Admission, model: str, cls: str, in_flight: Gauge | None,
                  ticket: Ticket, route: Route | None = None) -> None:
@@ -89,10 +92,13 @@ class Place:
         self.tried: list[str] = []
         self.ticket = ticket
         self.route = route
+        self.home = 0.0  # seconds to wait on `node` for a place there (cost.py), 0: none
+        self.sent_at = 0.0  # time.perf_counter() when it went to its node
+        self.clean = False  # it went with a place (its time is the node's service time)
 
-    def _take(self) -> None:
+    def _take(self, may_wait: bool = True) -> None:
         registry = self._admission.registry
-        node = self._admission.pick(self.model, self.route, self.tried)
+        node, self.home = self._admission.pick(self.model, self.route, self.tried, may_wait)
         if node is not None:
             self.tried.append(node.name)
             registry.start(node, self.model)
@@ -108,9 +114,15 @@ class Place:
             self._admission.registry.finish(node, self.model)
 
     async def wait_slot(self) -> None:
-        """Hold a non-essential request while its node's slots for the model are all sent."""
+        """Hold it for a place on its home node while that pays (home.py); then hold a
+        non-essential request while its node's slots for the model are all sent."""
+        if self.node is not None and self.home > 0:
+            await self._admission.wait_home(self)
         if self.node is not None:
             await self._admission.wait_slot(self.node, self.model, self.cls)
+            left = self.node.places_left(self.model)
+            self.clean = left is None or left >= 0
+        self.sent_at = time.perf_counter()
 
     def next(self, max_attempts: int) -> NodeHandle | None:
         """Give the current node back; take the next other (None: none left, or
@@ -157,8 +169,9 @@ class Admission:
         # connection, its cordon) changes -- not on every finished request.
         self._ready: dict[str, list[NodeHandle]] = {}
         self._shape: list[tuple[NodeHandle, NodeState | None, bool, bool]] = []
-        # Which of the nodes it may go to a request goes to (affinity.py).
+        # Which of the nodes it may go to a request goes to (affinity.py, cost.py).
         self.affinity = Affinity(**_affinity(cfg))
+        self.cost = CostRouter(cfg.router.home_wait_seconds)
         registry.add_listener(self._on_change, on_finish=self._wake_waiters)
 
     def reload(self, cfg: Config) -> None:
@@ -166,6 +179,7 @@ class Admission:
         self.cfg = cfg
         self.core.configure(**_settings(cfg))
         self.affinity.configure(**_affinity(cfg))
+        self.cost.home_wait = cfg.router.home_wait_seconds
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
@@ -219,6 +233,8 @@ class Admission:
             ticket = await self.admit(model, cls, client, demand.cost, demand.weight)
         p = Place(self, model, cls, in_flight, ticket, route)
         p._take()  # no checkpoint since admit returned: this place is ours
+        if p.home:  # it waits for its home node: the place it was granted goes on
+            self._dispatch(model)
         if victim is not None and self.preempt and ticket.cls == BACKGROUND:
             self.victims.hold(model, victim)
         try:
@@ -233,13 +249,23 @@ class Admission:
                     lane, episode = ticket.fair
                     lane.settle(client, episode, demand.cost, used, demand.weight)
 
-    def pick(self, model: str, route: Route | None, tried: list[str]) -> NodeHandle | None:
-        """The node for the next attempt: the registry's pick among the nodes it would
-        consider, ordered by affinity when the request has a route."""
+    def pick(self, model: str, route: Route | None, tried: list[str],
+             may_wait: bool = True) -> tuple[NodeHandle | None, float]:
+        """The node for the next attempt, and how long to wait there for a place (0: none):
+        the registry's pick among the nodes it would consider, ordered by cost (cost.py)
+        when the request has a route."""
         registry = self.registry
         if route is None or not self.affinity.enabled:
             self.affinity.spread(model)
-            return registry.pick(model, exclude=set(tried))
+            return registry.pick(model, exclude=set(tried)), 0.0
+        ready = [h for h in self._ready_nodes(model) if h.name not in tried and h.ready(model)]
+        choice = self.cost.choose(model, route, ready, self.affinity, may_wait)
+        if choice is not None:
+            return next(h for h in ready if h.name == choice.node), choice.home_wait
+        return self._affinity_pick(model, route, tried), 0.0
+
+    def _affinity_pick(self, model: str, route: Route, tried: list[str]) -> NodeHandle | None:
+        registry = self.registry
         # At its limit: no place left for the model (its slots or its concurrency). Such
         # a node still takes work from the pick when every node is (its engine queues it).
         nodes = [h for h in self._ready_nodes(model)
@@ -296,6 +322,68 @@ class Admission:
             self._dispatch(model)
         for node, model in self.slots.keys():
             self._dispatch_slots(node, model)
+        for node, model in self.cost.queues.keys():
+            self._dispatch_home(node, model)
+
+    # --- home waits (home.py) ------------------------------------------------------------
+
+    async def wait_home(self, p: Place) -> None:
+        """Hold `p` on its node (counted in flight there) until a place frees, at most
+        `p.home` seconds; then it moves to the cheapest other node that can take it."""
+        node, bound, route = p.node, p.home, p.route
+        assert node is not None
+        p.home = 0.0
+        predicted = route.predicted[0] if route is not None and route.predicted else 0.0
+        queues = self.cost.queues
+        w = queues.enter(node.name, p.model, p.cls, predicted)
+        w.event = woken = trio.Event()
+        self._dispatch_home(node.name, p.model)
+        t0 = trio.current_time()
+        try:
+            with trio.move_on_after(bound):
+                await woken.wait()
+        except BaseException:
+            if not w.granted:
+                queues.leave(w)
+            queues.count(p.model, CANCELLED)
+            raise
+        outcome = HOME
+        if not w.granted:
+            queues.leave(w)
+            p._give_back()
+            p._take(may_wait=False)  # anywhere but home
+            if p.node is None:  # nowhere else: back home, sent anyway (its engine queues)
+                outcome = SENT
+                self.registry.start(node, p.model)
+                if p._in_flight is not None:
+                    p._in_flight.inc()
+                p.node = node
+            else:
+                outcome = MOVED
+                p.tried.remove(node.name)  # a move is not a failed attempt
+        queues.count(p.model, outcome)
+        if route is not None:
+            route.home_wait = (predicted, trio.current_time() - t0, outcome)
+
+    def _dispatch_home(self, name: str, model: str) -> None:
+        h = self.registry.nodes.get(name)
+        routable = h is not None and h.ready(model)
+        free = h.places_left(model) if h is not None else None
+        for w in self.cost.queues.dispatch(name, model, free, routable):
+            if w.event is not None:
+                w.event.set()
+
+    def served(self, p: Place, route: Route, first_at: float | None) -> None:
+        """`p.node` answered `route` (`first_at`: time.perf_counter() of its first byte):
+        affinity's index and the cost's rates learn from it."""
+        if p.node is None:
+            return
+        self.affinity.served(p.model, route, p.node.name)
+        now = time.perf_counter()
+        self.cost.learn(p.model, route, p.node.name,
+                        service_s=now - p.sent_at if p.clean and p.sent_at else None,
+                        first_s=first_at - p.sent_at if first_at is not None and p.sent_at
+                        else None)
 
     # --- slot waits ----------------------------------------------------------------------
 

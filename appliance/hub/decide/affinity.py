@@ -90,6 +90,11 @@ class Route:
     entry_seq: int = 0  # the order of the index entry that predicted it
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    size: int = 0  # the request body's bytes: its prompt tokens, predicted (cost.py)
+    # cost.py's word (set where it placed the request): predicted wait and prefill, s
+    predicted: tuple[float, float] | None = None
+    # A wait for its home node (home.py): (predicted s, waited s, outcome)
+    home_wait: tuple[float, float, str] | None = None
 
 
 def route_key(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]], block: int) -> Route:

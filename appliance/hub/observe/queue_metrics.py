@@ -3,7 +3,7 @@
 `appliance_queue_{waiting,timeouts_total,rejected_total}{model}` always;
 `appliance_priority_reserve_slots` and `appliance_priority_*{class}` only while priority
 is on, so with it off the scrape is exactly what it was without the feature; the routing
-series (routing.py) of admission's affinity core. Nothing is counted here.
+series (routing.py) of admission's affinity core; its home waits (home.py). Nothing is counted here.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.priority import CLASSES, AdmissionCore
+from appliance.hub.observe.home import HomeWaitCollector
 from appliance.hub.observe.routing import RoutingCollector
 
 
@@ -23,6 +24,7 @@ def register(metrics: CollectorRegistry, admission: Admission) -> None:
     metrics.register(QueueCollector(admission.core))
     metrics.register(PriorityCollector(admission))
     metrics.register(RoutingCollector(admission.affinity))
+    metrics.register(HomeWaitCollector(admission.cost.queues))
 
 
 class QueueCollector:

@@ -1,0 +1,157 @@
+"""The cost-ordered pick among the nodes admission allows (issue 27): cost.py's numbers
+over the hub's node handles, and what it learns from each answer.
+
+Theory of operation. Plain synchronous code, called by admission.py's `Place` for an
+arriving request and for a queued one granted its place alike: admission has already
+said the request may go (classes, reserve, per-key limits exact); this only says where.
+Affinity (affinity.py) still says what the request's key is and how it was placed
+(`route.reason`, counted); with `Router__Affinity=off`, or a request with nothing to key
+on, admission's spread applies as before and nothing here runs.
+
+- Candidates: the model's ready nodes not yet tried. A node without concurrency left is a
+  candidate only for a home wait (it is never sent past its `max_concurrency`).
+- Order: rendezvous on the key (the same on every hub while nothing is learned), then by
+  cost, cheapest first; where no node holds any of the prompt, the load bound of
+  affinity.py keeps sessions from piling on unbounded nodes.
+- `learn`: an answer's send -> end and send -> first byte, the engine's cached tokens, and
+  the node that holds the session's prompt now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from appliance.hub.decide import cost
+from appliance.hub.decide.affinity import (
+    BYTES_PER_TOKEN,
+    PREFIX,
+    SESSION,
+    SPREAD,
+    Affinity,
+    Candidate,
+    Route,
+    load_limit,
+    rendezvous,
+)
+from appliance.hub.decide.home import HomeQueues
+from appliance.wire import NodeState
+
+
+class Node(Protocol):
+    """A node handle as the pick reads it (hub/fleet/nodes.NodeHandle)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> NodeState | None: ...
+    @property
+    def in_flight_total(self) -> int: ...
+    @property
+    def others_total(self) -> int: ...
+    def places_left(self, model: str) -> int | None: ...
+    def has_concurrency(self) -> bool: ...
+
+
+def places_of(st: NodeState | None) -> int | None:
+    """A node's places for one model: the lesser of its slots and its concurrency."""
+    if st is None:
+        return None
+    bounds = [b for b in (st.slots, st.max_concurrency) if b is not None]
+    return min(bounds) if bounds else None
+
+
+@dataclass(slots=True)
+class Choice:
+    node: str
+    home_wait: float  # seconds to wait there for a place (0: send now)
+    option: cost.Option
+
+
+class CostRouter:
+    """Rates and session homes learned, home waits held, and the pick."""
+
+    def __init__(self, home_wait: float) -> None:
+        self.home_wait = home_wait  # Router__HomeWaitSeconds
+        self.rates = cost.Rates()
+        self.homes: dict[str, cost.Homes] = {}
+        self.queues = HomeQueues()
+
+    def _homes(self, model: str) -> cost.Homes:
+        h = self.homes.get(model)
+        if h is None:
+            h = self.homes[model] = cost.Homes()
+        return h
+
+    def choose(self, model: str, route: Route, nodes: Sequence[Node],
+               affinity: Affinity, may_wait: bool = True) -> Choice | None:
+        """The node for `route` (None: no candidate; the caller spreads). Fills the route's
+        reason, node, matched and predicted figures; counts the reason."""
+        if not nodes or (route.session is None and not route.chain):
+            return None
+        names = [h.name for h in nodes]
+        key = route.session if route.session is not None else route.chain[0].to_bytes(8, "little")
+        order = rendezvous(key, names)
+        by = {h.name: h for h in nodes}
+        held: dict[str, int] = {}
+        seqs: dict[str, tuple[int, int]] = {}
+        if route.session is not None:
+            home = self._homes(model).get(route.session)
+            if home is not None:
+                held[home[0]] = home[1]
+        else:
+            seqs = cost.prefix_held(affinity.index.get(model), route.chain)
+            held = {n: b * affinity.block // BYTES_PER_TOKEN for n, (b, _) in seqs.items()}
+        if not any(held.get(n, 0) for n in names):
+            # Nothing cached anywhere: the load bound keeps keys from piling on one node.
+            cands = [Candidate(n, by[n].in_flight_total - by[n].others_total) for n in order]
+            limit = load_limit(cands, affinity.factor)
+            within = [c.name for c in cands if c.in_flight + 1 <= limit]
+            order = within or order
+        options = [cost.Option(n, by[n].places_left(model) if by[n].has_concurrency()
+                               else min(0, by[n].places_left(model) or 0),
+                               places_of(by[n].state), held.get(n, 0),
+                               self.rates.get(n, model)) for n in order]
+        prompt = max(cost.prompt_tokens(route.size), max(held.values(), default=0))
+        ranked = cost.score(options, prompt)
+        bound = cost.home_wait(ranked, self.home_wait) if may_wait else 0.0
+        if bound > 0:
+            best: cost.Option | None = ranked[0]
+        else:  # no waiting in the hub: a place where one is left, else the engines' queues
+            sendable = [o for o in ranked if by[o.name].has_concurrency()]
+            best = next((o for o in sendable if o.free is None or o.free > 0),
+                        sendable[0] if sendable else None)
+        if best is None:
+            return None
+        stats = affinity.stats(model)
+        top = max(held, key=lambda n: held[n], default="")
+        if top and held[top] > 0 and best.name != top:
+            stats.moved += 1
+        route.matched = route.entry_seq = 0
+        if route.session is not None:
+            reason = SESSION
+        elif best.held > 0:
+            reason = PREFIX
+            route.matched, route.entry_seq = seqs[best.name]
+        else:
+            reason = SPREAD
+        route.reason, route.node = reason, best.name
+        route.predicted = (best.wait, best.prefill)
+        setattr(stats, reason, getattr(stats, reason) + 1)
+        return Choice(best.name, bound, best)
+
+    def learn(self, model: str, route: Route, node: str, *, service_s: float | None,
+              first_s: float | None) -> None:
+        """`node` answered `route`: its rates, and the session's home (what it holds now)."""
+        uncached = None
+        if route.prompt_tokens is not None and route.cached_tokens is not None:
+            uncached = route.prompt_tokens - route.cached_tokens
+        self.rates.observe(node, model, service_s=service_s, first_s=first_s, uncached=uncached)
+        if route.session is not None:
+            tokens = route.prompt_tokens if route.prompt_tokens is not None \
+                else cost.prompt_tokens(route.size)
+            self._homes(model).record(route.session, node, tokens)
+
+    def forget_node(self, node: str) -> None:
+        self.rates.forget_node(node)
