@@ -78,7 +78,16 @@ class Rates:
         self.warned: set[str] = set()
 
     def get(self, node: str, model: str) -> Rate:
-        return self.by.get((node, model)) or Rate()
+        """The node's rates; a node not heard from yet is taken to be like the model's
+        other nodes (their mean), else the defaults -- never faster than what is known."""
+        r = self.by.get((node, model))
+        if r is not None:
+            return r
+        known = [x for (_, m), x in self.by.items() if m == model]
+        if not known:
+            return Rate()
+        return Rate(sum(x.service for x in known) / len(known),
+                    sum(x.prefill for x in known) / len(known))
 
     def observe(self, node: str, model: str, *, service_s: float | None,
                 first_s: float | None, uncached: int | None) -> None:

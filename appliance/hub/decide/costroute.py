@@ -10,9 +10,9 @@ on, admission's spread applies as before and nothing here runs.
 
 - Candidates: the model's ready nodes not yet tried. A node without concurrency left is a
   candidate only for a home wait (it is never sent past its `max_concurrency`).
-- Order: rendezvous on the key (the same on every hub while nothing is learned), then by
-  cost, cheapest first; where no node holds any of the prompt, the load bound of
-  affinity.py keeps sessions from piling on unbounded nodes.
+- Order: by cost, cheapest first, ties in rendezvous order on the key (the same on every
+  hub). Where no node holds any of the prompt nothing here decides: affinity.py's bounded
+  rendezvous spreads it (a free node first), so new keys never pile on the fastest node.
 - `learn`: an answer's send -> end and send -> first byte, the engine's cached tokens, and
   the node that holds the session's prompt now.
 """
@@ -30,9 +30,7 @@ from appliance.hub.decide.affinity import (
     SESSION,
     SPREAD,
     Affinity,
-    Candidate,
     Route,
-    load_limit,
     rendezvous,
 )
 from appliance.hub.decide.home import HomeQueues
@@ -104,11 +102,7 @@ class CostRouter:
             seqs = cost.prefix_held(affinity.index.get(model), route.chain)
             held = {n: b * affinity.block // BYTES_PER_TOKEN for n, (b, _) in seqs.items()}
         if not any(held.get(n, 0) for n in names):
-            # Nothing cached anywhere: the load bound keeps keys from piling on one node.
-            cands = [Candidate(n, by[n].in_flight_total - by[n].others_total) for n in order]
-            limit = load_limit(cands, affinity.factor)
-            within = [c.name for c in cands if c.in_flight + 1 <= limit]
-            order = within or order
+            return None  # nothing cached anywhere: affinity's bounded rendezvous spreads it
         options = [cost.Option(n, by[n].places_left(model) if by[n].has_concurrency()
                                else min(0, by[n].places_left(model) or 0),
                                places_of(by[n].state), held.get(n, 0),
