@@ -455,7 +455,8 @@ def read_env_file(path: str) -> dict[str, str]:
         text = open(path, encoding="utf-8").read()
     except OSError as e:
         raise ConfigError(f"--env-file {path}: {e.strerror}") from None
-    for n, line in enumerate(text.splitlines(), 1):
+    # Lines end at "\n" only (as systemd's EnvironmentFile=): a U+2028 inside a value stays.
+    for n, line in enumerate(text.split("\n"), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue

@@ -22,6 +22,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from appliance.lines import iter_lines
+
 DEFAULT_URL = "http://127.0.0.1:8080"
 # The admin API answers from memory; pause/resume wait on a node (10 s there) -- 30 s is ample.
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
@@ -280,11 +282,12 @@ def model_op(args: argparse.Namespace, client: httpx.Client, out: TextIO, err: T
             print(f"appliance ctl pull: the hub answered {resp.status_code}: {resp.text[:300]}",
                   file=err)
             return 1
-        for raw in resp.iter_lines():
+        # Lines split on b"\n" only (appliance/lines.py); a progress line is small.
+        for raw in iter_lines(resp.iter_bytes(), 1024 * 1024):
             if not raw.strip():
                 continue
             last = json.loads(raw)
-            print(raw if args.json
+            print(raw.decode(errors="replace") if args.json
                   else (f"error: {last['node'] + ': ' if last.get('node') else ''}{last['error']}"
                                          if "error" in last else _progress(last)), file=out,
                   flush=True)

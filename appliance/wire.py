@@ -3,7 +3,8 @@
 Theory of operation: a node describes itself as one `NodeState`; the hub never asks a
 node for parts of it. The watch stream (`GET /node/v1/watch`) is NDJSON, one
 `WatchEvent` per line: a full `StateEvent` first, another on every change, and a
-`Heartbeat` at least every `Node__HeartbeatSeconds`. Peers may be newer than us, so the
+`Heartbeat` at least every `Node__HeartbeatSeconds`; lines are split on `\\n` only and
+hold at most MAX_WATCH_LINE bytes. Peers may be newer than us, so the
 decoders are lenient (unknown fields ignored); what we send is what these Structs say.
 """
 
@@ -14,6 +15,7 @@ from typing import Literal
 import msgspec
 
 from appliance import __version__
+from appliance.lines import LineEncoder
 
 ModelStatus = Literal["available", "loading", "ready", "failed"]
 # A loaded model's generation health, as the node's probes last found it (node/probe.py).
@@ -102,13 +104,17 @@ class Announce(msgspec.Struct):
     url: str
 
 
-watch_encoder = msgspec.json.Encoder()
+# Lines escaped (appliance/lines.py): a U+2028 in a model name is not a line break.
+watch_encoder = LineEncoder()
 watch_decoder = msgspec.json.Decoder(WatchEvent)
 announce_decoder = msgspec.json.Decoder(Announce)
+# The longest watch line the hub reads: a NodeState of ~10,000 models with their metadata
+# (~600 bytes each) and room to spare; a node sending more is broken, not big.
+MAX_WATCH_LINE = 16 * 1024 * 1024
 
 
 def encode_event(ev: StateEvent | Heartbeat) -> bytes:
-    return watch_encoder.encode(ev) + b"\n"
+    return watch_encoder.line(ev)
 
 
 class LoadRequest(msgspec.Struct):

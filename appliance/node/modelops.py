@@ -21,6 +21,7 @@ from appliance.client.upstream import Pool, UpstreamError
 from appliance.http.asgi import BodyTooLarge, Receive, Send, read_body
 from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
+from appliance.lines import escape_breaks
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.ollama import POLL_ERRORS, PolledEngine
 from appliance.node.proxy import NODE_API
@@ -89,7 +90,7 @@ async def handle(engine: Engine, pool: Pool, read_seconds: float, receive: Recei
                                                           f"engine at {engine.url} failed: {e}"))
         else:
             await send({"type": "http.response.body",
-                        "body": msgspec.json.encode({"error": str(e)}) + b"\n",
+                        "body": escape_breaks(msgspec.json.encode({"error": str(e)})) + b"\n",
                         "more_body": False})
     finally:
         if resp is not None:

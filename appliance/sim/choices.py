@@ -22,6 +22,7 @@ import trio
 from appliance.http.asgi import JSON_HEADERS, Receive, Send
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError
+from appliance.lines import LineEncoder
 from appliance.sim import shape
 from appliance.sim.core import (
     FINGERPRINT,
@@ -36,7 +37,7 @@ from appliance.sim.core import (
     tokens,
 )
 
-_enc = msgspec.json.Encoder()
+_enc = LineEncoder()  # lines escaped: appliance/lines.py
 # Choices one request may ask for: OpenAI caps `n` at 128; prompts times n likewise.
 MAX_CHOICES = 128
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from appliance import __version__
 from appliance.config import MiB
 from appliance.http.asgi import (
@@ -25,6 +23,7 @@ from appliance.http.asgi import (
     send_json,
 )
 from appliance.http.errors import ApiError
+from appliance.lines import LineEncoder
 from appliance.sim.core import (
     EMBED_DIM,
     MAX_TOKENS,
@@ -42,7 +41,7 @@ from appliance.sim.core import (
 MAX_BODY = 32 * MiB
 _DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
             "parameter_size": "sim", "quantization_level": "none"}
-_enc = msgspec.json.Encoder()
+_enc = LineEncoder()  # lines escaped: appliance/lines.py
 
 
 async def send_sim_json(send: Send, status: int, obj: Any) -> None:

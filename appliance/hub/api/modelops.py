@@ -38,6 +38,7 @@ from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub.decide import capable
+from appliance.lines import LineEncoder
 
 if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
@@ -55,7 +56,7 @@ NODES_AT_ONCE = 4
 PULL_LINES_BUFFERED = 64
 DELETED, NOT_FOUND = "deleted", "not found"
 NDJSON = [(b"content-type", b"application/x-ndjson")]
-_enc = msgspec.json.Encoder()
+_enc = LineEncoder()  # lines escaped: appliance/lines.py
 
 
 class _Body(msgspec.Struct):

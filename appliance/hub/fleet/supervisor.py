@@ -20,8 +20,10 @@ import trio
 
 from appliance.http.errors import describe
 from appliance.hub.fleet.nodes import MISSED_HEARTBEATS, NodeHandle, Registry
+from appliance.lines import LineTooLong, aiter_lines
 from appliance.wire import (
     HEARTBEAT_HEADER,
+    MAX_WATCH_LINE,
     Heartbeat,
     StateEvent,
     heartbeat_of,
@@ -46,7 +48,8 @@ async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Regist
                                         request=resp.request, response=resp)
         h.heartbeat = heartbeat_of(resp.headers.get(HEARTBEAT_HEADER), heartbeat)
         silence = MISSED_HEARTBEATS * h.heartbeat
-        lines = resp.aiter_lines().__aiter__()
+        # Split on b"\n" only: httpx's aiter_lines also splits on U+2028 and its kin.
+        lines = aiter_lines(resp.aiter_bytes(), MAX_WATCH_LINE).__aiter__()
         while True:
             with trio.fail_after(silence):
                 try:
@@ -90,7 +93,7 @@ async def _supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registr
             reason = f"no heartbeat for {MISSED_HEARTBEATS * (h.heartbeat or heartbeat):g} s"
         except (httpx.TransportError, httpx.HTTPStatusError, httpx.StreamError) as e:
             reason = describe(e)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, LineTooLong) as e:
             reason = f"bad watch line: {e}"
         if h.connected:
             on_event("node_lost", h, reason)

@@ -22,14 +22,15 @@ import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
-import msgspec
+from appliance.lines import LineEncoder
 
 if TYPE_CHECKING:
     from appliance.hub.observe.history import Recent
     from appliance.hub.observe.slow import SlowRequests
 
 log = logging.getLogger(__name__)
-_enc = msgspec.json.Encoder()
+# Escaped line breaks (appliance/lines.py): a client picks the model name in its line.
+_enc = LineEncoder()
 # A full disk fails every line: one log line a minute says so without flooding the log.
 ERROR_LOG_SECONDS = 60.0
 
@@ -93,7 +94,7 @@ class AuditLog:
             os.unlink(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        line = _enc.encode(record) + b"\n"
+        line = _enc.line(record)
         try:
             fh = self._open()
             fh.write(line)

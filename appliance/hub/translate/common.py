@@ -16,8 +16,9 @@ import msgspec
 
 from appliance.http.errors import ApiError
 from appliance.hub.translate.usage import Tally, Usage
+from appliance.lines import LineEncoder
 
-enc = msgspec.json.Encoder()
+enc = LineEncoder()  # lines escaped: appliance/lines.py
 # A single SSE line from an engine: a chunk of a few tokens is < 1 KiB; 1 MiB is absurd.
 SSE_LINE_LIMIT = 1024 * 1024
 
