@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from appliance.lines import iter_lines
+from appliance.http.lines import iter_lines
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 # The admin API answers from memory; pause/resume wait on a node (10 s there) -- 30 s is ample.
@@ -282,7 +282,7 @@ def model_op(args: argparse.Namespace, client: httpx.Client, out: TextIO, err: T
             print(f"appliance ctl pull: the hub answered {resp.status_code}: {resp.text[:300]}",
                   file=err)
             return 1
-        # Lines split on b"\n" only (appliance/lines.py); a progress line is small.
+        # Lines split on b"\n" only (appliance/http/lines.py); a progress line is small.
         for raw in iter_lines(resp.iter_bytes(), 1024 * 1024):
             if not raw.strip():
                 continue

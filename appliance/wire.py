@@ -15,7 +15,7 @@ from typing import Literal
 import msgspec
 
 from appliance import __version__
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 
 ModelStatus = Literal["available", "loading", "ready", "failed"]
 # A loaded model's generation health, as the node's probes last found it (node/probe.py).
@@ -104,7 +104,7 @@ class Announce(msgspec.Struct):
     url: str
 
 
-# Lines escaped (appliance/lines.py): a U+2028 in a model name is not a line break.
+# Lines escaped (appliance/http/lines.py): a U+2028 in a model name is not a line break.
 watch_encoder = LineEncoder()
 watch_decoder = msgspec.json.Decoder(WatchEvent)
 announce_decoder = msgspec.json.Decoder(Announce)

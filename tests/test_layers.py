@@ -11,7 +11,7 @@ that crosses a layer fails here (lazy imports inside functions count too).
   `sim` engine, which runs the simulator in-process -- nor of cluster);
   the hub imports nothing of the node or the sim.
 - The decision cores import no trio, no HTTP library and no role shell: only the other
-  cores, the configuration, the wire types and `appliance.http.errors`.
+  cores, the configuration, the wire types, `appliance.http.errors` and `.lines`.
 - Nothing under `appliance.hub.decide` imports prometheus_client: its series are read at
   scrape time from hub/observe/.
 - No import cycles, counting type-only imports (`if TYPE_CHECKING:`) and imports inside
@@ -34,6 +34,7 @@ LAUNCHERS = ("appliance.cli", "appliance.up", "appliance.ctl", "appliance.__main
 ROLES = HUB + NODE + SIM + LAUNCHERS
 
 CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.http.errors",
+         "appliance.http.lines",
          "appliance.hub.decide.priority", "appliance.hub.decide.slots", "appliance.hub.decide.placement", "appliance.hub.decide.fit",
          "appliance.node.state", "appliance.node.health", "appliance.hub.cluster.state",
          "appliance.hub.translate",

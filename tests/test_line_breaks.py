@@ -1,4 +1,4 @@
-"""Every line-framed format survives every Unicode line break (appliance/lines.py).
+"""Every line-framed format survives every Unicode line break (appliance/http/lines.py).
 
 A reader that splits on Unicode line breaks (str.splitlines, httpx's aiter_lines) must read
 what we write as the same lines as one that splits on b"\\n"; and our own readers split on
@@ -16,11 +16,11 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from appliance.http.lines import LineReader, LineTooLong, escape_breaks, iter_lines
 from appliance.hub.fleet.nodes import Registry
 from appliance.hub.fleet.supervisor import supervise
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.translate import anthropic, ollama, responses
-from appliance.lines import LineReader, LineTooLong, escape_breaks, iter_lines
 from appliance.wire import (
     EngineInstall,
     Heartbeat,

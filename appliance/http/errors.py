@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 
 Api = Literal["openai", "ollama", "anthropic"]
 Headers = list[tuple[bytes, bytes]]
 
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 
 # Refusals a retry of the same request cannot cure (DESIGN 9.1): they say so with
 # `x-should-retry: false`, the header the OpenAI SDKs honour, and never carry Retry-After.

@@ -20,8 +20,8 @@ from appliance.bounds import CLEANUP_SECONDS
 from appliance.client.upstream import Pool, UpstreamError
 from appliance.http.asgi import BodyTooLarge, Receive, Send, read_body
 from appliance.http.errors import ApiError
+from appliance.http.lines import escape_breaks
 from appliance.http.respond import send_api_error
-from appliance.lines import escape_breaks
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.engines.ollama import POLL_ERRORS, PolledEngine
 from appliance.node.proxy import NODE_API

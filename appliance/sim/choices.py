@@ -22,7 +22,7 @@ import trio
 from appliance.http.asgi import JSON_HEADERS, Receive, Send
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 from appliance.sim import shape
 from appliance.sim.core import (
     FINGERPRINT,
@@ -37,7 +37,7 @@ from appliance.sim.core import (
     tokens,
 )
 
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 # Choices one request may ask for: OpenAI caps `n` at 128; prompts times n likewise.
 MAX_CHOICES = 128
 

@@ -32,7 +32,7 @@ import trio
 from appliance import __version__
 from appliance.config import SimConfig, SimModel
 from appliance.http.errors import ApiError
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 
 log = logging.getLogger("appliance.sim.server")
 
@@ -43,7 +43,7 @@ _VOCAB = (
     "as operators sleep because nothing failed today except one model that was parked "
     "with its last error shown clearly for all to read"
 ).split()
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 # (text, JSON) of each token: the first word of an answer bare, every later one spaced.
 _FIRST = tuple((w, _enc.encode(w)) for w in _VOCAB)
 _LATER = tuple((" " + w, _enc.encode(" " + w)) for w in _VOCAB)

@@ -23,7 +23,7 @@ from appliance.http.asgi import (
     send_json,
 )
 from appliance.http.errors import ApiError
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 from appliance.sim.core import (
     EMBED_DIM,
     MAX_TOKENS,
@@ -41,7 +41,7 @@ from appliance.sim.core import (
 MAX_BODY = 32 * MiB
 _DETAILS = {"parent_model": "", "format": "sim", "family": "sim", "families": ["sim"],
             "parameter_size": "sim", "quantization_level": "none"}
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 
 
 async def send_sim_json(send: Send, status: int, obj: Any) -> None:

@@ -71,8 +71,8 @@ from appliance.http.asgi import (
 )
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
+from appliance.http.lines import LineEncoder
 from appliance.http.respond import send_api_error
-from appliance.lines import LineEncoder
 from appliance.server.serve import serve
 from appliance.sim import choices, shape
 from appliance.sim import tools as simtools
@@ -106,7 +106,7 @@ log = logging.getLogger("appliance.sim.server")
 # SIGTERM lets in-flight generations finish this long before they are cut.
 DRAIN_SECONDS = 5.0
 _JSON = [*JSON_HEADERS, SIM_HEADER]
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 Handler = Callable[[Scope, Receive, Send, str], Awaitable[None]]  # (scope, receive, send, path)
 
 

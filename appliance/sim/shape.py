@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 # Schemas nest (a $ref to itself: a tree); past this depth a value is the type's simplest.
 MAX_DEPTH = 16
 # Characters of JSON text per streamed piece: about a token's worth of JSON.

@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 # The value each JSON-schema type gets in a simulated call.
 _VALUES = {"string": "sim", "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
 

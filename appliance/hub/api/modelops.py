@@ -36,9 +36,9 @@ from appliance.bounds import CLEANUP_SECONDS, echo
 from appliance.client.upstream import UpstreamError
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, bearer, read_body, send_json
 from appliance.http.errors import ApiError, api_of
+from appliance.http.lines import LineEncoder
 from appliance.http.respond import send_api_error
 from appliance.hub.decide import capable
-from appliance.lines import LineEncoder
 
 if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
@@ -56,7 +56,7 @@ NODES_AT_ONCE = 4
 PULL_LINES_BUFFERED = 64
 DELETED, NOT_FOUND = "deleted", "not found"
 NDJSON = [(b"content-type", b"application/x-ndjson")]
-_enc = LineEncoder()  # lines escaped: appliance/lines.py
+_enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 
 
 class _Body(msgspec.Struct):

@@ -19,8 +19,8 @@ import msgspec
 import trio
 
 from appliance.http.errors import describe
+from appliance.http.lines import LineTooLong, aiter_lines
 from appliance.hub.fleet.nodes import MISSED_HEARTBEATS, NodeHandle, Registry
-from appliance.lines import LineTooLong, aiter_lines
 from appliance.wire import (
     HEARTBEAT_HEADER,
     MAX_WATCH_LINE,

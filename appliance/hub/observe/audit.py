@@ -22,14 +22,14 @@ import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
-from appliance.lines import LineEncoder
+from appliance.http.lines import LineEncoder
 
 if TYPE_CHECKING:
     from appliance.hub.observe.history import Recent
     from appliance.hub.observe.slow import SlowRequests
 
 log = logging.getLogger(__name__)
-# Escaped line breaks (appliance/lines.py): a client picks the model name in its line.
+# Escaped line breaks (appliance/http/lines.py): a client picks the model name in its line.
 _enc = LineEncoder()
 # A full disk fails every line: one log line a minute says so without flooding the log.
 ERROR_LOG_SECONDS = 60.0

@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 import msgspec
 
 from appliance.http.errors import ApiError
+from appliance.http.lines import LineEncoder
 from appliance.hub.translate.usage import Tally, Usage
-from appliance.lines import LineEncoder
 
-enc = LineEncoder()  # lines escaped: appliance/lines.py
+enc = LineEncoder()  # lines escaped: appliance/http/lines.py
 # A single SSE line from an engine: a chunk of a few tokens is < 1 KiB; 1 MiB is absurd.
 SSE_LINE_LIMIT = 1024 * 1024
 
