@@ -34,10 +34,16 @@ class HangupWatch(Protocol):
     # The client stopped reading: a write made no progress for WriteStallSeconds and the
     # connection was ended (audited `client_too_slow`, not a clean answer).
     stalled: bool
+    @property
+    def drained(self) -> bool:
+        """The listener's drain ended before the answer reached the client: the connection
+        was ended there (audited as the drain's cut, `shutting_down`)."""
+        ...
 
     async def delivered(self) -> bool:
         """Before a stream's last bytes: wait (bounded) until what was written has left;
-        False when the client never took it (it is stalled and hung up)."""
+        False when the client never took it (it is stalled and hung up, or the drain
+        ended first: `drained`)."""
         ...
 
     def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
@@ -66,6 +72,12 @@ def stalled(scope: dict[str, Any] | None) -> bool:
     """Did this request's connection end because its client stopped reading?"""
     watch = hangup_watch(scope)
     return watch is not None and watch.stalled
+
+
+def drained(scope: dict[str, Any] | None) -> bool:
+    """Did this request's connection end because the listener's drain ended?"""
+    watch = hangup_watch(scope)
+    return watch is not None and watch.drained
 
 
 async def wait_disconnect(receive: Receive) -> None:

@@ -83,7 +83,15 @@ def unsent(sock: socket.socket) -> int:
 
 
 class WriteStalled(OSError):
-    """A write made no progress for the transport's `stall` seconds, or was aborted."""
+    """A write made no progress for the transport's `stall` seconds (`drained` False), or
+    was aborted at the drain's end (`drained` True)."""
+
+    def __init__(self, drained: bool, message: str) -> None:
+        super().__init__(errno.ETIMEDOUT, message)
+        self.drained = drained
+
+
+_ABORTED = "the connection was aborted at the drain's end"
 
 
 async def send_all(sock: socket.socket, data: bytes, shield: bool = True,
@@ -122,8 +130,8 @@ class Transport:
     @contextlib.contextmanager
     def waiting(self, shield: bool) -> Iterator[None]:
         """One wait of a write: shielded as asked, ended by the stall or by `abort`."""
-        if trio.current_time() >= self._by:
-            raise WriteStalled(errno.ETIMEDOUT, "the connection was aborted at the drain's end")
+        if self.aborted:
+            raise WriteStalled(True, _ABORTED)
         scope = trio.CancelScope(shield=shield,
                                  deadline=min(trio.current_time() + self.stall, self._by))
         self._wait = scope
@@ -133,20 +141,26 @@ class Transport:
         finally:
             self._wait = None
         if scope.cancelled_caught:
-            raise WriteStalled(errno.ETIMEDOUT,
-                               f"the peer read nothing for {self.stall:g} s"
-                               if trio.current_time() < self._by else
-                               "the connection was aborted at the drain's end")
+            if self.aborted:
+                raise WriteStalled(True, _ABORTED)
+            raise WriteStalled(False, f"the peer read nothing for {self.stall:g} s")
+
+    @property
+    def aborted(self) -> bool:
+        """The drain's end (`abort_by`) has come: no write waits any more."""
+        return trio.current_time() >= self._by
 
     async def wait_sent(self) -> bool:
         """Whether every byte written has left (the peer's window took it), waiting for it
-        at most `stall` seconds and not past `abort_by`'s deadline: a stream's end, so a
-        client that read nothing of an answer the socket buffers held is not taken for
-        one that received it."""
-        deadline = min(trio.current_time() + self.stall, self._by)
+        at most `stall` seconds and not past `abort_by`'s deadline -- read at each look, so
+        a drain that begins while it waits ends it too (`aborted` then says so): a stream's
+        end, so a client that read nothing of an answer the socket buffers held is not
+        taken for one that received it."""
+        stall_end = trio.current_time() + self.stall
         pause = 0.001
         while unsent(self.sock) > 0:
             now = trio.current_time()
+            deadline = min(stall_end, self._by)
             if now >= deadline:
                 return False
             with trio.CancelScope(shield=True):  # bounded by `deadline`

@@ -36,6 +36,7 @@ class Sender:
         self.lock = trio.Lock()
         self.broken = False  # a write failed
         self.stalled = False  # ... because the client read nothing for WriteStallSeconds
+        self._drained = False  # ... or because the drain ended (the listener stops)
         self.new_response("GET", "1.1")
 
     def new_response(self, method: str, version: str) -> None:
@@ -48,6 +49,12 @@ class Sender:
         self.framing = ""  # "sized", "chunked", "close", "none"
         self.out_left = 0
         self.done = False
+
+    @property
+    def drained(self) -> bool:
+        """The listener's drain ended this connection (a write, or the wait for one to
+        leave, was cut there), or its end has come while the answer still runs."""
+        return self._drained or self.transport.aborted
 
     def closing(self) -> bool:
         """Whether the connection ends after this answer (the connection decides)."""
@@ -122,12 +129,17 @@ class Sender:
         """Before a stream's last bytes (http/disconnect.py's HangupWatch): the socket
         buffers may hold the whole answer for a client that reads nothing. Waits (bounded
         by the write stall) until what was written has left; if it never does, the client
-        is too slow: the connection ends as for a stalled write (False)."""
+        is too slow: the connection ends as for a stalled write (False) -- or the drain
+        ended first (False, `drained`)."""
         if self.broken or self.framing not in ("chunked", "close"):
-            return not self.stalled
+            return not (self.stalled or self.drained)
         if await self.transport.wait_sent():
             return True
-        self.stalled = self.broken = True
+        self.broken = True
+        if self.transport.aborted:
+            self._drained = True
+        else:
+            self.stalled = True
         self.cycle.server(BROKEN)
         self.stop_waiting()
         return False
@@ -145,7 +157,8 @@ class Sender:
         try:
             await self.transport.send_all(data, shield)
         except OSError as e:
-            self.stalled = isinstance(e, WriteStalled)
+            if isinstance(e, WriteStalled):
+                self._drained, self.stalled = e.drained, not e.drained
             self.broken = True
             self.cycle.server(BROKEN)
             self.stop_waiting()  # receive() says http.disconnect now

@@ -16,7 +16,7 @@ from typing import Any
 
 from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
-from appliance.http.disconnect import delivered
+from appliance.http.disconnect import delivered, drained
 from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.api.requestid import request_id
 from appliance.hub.decide import limits
@@ -222,7 +222,10 @@ class Request:
         was sent has left for the client (a client that read none of a stream the socket
         buffers held is hung up there: audited client_too_slow, never a clean 200)."""
         if not await delivered(self.scope):
-            self.status, self.error = 499, "client_too_slow"
+            if drained(self.scope):  # the drain ended before the client took it
+                self.error = "shutting_down"
+            else:
+                self.status, self.error = 499, "client_too_slow"
             self.finish()
             return
         self.finish()

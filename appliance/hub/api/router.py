@@ -32,7 +32,7 @@ from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import AuthConfig, ClientConfig
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, decode_json, read_body
 from appliance.http.budget import hold_decoded
-from appliance.http.disconnect import cancel_on_disconnect, stalled
+from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
 from appliance.http.errors import ApiError
 from appliance.http.keys import request_key
 from appliance.hub import translate
@@ -141,6 +141,8 @@ async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
             except Exception:  # the response had already started: the connection just ends
                 pass
     finally:
+        if not req.done and not req.error and drained(scope):
+            req.error = "shutting_down"  # cut by the listener at the drain's end
         req.finish()  # synchronous: nothing in it can be cancelled
 
 
@@ -197,6 +199,8 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
     if gone.gone:
         if stalled(req.scope):  # it stopped reading: its place is back, nothing was delivered
             req.status, req.error = 499, "client_too_slow"
+        elif drained(req.scope):  # the listener's drain ended it
+            req.error = "shutting_down"
         else:  # audited as the hang-up, whatever had started (its tokens are counted)
             req.status, req.error = hangup()
 

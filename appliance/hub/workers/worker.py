@@ -33,7 +33,7 @@ from appliance import config as config_mod
 from appliance.client.upstream import Pool
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body
-from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub import translate
@@ -284,7 +284,12 @@ class Worker:
                 async with cancel_on_disconnect(receive, lambda: req.done, scope) as client:
                     ended = await self._serve(conn, req, inbox, cuts, send, body, report)
                 if client.gone and req.status:  # mid-answer: what was relayed is counted
-                    req.status, req.error = 499, "client_disconnected"
+                    if drained(scope):  # the listener's drain ended it (as the router says)
+                        req.error = "shutting_down"
+                    elif stalled(scope):
+                        req.status, req.error = 499, "client_too_slow"
+                    else:
+                        req.status, req.error = 499, "client_disconnected"
                     await report()
                 elif client.gone:  # before the relay: the main audits it as the client's
                     with trio.move_on_after(ACK_SECONDS, shield=True):
