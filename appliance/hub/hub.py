@@ -44,6 +44,7 @@ UPLOAD_SLACK = 64 * 1024
 
 if TYPE_CHECKING:
     from appliance.hub.cluster.member import Member
+    from appliance.hub.store.responses import Background
     from appliance.hub.store.runner import Batches
     from appliance.hub.store.store import Store
     from appliance.hub.workers.workerset import WorkerSet
@@ -91,6 +92,7 @@ class Hub:
         # with Store__Path (run_hub opens it; hub/store/): files, batches, stored responses
         self.store: Store | None = None
         self.batches: Batches | None = None
+        self.background: Background | None = None  # background: true responses
 
     def hubs_alive(self) -> int:
         """Hubs in the cluster view (this one counted), 1 without a cluster."""

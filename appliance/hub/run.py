@@ -132,6 +132,7 @@ async def _store(hub: Hub, *,
                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Store__Path: files, batches, stored responses (hub/store/); batches resume here."""
     from appliance.hub.api.router import handle_inference
+    from appliance.hub.store.responses import Background
     from appliance.hub.store.runner import Batches
     from appliance.hub.store.store import open_store
 
@@ -140,10 +141,13 @@ async def _store(hub: Hub, *,
     if hub.store is None:
         task_status.started()
         return
-    hub.batches = Batches(lambda: hub.cfg, hub.store, partial(handle_inference, hub))
+    serve = partial(handle_inference, hub)
+    hub.batches = Batches(lambda: hub.cfg, hub.store, serve)
+    hub.background = Background(lambda: hub.cfg, hub.store, serve)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hub.store.sweep_every)
         await nursery.start(hub.batches.run)
+        await nursery.start(hub.background.run)
         task_status.started()
 
 

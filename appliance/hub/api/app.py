@@ -33,8 +33,8 @@ from appliance.http.asgi import (
 )
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
+from appliance.hub.api import responses, status, stored, ui
 from appliance.hub.api import routes as apiroutes
-from appliance.hub.api import status, stored, ui
 from appliance.hub.api.router import allowed, authenticate, handle_inference
 from appliance.hub.cluster.etcd import EtcdError
 from appliance.hub.fleet import announce
@@ -72,7 +72,10 @@ def make_app(hub: Hub) -> App:
             if method != "POST":
                 await _error(send, path, 405, "method_not_allowed", f"{echo_path(path)} takes POST")
                 return
-            await handle_inference(hub, scope, receive, send, api)
+            if path == "/v1/responses" and hub.store is not None:
+                await responses.create(hub, scope, receive, send)  # stored, chained, background
+            else:
+                await handle_inference(hub, scope, receive, send, api)
             return
         if await apiroutes.handle(hub, scope, receive, send):
             return

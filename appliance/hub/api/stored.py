@@ -1,7 +1,8 @@
-"""The routes over stored objects, by path: files, batches, message batches (and, as they
-land, stored responses and conversations).
+"""The routes over stored objects, by path: files, batches, message batches, stored
+responses (`/v1/responses/{id}`; the create is the router's, responses.create) and
+conversations.
 
-Theory of operation: `handle` answers a path under one of PREFIXES and returns True, or
+Theory of operation: `handle` answers a path under one of its prefixes and returns True, or
 returns False and leaves the request to the app. It authenticates (objects.caller) and
 renders every refusal in the API's own shape (`/v1/messages/...` Anthropic's, the rest
 OpenAI's); what each route does is its module's.
@@ -14,13 +15,12 @@ from typing import TYPE_CHECKING
 from appliance.http.asgi import Receive, Scope, Send
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
-from appliance.hub.api import batches, files
+from appliance.hub.api import batches, conversations, files, responses
 from appliance.hub.api.objects import caller
 
 if TYPE_CHECKING:
     from appliance.hub.hub import Hub
 
-PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
 
 
 def _rest(path: str, prefix: str) -> list[str] | None:
@@ -35,7 +35,9 @@ def _rest(path: str, prefix: str) -> list[str] | None:
 async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send) -> bool:
     path = scope["path"]
     for prefix, fn in (("/v1/files", files.handle), ("/v1/batches", batches.handle_openai),
-                       ("/v1/messages/batches", batches.handle_anthropic)):
+                       ("/v1/messages/batches", batches.handle_anthropic),
+                       ("/v1/responses", responses.handle),
+                       ("/v1/conversations", conversations.handle)):
         rest = _rest(path, prefix)
         if rest is None:
             continue

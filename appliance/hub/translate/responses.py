@@ -1,7 +1,9 @@
 """OpenAI's Responses API (`POST /v1/responses`) onto chat completions.
 
-Theory of operation: the hub keeps no conversation state, so `previous_response_id` is a
-400 that says so; everything else is stateless and maps onto one chat-completions body:
+Theory of operation: this module keeps no conversation state: the hub's store rebuilds a
+`previous_response_id` chain or a `conversation` into `input` (hub/api/responses.py,
+HUB_FIELDS); without one `previous_response_id` is a 400 that says so. Everything else is
+stateless and maps onto one chat-completions body:
 `instructions` the system message, `input` a string (one user turn) or a list of items
 (messages with input_text/output_text/input_image parts, `function_call` items as the
 assistant's tool calls, `function_call_output` items as tool messages), function tools
@@ -120,9 +122,17 @@ def _text_format(obj: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "name": name, "schema": schema, "strict": strict}
 
 
+# Set by the hub's store (hub/api/responses.py) on a body it rebuilt from a chain or a
+# conversation: the response's id and the fields a stored response echoes (a client's own
+# is dropped there). Without a store, previous_response_id stays a 400.
+HUB_FIELDS = "hub_stored"
+ECHOED = ("id", "previous_response_id", "store", "background", "conversation")
+
+
 def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool, dict[str, Any]]:
     """(OpenAI chat body, stream, the request fields the response object echoes)."""
-    if obj.get("previous_response_id") is not None:
+    stored = obj.get(HUB_FIELDS)
+    if obj.get("previous_response_id") is not None and not isinstance(stored, dict):
         raise bad(
             "previous_response_id is not supported: this hub stores no responses; send the whole "
                   "conversation in 'input'", "previous_response_id")
@@ -182,6 +192,8 @@ def request(obj: dict[str, Any], model: str) -> tuple[dict[str, Any], bool, dict
             "top_p": out.get("top_p"), "tools": tools or [], "tool_choice": tc or "auto",
             "text": {"format": fmt},
             "metadata": obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}}
+    if isinstance(stored, dict):
+        echo.update({k: stored[k] for k in ECHOED if k in stored})
     return out, stream, echo
 
 
