@@ -24,8 +24,8 @@ run: $(STAMP)
 LLAMA_VERSION := 0.3.36
 LLAMA_STAMP := $(VENV)/.llamacpp-$(LLAMA_VERSION)
 
-$(LLAMA_STAMP): $(STAMP) tests/llama_cache.py
-	$(BIN)/python tests/llama_cache.py
+$(LLAMA_STAMP): $(STAMP) tests/harness/llama_cache.py
+	$(BIN)/python tests/harness/llama_cache.py
 	touch $(LLAMA_STAMP)
 
 llamacpp-wheel: $(LLAMA_STAMP)
@@ -37,13 +37,13 @@ APPLIANCE_CACHE_DIR ?= $(HOME)/.cache/appliance
 LLAMA_SERVER := $(APPLIANCE_CACHE_DIR)/llama-server-$(LLAMA_VERSION)/llama-server
 
 $(LLAMA_SERVER): | $(STAMP)
-	$(BIN)/python tests/llama_cache.py --server
+	$(BIN)/python tests/harness/llama_cache.py --server
 
 llama-server: $(LLAMA_SERVER)
 
-# systemd-analyze (tests/test_systemd_units.py), promtool (tests/test_alerts.py,
-# tests/test_dashboard.py), headless chromium + chromedriver (tests/test_ui_browser.py),
-# etcd (tests/test_ha_e2e.py): Debian's packages, only when missing; the dpkg lock is
+# systemd-analyze (tests/packaging/test_systemd_units.py), promtool (tests/packaging/test_alerts.py,
+# tests/packaging/test_dashboard.py), headless chromium + chromedriver (tests/e2e/test_ui_browser.py),
+# etcd (tests/e2e/test_ha_e2e.py): Debian's packages, only when missing; the dpkg lock is
 # waited for (others may run apt).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -53,16 +53,16 @@ test-deps:
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends systemd; }
 	@command -v promtool >/dev/null || { \
-	  echo "installing Debian's prometheus (for promtool: tests/test_alerts.py)"; \
+	  echo "installing Debian's prometheus (for promtool: tests/packaging/test_alerts.py)"; \
 	  $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { \
-	  echo "installing Debian's chromium and chromium-driver (for tests/test_ui_browser.py)"; \
+	  echo "installing Debian's chromium and chromium-driver (for tests/e2e/test_ui_browser.py)"; \
 	  $(SUDO) apt-get -o DPkg::Lock::Timeout=600 update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
 	    --no-install-recommends chromium chromium-driver; }
 	@command -v etcd >/dev/null || test -x /usr/bin/etcd || { \
-	  echo "installing Debian's etcd-server (for etcd: tests/test_ha_e2e.py)"; \
+	  echo "installing Debian's etcd-server (for etcd: tests/e2e/test_ha_e2e.py)"; \
 	  $(SUDO) apt-get -o DPkg::Lock::Timeout=600 update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
 	    --no-install-recommends etcd-server; }

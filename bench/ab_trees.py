@@ -21,7 +21,7 @@ import time
 import httpx
 import trio
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import cpu_seconds, run_load  # noqa: E402
 from procs import Proc  # noqa: E402

@@ -16,8 +16,8 @@ before any request. Cases, each run against both hubs:
 - hub CPU per request (utime + stime of the hub process over the `own` case).
 
 `--llama`: the `own` case on three `Engine__Kind=llamacpp` nodes running llama.cpp's own
-llama-server (the cached build of tests/llama_cache.py, `make llama-server`) with the
-suite's tiny GGUF (tests/make_gguf.py: 256 tokens of context, so short chats; blocks of 32
+llama-server (the cached build of tests/harness/llama_cache.py, `make llama-server`) with the
+suite's tiny GGUF (tests/harness/make_gguf.py: 256 tokens of context, so short chats; blocks of 32
 bytes), affinity off vs on: llama-server's reported cached/prompt and TTFT p50.
 
 Streams with `stream_options.include_usage`; TTFT is the client's time to its first
@@ -43,7 +43,8 @@ from typing import Any
 import httpx
 import trio
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests.e2e.test_clients_matrix
 from procs import Procs, wait_until  # noqa: E402
 
 TOKEN = "bench"
@@ -77,7 +78,8 @@ def use_llama() -> str:
     """Switch the chats to the tiny GGUF on llama-server; returns the server's path."""
     global MODEL, CONTEXT_BYTES, USER_BYTES, MAX_TOKENS, WORDS, ENGINE
     import make_gguf
-    from test_clients_matrix import LLAMA_SERVER
+
+    from tests.e2e.test_clients_matrix import LLAMA_SERVER
 
     if LLAMA_SERVER is None:
         sys.exit("llama-server is not built here: make llama-server")
@@ -114,7 +116,7 @@ class Fleet:
                "Sim__CacheTokens": "32768",
                "Sim__PrefillTokensPerSecond": "4000"}
         if ENGINE == "llama":
-            from test_clients_matrix import LLAMA_SERVER
+            from tests.e2e.test_clients_matrix import LLAMA_SERVER
 
             env = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
                    "Node__AnnounceSeconds": "1", "Node__MemoryMb": "1000",
@@ -308,7 +310,7 @@ def same_node_share(fleet: Fleet, seed: int) -> float:
 
 
 def run_ha(args: argparse.Namespace) -> dict[str, float]:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
     from etcd_proc import EtcdProc
 
     etcd = EtcdProc(os.path.join(tempfile.mkdtemp(prefix="affinity-etcd-"), "etcd"))

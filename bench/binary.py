@@ -21,8 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_binary import ROLE_ENV, NotifySocket, Running, bare_env, build_binary, rss_mib  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.packaging.test_binary import (  # noqa: E402
+    ROLE_ENV,
+    NotifySocket,
+    Running,
+    bare_env,
+    build_binary,
+    rss_mib,
+)
 
 UP_ENV = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Engine__Kind": "sim",
           "Hub__DrainSeconds": 3}

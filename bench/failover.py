@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 from etcd_proc import EtcdProc  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 

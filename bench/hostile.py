@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "harness"))
 
 from procfs import fd_count as fds  # noqa: E402
 from procfs import rss_kb  # noqa: E402

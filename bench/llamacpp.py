@@ -3,13 +3,13 @@
 Run: .venv/bin/python bench/llamacpp.py [--server llama-server|llama_cpp|both]
                                         [--requests N] [--tokens N]
 
-Runs on the real servers the `llamacpp` tests run on (tests/llama_cache.py, the same
+Runs on the real servers the `llamacpp` tests run on (tests/harness/llama_cache.py, the same
 Engine__Command as tests/conftest.py's `real_server`): llama.cpp's own `llama-server` (the
 cached build, `make llama-server`) and llama-cpp-python's `python -m llama_cpp.server`
 (`make llamacpp-wheel`). `--server both` (the default) runs each that is installed, side by
 side in one run; one that is not is skipped with a line saying why. Per server it starts,
 on loopback, a real `appliance hub` and one `appliance node` (Engine__Kind=llamacpp, that
-server's Engine__Command) with the seeded tiny GGUF of tests/make_gguf.py as an on-demand
+server's Engine__Command) with the seeded tiny GGUF of tests/harness/make_gguf.py as an on-demand
 catalog model. Nothing is loaded until the first request. Then, in one run:
 
 1. Cold start. One streamed chat through the hub with the official `openai` client. The time
@@ -57,7 +57,7 @@ from pathlib import Path
 import httpx
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "harness"))
 import llama_cache  # noqa: E402
 import make_gguf  # noqa: E402
 from procs import Proc, Procs, wait_until  # noqa: E402

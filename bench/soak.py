@@ -32,7 +32,7 @@ import httpx
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "harness"))
 
 from procfs import close_wait, fd_count, rss_kb, socket_inodes  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402

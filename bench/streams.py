@@ -39,7 +39,7 @@ import time
 
 import trio
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 from procs import Procs, wait_until  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")

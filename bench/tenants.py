@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import trio
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 from procs import Procs, wait_until  # noqa: E402
 
 TOKEN = "bench"

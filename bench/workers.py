@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 import procfs  # noqa: E402
 from procfs import children  # noqa: E402
 from procs import Procs  # noqa: E402

@@ -1,14 +1,15 @@
-"""Shared fixtures: `procs` starts real appliance processes (see tests/procs.py); `wire` is
-each kind of listener, plain and TLS, for the suites that run over both (tests/wire.py);
+"""Shared fixtures: `procs` starts real appliance processes (see tests/harness/procs.py); `wire` is
+each kind of listener, plain and TLS, for the suites that run over both (tests/harness/wire.py);
 `real_server` is each real llama.cpp server the `llamacpp` tests run on, `llama_server_bin`
-the cached llama-server binary (both from tests/llama_cache.py)."""
+the cached llama-server binary (both from tests/harness/llama_cache.py)."""
 
 from pathlib import Path
 
-import llama_cache
 import pytest
-from procs import procs  # noqa: F401  (fixture)
-from wire import KINDS, Wire, have_openssl, make_pki
+
+from tests.harness import llama_cache
+from tests.harness.procs import procs  # noqa: F401  (fixture)
+from tests.harness.wire import KINDS, Wire, have_openssl, make_pki
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from test_control import KEV_ERROR, FakeAudit, make
 
 from appliance import ctl
 from appliance.http.errors import ApiError
@@ -17,6 +16,7 @@ from appliance.hub.api import admin
 from appliance.hub.decide.affinity import Affinity
 from appliance.hub.decide.control import Control
 from appliance.hub.fleet.nodes import Registry
+from tests.hub.decide.test_control import KEV_ERROR, FakeAudit, make
 
 
 async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:

@@ -64,7 +64,7 @@ def test_announcements_are_decoded_or_refused_in_shape(body, name, url):
     try:
         announce_decoder.decode(body)
     except (msgspec.DecodeError, RecursionError):
-        pass  # the app answers these 400 (tests/test_hostile_e2e.py)
+        pass  # the app answers these 400 (tests/e2e/test_hostile_e2e.py)
     try:
         announce.check_shape(name, url)
     except ApiError as e:

@@ -5,7 +5,7 @@ say. A head is whatever precedes the first CRLF CRLF; `parse_head` either return
 a `Head` (method, target, version, headers with lower-case names, the body's framing,
 keep-alive, Expect: 100-continue) or raises `BadRequest` with the status to answer --
 the server then closes the connection, nothing behind the head is read. It accepts
-less than h11 does, never more (tests/test_h1parse.py checks that against h11):
+less than h11 does, never more (tests/h1/test_h1parse.py checks that against h11):
 
 - CRLF line ends only; no blank line before the request line; a request line of exactly
   `TOKEN SP TARGET SP HTTP/1.x` (a target of visible ASCII, at most MAX_TARGET bytes,

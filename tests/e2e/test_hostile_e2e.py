@@ -1,0 +1,419 @@
+"""Hostile clients and rogue boxes, against real processes (issue 10).
+
+One fleet for the whole module: a hub with keys required, an admin key and an audit file,
+short read deadlines and small bounds, and three announcing sim nodes -- node3 with its
+own per-node token. Each case sends what an attacker would, asserts the answer, and then
+`healthy()` checks that an ordinary request still succeeds, that /metrics stayed small
+and that the hub's memory stayed within bounds. The whole module runs twice: the hub's
+API on a plain listener and on a TLS one (tests/harness/wire.py; the nodes verify it with the
+test CA) -- one connection serves both, and both must hold every rule.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import socketserver
+import ssl
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.harness.procfs import fd_count, rss_kb
+from tests.harness.procs import Procs, wait_until
+from tests.harness.wire import KINDS, Wire
+
+pytestmark = pytest.mark.e2e
+
+TOKEN, TOKEN3, KEY, ADMIN = "shared-node-token", "node3-own-token", "alice-key", "admin-key"
+MiB = 1024 * 1024
+HEADER_S, BODY_S = 1, 3
+MAX_CONNECTIONS = 64
+MAX_BUFFERED = 48 * MiB
+FORGET_S = 4
+MAX_NODES = 40
+# Generous bounds for a shared 2-core box: the point is "bounded", not "fast".
+RSS_LIMIT_KB = 600 * 1024
+METRICS_GROWTH = 16 * 1024
+
+
+# The hub's TLS client context while the TLS fleet runs (raw sockets to https URLs use it).
+TLS: dict[str, ssl.SSLContext] = {}
+
+
+def connect(url: str, timeout: float) -> socket.socket:
+    """A blocking client socket to `url` (TLS-wrapped for https)."""
+    host, port = url.split("//")[1].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=timeout)
+    if url.startswith("https://"):
+        return TLS["ctx"].wrap_socket(s, server_hostname=host)
+    return s
+
+
+class Fleet:
+    def __init__(self, tmp, wire) -> None:
+        self.wire = wire
+        self.verify = wire.ssl_context or True
+        self.procs = Procs()
+        self.audit = tmp / "audit.jsonl"
+        self.hub = self.procs.hub({
+            "Auth__NodeToken": TOKEN, "Auth__Nodes__0__Name": "node3",
+            "Auth__Nodes__0__Token": TOKEN3,
+            "Auth__RequireKeys": "true", "Auth__Clients__0__Name": "alice",
+            "Auth__Clients__0__Key": KEY,
+            "Auth__AdminKey": ADMIN, "Audit__Path": str(self.audit),
+            "Hub__HeaderReadSeconds": str(HEADER_S), "Hub__BodyReadSeconds": str(BODY_S),
+            "Hub__MaxConnections": str(MAX_CONNECTIONS), "Hub__MaxBufferedBytes": str(MAX_BUFFERED),
+            "Hub__ForgetNodeSeconds": str(FORGET_S), "Hub__ReconnectMaxSeconds": "0.5",
+            "Hub__MaxNodes": str(MAX_NODES), **wire.env,
+        })
+        self.url = self.hub.url
+        self.metrics_url = self.hub.urls["metrics"]
+        for name, models, extra in (("node1", ["sim-small"], {}), ("node2", ["sim-small", "only-2"],
+                                                                   {}),
+                                    ("node3", ["sim-small", "only-3"],
+                                     {"Auth__Nodes__0__Name": "node3",
+                                      "Auth__Nodes__0__Token": TOKEN3})):
+            env = {"Hub__Url": self.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+                   **({"Node__TlsCa": wire.ca} if wire.tls else {}),
+                   "Node__HeaderReadSeconds": str(HEADER_S), "Node__BodyReadSeconds": str(BODY_S),
+                   **extra}
+            for i, m in enumerate(models):
+                env[f"Sim__Models__{i}__Name"] = m
+            setattr(self, name, self.procs.node(name, env))
+        wait_until(lambda: self.up() >= {"node1", "node2", "node3"}, timeout=30,
+                   what="three nodes up")
+        self.metrics_base = len(self.scrape())
+
+    def admin(self, method: str, path: str) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers={"authorization": f"Bearer {ADMIN}"},
+                             timeout=10, verify=self.verify)
+
+    def nodes(self) -> dict[str, dict]:
+        return {n["name"]: n for n in self.admin("GET", "/admin/nodes").json()["nodes"]}
+
+    def up(self) -> set[str]:
+        return {name for name, n in self.nodes().items() if n["status"] == "up"}
+
+    def scrape(self) -> bytes:
+        return httpx.get(self.metrics_url + "/metrics", timeout=10).content
+
+    def chat(self, model: str = "sim-small", **kw) -> httpx.Response:
+        return httpx.post(self.url + "/v1/chat/completions",
+                          headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                "max_tokens": 3}, verify=self.verify, **kw)
+
+    def announce(self, name: str, url: str, token: str = TOKEN) -> httpx.Response:
+        return httpx.post(self.url + "/api/nodes/announce",
+                          headers={"authorization": f"Bearer {token}"},
+                          json={"name": name, "url": url}, timeout=10, verify=self.verify)
+
+    def audit_lines(self) -> list[dict]:
+        return [json.loads(x) for x in self.audit.read_text().splitlines() if x.strip()]
+
+    def rss_kb(self) -> int:
+        return rss_kb(self.hub.pid)
+
+    def fds(self) -> int:
+        return fd_count(self.hub.pid)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def fleet(request, tmp_path_factory):
+    wire = (Wire("tls", request.getfixturevalue("wire_pki")) if request.param == "tls"
+            else Wire("plain"))
+    if wire.ssl_context is not None:
+        TLS["ctx"] = wire.ssl_context
+    f = Fleet(tmp_path_factory.mktemp("hostile"), wire)
+    try:
+        yield f
+    except BaseException:
+        print("\n".join(f.hub.stderr_lines[-30:]))
+        raise
+    finally:
+        f.procs.close()
+
+
+def healthy(f: Fleet) -> None:
+    """After every case: an ordinary request works, /metrics and memory stayed bounded."""
+    r = f.chat()
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+    assert len(f.scrape()) < f.metrics_base + METRICS_GROWTH
+    assert f.rss_kb() < RSS_LIMIT_KB
+
+
+class Listener:
+    """A would-be thief's listener: counts the connections the hub makes to it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        outer = self
+
+        class H(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer.count += 1
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def read_all(s: socket.socket) -> bytes:
+    got = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except OSError:  # a timeout, a reset; a TLS peer gone without close_notify
+            return got
+        if not chunk:
+            return got
+        got += chunk
+
+
+def raw(url: str, data: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
+    """Send `data` on a fresh connection; (everything answered, whether the server closed)."""
+    s = connect(url, wait)
+    try:
+        s.sendall(data)
+        got = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                return got, False
+            except OSError:  # a reset; a TLS peer gone without close_notify
+                return got, True
+            if not chunk:
+                return got, True
+            got += chunk
+    finally:
+        s.close()
+
+
+# --- rogue boxes --------------------------------------------------------------------------
+
+
+def test_a_token_holder_cannot_take_over_a_reachable_node(fleet):
+    f = fleet
+    thief = Listener()
+    try:
+        r = f.announce("node2", f"http://127.0.0.1:{thief.port}")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "node_name_taken"
+        # node3 has its own token: the shared one cannot even announce its name.
+        assert f.announce("node3", f"http://127.0.0.1:{thief.port}").status_code == 401
+        for model in ["only-2"] * 20:
+            assert f.chat(model).status_code == 200
+        requests = [x for x in f.audit_lines() if x["kind"] == "request" and x["model"] == "only-2"]
+        assert len(requests) >= 20 and {x["node"] for x in requests} == {"node2"}
+        assert thief.count == 0
+        refused = [x for x in f.audit_lines() if x["kind"] == "node_refused"]
+        assert {x["node"] for x in refused} >= {"node2",
+                                                "node3"} and all(x["source"] == "127.0.0.1"
+                                                                 for x in refused)
+        f.hub.wait_stderr(r"announcement refused from 127\.0\.0\.1 \(name 'node2'\)")
+        # node3 announced and is dialled with its own token.
+        assert f.nodes()["node3"]["status"] == "up" and f.chat("only-3").status_code == 200
+    finally:
+        thief.close()
+    healthy(f)
+
+
+def test_the_hub_dials_nothing_outside_its_networks_or_with_a_path(fleet):
+    f = fleet
+    thief = Listener()
+    try:
+        for url in (f"http://127.0.0.1:{thief.port}/some/path?q=1",
+                    f"http://u:p@127.0.0.1:{thief.port}",
+                    f"http://127.0.0.1:{thief.port}/#frag"):
+            r = f.announce("evil-path", url)
+            assert r.status_code == 400, (url, r.text)
+        for url in ("http://169.254.169.254:80", "http://8.8.8.8:80", "http://[fe80::1]:80"):
+            r = f.announce("evil-net", url)
+            assert r.status_code == 403 and "Hub__NodeNetworks" in r.json()[
+                "error"]["message"], r.text
+        assert f.announce("evil", "http://no-such-host.invalid:80").status_code == 400
+        time.sleep(0.5)
+        assert thief.count == 0
+        assert not {"evil-path", "evil-net", "evil"} & set(f.nodes())
+    finally:
+        thief.close()
+    healthy(f)
+
+
+def test_bad_names_are_refused_and_not_echoed_whole(fleet):
+    f = fleet
+    for name in ("n" * 60_000, "a\x00b", "../../etc/passwd", "node 3", ""):
+        r = f.announce(name, "http://127.0.0.1:1")
+        assert r.status_code == 400 and len(r.content) < 1000, name[:20]
+    healthy(f)
+
+
+def test_ghosts_are_forgotten_ctl_forget_works_and_the_fleet_is_bounded(fleet):
+    f = fleet
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()  # nothing listens there
+    with httpx.Client(base_url=f.url, verify=f.verify, headers={"authorization": f"Bearer {TOKEN}"},
+                      timeout=10) as c:
+        codes = [c.post("/api/nodes/announce", json={"name": f"ghost-{i}",
+                                                     "url": f"http://127.0.0.1:{port}"}).status_code
+                 for i in range(MAX_NODES + 5)]
+    # Hub__MaxNodes: 3 real nodes + 37 ghosts, then 503 (unless a ghost was forgotten meanwhile).
+    assert codes[:MAX_NODES - 3] == [200] * (MAX_NODES - 3) and 503 in codes
+    assert len(f.nodes()) <= MAX_NODES
+    assert f.admin("DELETE", "/admin/nodes/ghost-0").status_code == 200
+    assert "ghost-0" not in f.nodes()
+    # The rest are forgotten once unreachable for Hub__ForgetNodeSeconds; the real nodes stay.
+    wait_until(lambda: not any(n.startswith("ghost-") for n in f.nodes()), timeout=30,
+               what="ghosts forgotten")
+    assert f.up() >= {"node1", "node2", "node3"}
+    forgotten = {x["node"] for x in f.audit_lines() if x["kind"] == "node_forgotten"}
+    assert len(forgotten) >= MAX_NODES - 4
+    assert all(n.startswith("ghost-") for n in forgotten)
+    healthy(f)
+
+
+# --- hostile clients ----------------------------------------------------------------------
+
+
+def test_unknown_model_names_do_not_grow_metrics(fleet):
+    f = fleet
+    before = len(f.scrape())
+    with httpx.Client(base_url=f.url, headers={"authorization": f"Bearer {KEY}"}, timeout=30,
+                      verify=f.verify) as c:
+        for i in range(2000):
+            r = c.post("/v1/chat/completions", json={"model": f"no-such-model-{i}", "messages": []})
+            assert r.status_code == 404
+        for i in range(20):
+            r = c.post("/api/chat", json={"model": f"{i}" + "x" * 100_000, "messages": []})
+            assert r.status_code == 404 and len(r.content) < 400
+        r = c.post("/v1/chat/completions", json={"model": "../../x\x00y", "messages": []})
+        assert r.status_code == 404
+    assert len(f.scrape()) - before < 1024
+    assert 'model="other"' in f.scrape().decode()
+    healthy(f)
+
+
+CHAT = json.dumps({"model": "sim-small", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 2}).encode()
+HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer " + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\n")
+
+
+def chunked(body: bytes) -> bytes:
+    return hex(len(body))[2:].encode() + b"\r\n" + body + b"\r\n0\r\n\r\n"
+
+
+def test_request_smuggling_is_refused_and_the_connection_closed(fleet):
+    f = fleet
+    smuggled = b"GET /health HTTP/1.1\r\nHost: hub\r\n\r\n"
+    got, closed = raw(f.url,
+                      HEAD + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(
+                          CHAT) + smuggled)
+    assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1 and closed, got[:300]
+    assert b"Transfer-Encoding" in got
+    # Two different lengths; a chunk size that is not hex.
+    got, closed = raw(f.url, HEAD + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n" + CHAT)
+    assert got.startswith(b"HTTP/1.1 400") and closed
+    got, closed = raw(f.url, HEAD + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nxx\r\n0\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 400") and closed
+    # The same on the node API and on the metrics listener.
+    for url in (f.node1.url, f.metrics_url):
+        got, closed = raw(url, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+                               b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
+        assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1 and closed, (url,
+                                                                                             got[:200])
+    healthy(f)
+
+
+def test_slow_heads_and_bodies_are_cut_with_408(fleet):
+    f = fleet
+    got, closed = raw(f.url, b"GET /health HTTP/1.1\r\nHost: hub\r\n", wait=HEADER_S + 20)
+    assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got and closed, got
+    got, closed = raw(f.url, HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": "sim',
+                      wait=BODY_S + 20)
+    assert got.startswith(b"HTTP/1.1 408") and closed, got
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    got, closed = raw(f.node1.url, b"GET /health HTTP/1.1\r\nHost: x\r\n", wait=HEADER_S + 20)
+    assert got.startswith(b"HTTP/1.1 408") and closed
+    healthy(f)
+
+
+def test_huge_headers_deep_json_and_a_100mb_body(fleet):
+    f = fleet
+    headers = b"".join(b"X-H%d: v\r\n" % i for i in range(10_000))
+    got, closed = raw(f.url, b"GET /health HTTP/1.1\r\nHost: hub\r\n" + headers + b"\r\n")
+    assert got.startswith(b"HTTP/1.1 431") and closed
+    deep = b'{"model": "sim-small", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f.url + "/v1/chat/completions", content=deep,
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=30, verify=f.verify)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    s = connect(f.url, 30)
+    answer = b""
+    try:
+        s.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (100 * MiB))
+        block = b"x" * MiB
+        for _ in range(100):
+            s.sendall(block)
+    except OSError:
+        pass  # the hub answered and closed before the 100 MB were sent
+    try:
+        answer = s.recv(65536)
+    except OSError:
+        pass
+    s.close()
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    healthy(f)
+
+
+def test_bodies_held_at_once_are_bounded_with_503_busy(fleet):
+    f = fleet
+    first, second = connect(f.url, 30), connect(f.url, 30)
+    try:
+        first.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (30 * MiB) + b"x" * (28 * MiB))
+        second.sendall(HEAD + b"Content-Length: %d\r\n\r\n" % (
+            30 * MiB) + b"x" * (MAX_BUFFERED - 28 * MiB + MiB))
+        got = read_all(second)
+        assert got.startswith(b"HTTP/1.1 503") and b"retry-after" in got.lower(), got[:300]
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "busy"
+    finally:
+        first.close()
+        second.close()
+    healthy(f)
+
+
+def test_many_slow_clients_hold_no_more_than_max_connections(fleet):
+    f = fleet
+    host, port = f.url.split("//")[1].rsplit(":", 1)
+    base = f.fds()
+    socks = []
+    try:
+        for _ in range(900):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((host, int(port)))
+            socks.append(s)
+        time.sleep(0.3)
+        for s in socks:
+            if f.wire.tls:
+                break  # a TLS client that never finishes its handshake: as slow
+            try:
+                s.send(b"GET /health HTTP/1.1\r\n")
+            except OSError:
+                pass
+        time.sleep(0.3)
+        assert f.fds() <= base + MAX_CONNECTIONS + 8
+        # An ordinary request waits its turn behind them (each is cut at the head deadline).
+        healthy(f)
+        assert f.fds() <= base + MAX_CONNECTIONS + 8
+    finally:
+        for s in socks:
+            s.close()

@@ -1,0 +1,200 @@
+"""TLS end to end: a hub and a node serving HTTPS with certificates from a CA the test makes.
+
+The CA and one certificate each for the hub and the node (subjectAltName IP:127.0.0.1,
+DNS:localhost) are made with the `openssl` command line in the test's temp dir, as an
+operator would. With `Hub__TlsCa`/`Node__TlsCa` set the two verify each other: the node
+announces over HTTPS to a hub it verifies, showing its own certificate; the hub dials
+the node over HTTPS, verifies it and shows the hub's certificate, which the node
+requires (CERT_REQUIRED) -- a client without a certificate signed by the CA is refused
+at the handshake. The hub's client API stays CERT_OPTIONAL: its clients are ordinary
+OpenAI clients that only verify the hub.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import ssl
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.harness.procs import wait_until
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(shutil.which("openssl") is None,
+                                 reason="needs the openssl command line")]
+
+TOKEN = "node-secret"
+DAYS = 30
+CHAT = {"model": "sim-small", "max_tokens": 8, "messages": [{"role": "user",
+                                                             "content": "over tls"}]}
+
+
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(d, name: str = "ca") -> tuple[str, str]:
+    """A self-signed CA: (certificate path, key path)."""
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", str(DAYS), "-subj",
+             f"/CN=appliance test {name}",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext",
+             "keyUsage=critical,keyCertSign,cRLSign",
+             cwd=d)
+    return str(d / f"{name}.pem"), str(d / f"{name}.key")
+
+
+def make_cert(d, ca: tuple[str, str], name: str) -> tuple[str, str]:
+    """A leaf for 127.0.0.1/localhost signed by `ca`, good as server and as client."""
+    (d / f"{name}.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", ca[0], "-CAkey", ca[1], "-CAcreateserial",
+             "-out", f"{name}.pem", "-days", str(DAYS), "-extfile", f"{name}.ext", cwd=d)
+    return str(d / f"{name}.pem"), str(d / f"{name}.key")
+
+
+def client_ctx(ca: str, cert: tuple[str, str] | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        ctx.load_cert_chain(*cert)
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = make_ca(d)
+    other_ca = make_ca(d, "other-ca")
+    return {"ca": ca[0], "hub": make_cert(d, ca, "hub"), "node": make_cert(d, ca, "node"),
+            "stranger": make_cert(d, other_ca, "stranger")}
+
+
+@pytest.fixture
+def tls_fleet(procs, pki, tmp_path):
+    audit = tmp_path / "audit.jsonl"
+    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
+                     "Hub__TlsCa": pki["ca"],
+                     "Auth__NodeToken": TOKEN, "Audit__Path": str(audit)})
+    node = procs.node("gpu-tls", {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
+                                  "Node__TlsCa": pki["ca"], "Hub__Url": hub.url,
+                                  "Auth__NodeToken": TOKEN,
+                                  "Node__AnnounceSeconds": "1"})
+    return hub, node, audit
+
+
+def hub_status(hub, ca: str) -> dict:
+    return httpx.get(hub.url + "/api/status", verify=client_ctx(ca), timeout=5).json()
+
+
+def test_https_both_ways_with_mutual_verification(tls_fleet, pki):
+    hub, node, audit = tls_fleet
+    ca = pki["ca"]
+    # The listening lines say https (the metrics listener stays plain HTTP).
+    assert hub.url.startswith("https://127.0.0.1:") and node.url.startswith("https://127.0.0.1:")
+    assert hub.urls["metrics"].startswith("http://")
+
+    # The node announced itself over HTTPS (its own https:// URL), the hub follows it.
+    def node_up():
+        nodes = hub_status(hub, ca)["nodes"]
+        return nodes and nodes[0]["status"] == "up" and nodes[0]
+    n = wait_until(node_up, timeout=20, what="gpu-tls up on the hub")
+    assert n["url"] == node.url
+    assert any("announced gpu-tls as https://" in line for line in node.stderr_lines)
+
+    # A chat through the hub, verified against the CA; the hub reaches the node over HTTPS.
+    with httpx.Client(base_url=hub.url, verify=client_ctx(ca), timeout=30) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as s:
+            assert s.status_code == 200
+            lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) > 3
+    reqs = [json.loads(x) for x in audit.read_text().splitlines()]
+    assert [x["node"] for x in reqs if x["kind"] == "request"] == ["gpu-tls", "gpu-tls"]
+
+    # A client that does not know the CA refuses the hub's certificate.
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(hub.url + "/health", timeout=5)
+    # The hub's client API does not ask clients for a certificate (ordinary OpenAI clients).
+    assert httpx.get(hub.url + "/health", verify=client_ctx(ca), timeout=5).status_code == 200
+
+    # The node requires a certificate from the CA: none, or one from another CA, is refused
+    # at the handshake; the hub's certificate (what the owner uses with curl --cert) works.
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    for who in (None, pki["stranger"]):
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, who),
+                      timeout=5)
+    r = httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, pki["hub"]),
+                  timeout=5)
+    assert r.status_code == 200 and r.json()["name"] == "gpu-tls"
+
+    # Refused handshakes cost nothing: hub and node keep serving, the node stays up.
+    with httpx.Client(base_url=hub.url, verify=client_ctx(ca), timeout=30) as c:
+        assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert hub_status(hub, ca)["nodes"][0]["status"] == "up"
+    assert not [x for x in hub.stderr_lines + node.stderr_lines if "Traceback" in x or "ERROR" in x]
+
+    # Certificate expiry, read from disk at each scrape: about DAYS days from now.
+    metrics = httpx.get(hub.urls["metrics"] + "/metrics", timeout=5).text
+    found = {}
+    for line in metrics.splitlines():
+        if line.startswith("appliance_tls_cert_expiry_seconds{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            found[path] = float(line.rsplit(" ", 1)[1])
+    assert set(found) == {pki["hub"][0], pki["ca"]}, metrics
+    for v in found.values():
+        assert (DAYS - 1) * 86400 < v - time.time() < (DAYS + 1) * 86400
+
+
+def test_node_without_a_ca_and_a_combined_pem(procs, pki, tmp_path):
+    """Node__TlsCa unset: the node serves HTTPS to anyone with the token (no client
+    certificate asked) and the hub, plain HTTP itself, still verifies the node against
+    Hub__TlsCa. The node's key sits in its certificate file (Node__TlsKey empty)."""
+    combined = tmp_path / "node-combined.pem"
+    combined.write_text(open(pki["node"][0]).read() + open(pki["node"][1]).read())
+    hub = procs.hub({"Hub__TlsCa": pki["ca"], "Auth__NodeToken": TOKEN}, metrics=False)
+    assert hub.url.startswith("http://")
+    node = procs.node("gpu-plain-ca", {"Node__TlsCert": str(combined), "Hub__Url": hub.url,
+                                       "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"})
+    assert node.url.startswith("https://")
+    r = httpx.get(node.url + "/node/v1/state", headers={"authorization": f"Bearer {TOKEN}"},
+                  verify=client_ctx(pki["ca"]), timeout=5)
+    assert r.status_code == 200
+
+    def node_up():
+        nodes = httpx.get(hub.url + "/api/status", timeout=5).json()["nodes"]
+        return bool(nodes) and nodes[0]["status"] == "up"
+    wait_until(node_up, timeout=20, what="node up")
+    r = httpx.post(hub.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_untrusted_certificates_are_refused_and_the_logs_say_why(procs, pki):
+    """Hub__TlsCa unset: the hub cannot verify a node's certificate and never follows it;
+    Node__TlsCa unset: the node cannot verify the hub's and cannot announce. Both say
+    CERTIFICATE_VERIFY_FAILED where the operator looks (`ctl nodes`, the node's log)."""
+    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
+                     "Auth__NodeToken": TOKEN},
+                    metrics=False)
+    common = {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1], "Hub__Url": hub.url,
+              "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}
+    procs.node("gpu-trusts-hub", {**common, "Node__TlsCa": pki["ca"]})
+    lonely = procs.node("gpu-trusts-nobody", common)
+    lonely.wait_stderr("cannot announce .*CERTIFICATE_VERIFY_FAILED", timeout=20)
+
+    def refused():
+        r = httpx.get(hub.url + "/admin/nodes", verify=client_ctx(pki["ca"]), timeout=5)
+        nodes = r.json()["nodes"]
+        return bool(nodes) and "CERTIFICATE_VERIFY_FAILED" in nodes[0]["lost_reason"] and nodes
+    nodes = wait_until(refused, timeout=20, what="the hub refusing the node's certificate")
+    assert [(n["name"], n["status"]) for n in nodes] == [("gpu-trusts-hub", "lost")]

@@ -1,0 +1,206 @@
+"""The connection (appliance/server/connection.py) driven by a hypothesis state machine, with
+h11's client as the oracle: keep-alive x pipelining x early answers x partial bodies x
+hang-ups, on a plain and a TLS listener.
+
+Each request is written by a fresh `h11.Connection(CLIENT)` (h11 does not pipeline; the
+bytes are what it would send), and its answer read by that same connection, so h11 checks
+the framing of every response in order. What must hold, step after step:
+- every request gets exactly one answer, in order, that h11 accepts, with what the app
+  said (an echo of the body's length, an early answer that read nothing, a stream);
+- the server closes the connection exactly when h11 says it must (the client or the
+  server said `close`), and never while the client could send the next request;
+- a client that hangs up (mid-body too) leaves the server serving the next connection.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import tempfile
+import threading
+from pathlib import Path
+
+import h11
+import pytest
+import trio
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from appliance.http.asgi import read_body
+from appliance.http.disconnect import cancel_on_disconnect
+from appliance.server.serve import serve
+from tests.harness.wire import Wire, have_openssl, make_pki
+
+APP_ERRORS: list[str] = []
+
+
+async def app(scope, receive, send):
+    path = scope["path"]
+    try:
+        if path == "/early":  # answers without reading the body
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"early"})
+            return
+        body = await read_body(receive, 1 << 20)
+        if path == "/stream":  # as the hub relays: a watcher task waits for the disconnect
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            async with cancel_on_disconnect(receive) as gone:
+                for part in (b"a", b"bc", b"def"):
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+                    await trio.sleep(0.001)  # the watcher reads what the client sends meanwhile
+            if not gone.gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps({"n": len(body)}).encode()})
+    except trio.BrokenResourceError:
+        pass  # the client left mid-body: nothing to answer
+    except Exception as e:  # anything else is a bug the machine reports
+        APP_ERRORS.append(repr(e))
+        raise
+
+
+class _Server:
+    """One listener in a thread of its own (the machine's steps are blocking calls)."""
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+        self.port = 0
+        ready = threading.Event()
+
+        async def main() -> None:
+            async with trio.open_nursery() as n:
+                _, self.port = await n.start(lambda task_status: serve(
+                    app, "127.0.0.1:0", "fake", task_status=task_status, **wire.serve_kwargs))
+                ready.set()
+
+        threading.Thread(target=trio.run, args=(main,), daemon=True).start()
+        assert ready.wait(10)
+
+
+_servers: dict[str, _Server] = {}
+
+
+def server(kind: str) -> _Server:
+    if kind not in _servers:
+        pki = make_pki(Path(tempfile.mkdtemp())) if kind == "tls" else None
+        _servers[kind] = _Server(Wire(kind, pki))
+    return _servers[kind]
+
+
+class ConnectionMachine(RuleBasedStateMachine):
+    KIND = "plain"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.srv = server(self.KIND)
+        self.sock: socket.socket | None = None
+        self.buf = b""
+        self.waiting: list[tuple[h11.Connection, str, int]] = []  # answers owed, in order
+        self.must_close = False  # a request said close, or the server will
+        self.hung = False  # a partial body went out: only a hang-up may follow
+        self.connect()
+
+    def connect(self) -> None:
+        raw = socket.create_connection(("127.0.0.1", self.srv.port), timeout=10)
+        self.sock = self.srv.wire.wrap(raw)
+        self.buf, self.waiting, self.must_close, self.hung = b"", [], False, False
+
+    def teardown(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+    @precondition(lambda self: not self.must_close and not self.hung and len(self.waiting) < 4)
+    @rule(path=st.sampled_from(["/read", "/early", "/stream"]),
+          size=st.sampled_from([0, 1, 100, 5000]), chunked=st.booleans(), close=st.booleans(),
+          partial=st.booleans())
+    def request(self, path: str, size: int, chunked: bool, close: bool, partial: bool) -> None:
+        c = h11.Connection(h11.CLIENT)
+        headers = [("host", "x")]
+        headers.append(("transfer-encoding", "chunked") if chunked else ("content-length",
+                                                                         str(size)))
+        if close:
+            headers.append(("connection", "close"))
+        body = b"b" * size
+        out = c.send(h11.Request(method="POST", target=path, headers=headers))
+        if partial and size > 1:  # half the body, then (only) a hang-up
+            out += c.send(h11.Data(data=body[: size // 2]))
+            self.sock.sendall(out)
+            self.hung = True
+            return
+        if body:
+            out += c.send(h11.Data(data=body))
+        out += c.send(h11.EndOfMessage())
+        self.sock.sendall(out)
+        self.waiting.append((c, path, size))
+        self.must_close = self.must_close or close
+
+    @precondition(lambda self: self.waiting)
+    @rule()
+    def read_answers(self) -> None:
+        while self.waiting:
+            c, path, size = self.waiting.pop(0)
+            status, body = self._answer(c)
+            assert status == 200
+            if path == "/read":
+                assert json.loads(body) == {"n": size}
+            else:
+                assert body == (b"early" if path == "/early" else b"abcdef")
+            if c.their_state is h11.MUST_CLOSE:  # the server said close: it must
+                self.must_close = True
+                self.waiting = []  # (requests pipelined behind it are not served)
+        if self.must_close:
+            assert self._at_end(), "the server must close after `connection: close`"
+            self.sock.close()
+            self.connect()
+
+    @precondition(lambda self: not self.waiting)
+    @rule()
+    def hang_up(self) -> None:
+        self.sock.close()
+        self.connect()
+
+    @invariant()
+    def the_app_never_failed(self) -> None:
+        assert APP_ERRORS == []
+
+    def _answer(self, c: h11.Connection) -> tuple[int, bytes]:
+        status, body = 0, b""
+        if self.buf:  # (b"" would tell h11 the stream ended)
+            c.receive_data(self.buf)
+        self.buf = b""
+        while True:
+            ev = c.next_event()
+            if ev is h11.NEED_DATA:
+                data = self.sock.recv(65536)
+                assert data, "the server closed before its answer"
+                c.receive_data(data)
+            elif isinstance(ev, h11.Response):
+                status = ev.status_code
+            elif isinstance(ev, h11.Data):
+                body += ev.data
+            elif isinstance(ev, h11.EndOfMessage):
+                self.buf = c.trailing_data[0]  # the next answer's bytes, already here
+                return status, body
+            else:
+                raise AssertionError(ev)
+
+    def _at_end(self) -> bool:
+        if self.buf:
+            return False
+        try:
+            return self.sock.recv(65536) == b""
+        except (ConnectionResetError, OSError):
+            return True
+
+
+class TlsMachine(ConnectionMachine):
+    KIND = "tls"
+
+
+TestPlain = ConnectionMachine.TestCase
+TestPlain.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)
+TestTls = pytest.mark.skipif(not have_openssl(), reason="needs openssl")(TlsMachine.TestCase)
+TestTls.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)

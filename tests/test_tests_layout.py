@@ -1,0 +1,37 @@
+"""The suite's own layout (tests/harness/ is the shared part): every folder of tests is a
+package, so two test files may share a basename, and the folders mirror appliance/ --
+besides the harness, the end-to-end fleets and the packaging checks."""
+
+from tests.harness import ROOT
+
+TESTS = ROOT / "tests"
+OWN = {"harness", "e2e", "packaging"}  # folders with no package of their own to mirror
+
+
+def folders() -> list:
+    return sorted(d for d in TESTS.rglob("*") if d.is_dir() and any(d.glob("*.py")))
+
+
+def test_every_test_folder_is_a_package():
+    assert folders(), "no test folders found"
+    missing = [str(d.relative_to(ROOT)) for d in folders() if not (d / "__init__.py").exists()]
+    assert not missing, f"add an __init__.py to {missing}"
+
+
+def test_test_folders_mirror_the_package():
+    stray = []
+    for d in folders():
+        rel = d.relative_to(TESTS)
+        if rel.parts[0] in OWN:
+            continue
+        if not (ROOT / "appliance" / rel / "__init__.py").exists():
+            stray.append(str(rel))
+    assert not stray, f"test folders with no appliance/ package of that name: {stray}"
+
+
+def test_the_top_holds_only_whole_tree_checks():
+    top = sorted(p.name for p in TESTS.glob("test_*.py"))
+    # the top holds checks of appliance/'s own top-level modules and of the whole tree
+    allowed = {"test_config.py", "test_ctl.py", "test_fuzz.py", "test_docs.py",
+               "test_layers.py", "test_tests_layout.py"}
+    assert set(top) <= allowed, f"put {sorted(set(top) - allowed)} in the folder of what it tests"
