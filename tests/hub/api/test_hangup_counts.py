@@ -2,7 +2,7 @@
 plain calls: the key's lease settles from the hub's count, and a count beyond what was
 reserved is charged to the minute and the day too; the request record settles a 499 that
 relayed something from what was relayed, and one that relayed nothing as nothing used.
-The end-to-end half (every API, the audit line) is tests/test_hangup_counts_e2e.py."""
+The end-to-end half (every API, the audit line) is tests/e2e/test_hangup_counts_e2e.py."""
 
 from __future__ import annotations
 

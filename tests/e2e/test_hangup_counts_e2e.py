@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import Procs, wait_until
+
+from tests.harness.procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
 
