@@ -18,7 +18,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from procs import Procs, wait_until
+
+from tests.harness.procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
 
