@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from admission_fleet import MODEL, handle, registry
 from prometheus_client import CollectorRegistry
 
 from appliance import config
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.affinity import Route
 from appliance.hub.observe import queue_metrics
+from tests.harness.admission_fleet import MODEL, handle, registry
 
 S = b"session-home-a!!"  # 16 bytes, like a digest
 OTHER = b"the-other-one-a!"  # another session, at home on a

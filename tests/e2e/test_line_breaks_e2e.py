@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from procs import wait_until
+
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -9,9 +9,9 @@ import json
 
 import httpx
 import pytest
-from procs import Procs
 
 from appliance import ctl
+from tests.harness.procs import Procs
 
 pytestmark = pytest.mark.e2e
 

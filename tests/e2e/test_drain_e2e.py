@@ -11,9 +11,10 @@ import socket
 import time
 
 import pytest
-from procs import procs, wait_until  # noqa: F401  (procs: the fixture)
-from test_reliability_e2e import Fleet, _addr, pki  # noqa: F401  (pki: the fixture)
-from test_tls import client_ctx
+
+from tests.e2e.test_reliability_e2e import Fleet, _addr, pki  # noqa: F401  (pki: the fixture)
+from tests.e2e.test_tls import client_ctx
+from tests.harness.procs import procs, wait_until  # noqa: F401  (procs: the fixture)
 
 pytestmark = pytest.mark.e2e
 
