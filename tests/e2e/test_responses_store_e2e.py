@@ -9,8 +9,9 @@ import signal
 import httpx
 import openai
 import pytest
-from procs import wait_until
-from test_store_e2e import ADMIN, Box
+
+from tests.e2e.test_store_e2e import ADMIN, Box
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
