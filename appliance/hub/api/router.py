@@ -42,6 +42,7 @@ from appliance.hub.decide import capable, fair
 from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.limits import output_cap
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
+from appliance.hub.translate.outcap import ROOM, with_cap
 from appliance.server.limits import Refusal
 
 if TYPE_CHECKING:
@@ -174,8 +175,15 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         refuse_images(hub, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
-        # The key's limits (limits.py): reserved now, settled in Request.finish.
+        # The key's limits (limits.py): reserved now, settled in Request.finish. A key with
+        # a token limit sends no request without an output cap: one is written in.
         cap = output_cap(obj)
+        fixed = None if cap is not None or prep.load_only else hub.tenants.uncapped(
+            client.name, time.time(), len(body) + ROOM)
+        if fixed is not None:
+            if (capped := with_cap(req.path, obj, fixed)) is not None:
+                (obj, body), cap = capped, fixed
+                prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         req.lease = hub.tenants.admit(client.name, time.time(), len(body), cap)
         cost, weight = hub.tenants.demand(client.name, len(body), cap)
         req.demand = Demand(cost, weight, partial(_used, req))

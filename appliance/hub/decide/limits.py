@@ -17,12 +17,13 @@ The one decision: may this key's request go now, and if not, exactly when could 
   Auth__ReserveOutputTokens) -- and settled from the real usage when the request ends
   (`Lease.settle`). Usage is clamped to what is possible (an engine that lies is not
   believed): input at most the bound, output at most the cap the request named. So a
-  reservation only shrinks, and the tokens of any minute stay within the limit; only a
-  request that named no cap can go beyond its reservation (by what it used over
-  Auth__ReserveOutputTokens), and that excess is charged to the window, so the next
-  requests wait for it. No usage at all (an engine that reports none): the reservation
-  stands. (Fair queueing charges a request its expected cost instead, `Limiter.demand`:
-  the key's recent tokens per byte and output; `input_estimate`, bytes / 4, is no bound.)
+  reservation only shrinks, and the tokens of any minute stay within the limit. A request
+  naming no cap (or Ollama's negative num_predict) is sent with one where the key has a
+  token limit (`uncapped`: Auth__ReserveOutputTokens, lowered to what the key has left),
+  so none runs past its reservation. No usage at all (an engine that reports none): the
+  reservation stands. (Fair queueing charges a request its expected cost instead,
+  `Limiter.demand`: the key's recent tokens per byte and output; `input_estimate`, bytes
+  / 4, is no bound.)
 - A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
   window would have room for this request as its old reservations expire (rounded up to
   the second) -- sooner when the key's running requests, settling below what they reserved
@@ -318,6 +319,17 @@ class Limiter:
             out = min(out, math.ceil(t.out_avg))
         inp = max(1, math.ceil(body_bytes * t.in_per_byte))
         return fair.cost(inp, out), self.limits(name).weight
+
+    def uncapped(self, name: str, now: float, body_bytes: int) -> int | None:
+        """The output cap a request naming none (or a negative one) is sent with while key
+        `name` has a token limit -- Auth__ReserveOutputTokens, lowered to what the key has
+        left after the body -- so no request runs past its reservation; None: no token limit
+        (the engine's own cap applies)."""
+        lim = self.limits(name)
+        t = self.tenant(name)
+        left = [limit - window.used(now) - body_bytes
+                for limit, window in ((lim.tpm, t.tokens), (lim.tpd, t.day)) if limit is not None]
+        return max(1, min(self.reserve_output, *left)) if left else None
 
     def admit(self, name: str, now: float, body_bytes: int, cap: int | None) -> Lease:
         """Reserve for one request of key `name`, or raise ApiError 429."""
