@@ -7,7 +7,8 @@ is 0 only while the fleet is satisfied (every model has what it should have now,
 parked, no node lost), 1 otherwise. Exit codes: 0 done / satisfied, 1 not satisfied or the
 hub refused the command, 2 usage error or the hub could not be reached. `pull` and `rm`
 go through the hub's /api/pull and /api/delete (the admin key), printing the pull's
-progress line by line; both exit 1 when any node failed, naming it.
+progress line by line; both exit 1 when any node failed, naming it. `batches` is
+ctlbatches.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from appliance import ctlbatches
 from appliance.http.lines import iter_lines
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -66,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(action, help=text)
         sp.add_argument("model")
         sp.add_argument("--node", default=None, help="only this node")
+    sp = sub.add_parser("batches", help="batches of every key: list, show ID, cancel ID")
+    sp.add_argument("action", nargs="?", default="list", choices=("list", "show", "cancel"))
+    sp.add_argument("id", nargs="?", default=None)
     _options_anywhere(options, list(sub.choices.values()))
     return p
 
@@ -314,6 +319,8 @@ def run(argv: list[str], client: httpx.Client | None = None, out: TextIO | None 
     try:
         if args.cmd in ("pull", "rm"):
             return model_op(args, client, out, err)
+        if args.cmd == "batches":
+            return ctlbatches.run(args.action, args.id, args.json, client, out, err)
         resp = request(args, client)
     except httpx.HTTPError as e:
         print(f"appliance ctl: cannot reach the hub at {args.url}: {type(e).__name__}: {e}",

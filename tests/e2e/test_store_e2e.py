@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import anthropic
@@ -163,6 +165,14 @@ def test_cancel_and_anthropic_message_batches(procs, tmp_path):
                          completion_window="24h")
     wait_until(lambda: c.batches.retrieve(b.id).request_counts.completed >= 1, timeout=60,
                what="a line done")
+    # visible while it runs: /api/status, the metrics, `ctl batches`
+    running = box.status()["batches"]
+    assert [x["id"] for x in running] == [b.id] and running[0]["total"] == 30
+    assert running[0]["owner"] == "alice" and running[0]["completed"] >= 1
+    ctl = subprocess.run([sys.executable, "-m", "appliance", "ctl", "--url", box.hub.url,
+                          "batches"], env={**os.environ, "APPLIANCE_ADMIN_KEY": ADMIN},
+                         capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 0 and b.id in ctl.stdout and "in_progress" in ctl.stdout
     assert c.batches.cancel(b.id).status in ("cancelling", "cancelled")
     done = wait_batch(c, b.id)
     assert done.status == "cancelled" and done.cancelled_at
@@ -170,6 +180,16 @@ def test_cancel_and_anthropic_message_batches(procs, tmp_path):
     errs = c.files.content(done.error_file_id).text.splitlines()
     assert json.loads(errs[-1])["error"]["code"] == "batch_cancelled"
     assert done.request_counts.completed + len(errs) == 30
+    assert box.status()["batches"] == []
+    metrics = httpx.get(box.hub.url + "/metrics", timeout=10,
+                        headers={"authorization": f"Bearer {ADMIN}"}).text
+    assert 'appliance_batch_lines_total{outcome="cancelled"}' in metrics
+    assert "appliance_store_bytes " in metrics
+    ctl = subprocess.run([sys.executable, "-m", "appliance", "ctl", "--url", box.hub.url,
+                          "batches", "show", b.id],
+                         env={**os.environ, "APPLIANCE_ADMIN_KEY": ADMIN},
+                         capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 0 and "cancelled" in ctl.stdout
 
     a = anthropic.Anthropic(base_url=box.hub.url, api_key="ka", max_retries=0)
     reqs = [{"custom_id": f"m{i}", "params": {"model": "s-chat", "max_tokens": 5,

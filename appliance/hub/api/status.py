@@ -75,6 +75,8 @@ def status_payload(hub: Hub) -> dict[str, Any]:
         out["priority"] = block
     if (tenants := tenants_status(hub)) is not None:
         out["tenants"] = tenants
+    if (batches := getattr(hub, "batches", None)) is not None:  # with a store: running ones
+        out["batches"] = batches.progress()
     return out
 
 

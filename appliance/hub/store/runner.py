@@ -98,6 +98,17 @@ class Batches:
             self.cancels[b.id].set()
         self._nursery.start_soon(self._batch, b)
 
+    def progress(self) -> list[dict[str, Any]]:
+        """The running batches as /api/status shows them (oldest first)."""
+        out = []
+        for b in sorted(self.live.values(), key=lambda x: x.created_at):
+            counts = b.data.get("request_counts") or {}
+            out.append({"id": b.id, "api": "openai" if b.kind == "batch" else "anthropic",
+                        "owner": b.owner, "status": b.state, "endpoint": b.data.get("endpoint"),
+                        "total": counts.get("total", 0), "completed": counts.get("completed", 0),
+                        "failed": counts.get("failed", 0), "created_at": b.created_at})
+        return out
+
     def cancel(self, b: Obj) -> Obj:
         """Ask a running batch to stop; the object as it is now."""
         live = self.live.get(b.id)

@@ -167,7 +167,10 @@ class Worker:
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = INFERENCE.get(scope["path"])
-        if api is not None and scope["method"] == "POST":
+        # With a store, /v1/responses may read and write it (chains, conversations,
+        # background): the main process answers it (hub/api/responses.py).
+        stored = scope["path"] == "/v1/responses" and bool(self.cfg.store.path)
+        if api is not None and scope["method"] == "POST" and not stored:
             await self.inference(scope, receive, send, api)
         else:
             await self.proxy(scope, receive, send)

@@ -169,3 +169,19 @@ def test_db_items_in_order(tmp_path):
     assert [i["id"] for i in db.items("c", "i3", 1, True)[0]] == ["i2"]
     assert db.delete_item("c", "i2") and not db.delete_item("c", "i2")
     assert msgspec.json.encode(db.item("c", "i1")) == b'{"id":"i1"}'
+
+
+def test_ctl_batches_table_shows_both_kinds_with_progress():
+    from appliance.ctlbatches import table
+
+    out = table([{"id": "batch_h-1", "status": "in_progress", "endpoint": "/v1/embeddings",
+                  "request_counts": {"total": 4, "completed": 1, "failed": 1}},
+                 {"id": "msgbatch_h-2", "type": "message_batch", "processing_status": "ended",
+                  "request_counts": {"processing": 0, "succeeded": 2, "errored": 1,
+                                     "canceled": 1, "expired": 0}}])
+    lines = out.splitlines()
+    assert lines[0].split() == ["BATCH", "STATUS", "ENDPOINT", "DONE", "FAILED"]
+    assert lines[1].split() == ["batch_h-1", "in_progress", "/v1/embeddings", "2/4", "(50%)",
+                                "1"]
+    assert lines[2].split() == ["msgbatch_h-2", "ended", "/v1/messages", "4/4", "(100%)", "1"]
+    assert table([]) == "no batches"

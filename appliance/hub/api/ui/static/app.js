@@ -243,6 +243,25 @@ function drawTenants(status) {
   document.querySelector("#tenants-table tbody").replaceChildren(...rows);
 }
 
+// Batches running on this hub (hub/store/runner.py): a progress bar each.
+function drawBatches(status) {
+  const sec = document.getElementById("batches");
+  const list = status.batches || [];
+  sec.hidden = !list.length;
+  const rows = list.map((b) => {
+    const done = b.completed + b.failed;
+    const pct = b.total ? Math.min(100, Math.round((100 * done) / b.total)) : 0;
+    return el("tr", { "data-batch": b.id }, el("th", { scope: "row", text: b.id }),
+      el("td", { text: b.owner }), el("td", { text: `${b.status} (${b.api})` }),
+      el("td", {}, `${done} / ${b.total}`,
+        el("div", { class: "bar", role: "img", "aria-label": `${pct}% of the batch done` },
+          el("span", { style: `width:${pct}%` }))),
+      el("td", { class: "num", text: b.completed }),
+      el("td", { class: b.failed ? "num err" : "num", text: b.failed }));
+  });
+  document.querySelector("#batches-table tbody").replaceChildren(...rows);
+}
+
 function drawRecent(recent) {
   const rows = recent.requests.map((r) => el("tr", { "data-status": r.status },
     el("td", { text: new Date(r.ts * 1000).toLocaleTimeString(), title: r.request_id ? `request ${r.request_id}` : null }), el("td", { text: r.client || "–" }),
@@ -362,6 +381,7 @@ async function refresh() {
     drawModels(status);
     drawPriority(status);
     drawTenants(status);
+    drawBatches(status);
     drawRecent(recent);
     if (Date.now() - lastHistory >= HISTORY_MS) {
       lastHistory = Date.now();
