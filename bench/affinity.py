@@ -25,6 +25,7 @@ content chunk. Prints one table, affinity off vs on.
 
     .venv/bin/python bench/affinity.py [--chats 30 --turns 10] [--ha]
     .venv/bin/python bench/affinity.py --llama [--chats 6 --turns 4]
+    .venv/bin/python bench/affinity.py --full [--turns 5]   # a full fleet (issue 27)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import httpx
@@ -92,7 +94,8 @@ class Fleet:
     """A hub (two on one etcd with `etcd`) and three sim nodes -- or llama-server nodes
     after `use_llama` -- the model ready on all."""
 
-    def __init__(self, affinity: str, parallel: int, etcd: str = "") -> None:
+    def __init__(self, affinity: str, parallel: int, etcd: str = "",
+                 extra: dict[str, str] | None = None) -> None:
         self.procs = Procs()
         tmp = tempfile.mkdtemp(prefix="affinity-")
         self.audits = [os.path.join(tmp, f"audit-{i}.jsonl") for i in range(2 if etcd else 1)]
@@ -114,7 +117,7 @@ class Fleet:
                "Sim__Models__0__Name": MODEL, "Sim__TokensPerSecond": "100",
                "Sim__Parallel": str(parallel), "Node__ModelSlots": str(parallel),
                "Sim__CacheTokens": "32768",
-               "Sim__PrefillTokensPerSecond": "4000"}
+               "Sim__PrefillTokensPerSecond": "4000", **(extra or {})}
         if ENGINE == "llama":
             from tests.e2e.test_clients_matrix import LLAMA_SERVER
 
@@ -191,12 +194,14 @@ async def one(c: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
 
 
 async def chats(url: str, n: int, turns: int, shared: bool, seed: int,
-                urls: tuple[str, ...] = (), session: bool = False) -> Sample:
+                urls: tuple[str, ...] = (), session: bool = False,
+                at_once: int = 0) -> Sample:
     """N chats of `turns` turns at once; the follow-up turns' figures. With `urls`, turn t
     goes to urls[t % len(urls)] (several hubs), each request named in its
     x-request-id (`s{seed}c{i}t{t}`), and with `session` each chat names itself in x-session-id."""
     follow = Sample()
     rng = random.Random(seed)
+    limiter = trio.CapacityLimiter(at_once or n)  # requests in flight at once
     system = text(random.Random(seed * 7 + 1), CONTEXT_BYTES)
 
     async def chat(i: int, c: httpx.AsyncClient) -> None:
@@ -208,8 +213,9 @@ async def chats(url: str, n: int, turns: int, shared: bool, seed: int,
             headers = {"x-request-id": f"s{seed}c{i}t{t}"}
             if session:
                 headers["x-session-id"] = f"chat-{seed}-{i}"
-            ans = await one(c, urls[t % len(urls)] if urls else url, msgs,
-                            follow if t else None, headers)
+            async with limiter:
+                ans = await one(c, urls[t % len(urls)] if urls else url, msgs,
+                                follow if t else None, headers)
             msgs.append({"role": "assistant", "content": ans})
 
     limits = httpx.Limits(max_connections=n + 10)
@@ -331,6 +337,52 @@ def run_ha(args: argparse.Namespace) -> dict[str, float]:
         etcd.stop()
 
 
+FULL_CASES = ((12, 6), (30, 12))  # sessions, requests at once
+FULL_CACHE_TOKENS = 32768  # per node (the sim default): 30 sessions x ~2.4k tokens are over one node's
+
+
+def run_full(affinity: str, slots: int, sessions: int, at_once: int,
+             turns: int) -> dict[str, float]:
+    """One full-fleet case: `sessions` chats of `turns` turns (each its own ~2k-token
+    context, no session header), `at_once` requests in flight, then as many unique prompts."""
+    fleet = Fleet(affinity, slots, extra={"Sim__CacheTokens": str(FULL_CACHE_TOKENS)})
+    try:
+        t0 = time.perf_counter()
+        s = trio.run(partial(chats, fleet.hub.url, sessions, turns, False, 1, at_once=at_once))
+        wall = time.perf_counter() - t0
+        lines = fleet.lines()
+        n = len(lines)
+        trio.run(unique, fleet.hub.url, sessions * turns, at_once, 3)
+        per_node = Counter(x["node"] for x in fleet.lines()[n:])
+        counts = [per_node.get(x, 0) for x in NODES]
+        out_tokens = sum(x.get("output_tokens", 0) for x in lines)
+        waits = Counter(x["home_wait"]["outcome"] for x in lines if "home_wait" in x)
+        return {"cached_share": s.cached / max(1, s.prompt),
+                "ttft_p50_ms": statistics.median(s.ttft) * 1000,
+                "ttft_p95_ms": pct(s.ttft, 0.95) * 1000,
+                "out_tokens_per_s": out_tokens / wall,
+                "unique_max_min": max(counts) / max(1, min(counts)),
+                "home_waits": float(sum(waits.values())),
+                "home_moved": float(waits.get("moved", 0))}
+    finally:
+        fleet.close()
+
+
+def full(args: argparse.Namespace) -> None:
+    print(f"full fleet: 3 sim nodes, Sim__Parallel = Node__ModelSlots, Sim__CacheTokens="
+          f"{FULL_CACHE_TOKENS}, prefill 4000 tok/s, 100 tok/s decode, {args.turns} turns, "
+          f"~2k-token contexts; off = Router__Affinity=off, on = cost routing + home waits")
+    print(f"{'slots':>5} {'sess':>4} {'at':>3} {'figure':18} {'off':>10} {'on':>10} {'on/off':>7}")
+    for slots in (1, 2):
+        for sessions, at_once in FULL_CASES:
+            off = run_full("off", slots, sessions, at_once, args.turns)
+            on = run_full("on", slots, sessions, at_once, args.turns)
+            for k in off:
+                ratio = on[k] / off[k] if off[k] else float("nan")
+                print(f"{slots:5} {sessions:4} {at_once:3} {k:18} {off[k]:10.3f} {on[k]:10.3f} "
+                      f"{ratio:7.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chats", type=int, default=30)
@@ -338,9 +390,15 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=32, help="Sim__Parallel per node")
     ap.add_argument("--ha", action="store_true", help="also: two hubs on one etcd")
     ap.add_argument("--ha-only", action="store_true", help="only the two-hub case")
+    ap.add_argument("--full", action="store_true",
+                    help="a full fleet (issue 27): Node__ModelSlots=1 and 2, 12 and 30 "
+                         "sessions 6 and 12 at a time, off vs on")
     ap.add_argument("--llama", action="store_true",
                     help="the own-context chats on three llama-server nodes, off vs on")
     args = ap.parse_args()
+    if args.full:
+        full(args)
+        return
     if args.llama:
         use_llama()
         figures = {}

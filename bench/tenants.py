@@ -22,7 +22,10 @@ Real processes on loopback: a hub and one sim node (`Node__MaxConcurrency` = `Si
    requests answered 503 preempted, and started streams cut (must be 0).
 Then the hub's own cost: CPU per request with a key that has Rpm/Tpm set vs anonymous.
 
-    .venv/bin/python bench/tenants.py
+    .venv/bin/python bench/tenants.py [PART...]   # e.g. 1 6
+6. (issue 27) a full fleet of two nodes x two places: the light key's p95 time to first
+   token beside 16 long streams of a heavy key, and what the heavy key's throughput pays
+   for the place kept back (decide/share.py).
 """
 
 from __future__ import annotations
@@ -349,8 +352,76 @@ def cost() -> None:
           f"({per['limited'] / per['free'] - 1:+.1%})")
 
 
+# --- 6. a full fleet: a place kept back for the light key (issue 27) ------------------------
+
+def full_fleet() -> None:
+    """Two nodes of two places each (Node__MaxConcurrency = Node__ModelSlots = Sim__Parallel
+    = 2): the heavy key keeps 16 long streams going (200 tokens, ~2 s each), the light key
+    sends short chats (5 tokens) one at a time, 0.5 s apart. Light alone, then both; then
+    the heavy key alone, for its throughput."""
+    procs = Procs()
+    env = {"Auth__NodeToken": TOKEN, "Audit__Path": "/dev/null", "Queue__MaxDepth": "5000",
+           "Queue__MaxWaitSeconds": "300"}
+    for i, name in enumerate(("heavy", "light")):
+        env.update({f"Auth__Clients__{i}__Name": name, f"Auth__Clients__{i}__Key": name})
+    hub = procs.hub(env, metrics=False)
+    try:
+        for n in ("gpu-a", "gpu-b"):
+            node = procs.node(n, {
+                "Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
+                "Sim__Models__0__Name": MODEL, "Sim__TokensPerSecond": "100",
+                "Sim__Parallel": "2", "Node__MaxConcurrency": "2", "Node__ModelSlots": "2"})
+            httpx.post(node.url + f"/node/v1/models/{MODEL}/load", timeout=30,
+                       headers={"authorization": f"Bearer {TOKEN}"}).raise_for_status()
+        wait_until(lambda: any(m["name"] == MODEL and len(m["nodes"]) == 2 for m in httpx.get(
+            hub.url + "/api/status", timeout=5).json()["models"]), what="ready on two nodes")
+        alone: list[Result] = []
+        both: list[Result] = []
+        heavy_both: list[Result] = []
+        heavy_alone: list[Result] = []
+        seconds = 30.0
+
+        async def light(out: list[Result]) -> None:
+            end = trio.current_time() + seconds
+            async with client() as c:
+                while trio.current_time() < end:
+                    out.append(await chat(c, hub.url, "light", max_tokens=5, stream=True))
+                    await trio.sleep(0.5)
+
+        async def main() -> None:
+            await light(alone)
+            async with client() as c, trio.open_nursery() as n:
+                n.start_soon(partial(closed_loop, c, hub.url, "heavy", 16, seconds, heavy_both,
+                                     max_tokens=200, stream=True))
+                await trio.sleep(2)
+                await light(both)
+            async with client() as c:
+                # the light key quiet past share.ACTIVE_SECONDS before the heavy key runs alone
+                await trio.sleep(11)
+                await closed_loop(c, hub.url, "heavy", 16, seconds, heavy_alone,
+                                  max_tokens=200, stream=True)
+
+        run(main)
+    finally:
+        procs.close()
+
+    def tps(rs: list[Result]) -> float:
+        ok = [r for r in rs if r.status == 200]
+        span = max(r.sent + r.total for r in ok) - min(r.sent for r in ok)
+        return sum(r.usage[1] for r in ok) / span
+
+    a = p95([r.ttft for r in alone if r.status == 200])
+    b = p95([r.ttft for r in both if r.status == 200])
+    print("6. full fleet, 2 nodes x 2 places: heavy key 16 long streams, light key short chats"
+          " one at a time")
+    print(f"   light key p95 time to first token: alone {a * 1000:.0f} ms, beside the heavy key "
+          f"{b * 1000:.0f} ms ({b / a:.2f}x); {len(both)} light requests")
+    print(f"   heavy key output tokens/s: alone {tps(heavy_alone):.1f}, beside the light key "
+          f"{tps(heavy_both):.1f} ({tps(heavy_both) / tps(heavy_alone) - 1:+.1%})")
+
+
 if __name__ == "__main__":
     parts = {"1": fairness_heavy_light, "2": fairness_equal, "3": token_limit,
-             "4": preemption, "5": cost}
+             "4": preemption, "5": cost, "6": full_fleet}
     for name in sys.argv[1:] or list(parts):
         parts[name]()

@@ -42,18 +42,21 @@ import trio
 from appliance.config import Config
 from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
-from appliance.hub.decide.costroute import CostRouter
+from appliance.hub.decide.costroute import CostRouter, places_of
 from appliance.hub.decide.fair import FairLane
 from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT
 from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
     BACKGROUND,
     ESSENTIAL,
+    NORMAL,
+    RANK,
     AdmissionCore,
     Fleet,
     count,
     ready_nodes,
 )
+from appliance.hub.decide.share import Shares
 from appliance.hub.decide.slots import SlotQueues
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.wire import NodeState
@@ -172,6 +175,9 @@ class Admission:
         # Which of the nodes it may go to a request goes to (affinity.py, cost.py).
         self.affinity = Affinity(**_affinity(cfg))
         self.cost = CostRouter(cfg.router.home_wait_seconds)
+        # A place kept back for the other keys of a class (share.py).
+        self.shares = Shares()
+        self.core.share = self._share
         registry.add_listener(self._on_change, on_finish=self._wake_waiters)
 
     def reload(self, cfg: Config) -> None:
@@ -195,6 +201,8 @@ class Admission:
                     weight: float = 1.0) -> Ticket:
         core = self.core
         ready = self._ready_nodes(model)
+        self.shares.arrive(model, cls if self.enabled else NORMAL, client, weight,
+                           trio.current_time())
         w = core.arrive(model, cls, client, lambda places_need,
                         room_need: count(ready, model, places_need, room_need), cost, weight)
         if w is None:
@@ -210,6 +218,7 @@ class Admission:
             except BaseException:
                 # Cancelled (the client hung up): out of the queue now, grant passed on.
                 if core.leave(w, timed_out=False):
+                    self.shares.release(model, w.cls, client, trio.current_time())
                     self._dispatch(model)
                 raise
         if w.granted:
@@ -243,6 +252,9 @@ class Admission:
             if victim is not None:
                 self.victims.release(model, victim)
             p._give_back()
+            self.shares.release(model, cls if self.enabled else NORMAL, client,
+                                trio.current_time())
+            self._wake_waiters()  # a place kept back for others may be its key's again
             if ticket.fair is not None and demand is not None:
                 used = demand.used()
                 if used is not None:
@@ -281,6 +293,16 @@ class Admission:
         if name is not None:
             return next(h for h in nodes if h.name == name)
         return registry.pick(model, exclude=set(tried))
+
+    def _share(self, model: str, cls: str, client: str) -> bool:
+        """share.py's rule for the core: may `client` take one more place of `model`?"""
+        total: int | None = 0
+        for h in self._ready_nodes(model):
+            n = places_of(h.state)
+            total = None if n is None or total is None else total + n
+        q = self.core.queues.get(model)
+        waiting = q.lanes[RANK[cls]].backlog() if q is not None else {}
+        return self.shares.take(model, cls, client, total, trio.current_time(), waiting)
 
     def _ready_nodes(self, model: str) -> list[NodeHandle]:
         ready = self._ready.get(model)

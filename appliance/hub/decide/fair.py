@@ -150,11 +150,20 @@ class FairLane:
         q = self.keys[top[3]]
         return next(iter(q)) if type(q) is OrderedDict else q
 
-    def pop(self) -> Any:
-        top = self._top()
-        if top is None:
-            raise IndexError("no waiter")
-        k = top[3]
+    def by_turn(self) -> list[str]:
+        """The backlogged keys in the order `pop` would serve them (O(keys log keys))."""
+        return sorted(self.keys, key=lambda k: (self.counters.get(k, 0.0), self.last.get(k, -1),
+                                                self._since[k]))
+
+    def pop(self, key: str | None = None) -> Any:
+        """The next waiter -- or `key`'s oldest (a key passed over: share.py) -- charged."""
+        if key is None:
+            top = self._top()
+            if top is None:
+                raise IndexError("no waiter")
+            k = top[3]
+        else:
+            k = key
         q = self.keys[k]
         if type(q) is OrderedDict:
             w = q.popitem(last=False)[0]

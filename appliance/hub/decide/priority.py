@@ -257,6 +257,9 @@ class AdmissionCore:
         self.queues: dict[str, Lanes] = {}
         self.classes = {c: ClassStats() for c in CLASSES}
         self.models: dict[str, ModelStats] = {}
+        # Fair share to the first token (share.py): may this key take a place now (model,
+        # class, client)? True counts it held; the shell releases it. None: no such rule.
+        self.share: Callable[[str, str, str], bool] | None = None
 
     def configure(self, *, enabled: bool, reserve: int, max_depth: int, max_wait: float,
                   background_max_wait: float) -> None:
@@ -297,7 +300,8 @@ class AdmissionCore:
             pending = q.pending if q is not None else 0
             if not isinstance(fleet, Fleet):
                 fleet = fleet(self.reserve + pending if self.held_by_reserve(cls) else -1, pending)
-            if self.may_go(cls, fleet, pending):
+            if self.may_go(cls, fleet, pending) and (
+                    self.share is None or self.share(model, cls, client)):
                 return None
         ms = self.models.get(model)
         if ms is None:
@@ -331,12 +335,30 @@ class AdmissionCore:
             w = q.head()
             if w is None or not self.may_go(w.cls, fleet, q.pending):
                 break
-            q.pop_head()
+            if self.share is not None and not self.share(model, w.cls, w.client):
+                # Its key is at its share (share.py): the next key of its class under its
+                # own goes, else the place is kept back.
+                w = self._under_share(q, w, model)
+                if w is None:
+                    break
+            else:
+                q.pop_head()
             self._dequeued(w)
             w.granted = True
             q.pending += 1
             woken.append(w)
         return woken
+
+    def _under_share(self, q: Lanes, capped: Waiter, model: str) -> Waiter | None:
+        """The oldest waiter of the first key of `capped`'s class, in fair order, that may
+        take a place (share.py counts it held), taken out of its lane; None: none may."""
+        assert self.share is not None
+        lane = q.lanes[RANK[capped.cls]]
+        for k in lane.by_turn():
+            if k != capped.client and self.share(model, capped.cls, k):
+                w: Waiter = lane.pop(k)
+                return w
+        return None
 
     def started(self, w: Waiter) -> None:
         """A granted waiter's task woke: the router counts it in flight now."""

@@ -1,0 +1,110 @@
+"""Fair share to the first token: a place kept back for the other keys of a class (issue 27).
+
+Theory of operation. Fair queueing (fair.py) puts the key served least first in line, but
+on a fleet whose every place is held by one key's long streams, first in line still waits
+for one of them to end. So, while more than one key of a class has been active lately
+(`ACTIVE_SECONDS`), no key holds more places of a model than what the others leave it:
+
+    cap(K) = max(share(K), places - sum over the other active keys j of
+                                    min(share(j), max(1, held(j) + waiting(j))))
+    share(k) = max(1, floor(places x weight(k) / the active keys' weights))
+
+-- each other active key keeps back what it uses or waits for, at least one place (so its
+next request finds one free), at most its weighted share; a lone key (the others quiet for
+`ACTIVE_SECONDS`) takes every place again. Work-conserving but for the places kept back.
+Places are the model's over the nodes it can be routed to now; a fleet with a node that
+declares no bound gives nothing to count and nothing is kept. On a one-place fleet nothing
+can be kept back: a light request waits at most for the one running request to end.
+
+Plain synchronous code; time comes in as an argument. Admission's core asks `take` before
+it lets a request take a place (True: it may, and it is counted held), and the shell
+`release`s it when the request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# "Lately": a key is active for this long after its last request arrived. An interactive
+# user sends every few seconds (a chat turn, an agent's tool call); 10 s keeps its place
+# kept back across those gaps without holding it long after it stopped.
+ACTIVE_SECONDS = 10.0
+
+
+@dataclass(slots=True)
+class Key:
+    seen: float = float("-inf")
+    weight: float = 1.0
+    held: int = 0
+
+
+@dataclass(slots=True)
+class Group:
+    """One model and class: its keys."""
+
+    keys: dict[str, Key] = field(default_factory=dict)
+
+
+class Shares:
+    def __init__(self, active_seconds: float = ACTIVE_SECONDS) -> None:
+        self.active_seconds = active_seconds
+        self.groups: dict[tuple[str, str], Group] = {}
+        self.kept = 0  # requests that waited because their key was at its cap
+
+    def _group(self, model: str, cls: str) -> Group:
+        g = self.groups.get((model, cls))
+        if g is None:
+            g = self.groups[(model, cls)] = Group()
+        return g
+
+    def arrive(self, model: str, cls: str, client: str, weight: float, now: float) -> None:
+        k = self._group(model, cls).keys.setdefault(client, Key())
+        k.seen, k.weight = now, weight
+
+    def cap(self, model: str, cls: str, client: str, places: int | None, now: float,
+            waiting: dict[str, int]) -> int | None:
+        """The most places `client` may hold now (None: no cap)."""
+        g = self.groups.get((model, cls))
+        if places is None or g is None:
+            return None
+        mine = g.keys.get(client)
+        active = {n: k for n, k in g.keys.items()
+                  if n == client or k.held > 0 or now - k.seen < self.active_seconds}
+        if len(active) < 2 or mine is None:
+            return None
+        total_w = sum(k.weight for k in active.values()) or 1.0
+
+        def share(k: Key) -> int:
+            return max(1, int(places * k.weight / total_w))
+
+        kept = sum(min(share(k), max(1, k.held + waiting.get(n, 0)))
+                   for n, k in active.items() if n != client)
+        return max(share(mine), places - kept)
+
+    def take(self, model: str, cls: str, client: str, places: int | None, now: float,
+             waiting: dict[str, int]) -> bool:
+        """May `client` take one more place now? If so it is counted held."""
+        k = self._group(model, cls).keys.setdefault(client, Key(seen=now))
+        cap = self.cap(model, cls, client, places, now, waiting)
+        if cap is not None and k.held >= cap:
+            self.kept += 1
+            return False
+        k.held += 1
+        return True
+
+    def release(self, model: str, cls: str, client: str, now: float) -> None:
+        g = self.groups.get((model, cls))
+        k = g.keys.get(client) if g is not None else None
+        if k is None:
+            return
+        k.held = max(0, k.held - 1)
+        self._forget(model, cls, now)
+
+    def _forget(self, model: str, cls: str, now: float) -> None:
+        """Keys neither holding nor seen lately are dropped: the state stays bounded by the
+        keys active in the last ACTIVE_SECONDS."""
+        g = self.groups[(model, cls)]
+        if len(g.keys) > 64:
+            for n in [n for n, k in g.keys.items()
+                      if k.held == 0 and now - k.seen >= self.active_seconds]:
+                del g.keys[n]

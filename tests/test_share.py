@@ -1,0 +1,99 @@
+"""Fair share to the first token (appliance/hub/decide/share.py): while another key of the
+class is active, a place is kept back for it, so its next request finds one free; when it
+goes quiet the heavy key takes every place again."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from admission_fleet import MODEL, handle, registry
+
+from appliance import config
+from appliance.hub.decide.admission import Admission
+from appliance.hub.decide.share import ACTIVE_SECONDS, Shares
+
+
+def test_cap_keeps_a_place_for_each_other_active_key():
+    s = Shares()
+    s.arrive(MODEL, "normal", "heavy", 1.0, 0.0)
+    assert s.cap(MODEL, "normal", "heavy", 4, 0.0, {}) is None  # alone: no cap
+    s.arrive(MODEL, "normal", "light", 1.0, 0.0)
+    assert s.cap(MODEL, "normal", "heavy", 4, 1.0, {}) == 3  # one kept back for light
+    assert s.cap(MODEL, "normal", "light", 4, 1.0, {"heavy": 20}) == 2  # its share
+    # light waits for 3 more: it keeps back up to its weighted share (2)
+    assert s.cap(MODEL, "normal", "heavy", 4, 1.0, {"light": 3}) == 2
+    # a heavier weight: a bigger share
+    s.arrive(MODEL, "normal", "heavy", 3.0, 1.0)
+    assert s.cap(MODEL, "normal", "heavy", 8, 1.0, {"light": 8}) == 6
+    # light quiet for ACTIVE_SECONDS: heavy takes everything again
+    assert s.cap(MODEL, "normal", "heavy", 4, ACTIVE_SECONDS + 0.5, {}) is None
+    # a one-place fleet keeps nothing back
+    assert s.cap(MODEL, "normal", "heavy", 1, 1.0, {}) == 1
+    # no bound known: nothing to count
+    assert s.cap(MODEL, "normal", "heavy", None, 1.0, {}) is None
+
+
+def test_take_and_release_count_places_and_other_classes_do_not_mix():
+    s = Shares()
+    for k in ("heavy", "light"):
+        s.arrive(MODEL, "normal", k, 1.0, 0.0)
+    s.arrive(MODEL, "background", "batch", 1.0, 0.0)
+    assert [s.take(MODEL, "normal", "heavy", 2, 0.0, {}) for _ in range(2)] == [True, False]
+    assert s.take(MODEL, "normal", "light", 2, 0.0, {})
+    assert s.take(MODEL, "background", "batch", 2, 0.0, {})  # its class is its own
+    s.release(MODEL, "normal", "light", 0.0)
+    assert not s.take(MODEL, "normal", "heavy", 2, 1.0, {})  # light is still active lately
+    assert s.take(MODEL, "normal", "heavy", 2, ACTIVE_SECONDS + 1, {})
+    assert s.kept == 2
+
+
+async def test_a_light_key_finds_a_place_beside_a_heavy_one(autojump_clock):
+    """Two nodes of two places: the heavy key keeps 16 long requests going; a light one
+    sends a short one now and then. Each light request starts at once; while the light key
+    is quiet for ACTIVE_SECONDS the heavy key holds all four places again."""
+    a, b = handle("a", slots=2), handle("b", slots=2)
+    adm = Admission(config.load({"Queue__MaxWaitSeconds": "1000"}), registry(a, b))
+    # room counts concurrency: a node's concurrency is its two places here
+    for h in (a, b):
+        h.state.max_concurrency = 2
+    adm._on_change()
+    light_waits: list[float] = []
+    held_most: list[int] = []
+
+    async def heavy_one() -> None:
+        async with adm.place(MODEL, "normal", "heavy"):
+            await trio.sleep(5)
+
+    async def heavy() -> None:
+        async with trio.open_nursery() as n:
+            for _ in range(16):
+                n.start_soon(heavy_one)
+                await trio.sleep(0.01)
+
+    async def light_one() -> None:
+        t = trio.current_time()
+        async with adm.place(MODEL, "normal", "light"):
+            light_waits.append(trio.current_time() - t)
+            await trio.sleep(0.2)
+
+    async def watch() -> None:
+        while True:
+            k = adm.shares.groups[(MODEL, "normal")].keys.get("heavy")
+            held_most.append(k.held if k is not None else 0)
+            await trio.sleep(0.05)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(light_one)  # the light key has been seen
+        await trio.sleep(1)
+        n.start_soon(heavy)
+        n.start_soon(watch)
+        for _ in range(4):
+            await trio.sleep(2)
+            n.start_soon(light_one)
+        await trio.sleep(1)
+        assert max(held_most) == 3  # one place kept back while light is active
+        held_most.clear()
+        await trio.sleep(ACTIVE_SECONDS + 6)
+        assert max(held_most) == 4  # light quiet: heavy takes all four
+        n.cancel_scope.cancel()
+    assert light_waits == [0.0] * 5
