@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import trio
 import trio.testing
-from admission_fleet import MODEL, handle, registry
 
 from appliance import config
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.share import ACTIVE_SECONDS, Shares
+from tests.harness.admission_fleet import MODEL, handle, registry
 
 
 def test_cap_keeps_a_place_for_each_other_active_key():
