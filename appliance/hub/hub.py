@@ -36,6 +36,7 @@ from appliance.hub.observe.history import History, Recent
 from appliance.hub.observe.metrics import HubMetrics
 from appliance.hub.observe.replica_metrics import ReplicaCollector
 from appliance.hub.observe.slow import SlowRequests
+from appliance.observe import trace
 from appliance.server.limits import Limits, LiveLimits
 
 MiB = 1024 * 1024
@@ -85,6 +86,10 @@ class Hub:
         self.recent = Recent()
         self.audit.recent = self.recent
         self.slow = self.audit.slow = SlowRequests()  # the hour's slowest ("why slow")
+        # OpenTelemetry while OTEL_EXPORTER_OTLP_ENDPOINT is set (observe/trace.py), else None.
+        self.tracing = trace.setup("appliance-hub")
+        if self.tracing is not None:
+            self.metrics_registry.register(trace.DroppedCollector(self.tracing))
         # with Cluster__Etcd (run_hub sets it)
         self.cluster: Member | None = None
         # with Hub__Workers>1 (hub/workers.py sets it)

@@ -31,6 +31,7 @@ from appliance.hub.hub import Hub, node_client
 from appliance.hub.observe.audit import check_path
 from appliance.hub.observe.history import read_hub, run_sampler
 from appliance.hub.workers import pool as workers
+from appliance.observe import trace
 from appliance.server.serve import Bound, same_port, serve
 
 if TYPE_CHECKING:
@@ -126,6 +127,9 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
         nursery.cancel_scope.cancel()
         with trio.move_on_after(POOL_CLOSE_SECONDS, shield=True):
             await hub.upstream.aclose()
+        if hub.tracing is not None:  # the last spans out, bounded (observe/trace.py)
+            with trio.move_on_after(trace.SHUTDOWN_SECONDS + 1, shield=True):
+                await trio.to_thread.run_sync(hub.tracing.shutdown, abandon_on_cancel=True)
 
 
 async def _store(hub: Hub, *,

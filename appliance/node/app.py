@@ -51,6 +51,7 @@ from appliance.node.metrics import NodeMetrics
 from appliance.node.proxy import NODE_API, EngineProxy, send_error
 from appliance.node.state import NodeStateKeeper
 from appliance.observe.metricsapp import render
+from appliance.observe.trace import Tracing
 from appliance.wire import (
     EPOCH_HEADER,
     HEARTBEAT_HEADER,
@@ -75,12 +76,12 @@ class NodeApp:
     """`NodeApp(cfg, keeper, engine, metrics)` is the ASGI app; `await app.aclose()` at the end."""
 
     def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine,
-                 metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None, tracing: Tracing | None = None) -> None:
         self.cfg = cfg
         self.keeper = keeper
         self.changes = ChangeWaiter(keeper)
         self.engine = engine
-        self.proxy = EngineProxy(cfg, keeper, engine, metrics)
+        self.proxy = EngineProxy(cfg, keeper, engine, metrics, tracing)
         self.metrics = metrics
         # Auth__Nodes__N__Token for this node's name, else the shared Auth__NodeToken.
         self.token = cfg.auth.node_token_for(cfg.node_name()).encode()

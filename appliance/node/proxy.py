@@ -38,6 +38,7 @@ from appliance.node.health import Waiting
 from appliance.node.metrics import NodeMetrics
 from appliance.node.request import NodeRequest
 from appliance.node.state import NodeStateKeeper, Refused
+from appliance.observe.trace import Tracing, operation, passthrough
 from appliance.wire import UNHEALTHY
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,9 @@ async def send_error(send: Send, api: str, status: int, code: str, message: str,
 
 class EngineProxy:
     def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine,
-                 metrics: NodeMetrics | None) -> None:
+                 metrics: NodeMetrics | None, tracing: Tracing | None = None) -> None:
         self.cfg, self.keeper, self.engine, self.metrics = cfg, keeper, engine, metrics
+        self.tracing = tracing  # OTEL_EXPORTER_OTLP_ENDPOINT (observe/trace.py), else None
         self.health = keeper.health  # each ready model's first bytes watched (node/health.py)
         # The proxy's own lean client to the engine (appliance/client/upstream.py): no proxies
         # from the environment, no caps (admission is the node's, Node__MaxConcurrency).
@@ -167,6 +169,11 @@ class EngineProxy:
                 req.status = "503"
                 await send_error(send, api, 503, "no_capacity", str(e), [(b"retry-after", b"1")])
                 return
+            if self.tracing is not None:  # a child of the hub's attempt span
+                op = operation(scope["path"])
+                req.span = self.tracing.start(f"{op} {model}", scope["headers"], attributes={
+                    "gen_ai.operation.name": op, "gen_ai.request.model": model,
+                    "appliance.node": self.keeper.name, "url.path": scope["path"]})
             streamed = head.stream is True or (head.stream is None
                                                and scope["path"] in STREAM_BY_DEFAULT)
             # After the last byte a disconnect is just the end (the status is set then).
@@ -175,6 +182,13 @@ class EngineProxy:
                 await self._watched(scope, send, api, upstream, body, req, streamed)
         finally:
             req.finish("client_gone" if client is not None and client.gone else "cancelled")
+            if req.span is not None and self.tracing is not None:
+                status = req.status or ("client_gone" if client is not None and client.gone
+                                        else "cancelled")
+                req.span.set_attribute("appliance.status", status)
+                if not status.isdigit() or int(status) >= 500:
+                    self.tracing.error(req.span, status)
+                req.span.end()
 
     async def _watched(self, scope: Scope, send: Send, api: str, upstream: str, body: bytes,
                        req: NodeRequest, streamed: bool) -> None:
@@ -223,6 +237,11 @@ class EngineProxy:
         url = upstream + raw + (("?" + scope["query_string"].decode("latin-1"))
                                 if scope.get("query_string") else "")
         headers = [JSON_BODY, *((k, v) for k, v in scope["headers"] if k in FORWARD_REQUEST)]
+        # The engine continues the trace: this node's span, else the hub's context as it came.
+        if req.span is not None and self.tracing is not None:
+            headers += self.tracing.inject(req.span)
+        else:
+            headers += passthrough(scope["headers"])
         started = False
         resp = None
         try:

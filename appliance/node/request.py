@@ -11,13 +11,16 @@ ended with no status is counted under `otherwise` (`client_gone`, `cancelled`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from appliance.bounds import OTHER_LABEL
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
 
 
 class NodeRequest:
-    __slots__ = ("keeper", "metrics", "model", "label", "status", "started", "done", "sent_type")
+    __slots__ = ("keeper", "metrics", "model", "label", "status", "started", "done", "sent_type",
+                 "span")
 
     def __init__(self, keeper: NodeStateKeeper, metrics: NodeMetrics | None, model: str) -> None:
         self.keeper, self.metrics, self.model = keeper, metrics, model
@@ -27,6 +30,7 @@ class NodeRequest:
         self.done = False
         # The content type of the head sent to the client; None while none went out.
         self.sent_type: str | None = None
+        self.span: Any = None  # its OpenTelemetry span while the node traces (proxy.py)
 
     def unknown_model(self) -> None:
         """The model is not on this node: a client-chosen name never becomes a label."""

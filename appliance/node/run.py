@@ -45,7 +45,7 @@ from appliance.node.health import ReplicaHealth
 from appliance.node.metrics import NodeMetrics
 from appliance.node.probe import Prober
 from appliance.node.state import NVIDIA_SMI, NodeStateKeeper, parse_nvidia_smi
-from appliance.observe import sdnotify
+from appliance.observe import sdnotify, trace
 from appliance.observe.metricsapp import metrics_app
 from appliance.server.limits import Limits, LiveLimits
 from appliance.server.serve import Bound, same_port, serve
@@ -170,7 +170,10 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
     async with hub_client(cfg) as hclient, trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         await nursery.start(poll_gpu_memory, keeper, GPU_POLL_SECONDS)
-        app = NodeApp(cfg, keeper, engine, metrics)
+        tracing = trace.setup("appliance-node")  # None without OTEL_EXPORTER_OTLP_ENDPOINT
+        if tracing is not None:
+            metrics.registry.register(trace.DroppedCollector(tracing))
+        app = NodeApp(cfg, keeper, engine, metrics, tracing)
         nursery.start_soon(app.proxy.pool.sweep_every)  # idle engine connections closed promptly
         if keeper.health is not None:
             await nursery.start(Prober(cfg, keeper.health, keeper, engine, app.proxy.pool).run)
@@ -215,6 +218,9 @@ async def run_node(cfg: Config, stop: trio.Event | None = None, *,
         nursery.cancel_scope.cancel()
         with trio.move_on_after(POOL_CLOSE_SECONDS, shield=True):
             await app.aclose()
+        if tracing is not None:  # the last spans out, bounded
+            with trio.move_on_after(trace.SHUTDOWN_SECONDS + 1, shield=True):
+                await trio.to_thread.run_sync(tracing.shutdown, abandon_on_cancel=True)
 
 
 # --- the process: signals, systemd, exit code ----------------------------------------------

@@ -368,3 +368,32 @@ def test_up_answers_a_chat_request_and_stops_on_sigterm(binary, tmp_path, runnin
         assert time.monotonic() - t0 <= DRAIN_SECONDS + 10
     finally:
         notify.close()
+
+
+def test_up_exports_traces_from_the_executable(binary, tmp_path, running):
+    """OpenTelemetry is in the executable: with OTEL_EXPORTER_OTLP_ENDPOINT set, the hub's
+    and the node's spans of one chat reach an OTLP/HTTP receiver, in one trace."""
+    from test_trace_e2e import Receiver, _serve
+
+    receiver = Receiver()
+    endpoint = _serve(receiver)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = bare_env(tmpdir, Hub__Listen="127.0.0.1:0", Node__Listen="127.0.0.1:0",
+                   Sim__Listen="127.0.0.1:0", Metrics__Listen="", Engine__Kind="sim",
+                   Hub__DrainSeconds=DRAIN_SECONDS, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)
+    p = running([str(binary), "up"], env)
+    try:
+        url = p.wait_listening("hub")["hub"]
+        body = {"model": "sim-small", "messages": [{"role": "user", "content": "Say hello"}]}
+        r = wait_until(lambda: (lambda r: r if r.status_code != 503 else None)(
+            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)), timeout=60,
+                       what="a non-503 answer")
+        assert r.status_code == 200, r.text
+        wait_until(lambda: receiver.of("appliance-hub") and receiver.of("appliance-node"), 30,
+                   "spans from hub and node")
+        hub_trace = {s.trace_id for s in receiver.of("appliance-hub") if s.name.startswith("chat")}
+        node_trace = {s.trace_id for s in receiver.of("appliance-node")}
+        assert hub_trace & node_trace, p.output()
+    finally:
+        receiver.shutdown()

@@ -25,6 +25,7 @@ from appliance.hub.decide.affinity import Route
 from appliance.hub.fleet.flag import Flag
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
+from appliance.hub.observe.spans import RequestSpan
 from appliance.hub.translate.usage import Usage
 
 # Headers a client sends that the node should see too; the rest (keys) stay here. Not its
@@ -51,6 +52,8 @@ class Recorder:
                                   "ms": round(elapsed * 1000, 2)}
         if req.request_id:
             fields["request_id"] = req.request_id
+        if req.trace is not None and req.trace.trace_id:
+            fields["trace_id"] = req.trace.trace_id
         batch = req.scope.get(BATCH_SCOPE)
         if batch:
             fields["batch"] = batch  # a batch line (hub/store/runner.py)
@@ -130,7 +133,7 @@ class Request:
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
                  "scope", "usage", "lease", "tokens", "demand", "preempted", "_recorder",
-                 "route", "load_s", "queue_s", "sent_at")
+                 "route", "load_s", "queue_s", "sent_at", "load_at", "queue_at", "trace")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
@@ -162,6 +165,10 @@ class Request:
         self.load_s: float | None = None
         self.queue_s: float | None = None
         self.sent_at: float | None = None
+        self.load_at: float | None = None
+        self.queue_at: float | None = None
+        # Its span while tracing is on (hub/observe/spans.py), else None.
+        self.trace: RequestSpan | None = None
         self.error = ""
         self.done = False
         # tokens: the answer's usage as the relay read it (translate/usage.py: the engine's
@@ -212,6 +219,8 @@ class Request:
     def forward_headers(self) -> Headers:
         """The client's headers the node sees, the body's type, and the request id."""
         kept = [(k, v) for k, v in self.headers if k in FORWARD_HEADERS]
+        if self.trace is not None:  # the node's span continues this request's trace
+            kept += self.trace.headers()
         return [JSON_BODY, *kept, *self.id_headers()]
 
     async def send_start(self, status: int, headers: Headers) -> None:

@@ -41,6 +41,7 @@ from appliance.hub.api.request import Recorder, Request
 from appliance.hub.decide import capable, fair
 from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.limits import output_cap
+from appliance.hub.observe.spans import RequestSpan
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.hub.translate.outcap import ROOM, with_cap
 from appliance.server.limits import Refusal
@@ -126,6 +127,8 @@ async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
     it (refused, malformed, client gone, node lost, drained, or a bug -- a 500 in the
     API's shape)."""
     req = Request(scope, send, api, Recorder(hub.audit, hub.metrics, hub.admission.enabled))
+    if hub.tracing is not None:  # OTEL_EXPORTER_OTLP_ENDPOINT (hub/observe/spans.py)
+        req.trace = RequestSpan(hub.tracing, req)
     try:
         await _handle(hub, req, receive, relay, hangup)
     except ApiError as e:  # raised while the watcher was cancelling: still answered
@@ -145,6 +148,8 @@ async def handle_inference(hub: Hub, scope: Scope, receive: Receive, send: Send,
         if not req.done and not req.error and drained(scope):
             req.error = "shutting_down"  # cut by the listener at the drain's end
         req.finish()  # synchronous: nothing in it can be cancelled
+        if req.trace is not None:
+            req.trace.end(req)
 
 
 async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | None,
@@ -256,18 +261,18 @@ async def _route(hub: Hub, req: Request, model: str, prep: translate.Prepared,
                                    *req.id_headers()])
         await req.send_last(body)
         return
-    t = time.perf_counter()
+    req.load_at = time.perf_counter()
     await hub.control.make_servable(model, keep)
-    req.load_s = time.perf_counter() - t  # the activation wait (audit `load_ms`)
+    req.load_s = time.perf_counter() - req.load_at  # the activation wait (audit `load_ms`)
     try:
         in_flight = hub.metrics.in_flight_of(model)
         # Preemptible only where this process relays: a worker's first byte is known
         # here only when its answer has ended (Priority__Preempt).
         victim = req if relay is None else None
-        t = time.perf_counter()
+        req.queue_at = time.perf_counter()
         async with hub.admission.place(model, req.cls, req.client, in_flight,
                                        req.demand, req.route, victim) as place:
-            req.queue_s = time.perf_counter() - t  # admission's wait (audit `queue_ms`)
+            req.queue_s = time.perf_counter() - req.queue_at  # admission's (audit `queue_ms`)
             await _proxy(hub, req, place, model, prep, relay)
     finally:
         hub.control.touch(model, keep)  # idle time counts from the end of the work
@@ -289,6 +294,8 @@ async def _proxy(hub: Hub, req: Request, place: Place, model: str,
             req.sent_at = time.perf_counter()
         node = place.node or node  # a home wait that ran out moves it (decide/home.py)
         req.tried = place.tried
+        if req.trace is not None:
+            req.trace.attempt(node.name)
         plan = prep.for_engine(translate.engine_kind(node.state),
                                translate.context_length(node.state, model))
         req.node = node.name  # the audit line names where it went, even if it fails there

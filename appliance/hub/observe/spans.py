@@ -1,0 +1,138 @@
+"""One request's trace on the hub: a server span with GenAI attributes, a client span per
+node attempt, events for the waits -- all from the request's own record.
+
+Theory of operation: `RequestSpan(tracing, req)` opens the request's span when the router
+makes the `Request` (continuing the client's `traceparent` when it sent a valid one) and
+gives the request its trace id (the audit's `trace_id`; also its `x-request-id` when the
+client sent none, so an error body's id header leads to the trace). `attempt(node)` opens
+a child span per node tried -- its context is what `headers()` sends the node, so the
+node's span is its child -- and `end(req)` closes them from the record in the router's
+one `finally`: the GenAI semantic conventions (operation, model, usage input/output and
+cache-read tokens, time to first token), the client's name (never its key), where it
+went, the breakdown (load, queue, node wait) as attributes and as events at their times.
+It decides nothing and reads nothing the record does not hold.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from appliance.observe.trace import Tracing, operation, trace_id
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from appliance.hub.decide.affinity import Route
+    from appliance.hub.decide.limits import Settled
+    from appliance.hub.translate.usage import Usage
+
+
+class Request(Protocol):
+    """The request record as this module reads it (hub/api/request.py's `Request`)."""
+
+    path: str
+    headers: list[tuple[bytes, bytes]]
+    t0: float
+    request_id: str
+    model: str
+    client: str
+    cls: str
+    node: str
+    status: int
+    error: str
+    ttfb: float | None
+    load_s: float | None
+    load_at: float | None
+    queue_s: float | None
+    queue_at: float | None
+    sent_at: float | None
+    tokens: Settled | None
+    route: Route | None
+    usage: Usage | None
+
+class RequestSpan:
+    __slots__ = ("tracing", "span", "trace_id", "epoch_ns", "perf0", "operation", "current",
+                 "attempts")
+
+    def __init__(self, tracing: Tracing, req: Request) -> None:
+        self.tracing = tracing
+        self.operation = operation(req.path)
+        # The record's times are perf_counter seconds from req.t0; spans want epoch ns.
+        self.perf0 = req.t0
+        self.epoch_ns = time.time_ns() - int((time.perf_counter() - req.t0) * 1e9)
+        self.span: Span = tracing.start(self.operation, req.headers, self.epoch_ns,
+                                        {"gen_ai.operation.name": self.operation,
+                                         "url.path": req.path})
+        self.trace_id = trace_id(self.span)
+        self.attempts: list[Span] = []
+        self.current: Span | None = None
+        if self.trace_id and not any(k == b"x-request-id" for k, _ in req.headers):
+            req.request_id = self.trace_id
+
+    def _ns(self, perf: float) -> int:
+        return self.epoch_ns + int((perf - self.perf0) * 1e9)
+
+    def attempt(self, node: str) -> None:
+        """The request is sent to `node` now (a second call: the first failed before its
+        first byte)."""
+        if self.current is not None:
+            self.tracing.error(self.current, "not answered before the first byte")
+            self.current.end()
+        self.current = self.tracing.child(self.span, f"attempt {node}",
+                                          attributes={"appliance.node": node})
+        self.attempts.append(self.current)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """`traceparent` for the node: the current attempt's span."""
+        return self.tracing.inject(self.current if self.current is not None else self.span)
+
+    def end(self, req: Request) -> None:
+        s = self.span
+        model = req.model
+        if model:
+            s.update_name(f"{self.operation} {model}")
+        attrs: dict[str, Any] = {
+            "gen_ai.request.model": model, "gen_ai.response.model": model,
+            "appliance.client": req.client, "http.response.status_code": req.status,
+        }
+        if req.node:
+            attrs["appliance.node"] = req.node
+        if req.request_id:
+            attrs["appliance.request_id"] = req.request_id
+        if req.cls:
+            attrs["appliance.priority"] = req.cls
+        t = req.tokens
+        if t is not None:
+            attrs["gen_ai.usage.input_tokens"] = t.input
+            attrs["gen_ai.usage.output_tokens"] = t.output
+        cached = (req.route.cached_tokens if req.route is not None else None) or (
+            req.usage.cached if req.usage is not None else None)
+        if cached:
+            attrs["gen_ai.usage.cache_read.input_tokens"] = cached
+        if req.ttfb is not None:
+            attrs["gen_ai.server.time_to_first_token"] = round(req.ttfb, 6)
+            s.add_event("first_byte", timestamp=self._ns(req.t0 + req.ttfb))
+        if req.load_s is not None and req.load_at is not None:
+            attrs["appliance.load_ms"] = round(req.load_s * 1000, 2)
+            s.add_event("activation_wait", {"duration_ms": attrs["appliance.load_ms"]},
+                        timestamp=self._ns(req.load_at))
+        if req.queue_s is not None and req.queue_at is not None:
+            attrs["appliance.queue_ms"] = round(req.queue_s * 1000, 2)
+            s.add_event("admission_wait", {"duration_ms": attrs["appliance.queue_ms"],
+                                           "appliance.priority": req.cls},
+                        timestamp=self._ns(req.queue_at))
+        if req.sent_at is not None and req.ttfb is not None:
+            attrs["appliance.node_wait_ms"] = round(
+                max(0.0, req.t0 + req.ttfb - req.sent_at) * 1000, 2)
+        if req.error:
+            attrs["error.type"] = req.error
+        s.set_attributes(attrs)
+        if self.current is not None:
+            self.current.set_attribute("http.response.status_code", req.status)
+            if req.status >= 500 or req.error:
+                self.tracing.error(self.current, req.error or str(req.status))
+            self.current.end()
+        if req.status >= 500:
+            self.tracing.error(s, req.error or str(req.status))
+        s.end()
