@@ -373,7 +373,7 @@ def test_up_answers_a_chat_request_and_stops_on_sigterm(binary, tmp_path, runnin
 def test_up_exports_traces_from_the_executable(binary, tmp_path, running):
     """OpenTelemetry is in the executable: with OTEL_EXPORTER_OTLP_ENDPOINT set, the hub's
     and the node's spans of one chat reach an OTLP/HTTP receiver, in one trace."""
-    from test_trace_e2e import Receiver, _serve
+    from tests.e2e.test_trace_e2e import Receiver, _serve
 
     receiver = Receiver()
     endpoint = _serve(receiver)

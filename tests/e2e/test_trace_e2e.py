@@ -14,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from procs import Procs, wait_until
+
+from tests.harness.procs import Procs, wait_until
 
 pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
@@ -161,8 +162,10 @@ def test_one_trace_from_the_client_through_hub_and_node_to_the_engine(fleet):
     parent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
     r = _stream(hub.url, {"traceparent": parent, "x-request-id": "req-1"})
     assert r.headers["x-request-id"] == "req-1"
-    wait_until(lambda: receiver.named("chat tiny") and len(receiver.of("appliance-node")) >= 1,
-               30, "hub and node spans exported")
+    def names(service: str) -> set[str]:
+        return {s.name for s in receiver.of(service)}
+    wait_until(lambda: {"chat tiny", "attempt gpu-a"} <= names("appliance-hub")
+               and "chat tiny" in names("appliance-node"), 30, "hub and node spans exported")
     hub_span = next(s for s in receiver.of("appliance-hub") if s.name == "chat tiny")
     attempt = next(s for s in receiver.of("appliance-hub") if s.name == "attempt gpu-a")
     node_span = next(s for s in receiver.of("appliance-node") if s.name == "chat tiny")
