@@ -17,8 +17,11 @@ Who speaks what (docs/api.md's route table is this function):
 - Anthropic /v1/messages and OpenAI /v1/responses: always onto chat completions, the one
   API every engine kind here speaks (translate/anthropic.py, translate/responses.py);
   /v1/messages/count_tokens as a one-token chat whose usage the engine counts.
-A name resolved by the hub (`llama3.2` -> `llama3.2:latest`) or the usage asked for is
-written into a forwarded body; otherwise a forwarded body is the client's own bytes. Every
+A generation the client wants as one answer is asked of the engine as a stream and
+assembled by the hub (translate/assemble.py): a client that leaves closes the engine's
+stream, which frees its slot. A name resolved by the hub (`llama3.2` -> `llama3.2:latest`),
+the usage asked for or that stream is written into a forwarded body; otherwise a
+forwarded body is the client's own bytes. Every
 answer's converter ends with the answer's `Usage` (the engine's counts, else the hub's,
 marked estimated), which the relay puts on the request.
 """
@@ -30,6 +33,7 @@ from typing import Any, Protocol
 
 from appliance.http.errors import ApiError
 from appliance.hub.translate import anthropic, ollama, responses
+from appliance.hub.translate.assemble import Assembler, streamed
 from appliance.hub.translate.common import (
     Start,
     bad,
@@ -93,7 +97,7 @@ class Plan:
 
 class Prepared:
     __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only",
-                 "need", "prompt", "drop_usage")
+                 "need", "prompt", "drop_usage", "assembled")
 
     def __init__(self, path: str, api: str, body: bytes, translated: tuple[str,
                                                                            bytes] | None = None,
@@ -101,6 +105,9 @@ class Prepared:
                  refused: ApiError | None = None, prompt: int = 0) -> None:
         self.prompt = prompt  # the prompt's estimate in tokens, for an engine that counts none
         self.drop_usage = False  # include_usage was added by the hub
+        # Passed through, one answer asked for: the streamed body the engine is sent (its
+        # answer gathered by translate/assemble.py), else None.
+        self.assembled: bytes | None = None
         self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
         self.load_only = False  # Ollama's load/unload request: no prompt, no messages
         self.need = 0  # the fewest context tokens a translated Ollama request takes
@@ -117,6 +124,10 @@ class Prepared:
         if self.refused is not None and (self.always or kind in OPENAI_ONLY):
             raise self.refused
         if self.translated is None or not (self.always or kind in OPENAI_ONLY):
+            if self.assembled is not None:
+                chat, prompt = self.path == CHAT, self.prompt
+                return Plan(self.path, self.assembled, self.api,
+                            lambda start: Assembler(prompt, chat), prompt)
             return Plan(self.path, self.body, self.api, prompt=self.prompt,
                         drop_usage=self.drop_usage)
         if context and self.need > context:
@@ -179,6 +190,10 @@ def prepare(path: str, api: str, body: bytes, given: str, model: str,
         prep = Prepared(path, api, _with_usage(obj, model) if ask else fwd, refused=refused,
                         prompt=prompt_estimate(body))
         prep.drop_usage = ask
+        if path in _USAGE_STREAMS and obj.get("stream") is not True:
+            # One answer asked for: the engine streams it (a client that leaves closes
+            # the stream, which frees the engine's slot) and the hub assembles it.
+            prep.assembled = enc.encode(streamed({**obj, "model": model}))
         return prep
     try:
         return _translated(path, api, obj, fwd, given, model)
@@ -219,10 +234,10 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
     if path == "/v1/messages":
         req, stream = anthropic.request(obj, model)
         stops = req.get("stop")
-        return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda start: anthropic.MessagesConverter(
+        return Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
+                        lambda start: _assembled(stream, prompt, anthropic.MessagesConverter(
                             given, stream, stops if isinstance(stops, list) else None,
-                            prompt=prompt),
+                            prompt=prompt)),
                         always=True, prompt=prompt)
     if path == "/v1/messages/count_tokens":
         return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
@@ -230,11 +245,17 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
                         prompt=prompt)
     if path == "/v1/responses":
         req, stream, echo = responses.request(obj, model)
-        return Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda start: responses.ResponsesConverter(given, stream, echo,
-                                                                   prompt=prompt),
+        return Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
+                        lambda start: _assembled(stream, prompt, responses.ResponsesConverter(
+                            given, stream, echo, prompt=prompt)),
                         always=True, prompt=prompt)
     return Prepared(path, api, fwd, prompt=prompt)
+
+
+def _assembled(stream: bool, prompt: int, conv: Converter) -> Converter:
+    """A translation's converter; for one answer, behind the assembler of the engine's
+    stream (translate/assemble.py)."""
+    return conv if stream else Assembler(prompt, True, conv)
 
 
 def resolve(name: str, known: Callable[[str], bool]) -> str:

@@ -104,8 +104,9 @@ async def test_stream_usage_asked_for_and_dropped_unless_the_client_asked(tmp_pa
             stream_options={"include_usage": True})]
         whole = await oc.chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
         nursery.cancel_scope.cancel()
-    assert all(b["stream_options"] == {"include_usage": True} for b in engine.bodies[:2])
-    assert "stream_options" not in engine.bodies[2]
+    # One answer asked for: streamed from the engine too, and assembled (assemble.py).
+    assert all(b["stream_options"] == {"include_usage": True} for b in engine.bodies[:3])
+    assert engine.bodies[2]["stream"] is True
     assert [c.usage for c in plain] == [None] * len(plain) and plain[-1].choices
     assert "".join(c.choices[0].delta.content or "" for c in plain) == "Hello!"
     assert asked[-1].choices == [] and asked[-1].usage is not None
