@@ -34,6 +34,7 @@ from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
 from appliance.hub.decide.affinity import usage_of
 from appliance.hub.fleet.flag import Flag
+from appliance.hub.translate.assemble import assembled_openai
 from appliance.hub.translate.common import Start
 from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
 from appliance.hub.translate.usage import Meter, SSEMeter
@@ -184,7 +185,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             # A whole answer in the first read (every short, non-streamed one): one
             # body message with its length, no chunked framing, fewer writes.
             start_headers.append((b"content-length", clen.encode()))
-            if req.route is not None and metered:
+            if req.route is not None and (metered or assembled_openai(conv)):
                 seen = usage_of(first)  # what the engine says of its prompt cache
                 if seen is not None:
                     req.route.prompt_tokens, req.route.cached_tokens = seen

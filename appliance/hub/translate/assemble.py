@@ -71,6 +71,7 @@ class Assembler:
         self._meta: dict[str, Any] = {}
         self._choices: dict[int, _Choice] = {}
         self._timings: Any = None
+        self._usage: dict[str, Any] | None = None
 
     def usage(self) -> Usage | None:
         if self._whole and self.inner is not None:
@@ -122,6 +123,8 @@ class Assembler:
     def _take(self, obj: dict[str, Any]) -> None:
         if not self._meta:
             self._meta = {k: v for k, v in obj.items() if k not in _NOT_KEPT}
+        if isinstance(obj.get("usage"), dict):
+            self._usage = obj["usage"]  # the engine's, as it said it (cached tokens too)
         if obj.get("timings") is not None:
             self._timings = obj["timings"]  # llama-server's, on its last chunk
         choices = obj.get("choices")
@@ -175,10 +178,9 @@ class Assembler:
             choice.update(c.extra)
             out["choices"].append(choice)
         u = self._tally.usage()
-        out["usage"] = {"prompt_tokens": u.input, "completion_tokens": u.output,
-                        "total_tokens": u.input + u.output}
-        if u.cached:
-            out["usage"]["prompt_tokens_details"] = {"cached_tokens": u.cached}
+        out["usage"] = self._usage if self._usage is not None else {
+            "prompt_tokens": u.input, "completion_tokens": u.output,
+            "total_tokens": u.input + u.output}
         if self._timings is not None:
             out["timings"] = self._timings
         return out
@@ -189,3 +191,9 @@ def streamed(req: dict[str, Any]) -> dict[str, Any]:
     so = req.get("stream_options")
     return {**req, "stream": True,
             "stream_options": {**(so if isinstance(so, dict) else {}), "include_usage": True}}
+
+
+def assembled_openai(conv: object) -> bool:
+    """Is `conv` an assembler whose answer is OpenAI's own (its usage and llama-server's
+    `timings` tell affinity of the prompt cache, as a passed-through answer's do)?"""
+    return isinstance(conv, Assembler) and conv.inner is None
