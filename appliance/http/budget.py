@@ -49,13 +49,14 @@ def decoded_estimate(body: bytes) -> int:
     return len(body) + ITEM_BYTES * items
 
 
-def hold_decoded(scope: dict[str, Any] | None, body: bytes) -> None:
-    """Hold the decoded estimate of `body` (less the bytes already held) against the
+def hold_decoded(scope: dict[str, Any] | None, body: bytes, held: int | None = None) -> None:
+    """Hold the decoded estimate of `body` (less the `held` bytes the server already holds:
+    the body's own, or fewer when it came compressed, http/encoding.py) against the
     server's budget; 503 `busy` when over. No budget offered (a test's scope): nothing."""
     budget: BodyBudget | None = ((scope or {}).get("extensions") or {}).get(BODY_BUDGET)
     if budget is None:
         return
-    extra = decoded_estimate(body) - len(body)
+    extra = decoded_estimate(body) - (len(body) if held is None else held)
     if extra > 0 and not budget.hold(extra):
         raise ApiError(503, "busy", "the server holds too many decoded request bodies now; "
                        "retry shortly", retry_after=BUSY_RETRY_AFTER)

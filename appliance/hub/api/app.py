@@ -35,6 +35,7 @@ from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub.api import responses, status, stored, ui
 from appliance.hub.api import routes as apiroutes
+from appliance.hub.api.anthropic_models import anthropic_models, is_anthropic
 from appliance.hub.api.router import allowed, authenticate, handle_inference
 from appliance.hub.cluster.etcd import EtcdError
 from appliance.hub.fleet import announce
@@ -142,7 +143,16 @@ async def _get(hub: Hub, scope: Scope, send: Send, path: str) -> None:
         return allowed(client, model)
 
     if path == "/v1/models":
-        await send_json(send, 200, status.openai_models(hub, may))
+        listed = status.openai_models(hub, may)
+        if is_anthropic(scope["headers"]):  # Anthropic's shape for its clients
+            try:
+                page = anthropic_models(listed["data"], scope.get("query_string") or b"")
+            except ApiError as e:
+                await send_api_error(send, "anthropic", e)
+                return
+            await send_json(send, 200, page)
+        else:
+            await send_json(send, 200, listed)
     elif path == "/api/tags":
         await send_json(send, 200, status.ollama_tags(hub, may))
     else:

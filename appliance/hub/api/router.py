@@ -33,6 +33,7 @@ from appliance.config import AuthConfig, ClientConfig
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, decode_json, read_body
 from appliance.http.budget import hold_decoded
 from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
+from appliance.http.encoding import decode_content
 from appliance.http.errors import ApiError
 from appliance.http.keys import request_key
 from appliance.hub import translate
@@ -159,11 +160,12 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
         req.client = client.name
         limit = hub.cfg.hub.max_body_bytes
         try:
-            body = await read_body(receive, limit)
+            wire = await read_body(receive, limit)
+            body = decode_content(req.headers, wire, limit)  # gzip inflated within the bound
         except BodyTooLarge:
             raise ApiError(413, "body_too_large",
                            f"body over Hub__MaxBodyBytes ({limit} bytes)") from None
-        hold_decoded(req.scope, body)  # its decoded size counts against the body budget
+        hold_decoded(req.scope, body, len(wire))  # its decoded size counts against the budget
         asked, obj = decode_body(body)
         if not hub.grace.over() and not _ready(hub, asked.model):
             # Just (re)started: the nodes are still reporting what they have (grace.py).
@@ -178,7 +180,7 @@ async def _handle(hub: Hub, req: Request, receive: Receive, relay: RelayFn | Non
             raise ApiError(404, "model_not_found", f"model {echo(asked.model)!r} not found")
         req.label = model
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
-        refuse_images(hub, model, obj)
+        refuse_incapable(hub, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
         # The key's limits (limits.py): reserved now, settled in Request.finish. A key with
         # a token limit sends no request without an output cap: one is written in.
@@ -224,16 +226,17 @@ def _used(req: Request) -> int | None:
     return None if t is None or t.estimated else fair.cost(t.input, t.output)
 
 
-def refuse_images(hub: Hub, model: str, obj: dict[str, Any]) -> None:
-    """Images for a model whose engines say it has no vision: a 400 in the API's shape
-    (as Ollama answers), not an engine's 500 or a silent drop."""
-    if not capable.has_images(obj):
+def refuse_incapable(hub: Hub, model: str, obj: dict[str, Any]) -> None:
+    """Images, tools or thinking for a model whose engines say it cannot (capable.py): a
+    400 in the API's shape (as Ollama answers), not an engine's 500 or a silent drop."""
+    if not any(needs(obj) for _, needs, _ in capable.NEEDS):
         return
     caps = capable.model_capabilities(hub.control.core.spec(model),
                                       list(hub.registry.nodes.values()), model)
-    if caps is not None and "vision" not in caps:
+    what = capable.lacking(caps, obj) if caps is not None else None
+    if caps is not None and what is not None:
         raise ApiError(400, "invalid_request",
-                       f"model {echo(model)!r} does not support image input (its engine lists "
+                       f"model {echo(model)!r} does not support {what} (its engine lists "
                        f"{', '.join(sorted(caps)) or 'no capabilities'})")
 
 

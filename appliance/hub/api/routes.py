@@ -50,6 +50,7 @@ from appliance.http.asgi import (
 from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
 from appliance.hub.api import modelops, status
+from appliance.hub.api.anthropic_models import anthropic_model, is_anthropic
 from appliance.hub.api.requestid import request_id
 from appliance.hub.api.router import allowed, authenticate
 from appliance.hub.decide import capable
@@ -205,17 +206,18 @@ def _client(hub: Hub, scope: Scope) -> ClientConfig:
 
 
 async def _one_model(hub: Hub, scope: Scope, send: Send, model_id: str) -> None:
+    api = "anthropic" if is_anthropic(scope["headers"]) else "openai"  # whose shape
     try:
         if scope["method"] not in ("GET", "HEAD"):
             raise ApiError(405, "method_not_allowed", "/v1/models/{id} takes GET")
         client = _client(hub, scope)
         for m in status.openai_models(hub, lambda name: allowed(client, name))["data"]:
             if m["id"] == resolve(model_id, hub.control.known):
-                await send_json(send, 200, m)
+                await send_json(send, 200, anthropic_model(m) if api == "anthropic" else m)
                 return
         raise ApiError(404, "model_not_found", f"The model '{model_id}' does not exist")
     except ApiError as e:
-        await send_api_error(send, "openai", e)
+        await send_api_error(send, api, e)
 
 
 class _Show(msgspec.Struct):

@@ -6,8 +6,9 @@ llama.cpp reads -- and otherwise any engine may serve it. A node says its kind i
 `NodeState.engine` (the hub checks the word: `NodeHandle.kind()`); a node whose kind is
 unknown serves only models that any engine may serve. Placement, parking counts,
 `/api/pull` and `/api/show` ask this one rule. What a model can do is what the engines of
-capable nodes say (`ModelMeta.capabilities`); a request with images for a model they say
-has no vision is refused (400) before any node sees it. Pure functions, no I/O.
+capable nodes say (`ModelMeta.capabilities`); a request that needs what they say the
+model lacks -- images (vision), `tools` (tools), Ollama's `think` (thinking) -- is refused
+(400, as Ollama answers) before any node sees it. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -80,3 +81,27 @@ def has_images(body: dict[str, Any]) -> bool:
                     msg.get("content")) or msg.get("type") in IMAGE_PARTS):
                 return True
     return False
+
+
+def has_tools(body: dict[str, Any]) -> bool:
+    """Tools offered in a request body of any API (`tools`, OpenAI's older `functions`)."""
+    return bool(body.get("tools")) or bool(body.get("functions"))
+
+
+def has_think(body: dict[str, Any]) -> bool:
+    """Thinking asked for with Ollama's `think` (true, or a level such as "high")."""
+    return body.get("think") not in (None, False)
+
+
+# What a body may need, the capability (Ollama's word) that serves it, and its name in
+# the refusal.
+NEEDS = (("vision", has_images, "image input"), ("tools", has_tools, "tools"),
+         ("thinking", has_think, "thinking"))
+
+
+def lacking(caps: set[str], body: dict[str, Any]) -> str | None:
+    """What `body` needs that a model of `caps` cannot do (its name), None when nothing."""
+    for cap, needs, what in NEEDS:
+        if cap not in caps and needs(body):
+            return what
+    return None

@@ -34,6 +34,7 @@ from appliance.client.upstream import Pool
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body
 from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
+from appliance.http.encoding import decode_content
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub import translate
@@ -207,15 +208,21 @@ class Worker:
 
     async def inference(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
         fail, body, refusal = "", b"", None
+        headers = list(scope["headers"])
         try:
             body = await read_body(receive, self.cfg.hub.max_body_bytes)
+            try:
+                body = decode_content(headers, body, self.cfg.hub.max_body_bytes)
+                headers = [(k, v) for k, v in headers if k != b"content-encoding"]
+            except ApiError:
+                pass  # sent as it came: the main's router refuses it in the API's shape
         except BodyTooLarge:
             fail = "too_large"
         except Refusal as e:
             fail, refusal = e.code, e
         except trio.BrokenResourceError:
             fail = "gone"
-        ask = Ask(scope["path"], api, list(scope["headers"]), body, fail)
+        ask = Ask(scope["path"], api, headers, body, fail)
         conn = await self.leases.ask(ask)
         clean = False
         try:
