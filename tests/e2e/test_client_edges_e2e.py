@@ -18,7 +18,8 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from procs import Procs, wait_until
+
+from tests.harness.procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
 
