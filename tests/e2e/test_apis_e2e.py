@@ -19,7 +19,8 @@ import openai
 import pytest
 import trio
 
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -36,42 +37,25 @@ WEATHER = {"type": "function", "function": {"name": "weather",
 USER = [{"role": "user", "content": "what is the weather in Paris?"}]
 
 
-class Fleet:
-    def __init__(self, procs: Procs, audit: str) -> None:
-        self.procs = procs
-        self.audit = audit
-        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": audit,
-                              "Router__ActivationWaitSeconds": "20",
-                              "Auth__AdminKey": ADMIN,
-                              "Hub__CorsOrigins": "http://app.example, http://other.example"},
-                             metrics=False)
-        common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}
-        procs.node("sim-n", {**common, "Sim__Models__0__Name": "s-chat",
-                             "Sim__Models__1__Name": "s-embed:latest",
-                                   "Sim__Models__2__Name": "s-keep"})
-        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                  "Sim__Models__0__Name": "o-chat",
-                                  "Sim__Models__1__Name": "o-embed"})
-        procs.node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": sim.url,
-                             "Engine__PollSeconds": "1"})
-        wait_until(lambda: {n["name"] for n in self.status()["nodes"]
-                            if n["status"] == "up"} == {"sim-n", "oai-n"},
-                   what="both nodes up")
-        wait_until(lambda: {"o-chat", "s-chat"} <= {m["name"] for m in self.status()["models"]},
-                   what="models known")
-
-    def status(self) -> dict:
-        return httpx.get(self.hub.url + "/api/status", headers={"authorization": f"Bearer {ADMIN}"},
-                         timeout=10).json()
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    procs = Procs()
+    f = Fleet(tmp_path_factory.mktemp("apis"), token=TOKEN, admin=ADMIN)
     try:
-        yield Fleet(procs, str(tmp_path_factory.mktemp("apis") / "audit.jsonl"))
+        f.start_hub({"Audit__Path": f.audit_path, "Router__ActivationWaitSeconds": "20",
+                     "Hub__CorsOrigins": "http://app.example, http://other.example"},
+                    metrics=False)
+        common = {"Node__AnnounceSeconds": "1"}
+        f.start_node("sim-n", {**common, "Sim__Models__0__Name": "s-chat",
+                               "Sim__Models__1__Name": "s-embed:latest",
+                               "Sim__Models__2__Name": "s-keep"})
+        sim = f.start_sim({"Sim__Models__0__Name": "o-chat", "Sim__Models__1__Name": "o-embed"})
+        f.start_node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": sim.url,
+                               "Engine__PollSeconds": "1"})
+        f.wait(lambda: f.up() == {"sim-n", "oai-n"}, "both nodes up")
+        f.wait_models("o-chat", "s-chat")
+        yield f
     finally:
-        procs.close()
+        f.close()
 
 
 # --- Ollama ------------------------------------------------------------------------------
@@ -279,7 +263,7 @@ def test_request_id_is_taken_or_made_returned_and_audited(fleet):
     assert bad.status_code == 400 and bad.json()["type"] == "error" and bad.headers["x-request-id"]
 
     def audited():
-        lines = [json.loads(x) for x in open(fleet.audit).read().splitlines()]
+        lines = [json.loads(x) for x in open(fleet.audit_path).read().splitlines()]
         return {x.get("request_id") for x in lines if x["kind"] == "request"}
     wait_until(lambda: {"trace-42", rid} <= audited(), what="request ids in the audit")
 

@@ -82,7 +82,7 @@ def test_audit_lines_carry_the_tokens(fleet):  # noqa: F811
         list(oc.chat.completions.create(model=model, messages=USER, max_tokens=4, stream=True,
                                         extra_headers={"x-request-id": f"count-{model}"}))
     def lines() -> dict[str, dict]:
-        with open(fleet.audit) as f:
+        with open(fleet.audit_path) as f:
             return {x.get("request_id"): x for x in map(json.loads, f)}
 
     # The line is written before the stream's last byte, but the SDK stops reading at

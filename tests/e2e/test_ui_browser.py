@@ -26,7 +26,8 @@ import threading
 import httpx
 import pytest
 
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -52,42 +53,17 @@ CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
-class Fleet:
-    def __init__(self, tmp) -> None:
-        self.procs = Procs()
-        self.audit = tmp / "audit.jsonl"
-        self.hub = self.procs.hub({"Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN,
-                                   "Audit__Path": str(self.audit),
-                                   **CATALOG})
-        self.admin = httpx.Client(base_url=self.hub.url,
-                                  headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
-        self.nodes = {}
-        for name, mb in (("gpu-a", 4000), ("gpu-b", 8000)):
-            self.nodes[name] = self.procs.node(name, {"Hub__Url": self.hub.url,
-                                                      "Auth__NodeToken": TOKEN,
-                                                      "Node__MemoryMb": str(mb),
-                                                      "Node__MaxConcurrency": "4", **SIM})
-        wait_until(lambda: sorted(n["name"] for n in self.status()["nodes"]
-                                  if n["status"] == "up") == ["gpu-a", "gpu-b"],
-                   what="both nodes up")
-
-    def status(self) -> dict:
-        return self.admin.get("/api/status").json()
-
-    def models(self) -> dict[str, dict]:
-        return {m["name"]: m for m in self.status()["models"]}
-
-    def audit_lines(self) -> list[dict]:
-        return [json.loads(x) for x in self.audit.read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("ui"))
+    f = Fleet(tmp_path_factory.mktemp("ui"), token=TOKEN, admin=ADMIN)
     try:
+        f.start_hub({"Audit__Path": f.audit_path, **CATALOG})
+        for name, mb in (("gpu-a", 4000), ("gpu-b", 8000)):
+            f.start_node(name, {"Node__MemoryMb": str(mb), "Node__MaxConcurrency": "4", **SIM})
+        f.wait(lambda: sorted(f.up()) == ["gpu-a", "gpu-b"], "both nodes up")
         yield f
     finally:
-        f.procs.close()
+        f.close()
 
 
 # --- the routes, without a browser ----------------------------------------------------------
@@ -310,7 +286,7 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
                               "#models tr[data-model='kev-0.5b']:not([data-state=parked])"),
           "kev out of parked", timeout=10)
     assert "Retry model kev-0.5b: done" in d.find_element(By.ID, "notice").text
-    admin = [x for x in fleet.audit_lines() if x["kind"] == "admin"]
+    admin = [x for x in fleet.audit() if x["kind"] == "admin"]
     assert admin and admin[-1][
         "action"] == "retry" and admin[-1]["actor"] == "admin" and admin[-1]["model"] == "kev-0.5b"
 
@@ -320,10 +296,10 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR,
                                        "article.node[data-node=gpu-b][data-status=cordoned]"),
           "gpu-b cordoned", timeout=10)
-    assert [x["node"] for x in fleet.audit_lines() if x.get("action") == "cordon"] == ["gpu-b"]
+    assert [x["node"] for x in fleet.audit() if x.get("action") == "cordon"] == ["gpu-b"]
 
     # A node that stops turns lost on the page within a few seconds.
-    fleet.nodes["gpu-a"].kill()
+    fleet.node("gpu-a").kill()
     _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR,
                                        "article.node[data-node=gpu-a][data-status=lost]"),
           "gpu-a lost on the page", timeout=10)
@@ -342,16 +318,16 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
         assert fleet.admin.delete("/admin/nodes/gpu-a").status_code == 404
     else:
         assert "Forget node gpu-a: done" in d.find_element(By.ID, "notice").text
-        assert [x["node"] for x in fleet.audit_lines() if x.get("action") == "forget"] == ["gpu-a"]
+        assert [x["node"] for x in fleet.audit() if x.get("action") == "forget"] == ["gpu-a"]
 
 
 def test_no_prompt_without_an_admin_key(browser, tmp_path):
     """A hub with no admin key: the page shows the (empty) fleet and never asks for a key."""
     from selenium.webdriver.common.by import By
 
-    procs = Procs()
+    fleet = Fleet(token=None)
     try:
-        hub = procs.hub(metrics=False)
+        hub = fleet.start_hub(metrics=False)
         browser.get(hub.url + "/ui/")
         _wait(browser, lambda d: "0 of 0 nodes up" in d.find_element(By.ID, "summary").text,
               "the summary")
@@ -359,4 +335,4 @@ def test_no_prompt_without_an_admin_key(browser, tmp_path):
         assert "No nodes known yet." in browser.find_element(By.ID, "nodes").text
         assert browser.execute_script("return sessionStorage.length") == 0
     finally:
-        procs.close()
+        fleet.close()

@@ -140,12 +140,13 @@ class Procs:
         p.wait_listening(*(wait or (role,)))
         return p
 
-    def hub(self, env: dict[str, str] | None = None, metrics: bool = True) -> Proc:
+    def hub(self, env: dict[str, str] | None = None, metrics: bool = True,
+            args: list[str] = ()) -> Proc:
         e = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0" if metrics else "",
              "Node__HeartbeatSeconds": "0.5", "Hub__DrainSeconds": "5",
              "Store__Path": ""}  # no store unless the test gives one (the default is /var/lib)
         e.update(env or {})
-        return self.start("hub", e, wait=("hub", "metrics") if metrics else ("hub",))
+        return self.start("hub", e, args, wait=("hub", "metrics") if metrics else ("hub",))
 
     def node(self, name: str, env: dict[str, str] | None = None) -> Proc:
         e = {"Node__Name": name, "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
