@@ -12,7 +12,6 @@ picked once by the OS and kept, because the nodes announce to it across its rest
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import threading
@@ -21,6 +20,7 @@ import time
 import httpx
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -39,74 +39,61 @@ def _free_port() -> int:
     return port
 
 
-class Fleet:
-    def __init__(self, tmp) -> None:
-        self.procs = Procs()
-        self.audit = tmp / "audit.jsonl"
-        self.port = _free_port()
-        self.hub_env = {"Hub__Listen": f"127.0.0.1:{self.port}", "Auth__NodeToken": TOKEN,
-                        "Audit__Path": str(self.audit), "Hub__DrainSeconds": "1",
-                        "Hub__ReconnectMaxSeconds": "2", "Node__HeartbeatSeconds": "0.5",
-                        "Queue__MaxDepth": "1000", "Queue__MaxWaitSeconds": "60"}
-        self.node_env = {"Hub__Url": f"http://127.0.0.1:{self.port}", "Auth__NodeToken": TOKEN,
-                         "Node__AnnounceSeconds": "1", "Node__ModelSlots": "8",
-                         "Sim__Parallel": "8",
-                         "Sim__TokensPerSecond": "25", "Sim__Models__0__Name": "sim-small",
-                         "Sim__Models__0__LoadSeconds": "0"}
-        self.start_hub()
-        self.nodes = {n: self.start_node(n) for n in NODES}
-        self.wait_routable(*NODES)
+def start_hub(f: Fleet):
+    """The hub, on the port picked once for the module (the nodes announce to it across
+    its restart)."""
+    return f.start_hub({"Hub__Listen": f"127.0.0.1:{f.port}", "Audit__Path": f.audit_path,
+                        "Hub__DrainSeconds": "1", "Hub__ReconnectMaxSeconds": "2",
+                        "Node__HeartbeatSeconds": "0.5", "Queue__MaxDepth": "1000",
+                        "Queue__MaxWaitSeconds": "60"}, metrics=False)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
-    def start_hub(self):
-        self.hub = self.procs.hub(self.hub_env, metrics=False)
-        return self.hub
+def start_node(f: Fleet, name: str):
+    p = f.start_node(name, {"Hub__Url": f"http://127.0.0.1:{f.port}",
+                            "Node__AnnounceSeconds": "1", "Node__ModelSlots": "8",
+                            "Sim__Parallel": "8", "Sim__TokensPerSecond": "25",
+                            "Sim__Models__0__Name": "sim-small",
+                            "Sim__Models__0__LoadSeconds": "0"})
+    httpx.post(p.url + "/node/v1/models/sim-small/load",
+               headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    return p
 
-    def start_node(self, name: str):
-        p = self.procs.node(name, self.node_env)
-        httpx.post(p.url + "/node/v1/models/sim-small/load",
-                   headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
-        return p
 
-    def status(self) -> dict:
-        return httpx.get(self.url + "/api/status", timeout=10).json()
+def routable(f: Fleet) -> set[str]:
+    st = f.status()
+    up = {n["name"] for n in st["nodes"] if n["status"] == "up"}
+    ready = set(st["models"][0]["nodes"]) if st["models"] else set()
+    return up & ready
 
-    def routable(self) -> set[str]:
-        st = self.status()
-        up = {n["name"] for n in st["nodes"] if n["status"] == "up"}
-        ready = set(st["models"][0]["nodes"]) if st["models"] else set()
-        return up & ready
 
-    def wait_holding(self, name: str, timeout: float = 20.0) -> None:
-        """Until node `name` holds streams (a fixed pause from the start raced the dispatch
-        on a loaded box: the fault then hit a node that held none)."""
-        def holding() -> bool:
-            return any(n["name"] == name and n["in_flight"] > 0 for n in self.status()["nodes"])
-        wait_until(holding, timeout, f"{name} holding streams", interval=0.02)
+def wait_holding(f: Fleet, name: str, timeout: float = 20.0) -> None:
+    """Until node `name` holds streams (a fixed pause from the start raced the dispatch
+    on a loaded box: the fault then hit a node that held none)."""
+    def holding() -> bool:
+        return any(n["name"] == name and n["in_flight"] > 0 for n in f.status()["nodes"])
+    wait_until(holding, timeout, f"{name} holding streams", interval=0.02)
 
-    def wait_routable(self, *names: str, timeout: float = 30.0) -> None:
-        wait_until(lambda: set(names) <= self.routable(), timeout, f"{names} routable")
 
-    def audit_requests(self) -> list[dict]:
-        return [x for x in map(json.loads, self.audit.read_text().splitlines())
-                if x["kind"] == "request"]
+def wait_routable(f: Fleet, *names: str, timeout: float = 30.0) -> None:
+    wait_until(lambda: set(names) <= routable(f), timeout, f"{names} routable")
 
-    def requests_total(self) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(v) for v in re.findall(r'^appliance_requests_total\{[^}]*\} (\S+)$', text,
-                                                re.M))
+
+def requests_total(f: Fleet) -> float:
+    return f.metric_sum("appliance_requests_total", url=f.url)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("faults"))
+    f = Fleet(tmp_path_factory.mktemp("faults"), token=TOKEN)
+    f.port = _free_port()
     try:
+        start_hub(f)
+        for n in NODES:
+            start_node(f, n)
+        wait_routable(f, *NODES)
         yield f
     finally:
-        f.procs.close()
+        f.close()
 
 
 def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50,
@@ -168,17 +155,17 @@ def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50,
 
 def check_accounting(fleet: Fleet, before_lines: int, before_total: float, n: int) -> list[dict]:
     """Exactly one audit line per request, and the hub's counter agrees."""
-    wait_until(lambda: len(fleet.audit_requests()) >= before_lines + n, 10, "audit lines")
-    lines = fleet.audit_requests()[before_lines:]
+    wait_until(lambda: len(fleet.audit("request")) >= before_lines + n, 10, "audit lines")
+    lines = fleet.audit("request")[before_lines:]
     assert len(lines) == n, lines
-    assert fleet.requests_total() - before_total == n
+    assert requests_total(fleet) - before_total == n
     return lines
 
 
 def test_three_equal_nodes_share_300_concurrent_requests(fleet):
     import trio
 
-    n0, t0 = len(fleet.audit_requests()), fleet.requests_total()
+    n0, t0 = len(fleet.audit("request")), requests_total(fleet)
     codes: list[int] = []
 
     async def burst() -> None:
@@ -202,11 +189,11 @@ def test_three_equal_nodes_share_300_concurrent_requests(fleet):
 
 
 def test_kill_9_of_a_node_under_streams(fleet):
-    n0, t0 = len(fleet.audit_requests()), fleet.requests_total()
-    victim = fleet.nodes["gpu-a"]
+    n0, t0 = len(fleet.audit("request")), requests_total(fleet)
+    victim = fleet.node("gpu-a")
 
     def kill():
-        fleet.wait_holding("gpu-a")
+        wait_holding(fleet, "gpu-a")
         time.sleep(0.5)  # its streams are under way (a fault before the first byte is retried)
         victim.signal(signal.SIGKILL)
 
@@ -215,16 +202,16 @@ def test_kill_9_of_a_node_under_streams(fleet):
     assert set(got) <= {"done", "error:node_lost"} and "error:node_lost" in got, got
     lines = check_accounting(fleet, n0, t0, 12)
     assert sum(x.get("error") == "node_lost" for x in lines) == got.count("error:node_lost")
-    fleet.nodes["gpu-a"] = fleet.start_node("gpu-a")
-    fleet.wait_routable(*NODES)
+    start_node(fleet, "gpu-a")
+    wait_routable(fleet, *NODES)
 
 
 def test_sigstop_of_a_node_ends_its_streams_with_node_lost(fleet):
-    n0, t0 = len(fleet.audit_requests()), fleet.requests_total()
-    victim = fleet.nodes["gpu-b"]
+    n0, t0 = len(fleet.audit("request")), requests_total(fleet)
+    victim = fleet.node("gpu-b")
 
     def stop():
-        fleet.wait_holding("gpu-b")
+        wait_holding(fleet, "gpu-b")
         time.sleep(0.5)  # its streams are under way (a fault before the first byte is retried)
         victim.signal(signal.SIGSTOP)
 
@@ -236,22 +223,22 @@ def test_sigstop_of_a_node_ends_its_streams_with_node_lost(fleet):
     assert not [g for g in got if g.startswith("LOST")], got
     assert set(got) <= {"done", "error:node_lost"} and "error:node_lost" in got, got
     check_accounting(fleet, n0, t0, 9)
-    fleet.wait_routable(*NODES)
+    wait_routable(fleet, *NODES)
 
 
 def test_a_node_back_after_an_outage_longer_than_the_backoff_cap_is_routed_again(fleet):
-    victim = fleet.nodes["gpu-c"]
+    victim = fleet.node("gpu-c")
     victim.signal(signal.SIGKILL)
     victim.wait_exit(10)
-    wait_until(lambda: "gpu-c" not in fleet.routable(), 10, "gpu-c lost")
+    wait_until(lambda: "gpu-c" not in routable(fleet), 10, "gpu-c lost")
     time.sleep(4)  # twice Hub__ReconnectMaxSeconds: the hub's backoff is at its cap
-    fleet.nodes["gpu-c"] = fleet.start_node("gpu-c")
+    start_node(fleet, "gpu-c")
     # The announcement makes the hub dial at once (MockClock test: test_hub_nodes.py).
-    fleet.wait_routable(*NODES, timeout=10)
+    wait_routable(fleet, *NODES, timeout=10)
 
 
 def test_hub_restart_under_load_refuses_nothing_falsely(fleet):
-    n0 = len(fleet.audit_requests())
+    n0 = len(fleet.audit("request"))
     outcomes: list[str] = []
     stop = threading.Event()
 
@@ -275,7 +262,7 @@ def test_hub_restart_under_load_refuses_nothing_falsely(fleet):
     time.sleep(1)
     fleet.hub.signal(signal.SIGTERM)
     assert fleet.hub.wait_exit(20) == 0
-    fleet.start_hub()
+    start_hub(fleet)
     wait_until(lambda: outcomes[-20:].count("ok") >= 20, 30, "served again after the restart")
     stop.set()
     for w in workers:
@@ -285,13 +272,13 @@ def test_hub_restart_under_load_refuses_nothing_falsely(fleet):
     # 404 or model_unplaceable (the start-up grace).
     assert all(o == "ok" or o.startswith("503") for o in answered), set(answered)
     assert not [o for o in answered if "fits on no node" in o or "not found" in o], set(answered)
-    wait_until(lambda: len(fleet.audit_requests()) >= n0 + len(answered), 10, "audit lines")
-    assert len(fleet.audit_requests()) - n0 == len(answered)
-    fleet.wait_routable(*NODES)
+    wait_until(lambda: len(fleet.audit("request")) >= n0 + len(answered), 10, "audit lines")
+    assert len(fleet.audit("request")) - n0 == len(answered)
+    wait_routable(fleet, *NODES)
 
 
 def test_sigterm_of_the_hub_ends_streams_longer_than_the_drain_with_shutting_down(fleet):
-    n0 = len(fleet.audit_requests())
+    n0 = len(fleet.audit("request"))
 
     def term():
         time.sleep(0.8)
@@ -300,7 +287,7 @@ def test_sigterm_of_the_hub_ends_streams_longer_than_the_drain_with_shutting_dow
     got = run_streams(fleet.url, 6, tokens=150, during=term)  # ~6 s streams, 1 s drain
     assert got == ["error:shutting_down"] * 6, got
     assert fleet.hub.wait_exit(20) == 0
-    lines = fleet.audit_requests()[n0:]
+    lines = fleet.audit("request")[n0:]
     assert len(lines) == 6 and all(x["error"] == "shutting_down" for x in lines)
 
 
