@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.harness.procs import clean_env, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -44,121 +43,97 @@ def catalog(kev_args: str) -> str:
     ]) + "\n"
 
 
-class Fleet:
-    def __init__(self, procs, tmp_path, workers: int = 1) -> None:
-        self.procs, self.tmp = procs, tmp_path
-        self.env_file = tmp_path / "hub.env"
-        self.env_file.write_text(catalog("--ctx-size 2048"))
-        self.audit = tmp_path / "audit.jsonl"
-        self.hub = procs.start("hub", {
-            "Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0",
-            "Node__HeartbeatSeconds": "0.5",
-            "Hub__DrainSeconds": "5", "Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN,
-            "Audit__Path": str(self.audit), "Hub__Workers": str(workers)}, args=["--env-file", str(self.env_file)],
-                               wait=("hub", "metrics"))
-        self.admin = httpx.Client(base_url=self.hub.url,
-                                  headers={"authorization": f"Bearer {ADMIN}"}, timeout=60)
-        self.client = openai.OpenAI(base_url=f"{self.hub.url}/v1", api_key="anyone", max_retries=0,
-                                    timeout=60)
+@pytest.fixture
+def fleet(tmp_path, workers: int):
+    """The hub (its catalog in an env file, reloaded by SIGHUP) with `workers` workers."""
+    f = Fleet(tmp_path, token=TOKEN, admin=ADMIN)
+    try:
+        f.env_file = tmp_path / "hub.env"
+        f.env_file.write_text(catalog("--ctx-size 2048"))
+        f.start_hub({"Audit__Path": f.audit_path, "Hub__Workers": str(workers)},
+                    args=["--env-file", str(f.env_file)])
+        f.client = f.openai()
+        yield f
+    finally:
+        f.close()
 
-    def node(self, name: str, memory_mb: int) -> None:
-        self.procs.node(name, {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
-                               "Node__MemoryMb": str(memory_mb), **SIM})
-        wait_until(lambda: any(n["name"] == name and n["status"] == "up" for n in self.nodes()),
-                   what=f"{name} up")
 
-    def nodes(self) -> list[dict]:
-        return self.admin.get("/admin/nodes").json()["nodes"]
+def add_node(f: Fleet, name: str, memory_mb: int) -> None:
+    f.start_node(name, {"Node__MemoryMb": str(memory_mb), **SIM})
+    f.wait_up(name)
 
-    def chat(self, model: str) -> str:
-        r = self.client.chat.completions.create(model=model, messages=[{"role": "user",
-                                                                        "content": "hello"}])
-        return r.choices[0].message.content
 
-    def refused(self, model: str) -> tuple[openai.APIStatusError, float]:
-        t = time.monotonic()
-        with pytest.raises(openai.APIStatusError) as info:
-            self.chat(model)
-        return info.value, time.monotonic() - t
+def refused(f: Fleet, model: str) -> tuple[openai.APIStatusError, float]:
+    t = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        answer(f, model)
+    return info.value, time.monotonic() - t
 
-    def models(self) -> dict[str, dict]:
-        r = self.admin.get("/api/status")
-        assert r.status_code == 200
-        return {m["name"]: m for m in r.json()["models"]}
 
-    def ctl(self, *args: str) -> tuple[int, str]:
-        r = subprocess.run([sys.executable, "-m", "appliance", "ctl", *args], capture_output=True,
-                           text=True,
-                           timeout=60, env=clean_env({"APPLIANCE_HUB_URL": self.hub.url,
-                                                      "APPLIANCE_ADMIN_KEY": ADMIN}))
-        return r.returncode, r.stdout + r.stderr
+def answer(f: Fleet, model: str) -> str:
+    r = f.client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                                   "content": "hello"}])
+    return r.choices[0].message.content
 
-    def metric(self, name: str, model: str) -> float | None:
-        text = httpx.get(f"{self.hub.urls['metrics']}/metrics", timeout=10).text
-        m = re.search(rf'^{name}{{model="{re.escape(model)}"}} (\S+)$', text, re.M)
-        return float(m.group(1)) if m else None
 
-    def audit_kinds(self, model: str) -> list[str]:
-        out = []
-        for line in self.audit.read_text().splitlines():
-            ev = json.loads(line)
-            if ev.get("model") == model:
-                out.append(ev["kind"])
-        return out
+def audit_kinds(f: Fleet, model: str) -> list[str]:
+    return [ev["kind"] for ev in f.audit() if ev.get("model") == model]
 
-    def check(self, model: str, *, desired: int, ready: int, parked: bool = False,
-              unplaceable: bool = False,
-              failures: int | None = None) -> dict:
-        st = self.models()[model]
-        assert (st["desired"], st["ready"], st["parked"],
-                st["unplaceable"]) == (desired, ready, parked, unplaceable), st
-        if failures is not None:
-            assert st["consecutive_start_failures"] == failures, st
-        assert self.metric("appliance_model_desired", model) == desired
-        assert self.metric("appliance_model_ready", model) == ready  # present at 0 too
-        assert self.metric("appliance_model_parked", model) == (1 if parked else 0)
-        assert self.metric("appliance_model_unplaceable", model) == (1 if unplaceable else 0)
-        code, out = self.ctl("--json", "models")
-        assert code == 0
-        [row] = [m for m in json.loads(out)["models"] if m["name"] == model]
-        assert (row["desired"], row["ready"], row["parked"],
-                row["unplaceable"]) == (desired, ready, parked, unplaceable)
-        return st
+
+def check(f: Fleet, model: str, *, desired: int, ready: int, parked: bool = False,
+          unplaceable: bool = False, failures: int | None = None) -> dict:
+    st = f.models()[model]
+    assert (st["desired"], st["ready"], st["parked"],
+            st["unplaceable"]) == (desired, ready, parked, unplaceable), st
+    if failures is not None:
+        assert st["consecutive_start_failures"] == failures, st
+    def metric(name: str) -> float | None:
+        return f.metric(name, f'{{model="{model}"}}')
+    assert metric("appliance_model_desired") == desired
+    assert metric("appliance_model_ready") == ready  # present at 0 too
+    assert metric("appliance_model_parked") == (1 if parked else 0)
+    assert metric("appliance_model_unplaceable") == (1 if unplaceable else 0)
+    code, out = f.ctl("--json", "models")
+    assert code == 0
+    [row] = [m for m in json.loads(out)["models"] if m["name"] == model]
+    assert (row["desired"], row["ready"], row["parked"],
+            row["unplaceable"]) == (desired, ready, parked, unplaceable)
+    return st
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # 2: a relay worker in the hub (hub/workers.py)
-def test_models_on_demand_end_to_end(procs, tmp_path, workers):
-    f = Fleet(procs, tmp_path, workers)
-    f.node("gpu-a", 4000)
-    f.node("gpu-b", 8000)
+def test_models_on_demand_end_to_end(fleet, workers):
+    f = fleet
+    add_node(f, "gpu-a", 4000)
+    add_node(f, "gpu-b", 8000)
 
     # Nothing asked for yet: satisfied, and every model's series is there at 0.
     code, out = f.ctl("status")
     assert code == 0 and out.startswith("fleet: satisfied"), out
     for model in ("sim-fit", "kev-0.5b", "phi-4"):
-        f.check(model, desired=0, ready=0, failures=0)
+        check(f, model, desired=0, ready=0, failures=0)
 
     # 1. The model that fits: the first request waits for the load and is answered.
-    assert f.chat("sim-fit")
-    st = f.check("sim-fit", desired=1, ready=1)
+    assert answer(f, "sim-fit")
+    st = check(f, "sim-fit", desired=1, ready=1)
     assert st["nodes"] == ["gpu-b"]  # the most free memory
     assert f.ctl("status")[0] == 0
 
     # 2. The model that fails to load: five rounds, each on both capable nodes (a failed
     #    start is tried on the other node first), then parked, and the waiting request is
     #    told why (not "loading; retry shortly").
-    err, took = f.refused("kev-0.5b")
+    err, took = refused(f, "kev-0.5b")
     assert err.status_code == 503 and err.code == "model_parked" and KEV in err.message
     assert "retry-after" not in err.response.headers
-    assert f.audit_kinds("kev-0.5b").count("model_start_failed") == 9
-    assert f.audit_kinds("kev-0.5b").count("model_parked") == 1
-    st = f.check("kev-0.5b", desired=1, ready=0, parked=True, failures=5)
+    assert audit_kinds(f, "kev-0.5b").count("model_start_failed") == 9
+    assert audit_kinds(f, "kev-0.5b").count("model_parked") == 1
+    st = check(f, "kev-0.5b", desired=1, ready=0, parked=True, failures=5)
     assert st["last_error"] == KEV
-    err, took = f.refused("kev-0.5b")  # the next request: at once, naming the error
+    err, took = refused(f, "kev-0.5b")  # the next request: at once, naming the error
     assert took < 1.0 and err.code == "model_parked" and KEV in err.message
     # Parked means never placed again (over virtual hours: tests/hub/decide/test_control.py); here, the
     # refused request above did not start it again either.
-    assert f.audit_kinds("kev-0.5b").count("model_placing") == 10
+    assert audit_kinds(f, "kev-0.5b").count("model_placing") == 10
     code, out = f.ctl("status")
     assert code == 1 and "NOT SATISFIED" in out and "PARKED" in out and KEV in out, out
     tags = {m["name"]: m for m in httpx.get(f"{f.hub.url}/api/tags", timeout=10).json()["models"]}
@@ -167,11 +142,11 @@ def test_models_on_demand_end_to_end(procs, tmp_path, workers):
     assert listed["kev-0.5b"]["last_error"] == KEV
 
     # 3. The model larger than every node: answered at once with the numbers.
-    err, took = f.refused("phi-4")
+    err, took = refused(f, "phi-4")
     assert took < 1.0 and err.status_code == 503 and err.code == "model_unplaceable"
     assert "needs 12000 MiB; the most free is 7000 MiB on gpu-b" in err.message
     assert "retry-after" not in err.response.headers
-    st = f.check("phi-4", desired=1, ready=0, unplaceable=True)
+    st = check(f, "phi-4", desired=1, ready=0, unplaceable=True)
     assert st["reason"].startswith("needs 12000 MiB")
     code, out = f.ctl("status")
     assert code == 1 and "UNPLACEABLE" in out and "needs 12000 MiB" in out
@@ -179,25 +154,25 @@ def test_models_on_demand_end_to_end(procs, tmp_path, workers):
     # 4. `ctl retry` unparks, and the model is tried again.
     code, out = f.ctl("retry", "kev-0.5b")
     assert code == 0 and "unparked" in out
-    wait_until(lambda: f.audit_kinds("kev-0.5b").count("model_placing") >= 11,
+    wait_until(lambda: audit_kinds(f, "kev-0.5b").count("model_placing") >= 11,
                what="kev tried again")
     wait_until(lambda: f.models()["kev-0.5b"]["parked"], timeout=30, what="kev parked again")
-    assert f.audit_kinds("kev-0.5b").count("model_placing") == 20
+    assert audit_kinds(f, "kev-0.5b").count("model_placing") == 20
 
     # 5. A definition change (the profile's arguments) by SIGHUP unparks it.
     f.env_file.write_text(catalog("--ctx-size 4096"))
     f.hub.signal(signal.SIGHUP)
-    wait_until(lambda: "model_unparked" in f.audit_kinds("kev-0.5b"),
+    wait_until(lambda: "model_unparked" in audit_kinds(f, "kev-0.5b"),
                what="kev unparked by the reload")
-    wait_until(lambda: f.audit_kinds("kev-0.5b").count("model_placing") >= 21,
+    wait_until(lambda: audit_kinds(f, "kev-0.5b").count("model_placing") >= 21,
                what="kev tried after the reload")
 
     # 6. A bigger node joins: the next request for the unplaceable model places it.
-    f.node("gpu-c", 16000)
-    assert f.chat("phi-4")
-    st = f.check("phi-4", desired=1, ready=1)
+    add_node(f, "gpu-c", 16000)
+    assert answer(f, "phi-4")
+    st = check(f, "phi-4", desired=1, ready=1)
     assert st["nodes"] == ["gpu-c"]
-    f.check("sim-fit", desired=1, ready=1)
+    check(f, "sim-fit", desired=1, ready=1)
     code, out = f.ctl("--json", "status")
     body = json.loads(out)
     assert code == 1 and not body["satisfied"]  # kev still fails: the sim cannot load it

@@ -158,6 +158,13 @@ class Fleet:
         return httpx.post(self.hub_url(hub) + path, json={**b, **body}, headers=h,
                           timeout=timeout, verify=self.verify)
 
+    def openai(self, key: str = "anyone", timeout: float = 60, hub: str | None = None) -> Any:
+        """The official `openai` client on the hub's /v1, retries off."""
+        import openai
+
+        return openai.OpenAI(base_url=self.hub_url(hub) + "/v1", api_key=key, max_retries=0,
+                             timeout=timeout)
+
     def audit(self, kind: str | None = None) -> list[dict[str, Any]]:
         """The audit file's records (of one `kind`), in order."""
         lines = Path(self.audit_path).read_text().splitlines()
