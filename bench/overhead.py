@@ -2,6 +2,8 @@
 
 Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N] [--ui-polling]
      [--affinity on|off]
+     .venv/bin/python bench/overhead.py --tracing [--requests N] [--stream-requests N]
+     (only the hub's CPU per request with OpenTelemetry on and off: bench/tracing_cost.py)
 
 Starts three real processes on loopback -- `appliance sim` (no artificial delay), an
 `appliance node` fronting it (Engine__Kind=ollama at the sim's URL) and an `appliance hub`
@@ -120,6 +122,10 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def main() -> None:
+    if "--tracing" in sys.argv[1:]:
+        import tracing_cost  # beside this file (bench/ is on sys.path when run as a script)
+        tracing_cost.main(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400,
                     help="non-streaming requests per target and concurrency")
