@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         for kind, body, n, stream in cases:
             for conc in (1, 8):
                 per: dict[str, list[float]] = {"off": [], "on": []}
-                for name, h in hubs.items():  # warm-up
+                for h in hubs.values():  # warm-up
                     trio.run(run_load, h.url + "/v1/chat/completions", body, max(conc, n // 10),
                              conc, stream)
                 for _ in range(ROUNDS):
