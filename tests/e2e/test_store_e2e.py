@@ -265,3 +265,26 @@ def test_no_store_answers_501(procs):
     assert r.status_code == 501 and r.json()["error"]["code"] == "store_disabled"
     r = httpx.get(hub.url + "/v1/messages/batches", timeout=10)
     assert r.status_code == 501 and r.json()["type"] == "error"
+
+
+def test_a_full_disk_fails_the_upload_and_keeps_every_earlier_object(procs, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs",
+                                            str(small)], capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a 3 MiB tmpfs")
+    try:
+        box = Box(procs, tmp_path, {"Store__Path": str(small / "store.db")})
+        c = box.oai()
+        kept = c.files.create(file=("a.jsonl", io.BytesIO(b"a" * 1_000_000)), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as e:
+            c.files.create(file=("b.jsonl", io.BytesIO(b"b" * 2_500_000)), purpose="batch")
+        assert e.value.status_code == 507 and e.value.body["code"] == "store_full"
+        assert "disk" in e.value.body["message"]
+        assert c.files.content(kept.id).content == b"a" * 1_000_000
+        assert os.listdir(small / "files") == [kept.id]  # nothing left of the refused one
+        again = c.files.create(file=("c.jsonl", io.BytesIO(b"c" * 100)), purpose="batch")
+        assert {f.id for f in c.files.list()} == {kept.id, again.id}
+    finally:
+        procs.close()
+        subprocess.run(["umount", "-l", str(small)], check=False)

@@ -82,9 +82,7 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send, c: Caller
         now = int(time.time())
         o = Obj(ids.new("conv_", hub.cfg.hub_name()), "conversation", owner, now, None, 0, "",
                 {"metadata": meta})
-        await store.put(o)
-        if new:
-            await store.run(store.db.add_items, o.id, [(i["id"], i) for i in new])
+        await store.put(o, [(i["id"], i) for i in new])
         await send_json(send, 200, conversation(o))
         return
     o = await find(hub, store, c, "conversation", "conv_", rest[0])

@@ -155,7 +155,7 @@ async def _plan(hub: Hub, c: Caller, obj: dict[str, Any], keep: bool, prev: Any,
                         "background": bg, "conversation": {"id": conv_id} if conv_id else None}
     if keep:
         await store.check_quota(owner)
-        store.room(len(msgspec.json.encode(body)))
+        store.room(len(body.get("input") or ()) * 256)  # about what its items will take
     return _Plan(owner, rid, body, own, prev, conv_id, keep)
 
 
@@ -173,8 +173,7 @@ async def _queue(hub: Hub, plan: _Plan) -> dict[str, Any]:
                           "request": msgspec.json.encode(plan.body).decode(),
                           "conversation": plan.conv})
     o.bytes = len(o.data["request"])
-    await store.put(o)
-    await store.run(store.db.add_items, plan.rid, [(i["id"], i) for i in plan.own])
+    await store.put(o, [(i["id"], i) for i in plan.own])
     if hub.background is None:
         raise ApiError(501, "store_disabled", "this hub runs no background responses")
     hub.background.start(o)

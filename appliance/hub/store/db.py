@@ -85,6 +85,12 @@ class Db:
                           (o.id, o.kind, o.owner, o.created_at, o.expires_at, o.bytes, o.state,
                            msgspec.json.encode(o.data).decode()))
 
+    def put_with_items(self, o: Obj, items: list[tuple[str, dict[str, Any]]]) -> None:
+        with self.conn:
+            self.put(o)
+            if items:
+                self._add_items(o.id, items)
+
     def save(self, o: Obj) -> None:
         """Write back an object's state, bytes, expiry and fields."""
         self.conn.execute("UPDATE objects SET state=?, bytes=?, expires_at=?, data=? WHERE id=?",
@@ -202,14 +208,18 @@ class Db:
     def add_items(self, parent: str, items: list[tuple[str, dict[str, Any]]],
                   then: Obj | None = None) -> None:
         with self.conn:
-            row = self.conn.execute("SELECT COALESCE(MAX(seq), -1) FROM items WHERE parent=?",
-                                    (parent,)).fetchone()
-            seq = int(row[0]) + 1
-            self.conn.executemany("INSERT INTO items(parent, seq, id, data) VALUES (?,?,?,?)",
-                                  [(parent, seq + i, iid, msgspec.json.encode(d).decode())
-                                   for i, (iid, d) in enumerate(items)])
-            if then is not None:
-                self.save(then)
+            self._add_items(parent, items, then)
+
+    def _add_items(self, parent: str, items: list[tuple[str, dict[str, Any]]],
+                   then: Obj | None = None) -> None:
+        row = self.conn.execute("SELECT COALESCE(MAX(seq), -1) FROM items WHERE parent=?",
+                                (parent,)).fetchone()
+        seq = int(row[0]) + 1
+        self.conn.executemany("INSERT INTO items(parent, seq, id, data) VALUES (?,?,?,?)",
+                              [(parent, seq + i, iid, msgspec.json.encode(d).decode())
+                               for i, (iid, d) in enumerate(items)])
+        if then is not None:
+            self.save(then)
 
     def items(self, parent: str, after: str | None, limit: int,
               newest_first: bool) -> tuple[list[dict[str, Any]], bool]:

@@ -69,13 +69,7 @@ async def record(store: Store, owner: str, rid: str, response: dict[str, Any], p
                 str(response.get("status") or "completed"),
                 {"response": response, "previous_response_id": prev})
         o.bytes = len(msgspec.json.encode(o.data))
-        existing = await store.run(store.db.get, "response", rid, owner)
-        if existing is None:
-            await store.put(o)
-            await store.run(store.db.add_items, rid, [(i["id"], i) for i in own])
-        else:
-            existing.state, existing.data = o.state, {**existing.data, **o.data}
-            await store.run(store.db.save, existing)
+        await store.put(o, [(i["id"], i) for i in own])
     if conversation:
         turn = own + itemsmod.output_items(response)
         await store.run(store.db.add_items, conversation, [(i["id"], i) for i in turn])

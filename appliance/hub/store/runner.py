@@ -209,17 +209,19 @@ class Batches:
         return isinstance(window, int) and time.time() >= window
 
     async def _line(self, b: Obj, idx: int, request: str, token: object) -> None:
+        """One line, its place held until its result is committed: at most
+        Batch__MaxConcurrent lines are ever run but not yet recorded (what a kill -9 may
+        make run twice)."""
         try:
             res, ok = await self._attempts(b, request)
+            counts = b.data["request_counts"]
+            key = "completed" if ok else "failed"
+            counts[key] = counts.get(key, 0) + 1
+            with trio.CancelScope(shield=True):  # a result the fleet paid for is kept
+                await self.store.run(self.store.db.line_done, snapshot(b), idx, key, res)
+            self.store.metrics.lines.labels(key).inc()
         finally:
             self.limiter.release_on_behalf_of(token)
-        counts = b.data["request_counts"]
-        key = "completed" if ok else "failed"
-        counts[key] = counts.get(key, 0) + 1
-        with trio.CancelScope(shield=True):  # a result the fleet paid for is kept
-            await self.store.run(self.store.db.line_done, snapshot(b), idx,
-                                 "completed" if ok else "failed", res)
-        self.store.metrics.lines.labels(key).inc()
 
     async def _attempts(self, b: Obj, request: str) -> tuple[str, bool]:
         url = b.data["endpoint"]

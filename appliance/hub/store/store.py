@@ -60,6 +60,7 @@ class Store:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.limiter = trio.CapacityLimiter(1)
         self.total = 0
+        self.owned: dict[str, int] = {}  # objects per owner, once asked (check_quota)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(partial(fn, *args), limiter=self.limiter)
@@ -90,21 +91,28 @@ class Store:
 
     # --- objects -------------------------------------------------------------------------
 
-    async def put(self, o: Obj) -> None:
+    async def put(self, o: Obj, items: list[tuple[str, dict[str, Any]]] | None = None) -> None:
+        """A new object (and its items, in the same transaction)."""
         self.room(o.bytes)
-        await self.run(self.db.put, o)
+        await self.run(self.db.put_with_items, o, items or [])
         self.charge(o.bytes)
+        if o.owner in self.owned:
+            self.owned[o.owner] += 1
 
     async def remove(self, o: Obj) -> None:
         """The object, its lines or items, and its file on disk."""
         await self.run(self.db.delete, o.id)
+        if o.owner in self.owned:
+            self.owned[o.owner] -= 1
         if o.kind == "file":
             await self.run(_unlink, self.file_path(o.id))
         self.total = await self.run(self.db.total_bytes)
         self.charge(0)
 
     async def check_quota(self, owner: str) -> None:
-        if await self.run(self.db.count, owner) >= MAX_OBJECTS_PER_KEY:
+        if owner not in self.owned:  # counted once, then kept by put and remove
+            self.owned[owner] = await self.run(self.db.count, owner)
+        if self.owned[owner] >= MAX_OBJECTS_PER_KEY:
             raise ApiError(507, "store_full", f"this key holds {MAX_OBJECTS_PER_KEY} objects, "
                            "the most one key may; delete some first")
 

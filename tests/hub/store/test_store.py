@@ -185,3 +185,28 @@ def test_ctl_batches_table_shows_both_kinds_with_progress():
                                 "1"]
     assert lines[2].split() == ["msgbatch_h-2", "ended", "/v1/messages", "4/4", "(100%)", "1"]
     assert table([]) == "no batches"
+
+
+async def test_sweep_drops_what_expired_and_keeps_running_batches(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from appliance.config import StoreConfig
+    from appliance.hub.store.store import open_store
+
+    store = open_store(StoreConfig(path=str(tmp_path / "store.db")), "h", CollectorRegistry())
+    assert store is not None
+    old = Obj("resp_h-1", "response", "a", 1, 2, 100, "completed", {})
+    fresh = Obj("resp_h-2", "response", "a", 1, 2 ** 40, 100, "completed", {})
+    running = Obj("batch_h-3", "batch", "a", 1, 2, 0, "in_progress", {})
+    with open(store.file_path("file-h-4"), "wb") as f:
+        f.write(b"x" * 10)
+    gone_file = Obj("file-h-4", "file", "a", 1, 2, 10, "batch", {})
+    for o in (old, fresh, running, gone_file):
+        await store.put(o)
+    assert store.total == 210
+    await store.sweep()
+    left = {o.id for k in ("response", "batch", "file")
+            for o in (await store.run(store.db.page, k, None, None, 10))[0]}
+    assert left == {"resp_h-2", "batch_h-3"}
+    assert not (tmp_path / "files" / "file-h-4").exists()
+    assert store.total == 100
