@@ -113,7 +113,7 @@ class Background:
                 o.state = resp["status"] = "in_progress"
                 o.data["response"] = resp
                 await self.store.run(self.store.db.save, snapshot(o))
-                status, body = await run_line(self.serve, self.cfg(), o.owner, "/v1/responses",
+                status, body, _ = await run_line(self.serve, self.cfg(), o.owner, "/v1/responses",
                                               o.data["request"].encode(), "", o.id)
         finally:
             self.scopes.pop(o.id, None)

@@ -9,8 +9,9 @@ batch owner's key and `x-priority: background`: the same auth, model rules, limi
 admission, retry and audit line as any request (the audit line carries `batch`). Its
 answer is kept whole (bounded) and committed with the batch's counts in one transaction
 -- a line is `pending` until then, so after a restart or kill -9 only lines without a
-committed result run again (at most the ones that were in flight). A refusal that a retry
-may cure (502/503/504) is retried a few times before it is the line's result. Cancel
+committed result run again (at most the ones that were in flight). A line the fleet has
+no room for now (WAITS) waits and is tried again within its batch's window; one a node
+failed (other 502/503/504) is tried a few times before it is the line's result. Cancel
 stops new lines, lets those in flight end, marks the rest cancelled; past its window a
 batch expires the same way. Then `finalizing`: OpenAI batches get their output and error
 files (JSONL, one line per `custom_id`), Anthropic's are read from the lines directly.
@@ -41,10 +42,14 @@ log = logging.getLogger("appliance.hub.batches")
 
 # One line's whole answer: a long completion with logprobs is a few MiB.
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
-# A line the fleet could not take now (502/503/504) is tried this many times in all,
+# A line a node failed (502/503/504 other than WAITS) is tried this many times in all,
 # waiting RETRY_SECONDS * attempt between: the fleet's nodes come back within a minute.
 ATTEMPTS = 4
 RETRY_SECONDS = 5.0
+# Refusals that mean "the fleet has no room for background work now": a line waits and is
+# tried again until its batch's window ends (a batch is there to fill idle places).
+WAITS = ("priority_wait_timeout", "queue_full", "queue_timeout", "no_capacity",
+         "model_loading", "preempted", "busy", "rate_limit_exceeded", "overloaded_error")
 # Pending lines read from the store at a time.
 CHUNK = 500
 # OpenAI's completion window: only 24h exists.
@@ -52,6 +57,16 @@ WINDOW_SECONDS = 24 * 3600
 
 
 RUNNING = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def _code(body: bytes) -> str:
+    """The error code of a refusal's body (OpenAI's shape), or ""."""
+    try:
+        err = msgspec.json.decode(body).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return ""
+    # Anthropic's shape has a type where OpenAI's has a code (503: overloaded_error)
+    return str(err.get("code") or err.get("type") or "") if isinstance(err, dict) else ""
 
 
 def snapshot(o: Obj) -> Obj:
@@ -228,12 +243,18 @@ class Batches:
         cfg = self.cfg()
         rid = ids.new("batch_req_", cfg.hub_name())
         status, body = 0, b""
-        for attempt in range(1, ATTEMPTS + 1):
-            status, body = await run_line(self.serve, cfg, b.owner, url, request.encode(),
-                                          b.id, rid)
-            if status not in (502, 503, 504) or attempt == ATTEMPTS:
+        attempt, stop = 0, self.cancels[b.id]
+        while True:
+            status, body, final = await run_line(self.serve, cfg, b.owner, url,
+                                                 request.encode(), b.id, rid)
+            if status not in (429, 502, 503, 504) or final or stop.is_set() or self._expired(b):
                 break
-            await trio.sleep(RETRY_SECONDS * attempt)
+            if _code(body) not in WAITS:  # a node failed: a few more tries
+                attempt += 1
+                if attempt >= ATTEMPTS:
+                    break
+            # no room for background work now: a batch waits for idle places, its window long
+            await trio.sleep(RETRY_SECONDS * max(1, attempt))
         try:
             decoded: Any = msgspec.json.decode(body) if body else None
         except msgspec.DecodeError:
@@ -266,14 +287,16 @@ class Batches:
 
 
 async def run_line(serve: Serve, cfg: Config, owner: str, url: str, body: bytes,
-                   batch_id: str, rid: str) -> tuple[int, bytes]:
-    """One request through the router as the owner's background work: (status, body)."""
+                   batch_id: str, rid: str) -> tuple[int, bytes, bool]:
+    """One request through the router as the owner's background work: (status, body,
+    whether the hub said a retry cannot cure it: `x-should-retry: false`)."""
     headers = [(b"content-type", b"application/json"), (b"x-priority", b"background"),
                (b"x-request-id", rid.encode())]
     key = next((c.key for c in cfg.auth.clients if c.name == owner), None)
     if key is None and owner != "anonymous":
         return 401, error_body(api_of(url), 401, "invalid_api_key",
-                               f"the key of this batch's owner {owner!r} is no longer configured")
+                               f"the key of this batch's owner {owner!r} is no longer "
+                               "configured"), True
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     scope: dict[str, Any] = {"type": "http", "method": "POST", "path": url, "headers": headers,
@@ -289,14 +312,15 @@ async def run_line(serve: Serve, cfg: Config, owner: str, url: str, body: bytes,
         await trio.sleep_forever()
         raise AssertionError("unreachable")
 
-    status = 0
+    status, final = 0, False
     parts: list[bytes] = []
     size = 0
 
     async def send(msg: dict[str, Any]) -> None:
-        nonlocal status, size
+        nonlocal status, size, final
         if msg["type"] == "http.response.start":
             status = msg["status"]
+            final = (b"x-should-retry", b"false") in msg.get("headers", [])
         elif msg["type"] == "http.response.body":
             chunk = msg.get("body", b"")
             size += len(chunk)
@@ -305,4 +329,4 @@ async def run_line(serve: Serve, cfg: Config, owner: str, url: str, body: bytes,
             parts.append(chunk)
 
     await serve(scope, receive, send, api_of(url))
-    return status, b"".join(parts)
+    return status, b"".join(parts), final

@@ -1,0 +1,87 @@
+"""The batch runner with a stand-in router: lines run once each, waits for room are
+retried, a refusal marked final is not, a resumed batch runs only its pending lines, and at
+most Batch__MaxConcurrent lines are in flight."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import trio
+from prometheus_client import CollectorRegistry
+
+from appliance import config
+from appliance.hub.store.db import Obj
+from appliance.hub.store.runner import Batches
+from appliance.hub.store.store import open_store
+
+
+class Router:
+    """Answers by the line's prompt: `ok`, `wait:N` (503 priority_wait_timeout N times, then
+    200), `parked` (503 with x-should-retry: false)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.in_flight = self.most = 0
+
+    async def __call__(self, scope, receive, send, api) -> None:
+        body = json.loads((await receive())["body"])
+        said = body["messages"][0]["content"]
+        n = self.calls[said] = self.calls.get(said, 0) + 1
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await trio.sleep(1)
+        self.in_flight -= 1
+        headers = []
+        if said.startswith("wait:") and n <= int(said[5:]):
+            status, out = 503, {"error": {"code": "priority_wait_timeout", "message": "w"}}
+        elif said == "parked":
+            status, out = 503, {"error": {"code": "model_parked", "message": "p"}}
+            headers = [(b"x-should-retry", b"false")]
+        else:
+            status, out = 200, {"id": "x", "choices": [{"message": {"content": said}}]}
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": msgspec.json.encode(out)})
+
+
+def _rows(prompts: list[str]) -> list[tuple[int, str, str, str | None, str | None]]:
+    return [(i, f"c{i}", "pending", json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": p}]}), None) for i, p in enumerate(prompts)]
+
+
+async def _run(tmp_path, prompts, done_first: int = 0) -> tuple[Router, dict, Obj]:
+    cfg = config.load({"Batch__MaxConcurrent": "3", "Store__Path": str(tmp_path / "s.db")})
+    store = open_store(cfg.store, "h", CollectorRegistry())
+    b = Obj("msgbatch_h-1", "msgbatch", "anonymous", 1, None, 0, "in_progress",
+            {"endpoint": "/v1/messages", "expires_at": 2 ** 40,
+             "request_counts": {"total": len(prompts), "completed": 0, "failed": 0}})
+    await store.run(store.db.add_lines, b, _rows(prompts))
+    for i in range(done_first):  # committed before a "restart"
+        await store.run(store.db.line_done, b, i, "completed", "{}")
+    router = Router()
+    batches = Batches(lambda: cfg, store, router)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batches.run)  # resumes the in_progress batch
+        while (await store.run(store.db.get, "msgbatch", b.id, None)).state == "in_progress":
+            await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    got = await store.run(store.db.get, "msgbatch", b.id, None)
+    return router, await store.run(store.db.line_states, b.id), got
+
+
+async def test_lines_once_waits_retried_final_refusals_not(tmp_path, autojump_clock):
+    prompts = ["ok", "wait:3", "parked", *[f"ok{i}" for i in range(7)]]
+    router, states, b = await _run(tmp_path, prompts)
+    assert b.state == "completed"
+    assert states == {"completed": 9, "failed": 1}
+    assert router.calls["wait:3"] == 4  # three waits for room, then served
+    assert router.calls["parked"] == 1  # x-should-retry: false: the line's result at once
+    assert all(v == 1 for k, v in router.calls.items() if k.startswith("ok"))
+    assert router.most == 3  # Batch__MaxConcurrent
+
+
+async def test_a_resumed_batch_runs_only_pending_lines(tmp_path, autojump_clock):
+    prompts = [f"ok{i}" for i in range(6)]
+    router, states, b = await _run(tmp_path, prompts, done_first=4)
+    assert states == {"completed": 6} and b.state == "completed"
+    assert sorted(router.calls) == ["ok4", "ok5"]
