@@ -261,6 +261,9 @@ class ModelDef(_Section):
     # Always-on replica count; 0 means on demand.
     replicas: NonNegInt = 0
     idle_unload_seconds: NonNeg = 300.0
+    # Its places per node (parallel slots), over the engine's own count and Node__ModelSlots;
+    # None: the engine's word where it says one, else Node__ModelSlots (decide/cost.py).
+    slots: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
     # The engine kind that serves it; "": any engine that can serve the source (a `.gguf`
     # path: llamacpp's). Placement, parking and /api/pull consider only such nodes.
     engine: EngineKind | Literal[""] = ""

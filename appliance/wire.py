@@ -58,6 +58,11 @@ class ModelState(msgspec.Struct):
     health: str = HEALTHY
     health_error: str = ""
     probe_failures: int = 0  # probes of this model that failed since the node started
+    # The engine's own word (llama-server's /props total_slots and /slots): its parallel
+    # slots for this model and how many are busy now -- the hub's own requests and any
+    # that reach the engine another way. None: the engine does not say.
+    slots: int | None = None
+    busy: int | None = None
 
 
 class NodeState(msgspec.Struct):
@@ -84,6 +89,12 @@ class NodeState(msgspec.Struct):
             if m.name == name:
                 return m
         return None
+
+    def model_slots(self, name: str) -> int | None:
+        """The places of one model: its own count (the engine's, or the hub's per-model
+        override written in), else the node's `Node__ModelSlots`."""
+        m = self.model(name)
+        return m.slots if m is not None and m.slots is not None else self.slots
 
 
 class StateEvent(msgspec.Struct, tag="state"):

@@ -19,6 +19,9 @@ the file, or `--fake-mode MODE`):
   `json_object`, with a `schema`).
 - a file that does not exist: llama.cpp's "failed to open GGUF file" line, exit 1.
 `--health-delay S` (default 0.2) is how long it reports "loading" first.
+`-np N` (`--parallel`, default 1): the slots `/props` says (`total_slots`; `--fake-total-slots`
+says any number instead, an absurd one too) and `/slots` lists, busy while a completion
+runs; `--fake-hold S` holds each completion that long (so a busy slot can be seen).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 WORDS = "the quick brown fox jumps over the lazy dog".split()
+LOCK = threading.Lock()
 
 
 def _arch(path: str) -> str:
@@ -86,6 +90,14 @@ class Handler(BaseHTTPRequestHandler):
             if not ready:
                 return self._json(503, {"error": {"code": 503, "message": "Loading model"}})
             return self._json(200, {"status": "ok"})
+        if self.path == "/props" and ready and self.state.get("mode") != "python":
+            return self._json(200, {"total_slots": self.state["total_slots"],
+                                    "model_path": self.state["model"],
+                                    "modalities": {"vision": False}})
+        if self.path == "/slots" and ready and self.state.get("mode") != "python":
+            busy = self.state["busy"]
+            return self._json(200, [{"id": i, "is_processing": i < busy, "n_ctx": 1024}
+                                    for i in range(self.state["np"])])
         if self.path == "/v1/models":
             if not ready:
                 return self._json(503, {"error": {"code": 503, "message": "Loading model"}})
@@ -112,6 +124,16 @@ class Handler(BaseHTTPRequestHandler):
         if not chat and self.path != "/v1/completions":
             return self._json(404, {"error": {"code": 404, "message": "File Not Found"}})
         count = int(req.get("max_tokens") or 8)
+        with LOCK:
+            self.state["busy"] += 1
+        try:
+            time.sleep(self.state.get("hold", 0.0))
+            self._complete(chat, req, count)
+        finally:
+            with LOCK:
+                self.state["busy"] -= 1
+
+    def _complete(self, chat: bool, req: dict, count: int) -> None:
         words = [WORDS[i % len(WORDS)] for i in range(count)]
         model = req.get("model") or self.state["model"]
         if req.get("stream"):
@@ -154,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--fake-mode", default="")
     ap.add_argument("--health-delay", type=float, default=0.2)
+    ap.add_argument("-np", "--parallel", type=int, default=1)
+    ap.add_argument("--fake-total-slots", type=int, default=None)
+    ap.add_argument("--fake-hold", type=float, default=0.0)
     ap.add_argument("--version", action="store_true")
     opts, _rest = ap.parse_known_args(argv)
     if opts.version:
@@ -174,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     if mode == "kev":
         time.sleep(0.1)
         fail_kev(path)
-    Handler.state = {"ready": False, "model": path, "mode": mode}
+    Handler.state = {"ready": False, "model": path, "mode": mode, "np": opts.parallel,
+                     "total_slots": opts.parallel if opts.fake_total_slots is None
+                     else opts.fake_total_slots, "busy": 0, "hold": opts.fake_hold}
     srv = ThreadingHTTPServer((opts.host, opts.port), Handler)
     srv.daemon_threads = True
     sys.stderr.write(f"main: server is listening on http://{opts.host}:{opts.port}\n")

@@ -151,6 +151,11 @@ def _settings(cfg: Config) -> dict[str, Any]:
                 background_max_wait=cfg.priority.background_max_wait_seconds)
 
 
+def slot_overrides(cfg: Config) -> dict[str, int]:
+    """`Models__N__Slots`: a model's places per node, over what its engines say."""
+    return {m.name: m.slots for m in cfg.models.items if m.slots is not None}
+
+
 def _affinity(cfg: Config) -> dict[str, Any]:
     r = cfg.router
     return dict(enabled=r.affinity == "on", factor=r.affinity_load_factor,
@@ -175,6 +180,7 @@ class Admission:
         # Which of the nodes it may go to a request goes to (affinity.py, cost.py).
         self.affinity = Affinity(**_affinity(cfg))
         self.cost = CostRouter(cfg.router.home_wait_seconds)
+        registry.set_slot_overrides(slot_overrides(cfg))
         # A place kept back for the other keys of a class (share.py).
         self.shares = Shares()
         self.core.share = self._share
@@ -186,6 +192,7 @@ class Admission:
         self.core.configure(**_settings(cfg))
         self.affinity.configure(**_affinity(cfg))
         self.cost.home_wait = cfg.router.home_wait_seconds
+        self.registry.set_slot_overrides(slot_overrides(cfg))
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
@@ -298,7 +305,7 @@ class Admission:
         """share.py's rule for the core: may `client` take one more place of `model`?"""
         total: int | None = 0
         for h in self._ready_nodes(model):
-            n = places_of(h.state)
+            n = places_of(h.state, model)
             total = None if n is None or total is None else total + n
         q = self.core.queues.get(model)
         waiting = q.lanes[RANK[cls]].backlog() if q is not None else {}
@@ -413,7 +420,8 @@ class Admission:
         """Hold a non-essential request while its node's slots for `model` are all sent."""
         if self.slot_wait <= 0 or cls == ESSENTIAL or node.state is None:
             return
-        w = self.slots.enter(node.name, model, cls, node.in_flight.get(model, 0), node.state.slots)
+        w = self.slots.enter(node.name, model, cls, node.in_flight.get(model, 0),
+                             node.state.model_slots(model))
         if w is None:
             return
         w.event = woken = trio.Event()
@@ -430,7 +438,8 @@ class Admission:
         if h is None or h.state is None:
             woken = self.slots.dispatch(name, model, 0, None, False)
         else:
-            woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0), h.state.slots,
+            woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0),
+                                        h.state.model_slots(model),
                                         h.routable())
         for w in woken:
             if w.event is not None:

@@ -52,12 +52,27 @@ class Node(Protocol):
     def has_concurrency(self) -> bool: ...
 
 
-def places_of(st: NodeState | None) -> int | None:
+def places_of(st: NodeState | None, model: str) -> int | None:
     """A node's places for one model: the lesser of its slots and its concurrency."""
     if st is None:
         return None
-    bounds = [b for b in (st.slots, st.max_concurrency) if b is not None]
+    bounds = [b for b in (st.model_slots(model), st.max_concurrency) if b is not None]
     return min(bounds) if bounds else None
+
+
+def free_of(h: Node, model: str) -> int | None:
+    """Places left for `model` on `h` as the cost sees them: the hub's count, or the
+    engine's own busy slots where it says more are taken (load from outside the hub); a
+    node without concurrency left has none."""
+    left = h.places_left(model)
+    st = h.state
+    m = st.model(model) if st is not None else None
+    if m is not None and m.busy is not None and m.slots is not None:
+        engine = m.slots - m.busy
+        left = engine if left is None else min(left, engine)
+    if not h.has_concurrency():
+        left = min(0, left or 0)
+    return left
 
 
 @dataclass(slots=True)
@@ -103,10 +118,8 @@ class CostRouter:
             held = {n: b * affinity.block // BYTES_PER_TOKEN for n, (b, _) in seqs.items()}
         if not any(held.get(n, 0) for n in names):
             return None  # nothing cached anywhere: affinity's bounded rendezvous spreads it
-        options = [cost.Option(n, by[n].places_left(model) if by[n].has_concurrency()
-                               else min(0, by[n].places_left(model) or 0),
-                               places_of(by[n].state), held.get(n, 0),
-                               self.rates.get(n, model)) for n in order]
+        options = [cost.Option(n, free_of(by[n], model), places_of(by[n].state, model),
+                               held.get(n, 0), self.rates.get(n, model)) for n in order]
         prompt = max(cost.prompt_tokens(route.size), max(held.values(), default=0))
         ranked = cost.score(options, prompt)
         bound = cost.home_wait(ranked, self.home_wait) if may_wait else 0.0

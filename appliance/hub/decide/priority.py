@@ -149,7 +149,7 @@ def count(ready: Iterable[Node], model: str, places_need: int | None = None,
         if st is None:  # not ready after all
             continue
         cap = st.max_concurrency
-        slots = st.slots
+        slots = st.model_slots(model)
         if cap is None:
             room = None
             if slots is None:

@@ -138,8 +138,9 @@ class NodeHandle:
             return None
         if st.max_concurrency is not None:
             left.append(st.max_concurrency - self.in_flight_total)
-        if st.slots is not None:
-            left.append(st.slots - self.in_flight.get(model, 0))
+        slots = st.model_slots(model)
+        if slots is not None:
+            left.append(slots - self.in_flight.get(model, 0))
         return min(left) if left else None
 
     def has_concurrency(self) -> bool:
@@ -164,6 +165,9 @@ class Registry:
         self.shared = False
         self._changed = trio.Event()
         self._turn = 0  # rotates ties in pick
+        # Models__N__Slots: a model's places per node, written over what its engines say
+        # (NodeState.model_slots reads it); empty: the engines' word, else Node__ModelSlots.
+        self.slot_overrides: dict[str, int] = {}
         # Called with (node, model, why) when a replica turns unhealthy (why) or healthy
         # again ("") by the node's own word (its generation probes): audit, parking count.
         self.health_listeners: list[Callable[[NodeHandle, str, str], None]] = []
@@ -203,6 +207,13 @@ class Registry:
             h.url = url.rstrip("/")
             h.dial_now.set()
         return h, False
+
+    def set_slot_overrides(self, overrides: dict[str, int]) -> None:
+        """New `Models__N__Slots` (start, reload): applied to the states known now too."""
+        self.slot_overrides = overrides
+        for h in self.nodes.values():
+            if h.state is not None:
+                override_slots(h.state, overrides)
 
     def ready_nodes(self, model: str) -> list[NodeHandle]:
         return [h for h in self.nodes.values() if h.ready(model)]
@@ -250,6 +261,7 @@ class Registry:
             count_other_hubs(h, state)
         turned = health_turns(h, state)
         h.state = state
+        override_slots(state, self.slot_overrides)
         for name in list(h.unloading):  # the node shows the unload: its own word again
             m = state.model(name)
             if m is None or m.state != "ready":
@@ -320,3 +332,12 @@ def health_turns(h: NodeHandle, state: NodeState) -> list[tuple[str, str]]:
                 continue
             out.append((m.name, now))
     return out
+
+
+def override_slots(state: NodeState, overrides: dict[str, int]) -> None:
+    """`Models__N__Slots` written into a node's state, over what its engine said."""
+    if overrides:
+        for m in state.models:
+            n = overrides.get(m.name)
+            if n is not None:
+                m.slots = n

@@ -46,6 +46,7 @@ from appliance.config import Config
 from appliance.node.engines.base import Changed, Engine, EngineError, unheard
 from appliance.node.engines.childproc import Child
 from appliance.node.engines.gguf import read_meta
+from appliance.node.engines.llamaslots import engine_slots, watch_slots
 from appliance.node.engines.params import LLAMA_CPP_PYTHON, OPENAI
 from appliance.wire import EngineInstall, ModelMeta, ModelState, ModelStatus
 
@@ -190,6 +191,8 @@ class _Model:
         except OSError:
             self.size_mb = 0
         self.meta = with_args(meta, args)
+        self.slots: int | None = None  # the server's total_slots (/props), bounded
+        self.busy: int | None = None  # its slots processing now (/slots)
 
     def error_text(self) -> str:
         return pick_error(self.tail.decode("utf-8", "replace"))
@@ -230,7 +233,8 @@ class LlamaCppEngine(Engine):
 
     def models(self) -> list[ModelState]:
         return [ModelState(name=m.name, size_mb=m.size_mb, state=m.state, last_error=m.last_error,
-                           meta=m.meta)
+                           meta=m.meta, slots=m.slots if m.state == "ready" else None,
+                           busy=m.busy if m.state == "ready" else None)
                 for m in self._models.values()]
 
     def upstream(self, model: str) -> str | None:
@@ -340,6 +344,7 @@ class LlamaCppEngine(Engine):
                 self.on_change()
                 m.started = True
                 task_status.started()
+                nursery.start_soon(self._watch_slots, m)
                 await m.exited.wait()
             with trio.move_on_after(DRAIN_SECONDS):
                 await m.output_eof.wait()
@@ -381,6 +386,12 @@ class LlamaCppEngine(Engine):
             props = None
         if isinstance(props, dict) and m.meta is not None:
             m.meta.capabilities = props_capabilities(m.meta.capabilities or [], props)
+        if isinstance(props, dict):
+            m.slots = engine_slots(props.get("total_slots"), m.name)
+
+    async def _watch_slots(self, m: _Model) -> None:
+        assert self._client is not None
+        await watch_slots(self._client, f"http://127.0.0.1:{m.port}/slots", m, self.on_change)
 
     async def _watch_exit(self, m: _Model) -> None:
         assert m.child is not None

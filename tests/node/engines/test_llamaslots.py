@@ -1,0 +1,80 @@
+"""llama-server's slots as the node learns them (appliance/node/engines/llamaslots.py):
+`/props` total_slots and `/slots` busy, from tests/harness/fake_llama_server.py; absurd
+numbers bounded and logged once."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+
+import httpx
+import trio
+
+from appliance import config
+from appliance.node.engines import llamaslots
+from appliance.node.engines.llamacpp import LlamaCppEngine
+from appliance.node.engines.llamaslots import MAX_ENGINE_SLOTS, busy_slots, engine_slots
+from tests.harness import HARNESS
+
+FAKE = HARNESS / "fake_llama_server.py"
+
+
+def make_engine(args: str) -> LlamaCppEngine:
+    cmd = (f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} -m {{model}} "
+           f"--port {{port}} {args} {{args}}")
+    return LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": cmd}))
+
+
+def test_numbers_from_the_engine_are_bounded(caplog):
+    assert engine_slots(4, "m") == 4
+    assert engine_slots("4", "m") is None and engine_slots(True, "m") is None
+    llamaslots._said_absurd.clear()
+    with caplog.at_level(logging.WARNING, logger="appliance.node.engines.llamaslots"):
+        assert engine_slots(10**9, "m") == MAX_ENGINE_SLOTS
+        assert engine_slots(10**9, "m") == MAX_ENGINE_SLOTS
+        assert engine_slots(0, "m") == 1
+    assert len(caplog.records) == 1  # once per model
+    assert busy_slots([{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}]) == 1
+    assert busy_slots([{"id": 0, "state": 1}, {"id": 1, "state": 0}]) == 1  # older servers
+    assert busy_slots({"slots": []}) is None and busy_slots([1]) is None
+    assert busy_slots([{}] * (4 * MAX_ENGINE_SLOTS + 1)) is None
+
+
+async def test_slots_and_busy_from_props_and_slots(nursery, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 1024)
+    eng = make_engine("-np 3 --fake-hold 2")
+    await nursery.start(eng.run)
+    with trio.fail_after(20):
+        await eng.load("tiny", str(path))
+    (m,) = eng.models()
+    assert m.slots == 3
+    base = eng.upstream("tiny")
+
+    async def one() -> None:
+        async with httpx.AsyncClient(timeout=20, trust_env=False) as c:
+            await c.post(base + "/v1/chat/completions", json={"messages": [], "max_tokens": 1})
+
+    with trio.fail_after(20):
+        while eng.models()[0].busy != 0:
+            await trio.sleep(0.05)
+        async with trio.open_nursery() as n:
+            n.start_soon(one)
+            n.start_soon(one)
+            while eng.models()[0].busy != 2:  # seen busy while they run
+                await trio.sleep(0.05)
+        while eng.models()[0].busy != 0:
+            await trio.sleep(0.05)
+    await eng.unload("tiny")
+    assert eng.models()[0].slots is None  # not ready: nothing said
+
+
+async def test_an_absurd_slot_count_is_bounded(nursery, tmp_path):
+    path = tmp_path / "huge.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 1024)
+    eng = make_engine("--fake-total-slots 100000000")
+    await nursery.start(eng.run)
+    with trio.fail_after(20):
+        await eng.load("huge", str(path))
+    assert eng.models()[0].slots == MAX_ENGINE_SLOTS
