@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +40,8 @@ ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPO
 # Spans waiting for export: the SDK's own BatchSpanProcessor default. At ~1 KiB a span
 # that is 2 MiB at most, whatever the collector does.
 MAX_QUEUE = 2048
-# Spans per export request, and the longest a span waits for a batch to fill (the SDK's
-# defaults: 512, 5 s; 1 s here so a trace shows promptly).
+# Spans per export request, and how long a batch fills before it goes (the SDK's defaults:
+# 512, 5 s; 1 s here so a trace shows promptly).
 MAX_BATCH = 512
 BATCH_SECONDS = 1.0
 # On exit: how long the last spans may take to leave.
@@ -108,6 +109,7 @@ def _processor(exporter: SpanExporter, drops: Drops) -> SpanProcessor:
         def __init__(self) -> None:
             self.queue: queue.Queue[ReadableSpan] = queue.Queue(MAX_QUEUE)
             self.stop = threading.Event()
+            self.failing = False
             self.thread = threading.Thread(target=self._run, name="appliance-otlp",
                                            daemon=True)
             self.thread.start()
@@ -128,9 +130,15 @@ def _processor(exporter: SpanExporter, drops: Drops) -> SpanProcessor:
                     if self.stop.is_set():
                         return
                     continue
+                # Fill the batch for up to BATCH_SECONDS (one export request a second, not
+                # one per span: each costs the hub an HTTP round and an encode).
+                until = time.monotonic() + BATCH_SECONDS
                 while len(batch) < MAX_BATCH:
+                    left = until - time.monotonic()
+                    if left <= 0 or self.stop.is_set():
+                        break
                     try:
-                        batch.append(self.queue.get_nowait())
+                        batch.append(self.queue.get(timeout=left))
                     except queue.Empty:
                         break
                 try:
@@ -140,6 +148,13 @@ def _processor(exporter: SpanExporter, drops: Drops) -> SpanProcessor:
                     ok = False
                 if not ok:
                     drops.failed += len(batch)
+                if ok == self.failing:  # said when it starts failing and when it recovers
+                    self.failing = not ok
+                    if ok:
+                        log.info("spans are exported again")
+                    else:
+                        log.warning("span export failed: spans are dropped (counted in "
+                                    "appliance_spans_dropped_total) until the collector answers")
 
         def shutdown(self) -> None:
             self.stop.set()
@@ -215,6 +230,8 @@ def setup(service: str, environ: Mapping[str, str] = os.environ) -> Tracing | No
             "OTEL_RESOURCE_ATTRIBUTES", ""):
         resource = resource.merge(Resource({"service.name": service}))
     drops = Drops()
+    # The exporter logs every failed or retried batch; the export thread says it once.
+    logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)
     processor = _processor(OTLPSpanExporter(), drops)
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(processor)

@@ -164,17 +164,15 @@ def test_one_trace_from_the_client_through_hub_and_node_to_the_engine(fleet):
     assert r.headers["x-request-id"] == "req-1"
     def names(service: str) -> set[str]:
         return {s.name for s in receiver.of(service)}
-    wait_until(lambda: {"chat tiny", "attempt gpu-a"} <= names("appliance-hub")
+    wait_until(lambda: "chat tiny" in names("appliance-hub")
                and "chat tiny" in names("appliance-node"), 30, "hub and node spans exported")
     hub_span = next(s for s in receiver.of("appliance-hub") if s.name == "chat tiny")
-    attempt = next(s for s in receiver.of("appliance-hub") if s.name == "attempt gpu-a")
     node_span = next(s for s in receiver.of("appliance-node") if s.name == "chat tiny")
     # The client's trace continued: one trace id everywhere, each span the child of the last.
-    for s in (hub_span, attempt, node_span):
+    for s in (hub_span, node_span):
         assert s.trace_id.hex() == CLIENT_TRACE
     assert hub_span.parent_span_id.hex() == CLIENT_SPAN
-    assert attempt.parent_span_id == hub_span.span_id
-    assert node_span.parent_span_id == attempt.span_id
+    assert node_span.parent_span_id == hub_span.span_id
     # The engine got the node span's context.
     assert engine.traceparents[-1] == f"00-{CLIENT_TRACE}-{node_span.span_id.hex()}-01"
     a = _attrs(hub_span)
@@ -183,7 +181,9 @@ def test_one_trace_from_the_client_through_hub_and_node_to_the_engine(fleet):
     assert 0 < a["gen_ai.server.time_to_first_token"] < 30
     assert a["appliance.client"] == "anonymous" and a["appliance.node"] == "gpu-a"
     assert a["http.response.status_code"] == 200
-    assert {e.name for e in hub_span.events} >= {"first_byte", "admission_wait"}
+    first = next(e for e in hub_span.events if e.name == "first_byte")
+    assert hub_span.start_time_unix_nano <= first.time_unix_nano <= hub_span.end_time_unix_nano
+    assert "node_attempt" not in {e.name for e in hub_span.events}  # one attempt: the attribute
     line = [json.loads(x) for x in audit.read_text().splitlines() if '"request"' in x][-1]
     assert line["trace_id"] == CLIENT_TRACE and line["request_id"] == "req-1"
 

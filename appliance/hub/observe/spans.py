@@ -1,15 +1,16 @@
-"""One request's trace on the hub: a server span with GenAI attributes, a client span per
-node attempt, events for the waits -- all from the request's own record.
+"""One request's trace on the hub: one server span with GenAI attributes, events for each
+node attempt and the waits -- all from the request's own record.
 
 Theory of operation: `RequestSpan(tracing, req)` opens the request's span when the router
 makes the `Request` (continuing the client's `traceparent` when it sent a valid one) and
 gives the request its trace id (the audit's `trace_id`; also its `x-request-id` when the
-client sent none, so an error body's id header leads to the trace). `attempt(node)` opens
-a child span per node tried -- its context is what `headers()` sends the node, so the
-node's span is its child -- and `end(req)` closes them from the record in the router's
-one `finally`: the GenAI semantic conventions (operation, model, usage input/output and
-cache-read tokens, time to first token), the client's name (never its key), where it
-went, the breakdown (load, queue, node wait) as attributes and as events at their times.
+client sent none, so an error body's id header leads to the trace). `attempt(node)` marks
+each node tried with an event; `headers()` is the span's context, which the node
+continues (its span a child of this one); `end(req)` closes it from the record in the
+router's one `finally`: the GenAI semantic conventions (operation, model, usage
+input/output and cache-read tokens, time to first token), the client's name (never its
+key), where it went, the breakdown (load, queue, node wait) as attributes and as events at
+their times.
 It decides nothing and reads nothing the record does not hold.
 """
 
@@ -51,9 +52,14 @@ class Request(Protocol):
     route: Route | None
     usage: Usage | None
 
+# A wait shorter than this is an attribute only, not also an event (each event costs the
+# hub ~5 us to make and as much to export; most requests wait for nothing).
+EVENT_MS = 1.0
+
+
 class RequestSpan:
-    __slots__ = ("tracing", "span", "trace_id", "epoch_ns", "perf0", "operation", "current",
-                 "attempts")
+    __slots__ = ("tracing", "span", "trace_id", "epoch_ns", "perf0", "operation", "context",
+                 "attempts", "first_attempt_ns")
 
     def __init__(self, tracing: Tracing, req: Request) -> None:
         self.tracing = tracing
@@ -65,8 +71,9 @@ class RequestSpan:
                                         {"gen_ai.operation.name": self.operation,
                                          "url.path": req.path})
         self.trace_id = trace_id(self.span)
-        self.attempts: list[Span] = []
-        self.current: Span | None = None
+        self.attempts: list[str] = []  # the nodes tried, in order
+        self.first_attempt_ns = 0
+        self.context: list[tuple[bytes, bytes]] | None = None  # what the node is sent
         if self.trace_id and not any(k == b"x-request-id" for k, _ in req.headers):
             req.request_id = self.trace_id
 
@@ -75,17 +82,25 @@ class RequestSpan:
 
     def attempt(self, node: str) -> None:
         """The request is sent to `node` now (a second call: the first failed before its
-        first byte)."""
-        if self.current is not None:
-            self.tracing.error(self.current, "not answered before the first byte")
-            self.current.end()
-        self.current = self.tracing.child(self.span, f"attempt {node}",
-                                          attributes={"appliance.node": node})
-        self.attempts.append(self.current)
+        first byte). An event, not a span: one span per request keeps tracing's cost per
+        request to one span's (bench/tracing_cost.py)."""
+        if self.attempts:  # a retry: each attempt an event (one alone is appliance.node)
+            if len(self.attempts) == 1:
+                self.span.add_event("node_attempt", {"appliance.node": self.attempts[0],
+                                                     "appliance.attempt": 1},
+                                    timestamp=self.first_attempt_ns)
+            self.span.add_event("node_not_answered", {"appliance.node": self.attempts[-1]})
+            self.span.add_event("node_attempt", {"appliance.node": node,
+                                                 "appliance.attempt": len(self.attempts) + 1})
+        else:
+            self.first_attempt_ns = time.time_ns()
+        self.attempts.append(node)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """`traceparent` for the node: the current attempt's span."""
-        return self.tracing.inject(self.current if self.current is not None else self.span)
+        """`traceparent` for the node: this request's span (the same for every attempt)."""
+        if self.context is None:
+            self.context = self.tracing.inject(self.span)
+        return self.context
 
     def end(self, req: Request) -> None:
         s = self.span
@@ -98,7 +113,7 @@ class RequestSpan:
         }
         if req.node:
             attrs["appliance.node"] = req.node
-        if req.request_id:
+        if req.request_id and req.request_id != self.trace_id:
             attrs["appliance.request_id"] = req.request_id
         if req.cls:
             attrs["appliance.priority"] = req.cls
@@ -114,25 +129,23 @@ class RequestSpan:
             attrs["gen_ai.server.time_to_first_token"] = round(req.ttfb, 6)
             s.add_event("first_byte", timestamp=self._ns(req.t0 + req.ttfb))
         if req.load_s is not None and req.load_at is not None:
-            attrs["appliance.load_ms"] = round(req.load_s * 1000, 2)
-            s.add_event("activation_wait", {"duration_ms": attrs["appliance.load_ms"]},
-                        timestamp=self._ns(req.load_at))
+            attrs["appliance.load_ms"] = ms = round(req.load_s * 1000, 2)
+            if ms >= EVENT_MS:
+                s.add_event("activation_wait", {"duration_ms": ms},
+                            timestamp=self._ns(req.load_at))
         if req.queue_s is not None and req.queue_at is not None:
-            attrs["appliance.queue_ms"] = round(req.queue_s * 1000, 2)
-            s.add_event("admission_wait", {"duration_ms": attrs["appliance.queue_ms"],
-                                           "appliance.priority": req.cls},
-                        timestamp=self._ns(req.queue_at))
+            attrs["appliance.queue_ms"] = ms = round(req.queue_s * 1000, 2)
+            if ms >= EVENT_MS:
+                s.add_event("admission_wait", {"duration_ms": ms, "appliance.priority": req.cls},
+                            timestamp=self._ns(req.queue_at))
         if req.sent_at is not None and req.ttfb is not None:
             attrs["appliance.node_wait_ms"] = round(
                 max(0.0, req.t0 + req.ttfb - req.sent_at) * 1000, 2)
         if req.error:
             attrs["error.type"] = req.error
+        if len(self.attempts) > 1:
+            attrs["appliance.attempts"] = len(self.attempts)
         s.set_attributes(attrs)
-        if self.current is not None:
-            self.current.set_attribute("http.response.status_code", req.status)
-            if req.status >= 500 or req.error:
-                self.tracing.error(self.current, req.error or str(req.status))
-            self.current.end()
         if req.status >= 500:
             self.tracing.error(s, req.error or str(req.status))
         s.end()
