@@ -146,17 +146,25 @@ class Fleet:
         m = self.models(hub).get(model)
         return set(m["nodes"]) if m else set()
 
+    def post(self, path: str, body: dict[str, Any], *, key: str | None = None,
+             hub: str | None = None, headers: dict[str, str] | None = None,
+             timeout: float = 60) -> httpx.Response:
+        """POST a JSON body to the hub as a client (with `key` as its bearer key)."""
+        h = {**({"authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+        return httpx.post(self.hub_url(hub) + path, json=body, headers=h, timeout=timeout,
+                          verify=self.verify)
+
     def chat(self, model: str, content: str = "hi", *, key: str | None = None,
              max_tokens: int | None = None, hub: str | None = None,
              path: str = "/v1/chat/completions", headers: dict[str, str] | None = None,
              timeout: float = 60, **body: Any) -> httpx.Response:
-        """One chat completion (any route taking OpenAI's chat body with `path`), whole."""
+        """One chat completion (any route taking OpenAI's chat body with `path`), whole;
+        `body` adds or replaces fields."""
         b: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}]}
         if max_tokens is not None:
             b["max_tokens"] = max_tokens
-        h = {**({"authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
-        return httpx.post(self.hub_url(hub) + path, json={**b, **body}, headers=h,
-                          timeout=timeout, verify=self.verify)
+        return self.post(path, {**b, **body}, key=key, hub=hub, headers=headers,
+                         timeout=timeout)
 
     def openai(self, key: str = "anyone", timeout: float = 60, hub: str | None = None) -> Any:
         """The official `openai` client on the hub's /v1, retries off."""
