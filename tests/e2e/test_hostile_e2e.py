@@ -21,8 +21,9 @@ import time
 import httpx
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.procfs import fd_count, rss_kb
-from tests.harness.procs import Procs, wait_until
+from tests.harness.procs import wait_until
 from tests.harness.wire import KINDS, Wire
 
 pytestmark = pytest.mark.e2e
@@ -52,97 +53,67 @@ def connect(url: str, timeout: float) -> socket.socket:
     return s
 
 
-class Fleet:
-    def __init__(self, tmp, wire) -> None:
-        self.wire = wire
-        self.verify = wire.ssl_context or True
-        self.procs = Procs()
-        self.audit = tmp / "audit.jsonl"
-        self.hub = self.procs.hub({
-            "Auth__NodeToken": TOKEN, "Auth__Nodes__0__Name": "node3",
-            "Auth__Nodes__0__Token": TOKEN3,
-            "Auth__RequireKeys": "true", "Auth__Clients__0__Name": "alice",
-            "Auth__Clients__0__Key": KEY,
-            "Auth__AdminKey": ADMIN, "Audit__Path": str(self.audit),
-            "Hub__HeaderReadSeconds": str(HEADER_S), "Hub__BodyReadSeconds": str(BODY_S),
-            "Hub__MaxConnections": str(MAX_CONNECTIONS), "Hub__MaxBufferedBytes": str(MAX_BUFFERED),
-            "Hub__ForgetNodeSeconds": str(FORGET_S), "Hub__ReconnectMaxSeconds": "0.5",
-            "Hub__MaxNodes": str(MAX_NODES), **wire.env,
-        })
-        self.url = self.hub.url
-        self.metrics_url = self.hub.urls["metrics"]
-        for name, models, extra in (("node1", ["sim-small"], {}), ("node2", ["sim-small", "only-2"],
-                                                                   {}),
-                                    ("node3", ["sim-small", "only-3"],
-                                     {"Auth__Nodes__0__Name": "node3",
-                                      "Auth__Nodes__0__Token": TOKEN3})):
-            env = {"Hub__Url": self.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
-                   **({"Node__TlsCa": wire.ca} if wire.tls else {}),
-                   "Node__HeaderReadSeconds": str(HEADER_S), "Node__BodyReadSeconds": str(BODY_S),
-                   **extra}
-            for i, m in enumerate(models):
-                env[f"Sim__Models__{i}__Name"] = m
-            setattr(self, name, self.procs.node(name, env))
-        wait_until(lambda: self.up() >= {"node1", "node2", "node3"}, timeout=30,
-                   what="three nodes up")
-        self.metrics_base = len(self.scrape())
-
-    def admin(self, method: str, path: str) -> httpx.Response:
-        return httpx.request(method, self.url + path, headers={"authorization": f"Bearer {ADMIN}"},
-                             timeout=10, verify=self.verify)
-
-    def nodes(self) -> dict[str, dict]:
-        return {n["name"]: n for n in self.admin("GET", "/admin/nodes").json()["nodes"]}
-
-    def up(self) -> set[str]:
-        return {name for name, n in self.nodes().items() if n["status"] == "up"}
-
-    def scrape(self) -> bytes:
-        return httpx.get(self.metrics_url + "/metrics", timeout=10).content
-
-    def chat(self, model: str = "sim-small", **kw) -> httpx.Response:
-        return httpx.post(self.url + "/v1/chat/completions",
-                          headers={"authorization": f"Bearer {KEY}"}, timeout=60,
-                          json={"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                "max_tokens": 3}, verify=self.verify, **kw)
-
-    def announce(self, name: str, url: str, token: str = TOKEN) -> httpx.Response:
-        return httpx.post(self.url + "/api/nodes/announce",
-                          headers={"authorization": f"Bearer {token}"},
-                          json={"name": name, "url": url}, timeout=10, verify=self.verify)
-
-    def audit_lines(self) -> list[dict]:
-        return [json.loads(x) for x in self.audit.read_text().splitlines() if x.strip()]
-
-    def rss_kb(self) -> int:
-        return rss_kb(self.hub.pid)
-
-    def fds(self) -> int:
-        return fd_count(self.hub.pid)
-
-
 @pytest.fixture(scope="module", params=KINDS)
 def fleet(request, tmp_path_factory):
     wire = (Wire("tls", request.getfixturevalue("wire_pki")) if request.param == "tls"
             else Wire("plain"))
     if wire.ssl_context is not None:
         TLS["ctx"] = wire.ssl_context
-    f = Fleet(tmp_path_factory.mktemp("hostile"), wire)
+    f = Fleet(tmp_path_factory.mktemp("hostile"), token=TOKEN, admin=ADMIN, key=KEY,
+              verify=wire.ssl_context or True)
+    f.wire = wire
     try:
+        f.start_hub({
+            "Auth__Nodes__0__Name": "node3", "Auth__Nodes__0__Token": TOKEN3,
+            "Auth__RequireKeys": "true", "Auth__Clients__0__Name": "alice",
+            "Auth__Clients__0__Key": KEY, "Audit__Path": f.audit_path,
+            "Hub__HeaderReadSeconds": str(HEADER_S), "Hub__BodyReadSeconds": str(BODY_S),
+            "Hub__MaxConnections": str(MAX_CONNECTIONS), "Hub__MaxBufferedBytes": str(MAX_BUFFERED),
+            "Hub__ForgetNodeSeconds": str(FORGET_S), "Hub__ReconnectMaxSeconds": "0.5",
+            "Hub__MaxNodes": str(MAX_NODES), **wire.env,
+        })
+        for name, models, extra in (("node1", ["sim-small"], {}),
+                                    ("node2", ["sim-small", "only-2"], {}),
+                                    ("node3", ["sim-small", "only-3"],
+                                     {"Auth__Nodes__0__Name": "node3",
+                                      "Auth__Nodes__0__Token": TOKEN3})):
+            env = {"Node__AnnounceSeconds": "1",
+                   **({"Node__TlsCa": wire.ca} if wire.tls else {}),
+                   "Node__HeaderReadSeconds": str(HEADER_S), "Node__BodyReadSeconds": str(BODY_S),
+                   **extra}
+            for i, m in enumerate(models):
+                env[f"Sim__Models__{i}__Name"] = m
+            f.start_node(name, env)
+        f.wait(lambda: up(f) >= {"node1", "node2", "node3"}, "three nodes up")
+        f.metrics_base = len(scrape(f))
         yield f
     except BaseException:
-        print("\n".join(f.hub.stderr_lines[-30:]))
+        if f.hubs:
+            print("\n".join(f.hub.stderr_lines[-30:]))
         raise
     finally:
-        f.procs.close()
+        f.close()
+
+
+def up(f: Fleet) -> set[str]:
+    return {name for name, n in f.admin_nodes().items() if n["status"] == "up"}
+
+
+def scrape(f: Fleet) -> bytes:
+    return f.scrape().encode()
+
+
+def announce(f: Fleet, name: str, url: str, token: str = TOKEN) -> httpx.Response:
+    return httpx.post(f.url + "/api/nodes/announce", headers={"authorization": f"Bearer {token}"},
+                      json={"name": name, "url": url}, timeout=10, verify=f.verify)
 
 
 def healthy(f: Fleet) -> None:
     """After every case: an ordinary request works, /metrics and memory stayed bounded."""
-    r = f.chat()
+    r = f.chat("sim-small", max_tokens=3)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
-    assert len(f.scrape()) < f.metrics_base + METRICS_GROWTH
-    assert f.rss_kb() < RSS_LIMIT_KB
+    assert len(scrape(f)) < f.metrics_base + METRICS_GROWTH
+    assert rss_kb(f.hub.pid) < RSS_LIMIT_KB
 
 
 class Listener:
@@ -204,22 +175,22 @@ def test_a_token_holder_cannot_take_over_a_reachable_node(fleet):
     f = fleet
     thief = Listener()
     try:
-        r = f.announce("node2", f"http://127.0.0.1:{thief.port}")
+        r = announce(f, "node2", f"http://127.0.0.1:{thief.port}")
         assert r.status_code == 409 and r.json()["error"]["code"] == "node_name_taken"
         # node3 has its own token: the shared one cannot even announce its name.
-        assert f.announce("node3", f"http://127.0.0.1:{thief.port}").status_code == 401
+        assert announce(f, "node3", f"http://127.0.0.1:{thief.port}").status_code == 401
         for model in ["only-2"] * 20:
-            assert f.chat(model).status_code == 200
-        requests = [x for x in f.audit_lines() if x["kind"] == "request" and x["model"] == "only-2"]
+            assert f.chat(model, max_tokens=3).status_code == 200
+        requests = [x for x in f.audit() if x["kind"] == "request" and x["model"] == "only-2"]
         assert len(requests) >= 20 and {x["node"] for x in requests} == {"node2"}
         assert thief.count == 0
-        refused = [x for x in f.audit_lines() if x["kind"] == "node_refused"]
+        refused = [x for x in f.audit() if x["kind"] == "node_refused"]
         assert {x["node"] for x in refused} >= {"node2",
                                                 "node3"} and all(x["source"] == "127.0.0.1"
                                                                  for x in refused)
         f.hub.wait_stderr(r"announcement refused from 127\.0\.0\.1 \(name 'node2'\)")
         # node3 announced and is dialled with its own token.
-        assert f.nodes()["node3"]["status"] == "up" and f.chat("only-3").status_code == 200
+        assert f.admin_nodes()["node3"]["status"] == "up" and f.chat("only-3", max_tokens=3).status_code == 200
     finally:
         thief.close()
     healthy(f)
@@ -232,16 +203,16 @@ def test_the_hub_dials_nothing_outside_its_networks_or_with_a_path(fleet):
         for url in (f"http://127.0.0.1:{thief.port}/some/path?q=1",
                     f"http://u:p@127.0.0.1:{thief.port}",
                     f"http://127.0.0.1:{thief.port}/#frag"):
-            r = f.announce("evil-path", url)
+            r = announce(f, "evil-path", url)
             assert r.status_code == 400, (url, r.text)
         for url in ("http://169.254.169.254:80", "http://8.8.8.8:80", "http://[fe80::1]:80"):
-            r = f.announce("evil-net", url)
+            r = announce(f, "evil-net", url)
             assert r.status_code == 403 and "Hub__NodeNetworks" in r.json()[
                 "error"]["message"], r.text
-        assert f.announce("evil", "http://no-such-host.invalid:80").status_code == 400
+        assert announce(f, "evil", "http://no-such-host.invalid:80").status_code == 400
         time.sleep(0.5)
         assert thief.count == 0
-        assert not {"evil-path", "evil-net", "evil"} & set(f.nodes())
+        assert not {"evil-path", "evil-net", "evil"} & set(f.admin_nodes())
     finally:
         thief.close()
     healthy(f)
@@ -250,7 +221,7 @@ def test_the_hub_dials_nothing_outside_its_networks_or_with_a_path(fleet):
 def test_bad_names_are_refused_and_not_echoed_whole(fleet):
     f = fleet
     for name in ("n" * 60_000, "a\x00b", "../../etc/passwd", "node 3", ""):
-        r = f.announce(name, "http://127.0.0.1:1")
+        r = announce(f, name, "http://127.0.0.1:1")
         assert r.status_code == 400 and len(r.content) < 1000, name[:20]
     healthy(f)
 
@@ -268,14 +239,14 @@ def test_ghosts_are_forgotten_ctl_forget_works_and_the_fleet_is_bounded(fleet):
                  for i in range(MAX_NODES + 5)]
     # Hub__MaxNodes: 3 real nodes + 37 ghosts, then 503 (unless a ghost was forgotten meanwhile).
     assert codes[:MAX_NODES - 3] == [200] * (MAX_NODES - 3) and 503 in codes
-    assert len(f.nodes()) <= MAX_NODES
-    assert f.admin("DELETE", "/admin/nodes/ghost-0").status_code == 200
-    assert "ghost-0" not in f.nodes()
+    assert len(f.admin_nodes()) <= MAX_NODES
+    assert f.admin.delete("/admin/nodes/ghost-0").status_code == 200
+    assert "ghost-0" not in f.admin_nodes()
     # The rest are forgotten once unreachable for Hub__ForgetNodeSeconds; the real nodes stay.
-    wait_until(lambda: not any(n.startswith("ghost-") for n in f.nodes()), timeout=30,
+    wait_until(lambda: not any(n.startswith("ghost-") for n in f.admin_nodes()), timeout=30,
                what="ghosts forgotten")
-    assert f.up() >= {"node1", "node2", "node3"}
-    forgotten = {x["node"] for x in f.audit_lines() if x["kind"] == "node_forgotten"}
+    assert up(f) >= {"node1", "node2", "node3"}
+    forgotten = {x["node"] for x in f.audit() if x["kind"] == "node_forgotten"}
     assert len(forgotten) >= MAX_NODES - 4
     assert all(n.startswith("ghost-") for n in forgotten)
     healthy(f)
@@ -286,7 +257,7 @@ def test_ghosts_are_forgotten_ctl_forget_works_and_the_fleet_is_bounded(fleet):
 
 def test_unknown_model_names_do_not_grow_metrics(fleet):
     f = fleet
-    before = len(f.scrape())
+    before = len(scrape(f))
     with httpx.Client(base_url=f.url, headers={"authorization": f"Bearer {KEY}"}, timeout=30,
                       verify=f.verify) as c:
         for i in range(2000):
@@ -297,8 +268,8 @@ def test_unknown_model_names_do_not_grow_metrics(fleet):
             assert r.status_code == 404 and len(r.content) < 400
         r = c.post("/v1/chat/completions", json={"model": "../../x\x00y", "messages": []})
         assert r.status_code == 404
-    assert len(f.scrape()) - before < 1024
-    assert 'model="other"' in f.scrape().decode()
+    assert len(scrape(f)) - before < 1024
+    assert 'model="other"' in scrape(f).decode()
     healthy(f)
 
 
@@ -326,7 +297,7 @@ def test_request_smuggling_is_refused_and_the_connection_closed(fleet):
     got, closed = raw(f.url, HEAD + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nxx\r\n0\r\n\r\n")
     assert got.startswith(b"HTTP/1.1 400") and closed
     # The same on the node API and on the metrics listener.
-    for url in (f.node1.url, f.metrics_url):
+    for url in (f.node("node1").url, f.metrics_url):
         got, closed = raw(url, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
                                b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
         assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1 and closed, (url,
@@ -342,7 +313,7 @@ def test_slow_heads_and_bodies_are_cut_with_408(fleet):
                       wait=BODY_S + 20)
     assert got.startswith(b"HTTP/1.1 408") and closed, got
     assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
-    got, closed = raw(f.node1.url, b"GET /health HTTP/1.1\r\nHost: x\r\n", wait=HEADER_S + 20)
+    got, closed = raw(f.node("node1").url, b"GET /health HTTP/1.1\r\nHost: x\r\n", wait=HEADER_S + 20)
     assert got.startswith(b"HTTP/1.1 408") and closed
     healthy(f)
 
@@ -393,7 +364,7 @@ def test_bodies_held_at_once_are_bounded_with_503_busy(fleet):
 def test_many_slow_clients_hold_no_more_than_max_connections(fleet):
     f = fleet
     host, port = f.url.split("//")[1].rsplit(":", 1)
-    base = f.fds()
+    base = fd_count(f.hub.pid)
     socks = []
     try:
         for _ in range(900):
@@ -410,10 +381,10 @@ def test_many_slow_clients_hold_no_more_than_max_connections(fleet):
             except OSError:
                 pass
         time.sleep(0.3)
-        assert f.fds() <= base + MAX_CONNECTIONS + 8
+        assert fd_count(f.hub.pid) <= base + MAX_CONNECTIONS + 8
         # An ordinary request waits its turn behind them (each is cut at the head deadline).
         healthy(f)
-        assert f.fds() <= base + MAX_CONNECTIONS + 8
+        assert fd_count(f.hub.pid) <= base + MAX_CONNECTIONS + 8
     finally:
         for s in socks:
             s.close()

@@ -36,10 +36,11 @@ TOKEN = "node-secret"
 class Fleet:
     def __init__(self, tmp: Path | None = None, *, procs: Procs | None = None,
                  token: str | None = TOKEN, admin: str | None = None,
-                 verify: Any = True) -> None:
+                 key: str | None = None, verify: Any = True) -> None:
         self.tmp = tmp
         self.procs = procs if procs is not None else Procs()
         self.token, self.admin_key, self.verify = token, admin, verify
+        self.key = key  # the client key chat() and post() send when given none
         self.hubs: dict[str, Proc] = {}
         self.node_procs: dict[str, Proc] = {}
         self.sims: list[Proc] = []
@@ -135,6 +136,10 @@ class Fleet:
         """The hub's rows of its nodes (/api/status), by name."""
         return {n["name"]: n for n in self.status(hub)["nodes"]}
 
+    def admin_nodes(self) -> dict[str, dict[str, Any]]:
+        """The hub's nodes as /admin/nodes lists them (forgotten ones gone), by name."""
+        return {n["name"]: n for n in self.admin.get("/admin/nodes").json()["nodes"]}
+
     def up(self, hub: str | None = None) -> set[str]:
         return {name for name, n in self.nodes(hub).items() if n["status"] == "up"}
 
@@ -150,6 +155,7 @@ class Fleet:
              hub: str | None = None, headers: dict[str, str] | None = None,
              timeout: float = 60) -> httpx.Response:
         """POST a JSON body to the hub as a client (with `key` as its bearer key)."""
+        key = key or self.key
         h = {**({"authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
         return httpx.post(self.hub_url(hub) + path, json=body, headers=h, timeout=timeout,
                           verify=self.verify)
