@@ -116,9 +116,26 @@ def routing_cell(r: dict[str, Any] | None) -> tuple[str, str]:
             "-" if ratio is None else f"{ratio:.0%}")
 
 
+def home_waits_cell(r: dict[str, Any] | None) -> str:
+    """Requests that waited for their home node, by outcome (home, moved, ...)."""
+    waits = (r or {}).get("home_waits") or {}
+    return " ".join(f"{k} {v}" for k, v in sorted(waits.items())) or "-"
+
+
+def load_cell(load: dict[str, Any]) -> str:
+    """Per ready model: the predicted wait for a place, busy slots as the engine says them
+    (else the hub's in-flight is the only count), requests waiting there for their home."""
+    parts = []
+    for name, x in sorted(load.items()):
+        busy = "" if x.get("busy") is None else f" busy {x['busy']}/{x.get('slots')}"
+        home = f" home {x['home_waiting']}" if x.get("home_waiting") else ""
+        parts.append(f"{name} wait {x['predicted_wait_ms']:.0f}ms{busy}{home}")
+    return ", ".join(parts) or "-"
+
+
 def models_table(models: list[dict[str, Any]]) -> str:
     rows = [["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE", "NODES",
-             "PLACED", "CACHED", "WHY"]]
+             "PLACED", "CACHED", "HOME WAITS", "WHY"]]
     for m in models:
         why = m["reason"]
         if m["last_error"] and (m["parked"] or m["consecutive_start_failures"]):
@@ -127,12 +144,12 @@ def models_table(models: list[dict[str, Any]]) -> str:
         placed, cached = routing_cell(m.get("routing"))
         rows.append([m["name"], str(m["desired"]), str(m["ready"]), str(m["loading"]),
                      str(m["consecutive_start_failures"]), _model_state(m), ",".join(m["nodes"])
-                     or "-", placed, cached, why or ""])
+                     or "-", placed, cached, home_waits_cell(m.get("routing")), why or ""])
     return _table(rows)
 
 
 def nodes_table(nodes: list[dict[str, Any]]) -> str:
-    rows = [["NODE", "STATUS", "ENGINES", "MEMORY MiB", "IN-FLIGHT", "READY", "URL"]]
+    rows = [["NODE", "STATUS", "ENGINES", "MEMORY MiB", "IN-FLIGHT", "READY", "LOAD", "URL"]]
     for n in nodes:
         mem = "-" if n[
             "memory_total_mb"] is None else f"{n['memory_used_mb'] or 0}/{n['memory_total_mb']}"
@@ -142,7 +159,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> str:
         sick = n.get("unhealthy") or {}
         ready = [f"{m} (UNHEALTHY: {sick[m]})" if m in sick else m for m in n["models"]["ready"]]
         rows.append([n["name"], status, engines, mem, str(n["in_flight"]),
-                     ",".join(ready) or "-", n["url"]])
+                     ",".join(ready) or "-", load_cell(n.get("load") or {}), n["url"]])
     return _table(rows)
 
 

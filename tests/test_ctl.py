@@ -14,6 +14,7 @@ from appliance import ctl
 from appliance.http.errors import ApiError
 from appliance.hub.api import admin
 from appliance.hub.decide.affinity import Affinity
+from appliance.hub.decide.costroute import CostRouter
 from appliance.hub.decide.control import Control
 from appliance.hub.fleet.nodes import Registry
 from tests.hub.decide.test_control import KEV_ERROR, FakeAudit, make
@@ -36,8 +37,10 @@ async def call(hub, method: str, raw_path: str) -> tuple[int, dict]:
 
 @dataclass
 class AdminAdmission:
-    """What admin.handle reads of admission: the affinity counts per model."""
+    """What admin.handle reads of admission: the affinity counts per model, the cost's
+    predicted waits and home waits."""
     affinity: Affinity = field(default_factory=Affinity)
+    cost: CostRouter = field(default_factory=lambda: CostRouter(10.0))
 
 
 @dataclass
@@ -160,7 +163,8 @@ async def test_ctl_table_json_and_exit_codes(nursery, autojump_clock):
     lines = {line.split()[0]: line for line in text.splitlines() if line
              and not line.startswith((" ", "fleet"))}
     assert lines["MODEL"].split() == ["MODEL", "DESIRED", "READY", "LOADING", "FAILS", "STATE",
-                                      "NODES", "PLACED", "CACHED", "WHY"]
+                                      "NODES", "PLACED", "CACHED", "HOME", "WAITS", "WHY"]
+    assert "qwen/small:1b wait 0ms" in text  # LOAD: the predicted wait for a place there
     assert lines["kev-0.5b"].split()[1:6] == ["1", "0", "0", "2",
                                               "PARKED"] and KEV_ERROR in lines["kev-0.5b"]
     assert lines["phi-4"].split()[1:6] == ["1", "0", "0", "0", "UNPLACEABLE"]

@@ -30,6 +30,7 @@ from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub.api.status import tenants_status, with_routing
 from appliance.hub.cluster.etcd import EtcdError
+from appliance.hub.decide.costroute import CostRouter
 from appliance.hub.fleet.nodes import NodeHandle
 from appliance.hub.fleet.ops import NodeRefused
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 NODE_ACTIONS = ("cordon", "uncordon", "pause", "resume")
 
 
-def node_row(h: NodeHandle) -> dict[str, Any]:
+def node_row(h: NodeHandle, cost: CostRouter | None = None) -> dict[str, Any]:
     st = h.state
     by_state: dict[str, list[str]] = {"ready": [], "loading": [], "failed": [], "available": []}
     for m in st.models if st is not None else []:
@@ -61,16 +62,20 @@ def node_row(h: NodeHandle) -> dict[str, Any]:
                       if h.unhealthy(m.name)},
         # HA fencing: the leader epoch the node keeps, and why it refuses this leader's.
         "epoch": h.epoch, "fenced": h.fenced,
+        # per ready model: places, the engine's busy slots, predicted wait, home waits
+        "load": {name: cost.load_of(h, name) for name in by_state["ready"]}
+        if cost is not None else {},
     }
 
 
 def nodes(hub: Hub) -> list[dict[str, Any]]:
-    return [node_row(h) for h in sorted(hub.registry.nodes.values(), key=lambda h: h.name)
-            if not h.removed]
+    return [node_row(h, hub.admission.cost)
+            for h in sorted(hub.registry.nodes.values(), key=lambda h: h.name) if not h.removed]
 
 
 def status(hub: Hub) -> dict[str, Any]:
-    models = with_routing(hub.admission.affinity, hub.control.model_details())
+    models = with_routing(hub.admission.affinity, hub.control.model_details(),
+                          hub.admission.cost)
     rows = nodes(hub)
     problems = []
     for m in models:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
 from appliance.hub.decide.affinity import Affinity
+from appliance.hub.decide.costroute import CostRouter
 from appliance.hub.fleet.nodes import NodeHandle
 from appliance.wire import HEALTHY, UNHEALTHY, ModelMeta
 
@@ -25,15 +26,17 @@ MiB = 1024 * 1024
 STARTED_AT = time.time()
 
 
-def node_entry(h: NodeHandle) -> dict[str, Any]:
+def node_entry(h: NodeHandle, cost: CostRouter | None = None) -> dict[str, Any]:
     st = h.state
     models = []
     if st is not None:
-        # health: "ok", or "replica_unhealthy" with why (the node's generation probes)
+        # health: "ok", or "replica_unhealthy" with why (the node's generation probes);
+        # with `cost`: places, the engine's busy slots, predicted wait, home waits here
         models = [{"name": m.name, "state": m.state, "size_mb": m.size_mb,
                    "in_flight": h.in_flight.get(m.name, 0), "last_error": m.last_error,
                    "health": UNHEALTHY if h.unhealthy(m.name) else HEALTHY,
-                   "health_error": h.unhealthy(m.name)}
+                   "health_error": h.unhealthy(m.name),
+                   **(cost.load_of(h, m.name) if cost is not None else {})}
                   for m in st.models]
     return {
         "name": h.name,
@@ -49,19 +52,25 @@ def node_entry(h: NodeHandle) -> dict[str, Any]:
     }
 
 
-def with_routing(affinity: Affinity, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_routing(affinity: Affinity, models: list[dict[str, Any]],
+                 cost: CostRouter | None = None) -> list[dict[str, Any]]:
     """Each model's `routing`: how its requests were placed (session, prefix, spread) and
-    the engines' cache hit ratio (hub/decide/affinity.py)."""
+    the engines' cache hit ratio (hub/decide/affinity.py); with `cost`, its home waits by
+    outcome (hub/decide/home.py)."""
+    homes = cost.queues.by_model() if cost is not None else {}
     for m in models:
         m["routing"] = affinity.status(m["name"])
+        if cost is not None:
+            m["routing"]["home_waits"] = homes.get(m["name"], {})
     return models
 
 
 def status_payload(hub: Hub) -> dict[str, Any]:
     out = {
         "version": __version__,
-        "nodes": [node_entry(h) for h in hub.registry.nodes.values()],
-        "models": with_routing(hub.admission.affinity, hub.control.models_status()),
+        "nodes": [node_entry(h, hub.admission.cost) for h in hub.registry.nodes.values()],
+        "models": with_routing(hub.admission.affinity, hub.control.models_status(),
+                               hub.admission.cost),
         "audit": {"path": hub.audit.path or "stdout", "write_errors": hub.audit.write_errors,
                   "last_error": hub.audit.last_error, "failing": hub.audit.failing},
     }

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from appliance.hub.decide import cost
 from appliance.hub.decide.affinity import (
@@ -162,3 +162,16 @@ class CostRouter:
 
     def forget_node(self, node: str) -> None:
         self.rates.forget_node(node)
+
+    def load_of(self, h: Node, model: str) -> dict[str, Any]:
+        """What status shows of `model` on `h`: its places (`slots`), the engine's busy
+        slots (None: it does not say), the predicted wait for a place there (ms), and the
+        requests waiting there for their home now."""
+        st = h.state
+        m = st.model(model) if st is not None else None
+        wait = cost.wait_s(free_of(h, model), places_of(st, model),
+                           self.rates.get(h.name, model).service)
+        return {"slots": st.model_slots(model) if st is not None else None,
+                "busy": m.busy if m is not None else None,
+                "predicted_wait_ms": round(wait * 1000, 1),
+                "home_waiting": self.queues.waiting(h.name, model)}
