@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 
+from appliance.h1.errors import RemoteProtocolError
 from appliance.h1.parse import TOKEN, VALUE
 
 # A size line (hex digits, extensions) or one trailer line: h11 allows 64 KiB for a whole
@@ -58,7 +59,7 @@ MIN_AVERAGE_CHUNK = 1024
 _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
 
 
-class BodyError(Exception):
+class BodyError(RemoteProtocolError):
     """The peer's body framing is broken; the message says how (for an operator)."""
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 
+from appliance.h1.errors import RemoteProtocolError
 from appliance.h1.parse import DIGITS as _DIGITS
 from appliance.h1.parse import TOKEN as _TOKEN
 
@@ -41,8 +42,11 @@ _BAD_TARGET = re.compile(r"[\x00-\x20\x7f-\xff]")
 LENGTH, CHUNKED, CLOSE = "length", "chunked", "close"
 
 
-class BrokenResponse(Exception):
+class BrokenResponse(RemoteProtocolError):
     """The peer's response head cannot be read (the message says why, for an operator)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 502)
 
 
 class ResponseHead:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import re
 
+from appliance.h1.errors import RemoteProtocolError
+
 MAX_HEADERS = 128
 # A request target longer than this is refused 414: nginx's default buffer for a request
 # line (large_client_header_buffers, 8 KiB); no route here is longer than a few dozen bytes.
@@ -41,13 +43,12 @@ VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 DIGITS = re.compile(rb"[0-9]{1,18}")
 
 
-class BadRequest(Exception):
+class BadRequest(RemoteProtocolError):
     """A request this server will not read further: answer `status`, then close."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
+        super().__init__(message, status)
         self.status = status
-        self.message = message
 
 
 class Head:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from appliance.h1.errors import LocalProtocolError
+
 # States.
 IDLE: Final = "IDLE"
 SEND_RESPONSE: Final = "SEND_RESPONSE"
@@ -61,10 +63,6 @@ _SERVER: dict[str, dict[str, str]] = {
     CLOSED: {},
     ERROR: {},
 }
-
-
-class ProtocolError(Exception):
-    """An event the table does not allow in the current state (a bug in the caller)."""
 
 
 class Cycle:
@@ -114,7 +112,7 @@ class Cycle:
 
     def next_cycle(self) -> None:
         if not self.reusable:
-            raise ProtocolError(f"no next cycle from {self.their}/{self.ours}")
+            raise LocalProtocolError(f"no next cycle from {self.their}/{self.ours}")
         self.their = self.ours = IDLE
 
 
@@ -122,4 +120,4 @@ def _step(table: dict[str, dict[str, str]], state: str, event: str, who: str) ->
     try:
         return table[state][event]
     except KeyError:
-        raise ProtocolError(f"{who}: {event} is not allowed in {state}") from None
+        raise LocalProtocolError(f"{who}: {event} is not allowed in {state}") from None

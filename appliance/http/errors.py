@@ -1,14 +1,22 @@
 """The one error type of every server here, rendered in each API's own shape.
 
-Theory of operation: anything that refuses a request raises `ApiError` with a status, a
-code from DESIGN section 9, a message, and optionally a Retry-After and the body field a
-400 is about. Whoever answers renders it with `render(e, api_of(path))`, the one renderer
-(status, headers, body bytes: the sans-socket server writes them, ASGI apps send them) in
-the shape of the API the request came in on, which `api_of` alone maps from the path:
-OpenAI `{"error": {"message", "type", "code", "param"}}` for /v1 routes, Ollama
-`{"error": "..."}` for /api routes (and every other path: the node API, /health),
-Anthropic `{"type": "error", "error": {"type", "message"}}` for /v1/messages. Plain data
-and msgspec: the decision cores may raise it.
+Every refusal is an `ApiError(status, code, message, retry_after, param)` -- a code from
+DESIGN section 9 -- answered before the response starts (or as a stream's error event),
+by whoever catches it, with `render(e, api_of(path))`: the one renderer, in the shape of
+the API the path belongs to (OpenAI `{"error": {...}}` on /v1, Anthropic on /v1/messages,
+Ollama `{"error": "..."}` elsewhere). The family, and where each is raised:
+
+    ApiError                      http/errors.py: the decision cores, apps, the router
+    +-- ListenerRefusal           server/limits.py: a listener rule broken mid-body;
+        +-- RequestTimeout        the connection answers it (408) and closes
+        +-- Busy                  (503 busy, Retry-After)
+
+Not refusals, caught where they happen and turned into one of the above or a close:
+h1/errors.ProtocolError(message, status_hint) -- RemoteProtocolError (the peer broke
+HTTP/1.1: parse.BadRequest, body.BodyError, client.BrokenResponse), LocalProtocolError
+(our own step the state table refuses); client/upstream.UpstreamError (a node or engine
+failed: the hub's relay.NotAnswered, "try another"); hub/fleet/ops.NodeRefused,
+StaleLeader, NodeGone (the control API's answers). Plain data and msgspec only.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ from prometheus_client import CollectorRegistry
 
 from appliance.client.upstream import Pool
 from appliance.config import Config
+from appliance.hub.api.relay import LocalRelay
+from appliance.hub.api.request import Recorder
+from appliance.hub.api.router import Routing
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.control import Control
 from appliance.hub.decide.grace import StartupGrace
@@ -90,6 +93,12 @@ class Hub:
         self.tracing = trace.setup("appliance-hub")
         if self.tracing is not None:
             self.metrics_registry.register(trace.DroppedCollector(self.tracing))
+        # The request path's parts, built once (hub/api/router.py).
+        self.relay = LocalRelay(self.upstream, cfg.hub.upstream_read_seconds, self.drain_over)
+        self.routing = Routing(
+            cfg.auth, cfg.hub.max_body_bytes, self.tenants, self.control, self.admission,
+            self.grace, Recorder(self.audit, self.metrics, self.admission.enabled),
+            self.relay, self.tracing)
         # with Cluster__Etcd (run_hub sets it)
         self.cluster: Member | None = None
         # with Hub__Workers>1 (hub/workers.py sets it)
@@ -134,6 +143,9 @@ class Hub:
         self.limits.set(hub_limits(cfg))
         self.admission.reload(cfg)
         self.tenants.configure(cfg.auth.clients, cfg.auth.reserve_output_tokens)
+        self.routing.configure(cfg)
+        self.routing.recorder.priority_on = self.admission.enabled
+        self.relay.read_seconds = cfg.hub.upstream_read_seconds
         self.control.reload(cfg)
         for n in cfg.nodes:
             self.add_node(n.name, n.url, static=True)

@@ -145,7 +145,7 @@ async def _store(hub: Hub, *,
     if hub.store is None:
         task_status.started()
         return
-    serve = partial(handle_inference, hub)
+    serve = partial(handle_inference, hub.routing)
     hub.batches = Batches(lambda: hub.cfg, hub.store, serve)
     hub.background = Background(lambda: hub.cfg, hub.store, serve)
     async with trio.open_nursery() as nursery:

@@ -46,14 +46,12 @@ from appliance.http.disconnect import HANGUP
 from appliance.http.errors import ApiError
 from appliance.net.transport import Transport
 from appliance.server.limits import (
-    BUSY_RETRY_AFTER,
     TRIM_AFTER_BYTES,
     Budget,
     Busy,
     Limits,
+    ListenerRefusal,
     LiveLimits,
-    Refusal,
-    RequestTimeout,
     body_limit,
     trim,
 )
@@ -218,7 +216,8 @@ class Conn(Receiver):
         self.cycle.client(REQUEST if has_body else REQUEST_NO_BODY)
         if not head.keep_alive:
             self.cycle.close()
-        self.body_deadline = trio.current_time() + sh.limits.body_read_seconds
+        self.body_seconds = sh.limits.body_read_seconds
+        self.body_deadline = trio.current_time() + self.body_seconds
         target = head.target
         path, _, query = target.partition(b"?")
         scope: dict[str, Any] = {
@@ -232,7 +231,7 @@ class Conn(Receiver):
         self.slot.in_request = True
         try:
             await sh.app(scope, self.receive, self.send)
-        except Refusal as e:
+        except ListenerRefusal as e:
             await self._refuse(scope["path"], e)
         except Exception:
             log.exception("error in the app serving %s %s", head.method, echo_path(scope["path"]))
@@ -260,25 +259,17 @@ class Conn(Receiver):
         self._skip_unread_body()
         return self.cycle.reusable
 
-    async def _refuse(self, path: str, e: Refusal) -> None:
-        retry_after: float | None = None
+    async def _refuse(self, path: str, e: ListenerRefusal) -> None:
         if isinstance(e, Busy):
             b = self.shared.budget
             log.warning("refusing a request body: %d bytes of bodies held, the bound is %d",
                         b.held, b.limit)
-            message = "the server holds too many request bodies now; retry shortly"
-            retry_after = BUSY_RETRY_AFTER
-        elif isinstance(e, RequestTimeout):
-            message = (f"request body not received within "
-                       f"{self.shared.limits.body_read_seconds:g} s")
-        else:
-            message = str(e) or e.code
         self.cycle.close()
         self.linger = True
         if self.framing:
             return  # the answer has begun: the close tells the client
         self.started, self.done, self.framing = True, True, "none"
-        await self._refuse_raw(e.status, e.code, message, path, retry_after)
+        await self._refuse_raw(e.status, e.code, e.message, path, e.retry_after)
 
     async def _linger(self) -> None:
         """Close gently: our side first, then drop what the client still sends (bounded),

@@ -12,9 +12,9 @@ plain decisions they use:
   keeps its own.
 - `Budget`: the request-body bytes the apps of one listener hold at once; a request that
   would pass it is refused 503 `busy` (`Busy`).
-- `Refusal`: what the server raises out of an app's `receive` when a rule is broken
-  (`RequestTimeout`: the body was too slow; `Busy`); the connection answers it in the
-  API's shape and closes. Apps with a catch-all let it through.
+- `ListenerRefusal`: the ApiError the server raises out of an app's `receive` when a rule
+  is broken (`RequestTimeout`: the body was too slow; `Busy`); the connection answers it
+  in the API's shape and closes. Apps with a catch-all let it through.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from appliance.http.errors import ApiError
 
 MiB = 1024 * 1024
 # Retry-After of a `busy` answer: bodies in flight finish within seconds on a LAN.
@@ -88,19 +90,22 @@ def live_limits(limits: Limits | LiveLimits) -> LiveLimits:
     return limits if isinstance(limits, LiveLimits) else LiveLimits(limits)
 
 
-class Refusal(Exception):
-    """Raised out of an app's `receive`; the connection answers it (and closes)."""
-
-    status = 0
-    code = ""
-
-
-class RequestTimeout(Refusal):
-    status, code = 408, "request_timeout"
+class ListenerRefusal(ApiError):
+    """A listener rule broken while an app read its body: raised out of the app's
+    `receive`; the connection answers it in the API's shape (and closes). An app that
+    catches it lets it through, or answers it as the ApiError it is."""
 
 
-class Busy(Refusal):
-    status, code = 503, "busy"
+class RequestTimeout(ListenerRefusal):
+    def __init__(self, seconds: float | None = None) -> None:
+        super().__init__(408, "request_timeout", "request body not received within "
+                         + (f"{seconds:g} s" if seconds is not None else "its deadline"))
+
+
+class Busy(ListenerRefusal):
+    def __init__(self) -> None:
+        super().__init__(503, "busy", "the server holds too many request bodies now; "
+                         "retry shortly", retry_after=BUSY_RETRY_AFTER)
 
 
 class Budget:

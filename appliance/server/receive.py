@@ -37,7 +37,7 @@ from appliance.h1.parse import BadRequest, Head
 from appliance.h1.state import BODY_END, BROKEN, DONE, IDLE, MUST_CLOSE, PEER_CLOSED, SEND_BODY
 from appliance.net.transport import Transport
 from appliance.server.hangups import watch_hangup
-from appliance.server.limits import Budget, Busy, RequestTimeout
+from appliance.server.limits import Budget, Busy, ListenerRefusal, RequestTimeout
 from appliance.server.send import Sender
 
 MAX_RECV = 65536
@@ -73,6 +73,7 @@ class Receiver(Sender):
         self.eof = False  # the client closed (or broke) its side
         self.linger = False  # an answer refused the request: drain its read side before the close
         self.body_deadline = float("inf")  # the connection sets it per request
+        self.body_seconds = 0.0  # ... from this many seconds (its 408 says so)
         self._waiter: trio.CancelScope | None = None  # receive() waiting for the disconnect
         self._hangup: Callable[[], None] | None = None  # a HangupWatch watcher (watch)
         self.new_request(None)
@@ -184,8 +185,15 @@ class Receiver(Sender):
                 return data or self._eof()
         data = await self._wait(self.body_deadline)
         if data is None:
-            raise RequestTimeout()
+            raise self._refusing(RequestTimeout(self.body_seconds))
         return data
+
+    def _refusing(self, e: ListenerRefusal) -> ListenerRefusal:
+        """A refusal leaves the rest of the body unread: the connection closes after its
+        answer, whoever gives it (the listener, or an app that answers the ApiError)."""
+        self.cycle.close()
+        self.linger = True
+        return e
 
     def hold(self, n: int) -> bool:
         """BodyBudget (http/budget.py): `n` more bytes held for this request, given back
@@ -205,7 +213,7 @@ class Receiver(Sender):
         n = len(data)
         if n:
             if not self.budget.take(n):
-                raise Busy()
+                raise self._refusing(Busy())
             self.held += n
         ended = self.body_ended
         if ended:

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from appliance.h1.errors import LocalProtocolError as ProtocolError
 from appliance.h1.state import (
     BODY_END,
     DONE,
@@ -19,7 +20,6 @@ from appliance.h1.state import (
     RESPONSE_END,
     SEND_BODY,
     Cycle,
-    ProtocolError,
 )
 from appliance.server.accept import Shed
 from appliance.server.connection import Slot

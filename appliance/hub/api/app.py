@@ -65,18 +65,11 @@ async def _error(send: Send, path: str, status: int, code: str, message: str,
 
 
 def make_app(hub: Hub) -> App:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    async def rest(scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
-        api = INFERENCE.get(path)
-        if api is not None:
-            if method != "POST":
-                await _error(send, path, 405, "method_not_allowed", f"{echo_path(path)} takes POST")
-                return
-            if path == "/v1/responses" and hub.store is not None:
-                await responses.create(hub, scope, receive, send)  # stored, chained, background
-            else:
-                await handle_inference(hub, scope, receive, send, api)
+        if path in INFERENCE:
+            await _error(send, path, 405, "method_not_allowed", f"{echo_path(path)} takes POST")
             return
         if await apiroutes.handle(hub, scope, receive, send):
             return
@@ -106,9 +99,27 @@ def make_app(hub: Hub) -> App:
             return
         await _error(send, path, 404, "not_found", f"no route {method} {echo_path(path)}")
 
+    others = apiroutes.with_request_id(rest)
+    routing = hub.routing
+
+    def api_stored(path: str) -> bool:
+        return path == "/v1/responses" and hub.store is not None
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        # An inference POST goes straight to the router, which makes its request id (it
+        # also forwards and audits it); every other answer gets one from the wrapper.
+        if scope.get("method") == "POST":
+            api = INFERENCE.get(scope["path"])
+            if api is not None:
+                if api_stored(scope["path"]):
+                    await responses.create(hub, scope, receive, send)  # stored, chained
+                else:
+                    await handle_inference(routing, scope, receive, send, api)
+                return
+        await others(scope, receive, send)
+
     origins = [o.strip() for o in hub.cfg.hub.cors_origins.split(",") if o.strip()]
-    # Inference answers carry the id the router made (forwarded and audited too).
-    return apiroutes.with_cors(apiroutes.with_request_id(app, own=INFERENCE), origins)
+    return apiroutes.with_cors(app, origins)
 
 
 def _admin_ok(hub: Hub, scope: Scope) -> bool:

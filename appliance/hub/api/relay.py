@@ -1,6 +1,6 @@
 """Copying one node's answer to the client: the hub's half of the stream relay.
 
-Theory of operation: `relay_from(node, ...)` sends one attempt of a request to one node and
+Theory of operation: `LocalRelay.relay(node, ...)` sends one attempt of a request to one node and
 copies its answer to the client byte for byte (`appliance.http.stream.relay_body`: one plain
 loop, no parsing), or with the API translation `plan` asks for (`translate.Converted`: the
 same loop, every read's payload through the converter). It waits for the node's first body
@@ -10,9 +10,8 @@ try another.
 Two events may end the copy before the node does: the node declared lost (its handle's
 `lost` event: a SIGSTOPped node would otherwise hold its streams for
 Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` is tripped by
-both -- called from their setters when they are `Flag`s (hub/fleet/flag.py: no task per
-request), else watched by two tasks -- and cancels only the read in progress, never a
-write to the client. Before the first byte a
+both -- called from their setters, `Flag`s (hub/fleet/flag.py: no task per request) -- and
+cancels only the read in progress, never a write to the client. Before the first byte a
 lost node means "try another node" and a drain a 503 `shutting_down`; after it, the error
 event in the stream's own framing (`stream_error`) and a proper end of the response.
 The request's audit line and count are written (`Request.finish`) before its last byte.
@@ -32,9 +31,7 @@ from appliance.client.upstream import Pool, Response, UpstreamError
 from appliance.http.errors import ApiError, Headers
 from appliance.http.stream import Cut, relay_body, stream_error
 from appliance.hub import translate
-from appliance.hub.decide.affinity import usage_of
 from appliance.hub.fleet.flag import Flag
-from appliance.hub.translate.assemble import assembled_openai
 from appliance.hub.translate.common import Start
 from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
 from appliance.hub.translate.usage import Meter, SSEMeter
@@ -80,11 +77,6 @@ def _preempt(cut: Cut, req: Request) -> None:
         cut.trip("preempted")
 
 
-async def _watch_preempt(cut: Cut, req: Request) -> None:
-    await req.preempted.wait()
-    _preempt(cut, req)
-
-
 def cut_before_answer(cut: Cut) -> NoReturn:
     if cut.reason == "shutting_down":
         raise ApiError(503, "shutting_down", "the hub is shutting down; retry shortly",
@@ -94,40 +86,37 @@ def cut_before_answer(cut: Cut) -> NoReturn:
     raise NotAnswered("was declared lost before answering")
 
 
-async def relay_from(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
-                     read_seconds: float, drain_over: trio.Event | Flag) -> None:
-    """Returns once the response went out; raises NotAnswered when the node failed before
-    the first byte -- including it being declared lost while the request waited on it --
-    and ApiError when the request is refused (the drain ended, preempted)."""
-    cut = Cut()
-    lost, drain = node.lost, drain_over
-    if isinstance(lost, Flag) and isinstance(drain, Flag):
-        # The hub's own nodes and drain: the cut is called when they are set (flag.py),
-        # no watcher tasks.
+class LocalRelay:
+    """The router's way to relay in this process (router.Relaying): one attempt on one node
+    over the hub's pool, reads bounded by Hub__UpstreamReadSeconds, cut by the drain."""
+
+    preemptible = True
+
+    def __init__(self, upstream: Pool, read_seconds: float, drain: Flag) -> None:
+        self.upstream, self.read_seconds, self.drain = upstream, read_seconds, drain
+
+    def hangup(self) -> tuple[int, str]:
+        return 499, "client_disconnected"
+
+    async def relay(self, node: NodeHandle, req: Request, plan: translate.Plan) -> None:
+        """Returns once the response went out; raises NotAnswered when the node failed
+        before the first byte -- including it being declared lost while the request waited
+        on it -- and ApiError when the request is refused (the drain ended, preempted). The
+        node's `lost`, the drain and the request's `preempted` are Flags: the cut is called
+        from their setters (hub/fleet/flag.py), no watcher tasks."""
+        cut = Cut()
+        lost, drain, preempted = node.lost, self.drain, req.preempted
         on_lost, on_drain = partial(cut.trip, "node_lost"), partial(cut.trip, "shutting_down")
         on_preempt = partial(_preempt, cut, req)
         lost.subscribe(on_lost)
         drain.subscribe(on_drain)
-        req.preempted.subscribe(on_preempt)
+        preempted.subscribe(on_preempt)
         try:
-            return await _relay(node, req, plan, upstream, read_seconds, cut)
+            await _relay(node, req, plan, self.upstream, self.read_seconds, cut)
         finally:
             lost.unsubscribe(on_lost)
             drain.unsubscribe(on_drain)
-            req.preempted.unsubscribe(on_preempt)
-    failure: NotAnswered | ApiError | None = None
-    async with trio.open_nursery() as watchers:
-        watchers.start_soon(cut.watch, node.lost, "node_lost")
-        watchers.start_soon(cut.watch, drain_over, "shutting_down")
-        watchers.start_soon(_watch_preempt, cut, req)
-        try:
-            await _relay(node, req, plan, upstream, read_seconds, cut)
-        except (NotAnswered, ApiError) as e:  # raised outside: not in an ExceptionGroup
-            failure = e
-        finally:
-            watchers.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
+            preempted.unsubscribe(on_preempt)
 
 
 async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
@@ -167,9 +156,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
         if first is None or cut.reason == "preempted":
             # Preempted while the first read was already done: the client has had nothing.
             cut_before_answer(cut)
-        req.node = node.name
-        req.status = resp.status_code
-        req.ttfb = time.perf_counter() - req.t0
+        req.answered(node.name, resp.status_code, time.perf_counter() - req.t0)
         if metered:
             ctype = resp.headers.get("content-type", "application/json")
             # The node's length holds while the meter passes every byte on.
@@ -185,12 +172,8 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             # A whole answer in the first read (every short, non-streamed one): one
             # body message with its length, no chunked framing, fewer writes.
             start_headers.append((b"content-length", clen.encode()))
-            if req.route is not None and (metered or assembled_openai(conv)):
-                seen = usage_of(first)  # what the engine says of its prompt cache
-                if seen is not None:
-                    req.route.prompt_tokens, req.route.cached_tokens = seen
             await req.send_start(resp.status_code, start_headers)
-            req.usage = conv.usage()
+            req.counted(conv.usage())
             await req.send_last(first)
             return
         await req.send_start(resp.status_code, start_headers)
@@ -202,11 +185,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
         finally:
             # Cut short, or the client gone (this scope cancelled): what was relayed so far.
-            req.usage = conv.usage()
-        if req.route is not None and isinstance(conv, SSEMeter) and conv.usage_payload:
-            seen = usage_of(conv.usage_payload)  # a stream's word on the prompt cache
-            if seen is not None:
-                req.route.prompt_tokens, req.route.cached_tokens = seen
+            req.counted(conv.usage())
         if relayed.ended:
             await req.send_last(b"")
             return
@@ -218,7 +197,7 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
             msg = f"node {node.name} was declared lost mid-stream ({node.lost_reason})"
         else:
             msg = f"node {node.name} {relayed.failure}"
-        req.error = code
+        req.failed(code)
         log.warning("%s: request for %s from %s ends with %s", msg, req.model, req.client, code)
         # A sized body cannot carry an error event; it just ends short.
         event = b"" if clen is not None else stream_error(ctype, req.api, code, msg, relayed.tail)

@@ -1,26 +1,28 @@
 """One inference request as the hub carries it: who, what, where, and what happened.
 
-Theory of operation: the router makes one `Request` per inference POST and hands it down
-the path (router -> admission -> relay) instead of loose values. It holds the way back to
-the client (`send`) and everything the audit line and the metrics say about the request.
-`finish()` is the one place they are written, exactly once, whatever ends the request:
-the relay calls it through `send_last` just before the last byte goes out (a client that
-reads its answer finds the audit line already there), the router's outermost `finally`
-for a request that never got that far (refused, client gone mid-body, a bug).
+Owns the record of one inference POST and the way back to its client (`send`). The router
+makes it, the relay (or a worker's lease) fills it in -- only through its methods:
+`identified`, `resolved`, `admitted`, `sent_to`, `answered`, `counted`, `failed`, `refused`,
+`hung_up` --
+and `finish()` writes the audit line and the metrics, exactly once, whatever ends the
+request: through `send_last` just before the last byte goes out (a client that reads its
+answer finds the audit line already there), or in the router's outermost `finally` for a
+request that never got that far. It decides nothing.
 """
 
 from __future__ import annotations
 
+import random
+import re
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
 from appliance.http.disconnect import delivered, drained
 from appliance.http.errors import ApiError, Headers, render
-from appliance.hub.api.requestid import request_id
 from appliance.hub.decide import limits
-from appliance.hub.decide.admission import Demand
 from appliance.hub.decide.affinity import Route
 from appliance.hub.fleet.flag import Flag
 from appliance.hub.observe.audit import AuditLog
@@ -37,13 +39,34 @@ JSON_BODY = (b"content-type", b"application/json")
 BATCH_SCOPE = "appliance.batch"
 # Below this much time after the first byte an answer came whole: no decode rate is said.
 DECODE_MIN_SECONDS = 0.001
+# `x-request-id`: the client's own when it sent a sane one -- short printable ASCII without
+# spaces, so it cannot split a header or an audit line -- else one made here: 128 random
+# bits in hex from the process's own generator (seeded from the OS at start, reseeded in a
+# forked child): no system call per request. The id names one request in the client's
+# logs, the audit line, the node's and the engine's. Longest id kept as given: a UUID is
+# 36, a W3C traceparent 55; 128 leaves room for both.
+MAX_LEN = 128
+_SANE = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_LEN)
+
+
+def make() -> str:
+    return f"{random.getrandbits(128):032x}"
+
+
+def request_id(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The id for a request with these ASGI headers."""
+    for k, v in headers:
+        if k == b"x-request-id" and _SANE.fullmatch(v) is not None:
+            return v.decode("ascii")
+    return f"{random.getrandbits(128):032x}"
 
 
 class Recorder:
     """Where a finished request is written: the audit log and the metrics."""
 
     def __init__(self, audit: AuditLog, metrics: HubMetrics, priority_on: bool) -> None:
-        self.audit, self.metrics, self.priority_on = audit, metrics, priority_on
+        self.audit, self.metrics = audit, metrics
+        self.priority_on = priority_on  # Priority__Enabled (the hub sets it on reload)
 
     def record(self, req: Request) -> None:
         elapsed = time.perf_counter() - req.t0
@@ -69,18 +92,18 @@ class Recorder:
             fields["input_tokens"], fields["output_tokens"] = tokens.input, tokens.output
             if tokens.estimated:
                 fields["tokens_estimated"] = True
-        route = req.route
+        route, usage = req.route, req.usage
         if route is not None and route.node:
             fields["routing"] = route.reason
-            if route.cached_tokens is not None:
-                fields["cached_tokens"] = route.cached_tokens
+            if usage is not None and usage.cache is not None:  # the engine's word on its cache
+                fields["cached_tokens"] = usage.cache[1]
             if route.home_wait is not None:  # it waited for its home node (decide/home.py)
                 predicted, waited, outcome = route.home_wait
                 fields["home_wait"] = {"predicted_ms": round(predicted * 1000, 1),
                                        "waited_ms": round(waited * 1000, 1),
                                        "outcome": outcome}
-        if "cached_tokens" not in fields and req.usage is not None and req.usage.cached:
-            fields["cached_tokens"] = req.usage.cached  # as the engine reported it
+        if "cached_tokens" not in fields and usage is not None and usage.cached:
+            fields["cached_tokens"] = usage.cached  # as the engine reported it
         if tokens is not None:
             fields.update(token_breakdown(tokens.input, tokens.output,
                                           fields.get("cached_tokens"), req.ttfb, elapsed))
@@ -132,8 +155,8 @@ class Request:
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "label", "node", "tried", "status", "ttfb", "error", "done",
-                 "scope", "usage", "lease", "tokens", "demand", "preempted", "_recorder",
-                 "route", "load_s", "queue_s", "sent_at", "load_at", "queue_at", "trace")
+                 "scope", "usage", "lease", "tokens", "preempted", "_recorder", "route",
+                 "load_s", "queue_s", "sent_at", "load_at", "queue_at", "trace")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
@@ -177,7 +200,6 @@ class Request:
         self.usage: Usage | None = None
         self.lease: limits.Lease | None = None
         self.tokens: limits.Settled | None = None
-        self.demand: Demand | None = None  # fair queueing's charge (admission.py)
         # Set when essential work takes this background request's place before its first
         # byte (Priority__Preempt): the relay's cut ends it with 503 `preempted`.
         self.preempted = Flag()
@@ -201,6 +223,45 @@ class Request:
             counted = (u.input, u.output) if u is not None and u.estimated else None
             self.tokens = self.lease.settle(said if served else (0, 0), counted)
         self._recorder.record(self)
+
+    # --- what happened (the only writers of the record) -----------------------------------
+
+    def identified(self, client: str) -> None:
+        self.client = client
+
+    def resolved(self, model: str, label: str, cls: str) -> None:
+        """The model as the audit line shows it, its metrics label, the request's class."""
+        self.model, self.label, self.cls = model, label, cls
+
+    def admitted(self, lease: limits.Lease) -> None:
+        """Its key's reservation, settled at `finish`."""
+        self.lease = lease
+
+    def sent_to(self, node: str, tried: list[str], route: Route | None) -> None:
+        """An attempt on `node` (the audit line names where it went, even if it fails) and
+        the affinity key admission placed it by."""
+        self.node, self.tried, self.route = node, tried, route
+
+    def answered(self, node: str, status: int, ttfb: float | None) -> None:
+        """The node's answer began: its status and the time to its first byte."""
+        self.node, self.status, self.ttfb = node, status, ttfb
+
+    def counted(self, usage: Usage | None) -> None:
+        """The answer's tokens as the relay read them (translate/usage.py)."""
+        self.usage = usage
+
+    def failed(self, code: str) -> None:
+        """The answer was cut short (`node_lost`, `shutting_down`...): its status stands."""
+        self.error = code
+
+    def refused(self, status: int, code: str) -> None:
+        self.status, self.error = status, code
+
+    def hung_up(self, status: int, code: str) -> None:
+        """Its client went away (or the worker holding it died): `code`, and `status`
+        unless an answer had begun."""
+        self.error = code
+        self.status = self.status or status
 
     # --- preemption (admission.py's Preemptible) ----------------------------------------
 
@@ -232,9 +293,9 @@ class Request:
         buffers held is hung up there: audited client_too_slow, never a clean 200)."""
         if not await delivered(self.scope):
             if drained(self.scope):  # the drain ended before the client took it
-                self.error = "shutting_down"
+                self.failed("shutting_down")
             else:
-                self.status, self.error = 499, "client_too_slow"
+                self.refused(499, "client_too_slow")
             self.finish()
             return
         self.finish()
@@ -242,7 +303,7 @@ class Request:
 
     async def send_error(self, e: ApiError) -> None:
         """A refusal before the response started, in the API's shape."""
-        self.status, self.error = e.status, e.code
+        self.refused(e.status, e.code)
         r = render(e, self.api, self.id_headers())
         await self.send_start(r.status, r.headers)
         await self.send_last(r.body)

@@ -62,7 +62,7 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive, hub.cfg.hub.max_body_bytes)
     except BodyTooLarge:
         # The router answers it in its own words (413) from what is left of the body.
-        await handle_inference(hub, scope, _replay(b"x" * (hub.cfg.hub.max_body_bytes + 1),
+        await handle_inference(hub.routing, scope, _replay(b"x" * (hub.cfg.hub.max_body_bytes + 1),
                                                    receive), send, "openai")
         return
     try:
@@ -70,7 +70,7 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     except (msgspec.DecodeError, RecursionError):
         obj = None
     if not isinstance(obj, dict):
-        await handle_inference(hub, scope, _replay(body, receive), send, "openai")
+        await handle_inference(hub.routing, scope, _replay(body, receive), send, "openai")
         return
     had_fields = obj.pop(HUB_FIELDS, None) is not None
     keep = obj.get("store", True) is not False
@@ -79,7 +79,7 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     if not keep and prev is None and conv is None and not bg:
         if had_fields:
             body = msgspec.json.encode(obj)
-        await handle_inference(hub, scope, _replay(body, receive), send, "openai")
+        await handle_inference(hub.routing, scope, _replay(body, receive), send, "openai")
         return
     try:
         plan = await _plan(hub, caller(hub, scope), obj, keep, prev, conv, bg)
@@ -103,7 +103,7 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
             log.warning("response %s answered but not stored: %s", plan.rid, e)
 
     tee.on_end = finish
-    await handle_inference(hub, scope, _replay(msgspec.json.encode(plan.body), receive),
+    await handle_inference(hub.routing, scope, _replay(msgspec.json.encode(plan.body), receive),
                            tee.send, "openai")
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -51,7 +50,7 @@ from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
 from appliance.hub.api import modelops, status
 from appliance.hub.api.anthropic_models import anthropic_model, is_anthropic
-from appliance.hub.api.requestid import request_id
+from appliance.hub.api.request import request_id
 from appliance.hub.api.router import allowed, authenticate
 from appliance.hub.decide import capable
 from appliance.hub.translate import OPENAI_ONLY, resolve
@@ -100,13 +99,13 @@ def cors_origin(origins: list[str], scope: Scope) -> bytes | None:
     return origin.encode("latin-1") if origin in origins else None
 
 
-def with_request_id(app: App, own: Container[str] = ()) -> App:
+def with_request_id(app: App) -> App:
     """Every answer carries `x-request-id`: the router sets it on inference answers (it also
-    forwards and audits it); this fills it in on every other one. A POST to a path in `own`
-    (the inference routes) goes to `app` as it is: no wrapper per message on the hot path."""
+    forwards and audits it; app.py sends those past this wrapper); this fills it in on
+    every other one."""
 
     async def rid_app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["path"] in own and scope["method"] == "POST"):
+        if scope["type"] != "http":
             await app(scope, receive, send)
             return
         rid: bytes | None = None

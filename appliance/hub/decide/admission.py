@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple, Protocol
 
@@ -43,7 +43,7 @@ from appliance.config import Config
 from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
 from appliance.hub.decide.costroute import CostRouter, places_of
-from appliance.hub.decide.fair import FairLane
+from appliance.hub.decide.fair import Demand, FairLane
 from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT
 from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
@@ -64,13 +64,12 @@ from appliance.wire import NodeState
 log = logging.getLogger(__name__)
 
 
-class Demand(NamedTuple):
-    """What fair queueing (fair.py) needs of a request: its charge at grant, its key's
-    weight, and what it really cost once it ended (None: not known; the charge stands)."""
+class Prompt(NamedTuple):
+    """What affinity keys a request on: its decoded body, its headers, its size in bytes."""
 
-    cost: int
-    weight: float
-    used: Callable[[], int | None]
+    body: dict[str, Any]
+    headers: Iterable[tuple[bytes, bytes]]
+    size: int
 
 
 class Gauge(Protocol):
@@ -85,7 +84,7 @@ class Place:
     nodes it was on (`tried`). Made by `Admission.place`."""
 
     __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket",
-                 "route", "home", "sent_at", "clean")
+                 "route", "home", "sent_at", "clean", "_served")
 
     def __init__(self, admission: Admission, model: str, cls: str, in_flight: Gauge | None,
                  ticket: Ticket, route: Route | None = None) -> None:
@@ -94,10 +93,19 @@ class Place:
         self.node: NodeHandle | None = None
         self.tried: list[str] = []
         self.ticket = ticket
-        self.route = route
+        self.route = route  # the affinity key admission made (None: none)
         self.home = 0.0  # seconds to wait on `node` for a place there (cost.py), 0: none
         self.sent_at = 0.0  # time.perf_counter() when it went to its node
         self.clean = False  # it went with a place (its time is the node's service time)
+        # (first byte's time.perf_counter(), the engine's (prompt, cached) tokens) once
+        # `node` answered (`served`)
+        self._served: tuple[float | None, tuple[int, int] | None] | None = None
+
+    def served(self, first_at: float | None, cache: tuple[int, int] | None) -> None:
+        """Its node answered (200): `first_at`, time.perf_counter() of the first byte;
+        `cache`, (prompt, cached) tokens as the engine reported them, if it did. Affinity's
+        index and the cost's rates learn it when the place is given back."""
+        self._served = (first_at, cache)
 
     def _take(self, may_wait: bool = True) -> None:
         registry = self._admission.registry
@@ -237,36 +245,43 @@ class Admission:
     @asynccontextmanager
     async def place(self, model: str, cls: str, client: str, in_flight: Gauge | None = None,
                     demand: Demand | None = None,
-                    route: Route | None = None,
-                    victim: Preemptible | None = None) -> AsyncIterator[Place]:
+                    prompt: Prompt | None = None,
+                    victim: Preemptible | None = None, *,
+                    route: Route | None = None) -> AsyncIterator[Place]:
         """Admit, then take the best node for `model` (`Place.node`, None when no node can
-        take it); the node is given back on any exit, and a fair-queue charge settled.
-        `victim`: the request itself, which essential work may preempt while it is
-        background and has no first byte (Priority__Preempt)."""
+        take it); the node is given back on any exit, a fair-queue charge settled from
+        `demand.used`, and affinity told where it was served (`Place.served`).
+        `prompt`: the request's body, headers and size, affinity's key is made from (None:
+        no key; `route`: one made already). `victim`: the request itself, which essential work
+        may preempt while it is background and has no first byte (Priority__Preempt)."""
         if demand is None:
             ticket = await self.admit(model, cls, client)
         else:
             ticket = await self.admit(model, cls, client, demand.cost, demand.weight)
+        if prompt is not None:
+            route = self.affinity.key(prompt.body, prompt.headers)
+            route.size = prompt.size
         p = Place(self, model, cls, in_flight, ticket, route)
         p._take()  # no checkpoint since admit returned: this place is ours
         if p.home:  # it waits for its home node: the place it was granted goes on
             self._dispatch(model)
-        if victim is not None and self.preempt and ticket.cls == BACKGROUND:
-            self.victims.hold(model, victim)
+        held = victim if self.preempt and ticket.cls == BACKGROUND else None
+        if held is not None:
+            self.victims.hold(model, held)
         try:
             yield p
         finally:
-            if victim is not None:
-                self.victims.release(model, victim)
+            if held is not None:
+                self.victims.release(model, held)
+            if p.route is not None and p._served is not None:
+                self._learn(p, p.route, *p._served)
             p._give_back()
             self.shares.release(model, cls if self.enabled else NORMAL, client,
                                 trio.current_time())
             self._wake_waiters()  # a place kept back for others may be its key's again
-            if ticket.fair is not None and demand is not None:
-                used = demand.used()
-                if used is not None:
-                    lane, episode = ticket.fair
-                    lane.settle(client, episode, demand.cost, used, demand.weight)
+            if ticket.fair is not None and demand is not None and demand.used is not None:
+                lane, episode = ticket.fair
+                lane.settle(client, episode, demand.cost, demand.used, demand.weight)
 
     def pick(self, model: str, route: Route | None, tried: list[str],
              may_wait: bool = True) -> tuple[NodeHandle | None, float]:
@@ -347,12 +362,15 @@ class Admission:
 
     def _wake_waiters(self) -> None:
         """Whoever may go now goes (every change; a finished request changes no shape)."""
-        for model in self.core.waiting_models():
-            self._dispatch(model)
-        for node, model in self.slots.keys():
-            self._dispatch_slots(node, model)
-        for node, model in self.cost.queues.keys():
-            self._dispatch_home(node, model)
+        if self.core.queues:
+            for model in self.core.waiting_models():
+                self._dispatch(model)
+        if self.slots.queues:
+            for node, model in self.slots.keys():
+                self._dispatch_slots(node, model)
+        if self.cost.queues.queues:
+            for node, model in self.cost.queues.keys():
+                self._dispatch_home(node, model)
 
     # --- home waits (home.py) ------------------------------------------------------------
 
@@ -402,11 +420,15 @@ class Admission:
             if w.event is not None:
                 w.event.set()
 
-    def served(self, p: Place, route: Route, first_at: float | None) -> None:
-        """`p.node` answered `route` (`first_at`: time.perf_counter() of its first byte):
-        affinity's index and the cost's rates learn from it."""
+    def _learn(self, p: Place, route: Route, first_at: float | None,
+               cache: tuple[int, int] | None) -> None:
+        """`p.node` answered `route` (`first_at`: time.perf_counter() of its first byte;
+        `cache`: the engine's word on its prompt cache): affinity's index and the cost's
+        rates learn from it."""
         if p.node is None:
             return
+        if cache is not None:
+            route.prompt_tokens, route.cached_tokens = cache
         self.affinity.served(p.model, route, p.node.name)
         now = time.perf_counter()
         self.cost.learn(p.model, route, p.node.name,

@@ -50,8 +50,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from appliance.hub.translate.prompt import chain_of, render, session_of
 
 # Bytes per token of English text in the BPE vocabularies of today's models (the usual
@@ -312,8 +310,10 @@ class Affinity:
         self.stats(model).spread += 1
 
     def served(self, model: str, route: Route, node: str) -> None:
-        """`node` answered `route`: the engine's usage (when seen) is counted against the
-        prediction, and the index learns that `node` holds this prompt now."""
+        """`node` answered `route`: the engine's word on its prompt cache (`prompt_tokens`,
+        `cached_tokens`, from translate/usage.py's `Usage.cache`, when it gave one) is
+        counted against the prediction, and the index learns that `node` holds this
+        prompt now."""
         s = self.stats(model)
         prompt, cached = route.prompt_tokens, route.cached_tokens
         ix = self.index.get(model) if route.chain else None
@@ -328,55 +328,10 @@ class Affinity:
                 elif ix is not None:
                     ix.evicted(node, route.entry_seq)
         if route.chain and self.enabled:
-            ix = ix or self._index(model)
+            ix = ix if ix is not None else self._index(model)
             start = route.matched if node == route.node and route.matched else 0
             ix.record(route.chain, node, start)
 
     def status(self, model: str) -> dict[str, Any]:
         """How requests for `model` were placed, and what the engines said of their cache."""
         return (self.models.get(model) or ModelStats()).as_dict()
-
-
-# --- what engines report -------------------------------------------------------------------
-
-
-class _Details(msgspec.Struct):
-    cached_tokens: int | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    prompt_tokens_details: _Details | None = None
-
-
-class _Timings(msgspec.Struct):
-    cache_n: int | None = None
-    prompt_n: int | None = None
-
-
-class _Answer(msgspec.Struct):
-    usage: _Usage | None = None
-    timings: _Timings | None = None
-
-
-_answer = msgspec.json.Decoder(_Answer)
-
-
-def usage_of(body: bytes) -> tuple[int, int] | None:
-    """(prompt tokens, cached prompt tokens) from one JSON answer or one stream event's
-    payload, as vLLM and llama-server report them (`usage.prompt_tokens_details
-    .cached_tokens`; llama-server's `timings.cache_n` + `prompt_n`); None when it says
-    nothing of its cache."""
-    try:
-        a = _answer.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    t = a.timings
-    if t is not None and t.cache_n is not None and t.prompt_n is not None:
-        return max(0, t.cache_n) + max(0, t.prompt_n), max(0, t.cache_n)
-    u = a.usage
-    if (u is not None and u.prompt_tokens is not None and u.prompt_tokens_details is not None
-            and u.prompt_tokens_details.cached_tokens is not None):
-        prompt = max(0, u.prompt_tokens)
-        return prompt, min(prompt, max(0, u.prompt_tokens_details.cached_tokens))
-    return None

@@ -28,7 +28,8 @@ import trio
 
 from appliance.config import Config
 from appliance.http.errors import ApiError
-from appliance.hub.decide import activation
+from appliance.hub import translate
+from appliance.hub.decide import activation, capable
 from appliance.hub.decide.placement import Action, Load, Models, Unload
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.fleet.ops import (
@@ -236,6 +237,19 @@ class Control:
     def known(self, model: str) -> bool:
         return model in self.core.specs or model in self.registry.known_models()
 
+    def resolve(self, name: str) -> tuple[str, bool]:
+        """The model a client's `name` means (Ollama's tag rule, translate.resolve) and
+        whether it is known: the catalog and the fleet's names read once."""
+        names = self.registry.known_models()
+        names.update(self.core.specs)
+        model = translate.resolve(name, names.__contains__)
+        return model, model in names
+
+    def capabilities(self, model: str) -> set[str] | None:
+        """What `model`'s engines say it can do (capable.py); None: nothing is known."""
+        return capable.model_capabilities(self.core.spec(model),
+                                          list(self.registry.nodes.values()), model)
+
     def ask(self, model: str) -> int:
         gen, actions = self.core.ask(model, self._nodes(), self.now())
         self._carry_out(actions)
@@ -251,8 +265,8 @@ class Control:
     def has_ready(self, model: str) -> bool:
         return bool(self.registry.ready_nodes(model))
 
-    def why_unservable(self, model: str) -> ApiError | None:
-        if self.has_ready(model):
+    def why_unservable(self, model: str, ready: bool | None = None) -> ApiError | None:
+        if self.has_ready(model) if ready is None else ready:
             return None
         h = self.core.health.get(model)
         if h is None:
@@ -267,14 +281,18 @@ class Control:
                             f"model {model!r} fits on no node: {h.unplaceable}")
         return None
 
-    async def make_servable(self, model: str, keep: float | None = None) -> None:
+    async def make_servable(self, model: str, keep: float | None = None,
+                            ready: bool | None = None) -> None:
         """Return once `model` has a ready replica; raise ApiError when it cannot have one
         (parked, unplaceable) or not within Router__ActivationWaitSeconds (model_loading).
         A placement is asked for at most once: an unplaceable answer is decided afresh
         (never refused on a stale one) and the activation waits for that very decision.
-        `keep`: the request's keep_alive (a request that is served uses the model)."""
+        `keep`: the request's keep_alive (a request that is served uses the model);
+        `ready`: whether it has a ready replica, as the caller just found (None: look)."""
+        if ready is None:
+            ready = self.has_ready(model)
         asked = None
-        err = self.why_unservable(model)
+        err = self.why_unservable(model, ready)
         if err is not None and err.code == "model_unplaceable":
             if not self.leading():
                 err = None  # the activation asks the leader for a fresh decision
@@ -287,7 +305,7 @@ class Control:
         # In use: the request's own keep_alive shows at once (a client's `ps` right after
         # its answer sees it); 0 applies only once the work is done.
         self.touch(model, None if keep == 0 else keep)
-        if not self.registry.ready_nodes(model):
+        if not ready:
             await self.activate(model, asked)
 
     async def activate(self, model: str, asked: int | None = None) -> None:

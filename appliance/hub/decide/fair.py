@@ -38,6 +38,19 @@ def cost(tokens_in: int, tokens_out: int) -> int:
     return tokens_in + OUTPUT_COST * tokens_out
 
 
+class Demand:
+    """What fair queueing needs of one request: its charge at grant, its key's weight, and
+    -- once it ended, as the engine said -- what it really cost (`used`; None: not known,
+    the charge stands). Made with the request's lease (limits.py), filled in when it
+    settles, read by admission when the request gives its place back."""
+
+    __slots__ = ("cost", "weight", "used")
+
+    def __init__(self, cost: int, weight: float) -> None:
+        self.cost, self.weight = cost, weight
+        self.used: int | None = None
+
+
 class FairLane:
     """The waiters of one class for one model. Waiters are objects with `client`, `cost`
     (charge at grant) and `weight`; `fair` is set to the (lane, episode) they were charged in.

@@ -212,13 +212,16 @@ class Tenant:
 class Lease:
     """One admitted request's reservation; `settle` once when it ends."""
 
-    __slots__ = ("tenant", "reserved", "input_bound", "cap", "minute_bin", "day_bin", "done")
+    __slots__ = ("tenant", "reserved", "input_bound", "cap", "minute_bin", "day_bin", "done",
+                 "demand")
 
     def __init__(self, tenant: Tenant, reserved: int, input_bound: int, cap: int | None,
-                 minute_bin: int, day_bin: int) -> None:
+                 minute_bin: int, day_bin: int, demand: fair.Demand | None = None) -> None:
         self.tenant, self.reserved, self.input_bound, self.cap = tenant, reserved, input_bound, cap
         self.minute_bin, self.day_bin = minute_bin, day_bin
         self.done = False
+        # Fair queueing's charge, found with the same tenant; `used` filled in by `settle`.
+        self.demand = demand if demand is not None else fair.Demand(0, 1.0)
 
     def settle(self, used: tuple[int, int] | None,
                counted: tuple[int, int] | None = None) -> Settled:
@@ -262,6 +265,7 @@ class Lease:
                 t.out_avg + RATIO_WEIGHT * (u.output - t.out_avg))
             t.tokens.adjust(self.minute_bin, delta)
             t.day.adjust(self.day_bin, delta)
+            self.demand.used = fair.cost(u.input, u.output)
         t.served_in += u.input
         t.served_out += u.output
         return u
@@ -313,12 +317,16 @@ class Limiter:
         the key's recent average (at most the cap) -- so that what the settlement corrects
         at the end is small either way. A cap charged whole and refunded at the end would
         lower a busy key's counter below a newcomer's after the newcomer was lifted to it."""
-        t = self.tenant(name)
+        d = self._demand(self.tenant(name), self.limits(name), body_bytes, cap)
+        return d.cost, d.weight
+
+    def _demand(self, t: Tenant, lim: TenantLimits, body_bytes: int,
+                cap: int | None) -> fair.Demand:
         out = cap if cap is not None else self.reserve_output
         if t.out_avg is not None:
             out = min(out, math.ceil(t.out_avg))
         inp = max(1, math.ceil(body_bytes * t.in_per_byte))
-        return fair.cost(inp, out), self.limits(name).weight
+        return fair.Demand(fair.cost(inp, out), lim.weight)
 
     def uncapped(self, name: str, now: float, body_bytes: int) -> int | None:
         """The output cap a request naming none (or a negative one) is sent with while key
@@ -332,7 +340,8 @@ class Limiter:
         return max(1, min(self.reserve_output, *left)) if left else None
 
     def admit(self, name: str, now: float, body_bytes: int, cap: int | None) -> Lease:
-        """Reserve for one request of key `name`, or raise ApiError 429."""
+        """Reserve for one request of key `name`, or raise ApiError 429. The lease carries
+        the request's fair-queueing demand (`Lease.demand`), found with the same tenant."""
         lim = self.limits(name)
         t = self.tenant(name)
         reserve = body_bytes + (cap if cap is not None else self.reserve_output)
@@ -346,7 +355,7 @@ class Limiter:
         t.in_flight += 1
         t.pending += reserve
         t.admitted += 1
-        return Lease(t, reserve, body_bytes, cap, mb, db)
+        return Lease(t, reserve, body_bytes, cap, mb, db, self._demand(t, lim, body_bytes, cap))
 
     def _check(self, name: str, lim: TenantLimits, t: Tenant, now: float,
                reserve: int) -> ApiError | None:

@@ -39,12 +39,16 @@ _USAGE = re.compile(rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 
 class Usage(msgspec.Struct):
     """Tokens of one request: prompt (`input`, of which `cached` came from the engine's
-    prompt cache) and generated (`output`); `estimated`: counted by the hub."""
+    prompt cache) and generated (`output`); `estimated`: counted by the hub. `cache`:
+    (prompt, cached) tokens where the engine spoke of its prompt cache -- vLLM's
+    `usage.prompt_tokens_details.cached_tokens`, llama-server's `timings.cache_n` +
+    `prompt_n` -- which affinity weighs its predictions with (None: it said nothing)."""
 
     input: int = 0
     output: int = 0
     cached: int = 0
     estimated: bool = False
+    cache: tuple[int, int] | None = None
 
 
 def estimate(nbytes: int) -> int:
@@ -111,7 +115,24 @@ def openai_usage(obj: dict[str, Any]) -> Usage | None:
     d = u.get("prompt_tokens_details")
     cached = d.get("cached_tokens") if isinstance(d, dict) else None
     return Usage(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0,
-                 cached if isinstance(cached, int) else 0)
+                 cached if isinstance(cached, int) else 0,
+                 cache=_cache(obj.get("timings"), p, cached))
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _cache(timings: Any, prompt: Any, cached: Any) -> tuple[int, int] | None:
+    """(prompt, cached) tokens as the engine reports its prompt cache; None: it does not."""
+    if isinstance(timings, dict):
+        n, p = _int(timings.get("cache_n")), _int(timings.get("prompt_n"))
+        if n is not None and p is not None:
+            return max(0, n) + max(0, p), max(0, n)
+    given, hit = _int(prompt), _int(cached)
+    if given is not None and hit is not None:
+        return max(0, given), min(max(0, given), max(0, hit))
+    return None
 
 
 def ollama_usage(obj: dict[str, Any]) -> Usage | None:
@@ -217,7 +238,6 @@ class SSEMeter(Meter):
         super().__init__(prompt)
         self.drop = drop
         self._carry = b""
-        self.usage_payload = b""  # the last event naming a usage, as the engine sent it
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._carry + chunk if self._carry else chunk
@@ -253,7 +273,6 @@ class SSEMeter(Meter):
                 kept.append(event + sep)
                 continue
             self.see(obj)
-            self.usage_payload = payload
             if not (self.drop and obj.get("choices") == [] and "usage" in obj):
                 kept.append(event + sep)
         return b"".join(kept)

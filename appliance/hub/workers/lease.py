@@ -65,9 +65,9 @@ class Done(msgspec.Struct, tag=True):
     status: int
     ttfb: float | None
     error: str
-    usage: Usage | None = None  # the answer's tokens, as the worker's relay read them
-    # (prompt, cached) tokens where the engine reported its prompt cache (affinity.py)
-    cache: tuple[int, int] | None = None
+    # the answer's tokens (and the engine's word on its prompt cache), as the worker's
+    # relay read them
+    usage: Usage | None = None
 
 
 class Ack(msgspec.Struct, tag=True):

@@ -54,7 +54,7 @@ from appliance.hub.workers.lease import (
     Left,
 )
 from appliance.hub.workers.workerset import WorkerSet
-from appliance.server.limits import Busy, Refusal, RequestTimeout
+from appliance.server.limits import Busy, ListenerRefusal, RequestTimeout
 from appliance.server.serve import LISTEN_BACKLOG, StartupError
 
 if TYPE_CHECKING:
@@ -177,7 +177,8 @@ async def _unix_listener(path: str) -> trio.socket.SocketType:
     return sock
 
 
-_REFUSALS: dict[str, type[Refusal]] = {"request_timeout": RequestTimeout, "busy": Busy}
+_REFUSALS: dict[str, Callable[[], ListenerRefusal]] = {"request_timeout": RequestTimeout,
+                                                     "busy": Busy}
 
 
 async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
@@ -221,16 +222,15 @@ async def _lease(hub: Hub, stream: trio.abc.Stream) -> None:
                     return
                 if not isinstance(ask, Ask):
                     return
-                relay = LeaseRelay(hub, conn, inbox, nursery, ask.seq)
+                relay = LeaseRelay(hub, conn, inbox, nursery, ask.seq, hangup)
                 current[:] = [relay]
-                if not await _one(hub, conn, ask, relay, gone, hangup) or gone.is_set():
+                if not await _one(hub, conn, ask, relay, gone) or gone.is_set():
                     return
         finally:
             nursery.cancel_scope.cancel()
 
 
-async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Event,
-               hangup: Callable[[], tuple[int, str]]) -> bool:
+async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Event) -> bool:
     """One lease; True when it ended cleanly (the connection may carry the next)."""
     limit = hub.cfg.hub.max_body_bytes
     handed = False
@@ -264,23 +264,32 @@ async def _one(hub: Hub, conn: Conn, ask: Ask, relay: LeaseRelay, gone: trio.Eve
     scope = {"type": "http", "method": "POST", "path": ask.path,
              "headers": [(bytes(k), bytes(v)) for k, v in ask.headers], "state": {}}
     try:
-        await handle_inference(hub, scope, receive, send, ask.api, relay, hangup)
-    except Refusal:
+        await handle_inference(hub.routing, scope, receive, send, ask.api, relay)
+    except ListenerRefusal:
         return False  # recorded; the worker's listener answers it (and closes this)
     return ask.fail in ("", "too_large")
 
 
 class LeaseRelay:
-    """The router's relay step for a request held by a worker: send `Go`, wait for its end."""
+    """The router's way to relay a request held by a worker (router.Relaying): send `Go`,
+    wait for its end. Never preemptible: its first byte is known here only at its end."""
+
+    preemptible = False
 
     def __init__(self, hub: Hub, conn: Conn, inbox: trio.MemoryReceiveChannel[Any],
-                 nursery: trio.Nursery | None = None, seq: int = 0) -> None:
+                 nursery: trio.Nursery | None = None, seq: int = 0,
+                 hangup: Callable[[], tuple[int, str]] = lambda: (499,
+                                                                  "client_disconnected")) -> None:
         self.hub, self.conn, self.inbox = hub, conn, inbox
         self.relaying = False  # a `Go` is out: the worker copies the answer
         self.nursery = nursery  # the connection's: where a `Cut` is sent from
         self.seq = seq
+        self._hangup = hangup
 
-    async def __call__(self, node: NodeHandle, req: Request, plan: translate.Plan) -> None:
+    def hangup(self) -> tuple[int, str]:
+        return self._hangup()
+
+    async def relay(self, node: NodeHandle, req: Request, plan: translate.Plan) -> None:
         self.relaying = True
         try:
             await self._relay(node, req)
@@ -288,7 +297,7 @@ class LeaseRelay:
             self.relaying = False
 
     async def _relay(self, node: NodeHandle, req: Request) -> None:
-        req.node = node.name
+        req.sent_to(node.name, req.tried, req.route)
         await self.conn.send(Go(node.name, node.url, node.auth_raw,
                                 translate.engine_kind(node.state), req.label))
 
@@ -351,11 +360,10 @@ class LeaseRelay:
                                    retry_after=SHUTTING_DOWN_RETRY_AFTER)
                 raise NotAnswered(msg.why)
             if isinstance(msg, Done):
-                req.node, req.status, req.ttfb = msg.node, msg.status, msg.ttfb
-                req.usage = msg.usage
-                if msg.cache is not None and req.route is not None:
-                    req.route.prompt_tokens, req.route.cached_tokens = msg.cache
-                req.error = msg.error or req.error
+                req.answered(msg.node, msg.status, msg.ttfb)
+                req.counted(msg.usage)
+                if msg.error:
+                    req.failed(msg.error)
                 req.finish()
                 try:
                     await self.conn.send(Ack())

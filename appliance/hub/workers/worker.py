@@ -4,7 +4,7 @@ Theory of operation (hub/workers.py has the main process's side): the worker ser
 inherited listening socket with the same listener defences as the hub. An inference POST:
 read the body (bounded by Hub__MaxBodyBytes), hold a lease from the main process (lease.py:
 `Ask` on one of the worker's kept connections to it, `_Leases`) and do what it says:
-replay an `Answer`, or relay from the node in `Go` with the hub's own `relay_from`
+replay an `Answer`, or relay from the node in `Go` with the hub's own `LocalRelay`
 (translation, stream errors, the node-lost and drain cuts as `Cut` messages);
 a failure before the first byte goes back as `Failed`, the end as `Done`, acknowledged
 before the last byte goes out (the audit line is written when the client has its answer).
@@ -39,10 +39,9 @@ from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub import translate
 from appliance.hub.api.app import INFERENCE
-from appliance.hub.api.relay import NotAnswered, relay_from
+from appliance.hub.api.relay import LocalRelay, NotAnswered
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
-from appliance.hub.decide.affinity import Route
 from appliance.hub.fleet.flag import Flag
 from appliance.hub.hub import auth_headers, client_ssl, hub_limits
 from appliance.hub.workers.lease import (
@@ -57,7 +56,7 @@ from appliance.hub.workers.lease import (
     Go,
     Left,
 )
-from appliance.server.limits import LiveLimits, Refusal
+from appliance.server.limits import ListenerRefusal, LiveLimits
 from appliance.server.serve import serve
 
 log = logging.getLogger(__name__)
@@ -81,12 +80,12 @@ class _Cuts:
     """What the main's `Cut` messages said: the current node lost, the drain over."""
 
     def __init__(self) -> None:
-        # Flags (hub/fleet/flag.py): relay_from's cut subscribes to them, no watcher tasks.
+        # Flags (hub/fleet/flag.py): LocalRelay's cut subscribes to them, no watcher tasks.
         self.lost, self.drain, self.why = Flag(), Flag(), ""
 
 
 class _Node:
-    """What relay_from needs of a node, from `Go`; `lost` is set by a `Cut`."""
+    """What LocalRelay needs of a node, from `Go`; `lost` is set by a `Cut`."""
 
     def __init__(self, go: Go, cuts: _Cuts) -> None:
         self.name, self.url, self.auth_raw = go.node, go.url.rstrip("/"), go.auth
@@ -218,7 +217,7 @@ class Worker:
                 pass  # sent as it came: the main's router refuses it in the API's shape
         except BodyTooLarge:
             fail = "too_large"
-        except Refusal as e:
+        except ListenerRefusal as e:
             fail, refusal = e.code, e
         except trio.BrokenResourceError:
             fail = "gone"
@@ -271,11 +270,7 @@ class Worker:
             done_sent = True
             with trio.move_on_after(ACK_SECONDS, shield=True):
                 try:
-                    r = req.route
-                    cache = (None if r is None or r.prompt_tokens is None
-                             or r.cached_tokens is None else (r.prompt_tokens, r.cached_tokens))
-                    await conn.send(Done(req.node, req.status, req.ttfb, req.error, req.usage,
-                                         cache))
+                    await conn.send(Done(req.node, req.status, req.ttfb, req.error, req.usage))
                 except GONE:
                     return
                 await acked.wait()
@@ -286,7 +281,6 @@ class Worker:
             await send(msg)
 
         req = Request(scope, send_last_reported, api, _NoRecord())
-        req.route = Route()  # the relay fills in what the engine says of its prompt cache
         ended = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
@@ -295,11 +289,11 @@ class Worker:
                     ended = await self._serve(conn, req, inbox, cuts, send, body, report)
                 if client.gone and req.status:  # mid-answer: what was relayed is counted
                     if drained(scope):  # the listener's drain ended it (as the router says)
-                        req.error = "shutting_down"
+                        req.failed("shutting_down")
                     elif stalled(scope):
-                        req.status, req.error = 499, "client_too_slow"
+                        req.refused(499, "client_too_slow")
                     else:
-                        req.status, req.error = 499, "client_disconnected"
+                        req.refused(499, "client_disconnected")
                     await report()
                 elif client.gone:  # before the relay: the main audits it as the client's
                     with trio.move_on_after(ACK_SECONDS, shield=True):
@@ -327,14 +321,15 @@ class Worker:
                 return True
             if not isinstance(msg, Go):
                 return False
-            req.model = msg.model
+            req.resolved(msg.model, req.label, req.cls)
             given = decode_request(body).model
             plan = translate.prepare(req.path, req.api, body, given, msg.model).for_engine(
                 msg.kind)
             try:
-                await relay_from(_Node(msg, cuts),  # type: ignore[arg-type]
-                                 req, plan, self.upstream, self.cfg.hub.upstream_read_seconds,
-                                 cuts.drain)
+                relay = LocalRelay(self.upstream, self.cfg.hub.upstream_read_seconds,
+                                   cuts.drain)
+                await relay.relay(_Node(msg, cuts),  # type: ignore[arg-type]
+                                  req, plan)
             except ApiError as e:
                 await conn.send(Failed(e.message, drain=e.code == "shutting_down"))
                 continue

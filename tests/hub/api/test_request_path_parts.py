@@ -91,7 +91,7 @@ def test_a_finish_calls_the_finish_listener_and_a_change_every_listener():
 
 
 def test_made_request_ids_are_unique_hex_and_a_clients_sane_one_is_kept():
-    from appliance.hub.api.requestid import MAX_LEN, make, request_id
+    from appliance.hub.api.request import MAX_LEN, make, request_id
 
     ids = {make() for _ in range(20000)}
     assert len(ids) == 20000

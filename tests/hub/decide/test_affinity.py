@@ -22,7 +22,6 @@ from appliance.hub.decide.affinity import (
     load_limit,
     rendezvous,
     route_key,
-    usage_of,
 )
 from appliance.hub.translate.prompt import MAX_BLOCKS, chain_of, render, session_of
 
@@ -287,26 +286,6 @@ def test_configure_new_block_size_clears_the_index() -> None:
     a.served("m", r, "n0")
     a.configure(True, 1.25, 10, 512)
     assert not a.index
-
-
-# --- engine usage ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("body,want", [
-    (b'{"usage":{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":64}}}', (100, 64)),
-    (b'{"timings":{"cache_n":80,"prompt_n":20},"usage":{"prompt_tokens":100}}', (100, 80)),
-    (b'{"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":99}}}', (10, 10)),
-    (b'{"usage":{"prompt_tokens":100}}', None),
-    (b'{"usage":{"prompt_tokens":100,"prompt_tokens_details":null}}', None),
-    (b"not json", None),
-])
-def test_usage_of(body: bytes, want: tuple[int, int] | None) -> None:
-    assert usage_of(body) == want
-
-
-def test_usage_of_a_wrongly_typed_answer_is_none() -> None:
-    assert usage_of(b'{"usage":"x"}') is None
-    assert usage_of(b'[' * 100_000) is None
 
 
 def test_settings_are_validated() -> None:

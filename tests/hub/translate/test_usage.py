@@ -53,9 +53,9 @@ def test_sse_meter_drops_only_the_usage_chunk_it_asked_for(size: int) -> None:
     data = sse(*STREAM, USAGE)
     m = SSEMeter(prompt=99, drop=True)
     assert pieces(m, data, size) == sse(*STREAM)
-    assert m.usage() == Usage(11, 3, 8, estimated=False)
+    assert m.usage() == Usage(11, 3, 8, estimated=False, cache=(11, 8))
     kept = SSEMeter(prompt=99, drop=False)  # the client asked: every byte passes
-    assert pieces(kept, data, size) == data and kept.usage() == Usage(11, 3, 8)
+    assert pieces(kept, data, size) == data and kept.usage() == Usage(11, 3, 8, cache=(11, 8))
 
 
 def test_sse_meter_with_crlf_events_and_an_engine_that_gives_no_usage() -> None:
@@ -89,7 +89,7 @@ def test_json_meter_whole_answers_small_and_huge() -> None:
     body = json.dumps({"choices": [{"message": {"content": "hello"}}],
                        "usage": USAGE["usage"]}).encode()
     m = JSONMeter(prompt=5, api="openai")
-    assert pieces(m, body, 3) == body and m.usage() == Usage(11, 3, 8)
+    assert pieces(m, body, 3) == body and m.usage() == Usage(11, 3, 8, cache=(11, 8))
     none = JSONMeter(prompt=5, api="openai")
     pieces(none, json.dumps({"choices": [{"message": {"content": "x" * 20}}]}).encode(), 50)
     assert none.usage() == Usage(5, 5, 0, estimated=True)
@@ -179,7 +179,7 @@ def test_ollama_durations_come_from_the_hubs_clock(stream: bool) -> None:
     assert (last["load_duration"], last["prompt_eval_duration"], last["eval_duration"],
             last["total_duration"]) == (2_000, 7_000, 40_000, 49_000)
     assert (last["prompt_eval_count"], last["eval_count"]) == (11, 3)
-    assert conv.usage() == Usage(11, 3, 8)
+    assert conv.usage() == Usage(11, 3, 8, cache=(11, 8))
 
 
 def test_ollama_counts_without_engine_usage_and_llama_timings() -> None:
@@ -239,7 +239,7 @@ def test_anthropic_stream_usage_start_estimate_then_engine_counts() -> None:
     # Anthropic's input_tokens leave out what was read from the cache.
     assert delta["usage"] == {"input_tokens": 3, "output_tokens": 3,
                               "cache_read_input_tokens": 8}
-    assert conv.usage() == Usage(11, 3, 8)
+    assert conv.usage() == Usage(11, 3, 8, cache=(11, 8))
     bare = anthropic.MessagesConverter("m", True, prompt=0)
     evs = events(pieces(bare, sse(*STREAM), 64))
     assert evs[0][1]["message"]["usage"]["input_tokens"] == 1  # never a 0
