@@ -258,10 +258,9 @@ class Request:
         self.status, self.error = status, code
 
     def hung_up(self, status: int, code: str) -> None:
-        """Its client went away (or the worker holding it died): `code`, and `status`
-        unless an answer had begun."""
-        self.error = code
-        self.status = self.status or status
+        """Its client went away (or the worker holding it died): audited as such, whatever
+        had started (what was relayed is counted)."""
+        self.status, self.error = status, code
 
     # --- preemption (admission.py's Preemptible) ----------------------------------------
 
