@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 
 from tests.harness import llama_cache
+from tests.harness.pki import make_pki
 from tests.harness.procs import procs  # noqa: F401  (fixture)
-from tests.harness.wire import KINDS, Wire, have_openssl, make_pki
+from tests.harness.wire import KINDS, Wire
 
 
 @pytest.fixture(scope="session")
 def wire_pki(tmp_path_factory):
-    if not have_openssl():
-        pytest.skip("needs the openssl command line")
     return make_pki(tmp_path_factory.mktemp("wire-pki"))
 
 

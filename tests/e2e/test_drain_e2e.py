@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.e2e.test_reliability_e2e import Fleet, _addr, pki  # noqa: F401  (pki: the fixture)
-from tests.e2e.test_tls import client_ctx
+from tests.harness.pki import client_ctx
 from tests.harness.procs import procs, wait_until  # noqa: F401  (procs: the fixture)
 
 pytestmark = pytest.mark.e2e

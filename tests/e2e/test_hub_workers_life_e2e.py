@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_hub_workers_e2e import children, client_port, server_inode, socket_inodes
-from tests.e2e.test_tls import client_ctx, make_ca, make_cert
+from tests.harness.pki import client_ctx, make_ca, make_cert
 from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -153,9 +153,9 @@ def test_tls_with_workers(procs, tmp_path):
     hub = procs.hub({**HUB_ENV, "Hub__TlsCert": cert[0], "Hub__TlsKey": cert[1],
                      "Audit__Path": str(tmp_path / "audit.jsonl")})
     assert hub.url.startswith("https://")
-    procs.node("gpu-a", {**node_env(hub), "Node__TlsCa": ca[0]})  # to trust the hub
+    procs.node("gpu-a", {**node_env(hub), "Node__TlsCa": ca.pem})  # to trust the hub
     worker = the_worker(hub)
-    verify = client_ctx(ca[0])
+    verify = client_ctx(ca.pem)
     ready(hub, verify=verify)
     with closing(connect_to(hub, worker, verify=verify)) as c:
         r = c.post("/v1/chat/completions", json=chat())

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.e2e.test_tls import client_ctx, make_ca, make_cert
+from tests.harness.pki import client_ctx, make_ca, make_cert
 from tests.harness.procfs import peak_rss_kb
 from tests.harness.procs import procs, wait_until  # noqa: F401  (procs: the fixture)
 
@@ -111,7 +111,7 @@ STALL_S = 2
 def pki(tmp_path_factory):
     d = tmp_path_factory.mktemp("pki")
     ca = make_ca(d)
-    return {"ca": ca[0], "hub": make_cert(d, ca, "hub"), "node": make_cert(d, ca, "node")}
+    return {"ca": ca.pem, "hub": make_cert(d, ca, "hub"), "node": make_cert(d, ca, "node")}
 
 
 class Fleet:

@@ -1,6 +1,6 @@
 """Both kinds of listener, for the suites that run over each (test_h1, test_listener_reload,
 test_close_wait, the hostile e2e tests): a plain one and a TLS one with a certificate from
-a CA the test session makes (the `openssl` command line, as test_tls.py does).
+a CA the test session makes (tests/harness/pki.py, trustme).
 
 `wire` (a fixture, conftest.py) is a `Wire`: `serve_kwargs` for appliance.server.serve.serve
 (the certificate, or nothing), `connect(host, port)` for a trio stream to it, `url(host,
@@ -10,40 +10,12 @@ clients `wrap(sock)` / `ssl_context`.
 
 from __future__ import annotations
 
-import shutil
 import socket
 import ssl
-import subprocess
-from pathlib import Path
 
 import trio
 
 KINDS = ["plain", "tls"]
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_pki(d: Path) -> tuple[str, str, str]:
-    """A CA and a server certificate for 127.0.0.1/localhost: (ca, cert, key) paths."""
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "30", "-subj",
-             "/CN=appliance wire test ca", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-    (d / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
-        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=server", cwd=d)
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-             "-CAcreateserial", "-out", "server.pem", "-days", "30", "-extfile", "server.ext",
-             cwd=d)
-    return str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")
-
-
-def have_openssl() -> bool:
-    return shutil.which("openssl") is not None
 
 
 class Wire:

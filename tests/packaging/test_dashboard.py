@@ -90,7 +90,7 @@ def _sample_names(text: str) -> set[str]:
 
 @pytest.mark.e2e
 def test_every_series_is_in_a_live_scrape(procs, tmp_path):
-    from tests.e2e.test_tls import make_ca, make_cert
+    from tests.harness.pki import make_ca, make_cert
 
     hub = procs.hub({"Auth__NodeToken": "t", "Priority__Enabled": "true",
                      "Queue__MaxWaitSeconds": "30",

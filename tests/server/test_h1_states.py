@@ -21,7 +21,6 @@ import threading
 from pathlib import Path
 
 import h11
-import pytest
 import trio
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -30,7 +29,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from appliance.http.asgi import read_body
 from appliance.http.disconnect import cancel_on_disconnect
 from appliance.server.serve import serve
-from tests.harness.wire import Wire, have_openssl, make_pki
+from tests.harness.pki import make_pki
+from tests.harness.wire import Wire
 
 APP_ERRORS: list[str] = []
 
@@ -202,5 +202,5 @@ class TlsMachine(ConnectionMachine):
 
 TestPlain = ConnectionMachine.TestCase
 TestPlain.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)
-TestTls = pytest.mark.skipif(not have_openssl(), reason="needs openssl")(TlsMachine.TestCase)
+TestTls = TlsMachine.TestCase
 TestTls.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)

@@ -8,7 +8,6 @@ exactly under `autojump_clock`. The real etcd and real processes are tests/e2e/t
 from __future__ import annotations
 
 import itertools
-import shutil
 
 import pytest
 import trio
@@ -521,26 +520,25 @@ def test_other_hubs_work_on_a_node_counts_in_free_places():
 
 @pytest.mark.e2e
 @needs_etcd
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command line")
 async def test_real_etcd_over_tls_with_a_client_certificate(tmp_path):
     """Cluster__TlsCa/TlsCert/TlsKey: etcd verified by our CA and shown our certificate;
     without the certificate etcd refuses the handshake and the client says no endpoint answered."""
     from appliance.config import ClusterConfig
     from appliance.hub.cluster import etcd as etcd_mod
-    from tests.e2e.test_tls import make_ca, make_cert
+    from tests.harness.pki import make_ca, make_cert
 
     ca = make_ca(tmp_path)
     server, hub = make_cert(tmp_path, ca, "etcd"), make_cert(tmp_path, ca, "hub")
-    proc = EtcdProc(tmp_path / "etcd", tls=(ca[0], *server))
+    proc = EtcdProc(tmp_path / "etcd", tls=(ca.pem, *server))
     proc.start()
     try:
-        cfg = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca[0], tls_cert=hub[0],
+        cfg = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca.pem, tls_cert=hub[0],
                             tls_key=hub[1])
         async with etcd_mod.open_client(cfg) as http:
             e = etcd_mod.make(cfg, http)
             await e.put("t/x", "over tls")
             assert [kv.value for kv in (await e.get_prefix("t/"))[1]] == ["over tls"]
-        no_cert = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca[0])
+        no_cert = ClusterConfig(etcd=proc.url, lease_seconds=6, tls_ca=ca.pem)
         async with etcd_mod.open_client(no_cert) as http:
             with pytest.raises(EtcdUnavailable):
                 await etcd_mod.make(no_cert, http).put("t/y", "1")
