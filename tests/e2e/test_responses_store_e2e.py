@@ -113,4 +113,17 @@ def test_background_polled_cancel_and_conversations(procs, tmp_path):
     with pytest.raises(openai.NotFoundError):
         c.conversations.items.list(conv.id)
     lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
-    assert any(a.get("request_id") == b.id for a in lines)  # the background run is audited
+    background = [a for a in lines if a.get("path") == "/v1/responses" and a["status"] == 200
+                  and a["client"] == "alice"]
+    assert len(background) >= 4  # the background runs are audited like any request
+
+
+def test_with_hub_workers_the_main_process_keeps_the_chain(procs, tmp_path):
+    box = Box(procs, tmp_path, {"Hub__Workers": "2"})
+    c = box.oai()
+    r = c.responses.create(model="s-chat", input="one", max_output_tokens=4)
+    for i in range(8):  # whichever process accepts it, the main one reads the store
+        r = c.responses.create(model="s-chat", input=f"turn {i}", previous_response_id=r.id,
+                               max_output_tokens=4)
+    assert len(list(c.responses.input_items.list(r.id))) == 1
+    assert c.responses.retrieve(r.id).previous_response_id is not None

@@ -14,6 +14,7 @@ a restart the queued ones run again.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -113,8 +114,10 @@ class Background:
                 o.state = resp["status"] = "in_progress"
                 o.data["response"] = resp
                 await self.store.run(self.store.db.save, snapshot(o))
-                status, body, _ = await run_line(self.serve, self.cfg(), o.owner, "/v1/responses",
-                                              o.data["request"].encode(), "", o.id)
+                status, body, _ = await run_line(self.serve, self.cfg(), o.owner,
+                                                 "/v1/responses", o.data["request"].encode(),
+                                                 "", o.data.setdefault("request_id",
+                                                                       secrets.token_hex(16)))
         finally:
             self.scopes.pop(o.id, None)
             with trio.move_on_after(10, shield=True):

@@ -20,6 +20,7 @@ files (JSONL, one line per `custom_id`), Anthropic's are read from the lines dir
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +32,7 @@ from appliance.config import Config
 from appliance.http.asgi import Receive, Scope, Send
 from appliance.http.errors import api_of, error_body
 from appliance.hub.api.request import BATCH_SCOPE
-from appliance.hub.store import ids, lines
+from appliance.hub.store import lines
 from appliance.hub.store.db import Obj
 from appliance.hub.store.outputs import write_outputs
 from appliance.hub.store.store import FINISHED, Store, disk_full
@@ -241,7 +242,10 @@ class Batches:
     async def _attempts(self, b: Obj, request: str) -> tuple[str, bool]:
         url = b.data["endpoint"]
         cfg = self.cfg()
-        rid = ids.new("batch_req_", cfg.hub_name())
+        # The request id the audit line and the output line share: 32 hex digits, as the
+        # hub makes its own (llama-cpp-python's server refuses an x-request-id that is no
+        # UUID with a 400).
+        rid = secrets.token_hex(16)
         status, body = 0, b""
         attempt, stop = 0, self.cancels[b.id]
         while True:
