@@ -233,11 +233,13 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
                         prompt=prompt)
     if path == "/v1/messages":
         req, stream = anthropic.request(obj, model)
-        stops = req.get("stop")
+        # The hub matches the stop sequences itself, to name the one that ended the text
+        # (translate/stops.py): the engine is not given them.
+        got = req.pop("stop", None)
+        stops = got if isinstance(got, list) else None
         return Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
                         lambda start: _assembled(stream, prompt, anthropic.MessagesConverter(
-                            given, stream, stops if isinstance(stops, list) else None,
-                            prompt=prompt)),
+                            given, stream, stops, prompt=prompt), stops),
                         always=True, prompt=prompt)
     if path == "/v1/messages/count_tokens":
         return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
@@ -252,10 +254,11 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
     return Prepared(path, api, fwd, prompt=prompt)
 
 
-def _assembled(stream: bool, prompt: int, conv: Converter) -> Converter:
+def _assembled(stream: bool, prompt: int, conv: Converter,
+               stops: list[str] | None = None) -> Converter:
     """A translation's converter; for one answer, behind the assembler of the engine's
-    stream (translate/assemble.py)."""
-    return conv if stream else Assembler(prompt, True, conv)
+    stream (translate/assemble.py), which ends it at a stop sequence of `stops`."""
+    return conv if stream else Assembler(prompt, True, conv, stops)
 
 
 def resolve(name: str, known: Callable[[str], bool]) -> str:
@@ -338,6 +341,12 @@ class Converted:
                 self.ended = True
                 return self._conv.end()
             out = self._conv.feed(chunk)
+            if getattr(self._conv, "finished", False):
+                # The answer ended before the engine's stream (a stop sequence the hub
+                # matched, translate/stops.py): its end now; closing the stream is the
+                # caller's, which stops the engine.
+                self.ended = True
+                return out + self._conv.end()
             if out:
                 return out
         return b""

@@ -4,7 +4,7 @@ Theory of operation: every engine here speaks chat completions, so a Messages bo
 becomes one: `system` (text or text blocks) the first message; each turn's blocks become
 content parts (text, image as a data: or plain URL), `tool_use` blocks the assistant's
 `tool_calls` (with their ids), `tool_result` blocks `tool` messages answering those ids;
-`max_tokens` (required, as Anthropic requires it), `stop_sequences`, `temperature`,
+`max_tokens` (required, as Anthropic requires it), `temperature`,
 `top_p`, `top_k`, tools (`input_schema` -> `parameters`) and `tool_choice` map one to
 one; structured output (`output_config.format`, a JSON schema) becomes `response_format`.
 The answer comes back as a `message` with text and `tool_use` blocks, `stop_reason`
@@ -16,11 +16,11 @@ before the engine has counted anything, carries the prompt's estimate, and messa
 the final input and output tokens (the SDKs take those). Ids are random.
 
 Which stop sequence ended an answer: engines strip it from the text, and OpenAI's
-finish_reason "stop" is the same for an end-of-sequence token and a stop sequence. So
-`stop_sequence` is what the engine names -- the choice's `stop_reason` (vLLM, the sim) or
-`stopping_word` / `stop_word` (llama.cpp's server in some versions) -- when that is one of
-the request's `stop_sequences`; an engine that names none (llama-cpp-python, Ollama's
-OpenAI routes) gives `end_turn` and null rather than a guess.
+finish_reason "stop" is the same for an end-of-sequence token and a stop sequence. So the
+engine is not given `stop_sequences` (translate/__init__.py): the hub matches them in the
+text itself (translate/stops.py), ends the answer at the first one with `stop_sequence`
+named, and the relay closes the engine's stream. An engine that names one anyway (the
+choice's `stop_reason`, vLLM and the sim; `stopping_word`) is still believed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from appliance.hub.translate.common import (
     parse_args,
     stop_list,
 )
+from appliance.hub.translate.stops import StopWatch
 from appliance.hub.translate.usage import Tally, Usage
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
@@ -224,7 +225,9 @@ class MessagesConverter(EventsConverter):
         self.model = model
         self.stream = stream
         self.stops = stops or []  # the request's stop_sequences
-        self._matched: str | None = None  # the one the engine says it stopped on
+        self._matched: str | None = None  # the one that ended the text
+        self._watch = StopWatch(self.stops) if self.stops else None  # matched by the hub
+        self.finished = False  # the text ended on a stop sequence: read no more (streamed)
         self.content_type = b"text/event-stream" if stream else b"application/json"
         self.id = new_id("msg_")
         self._buf = b""
@@ -266,14 +269,20 @@ class MessagesConverter(EventsConverter):
         ch = choices[0] if isinstance(choices[0], dict) else {}
         msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
         content: list[dict[str, Any]] = []
-        if isinstance(msg.get("content"), str) and msg["content"]:
-            content.append({"type": "text", "text": msg["content"]})
+        text = msg.get("content") if isinstance(msg.get("content"), str) else ""
+        if self._watch is not None:  # cut at the first stop sequence, which is named
+            text = self._watch.feed(text) + self._watch.flush()
+            self._matched = self._watch.matched or self._matched
+        if text:
+            content.append({"type": "text", "text": text})
         for c in msg.get("tool_calls") or []:
             fn = c.get("function", {}) if isinstance(c, dict) else {}
             content.append({"type": "tool_use", "id": c.get("id") or new_id("toolu_"),
                             "name": fn.get("name", ""), "input": parse_args(fn.get("arguments"))})
         finish = ch.get("finish_reason") or "stop"
         self._stop_word(obj, ch)
+        if self._watch is not None and self._watch.matched is not None:
+            finish = "stop"
         stop, seq = self._stop(finish if isinstance(finish, str) else "stop")
         if any(b["type"] == "tool_use" for b in content):
             stop, seq = "tool_use", None
@@ -309,6 +318,8 @@ class MessagesConverter(EventsConverter):
 
     def _chunk(self, obj: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
+        if self.finished:
+            return out  # past the stop sequence: what the engine made before it closed
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return out
@@ -318,12 +329,11 @@ class MessagesConverter(EventsConverter):
             self._stop_word(obj, ch)
         delta: Any = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
         text = delta.get("content")
-        if isinstance(text, str) and text:
-            if self._kind != "text" or self._block is None:
-                out += self._open("text", {"type": "text", "text": ""})
-            out.append(_sse("content_block_delta", {"type": "content_block_delta",
-                                                    "index": self._block,
-                                                    "delta": {"type": "text_delta", "text": text}}))
+        if isinstance(text, str) and text and self._watch is not None:
+            text = self._watch.feed(text)
+            if self._watch.matched is not None:
+                self._matched, self._finish, self.finished = self._watch.matched, "stop", True
+        out += self._text(text)
         for d in delta.get("tool_calls") or []:
             if not isinstance(d, dict):
                 continue
@@ -342,11 +352,22 @@ class MessagesConverter(EventsConverter):
                                                                   "partial_json": piece}}))
         return out
 
+    def _text(self, text: Any) -> list[bytes]:
+        out: list[bytes] = []
+        if isinstance(text, str) and text:
+            if self._kind != "text" or self._block is None:
+                out += self._open("text", {"type": "text", "text": ""})
+            out.append(_sse("content_block_delta", {"type": "content_block_delta",
+                                                    "index": self._block,
+                                                    "delta": {"type": "text_delta", "text": text}}))
+        return out
+
     def _finish_events(self) -> list[bytes]:
         if self._done:
             return []
         self._done = True
-        out = self._start() + self._close()
+        held = self._watch.flush() if self._watch is not None else ""
+        out = self._start() + self._text(held) + self._close()
         stop, seq = self._stop(self._finish)
         out.append(_sse("message_delta", {"type": "message_delta",
                                           "delta": {"stop_reason": stop, "stop_sequence": seq},

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from appliance.hub.translate.common import SSEReader, ToolCallAccumulator, enc
+from appliance.hub.translate.stops import StopWatch
 from appliance.hub.translate.usage import WHOLE_LIMIT, Tally, Usage
 
 # Choice keys gathered piece by piece, or set by the assembler itself; any other key an
@@ -59,9 +60,14 @@ class Assembler:
     """`chat`: chat.completion chunks (else text_completion). `inner`: the translation the
     whole answer is for (None: the answer is passed on as OpenAI's)."""
 
-    def __init__(self, prompt: int, chat: bool, inner: Whole | None = None) -> None:
+    def __init__(self, prompt: int, chat: bool, inner: Whole | None = None,
+                 stops: list[str] | None = None) -> None:
         self.chat = chat
         self.inner = inner
+        # Stop sequences the hub matches (translate/stops.py): once one is in the first
+        # choice's text the answer is `finished` and the engine's stream is read no more.
+        self._watch = StopWatch(stops) if stops else None
+        self.finished = False
         self.content_type = inner.content_type if inner is not None else b"application/json"
         self._tally = Tally(prompt)
         self._sse = SSEReader()
@@ -137,6 +143,9 @@ class Assembler:
             piece = d.get("content") if self.chat else ch.get("text")
             if isinstance(piece, str):
                 c.text.append(piece)
+                if self._watch is not None and idx == 0:
+                    self._watch.feed(piece)
+                    self.finished = self._watch.matched is not None
             if isinstance(d.get("reasoning_content"), str):
                 c.reasoning.append(d["reasoning_content"])
             if isinstance(d.get("role"), str):
