@@ -1,6 +1,7 @@
 """The README and docs/ say what the code does: every name the code reads, raises or
-publishes is on docs/configuration.md, every module path the docs name exists, and the
-README stays short and links every page of docs/.
+publishes is on docs/configuration.md, every module path the docs name exists, every
+relative link of the README and docs/ reaches a file and its `#anchor` a heading (as GitHub
+makes heading anchors), and the README stays short and links every page of docs/.
 
 Each name is drawn from the code itself, so a setting, an error code or a series added
 without its row fails here:
@@ -238,6 +239,53 @@ def walk_problems(architecture: str) -> list[str]:
     return out
 
 
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REF = re.compile(r"^ {0,3}\[[^\]]+\]:\s+<?(\S+?)>?(?:\s+.*)?$", re.M)
+
+
+def _prose(text: str) -> str:
+    """A page without its fenced code blocks and inline code spans."""
+    return re.sub(r"(`+)(?:(?!\1).)+\1", "", FENCE.sub("", text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text, lower case, without punctuation but `-`
+    and `_`, each space a `-`."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "").lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors of a page: each heading's slug (a repeated one gains -1, -2 ...) and
+    any `<a name=...>` / `id=...`."""
+    out, seen = set(), {}
+    for m in re.finditer(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", FENCE.sub("", text), re.M):
+        s = slug(m.group(1).strip())
+        out.add(f"{s}-{seen[s]}" if s in seen else s)
+        seen[s] = seen.get(s, 0) + 1
+    return out | set(re.findall(r"<a\s+(?:name|id)=\"([^\"]+)\"", text))
+
+
+def broken_links(texts: dict[str, str]) -> list[str]:
+    """Every relative link (inline or reference) of each page (by its path from ROOT)
+    reaches a file, and an `#anchor` into a Markdown page one of its anchors."""
+    out = []
+    for where, text in texts.items():
+        for target in [*LINK.findall(_prose(text)), *REF.findall(_prose(text))]:
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (ROOT / where).parent / path
+            if path and not dest.exists():
+                out.append(f"{where}: {target} (no such file)")
+            elif anchor and (not path or dest.suffix == ".md") and anchor not in anchors(
+                    dest.read_text(encoding="utf-8") if path else text):
+                out.append(f"{where}: {target} (no such heading)")
+    return out
+
+
 def _docs_texts() -> dict[str, str]:
     texts = {"README.md": README.read_text(encoding="utf-8")}
     for page in sorted(DOCS.glob("*.md")):
@@ -270,6 +318,12 @@ def test_every_module_path_named_exists() -> None:
     assert "appliance/h1server.py" in old
     assert missing_paths(texts, old) == []
     assert [p for p in sorted(old) if (ROOT / p).exists()] == []  # old names are old
+
+
+def test_every_relative_link_and_anchor_resolves() -> None:
+    texts = _docs_texts()
+    assert sum(len(LINK.findall(_prose(x))) for x in texts.values()) > 20  # links were read
+    assert broken_links(texts) == []
 
 
 def test_the_walk_is_twelve_files_at_most_and_each_exists() -> None:
@@ -363,3 +417,20 @@ def test_a_wrong_walk_fails() -> None:
     section = text.split(WALK, 1)[1].split("\n## ", 1)[0]
     longer = section + "".join(f"\n{n}. **`x{n}.py`** -- more." for n in range(13, 15))
     assert any("at most 12" in p for p in walk_problems(text.replace(section, longer)))
+
+
+def test_a_broken_link_or_anchor_fails() -> None:
+    assert slug("One HTTP/1.1 stack (issue 19): before and after") == (
+        "one-http11-stack-issue-19-before-and-after")
+    assert slug("`Hub__Workers` on this box: why [x](y.md)") == "hub__workers-on-this-box-why-x"
+    assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+    page = "# Top\n\n## Run it\n"
+    ok = {"README.md": "# Top\n[a](docs/architecture.md#layers-what-may-import-what) [b](#top) "
+                       "[c](https://x.invalid/#nope) `[d](nowhere.md)`\n[e]: docs/api.md\n"}
+    assert broken_links({**ok, "docs/x.md": page + "[r](#run-it) [up](../README.md)"}) == []
+    assert broken_links({"README.md": "[a](docs/nowhere.md)"}) == [
+        "README.md: docs/nowhere.md (no such file)"]
+    assert broken_links({"README.md": "[a](docs/architecture.md#nowhere)"}) == [
+        "README.md: docs/architecture.md#nowhere (no such heading)"]
+    assert broken_links({"docs/x.md": page + "[r](#run)"}) == ["docs/x.md: #run (no such heading)"]
+    assert broken_links({"docs/x.md": "[e]: ./gone.md\n"}) == ["docs/x.md: ./gone.md (no such file)"]
