@@ -264,6 +264,9 @@ class ModelDef(_Section):
     # Its places per node (parallel slots), over the engine's own count and Node__ModelSlots;
     # None: the engine's word where it says one, else Node__ModelSlots (decide/cost.py).
     slots: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
+    # On demand (Replicas 0): the most replicas its demand may have placed (decide/demand.py:
+    # another while its predicted wait stays over 5 s for 10 s); 1: one, as before.
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     # The engine kind that serves it; "": any engine that can serve the source (a `.gguf`
     # path: llamacpp's). Placement, parking and /api/pull consider only such nodes.
     engine: EngineKind | Literal[""] = ""

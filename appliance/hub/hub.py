@@ -77,6 +77,7 @@ class Hub:
         # Per-key limits; with several hubs each enforces its share (hubs alive).
         self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
         self.control = Control(cfg, self.registry, node_client, self.audit, beat=beat)
+        self.admission.demand = self.control.core.demand  # replicas follow demand (demand.py)
         self.registry.health_listeners.append(self._replica_health)
         self.metrics_registry.register(ReplicaCollector(self.registry))
         self.metrics_registry.register(ControlCollector(self.control))

@@ -43,6 +43,7 @@ from appliance.config import Config
 from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
 from appliance.hub.decide.costroute import CostRouter, places_of
+from appliance.hub.decide.demand import ReplicaDemand
 from appliance.hub.decide.fair import Demand, FairLane
 from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT
 from appliance.hub.decide.preempt import Preemptible, Victims
@@ -120,6 +121,8 @@ class Place:
     def _give_back(self) -> None:
         node, self.node = self.node, None
         if node is not None:
+            if self._admission.demand is not None:
+                self._admission.demand.used(node.name, self.model, trio.current_time())
             if self._in_flight is not None:
                 self._in_flight.dec()
             self._admission.registry.finish(node, self.model)
@@ -189,6 +192,8 @@ class Admission:
         self.affinity = Affinity(**_affinity(cfg))
         self.cost = CostRouter(cfg.router.home_wait_seconds)
         registry.set_slot_overrides(slot_overrides(cfg))
+        # Replicas that follow demand (demand.py): the control plane's, set by the hub.
+        self.demand: ReplicaDemand | None = None
         # A place kept back for the other keys of a class (share.py).
         self.shares = Shares()
         self.core.share = self._share
@@ -263,6 +268,11 @@ class Admission:
             route.size = prompt.size
         p = Place(self, model, cls, in_flight, ticket, route)
         p._take()  # no checkpoint since admit returned: this place is ours
+        if self.demand is not None:  # replicas that follow demand (demand.py)
+            ms = self.core.models.get(model)
+            self.demand.observe(model, self.cost.model_wait(
+                model, self._ready_nodes(model), ms.waiting if ms is not None else 0),
+                trio.current_time())
         if p.home:  # it waits for its home node: the place it was granted goes on
             self._dispatch(model)
         held = victim if self.preempt and ticket.cls == BACKGROUND else None

@@ -29,6 +29,7 @@ class Spec:
     idle_unload_seconds: float = DISCOVERED_IDLE
     configured: bool = False
     engine: str = ""  # Models__N__Engine ("": any engine that can serve the source)
+    max_replicas: int = 1  # Models__N__MaxReplicas: on demand, the most its demand places
 
     def definition(self) -> tuple[str, str, str, str]:
         return (self.source, self.profile, self.args, self.engine)
@@ -62,5 +63,6 @@ def catalog(cfg: Config) -> dict[str, Spec]:
     for d in cfg.models.items:
         args = cfg.profiles[d.profile].args if d.profile in cfg.profiles else ""
         out[d.name] = Spec(d.name, d.source, d.profile, args, d.memory_mb, d.replicas,
-                           d.idle_unload_seconds, configured=True, engine=d.engine)
+                           d.idle_unload_seconds, configured=True, engine=d.engine,
+                           max_replicas=d.max_replicas)
     return out

@@ -175,3 +175,18 @@ class CostRouter:
                 "busy": m.busy if m is not None else None,
                 "predicted_wait_ms": round(wait * 1000, 1),
                 "home_waiting": self.queues.waiting(h.name, model)}
+
+    def model_wait(self, model: str, nodes: Sequence[Node], queued: int) -> float:
+        """A request's predicted wait for a place of `model` now: the shortest over its
+        ready nodes, plus the hub's queue ahead of it at the mean service time over every
+        place (demand.py's measure)."""
+        if not nodes:
+            return 0.0
+        waits, places, service = [], 0, 0.0
+        for h in nodes:
+            rate = self.rates.get(h.name, model)
+            n = places_of(h.state, model)
+            waits.append(cost.wait_s(free_of(h, model), n, rate.service))
+            places += n or 1
+            service += rate.service
+        return min(waits) + queued * (service / len(nodes)) / max(1, places)

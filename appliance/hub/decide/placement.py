@@ -36,6 +36,7 @@ from typing import Any
 from appliance.config import Config
 from appliance.hub.decide import capable, fit
 from appliance.hub.decide.catalog import Health, Spec, catalog
+from appliance.hub.decide.demand import ReplicaDemand
 from appliance.wire import LoadRequest
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,9 @@ class Models:
         self.deleted: dict[str, bool] = {}  # name -> gone from every node since
         self.pending: list[Pending] = []
         self.events: list[tuple[str, dict[str, Any]]] = []  # audit events for the shell to write
+        # An on-demand model's replica count following its predicted wait (demand.py);
+        # admission reports to it.
+        self.demand = ReplicaDemand()
 
     # --- the catalog -------------------------------------------------------------------
 
@@ -143,7 +147,9 @@ class Models:
         spec = self.spec(name)
         if spec.replicas:
             return spec.replicas
-        return 1 if self._wanted(name, now) else 0
+        if not self._wanted(name, now):
+            return 0
+        return max(1, min(spec.max_replicas, self.demand.target(name)))
 
     def _wanted(self, name: str, now: float) -> bool:
         h = self.health.get(name)
@@ -274,10 +280,34 @@ class Models:
                 hl.last_used = now  # first sight: idle time counts from here
             if self.desired(name, now) == 0:
                 hl.asked, hl.unplaceable = False, ""
+                self.demand.reset(name)
                 acts += self._idle_unloads(name, nodes, now)
             else:
+                acts += self._follow_demand(name, nodes, now)
                 acts += self._place_needed(name, nodes, now)
         return acts
+
+    def _follow_demand(self, name: str, nodes: list[Any], now: float) -> list[Action]:
+        """An on-demand model's count up one while its wait stays long (demand.py), or
+        down one by unloading an idle replica beyond the first once it has fallen."""
+        spec = self.spec(name)
+        if spec.replicas or spec.max_replicas <= 1:
+            return []
+        ready, loading = self.replicas(name, nodes)
+        if self.demand.grow(name, len(ready) + len(loading), spec.max_replicas, now):
+            self.events.append(("replica_for_demand", {"model": name,
+                                                       "replicas": self.demand.target(name)}))
+            return []
+        if loading or any(p.model == name for p in self.pending):
+            return []
+        by = {h.name: h for h in nodes}
+        idle = [n for n in ready if not by[n].in_flight.get(name, 0)
+                and not getattr(by[n].state.model(name), "in_flight", 0)]
+        victim = self.demand.surplus(name, idle, self._idle_limit(name), now)
+        if victim is None:
+            return []
+        self.demand.shrunk(name)
+        return [Unload(name, victim, "demand fell: a replica beyond the first, idle")]
 
     def _settle(self, nodes: list[Any], now: float) -> None:
         """Loads the node answered stop counting once its state shows them (or after a while)."""
