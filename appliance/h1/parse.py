@@ -19,7 +19,8 @@ less than h11 does, never more (tests/h1/test_h1parse.py checks that against h11
   when the request line alone is over MAX_TARGET).
 - Content-Length: digits only, one field only; Transfer-Encoding: `chunked` only (501
   for anything else), one field, not on HTTP/1.0; both together: 400 (RFC 9112 6.1).
-- One Host at most; HTTP/1.1 needs exactly one.
+- One Host at most; HTTP/1.1 needs exactly one. One Authorization and one X-Api-Key at
+  most: a proxy in front may read the other one than we do (400).
 
 A chunked request body is read by appliance/h1/body.py's `ChunkedBody`, the reader
 of relayed responses too, with the same strictness (its trailers are checked with this
@@ -89,6 +90,7 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
     chunked = False
     te = False
     hosts = 0
+    auth = xkey = False  # an Authorization, an X-Api-Key field seen (one each at most)
     keep_alive = version == "1.1"
     expect = False
     token = TOKEN.fullmatch
@@ -115,6 +117,14 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
             chunked = True
         elif name == b"host":
             hosts += 1
+        elif name == b"authorization":
+            if auth:
+                raise BadRequest(400, "repeated Authorization header")
+            auth = True
+        elif name == b"x-api-key":
+            if xkey:
+                raise BadRequest(400, "repeated X-Api-Key header")
+            xkey = True
         elif name == b"connection":
             tokens = {t.strip() for t in value.lower().split(b",")}
             if b"close" in tokens:

@@ -7,7 +7,8 @@ messages decodes to ~300 MB, and a translated route keeps a second copy. So befo
 router decodes a body it holds an estimate of the decoded size too -- the bytes plus
 ITEM_BYTES for every JSON item (each `{`, `[`, `,` and `:` opens one), counted in C by
 `bytes.count` -- through the server's `BodyBudget` (the ASGI extension BODY_BUDGET). Over
-the bound: 503 `busy` with Retry-After, as for the raw bytes; nothing is decoded.
+the bound: 503 `busy` with Retry-After, as for the raw bytes; nothing is decoded -- unless
+the estimate alone is over the whole budget (a retry never fits): 413 `body_too_large`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ BUSY_RETRY_AFTER = 1.0
 
 
 class BodyBudget(Protocol):
+    @property
+    def bound(self) -> int:
+        """The listener's whole budget: a request over it alone never fits."""
+        ...
+
     def hold(self, n: int) -> bool:
         """Hold `n` more bytes of the listener's body budget until this request ends;
         False (nothing held) when that would pass the bound."""
@@ -52,11 +58,18 @@ def decoded_estimate(body: bytes) -> int:
 def hold_decoded(scope: dict[str, Any] | None, body: bytes, held: int | None = None) -> None:
     """Hold the decoded estimate of `body` (less the `held` bytes the server already holds:
     the body's own, or fewer when it came compressed, http/encoding.py) against the
-    server's budget; 503 `busy` when over. No budget offered (a test's scope): nothing."""
+    server's budget; 503 `busy` when over, 413 `body_too_large` when the estimate alone is
+    over the whole budget. No budget offered (a test's scope): nothing."""
     budget: BodyBudget | None = ((scope or {}).get("extensions") or {}).get(BODY_BUDGET)
     if budget is None:
         return
-    extra = decoded_estimate(body) - (len(body) if held is None else held)
+    estimate = decoded_estimate(body)
+    extra = estimate - (len(body) if held is None else held)
     if extra > 0 and not budget.hold(extra):
+        if estimate > budget.bound:
+            raise ApiError(413, "body_too_large",
+                           f"the request body decodes to an estimated {estimate} bytes, over "
+                           f"the server's whole body budget of {budget.bound} "
+                           "(MaxBufferedBytes): a retry would not fit either")
         raise ApiError(503, "busy", "the server holds too many decoded request bodies now; "
                        "retry shortly", retry_after=BUSY_RETRY_AFTER)

@@ -195,6 +195,11 @@ class Receiver(Sender):
         self.linger = True
         return e
 
+    @property
+    def bound(self) -> int:
+        """BodyBudget (http/budget.py): the listener's whole budget."""
+        return self.budget.limit
+
     def hold(self, n: int) -> bool:
         """BodyBudget (http/budget.py): `n` more bytes held for this request, given back
         with its body when it ends; False when the listener's bound would be passed."""
