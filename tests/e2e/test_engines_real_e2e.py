@@ -77,7 +77,10 @@ def fleet(tmp_path_factory, real_server):
 def test_max_completion_tokens_is_the_engines_cap(fleet):
     r = fleet.openai.chat.completions.create(model="tiny", messages=USER,
                                              max_completion_tokens=5)
-    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    # One answer is streamed from the engine (a client that leaves frees its slot) and
+    # assembled: llama_cpp.server sends no usage in streams, so the hub counts its chunks.
+    assert (0 < r.usage.completion_tokens <= 5 if fleet.python
+            else r.usage.completion_tokens == 5) and r.choices[0].finish_reason == "length"
     assert r.model == "tiny"  # the model's name, not the server's file
 
 
@@ -134,7 +137,8 @@ def test_anthropic_and_responses_counts(fleet):
             else final.usage.output_tokens == 5)
     r = fleet.openai.responses.create(model="tiny", input="hello", max_output_tokens=4)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.usage.output_tokens == 4 and r.usage.input_tokens > 0
+    assert (0 < r.usage.output_tokens <= 4 if fleet.python  # (streamed: as above)
+            else r.usage.output_tokens == 4) and r.usage.input_tokens > 0
 
 
 def test_no_content_type_and_engine_refusals(fleet):
