@@ -8,7 +8,8 @@ whose resource is `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` over our de
 service name, exporting OTLP/HTTP protobuf to that endpoint (`/v1/traces` appended).
 
 Export never blocks or fails a request: an ended span goes into a bounded queue
-(`MAX_QUEUE`) with a non-blocking put, and one daemon thread exports batches of it. A full
+(`MAX_QUEUE`) with a non-blocking put, and one daemon thread wakes once a second to
+export what is queued, in batches. A full
 queue drops the span; a failed export (collector down, slow past its timeout) drops the
 batch; both are counted (`dropped`, served as `appliance_spans_dropped_total`).
 
@@ -24,7 +25,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +40,9 @@ ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPO
 # Spans waiting for export: the SDK's own BatchSpanProcessor default. At ~1 KiB a span
 # that is 2 MiB at most, whatever the collector does.
 MAX_QUEUE = 2048
-# Spans per export request, and how long a batch fills before it goes (the SDK's defaults:
-# 512, 5 s; 1 s here so a trace shows promptly).
+# Spans per export request, and how often the export thread wakes to send what is queued
+# -- sooner when a whole batch is waiting (the SDK's defaults: 512, 5 s; 1 s here so a
+# trace shows promptly).
 MAX_BATCH = 512
 BATCH_SECONDS = 1.0
 # On exit: how long the last spans may take to leave.
@@ -109,6 +110,8 @@ def _processor(exporter: SpanExporter, drops: Drops) -> SpanProcessor:
         def __init__(self) -> None:
             self.queue: queue.Queue[ReadableSpan] = queue.Queue(MAX_QUEUE)
             self.stop = threading.Event()
+            self.wake = threading.Event()
+            self.pending = 0
             self.failing = False
             self.thread = threading.Thread(target=self._run, name="appliance-otlp",
                                            daemon=True)
@@ -121,43 +124,51 @@ def _processor(exporter: SpanExporter, drops: Drops) -> SpanProcessor:
                 self.queue.put_nowait(span)
             except queue.Full:
                 drops.full += 1
+                return
+            self.pending += 1  # (approximate: read and reset by the export thread)
+            if self.pending == MAX_BATCH:
+                self.wake.set()  # a full batch goes before its second is up
 
         def _run(self) -> None:
-            while True:  # until stopped with nothing left to send
-                try:
-                    batch = [self.queue.get(timeout=BATCH_SECONDS)]
-                except queue.Empty:
-                    if self.stop.is_set():
-                        return
-                    continue
-                # Fill the batch for up to BATCH_SECONDS (one export request a second, not
-                # one per span: each costs the hub an HTTP round and an encode).
-                until = time.monotonic() + BATCH_SECONDS
-                while len(batch) < MAX_BATCH:
-                    left = until - time.monotonic()
-                    if left <= 0 or self.stop.is_set():
+            # Wakes once a BATCH_SECONDS, never per span: a getter blocked on the queue would
+            # be woken (a thread switch, the GIL handed over) by every span the hub ends.
+            while True:
+                self.wake.wait(BATCH_SECONDS)
+                self.wake.clear()
+                self.pending = 0
+                stopped = self.stop.is_set()
+                while True:
+                    batch: list[ReadableSpan] = []
+                    while len(batch) < MAX_BATCH:
+                        try:
+                            batch.append(self.queue.get_nowait())
+                        except queue.Empty:
+                            break
+                    if not batch:
                         break
-                    try:
-                        batch.append(self.queue.get(timeout=left))
-                    except queue.Empty:
-                        break
-                try:
-                    ok = exporter.export(batch) == SpanExportResult.SUCCESS
-                except Exception:  # an exporter's bug must not end the thread
-                    log.exception("span export failed")
-                    ok = False
-                if not ok:
-                    drops.failed += len(batch)
-                if ok == self.failing:  # said when it starts failing and when it recovers
-                    self.failing = not ok
-                    if ok:
-                        log.info("spans are exported again")
-                    else:
-                        log.warning("span export failed: spans are dropped (counted in "
-                                    "appliance_spans_dropped_total) until the collector answers")
+                    self._export(batch)
+                if stopped:
+                    return
+
+        def _export(self, batch: list[ReadableSpan]) -> None:
+            try:
+                ok = exporter.export(batch) == SpanExportResult.SUCCESS
+            except Exception:  # an exporter's bug must not end the thread
+                log.exception("span export failed")
+                ok = False
+            if not ok:
+                drops.failed += len(batch)
+            if ok == self.failing:  # said when it starts failing and when it recovers
+                self.failing = not ok
+                if ok:
+                    log.info("spans are exported again")
+                else:
+                    log.warning("span export failed: spans are dropped (counted in "
+                                "appliance_spans_dropped_total) until the collector answers")
 
         def shutdown(self) -> None:
             self.stop.set()
+            self.wake.set()
             self.thread.join(SHUTDOWN_SECONDS)
             exporter.shutdown()
 
