@@ -7,7 +7,8 @@ Starts `appliance sim`, one `appliance node` fronting it, and two hubs knowing t
 one without OTEL_* (tracing off: nothing of OpenTelemetry imported) and one with
 `OTEL_EXPORTER_OTLP_ENDPOINT` at an OTLP/HTTP receiver in this process (it answers 200
 and counts the bytes, decoding nothing) and `OTEL_TRACES_SAMPLER=always_on` (every request
-a trace: the sampler at 1.0). The same requests go to both hubs in alternating rounds --
+a trace: the sampler at 1.0), and a third with the endpoint but `always_off` (tracing
+set up, no request sampled: what the import and an unsampled span cost). The same requests go to the hubs in alternating rounds --
 a short chat and a streamed one, at concurrency 1 and 8 -- and each hub's CPU (utime +
 stime from /proc, export thread included) is read around each round. Prints the median
 per round of hub ms CPU per request, off and on, and their ratio; the node does the same
@@ -82,7 +83,11 @@ def main(argv: list[str] | None = None) -> None:
                   "Nodes__0__Name": "bench", "Nodes__0__Url": node.url}
         hubs = {"off": procs.start("hub", common, wait=("hub",)),
                 "on": procs.start("hub", {**common, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-                                          "OTEL_TRACES_SAMPLER": "always_on"}, wait=("hub",))}
+                                          "OTEL_TRACES_SAMPLER": "always_on"}, wait=("hub",)),
+                "unsampled": procs.start("hub", {**common,
+                                                 "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                                                 "OTEL_TRACES_SAMPLER": "always_off"},
+                                         wait=("hub",))}
         chat = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}
         for h in hubs.values():
             wait_until(lambda h=h: httpx.post(h.url + "/v1/chat/completions", json=chat,
@@ -92,10 +97,11 @@ def main(argv: list[str] | None = None) -> None:
                   args.stream_requests, True))
         print(f"hub ms CPU per request, median of {ROUNDS} alternating rounds "
               "(tracing on: sampler always_on, OTLP/HTTP to a local receiver)")
-        print(f"{'request':<10}{'conc':>5}{'off':>9}{'on':>9}{'on/off':>8}{'+us/req':>9}")
+        print(f"{'request':<10}{'conc':>5}{'off':>9}{'on':>9}{'on/off':>8}{'+us/req':>9}"
+              f"{'unsampled':>11}{'+us/req':>9}")
         for kind, body, n, stream in cases:
             for conc in (1, 8):
-                per: dict[str, list[float]] = {"off": [], "on": []}
+                per: dict[str, list[float]] = {name: [] for name in hubs}
                 for h in hubs.values():  # warm-up
                     trio.run(run_load, h.url + "/v1/chat/completions", body, max(conc, n // 10),
                              conc, stream)
@@ -105,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                         trio.run(run_load, h.url + "/v1/chat/completions", body, n, conc, stream)
                         per[name].append((cpu_seconds(h.pid) - before) / n)
                 off, on = statistics.median(per["off"]), statistics.median(per["on"])
+                un = statistics.median(per["unsampled"])
                 print(f"{kind:<10}{conc:>5}{off * 1e3:>9.3f}{on * 1e3:>9.3f}{on / off:>8.2f}"
-                      f"{(on - off) * 1e6:>9.0f}")
+                      f"{(on - off) * 1e6:>9.0f}{un * 1e3:>11.3f}{(un - off) * 1e6:>9.0f}")
         wait_until(lambda: receiver.posts > 0, 10, "spans received")
         dropped = httpx.get(hubs["on"].url + "/metrics", timeout=10).text
         line = next((x for x in dropped.splitlines()
