@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import ssl
 import threading
 import time
 from urllib.parse import urlsplit
@@ -17,6 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.pki import client_ctx, make_ca, make_cert
 from tests.harness.procfs import peak_rss_kb
 from tests.harness.procs import procs, wait_until  # noqa: F401  (procs: the fixture)
@@ -114,60 +114,58 @@ def pki(tmp_path_factory):
     return {"ca": ca.pem, "hub": make_cert(d, ca, "hub"), "node": make_cert(d, ca, "node")}
 
 
-class Fleet:
+def start(procs, pki, tls: bool, hub_env: dict[str, str],  # noqa: F811
+          node_env: dict[str, str]) -> Fleet:
     """A hub and one 4-place sim node, plain or TLS (both listeners)."""
+    # (the node asks for a client certificate: the hub's serves)
+    f = Fleet(procs=procs, token=NODE_TOKEN,
+              verify=client_ctx(pki["ca"], pki["hub"]) if tls else True)
+    f.tls = pki if tls else None
+    t_hub = ({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
+              "Hub__TlsCa": pki["ca"]} if tls else {})
+    t_node = ({"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
+               "Node__TlsCa": pki["ca"]} if tls else {})
+    # Heartbeats every 2 s: the sim builds these long answers eagerly, and a loaded
+    # 2-core box must not see the node as lost while it does.
+    f.start_hub({"Node__HeartbeatSeconds": "2", **t_hub, **hub_env})
+    f.start_node("gpu", {"Node__MaxConcurrency": "4", "Node__AnnounceSeconds": "1",
+                         "Node__HeartbeatSeconds": "2", **t_node, **node_env})
+    f.wait(lambda: ready(f), "the node's model answers")
+    return f
 
-    def __init__(self, procs, pki, tls: bool, hub_env: dict[str, str],  # noqa: F811
-                 node_env: dict[str, str]) -> None:
-        self.tls = pki if tls else None
-        # (the node asks for a client certificate: the hub's serves)
-        self.verify: ssl.SSLContext | bool = client_ctx(pki["ca"], pki["hub"]) if tls else True
-        t_hub = ({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
-                  "Hub__TlsCa": pki["ca"]} if tls else {})
-        t_node = ({"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
-                   "Node__TlsCa": pki["ca"]} if tls else {})
-        # Heartbeats every 2 s: the sim builds these long answers eagerly, and a loaded
-        # 2-core box must not see the node as lost while it does.
-        self.hub = procs.hub({"Auth__NodeToken": NODE_TOKEN, "Node__HeartbeatSeconds": "2",
-                              **t_hub, **hub_env})
-        self.node = procs.node("gpu", {"Hub__Url": self.hub.url, "Auth__NodeToken": NODE_TOKEN,
-                                       "Node__MaxConcurrency": "4", "Node__AnnounceSeconds": "1",
-                                       "Node__HeartbeatSeconds": "2",
-                                       **t_node, **node_env})
-        wait_until(self.ready, timeout=30, what="the node's model answers")
 
-    def ready(self) -> bool:
-        """The node is up and its model answers (loaded on demand by this very request)."""
-        try:
-            r = httpx.post(self.hub.url + "/v1/chat/completions", timeout=30, verify=self.verify,
-                           json={"model": "sim-small", "max_tokens": 1,
-                                 "messages": [{"role": "user", "content": "warm up"}]})
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
+def ready(f: Fleet) -> bool:
+    """The node is up and its model answers (loaded on demand by this very request)."""
+    try:
+        r = f.chat("sim-small", "warm up", max_tokens=1, timeout=30)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
 
-    def held(self) -> int:
-        """Places held on the node: its own count (a client may talk to it directly)."""
-        r = httpx.get(self.node.url + "/node/v1/state", timeout=5, verify=self.verify,
-                      headers={"authorization": f"Bearer {NODE_TOKEN}"})
-        return int(r.json()["in_flight"])
 
-    def stalled_client(self, url: str, n: int, headers: dict[str, str]) -> socket.socket:
-        """A client that asks for a long stream and never reads a byte of it (a 2 KiB
-        receive buffer: the server's writes stop making progress once the ~4 MB of socket
-        buffers between them are full)."""
-        host, port = _addr(url)
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-        raw.connect((host, port))
-        s = (client_ctx(self.tls["ca"], self.tls["hub"]).wrap_socket(raw, server_hostname="127.0.0.1")
-             if self.tls else raw)
-        data = json.dumps(_long_stream(n)).encode()
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                  f"Content-Type: application/json\r\n{head}"
-                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        return s
+def held(f: Fleet) -> int:
+    """Places held on the node: its own count (a client may talk to it directly)."""
+    r = httpx.get(f.node("gpu").url + "/node/v1/state", timeout=5, verify=f.verify,
+                  headers={"authorization": f"Bearer {NODE_TOKEN}"})
+    return int(r.json()["in_flight"])
+
+
+def stalled_client(f: Fleet, url: str, n: int, headers: dict[str, str]) -> socket.socket:
+    """A client that asks for a long stream and never reads a byte of it (a 2 KiB
+    receive buffer: the server's writes stop making progress once the ~4 MB of socket
+    buffers between them are full)."""
+    host, port = _addr(url)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    raw.connect((host, port))
+    s = (client_ctx(f.tls["ca"], f.tls["hub"]).wrap_socket(raw, server_hostname="127.0.0.1")
+         if f.tls else raw)
+    data = json.dumps(_long_stream(n)).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+              f"Content-Type: application/json\r\n{head}"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
 
 
 def _long_stream(n: int) -> dict:
@@ -181,21 +179,19 @@ def _long_stream(n: int) -> dict:
 def test_clients_that_stop_reading_give_their_places_back_within_the_write_stall(
         procs, pki, tmp_path, tls):  # noqa: F811
     audit = tmp_path / "audit.jsonl"
-    f = Fleet(procs, pki, tls, {"Hub__WriteStallSeconds": str(STALL_S),
+    f = start(procs, pki, tls, {"Hub__WriteStallSeconds": str(STALL_S),
                                 "Audit__Path": str(audit)},
               {"Node__WriteStallSeconds": str(STALL_S * 5)})  # the hub's fires first
     t0 = time.monotonic()
-    socks = [f.stalled_client(f.hub.url, i, {}) for i in range(4)]
+    socks = [stalled_client(f, f.hub.url, i, {}) for i in range(4)]
     try:
-        wait_until(lambda: f.held() > 0, timeout=10, what="places held")
-        wait_until(lambda: f.held() == 0, timeout=STALL_S + 15, what="the places given back")
+        wait_until(lambda: held(f) > 0, timeout=10, what="places held")
+        wait_until(lambda: held(f) == 0, timeout=STALL_S + 15, what="the places given back")
         # The stall counts from when the writes stop progressing: after the sim has made
         # ~10 MB of events per stream and they filled the socket buffers (a few seconds on
         # a loaded 2-core box), then WriteStallSeconds.
         assert time.monotonic() - t0 < STALL_S + 2 + 4
-        r = httpx.post(f.hub.url + "/v1/chat/completions", timeout=30, verify=f.verify,
-                       json={"model": "sim-small", "max_tokens": 3,
-                             "messages": [{"role": "user", "content": "hi"}]})
+        r = f.chat("sim-small", max_tokens=3, timeout=30)
         assert r.status_code == 200
         lines = [json.loads(x) for x in audit.read_text().splitlines() if x.strip()]
         slow = [x for x in lines if x.get("error") == "client_too_slow"]
@@ -211,12 +207,12 @@ def test_clients_that_stop_reading_give_their_places_back_within_the_write_stall
 def test_sigterm_with_clients_that_never_read_exits_within_the_drain(procs, pki, role,  # noqa: F811
                                                                      tls):
     # The write stall is long (30 s, the default): the drain's end alone must end the writes.
-    f = Fleet(procs, pki, tls, {"Hub__DrainSeconds": "2"}, {"Node__DrainSeconds": "2"})
-    target = f.hub if role == "hub" else f.node
+    f = start(procs, pki, tls, {"Hub__DrainSeconds": "2"}, {"Node__DrainSeconds": "2"})
+    target = f.hub if role == "hub" else f.node("gpu")
     auth = {} if role == "hub" else {"authorization": f"Bearer {NODE_TOKEN}"}
-    socks = [f.stalled_client(target.url, i, auth) for i in range(4)]
+    socks = [stalled_client(f, target.url, i, auth) for i in range(4)]
     try:
-        wait_until(lambda: f.held() == 4, timeout=20, what="4 places held")
+        wait_until(lambda: held(f) == 4, timeout=20, what="4 places held")
         time.sleep(1)  # let the writes fill the buffers and block
         t0 = time.monotonic()
         target.signal(signal.SIGTERM)
@@ -235,7 +231,7 @@ def test_a_stream_the_socket_buffers_held_but_the_client_never_read_is_not_a_cle
     # to leave, at most WriteStallSeconds, and audits 499 client_too_slow. A client that
     # reads gets the same stream audited as a clean 200.
     audit = tmp_path / "audit.jsonl"
-    f = Fleet(procs, pki, False, {"Hub__WriteStallSeconds": str(STALL_S),
+    f = start(procs, pki, False, {"Hub__WriteStallSeconds": str(STALL_S),
                                   "Audit__Path": str(audit)}, {})
     body = {"model": "sim-small", "stream": True, "max_tokens": 4096,
             "messages": [{"role": "user", "content": "a long one"}]}
