@@ -27,7 +27,8 @@ import pytest
 from pydantic import BaseModel
 
 from tests.harness import HARNESS
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -90,33 +91,37 @@ THEIRS: dict[tuple[str, str, str], str] = {}
 FAKE_LLAMA = HARNESS / "fake_llama_server.py"
 
 
-class Fleet:
-    def __init__(self, procs: Procs, tmp: Path) -> None:
-        from tests.harness import make_gguf
+# The chat and embedding model of each engine.
+MODELS = {"sim": ("sim-chat", "sim-embed"), "openai": ("o-chat", "o-embed"),
+          "llama-server": ("tiny", "tiny-embed")}
 
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from tests.harness import make_gguf
+
+    tmp = tmp_path_factory.mktemp("matrix")
+    f = Fleet(tmp, token=TOKEN)
+    try:
         tiny, _ = make_gguf.write_pair(tmp, seed=1)
         # `tiny` is a GGUF: only the llama.cpp node may run it (placement, pull, show);
         # `tiny-embed` is the same file served with llama-server's embeddings on.
-        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Router__ActivationWaitSeconds": "30",
-                              "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
-                              "Models__1__Name": "tiny-embed", "Models__1__Source": str(tiny),
-                              "Models__1__Profile": "embed",
-                              "Profiles__embed__Args": "--embeddings --pooling mean"},
-                             metrics=False)
-        common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
-                  "Node__AnnounceSeconds": "1"}
-        procs.node("sim-n", {**common, "Sim__TokensPerSecond": "2000",
-                             "Sim__Models__0__Name": "sim-chat",
-                             "Sim__Models__1__Name": "sim-embed",
-                             "Sim__Models__1__Capabilities": "embedding",
-                             "Sim__Models__2__Name": "sim-eyes",
-                             "Sim__Models__2__Capabilities": "completion,vision"})
-        upstream = procs.start("sim", {"Sim__Listen": "127.0.0.1:0",
-                                       "Sim__TokensPerSecond": "2000",
-                                       "Sim__Models__0__Name": "o-chat",
-                                       "Sim__Models__1__Name": "o-embed"})
-        procs.node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": upstream.url,
-                             "Engine__PollSeconds": "1"})
+        f.start_hub({"Router__ActivationWaitSeconds": "30",
+                     "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
+                     "Models__1__Name": "tiny-embed", "Models__1__Source": str(tiny),
+                     "Models__1__Profile": "embed",
+                     "Profiles__embed__Args": "--embeddings --pooling mean"}, metrics=False)
+        common = {"Node__AnnounceSeconds": "1"}
+        f.start_node("sim-n", {**common, "Sim__TokensPerSecond": "2000",
+                               "Sim__Models__0__Name": "sim-chat",
+                               "Sim__Models__1__Name": "sim-embed",
+                               "Sim__Models__1__Capabilities": "embedding",
+                               "Sim__Models__2__Name": "sim-eyes",
+                               "Sim__Models__2__Capabilities": "completion,vision"})
+        upstream = f.start_sim({"Sim__TokensPerSecond": "2000", "Sim__Models__0__Name": "o-chat",
+                                "Sim__Models__1__Name": "o-embed"})
+        f.start_node("oai-n", {**common, "Engine__Kind": "openai", "Engine__Url": upstream.url,
+                               "Engine__PollSeconds": "1"})
         # llama.cpp's own server where it is built (as tests/harness/llama_cache.py starts it: one
         # thread, the tiny model's context, --jinja; greedy), else the stand-in for the GGUF
         # test.
@@ -126,38 +131,18 @@ class Fleet:
                    "--jinja --temp 0 {args}" if LLAMA_SERVER is not None else
                    f"{sys.executable} {FAKE_LLAMA} -m {{model}} --port {{port}} "
                    "--health-delay 0.05")
-        procs.node("lc-n", {**common, "Engine__Kind": "llamacpp", "Engine__Command": command})
-        self.models = {"sim": ("sim-chat", "sim-embed"), "openai": ("o-chat", "o-embed"),
-                       "llama-server": ("tiny", "tiny-embed")}
-        wait_until(lambda: {"sim-chat", "sim-embed", "sim-eyes", "o-chat", "o-embed"} <= {
-            m["name"] for m in httpx.get(self.hub.url + "/api/status", timeout=10).json()["models"]},
-                   what="models known")
-
-    @property
-    def v1(self) -> str:
-        return self.hub.url + "/v1"
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    procs = Procs()
-    try:
-        yield Fleet(procs, tmp_path_factory.mktemp("matrix"))
+        f.start_node("lc-n", {**common, "Engine__Kind": "llamacpp", "Engine__Command": command})
+        f.wait_models("sim-chat", "sim-embed", "sim-eyes", "o-chat", "o-embed")
+        yield f
     finally:
-        procs.close()
+        f.close()
 
 
 # --- the clients ------------------------------------------------------------------------
 
 
-def _openai(f: Fleet):
-    import openai
-
-    return openai.OpenAI(base_url=f.v1, api_key="anyone", max_retries=0, timeout=60)
-
-
 def openai_cell(f: Fleet, cell: str, chat: str, embed: str) -> None:
-    c = _openai(f)
+    c = f.openai()
     if cell == "chat":
         r = c.chat.completions.create(model=chat, messages=USER, max_tokens=8)
         assert r.choices[0].message.content
@@ -241,7 +226,7 @@ def _langchain(kind: str, f: Fleet, chat: str):
     if kind == "lc-openai":
         from langchain_openai import ChatOpenAI
 
-        return ChatOpenAI(model=chat, base_url=f.v1, api_key="anyone", max_retries=0,
+        return ChatOpenAI(model=chat, base_url=f.url + "/v1", api_key="anyone", max_retries=0,
                           stream_usage=True, timeout=60)
     if kind == "lc-ollama":
         from langchain_ollama import ChatOllama
@@ -281,7 +266,7 @@ def langchain_cell(kind: str) -> Callable[[Fleet, str, str, str], None]:
             if kind == "lc-openai":
                 from langchain_openai import OpenAIEmbeddings
 
-                emb: Any = OpenAIEmbeddings(model=embed, base_url=f.v1, api_key="anyone",
+                emb: Any = OpenAIEmbeddings(model=embed, base_url=f.url + "/v1", api_key="anyone",
                                             check_embedding_ctx_length=False)
             else:
                 from langchain_ollama import OllamaEmbeddings
@@ -307,7 +292,7 @@ def litellm_cell(provider: str) -> Callable[[Fleet, str, str, str], None]:
 
     def run(f: Fleet, cell: str, chat: str, embed: str) -> None:
         lm = _litellm()
-        base = f.v1 if provider == "openai" else f.hub.url
+        base = f.url + "/v1" if provider == "openai" else f.hub.url
         kw: dict[str, Any] = {"api_base": base, "api_key": "anyone", "timeout": 60}
         name = f"{provider}/{chat}"
         if cell == "chat":
@@ -367,7 +352,7 @@ def _cases() -> list[Any]:
 
 @pytest.mark.parametrize(("engine", "client", "cell"), _cases())
 def test_client_cell(fleet, engine, client, cell):
-    chat, embed = fleet.models[engine]
+    chat, embed = MODELS[engine]
     RUN[client](fleet, cell, chat, embed)
 
 
@@ -401,7 +386,7 @@ def test_curl_without_a_content_type(fleet, engine, route):
     """The README's `curl .../api/chat -d '{...}'`: a JSON body sent with no content type
     (curl -d sends a form type; httpx with raw bytes sends none) is answered."""
     path, body, text = CURL[route]
-    chat, _ = fleet.models[engine]
+    chat, _ = MODELS[engine]
     for ctype in (None, "application/x-www-form-urlencoded"):
         headers = {"content-type": ctype} if ctype else {}
         r = httpx.post(fleet.hub.url + path, content=json.dumps(body(chat)).encode(),
@@ -420,7 +405,7 @@ def test_open_webui_call_sequence_with_token_stats(fleet, engine):
     """What Open WebUI sends to an Ollama connection, in its order: version, tags, ps,
     show, a streamed chat (its token stats: eval_count / eval_duration), the title task,
     an embedding, the unload button -- and a chat after the unload."""
-    chat, embed = fleet.models[engine]
+    chat, embed = MODELS[engine]
     c = httpx.Client(base_url=fleet.hub.url, timeout=60)
     assert c.get("/api/version").json()["version"]
     tags = {m["name"]: m for m in c.get("/api/tags").json()["models"]}
@@ -466,7 +451,7 @@ def test_images_to_a_model_without_vision_are_a_400_in_each_apis_shape(fleet):
     import openai
 
     url = "data:image/png;base64," + PNG
-    oa = _openai(fleet)
+    oa = fleet.openai()
     parts = [{"type": "text", "text": "what is this?"},
              {"type": "image_url", "image_url": {"url": url}}]
     with pytest.raises(openai.BadRequestError) as ei:
