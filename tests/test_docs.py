@@ -6,7 +6,7 @@ makes heading anchors), and the README stays short and links every page of docs/
 Each name is drawn from the code itself, so a setting, an error code or a series added
 without its row fails here:
 
-- environment variables: the msgspec structs of `appliance/config.py` walked the way its
+- environment variables: the msgspec structs of `appliance/config/schema.py` walked the way its
   loader maps them (`Section__Key`; a list of sections `Section__Key__N__Sub`, the root's
   `Nodes__N__Key`; an indexed section's items `Models__N__Key`; a dict `Profiles__NAME__Key`),
   and every `os.environ` read in `appliance/`. The walk is checked against the loader: each
@@ -404,7 +404,7 @@ def test_a_long_or_unlinked_readme_fails() -> None:
 
 def test_a_wrong_path_fails() -> None:
     assert missing_paths({"x": "see appliance/hub/nowhere.py"}) == ["x: appliance/hub/nowhere.py"]
-    assert missing_paths({"x": "see appliance/config.py"}) == []
+    assert missing_paths({"x": "see appliance/config/schema.py"}) == []
     assert missing_paths({"x": "`appliance/hub/{run,nope}.py`"}) == ["x: appliance/hub/nope.py"]
     assert missing_paths({"x": "`appliance/hub/run.py`, `nope.py`"}) == ["x: appliance/hub/nope.py"]
     assert missing_paths({"x": "appliance/h1server.py"}, {"appliance/h1server.py"}) == []
