@@ -286,6 +286,8 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
         in_flight = r.recorder.metrics.in_flight_of(model)
         victim = req if way.preemptible else None
         req.queue_at = time.perf_counter()
+        if req.trace is not None:  # its place in the queue, for the span's admission event
+            req.trace.ahead = r.admission.waiting(model)
         async with r.admission.place(model, req.cls, req.client, in_flight, req.lease.demand,
                                      prompt, victim) as place:
             req.queue_s = time.perf_counter() - req.queue_at  # admission's (audit `queue_ms`)

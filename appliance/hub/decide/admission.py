@@ -494,3 +494,8 @@ class Admission:
 
     def statistics(self) -> dict[str, Any]:
         return self.core.statistics()
+
+    def waiting(self, model: str) -> int:
+        """Requests waiting for a place for `model` now (one arriving queues behind them)."""
+        s = self.core.models.get(model)
+        return s.waiting if s is not None else 0

@@ -59,7 +59,7 @@ EVENT_MS = 1.0
 
 class RequestSpan:
     __slots__ = ("tracing", "span", "trace_id", "epoch_ns", "perf0", "operation", "context",
-                 "attempts", "first_attempt_ns")
+                 "attempts", "first_attempt_ns", "ahead")
 
     def __init__(self, tracing: Tracing, req: Request) -> None:
         self.tracing = tracing
@@ -73,6 +73,7 @@ class RequestSpan:
         self.trace_id = trace_id(self.span)
         self.attempts: list[str] = []  # the nodes tried, in order
         self.first_attempt_ns = 0
+        self.ahead = 0  # requests for the model waiting when it asked for a place
         self.context: list[tuple[bytes, bytes]] | None = None  # what the node is sent
         if self.trace_id and not any(k == b"x-request-id" for k, _ in req.headers):
             req.request_id = self.trace_id
@@ -136,7 +137,8 @@ class RequestSpan:
         if req.queue_s is not None and req.queue_at is not None:
             attrs["appliance.queue_ms"] = ms = round(req.queue_s * 1000, 2)
             if ms >= EVENT_MS:
-                s.add_event("admission_wait", {"duration_ms": ms, "appliance.priority": req.cls},
+                s.add_event("admission_wait", {"duration_ms": ms, "appliance.priority": req.cls,
+                                                "appliance.queue_position": self.ahead + 1},
                             timestamp=self._ns(req.queue_at))
         if req.sent_at is not None and req.ttfb is not None:
             attrs["appliance.node_wait_ms"] = round(

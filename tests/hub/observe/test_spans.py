@@ -50,6 +50,7 @@ def _req(headers, **kw):
 def test_a_clients_trace_is_continued_and_the_attributes_come_from_the_record(tracing):
     req = _req([(b"traceparent", PARENT), (b"x-request-id", b"mine")])
     span = RequestSpan(tracing, req)
+    span.ahead = 3
     assert span.trace_id == TRACE and req.request_id == "made-here"  # the client's id kept
     span.attempt("gpu-a")
     (k, v), = span.headers()
@@ -69,6 +70,8 @@ def test_a_clients_trace_is_continued_and_the_attributes_come_from_the_record(tr
     assert a["appliance.client"] == "team-a" and a["appliance.queue_ms"] == 500.0
     assert a["appliance.request_id"] == "made-here"
     assert {e.name for e in s.events} == {"first_byte", "admission_wait"}
+    wait = next(e for e in s.events if e.name == "admission_wait")
+    assert wait.attributes["appliance.queue_position"] == 4  # three were waiting
     assert v.split(b"-")[2] == f"{s.context.span_id:016x}".encode()  # the node's parent
 
 
