@@ -221,6 +221,8 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
     assert "parked" in row and KEV in row and " 5 " in f" {row} ", row
     _wait(d, lambda d: "sim-fit" in _text(d, "#models tr[data-model='sim-fit'][data-state=ready]"),
           "sim-fit ready")
+    # Each ready replica's predicted wait for a place on its node card (hub/decide/cost.py).
+    _wait(d, lambda d: "sim-fit (ready, wait ~" in _text(d, "#nodes"), "the predicted wait")
     # How its requests were placed (session / prefix / spread) and the engines' cache share.
     _wait(d, lambda d: " · " in _text(d, "#models tr[data-model='sim-fit'] td.routing")
           and "cached" in _text(d, "#models tr[data-model='sim-fit'] td.routing"), "routing cell")

@@ -148,6 +148,15 @@ function drawAttention(status) {
   document.getElementById("attention").hidden = items.length === 0;
 }
 
+// A ready model's load on a node (hub/decide/cost.py): the engine's busy slots where it
+// says them, the predicted wait for a place, requests waiting there for their home.
+function loadText(m) {
+  if (m.state !== "ready" || m.predicted_wait_ms == null) return "";
+  const busy = m.busy == null ? "" : `, ${m.busy} of ${m.slots} slots busy`;
+  const home = m.home_waiting ? `, ${m.home_waiting} waiting for home` : "";
+  return `${busy}, wait ~${Math.round(m.predicted_wait_ms)} ms${home}`;
+}
+
 function drawNodes(status, detail) {
   const byName = Object.fromEntries(detail.map((d) => [d.name, d]));
   const nodes = [...status.nodes].sort((a, b) =>
@@ -160,7 +169,7 @@ function drawNodes(status, detail) {
     const mem = total ? el("span", {}, `${fmtMiB(used || 0)} of ${fmtMiB(total)}`,
       el("div", { class: "bar", role: "img", "aria-label": `${pct}% of GPU memory used` },
         el("span", { style: `width:${pct}%` }))) : "not declared";
-    const models = (n.models || []).map((m) => `${m.name} (${m.state}${m.health === "replica_unhealthy" ? `, UNHEALTHY: ${m.health_error}` : ""}${m.in_flight ? `, ${m.in_flight} in flight` : ""})`);
+    const models = (n.models || []).map((m) => `${m.name} (${m.state}${m.health === "replica_unhealthy" ? `, UNHEALTHY: ${m.health_error}` : ""}${m.in_flight ? `, ${m.in_flight} in flight` : ""}${loadText(m)})`);
     const why = n.status === "over_limits" ? d.over_limits_reason : n.status === "lost" ? d.lost_reason : "";
     const actions = el("div", { class: "actions" },
       d.cordoned ? nodeButton(n.name, "uncordon", "Uncordon") : nodeButton(n.name, "cordon", "Cordon"),
@@ -188,7 +197,10 @@ function routingText(r) {
   if (!r) return "–";
   const p = r.placed;
   const hit = r.cache_hit_ratio == null ? "–" : `${Math.round(r.cache_hit_ratio * 100)}%`;
-  return `${p.session} / ${p.prefix} / ${p.spread} · ${hit} cached`;
+  const w = r.home_waits || {};
+  const waited = Object.values(w).reduce((a, b) => a + b, 0);
+  const home = waited ? ` · ${waited} waited for home (${w.home || 0} got it)` : "";
+  return `${p.session} / ${p.prefix} / ${p.spread} · ${hit} cached${home}`;
 }
 
 function drawModels(status) {
