@@ -150,6 +150,10 @@ class Hub:
         self.control.reload(cfg)
         for n in cfg.nodes:
             self.add_node(n.name, n.url, static=True)
+        if self.store is not None:  # its bounds follow; Store__Path only at the next start
+            self.store.reload(cfg.store)
+        if self.batches is not None:
+            self.batches.limiter.total_tokens = cfg.batch.max_concurrent
         if self.workers is not None:
             self.workers.reload()  # each worker re-reads it (hub/worker.py)
 

@@ -199,7 +199,7 @@ AT_NEXT_START: dict[str, Callable[[Config], object]] = {
     "Metrics__Listen": lambda c: c.metrics.listen,
     "Auth__NodeToken": lambda c: c.auth.node_token, "Audit__Path": lambda c: c.audit.path,
     "Hub__Name": lambda c: c.hub.name, "Cluster": lambda c: c.cluster,
-    "Hub__Workers": lambda c: c.hub.workers,
+    "Hub__Workers": lambda c: c.hub.workers, "Store__Path": lambda c: c.store.path,
 }
 
 

@@ -39,6 +39,10 @@ PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 FIELD_MAX = 1024
 # Files are read back in chunks of this size (a relay's usual buffer).
 READ_CHUNK = 256 * 1024
+# A refused upload's rest is read and dropped up to this much, for this long, so its client
+# reads the answer (past it the connection just ends): a few seconds of a LAN upload.
+DRAIN_MAX = 256 * 1024 * 1024
+DRAIN_SECONDS = 10.0
 # OpenAI's expires_after bounds: an hour to 30 days.
 EXPIRES_MIN, EXPIRES_MAX = 3600, 30 * 86400
 
@@ -180,7 +184,7 @@ async def upload(hub: Hub, store: Store, scope: Scope, receive: Receive, owner: 
         raise ApiError(400, "invalid_request", "an upload is multipart/form-data with a "
                        "boundary (fields purpose and file)")
     await store.check_quota(owner)
-    reader, up, done = Reader(boundary), _Upload(store), False
+    reader, up, done, more = Reader(boundary), _Upload(store), False, True
     try:
         while True:
             msg = await receive()
@@ -196,7 +200,8 @@ async def upload(hub: Hub, store: Store, scope: Scope, receive: Receive, owner: 
                     done = True
                 await up.event(ev)
             release(scope, len(chunk))  # on disk now (or about to be refused): not held
-            if not msg.get("more_body"):
+            more = bool(msg.get("more_body"))
+            if not more:
                 break
         if not done or up._f is None:
             raise ApiError(400, "invalid_request", "the upload has no file part" if done
@@ -210,6 +215,11 @@ async def upload(hub: Hub, store: Store, scope: Scope, receive: Receive, owner: 
         oid = ids.new("file-", hub.cfg.hub_name())
         store.room(up.size)
         await up.finish(store.file_path(oid))
+    except ApiError:
+        await up.discard()
+        if more:
+            await _drain(scope, receive)
+        raise
     except BaseException:
         await up.discard()
         raise
@@ -224,6 +234,22 @@ async def upload(hub: Hub, store: Store, scope: Scope, receive: Receive, owner: 
             await store.remove(o)
         raise
     return o
+
+
+async def _drain(scope: Scope, receive: Receive) -> None:
+    """Read (and drop) what is left of a refused upload, bounded, so the client that is
+    still sending it reads the refusal instead of a reset connection."""
+    left = DRAIN_MAX
+    with trio.move_on_after(DRAIN_SECONDS):
+        while left > 0:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            chunk = msg.get("body", b"")
+            left -= len(chunk)
+            release(scope, len(chunk))
+            if not msg.get("more_body"):
+                return
 
 
 def _expires(fields: dict[str, str], now: int) -> int | None:

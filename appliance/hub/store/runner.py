@@ -35,7 +35,7 @@ from appliance.hub.api.request import BATCH_SCOPE
 from appliance.hub.store import lines
 from appliance.hub.store.db import Obj
 from appliance.hub.store.outputs import write_outputs
-from appliance.hub.store.store import FINISHED, Store, disk_full
+from appliance.hub.store.store import Store, disk_full
 
 # The router's `handle_inference` for this hub: (scope, receive, send, api).
 Serve = Callable[[Scope, Receive, Send, str], Awaitable[None]]
@@ -139,9 +139,10 @@ class Batches:
         try:
             if b.state == "validating":
                 await self._validate(b)
+            ending = None
             if b.state in ("in_progress", "cancelling"):
-                await self._lines(b)
-            await self._finish(b)
+                ending = await self._lines(b)
+            await self._finish(b, ending)
         except (OSError, msgspec.MsgspecError) as e:  # the disk under the store failed
             log.error("batch %s stopped: %s", b.id, e)
             b.data["errors"] = {"object": "list", "data": [
@@ -174,8 +175,9 @@ class Batches:
             failed = sum(1 for r in rows if r[2] == "failed")
             b2 = snapshot(b)
             b2.data["request_counts"] = {"total": n, "completed": 0, "failed": failed}
-            b2.state = b2.data["status"] = "in_progress"
             b2.data["in_progress_at"] = int(time.time())
+            if b.state == "validating":  # (cancelled meanwhile: it stays cancelling)
+                b2.state = b2.data["status"] = "in_progress"
             self.store.db.set_lines(b2, rows)
             b.data, b.state = b2.data, b2.state
 
@@ -190,7 +192,8 @@ class Batches:
         if failed:
             self.store.metrics.lines.labels("failed").inc(failed)
 
-    async def _lines(self, b: Obj) -> None:
+    async def _lines(self, b: Obj) -> str:
+        """Run the pending lines; how the batch ends: completed, cancelled or expired."""
         stop = self.cancels[b.id]
         after = -1  # lines are taken in order; one running is still pending in the store
         async with trio.open_nursery() as nursery:
@@ -209,16 +212,18 @@ class Batches:
                 else:
                     continue
                 break
-            if self._expired(b) and not stop.is_set():
-                stop.set()
-                set_state(b, "expired")
+            cancelled = stop.is_set()
+            expired = self._expired(b) and not cancelled
+            stop.set()
         # What was not run is cancelled (or expired) now; in-flight ones finished above.
+        ending = "expired" if expired else "cancelled" if cancelled else "completed"
         if (await self.store.run(self.store.db.line_states, b.id)).get("pending"):
-            state = "expired" if b.state == "expired" else "cancelled"
+            state = "expired" if expired else "cancelled"
             code = "batch_expired" if state == "expired" else "batch_cancelled"
             res = lines.error_result(code, f"the batch was {state} before this line ran")
             n = await self.store.run(self.store.db.cancel_pending, snapshot(b), state, res)
             self.store.metrics.lines.labels(state).inc(n)
+        return ending
 
     def _expired(self, b: Obj) -> bool:
         window = b.data.get("expires_at")
@@ -267,13 +272,13 @@ class Batches:
             return lines.error_result("internal_error", "the hub gave no answer"), False
         return lines.result(status, decoded, rid), status == 200
 
-    async def _finish(self, b: Obj) -> None:
-        if b.state in FINISHED:  # failed validating, or expired
-            if b.kind == "batch" and b.state == "expired":
-                await self._files(b)
+    async def _finish(self, b: Obj, ending: str | None) -> None:
+        """Files (OpenAI's) first, then the final status: a client that reads it finds
+        them."""
+        if b.state == "failed":  # its input could not be read
             await self.store.run(self.store.db.save, snapshot(b))
             return
-        final = "cancelled" if b.state == "cancelling" else "completed"
+        final = ending or ("cancelled" if b.state == "cancelling" else "completed")
         if final == "completed":
             set_state(b, "finalizing")
             await self.store.run(self.store.db.save, snapshot(b))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
+import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -61,6 +62,10 @@ class Store:
         self.limiter = trio.CapacityLimiter(1)
         self.total = 0
         self.owned: dict[str, int] = {}  # objects per owner, once asked (check_quota)
+
+    def reload(self, cfg: StoreConfig) -> None:
+        """New bounds (SIGHUP); the path stays the one opened."""
+        self.cfg = msgspec.structs.replace(cfg, path=self.cfg.path)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(partial(fn, *args), limiter=self.limiter)

@@ -85,3 +85,28 @@ async def test_a_resumed_batch_runs_only_pending_lines(tmp_path, autojump_clock)
     router, states, b = await _run(tmp_path, prompts, done_first=4)
     assert states == {"completed": 6} and b.state == "completed"
     assert sorted(router.calls) == ["ok4", "ok5"]
+
+
+async def test_a_batch_past_its_window_expires_its_pending_lines(tmp_path, autojump_clock):
+    import time
+
+    cfg = config.load({"Store__Path": str(tmp_path / "s.db")})
+    store = open_store(cfg.store, "h", CollectorRegistry())
+    b = Obj("batch_h-1", "batch", "anonymous", 1, None, 0, "in_progress",
+            {"endpoint": "/v1/chat/completions", "expires_at": int(time.time()) - 1,
+             "request_counts": {"total": 3, "completed": 0, "failed": 0}})
+    await store.run(store.db.add_lines, b, _rows(["ok0", "ok1", "ok2"]))
+    router = Router()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(Batches(lambda: cfg, store, router).run)
+        while (await store.run(store.db.get, "batch", b.id, None)).state == "in_progress":
+            await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    got = await store.run(store.db.get, "batch", b.id, None)
+    assert got.state == "expired" and got.data["expired_at"]
+    assert router.calls == {}
+    assert await store.run(store.db.line_states, b.id) == {"expired": 3}
+    err = await store.run(store.db.get, "file", got.data["error_file_id"], None)
+    with open(store.file_path(err.id)) as f:
+        codes = [json.loads(x)["error"]["code"] for x in f]
+    assert codes == ["batch_expired"] * 3
