@@ -136,14 +136,20 @@ def _stream(url: str, headers: dict) -> httpx.Response:
     return r
 
 
+@pytest.fixture(params=["1"], ids=["one-process"])
+def workers(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def fleet(procs: Procs, tmp_path):
+def fleet(procs: Procs, tmp_path, workers):
     engine, receiver = Engine(), Receiver()
     engine_url, receiver_url = _serve(engine), _serve(receiver)
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver_url, "OTEL_TRACES_SAMPLER": "parentbased_always_on",
             "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
     audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit), **otel})
+    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit), "Hub__Workers": workers,
+                     **otel})
     procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
                          "Node__AnnounceSeconds": "1", "Engine__Kind": "openai",
                          "Engine__Url": engine_url, "Engine__PollSeconds": "1",
@@ -157,6 +163,8 @@ def fleet(procs: Procs, tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["one-process", "two-workers"],
+                         indirect=True)
 def test_one_trace_from_the_client_through_hub_and_node_to_the_engine(fleet):
     hub, engine, receiver, audit = fleet
     parent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"

@@ -298,7 +298,10 @@ class LeaseRelay:
 
     async def _relay(self, node: NodeHandle, req: Request) -> None:
         req.sent_to(node.name, req.tried, req.route)
-        await self.conn.send(Go(node.name, node.url, node.auth_raw,
+        # The worker sends these headers to the node beside its own: the per-node token,
+        # and this request's trace context (the node's span a child of the hub's).
+        extra = node.auth_raw + (req.trace.headers() if req.trace is not None else [])
+        await self.conn.send(Go(node.name, node.url, extra,
                                 translate.engine_kind(node.state), req.label))
 
         failure: ApiError | NotAnswered | None = None
