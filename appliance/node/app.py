@@ -42,13 +42,14 @@ from appliance.http.asgi import (
     send_text,
 )
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.errors import api_of
+from appliance.http.errors import ApiError, api_of
+from appliance.http.respond import send_api_error
 from appliance.node import modelops
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.fence import Fence, parse_lease
 from appliance.node.metrics import NodeMetrics
-from appliance.node.proxy import NODE_API, EngineProxy, send_error
+from appliance.node.proxy import EngineProxy
 from appliance.node.state import NodeStateKeeper
 from appliance.observe.metricsapp import render
 from appliance.observe.trace import Tracing
@@ -102,32 +103,30 @@ class NodeApp:
         if path == "/health":
             await send_json(send, 200, {"status": "ok", "name": self.keeper.name})
             return
-        is_proxy = path.startswith(("/v1/", "/api/"))
+        # Every refusal is raised as an ApiError and answered here, in the path's shape (the
+        # node API's, /node/v1/, is Ollama's, as `api_of` maps it), before any answer began.
         api = api_of(path)
-        if not self._authorized(scope):
-            await self._error(send, api, 401, "invalid_api_key",
-                              "missing or wrong node token (Auth__NodeToken)")
-            return
-        if path.startswith("/node/v1/"):
-            await self._node_api(scope, receive, send, path[len("/node/v1/"):], method)
-        elif is_proxy:
-            await self.proxy.handle(scope, receive, send, path, method, api)
-        elif path == "/metrics" and self.metrics is not None:
-            await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]),
-                            CONTENT_TYPE_LATEST.encode())
-        else:
-            await self._error(send, NODE_API, 404, "not_found",
-                f"no route {method} {echo_path(path)}")
+        try:
+            if not self._authorized(scope):
+                raise ApiError(401, "invalid_api_key",
+                               "missing or wrong node token (Auth__NodeToken)")
+            if path.startswith("/node/v1/"):
+                await self._node_api(scope, receive, send, path[len("/node/v1/"):], method)
+            elif path.startswith(("/v1/", "/api/")):
+                await self.proxy.handle(scope, receive, send, path, method, api)
+            elif path == "/metrics" and self.metrics is not None:
+                await send_text(send, 200, render(self.metrics.registry, [self.metrics.refresh]),
+                                CONTENT_TYPE_LATEST.encode())
+            else:
+                raise ApiError(404, "not_found", f"no route {method} {echo_path(path)}")
+        except ApiError as e:
+            await send_api_error(send, api, e)
 
     def _authorized(self, scope: Scope) -> bool:
         if not self.token:
             return True
         got = (bearer(scope) or "").encode()
         return hmac.compare_digest(got, self.token)
-
-    async def _error(self, send: Send, api: str, status: int, code: str, message: str,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        await send_error(send, api, status, code, message, headers)
 
     # --- /node/v1/ -----------------------------------------------------------------------
 
@@ -138,8 +137,7 @@ class NodeApp:
                   "leave": "POST", "join": "POST", "epoch": "POST"}
         if rest in simple:
             if method != simple[rest]:
-                await self._error(send, NODE_API, 405, "method_not_allowed",
-                                  f"{rest} takes {simple[rest]}")
+                raise ApiError(405, "method_not_allowed", f"{rest} takes {simple[rest]}")
             elif rest == "watch":
                 await self._watch(receive, send)
             elif rest == "state":
@@ -158,30 +156,24 @@ class NodeApp:
             return
         if rest in ("pull", "delete"):
             if method != "POST":
-                await self._error(send, NODE_API, 405, "method_not_allowed", f"{rest} takes POST")
+                raise ApiError(405, "method_not_allowed", f"{rest} takes POST")
             else:
                 await modelops.handle(self.engine, self.proxy.pool,
                                      self.cfg.node.upstream_read_seconds, receive, send, rest)
             return
         model, action = self._model_path(scope)
         if model is None or action not in ("load", "unload"):
-            await self._error(send, NODE_API, 404, "not_found",
-                              f"no route {method} /node/v1/{rest}")
-            return
+            raise ApiError(404, "not_found", f"no route {method} /node/v1/{rest}")
         if method != "POST":
-            await self._error(send, NODE_API, 405, "method_not_allowed", f"{action} takes POST")
-            return
+            raise ApiError(405, "method_not_allowed", f"{action} takes POST")
         try:
             body = await read_body(receive, CONTROL_BODY_LIMIT)
             req = load_request_decoder.decode(body) if body.strip() else LoadRequest()
         except BodyTooLarge:
-            await self._error(send, NODE_API, 413, "body_too_large",
-                              f"body over {CONTROL_BODY_LIMIT} bytes")
-            return
+            raise ApiError(413, "body_too_large", f"body over {CONTROL_BODY_LIMIT} bytes") from None
         except (msgspec.DecodeError, RecursionError) as e:
-            await self._error(send, NODE_API, 400, "invalid_json",
-                              f"body is not a LoadRequest: {e or 'nested too deeply'}")
-            return
+            raise ApiError(400, "invalid_json",
+                           f"body is not a LoadRequest: {e or 'nested too deeply'}") from None
         stale = self._fence(scope)
         if stale:
             await self._stale(send, action, model, stale)
@@ -235,8 +227,7 @@ class NodeApp:
             error = str(e) or type(e).__name__
             k.load_failed(model, error)
             log.warning("load of %s failed: %s", model, error)
-            await self._error(send, NODE_API, 502, "load_failed", error)
-            return
+            raise ApiError(502, "load_failed", error) from e
         except BaseException:
             k.load_failed(model, "load interrupted (node shutting down)")
             raise
@@ -249,8 +240,7 @@ class NodeApp:
                     await self.engine.unload(model)
                 except (EngineError, httpx.HTTPError, OSError) as e:
                     log.warning("unload of %s after its timeout failed: %s", model, e)
-            await self._error(send, NODE_API, 504, "load_timeout", error)
-            return
+            raise ApiError(504, "load_timeout", error)
         k.load_done(model)
         log.info("%s is ready", model)
         await send_json(send, 200, {"model": model, "state": "ready"})
@@ -261,12 +251,9 @@ class NodeApp:
             with trio.move_on_after(timeout) as cs:
                 await self.engine.unload(model)
         except (EngineError, httpx.HTTPError, OSError) as e:
-            await self._error(send, NODE_API, 502, "unload_failed", str(e) or type(e).__name__)
-            return
+            raise ApiError(502, "unload_failed", str(e) or type(e).__name__) from e
         if cs.cancelled_caught:
-            await self._error(send, NODE_API, 504, "unload_timeout",
-                              f"unload took over {timeout:g} s")
-            return
+            raise ApiError(504, "unload_timeout", f"unload took over {timeout:g} s")
         self.keeper.unloaded(model)
         log.info("%s unloaded", model)
         await send_json(send, 200, {"model": model, "state": "available"})

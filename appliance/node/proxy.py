@@ -29,7 +29,7 @@ from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.http.errors import Api, ApiError, Headers
+from appliance.http.errors import Api, ApiError
 from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_body, stream_error
 from appliance.node.engines.base import Engine
@@ -37,7 +37,7 @@ from appliance.node.engines.params import fit
 from appliance.node.health import Waiting
 from appliance.node.metrics import NodeMetrics
 from appliance.node.request import NodeRequest
-from appliance.node.state import NodeStateKeeper, Refused
+from appliance.node.state import NodeStateKeeper, NoPlace
 from appliance.observe.trace import Tracing, operation, passthrough
 from appliance.wire import UNHEALTHY
 
@@ -68,12 +68,6 @@ _model_decoder = msgspec.json.Decoder(_ModelOnly)
 NODE_API: Api = "ollama"
 
 
-async def send_error(send: Send, api: str, status: int, code: str, message: str,
-                     headers: Headers | None = None) -> None:
-    """An error in the shape of `api` (`errors.api_of` of the path)."""
-    await send_api_error(send, api, ApiError(status, code, message), headers or ())
-
-
 class EngineProxy:
     def __init__(self, cfg: Config, keeper: NodeStateKeeper, engine: Engine,
                  metrics: NodeMetrics | None, tracing: Tracing | None = None) -> None:
@@ -92,15 +86,13 @@ class EngineProxy:
         if method == "GET":
             listing = self._listing(path)
             if listing is None:
-                await send_error(send, api, 405, "method_not_allowed",
-                                  "GET serves /v1/models, /api/tags, /api/ps, /api/version; "
-                                  f"{echo_path(path)} takes POST")
-            else:
-                await send_json(send, 200, listing)
+                raise ApiError(405, "method_not_allowed",
+                               "GET serves /v1/models, /api/tags, /api/ps, /api/version; "
+                               f"{echo_path(path)} takes POST")
+            await send_json(send, 200, listing)
             return
         if method != "POST":
-            await send_error(send, api, 405, "method_not_allowed", f"{echo_path(path)} takes POST")
-            return
+            raise ApiError(405, "method_not_allowed", f"{echo_path(path)} takes POST")
         await self._proxy(scope, receive, send, api)
 
     def _listing(self, path: str) -> Any:
@@ -122,21 +114,18 @@ class EngineProxy:
         try:
             body = await read_body(receive, limit)
         except BodyTooLarge:
-            await send_error(send, api, 413, "body_too_large",
-                              f"request body is over Node__MaxBodyBytes ({limit} bytes)")
-            return
+            raise ApiError(413, "body_too_large",
+                           f"request body is over Node__MaxBodyBytes ({limit} bytes)") from None
         except trio.BrokenResourceError:
             return
         try:
             head = _model_decoder.decode(body)
             model = head.model
         except msgspec.ValidationError:
-            await send_error(send, api, 400, "invalid_request",
-                              "body must be a JSON object with a string `model`")
-            return
+            raise ApiError(400, "invalid_request",
+                           "body must be a JSON object with a string `model`") from None
         except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deeply
-            await send_error(send, api, 400, "invalid_json", "body is not JSON")
-            return
+            raise ApiError(400, "invalid_json", "body is not JSON") from None
         req = NodeRequest(self.keeper, self.metrics, model)
         client = None
         try:
@@ -144,31 +133,27 @@ class EngineProxy:
             if upstream is None:
                 if any(m.name == model for m in self.engine.models()):
                     req.status = "503"
-                    await send_error(send, api, 503, "no_capacity",
-                                     f"model {model} is not loaded on node {self.keeper.name}",
-                                     [(b"retry-after", b"1")])
-                else:
-                    req.unknown_model()
-                    req.status = "404"
-                    await send_error(send, api, 404, "model_not_found",
-                                     f"model {echo(model)} not found on node {self.keeper.name}")
-                return
+                    raise ApiError(503, "no_capacity",
+                                   f"model {model} is not loaded on node {self.keeper.name}",
+                                   retry_after=1)
+                req.unknown_model()
+                req.status = "404"
+                raise ApiError(404, "model_not_found",
+                               f"model {echo(model)} not found on node {self.keeper.name}")
             # The body as this engine takes it (engines/params.py: max_completion_tokens,
             # json_schema); untouched where it names neither.
             body = fit(self.engine.dialect(model), scope["path"], body)
             sick = self.health.unhealthy(model) if self.health is not None else ""
             if sick:
                 req.status = "503"
-                await send_error(send, api, 503, UNHEALTHY,
-                                 f"model {model} on node {self.keeper.name} is unhealthy: {sick}",
-                                 [(b"retry-after", b"1")])
-                return
+                raise ApiError(503, UNHEALTHY,
+                               f"model {model} on node {self.keeper.name} is unhealthy: {sick}",
+                               retry_after=1)
             try:
                 req.start()
-            except Refused as e:
+            except NoPlace:
                 req.status = "503"
-                await send_error(send, api, 503, "no_capacity", str(e), [(b"retry-after", b"1")])
-                return
+                raise
             if self.tracing is not None:  # a child of the hub's attempt span
                 op = operation(scope["path"])
                 req.span = self.tracing.start(f"{op} {model}", scope["headers"], attributes={
@@ -210,9 +195,9 @@ class EngineProxy:
             return
         why = (f"model {req.model} on node {self.keeper.name} is unhealthy: "
                f"{health.unhealthy(req.model) or 'no first byte in time'}")
-        if req.sent_type is None:
+        if req.sent_type is None:  # inside the disconnect watch: answered here
             req.status = "503"
-            await send_error(send, api, 503, UNHEALTHY, why, [(b"retry-after", b"1")])
+            await send_api_error(send, api, ApiError(503, UNHEALTHY, why, retry_after=1))
         else:  # its head went out, no byte after it: the stream's own error event
             req.status = "engine_error"
             event = stream_error(req.sent_type, api, UNHEALTHY, why, status=503)
@@ -270,7 +255,7 @@ class EngineProxy:
             log.warning("%s %s: %s", scope["method"], raw, why)
             if not started:
                 req.status = "502"
-                await send_error(send, api, 502, "engine_error", why)
+                await send_api_error(send, api, ApiError(502, "engine_error", why))
             else:
                 req.status = "engine_error"
                 assert resp is not None  # started: it answered

@@ -2,7 +2,7 @@
 
 Theory of operation: `NodeRequest(keeper, metrics, model)` is made once the body names its
 model. `start()` takes its place among the node's in-flight requests (Node__MaxConcurrency,
-Node__ModelSlots) or raises the keeper's `Refused` saying why not; whoever answers sets
+Node__ModelSlots) or raises the keeper's `NoPlace` saying why not; whoever answers sets
 `status` (the label of `appliance_node_requests_total`: an HTTP status, or `engine_error`
 when an answer broke off) just before the last byte. `finish(otherwise)` -- in a
 `finally` -- gives the place back and counts the request, exactly once; a request that
@@ -37,7 +37,7 @@ class NodeRequest:
         self.label = OTHER_LABEL
 
     def start(self) -> None:
-        """Take a place among the node's in-flight requests; raises Refused (why not)."""
+        """Take a place among the node's in-flight requests; raises NoPlace (why not)."""
         self.keeper.try_start(self.model)
         self.started = True
 

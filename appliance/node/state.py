@@ -13,7 +13,7 @@ In-flight counts are the exception: they ride on the next heartbeat (see `_count
 Each ready model's generation health comes from `health` (node/health.py) when set.
 
 It makes one decision: `try_start(model)` admits a request (and counts it) or raises
-`Refused` saying why not -- paused, left, draining, or at `Node__MaxConcurrency`. Slots
+`NoPlace` saying why not -- paused, left, draining, or at `Node__MaxConcurrency`. Slots
 (`Node__ModelSlots`) are counted and published, never enforced here: the engine queues
 past its slots, and the hub's admission is what keeps work inside them.
 
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from appliance.config import NodeConfig
+from appliance.http.errors import ApiError
 from appliance.node.health import ReplicaHealth
 from appliance.wire import EngineInstall, ModelState, NodeState
 
@@ -68,9 +69,12 @@ class EngineView(Protocol):
     def memory_used_mb(self) -> int: ...
 
 
-class Refused(Exception):
-    """The node takes no new request now; the message says why (shutting down, left,
-    paused, at Node__MaxConcurrency)."""
+class NoPlace(ApiError):
+    """The node takes no new request now: 503 `no_capacity`, Retry-After 1, the message
+    saying why (shutting down, left, paused, at Node__MaxConcurrency)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(503, "no_capacity", why, retry_after=1)
 
 
 class NodeStateKeeper:
@@ -160,10 +164,10 @@ class NodeStateKeeper:
         return None
 
     def try_start(self, model: str) -> None:
-        """Admit one request for `model` and count it; raises Refused saying why not."""
+        """Admit one request for `model` and count it; raises NoPlace saying why not."""
         reason = self.refusal()
         if reason is not None:
-            raise Refused(reason)
+            raise NoPlace(reason)
         over = bool(self.over_limits())
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         self.in_flight_total += 1

@@ -6,7 +6,7 @@ import pytest
 
 from appliance.bounds import OTHER_LABEL
 from appliance.node.request import NodeRequest
-from appliance.node.state import Refused
+from appliance.node.state import NoPlace
 
 
 class Keeper:
@@ -15,7 +15,7 @@ class Keeper:
 
     def try_start(self, model: str) -> None:
         if self.refuse is not None:
-            raise Refused(self.refuse)
+            raise NoPlace(self.refuse)
         self.in_flight += 1
 
     def finish(self, model: str) -> None:
@@ -44,7 +44,7 @@ def test_a_served_request_gives_its_place_back_and_counts_once() -> None:
 def test_a_refused_or_abandoned_request_is_counted_without_giving_back_a_place() -> None:
     keeper, metrics = Keeper(refuse="full"), Metrics()
     req = NodeRequest(keeper, metrics, "m")  # type: ignore[arg-type]
-    with pytest.raises(Refused, match="full"):
+    with pytest.raises(NoPlace, match="full"):
         req.start()
     req.status = "503"
     req.finish("cancelled")

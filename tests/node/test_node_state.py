@@ -5,7 +5,7 @@ import trio
 
 from appliance.config import NodeConfig
 from appliance.node.changes import ChangeWaiter
-from appliance.node.state import NodeStateKeeper, Refused, parse_nvidia_smi
+from appliance.node.state import NodeStateKeeper, NoPlace, parse_nvidia_smi
 from appliance.wire import EngineInstall, ModelState
 
 
@@ -46,7 +46,7 @@ def test_max_concurrency_enforced_and_counted():
     k = keeper(max_concurrency=2)
     k.try_start("m1")
     k.try_start("m2")
-    with pytest.raises(Refused, match="Node__MaxConcurrency 2"):
+    with pytest.raises(NoPlace, match="Node__MaxConcurrency 2"):
         k.try_start("m1")
     st = k.snapshot()
     assert st.in_flight == 2
@@ -71,20 +71,20 @@ def test_paused_left_draining_refuse_but_running_work_finishes():
     k = keeper()
     k.try_start("m1")
     k.set_paused(True)
-    with pytest.raises(Refused, match="paused"):
+    with pytest.raises(NoPlace, match="paused"):
         k.try_start("m1")
     assert k.snapshot().paused
     k.finish("m1")
     assert k.snapshot().in_flight == 0
     k.set_paused(False)
     k.set_left(True)
-    with pytest.raises(Refused, match="left"):
+    with pytest.raises(NoPlace, match="left"):
         k.try_start("m1")
     assert k.snapshot().left
     k.set_left(False)
     k.try_start("m1")
     k.drain()
-    with pytest.raises(Refused, match="shutting down"):
+    with pytest.raises(NoPlace, match="shutting down"):
         k.try_start("m1")
 
 
@@ -95,7 +95,7 @@ def test_change_counter_bumps_only_on_change():
     assert k.version == v
     k.set_paused(True)
     assert k.version == v + 1
-    with pytest.raises(Refused):  # refused: no change
+    with pytest.raises(NoPlace):  # refused: no change
         k.try_start("m1")
     assert k.version == v + 1
     k.set_paused(False)
