@@ -172,6 +172,12 @@ class Fleet:
         return self.post(path, {**b, **body}, key=key, hub=hub, headers=headers,
                          timeout=timeout)
 
+    def answer(self, model: str, content: str = "hi", **kw: Any) -> dict[str, Any]:
+        """chat(), asserted answered (200): the answer's JSON."""
+        r = self.chat(model, content, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def openai(self, key: str = "anyone", timeout: float = 60, hub: str | None = None) -> Any:
         """The official `openai` client on the hub's /v1, retries off."""
         import openai
@@ -179,9 +185,10 @@ class Fleet:
         return openai.OpenAI(base_url=self.hub_url(hub) + "/v1", api_key=key, max_retries=0,
                              timeout=timeout)
 
-    def audit(self, kind: str | None = None) -> list[dict[str, Any]]:
-        """The audit file's records (of one `kind`), in order."""
-        lines = Path(self.audit_path).read_text().splitlines()
+    def audit(self, kind: str | None = None, path: str | Path | None = None
+              ) -> list[dict[str, Any]]:
+        """The audit file's records (of one `kind`), in order; `path` another audit file."""
+        lines = Path(path or self.audit_path).read_text().splitlines()
         return [x for x in map(json.loads, filter(str.strip, lines))
                 if kind is None or x["kind"] == kind]
 
