@@ -24,6 +24,7 @@ import time
 import httpx
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -45,12 +46,7 @@ def hub_file(key: str, reserve: int, extra: dict[str, str] | None = None) -> dic
             "Priority__Enabled": "true", "Priority__ReserveSlots": str(reserve), **(extra or {})}
 
 
-def chat(hub, key: str, **kw) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": "reload"}],
-            **kw}
-    return httpx.post(hub.url + "/v1/chat/completions", json=body,
-                      headers={"authorization": f"Bearer {key}"},
-                      timeout=30)
+ASK = {"max_tokens": 12, "timeout": 30}  # a short chat as client "app"
 
 
 class Streamer(threading.Thread):
@@ -103,19 +99,14 @@ def count(proc, pattern: str) -> int:
 def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(procs, tmp_path):
     f = tmp_path / "hub.env"
     write_env(f, hub_file("key-a", 1))
-    hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                              "Hub__DrainSeconds": "5",
-                              "Node__HeartbeatSeconds": "0.5", "Auth__NodeToken": TOKEN,
-                              "Auth__AdminKey": ADMIN,
-                              "Auth__RequireKeys": "true"}, args=["--env-file", str(f)])
-    admin = httpx.Client(base_url=hub.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
-    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                         "Node__AnnounceSeconds": "1",
-                         "Sim__TokensPerSecond": str(TPS)})
-    wait_until(lambda: [n["status"] for n in admin.get("/api/status").json()["nodes"]] == ["up"],
-               what="node up")
+    fleet = Fleet(tmp_path, procs=procs, token=TOKEN, admin=ADMIN)
+    hub = fleet.start_hub({"Auth__RequireKeys": "true"}, metrics=False,
+                          args=["--env-file", str(f)])
+    admin = fleet.admin
+    fleet.start_node("gpu-a", {"Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": str(TPS)})
+    fleet.wait(lambda: [n["status"] for n in fleet.status()["nodes"]] == ["up"], "node up")
 
-    assert chat(hub, "key-a").status_code == 200  # activates sim-small
+    assert fleet.chat(MODEL, "reload", key="key-a", **ASK).status_code == 200  # activates sim-small
     before = admin.get("/api/status").json()
     assert before["priority"]["reserve_slots"] == 1
     assert model_def(admin) == (False, None)
@@ -134,8 +125,8 @@ def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(proc
         "Audit__Path$")
     reloaded_at = time.monotonic()
 
-    assert chat(hub, "key-b").status_code == 200
-    r = chat(hub, "key-a")
+    assert fleet.chat(MODEL, "reload", key="key-b", **ASK).status_code == 200
+    r = fleet.chat(MODEL, "reload", key="key-a", **ASK)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     after = admin.get("/api/status").json()
     assert after["priority"]["reserve_slots"] == 2
@@ -148,8 +139,7 @@ def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(proc
     assert any(t > reloaded_at for t,
                _ in s.events), "the stream ended before the reload; nothing was tested"
     # Intact: the same words a fresh request with the same input gets (the sim is deterministic).
-    fresh = chat(hub, "key-b", max_tokens=LONG_TOKENS, messages=[{"role": "user",
-                                                                  "content": "a long answer"}])
+    fresh = fleet.chat(MODEL, "a long answer", key="key-b", max_tokens=LONG_TOKENS, timeout=30)
     assert s.text() == fresh.json()["choices"][0]["message"]["content"]
 
     # Broken files: one line each naming the variable; the configuration before them stays.
@@ -162,8 +152,8 @@ def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(proc
         hub.signal(signal.SIGHUP)
         line = hub.wait_stderr(REFUSED + ".*" + says)
         assert "ERROR" in line
-        assert chat(hub, "key-b").status_code == 200
-        assert chat(hub, "key-c").status_code == 401
+        assert fleet.chat(MODEL, "reload", key="key-b", **ASK).status_code == 200
+        assert fleet.chat(MODEL, "reload", key="key-c", **ASK).status_code == 401
         assert admin.get("/api/status").json()["priority"]["reserve_slots"] == 2
         assert model_def(admin) == (True, 700)
         assert count(hub, REFUSED) == n
