@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_hub_workers_e2e import children, client_port, server_inode, socket_inodes
+from tests.harness.fleet import chat_body
 from tests.harness.pki import client_ctx, make_ca, make_cert
 from tests.harness.procs import wait_until
 
@@ -67,11 +68,6 @@ def metric(hub, name: str) -> float:
     return float(found[0].rsplit(" ", 1)[1])
 
 
-def chat(**extra) -> dict:
-    return {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}],
-            **extra}
-
-
 def test_a_worker_killed_mid_stream_is_restarted_and_its_place_given_back(procs, tmp_path):
     audit = tmp_path / "audit.jsonl"
     hub = procs.hub({**HUB_ENV, "Audit__Path": str(audit)})
@@ -82,7 +78,7 @@ def test_a_worker_killed_mid_stream_is_restarted_and_its_place_given_back(procs,
 
     c = connect_to(hub, worker)
     with c.stream("POST", "/v1/chat/completions", headers={"x-request-id": "killed"},
-                  json=chat(max_tokens=500, stream=True)) as s:
+                  json=chat_body(MODEL, max_tokens=500, stream=True)) as s:
         assert s.status_code == 200
         chunks = s.iter_raw()
         assert next(chunks)
@@ -112,7 +108,7 @@ def test_a_worker_killed_mid_stream_is_restarted_and_its_place_given_back(procs,
     assert metric(hub, 'appliance_hub_worker_cpu_seconds{worker="1"}') >= 0
     assert metric(hub, "appliance_hub_cpu_seconds_total") > 0
     with closing(connect_to(hub, new)) as c2:
-        r = c2.post("/v1/chat/completions", headers={"x-request-id": "after"}, json=chat())
+        r = c2.post("/v1/chat/completions", headers={"x-request-id": "after"}, json=chat_body(MODEL, max_tokens=3))
         assert r.status_code == 200, r.text
     wait_until(lambda: '"after"' in audit.read_text(), what="the new worker's request audited")
 
@@ -131,7 +127,7 @@ def test_sighup_reaches_the_workers(procs, tmp_path):
     procs.node("gpu-a", node_env(hub))
     worker = the_worker(hub)
     ready(hub)
-    big = chat(messages=[{"role": "user", "content": "x" * 5000}])
+    big = chat_body(MODEL, max_tokens=3, messages=[{"role": "user", "content": "x" * 5000}])
     with closing(connect_to(hub, worker)) as c:
         r = c.post("/v1/chat/completions", json=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
@@ -158,9 +154,9 @@ def test_tls_with_workers(procs, tmp_path):
     verify = client_ctx(ca.pem)
     ready(hub, verify=verify)
     with closing(connect_to(hub, worker, verify=verify)) as c:
-        r = c.post("/v1/chat/completions", json=chat())
+        r = c.post("/v1/chat/completions", json=chat_body(MODEL, max_tokens=3))
         assert r.status_code == 200, r.text
-        with c.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as s:
+        with c.stream("POST", "/v1/chat/completions", json=chat_body(MODEL, max_tokens=3, stream=True)) as s:
             lines = [x for x in s.iter_lines() if x.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and len(lines) > 2
         assert c.get("/api/status", headers=ADMIN_H).json()["workers"]["alive"] == 2

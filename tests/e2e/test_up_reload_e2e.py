@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.harness.fleet import chat_body
+
 pytestmark = pytest.mark.e2e
 
 MODEL = "sim-small"
@@ -37,10 +39,6 @@ def ask(conn: http.client.HTTPConnection, method: str, path: str,
     return resp.status, json.loads(resp.read() or b"{}")
 
 
-def chat(content: str) -> dict:
-    return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
-
-
 def test_up_sighup_reloads_the_hub_and_the_node_listener_limits(procs, tmp_path):
     f = tmp_path / "up.env"
     write_env(f, {"Hub__MaxBufferedBytes": "1000000", "Node__MaxConcurrency": "2"})
@@ -48,10 +46,10 @@ def test_up_sighup_reloads_the_hub_and_the_node_listener_limits(procs, tmp_path)
                             "Metrics__Listen": "", "Sim__TokensPerSecond": "0",
                             "APPLIANCE_ENV_FILE": str(f)}, wait=("hub", "node"))
     hub_c, node_c = kept(up.urls["hub"]), kept(up.urls["node"])
-    assert ask(hub_c, "POST", "/v1/chat/completions", chat(BIG))[0] == 200
+    assert ask(hub_c, "POST", "/v1/chat/completions", chat_body(MODEL, BIG, max_tokens=4))[0] == 200
     status, state = ask(node_c, "GET", "/node/v1/state")
     assert status == 200 and state["max_concurrency"] == 2
-    assert ask(node_c, "POST", "/v1/chat/completions", chat(BIG))[0] == 200
+    assert ask(node_c, "POST", "/v1/chat/completions", chat_body(MODEL, BIG, max_tokens=4))[0] == 200
     hub_sock, node_sock = hub_c.sock, node_c.sock
 
     write_env(f, {"Hub__MaxBufferedBytes": "4096", "Node__MaxConcurrency": "5",
@@ -64,15 +62,15 @@ def test_up_sighup_reloads_the_hub_and_the_node_listener_limits(procs, tmp_path)
                    r".*Hub__MaxBufferedBytes=4096")
 
     for url in (up.urls["hub"], up.urls["node"]):  # a new connection: the new bound
-        status, body = ask(kept(url), "POST", "/v1/chat/completions", chat(BIG))
+        status, body = ask(kept(url), "POST", "/v1/chat/completions", chat_body(MODEL, BIG, max_tokens=4))
         assert status == 503 and body["error"]["code"] == "busy", (url, body)
     # The connections kept alive from before still serve, on the same sockets.
-    assert ask(hub_c, "POST", "/v1/chat/completions", chat("small"))[0] == 200
+    assert ask(hub_c, "POST", "/v1/chat/completions", chat_body(MODEL, "small", max_tokens=4))[0] == 200
     status, state = ask(node_c, "GET", "/node/v1/state")
     assert status == 200 and state["max_concurrency"] == 5
     assert hub_c.sock is hub_sock and node_c.sock is node_sock
     # ... and their next big body meets the new bound too.
-    status, body = ask(node_c, "POST", "/v1/chat/completions", chat(BIG))
+    status, body = ask(node_c, "POST", "/v1/chat/completions", chat_body(MODEL, BIG, max_tokens=4))
     assert status == 503 and body["error"]["code"] == "busy"
 
     # A broken file: refused once for the whole process; both parts keep what they had.

@@ -33,6 +33,11 @@ from tests.harness.procs import Proc, Procs, clean_env, wait_until
 TOKEN = "node-secret"
 
 
+def chat_body(model: str, content: str = "hi", **fields: Any) -> dict[str, Any]:
+    """An OpenAI chat request's body: one user message; `fields` add or replace."""
+    return {"model": model, "messages": [{"role": "user", "content": content}], **fields}
+
+
 class Fleet:
     def __init__(self, tmp: Path | None = None, *, procs: Procs | None = None,
                  token: str | None = TOKEN, admin: str | None = None,
@@ -166,11 +171,10 @@ class Fleet:
              timeout: float = 60, **body: Any) -> httpx.Response:
         """One chat completion (any route taking OpenAI's chat body with `path`), whole;
         `body` adds or replaces fields."""
-        b: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}]}
         if max_tokens is not None:
-            b["max_tokens"] = max_tokens
-        return self.post(path, {**b, **body}, key=key, hub=hub, headers=headers,
-                         timeout=timeout)
+            body["max_tokens"] = max_tokens
+        return self.post(path, chat_body(model, content, **body), key=key, hub=hub,
+                         headers=headers, timeout=timeout)
 
     def answer(self, model: str, content: str = "hi", **kw: Any) -> dict[str, Any]:
         """chat(), asserted answered (200): the answer's JSON."""

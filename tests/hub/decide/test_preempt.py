@@ -17,6 +17,7 @@ from appliance.http.disconnect import wait_disconnect
 from appliance.hub.run import Hub, run_hub
 from appliance.server.serve import serve
 from appliance.wire import ModelState, NodeState
+from tests.harness.fleet import chat_body
 
 
 class Node:
@@ -81,10 +82,6 @@ async def start(nursery: trio.Nursery, node: Node, preempt: bool = True) -> tupl
     return hub, f"http://{h}:{p}"
 
 
-def chat(who: str) -> dict[str, object]:
-    return {"model": "m", "stream": True, "messages": [{"role": "user", "content": who}]}
-
-
 async def test_essential_takes_the_place_of_background_before_its_first_byte(autojump_clock: trio.testing.MockClock) -> None:
     node = Node(first_byte=False)
     got: dict[str, httpx.Response] = {}
@@ -93,12 +90,12 @@ async def test_essential_takes_the_place_of_background_before_its_first_byte(aut
             hub, url = await start(nursery, node)
             async with httpx.AsyncClient(timeout=15) as c:
                 async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
                                              headers={"x-api-key": "kb"})
 
                 nursery.start_soon(background)
                 await node.arrived.wait()
-                got["ess"] = await c.post(url + "/v1/chat/completions", json=chat("ess"),
+                got["ess"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "ess", stream=True),
                                           headers={"x-api-key": "ke"})
                 await node.cancelled.wait()  # the engine's work was cancelled
                 while "bg" not in got:
@@ -120,11 +117,11 @@ async def test_a_started_stream_is_never_cut(autojump_clock: trio.testing.MockCl
             hub, url = await start(nursery, node)
             async with httpx.AsyncClient(timeout=15) as c:
                 async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
                                              headers={"x-api-key": "kb"})
 
                 async def essential() -> None:
-                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat("ess"),
+                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "ess", stream=True),
                                               headers={"x-api-key": "ke"})
 
                 nursery.start_soon(background)
@@ -153,7 +150,7 @@ async def test_a_preempt_after_the_first_byte_cuts_nothing(
             hub, url = await start(nursery, node)
             async with httpx.AsyncClient(timeout=15) as c:
                 async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
                                              headers={"x-api-key": "kb"})
 
                 nursery.start_soon(background)
@@ -181,11 +178,11 @@ async def test_off_by_default_background_keeps_its_place(autojump_clock: trio.te
             hub, url = await start(nursery, node, preempt=False)
             async with httpx.AsyncClient(timeout=15) as c:
                 async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat("bg"),
+                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
                                              headers={"x-api-key": "kb"})
 
                 async def essential() -> None:
-                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat("ess"),
+                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "ess", stream=True),
                                               headers={"x-api-key": "ke"})
 
                 nursery.start_soon(background)
