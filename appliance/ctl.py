@@ -7,7 +7,8 @@ is 0 only while the fleet is satisfied (every model has what it should have now,
 parked, no node lost), 1 otherwise. Exit codes: 0 done / satisfied, 1 not satisfied or the
 hub refused the command, 2 usage error or the hub could not be reached. `pull` and `rm`
 go through the hub's /api/pull and /api/delete (the admin key), printing the pull's
-progress line by line; both exit 1 when any node failed, naming it. `batches` is
+progress line by line; both exit 1 when any node failed, naming it. `slow` reads
+/api/requests/slow (the hour's slowest requests and where their time went). `batches` is
 ctlbatches.py's.
 """
 
