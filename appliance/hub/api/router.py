@@ -37,18 +37,19 @@ from appliance.hub import translate
 from appliance.hub.api.relay import NotAnswered
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.decide import capable
-from appliance.hub.decide.admission import Prompt
 from appliance.hub.decide.limits import output_cap
+from appliance.hub.decide.place import Prompt
 from appliance.hub.observe.spans import RequestSpan
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.hub.translate.outcap import ROOM, with_cap
 from appliance.server.limits import ListenerRefusal
 
 if TYPE_CHECKING:
-    from appliance.hub.decide.admission import Admission, Place
+    from appliance.hub.decide.admission import Admission
     from appliance.hub.decide.control import Control
     from appliance.hub.decide.grace import StartupGrace
     from appliance.hub.decide.limits import Limiter
+    from appliance.hub.decide.place import Place
     from appliance.hub.fleet.nodes import NodeHandle
     from appliance.observe.trace import Tracing
 

@@ -1,32 +1,19 @@
 """Admission: may this request go now, or must it wait? The trio shell of `priority.py`.
 
-Theory of operation: every decision is made by the synchronous core (`AdmissionCore`,
-`SlotQueues`); this file only waits. A request that must wait gets a `trio.Event`; the
-registry calls `_on_change` synchronously on every change (node state, node lost;
-`_wake_waiters` alone when a request finishes: the fleet's shape is the same), the core
-says which waiters may go now, and their events are set -- no polling. A waiter's bound
-comes from configuration and is applied here, at the call site (`trio.move_on_after`). A
-waiter whose client hangs up is cancelled: it leaves the queue at once, and a place it was
-already granted goes to the next waiter. Running work is never touched.
+Owns the waiting: every decision is made by the synchronous cores (`AdmissionCore`,
+`SlotQueues`, `HomeQueues`, `Shares`); a request that must wait gets a `trio.Event`, set
+when the registry reports a change (`_on_change`; `_wake_waiters` alone when a request
+finishes) and the core says it may go -- no polling, each wait bounded from
+configuration at the call site. A waiter whose client hangs up leaves at once; a place it
+was granted goes to the next. Running work is never touched.
 
-A request's place is one `async with admission.place(model, cls, client, in_flight) as p`:
-admitted on entry (or ApiError: queue_full, queue_timeout, priority_wait_timeout), then
-on one node at a time -- `p.node`, picked and counted in flight without a checkpoint
-after admission, so no other request can take the same place -- `await p.wait_slot()`
-before sending to it, `p.next(max_attempts)` to give that node back and take the next
-other, and on any exit everything given back. Which node: with a `route` (affinity.py,
-`Router__Affinity=on`) the affinity core orders the very nodes the registry's pick
-would consider (ready, with concurrency left, not tried) and the first within its load
-bound is taken; none within it, or no route, and the pick takes the one with the most
-places left. Admission itself never looks at the route. Its parts:
-- `Admission(cfg, registry)`; `enabled`; `effective_class(cls, headers)`
-- `await admit(model, cls, client) -> Ticket`: returns when the request may be sent.
-- `await wait_slot(node, model, cls)`: Queue__SlotWaitSeconds before sending.
-- `status_block() -> dict | None`: `priority` for /api/status (None while off).
-- `reload(cfg)`: new numbers for new waiters (SIGHUP).
-
-Its series are read at scrape time by hub/observe/queue_metrics.py: nothing here imports
-prometheus_client.
+A request's place is one `async with admission.place(...) as p` (place.py): admitted on
+entry (or ApiError: queue_full, queue_timeout, priority_wait_timeout), then on one node at
+a time, picked and counted in flight without a checkpoint after admission; affinity's key
+is made here from the request's `Prompt`, and what the node answered (`Place.served`)
+teaches affinity and the cost rates when the place is given back. Also: `wait_slot`
+(Queue__SlotWaitSeconds), `status_block()` for /api/status, `reload(cfg)`. Its series are
+read by hub/observe/queue_metrics.py: nothing here imports prometheus_client.
 """
 
 from __future__ import annotations
@@ -35,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import trio
 
@@ -44,8 +31,9 @@ from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
 from appliance.hub.decide.costroute import CostRouter, places_of
 from appliance.hub.decide.demand import ReplicaDemand
-from appliance.hub.decide.fair import Demand, FairLane
+from appliance.hub.decide.fair import Demand
 from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT
+from appliance.hub.decide.place import Gauge, Place, Prompt, Ticket
 from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
     BACKGROUND,
@@ -63,97 +51,6 @@ from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.wire import NodeState
 
 log = logging.getLogger(__name__)
-
-
-class Prompt(NamedTuple):
-    """What affinity keys a request on: its decoded body, its headers, its size in bytes."""
-
-    body: dict[str, Any]
-    headers: Iterable[tuple[bytes, bytes]]
-    size: int
-
-
-class Gauge(Protocol):
-    """A gauge's child (prometheus_client): the in-flight count of one model."""
-
-    def inc(self, amount: float = 1) -> None: ...
-    def dec(self, amount: float = 1) -> None: ...
-
-
-class Place:
-    """A request's place: the node it is on now (`node`, counted in flight) and the
-    nodes it was on (`tried`). Made by `Admission.place`."""
-
-    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket",
-                 "route", "home", "sent_at", "clean", "_served")
-
-    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Gauge | None,
-                 ticket: Ticket, route: Route | None = None) -> None:
-        self._admission, self.model, self.cls = admission, model, cls
-        self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
-        self.node: NodeHandle | None = None
-        self.tried: list[str] = []
-        self.ticket = ticket
-        self.route = route  # the affinity key admission made (None: none)
-        self.home = 0.0  # seconds to wait on `node` for a place there (cost.py), 0: none
-        self.sent_at = 0.0  # time.perf_counter() when it went to its node
-        self.clean = False  # it went with a place (its time is the node's service time)
-        # (first byte's time.perf_counter(), the engine's (prompt, cached) tokens) once
-        # `node` answered (`served`)
-        self._served: tuple[float | None, tuple[int, int] | None] | None = None
-
-    def served(self, first_at: float | None, cache: tuple[int, int] | None) -> None:
-        """Its node answered (200): `first_at`, time.perf_counter() of the first byte;
-        `cache`, (prompt, cached) tokens as the engine reported them, if it did. Affinity's
-        index and the cost's rates learn it when the place is given back."""
-        self._served = (first_at, cache)
-
-    def _take(self, may_wait: bool = True) -> None:
-        registry = self._admission.registry
-        node, self.home = self._admission.pick(self.model, self.route, self.tried, may_wait)
-        if node is not None:
-            self.tried.append(node.name)
-            registry.start(node, self.model)
-            if self._in_flight is not None:
-                self._in_flight.inc()
-        self.node = node
-
-    def _give_back(self) -> None:
-        node, self.node = self.node, None
-        if node is not None:
-            if self._admission.demand is not None:
-                self._admission.demand.used(node.name, self.model, trio.current_time())
-            if self._in_flight is not None:
-                self._in_flight.dec()
-            self._admission.registry.finish(node, self.model)
-
-    async def wait_slot(self) -> None:
-        """Hold it for a place on its home node while that pays (home.py); then hold a
-        non-essential request while its node's slots for the model are all sent."""
-        if self.node is not None and self.home > 0:
-            await self._admission.wait_home(self)
-        if self.node is not None:
-            await self._admission.wait_slot(self.node, self.model, self.cls)
-            left = self.node.places_left(self.model)
-            self.clean = left is None or left >= 0
-        self.sent_at = time.perf_counter()
-
-    def next(self, max_attempts: int) -> NodeHandle | None:
-        """Give the current node back; take the next other (None: none left, or
-        `max_attempts` nodes tried)."""
-        self._give_back()
-        if len(self.tried) < max_attempts:
-            self._take()
-        return self.node
-
-
-class Ticket:
-    __slots__ = ("model", "cls", "client", "waited", "fair")
-
-    def __init__(self, model: str, cls: str, client: str, waited: bool = False,
-                 fair: tuple[FairLane, int] | None = None) -> None:
-        self.model, self.cls, self.client, self.waited = model, cls, client, waited
-        self.fair = fair  # the lane and episode a waiter was charged in (fair.py)
 
 
 def _settings(cfg: Config) -> dict[str, Any]:
