@@ -5,10 +5,11 @@ catalog (`Models__N__Engine`), or by its source's form -- a `.gguf` path is a fi
 llama.cpp reads -- and otherwise any engine may serve it. A node says its kind in its
 `NodeState.engine` (the hub checks the word: `NodeHandle.kind()`); a node whose kind is
 unknown serves only models that any engine may serve. Placement, parking counts,
-`/api/pull` and `/api/show` ask this one rule. What a model can do is what the engines of
-capable nodes say (`ModelMeta.capabilities`); a request that needs what they say the
-model lacks -- images (vision), `tools` (tools), Ollama's `think` (thinking) -- is refused
-(400, as Ollama answers) before any node sees it. Pure functions, no I/O.
+`/api/pull` and `/api/show` ask this one rule; idle unloads and room-making ask
+`unloads`. What a model can do is what the engines of capable nodes say
+(`ModelMeta.capabilities`); a request that needs what they say the model lacks -- images
+(vision), `tools` (tools), Ollama's `think` (thinking) -- is refused (400, as Ollama
+answers) before any node sees it. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from collections.abc import Iterable
 from typing import Any
 
 LLAMACPP = "llamacpp"
+# An OpenAI-compatible upstream serves the models it was started with (node/engines/
+# openai.py): its node cannot unload one, so none is idle-unloaded or made a victim there.
+FIXED_KINDS = frozenset({"openai"})
 
 
 def engine_for(engine: str, source: str) -> str:
@@ -32,6 +36,11 @@ def serves(spec: Any, h: Any) -> bool:
     """Can node `h` (a NodeHandle) run the model of `spec` (placement.Spec)?"""
     need = engine_for(getattr(spec, "engine", ""), getattr(spec, "source", ""))
     return not need or h.kind() == need
+
+
+def unloads(h: Any) -> bool:
+    """Can node `h` (a NodeHandle) unload a model? Not a fixed upstream's."""
+    return h.kind() not in FIXED_KINDS
 
 
 def why_none(spec: Any, up: list[Any]) -> str:

@@ -4,8 +4,9 @@ Owns the control loop (`Control.run`, in the hub's nursery): each pass -- every
 `Hub__ControlIntervalSeconds`, and at once when the fleet changes, a model is asked for or
 a load ends -- hands the nodes and the time to the synchronous core, carries out the loads
 and unloads it answers, each as its own task through `NodeOps` (hub/fleet/ops.py,
-injectable), and reports the node's answer back. A load is bounded from
-`Engine__StartTimeoutSeconds`; the node's own 502/504 normally ends it first.
+injectable; at most MAX_IDLE_UNLOADS idle unloads at once), and reports the node's
+answer back. A load is bounded from `Engine__StartTimeoutSeconds`; the node's own
+502/504 normally ends it first.
 
 What the router and status call: `known(model)`; `await make_servable(model, keep)` (once
 a replica is ready, or ApiError: parked, unplaceable by a fresh decision, still loading);
@@ -55,6 +56,10 @@ class Cluster(activation.Leader, Protocol):
 
 log = logging.getLogger(__name__)
 
+# Idle unloads in flight at once: a pass that finds 2,000 idle replicas starts this many and
+# the next passes (each unload's end wakes the loop) the rest -- a bounded burst of node
+# calls, audit lines and state changes instead of all of them at once.
+MAX_IDLE_UNLOADS = 8
 # Bound of one load: the node gives up after its Engine__StartTimeoutSeconds and answers
 # 504; we wait for that answer, plus a model download's worth of slack on top.
 LOAD_SLACK_SECONDS = 120.0
@@ -144,7 +149,8 @@ class Control:
         for act in actions:
             if isinstance(act, Load):
                 self._nursery.start_soon(self._load, act)
-            elif isinstance(act, Unload) and (act.node, act.model) not in self._unloading:
+            elif (isinstance(act, Unload) and (act.node, act.model) not in self._unloading
+                  and len(self._unloading) < MAX_IDLE_UNLOADS):
                 self._unloading[(act.node, act.model)] = trio.Event()
                 if (h := self.registry.nodes.get(act.node)) is not None:
                     h.unloading.add(act.model)  # from the decision on, no request goes there
@@ -231,6 +237,7 @@ class Control:
             ev = self._unloading.pop((act.node, act.model), None)
             if ev is not None:
                 ev.set()
+            self._wake_up()  # a place for the next idle unload a pass may have left out
 
     # --- what the router calls ---------------------------------------------------------
 

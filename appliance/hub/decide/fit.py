@@ -121,7 +121,7 @@ def victims(h: Node, model: str, spec_of: Callable[[str], Spec],
             pending: Sequence[Reserved]) -> list[tuple[str, int]]:
     """Idle on-demand replicas on `h` that may be unloaded for `model`, least recently used
     first, with the MiB each frees."""
-    if h.state is None:
+    if h.state is None or not capable.unloads(h):
         return []
     busy = {m for p in pending if p.node == h.name for m in (p.model, *p.victims)}
     out = []

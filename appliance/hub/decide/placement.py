@@ -9,7 +9,9 @@ The rules (DESIGN 4):
 - A model is in the catalog (`Models__N__*`) or discovered on a node; discovered ones are
   on demand. Always-on models want `Replicas`; an on-demand model wants one replica from
   the moment it is asked for until `IdleUnloadSeconds` pass without a request, and then its
-  idle replicas are unloaded.
+  idle replicas are unloaded -- where the engine can unload (capable.unloads: not on a
+  fixed OpenAI-compatible upstream). A pass costs O(models x nodes): NodeState.model is
+  an index, so 2,000 models on a node take milliseconds, not seconds.
 - Placement of one replica is fit.py's decision (memory, making room from idle on-demand
   replicas, the reason with its numbers). No node fits: the model is unplaceable; the
   warning is logged when the reason changes or every `Models__WarningIntervalSeconds`,
@@ -332,7 +334,7 @@ class Models:
             return []
         out: list[Action] = []
         for h in nodes:
-            if (h.ready(name) and (m := h.state.model(name)) is not None
+            if (h.ready(name) and capable.unloads(h) and (m := h.state.model(name)) is not None
                     and not m.in_flight and not h.in_flight.get(name, 0)):
                 out.append(Unload(name, h.name, f"idle for {limit:g} s"))
         return out
