@@ -84,6 +84,7 @@ class Control:
         # Idle unloads in flight, (node, model) -> set when done: a load of the same model
         # on the same node waits for it (keep_alive 0, then a request: unload, then load).
         self._unloading: dict[tuple[str, str], trio.Event] = {}
+        self._deferred = False  # a pass left idle unloads out (MAX_IDLE_UNLOADS in flight)
         self._last_now = 0.0
         # appliance.hub.cluster.member.Member when Cluster__Etcd is set (it sets itself)
         self.cluster: Cluster | None = None
@@ -149,8 +150,10 @@ class Control:
         for act in actions:
             if isinstance(act, Load):
                 self._nursery.start_soon(self._load, act)
-            elif (isinstance(act, Unload) and (act.node, act.model) not in self._unloading
-                  and len(self._unloading) < MAX_IDLE_UNLOADS):
+            elif isinstance(act, Unload) and (act.node, act.model) not in self._unloading:
+                if len(self._unloading) >= MAX_IDLE_UNLOADS:
+                    self._deferred = True  # the end of one in flight wakes the loop for it
+                    continue
                 self._unloading[(act.node, act.model)] = trio.Event()
                 if (h := self.registry.nodes.get(act.node)) is not None:
                     h.unloading.add(act.model)  # from the decision on, no request goes there
@@ -237,7 +240,9 @@ class Control:
             ev = self._unloading.pop((act.node, act.model), None)
             if ev is not None:
                 ev.set()
-            self._wake_up()  # a place for the next idle unload a pass may have left out
+            if self._deferred:  # a place for an idle unload a pass left out
+                self._deferred = False
+                self._wake_up()
 
     # --- what the router calls ---------------------------------------------------------
 

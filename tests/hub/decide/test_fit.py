@@ -33,6 +33,9 @@ class Node:
     def memory_free_mb(self) -> int | None:
         return self.free
 
+    def kind(self) -> str:
+        return "sim"
+
 
 def node(name: str, free: int | None, models: dict[str, int]) -> Node:
     st = NodeState(name=name, engines=[EngineInstall("sim", "0.1")],
