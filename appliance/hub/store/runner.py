@@ -212,11 +212,11 @@ class Batches:
                 else:
                     continue
                 break
-            cancelled = stop.is_set()
-            expired = self._expired(b) and not cancelled
-            stop.set()
+            expired = self._expired(b) and not stop.is_set()
+            if expired:  # lines waiting for room stop waiting
+                stop.set()
         # What was not run is cancelled (or expired) now; in-flight ones finished above.
-        ending = "expired" if expired else "cancelled" if cancelled else "completed"
+        ending = "expired" if expired else "cancelled" if stop.is_set() else "completed"
         if (await self.store.run(self.store.db.line_states, b.id)).get("pending"):
             state = "expired" if expired else "cancelled"
             code = "batch_expired" if state == "expired" else "batch_cancelled"
