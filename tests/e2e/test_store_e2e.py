@@ -86,7 +86,8 @@ def test_files_and_a_batch_with_bad_lines_and_an_unknown_model(procs, tmp_path):
     assert c.files.content(f.id).content == text.encode()
     assert c.files.retrieve(f.id).filename == "in.jsonl"
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                         completion_window="24h", metadata={"run": "1"})
+                         completion_window="24h", metadata={"run": "1"},
+                         output_expires_after={"anchor": "created_at", "seconds": 7200})
     assert b.status == "validating" and b.metadata == {"run": "1"}
     b = wait_batch(c, b.id)
     assert b.status == "completed" and b.completed_at and b.in_progress_at
@@ -94,6 +95,8 @@ def test_files_and_a_batch_with_bad_lines_and_an_unknown_model(procs, tmp_path):
             b.request_counts.failed) == (6, 3, 3)
     out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
     err = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
+    made = c.files.retrieve(b.output_file_id)
+    assert made.purpose == "batch_output" and made.expires_at == made.created_at + 7200
     assert sorted(o["custom_id"] for o in out) == ["a", "b", "c"]
     assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"]
                for o in out)
@@ -257,6 +260,11 @@ def test_uploads_bounded_and_a_full_store_keeps_what_it_had(procs, tmp_path):
     assert len(box.files_on_disk()) == 2
     with pytest.raises(openai.BadRequestError):
         c.files.create(file=("d.jsonl", io.BytesIO(b"x")), purpose="nonsense")
+    # an id that names another hub: that hub's, which this one cannot reach
+    r = httpx.get(f"{box.hub.url}/v1/files/file-hub-b-{'0' * 24}", timeout=10,
+                  headers={"authorization": "Bearer ka"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "held_elsewhere"
+    assert r.headers["retry-after"] == "10"
 
 
 def test_no_store_answers_501(procs):

@@ -79,6 +79,20 @@ class _Create(msgspec.Struct):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None
+
+
+def _output_expiry(e: dict[str, Any] | None) -> int | None:
+    """OpenAI's `output_expires_after` ({anchor: created_at, seconds: 3600..2592000}): the
+    seconds the output and error files are kept after they are made; None: kept."""
+    if e is None:
+        return None
+    seconds = e.get("seconds")
+    if e.get("anchor") != "created_at" or not isinstance(seconds, int) \
+            or not 3600 <= seconds <= 30 * 86400:
+        raise ApiError(400, "invalid_request", "output_expires_after is anchor created_at and "
+                       "seconds 3600..2592000", param="output_expires_after")
+    return seconds
 
 
 def _metadata(m: dict[str, str] | None) -> dict[str, str] | None:
@@ -130,7 +144,8 @@ async def handle_openai(hub: Hub, scope: Scope, receive: Receive, send: Send, c:
                 {"endpoint": req.endpoint, "errors": None, "input_file_id": f.id,
                  "completion_window": "24h", "status": "validating", "created_at": now,
                  "expires_at": now + WINDOW_SECONDS, "metadata": _metadata(req.metadata),
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}})
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0},
+                 "output_expires_seconds": _output_expiry(req.output_expires_after)})
         await store.put(o)
         _start(hub, o)
         await send_json(send, 200, openai_batch(o))

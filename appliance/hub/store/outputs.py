@@ -4,8 +4,9 @@ Theory of operation: the results are read from the store in input order, a chunk
 time, and written as JSONL (`lines.openai_line`, one line per `custom_id`): a 200 answer
 to the output file, anything else (a refusal, a bad line, a line cancelled or expired) to
 the error file. Each file is written beside the store under a temporary name, synced and
-renamed, then becomes a file object (purpose `batch_output`) of the batch's owner with the
-batch's own expiry. A file already made (a finalizing batch resumed) is not made again.
+renamed, then becomes a file object (purpose `batch_output`) of the batch's owner, kept
+until deleted or for the batch's `output_expires_after`. A file already made (a finalizing
+batch resumed) is not made again.
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ async def write_outputs(store: Store, b: Obj, hub_name: str) -> None:
                 continue
             oid = ids.new("file-", hub_name)
             await store.run(os.replace, tmp, store.file_path(oid))
-            o = Obj(oid, "file", b.owner, now, None, size, "batch_output",
+            keep = b.data.get("output_expires_seconds")
+            expires = now + keep if isinstance(keep, int) else None
+            o = Obj(oid, "file", b.owner, now, expires, size, "batch_output",
                     {"id": oid, "object": "file", "bytes": size, "created_at": now,
                      "filename": f"{b.id}_{name}.jsonl", "purpose": "batch_output",
-                     "status": "processed", "expires_at": None, "status_details": None})
+                     "status": "processed", "expires_at": expires, "status_details": None})
             await store.run(store.db.put, o)
             store.charge(size)
             b.data[field] = oid
