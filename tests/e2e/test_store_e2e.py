@@ -41,13 +41,13 @@ class Box:
     """One sim node, and a hub (restartable) with its store under `tmp`."""
 
     def __init__(self, procs: Procs, tmp: Path, env: dict[str, str] | None = None,
-                 tps: str = "0") -> None:
+                 tps: str = "0", keys: bool = True) -> None:
         self.procs, self.tmp = procs, tmp
         self.node = procs.node("n1", {"Sim__Models__0__Name": "s-chat",
                                       "Sim__TokensPerSecond": tps, "Sim__Parallel": "8"})
         self.env = {"Store__Path": str(tmp / "state" / "store.db"),
                     "Audit__Path": str(tmp / "audit.jsonl"), "Nodes__0__Name": "n1",
-                    "Nodes__0__Url": self.node.url, **KEYS, **(env or {})}
+                    "Nodes__0__Url": self.node.url, **(KEYS if keys else {}), **(env or {})}
         self.start()
 
     def start(self) -> None:
@@ -55,7 +55,7 @@ class Box:
         wait_until(lambda: any(n["status"] == "up" for n in self.status()["nodes"]),
                    what="node up")
 
-    def status(self) -> dict:
+    def status(self) -> dict:  # (the admin key; without keys the status is open)
         return httpx.get(self.hub.url + "/api/status", timeout=10,
                          headers={"authorization": f"Bearer {ADMIN}"}).json()
 
@@ -296,3 +296,12 @@ def test_a_full_disk_fails_the_upload_and_keeps_every_earlier_object(procs, tmp_
     finally:
         procs.close()
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_anonymous_mode_is_one_owner(procs, tmp_path):
+    box = Box(procs, tmp_path, keys=False)
+    one, other = box.oai("anything"), box.oai("something-else")
+    f = one.files.create(file=("a.jsonl", io.BytesIO(b"{}")), purpose="batch")
+    assert other.files.retrieve(f.id).id == f.id  # no keys: every caller is `anonymous`
+    conv = one.conversations.create()
+    assert other.conversations.retrieve(conv.id).id == conv.id
