@@ -1,28 +1,10 @@
 """The activation waiter: a request for a model that is not ready anywhere.
 
-Theory of operation (the seed's `activate`, DESIGN 3 step 4): refusing such a request
-makes on-demand loading useless, because the first request for every model would fail;
-waiting without a bound turns a request into a job. So the waiter asks, waits briefly, and
-then says what is happening.
-
-1. Ask first, always. Asking clears the previous placement result and makes a fresh
-   attempt, so a model that fitted nowhere an hour ago is placed now that room was made.
-2. Wait for *that* attempt's placement decision (its generation), not the whole window.
-   Found nowhere, or parked: answer at once with why, no Retry-After.
-3. Poll every 250 ms for a ready replica -- polled rather than notified on purpose: a load
-   takes tens of seconds at best, so a poll's latency is noise against it -- until
-   `Router__ActivationWaitSeconds` run out, stopping early when the model becomes
-   unservable (the fifth failed start parks it mid-wait).
-4. Timed out: 503 `model_loading` "loading; retry shortly" with Retry-After.
-
-The waiter owns no state; `source` is the control plane (see `Source`).
-
-On a follower hub (several hubs, appliance/hub/cluster/) the same steps go through etcd:
-`activate_via_leader` asks by writing the ask (its revision is the generation), waits --
-polled, bounded by the same window -- until the leader's shared record says it decided
-that ask, and reads parked/unplaceable from the mirrored record. etcd unreachable: 503
-`no_leader` with Retry-After at once; models already ready never come here, so they keep
-serving. A failover in progress (etcd answers, no leader yet) is waited out.
+Owns the wait of such a request (DESIGN 3 step 4): ask for a placement, wait briefly for
+that very decision and then for a ready replica, bounded by Router__ActivationWaitSeconds,
+and say what is happening (503 `model_loading`, parked, unplaceable); on a follower hub
+the same through etcd (`activate_via_leader`). It owns no state (`Source` is the control
+plane). The steps: `activate`'s docstring.
 """
 
 from __future__ import annotations
@@ -56,7 +38,27 @@ class Source(Protocol):
 async def activate(source: Source, model: str, wait_seconds: float,
                    generation: int | None = None) -> None:
     """Returns once a replica of `model` is ready; raises ApiError otherwise. `generation`:
-    the decision already asked for (else one is asked for here)."""
+    the decision already asked for (else one is asked for here).
+
+    1. Ask first, always. Asking clears the previous placement result and makes a fresh
+       attempt, so a model that fitted nowhere an hour ago is placed now that room was made.
+    2. Wait for *that* attempt's placement decision (its generation), not the whole window.
+       Found nowhere, or parked: answer at once with why, no Retry-After.
+    3. Poll every 250 ms for a ready replica -- polled rather than notified on purpose: a load
+       takes tens of seconds at best, so a poll's latency is noise against it -- until
+       `Router__ActivationWaitSeconds` run out, stopping early when the model becomes
+       unservable (the fifth failed start parks it mid-wait).
+    4. Timed out: 503 `model_loading` "loading; retry shortly" with Retry-After.
+
+    The waiter owns no state; `source` is the control plane (see `Source`).
+
+    On a follower hub (several hubs, appliance/hub/cluster/) the same steps go through etcd:
+    `activate_via_leader` asks by writing the ask (its revision is the generation), waits --
+    polled, bounded by the same window -- until the leader's shared record says it decided
+    that ask, and reads parked/unplaceable from the mirrored record. etcd unreachable: 503
+    `no_leader` with Retry-After at once; models already ready never come here, so they keep
+    serving. A failover in progress (etcd answers, no leader yet) is waited out.
+    """
     if generation is None:
         generation = source.ask(model)
     with trio.move_on_after(wait_seconds):

@@ -1,44 +1,12 @@
 """Affinity: which of the nodes admission allows should serve a request, so that the
 engine there already holds its prompt in its KV cache.
 
-Theory of operation (issue 23). Every engine the hub fronts keeps the prompt it has just
-processed; the next turn of a conversation, or any request sharing its system prompt and
-tools, skips most of its prefill on that node and pays all of it anywhere else. This
-module is plain synchronous code: no sockets, no trio, no clock. It never decides whether
-a request may go (admission.py does, exactly as without it); it only ORDERS the nodes
-admission would accept, and the shell takes the first of them.
-
-1. A key per request (`route_key`), first found wins: the body's `prompt_cache_key`;
-   the headers `x-session-id`, `x-claude-code-session-id`, `session_id`,
-   `conversation_id`; Anthropic's `metadata.user_id` -- else the prefix-hash chain: the
-   request rendered in chat-template order (tools, system, then the messages with role
-   and content; for /api/generate and completions the prompt), cut into fixed blocks of
-   `Router__AffinityBlockChars` bytes anchored at the start, each block's hash chained to
-   the one before, at most `MAX_BLOCKS` blocks (none for a text under one block: spread
-   by load, as there is too little to cache). A session value of any size is hashed at
-   once; nothing of it, nor of the text, is kept, logged or used as a label.
-2. One node choice every hub agrees on without talking: rendezvous (highest random
-   weight) hashing of the session key -- or of the first block -- over the candidates,
-   with a load bound (`Router__AffinityLoadFactor`, HAProxy's `hash-balance-factor`
-   rule from "Consistent Hashing with Bounded Loads", Mirrokni et al. 2016): a node may
-   take the request while its in-flight + 1 stays within ceil(factor x (total + 1) / n)
-   over the n candidates -- or within the mean + `BALANCE_SLACK`, whichever is more: at a
-   handful of requests the factor alone moves sessions on every chance fluctuation (SGLang's
-   cache-aware router has the same absolute threshold, 32 by default, for the same
-   reason); one above it, or at its limit (no place left), is passed over for the next in
-   rendezvous order. A node that joins or leaves moves only its share.
-3. A prefix index per model for requests without a session key: block hash -> the node
-   that last served a prompt holding that block, LRU-bounded by
-   `Router__AffinityIndexEntries`; the longest match wins, else rendezvous on the first
-   block. Each entry carries the order it was written in; when the engine reports far
-   fewer cached tokens than an entry predicted, that node evicted it, and -- engines
-   evict least recently used first -- every entry of that node written before it is
-   forgotten too (a per-node watermark, O(1)).
-
-Reasons, counted per model: `session` (a session key), `prefix` (a known prefix: a
-predicted cache hit), `spread` (nothing known: placed for load, today's routing -- also
-every request while affinity is off). `moved` counts requests the load bound sent off
-their first choice.
+Owns the node order for a request's key: rendezvous hashing with a load bound, the
+prefix index per model, the counts per model (reasons `session`, `prefix`, `spread`;
+`moved`). Plain synchronous code: no sockets, no trio, no clock. It must not decide
+whether a request may go (admission.py does, exactly as without it) nor read the body
+(translate/prompt.py makes the key's parts); it only ORDERS the nodes admission would
+accept. The rules: `Affinity`'s docstring.
 """
 
 from __future__ import annotations
@@ -233,7 +201,40 @@ class ModelStats:
 
 class Affinity:
     """The hub's affinity: its settings, a prefix index per model, counts per model.
-    `models` holds only models the router resolved (known ones): a bounded label set."""
+    `models` holds only models the router resolved (known ones): a bounded label set.
+
+    1. A key per request (`route_key`), first found wins: the body's `prompt_cache_key`;
+       the headers `x-session-id`, `x-claude-code-session-id`, `session_id`,
+       `conversation_id`; Anthropic's `metadata.user_id` -- else the prefix-hash chain: the
+       request rendered in chat-template order (tools, system, then the messages with role
+       and content; for /api/generate and completions the prompt), cut into fixed blocks of
+       `Router__AffinityBlockChars` bytes anchored at the start, each block's hash chained to
+       the one before, at most `MAX_BLOCKS` blocks (none for a text under one block: spread
+       by load, as there is too little to cache). A session value of any size is hashed at
+       once; nothing of it, nor of the text, is kept, logged or used as a label.
+    2. One node choice every hub agrees on without talking: rendezvous (highest random
+       weight) hashing of the session key -- or of the first block -- over the candidates,
+       with a load bound (`Router__AffinityLoadFactor`, HAProxy's `hash-balance-factor`
+       rule from "Consistent Hashing with Bounded Loads", Mirrokni et al. 2016): a node may
+       take the request while its in-flight + 1 stays within ceil(factor x (total + 1) / n)
+       over the n candidates -- or within the mean + `BALANCE_SLACK`, whichever is more: at a
+       handful of requests the factor alone moves sessions on every chance fluctuation (SGLang's
+       cache-aware router has the same absolute threshold, 32 by default, for the same
+       reason); one above it, or at its limit (no place left), is passed over for the next in
+       rendezvous order. A node that joins or leaves moves only its share.
+    3. A prefix index per model for requests without a session key: block hash -> the node
+       that last served a prompt holding that block, LRU-bounded by
+       `Router__AffinityIndexEntries`; the longest match wins, else rendezvous on the first
+       block. Each entry carries the order it was written in; when the engine reports far
+       fewer cached tokens than an entry predicted, that node evicted it, and -- engines
+       evict least recently used first -- every entry of that node written before it is
+       forgotten too (a per-node watermark, O(1)).
+
+    Reasons, counted per model: `session` (a session key), `prefix` (a known prefix: a
+    predicted cache hit), `spread` (nothing known: placed for load, today's routing -- also
+    every request while affinity is off). `moved` counts requests the load bound sent off
+    their first choice.
+    """
 
     def __init__(self, enabled: bool = True, factor: float = 1.25, entries: int = 100_000,
                  block: int = 256) -> None:

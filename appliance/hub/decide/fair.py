@@ -1,26 +1,9 @@
 """A fair share inside one priority class: the next place goes to the key served least.
 
-Theory of operation (issue 21; Sheng et al., "Fairness in Serving Large Language Models",
-OSDI'24: the virtual token counter, VTC). Plain synchronous code. A `FairLane` holds the
-waiters of one class for one model, one FIFO per key (the client's name), and a counter
-per key: the service it was granted while the lane had a backlog, in tokens, divided by
-its weight (`Auth__Clients__N__Weight`: weight 2 is served twice as much).
-- The next waiter is the oldest of the backlogged key with the lowest counter; ties go to
-  the key granted least recently (a key that just arrived before one that was just
-  served), then to the oldest waiter. With one key it is plain FIFO.
-- Granting a waiter charges its key the request's expected cost: input tokens + 2 x
-  output tokens (the paper's weights: an output token costs the engine about twice an
-  input token), as the key's recent requests went (limits.Limiter.demand; the paper
-  counts output as it is generated, which a byte relay does not see). When the request
-  ends `settle` charges the difference to what it really used.
-- A key that arrives (or returns) while others are backlogged starts at the lowest counter
-  among them -- at least its own -- so time away earns no credit. When the lane empties the
-  episode ends and every counter starts again at 0 (charges still settling from the old
-  episode are dropped).
-- Work-conserving by construction: this only orders the waiters the class's own rules
-  (priority.py) let go; a lone key gets every place.
-Between two keys that stay backlogged the counters differ by at most one request's charge
-(what the property test checks): the VTC bound.
+Owns `FairLane` (the waiters of one class for one model, a FIFO and a virtual token
+counter per key: Sheng et al., OSDI'24, VTC), `cost` and `Demand`. Plain synchronous code;
+it only orders the waiters the class's own rules (priority.py) let go. The rules:
+`FairLane`'s docstring.
 """
 
 from __future__ import annotations
@@ -59,7 +42,25 @@ class FairLane:
     the backlog); a key's entry is replaced, not updated, when its counter changes (a stale
     entry is skipped when it surfaces), so each step is O(log keys) -- 10,000 waiting keys
     cost what 2 do. A key with one waiter holds it as it is; two or more, in a FIFO (an
-    OrderedDict: O(1) removal of one that leaves)."""
+    OrderedDict: O(1) removal of one that leaves).
+
+    - The next waiter is the oldest of the backlogged key with the lowest counter; ties go to
+      the key granted least recently (a key that just arrived before one that was just
+      served), then to the oldest waiter. With one key it is plain FIFO.
+    - Granting a waiter charges its key the request's expected cost: input tokens + 2 x
+      output tokens (the paper's weights: an output token costs the engine about twice an
+      input token), as the key's recent requests went (limits.Limiter.demand; the paper
+      counts output as it is generated, which a byte relay does not see). When the request
+      ends `settle` charges the difference to what it really used.
+    - A key that arrives (or returns) while others are backlogged starts at the lowest counter
+      among them -- at least its own -- so time away earns no credit. When the lane empties the
+      episode ends and every counter starts again at 0 (charges still settling from the old
+      episode are dropped).
+    - Work-conserving by construction: this only orders the waiters the class's own rules
+      (priority.py) let go; a lone key gets every place.
+    Between two keys that stay backlogged the counters differ by at most one request's charge
+    (what the property test checks): the VTC bound.
+    """
 
     __slots__ = ("keys", "counters", "last", "n", "episode", "grants", "_heap", "_version",
                  "_joined", "_since")

@@ -1,39 +1,10 @@
 """Per-key limits: requests and tokens a minute, tokens a day, requests at once.
 
-Theory of operation (issue 21). Plain synchronous code: no trio, no clock of its own --
-every call takes `now` (seconds; the shell passes wall-clock time so a 429's reset can be
-told as a date), so tests drive it with any numbers they like.
-
-The one decision: may this key's request go now, and if not, exactly when could it?
-- Each limit is a sliding window (`Window`): amounts added at admission into fixed bins
-  (0.1 s for a minute, 60 s for a day), a bin dropped once it is older than the span. The
-  check covers one bin more than the span, so ANY span-long interval of real time lies
-  inside what some admission checked: the limit holds over every minute, not over
-  calendar minutes (LiteLLM #24677: fixed windows let 2x through at a boundary). The
-  extra bin costs 0.17 % of a minute's throughput.
-- Tokens are reserved at admission -- the input's bound (the body's bytes: a token is at
-  least one byte of text, and the JSON around the text covers a chat template's markers)
-  plus the request's output cap (max_tokens and its spellings, or
-  Auth__ReserveOutputTokens) -- and settled from the real usage when the request ends
-  (`Lease.settle`). Usage is clamped to what is possible (an engine that lies is not
-  believed): input at most the bound, output at most the cap the request named. So a
-  reservation only shrinks, and the tokens of any minute stay within the limit. A request
-  naming no cap (or Ollama's negative num_predict) is sent with one where the key has a
-  token limit (`uncapped`: Auth__ReserveOutputTokens, lowered to what the key has left),
-  so none runs past its reservation. No usage at all (an engine that reports none): the
-  reservation stands. (Fair queueing charges a request its expected cost instead,
-  `Limiter.demand`: the key's recent tokens per byte and output; `input_estimate`, bytes
-  / 4, is no bound.)
-- A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
-  window would have room for this request as its old reservations expire (rounded up to
-  the second) -- sooner when the key's running requests, settling below what they reserved
-  (by the key's recent ratio of use to reservation), would make the room before that: 1 s
-  (when they end is not known) or when the rest expires -- with the
-  x-ratelimit-* headers OpenAI sends and the anthropic-ratelimit-* ones the Anthropic SDK
-  reads. A limit of 0 refuses every request (no Retry-After, x-should-retry: false); so
-  does a request that alone reserves more than the limit.
-- With several hubs each enforces limit / hubs alive (`hubs`, from the cluster view),
-  rounded down, at least 1 where the limit is not 0.
+Owns each key's sliding windows, the reservation at admission and its settlement from the
+real usage, the 429 with its Retry-After and x-ratelimit-* headers, and fair queueing's
+demand for the same tenant. Plain synchronous code: no trio, no clock of its own -- every
+call takes `now` -- so tests drive it with any numbers. It must not wait nor answer (the
+router does). The rules: `Limiter`'s docstring.
 """
 
 from __future__ import annotations
@@ -288,7 +259,39 @@ def _date(t: float) -> str:
 
 
 class Limiter:
-    """Every key's state; `admit` -> Lease or ApiError 429."""
+    """Every key's state; `admit` -> Lease or ApiError 429.
+
+    The one decision: may this key's request go now, and if not, exactly when could it?
+    - Each limit is a sliding window (`Window`): amounts added at admission into fixed bins
+      (0.1 s for a minute, 60 s for a day), a bin dropped once it is older than the span. The
+      check covers one bin more than the span, so ANY span-long interval of real time lies
+      inside what some admission checked: the limit holds over every minute, not over
+      calendar minutes (LiteLLM #24677: fixed windows let 2x through at a boundary). The
+      extra bin costs 0.17 % of a minute's throughput.
+    - Tokens are reserved at admission -- the input's bound (the body's bytes: a token is at
+      least one byte of text, and the JSON around the text covers a chat template's markers)
+      plus the request's output cap (max_tokens and its spellings, or
+      Auth__ReserveOutputTokens) -- and settled from the real usage when the request ends
+      (`Lease.settle`). Usage is clamped to what is possible (an engine that lies is not
+      believed): input at most the bound, output at most the cap the request named. So a
+      reservation only shrinks, and the tokens of any minute stay within the limit. A request
+      naming no cap (or Ollama's negative num_predict) is sent with one where the key has a
+      token limit (`uncapped`: Auth__ReserveOutputTokens, lowered to what the key has left),
+      so none runs past its reservation. No usage at all (an engine that reports none): the
+      reservation stands. (Fair queueing charges a request its expected cost instead,
+      `Limiter.demand`: the key's recent tokens per byte and output; `input_estimate`, bytes
+      / 4, is no bound.)
+    - A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
+      window would have room for this request as its old reservations expire (rounded up to
+      the second) -- sooner when the key's running requests, settling below what they reserved
+      (by the key's recent ratio of use to reservation), would make the room before that: 1 s
+      (when they end is not known) or when the rest expires -- with the
+      x-ratelimit-* headers OpenAI sends and the anthropic-ratelimit-* ones the Anthropic SDK
+      reads. A limit of 0 refuses every request (no Retry-After, x-should-retry: false); so
+      does a request that alone reserves more than the limit.
+    - With several hubs each enforces limit / hubs alive (`hubs`, from the cluster view),
+      rounded down, at least 1 where the limit is not 0.
+    """
 
     def __init__(self, clients: list[ClientConfig], reserve_output: int,
                  hubs: Callable[[], int] = lambda: 1) -> None:

@@ -1,30 +1,9 @@
 """What should run where: the model catalog, placement, parking and backoff (no I/O).
 
-Theory of operation: `Models` is the control plane's memory and its decisions, as plain
-synchronous code. The trio shell (control.py) hands it the node handles and the time,
-carries out the `Load` and `Unload` actions it returns, and reports each load's outcome
-back. Nothing here sleeps, dials or knows about trio, so every rule is tested by calling it.
-
-The rules (DESIGN 4):
-- A model is in the catalog (`Models__N__*`) or discovered on a node; discovered ones are
-  on demand. Always-on models want `Replicas`; an on-demand model wants one replica from
-  the moment it is asked for until `IdleUnloadSeconds` pass without a request, and then its
-  idle replicas are unloaded -- where the engine can unload (capable.unloads: not on a
-  fixed OpenAI-compatible upstream). A pass costs O(models x nodes): NodeState.model is
-  an index, so 2,000 models on a node take milliseconds, not seconds.
-- Placement of one replica is fit.py's decision (memory, making room from idle on-demand
-  replicas, the reason with its numbers). No node fits: the model is unplaceable; the
-  warning is logged when the reason changes or every `Models__WarningIntervalSeconds`,
-  never once per attempt.
-- Only nodes whose engine can serve the model count (capable.py). A start failure on one
-  node is tried next on another capable node that has not failed it in this round, at
-  once; only when every capable node failed does the round count as one failure:
-- A start failure (the node's answer, or none in time) counts; the next attempt waits a
-  doubling backoff capped at `Models__RetryBackoffMaxSeconds`; `Models__ParkAfterFailures`
-  in a row park the model: never placed again until its definition (Source, Profile or the
-  profile's arguments) changes or it is retried. A success resets the count.
-- Asking for a model clears its previous placement result and decides afresh at once, so a
-  model that fits once room is made is never refused on a stale answer.
+Owns `Models`, the control plane's memory and its decisions, as plain synchronous code: the
+trio shell (control.py) hands it the nodes and the time, carries out the `Load` and
+`Unload` actions it returns, and reports each load's outcome back. Nothing here sleeps,
+dials or knows about trio. The rules (DESIGN 4): `Models`' docstring.
 """
 
 from __future__ import annotations
@@ -80,6 +59,27 @@ Action = Load | Unload
 
 
 class Models:
+    """The rules (DESIGN 4):
+    - A model is in the catalog (`Models__N__*`) or discovered on a node; discovered ones are
+      on demand. Always-on models want `Replicas`; an on-demand model wants one replica from
+      the moment it is asked for until `IdleUnloadSeconds` pass without a request, and then its
+      idle replicas are unloaded -- where the engine can unload (capable.unloads: not on a
+      fixed OpenAI-compatible upstream). A pass costs O(models x nodes): NodeState.model is
+      an index, so 2,000 models on a node take milliseconds, not seconds.
+    - Placement of one replica is fit.py's decision (memory, making room from idle on-demand
+      replicas, the reason with its numbers). No node fits: the model is unplaceable; the
+      warning is logged when the reason changes or every `Models__WarningIntervalSeconds`,
+      never once per attempt.
+    - Only nodes whose engine can serve the model count (capable.py). A start failure on one
+      node is tried next on another capable node that has not failed it in this round, at
+      once; only when every capable node failed does the round count as one failure:
+    - A start failure (the node's answer, or none in time) counts; the next attempt waits a
+      doubling backoff capped at `Models__RetryBackoffMaxSeconds`; `Models__ParkAfterFailures`
+      in a row park the model: never placed again until its definition (Source, Profile or the
+      profile's arguments) changes or it is retried. A success resets the count.
+    - Asking for a model clears its previous placement result and decides afresh at once, so a
+      model that fits once room is made is never refused on a stale answer.
+    """
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.specs = catalog(cfg)

@@ -1,36 +1,9 @@
 """The admission decision: may this request go now, or must it wait -- and who goes next.
 
-Theory of operation (DESIGN 5). This module is plain synchronous code: no sockets, no
-trio, no clock. The trio shell (`admission.py`) hands it a `Fleet` snapshot of one model
-(`fleet_of`), asks it to decide, and waits on what it is told to wait on.
-
-Two numbers describe a model's fleet, both over the nodes it can be routed to now
-(connected, not paused, not cordoned, not over their limits, model ready):
-- `places`: per node the lesser of what is left of `max_concurrency` and of the model's
-  `slots`, summed. None when some node declares neither: it gives nothing to count, so
-  nothing is held for it.
-- `room`: what is left of `max_concurrency`, summed; None when some node has no cap. A
-  node whose slots are taken but that has concurrency left still takes work (its engine
-  queues it; `Queue__SlotWaitSeconds` may delay it): a full fleet is one with no room.
-
-Rules:
-- essential and normal go while there is room (`room > 0` or unbounded), else wait in the
-  capacity queue up to `Queue__MaxWaitSeconds` (503 `queue_timeout` + Retry-After).
-- background (priority on) goes only while `places > Priority__ReserveSlots`, else it is
-  held up to `Priority__BackgroundMaxWaitSeconds` (503 `priority_wait_timeout`, naming the
-  client). With priority off every request is normal.
-- Waiters for one model are released in class order; within a class the key served
-  least goes first (fair.py's virtual token counter), first in first out within a key. A
-  request never passes a waiting request of a higher class, nor an older one of its own
-  key; the release loop stops at the first head that cannot go, so no lower class
-  overtakes a higher one.
-- A waiter is refused at once (503 `queue_full` + Retry-After) when `Queue__MaxDepth`
-  requests of its class or higher already wait for the model: lower classes never push a
-  higher one out, and the queue's memory stays bounded (3 x MaxDepth per model).
-- A granted waiter has not yet been counted in flight by the router (its task still has
-  to wake), so grants are `pending` and subtracted from both numbers until `started`.
-
-Slot waits are the same idea per node and model: slots.py (`SlotQueues`).
+Owns the capacity queue and the reserve as plain synchronous code (DESIGN 5): no sockets,
+no trio, no clock. The trio shell (admission.py) hands it a `Fleet` snapshot of one model
+(`fleet_of`, `count`), asks it to decide, and waits on what it is told to wait on. It must
+not wait nor pick a node. The rules: `AdmissionCore`'s docstring; slot waits: slots.py.
 """
 
 from __future__ import annotations
@@ -250,6 +223,34 @@ class ModelStats:
 
 
 class AdmissionCore:
+    """Two numbers describe a model's fleet, both over the nodes it can be routed to now
+    (connected, not paused, not cordoned, not over their limits, model ready):
+    - `places`: per node the lesser of what is left of `max_concurrency` and of the model's
+      `slots`, summed. None when some node declares neither: it gives nothing to count, so
+      nothing is held for it.
+    - `room`: what is left of `max_concurrency`, summed; None when some node has no cap. A
+      node whose slots are taken but that has concurrency left still takes work (its engine
+      queues it; `Queue__SlotWaitSeconds` may delay it): a full fleet is one with no room.
+
+    Rules:
+    - essential and normal go while there is room (`room > 0` or unbounded), else wait in the
+      capacity queue up to `Queue__MaxWaitSeconds` (503 `queue_timeout` + Retry-After).
+    - background (priority on) goes only while `places > Priority__ReserveSlots`, else it is
+      held up to `Priority__BackgroundMaxWaitSeconds` (503 `priority_wait_timeout`, naming the
+      client). With priority off every request is normal.
+    - Waiters for one model are released in class order; within a class the key served
+      least goes first (fair.py's virtual token counter), first in first out within a key. A
+      request never passes a waiting request of a higher class, nor an older one of its own
+      key; the release loop stops at the first head that cannot go, so no lower class
+      overtakes a higher one.
+    - A waiter is refused at once (503 `queue_full` + Retry-After) when `Queue__MaxDepth`
+      requests of its class or higher already wait for the model: lower classes never push a
+      higher one out, and the queue's memory stays bounded (3 x MaxDepth per model).
+    - A granted waiter has not yet been counted in flight by the router (its task still has
+      to wake), so grants are `pending` and subtracted from both numbers until `started`.
+
+    Slot waits are the same idea per node and model: slots.py (`SlotQueues`).
+    """
     def __init__(self, *, enabled: bool, reserve: int, max_depth: int, max_wait: float,
                  background_max_wait: float) -> None:
         self.configure(enabled=enabled, reserve=reserve, max_depth=max_depth, max_wait=max_wait,
