@@ -1,6 +1,6 @@
 """A llama.cpp server that stops generating (SIGSTOP: its port still accepts, nothing comes
-back) behind a real hub and node (`Engine__Kind=llamacpp`, the stand-in server of
-tests/harness/fake_llama_server.py): the node's probe times out, the replica is marked
+back) behind a real hub and node (`Engine__Kind=llamacpp`: the stand-in server of
+tests/harness/fake_llama_server.py, and each real server where it is built): the node's probe times out, the replica is marked
 unhealthy (the hub says so and counts it toward parking like a failed start), the node
 kills the stopped process and starts it again, and the model serves again."""
 
@@ -14,6 +14,7 @@ import signal
 import httpx
 import pytest
 
+from tests.harness import make_gguf
 from tests.harness.procs import Procs, wait_until
 from tests.node.engines.test_llamacpp_engine import FAKE_CMD, wait_gone
 
@@ -26,10 +27,21 @@ PID_LINE = re.compile(r"llamacpp: pid (\d+) serves tiny")
 def test_a_stopped_llama_server_is_restarted_and_counted(procs: Procs, tmp_path):
     model = tmp_path / "tiny.gguf"
     model.write_bytes(b"GGUF not really\n")
+    stopped_and_restarted(procs, tmp_path, FAKE_CMD, model)
+
+
+@pytest.mark.llamacpp
+def test_a_stopped_real_server_is_restarted_and_counted(procs: Procs, tmp_path, real_server):
+    """The same with llama.cpp's own servers (the cached builds; skipped where absent)."""
+    tiny, _ = make_gguf.write_pair(tmp_path, seed=11)
+    stopped_and_restarted(procs, tmp_path, real_server.command, tiny)
+
+
+def stopped_and_restarted(procs: Procs, tmp_path, command: str, model) -> None:
     audit = tmp_path / "audit.jsonl"
-    node = procs.node("gpu-a", {"Engine__Kind": "llamacpp", "Engine__Command": FAKE_CMD,
-                                "Auth__NodeToken": TOKEN, "Engine__StartTimeoutSeconds": "30",
-                                "Node__ProbeSeconds": "1", "Node__ProbeTimeoutSeconds": "1"})
+    node = procs.node("gpu-a", {"Engine__Kind": "llamacpp", "Engine__Command": command,
+                                "Auth__NodeToken": TOKEN, "Engine__StartTimeoutSeconds": "60",
+                                "Node__ProbeSeconds": "1", "Node__ProbeTimeoutSeconds": "3"})
     hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
                      "Hub__ControlIntervalSeconds": "0.2",
                      "Nodes__0__Name": "gpu-a", "Nodes__0__Url": node.url,
