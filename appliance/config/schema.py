@@ -102,6 +102,9 @@ class ClientConfig(_Section):
     max_concurrent: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
     # The key's share of its class when requests queue (fair queueing, hub/decide/fair.py).
     weight: Annotated[float, msgspec.Meta(gt=0, le=1000)] = 1.0
+    # Whether the key's Ollama keep_alive 0 / -1 unloads / pins a model for everyone (the
+    # admin key's always does); otherwise it holds the model for its idle time at most.
+    manage_models: bool = False
 
 
 class NodeCredential(_Section):

@@ -119,6 +119,19 @@ def authenticate(auth: AuthConfig, key: str | None) -> ClientConfig:
     return ANONYMOUS
 
 
+def manages(auth: AuthConfig, client: ClientConfig, key: str | None) -> bool:
+    """May this request's keep_alive unload (0) or pin (-1, or longer than the model's idle
+    time) a model for everyone? The admin key, a client with `ManageModels`, or anyone on
+    a hub with neither an admin key nor clients (one user's box). Any other key's
+    keep_alive holds the model for the configured idle time at most, never less: one
+    tenant neither unloads another's model nor pins it (issue 30 item 7)."""
+    if client.manage_models:
+        return True
+    if auth.admin_key:
+        return bool(key) and hmac.compare_digest(auth.admin_key.encode(), (key or "").encode())
+    return not auth.clients
+
+
 def allowed(client: ClientConfig, model: str) -> bool:
     return not client.models or any(fnmatch.fnmatchcase(model, g) for g in client.models)
 
@@ -176,7 +189,8 @@ async def handle_inference(routing: Routing, scope: Scope, receive: Receive, sen
 
 async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> None:
     try:
-        client = authenticate(r.auth, request_key(req.headers))
+        key = request_key(req.headers)
+        client = authenticate(r.auth, key)
         req.identified(client.name)
         limit = r.max_body_bytes
         try:
@@ -206,6 +220,9 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         refuse_incapable(r.control, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
+        unload = keep == 0
+        if keep is not None and not manages(r.auth, client, key):
+            keep = None  # the model's own idle time: not shortened, not lengthened
         # The key's limits (limits.py): reserved now, settled in Request.finish; its lease
         # carries fair queueing's demand. A key with a token limit sends no request without
         # an output cap: one is written in.
@@ -232,7 +249,7 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
     # interrupt its recycling of the connection (then it never reads as idle).
     async with cancel_on_disconnect(receive, lambda: req.done, req.scope) as gone:
         try:
-            await _route(r, req, model, prep, keep, ready, prompt, way)
+            await _route(r, req, model, prep, keep, ready, prompt, way, unload)
         except ApiError as e:
             await req.send_error(e)
     if gone.gone:
@@ -267,11 +284,13 @@ async def _wait_grace(r: Routing, receive: Receive, name: str, scope: Scope) -> 
 
 async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
                  keep: float | None, ready: bool,
-                 prompt: Prompt | None, way: Relaying) -> None:
-    if prep.load_only and keep == 0:
+                 prompt: Prompt | None, way: Relaying, unload: bool = False) -> None:
+    if prep.load_only and unload:
         # Ollama's unload request: the control loop unloads the model once it is idle,
-        # and does not load it again until asked; no node needs to see this one.
-        r.control.touch(model, keep)
+        # and does not load it again until asked; no node needs to see this one. A key
+        # that may not unload for everyone (`keep` None) is answered alike; the model stays.
+        if keep == 0:
+            r.control.touch(model, keep)
         req.answered("", 200, None)
         body = unload_answer(model, req.path == "/api/chat")
         await req.send_start(200, [(b"content-type", b"application/json"),
