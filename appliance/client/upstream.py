@@ -12,10 +12,10 @@ the pool no longer needs are closed at once, never left to the garbage collector
 extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by a
 non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
 -- otherwise each sits in CLOSE-WAIT holding an fd. The connection is a `Transport`
-(appliance/net/transport.py), on a socket this module connects itself: on a plain TCP
-connection the request goes out with a plain send and every read waits once, then reads
-(trio's socket calls would add a scheduler round trip to each); TLS peers go through
-trio's SSLStream over the same socket. The request head is written and the response head
+(appliance/net/transport.py), on a socket this module connects itself, and every byte is
+read and written through it (on plain TCP a read waits once, then reads; trio's socket
+calls would add a scheduler round trip to each); TLS peers go through trio's SSLStream
+over the same socket. The request head is written and the response head
 read by appliance/h1/client.py, and every response body -- sized, chunked or
 close-delimited -- by appliance/h1/body.py's one reader (plain functions: h11's events
 and state machine cost ~40 us per exchange); a short answer whose body came with its head
@@ -45,6 +45,7 @@ from appliance.h1.client import (
     encode_request,
     parse_response_head,
 )
+from appliance.http.stream import receive_within
 from appliance.net.transport import TlsTransport, Transport, connect
 
 # Connecting to a node on the LAN takes milliseconds; 5 s means it is not there.
@@ -90,13 +91,10 @@ def _before_answer(e: BaseException, read_timeout: float) -> str:
 class _Conn:
     """One pooled connection: its transport, and since when it is idle."""
 
-    __slots__ = ("transport", "idle_since", "sock", "fd")
+    __slots__ = ("transport", "idle_since")
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        # A plain socket's reads are inlined on the hot path (Response.receive); TLS: None.
-        self.sock = None if transport.tls else transport.sock
-        self.fd = transport.fileno()
         self.idle_since = 0.0
 
     def peer_closed(self) -> bool:
@@ -168,21 +166,8 @@ class Response:
                 if not self._waiting:  # not a wait a relay's lazy deadline interrupted
                     self._waiting = True
                     self.waited_at = trio.current_time()
-                sock = conn.sock
-                try:
-                    if sock is not None:
-                        # a plain read inlined (a relayed token's hot path): one wait, one recv
-                        await trio.lowlevel.wait_readable(conn.fd)
-                        try:
-                            data = sock.recv(READ_BYTES)
-                        except BlockingIOError:
-                            continue
-                    else:
-                        data = await conn.transport.receive(READ_BYTES)
-                except OSError as e:
-                    await self._discard()
-                    raise UpstreamError(f"closed the connection mid-response ({type(e).__name__})",
-                                        before_response=False) from None
+                # (b"" at the end of the stream and when it broke: Transport's rule)
+                data = await conn.transport.receive(READ_BYTES)
                 self._waiting = False
                 if not data:
                     if ends_at_close(body):  # a close-delimited body: its end
@@ -227,20 +212,12 @@ class Response:
         """The exchange is over: the connection went back to the pool or was closed."""
         return self._conn is None
 
-    async def receive_within(self) -> bytes:
-        """`receive`, bounded by `read_timeout` (UpstreamError when it runs out)."""
-        try:
-            with trio.fail_after(self.read_timeout):
-                return await self.receive()
-        except trio.TooSlowError:
-            raise await self.timed_out() from None
-
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives, each read bounded by `read_timeout`. Everything one
         read brought is yielded as one chunk: a node that is ahead of us costs one write
         to the client, not one per event."""
         while True:
-            chunk = await self.receive_within()
+            chunk = await receive_within(self)
             if not chunk:
                 return
             yield chunk

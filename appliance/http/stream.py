@@ -1,7 +1,7 @@
 """Relaying a stream, and ending one early, cleanly.
 
 Theory of operation: a server that relays (the hub from a node, the node from its engine)
-copies the answer chunk by chunk with `relay_chunks`. Something outside the copy may
+copies the answer chunk by chunk with `relay_body`. Something outside the copy may
 decide it must stop -- the node was declared lost, the drain ran out: `Cut` cancels only
 the read in progress, never a write to the client (a write cut half-way leaves the
 client's connection in an unknown state). A stream that ends before its end gets one
@@ -9,24 +9,24 @@ error event, in the stream's own framing (`stream_error`): an SSE `data:` event
 (`event: error` first for Anthropic's), or one valid NDJSON line -- which the `ollama`
 client raises as ResponseError -- never a blank line an NDJSON reader would choke on.
 
-`relay_body` is the same copy for a body passed through unchanged (appliance/client/upstream.py's
-Response), written as one plain loop for the cost of a relayed token (issue 15): one
-cancel scope for the whole relay, not one per read -- it is the Cut's scope, and it also
-carries the read deadline, lazily: its deadline is "read_timeout after some read began",
-never moved per read; when it fires, a read that began less than read_timeout ago (the
-body's `waited_at`) means it fired early, and a fresh scope continues with the deadline
-of the read in progress. So the deadline is exact and costs nothing per event. Its writes
-are the ASGI `send` of our server (appliance/server/send.py), the one path every response
-byte takes, called inside that scope: that server's `send` never leaves a write half-way
-when cancelled (its waits are shielded once bytes go out), so a cut or a deadline
-interrupts only a read, where nothing is lost. `relay_chunks` writes outside its scopes,
-for any `send`.
+`relay_body` copies a body passed through unchanged (appliance/client/upstream.py's
+Response, or the hub's translation of one), written as one plain loop for the cost of a
+relayed token (issue 15): one cancel scope for the whole relay, not one per read -- it is
+the Cut's scope, and it also carries the read deadline, lazily: its deadline is
+"read_timeout after some read began", never moved per read; when it fires, a read that
+began less than read_timeout ago (the body's `waited_at`) means it fired early, and a
+fresh scope continues with the deadline of the read in progress. So the deadline is exact
+and costs nothing per event. Its writes are the ASGI `send` of our server
+(appliance/server/send.py), the one path every response byte takes, called inside that
+scope: that server's `send` never leaves a write half-way when cancelled (its waits are
+shielded once bytes go out), so a cut or a deadline interrupts only a read, where nothing
+is lost. `receive_within` is one read of such a body bounded the same way (an answer's
+first read, a whole body read by `chunks`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -99,29 +99,6 @@ class Relayed:
         self.tail = b""
 
 
-async def relay_chunks(chunks: AsyncIterator[bytes], send: Send, cut: Cut | None,
-                       errors: tuple[type[BaseException], ...], tail: bytes = b"") -> Relayed:
-    """Copy `chunks` to the client as `more_body` messages until they end, a read raises
-    one of `errors`, or `cut` trips. Does not send the final message: the caller ends the
-    response (normally, or with `stream_error`)."""
-    r = Relayed()
-    r.tail = tail
-    while True:
-        chunk = None
-        # (no cut: no cancel scope either -- one fewer per event on the node)
-        with cut.reading() if cut is not None else contextlib.nullcontext():
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                r.ended = True
-            except errors as e:
-                r.failure = str(e) or type(e).__name__
-        if r.ended or r.failure or chunk is None:
-            return r
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        r.tail = (r.tail + chunk)[-2:]
-
-
 class Body(Protocol):
     """What `relay_body` reads (client.upstream.Response, hub.api.relay.Converted)."""
 
@@ -138,11 +115,12 @@ class Body(Protocol):
 
 async def relay_body(body: Body, send: Send, cut: Cut | None,
                      errors: tuple[type[BaseException], ...], tail: bytes = b"") -> Relayed:
-    """`relay_chunks` for a body read with `receive()`, each read bounded by
-    `body.read_timeout` (`body.timed_out()` is then the failure, or raised when it is not
-    one of `errors`): the plain loop under one scope (see the module's docstring). `send`
-    must be our server's (or one that, like it, never leaves a write half-way when
-    cancelled)."""
+    """Copy `body` to the client as `more_body` messages until it ends, a read raises one
+    of `errors`, or `cut` trips (the caller ends the response: normally, or with
+    `stream_error`); each read bounded by `body.read_timeout` (`body.timed_out()` is then
+    the failure, or raised when it is not one of `errors`): the plain loop under one scope
+    (see the module's docstring). `send` must be our server's (or one that, like it, never
+    leaves a write half-way when cancelled)."""
     r = Relayed()
     r.tail = tail
     receive = body.receive
@@ -171,3 +149,12 @@ async def relay_body(body: Body, send: Send, cut: Cut | None,
                 r.failure = str(late)
                 return r
             raise late
+
+
+async def receive_within(body: Body) -> bytes:
+    """`body.receive()` bounded by its read_timeout (`body.timed_out()` raised past it)."""
+    try:
+        with trio.fail_after(body.read_timeout):
+            return await body.receive()
+    except trio.TooSlowError:
+        raise await body.timed_out() from None

@@ -9,7 +9,10 @@ the framing of every response in order. What must hold, step after step:
   said (an echo of the body's length, an early answer that read nothing, a stream);
 - the server closes the connection exactly when h11 says it must (the client or the
   server said `close`), and never while the client could send the next request;
-- a client that hangs up (mid-body too) leaves the server serving the next connection.
+- a client that hangs up (mid-body too) leaves the server serving the next connection;
+- the server's own table (appliance/h1/state.py, `Cycle`) says what h11 says: both sides
+  IDLE again once an answer ended on a kept-alive connection, MUST_CLOSE (keep-alive off)
+  once an answer said `close`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import h11
@@ -26,17 +30,21 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from appliance.h1.state import IDLE, MUST_CLOSE
 from appliance.http.asgi import read_body
-from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.disconnect import HANGUP, cancel_on_disconnect
 from appliance.server.serve import serve
 from tests.harness.pki import make_pki
 from tests.harness.wire import Wire
 
 APP_ERRORS: list[str] = []
+# Each connection's table (its client's port -> the server's `Cycle`), as the app sees it.
+CYCLES: dict[int, object] = {}
 
 
 async def app(scope, receive, send):
     path = scope["path"]
+    CYCLES[scope["client"][1]] = scope["extensions"][HANGUP].cycle
     try:
         if path == "/early":  # answers without reading the body
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -151,6 +159,13 @@ class ConnectionMachine(RuleBasedStateMachine):
             if c.their_state is h11.MUST_CLOSE:  # the server said close: it must
                 self.must_close = True
                 self.waiting = []  # (requests pipelined behind it are not served)
+                # (the server notes the answer's end just after its last byte went out)
+                cycle = self._cycle(lambda t: t.ours == MUST_CLOSE)
+                assert cycle.ours == MUST_CLOSE and not cycle.keep_alive, vars_of(cycle)
+        if not self.must_close and not self.hung:  # kept alive, nothing more sent: the
+            # table is back at IDLE for the next request
+            cycle = self._cycle(lambda t: (t.their, t.ours) == (IDLE, IDLE))
+            assert (cycle.their, cycle.ours) == (IDLE, IDLE), vars_of(cycle)
         if self.must_close:
             assert self._at_end(), "the server must close after `connection: close`"
             self.sock.close()
@@ -187,6 +202,14 @@ class ConnectionMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError(ev)
 
+    def _cycle(self, settled):
+        """This connection's table once `settled(table)` holds (or after 10 s)."""
+        cycle = CYCLES[self.sock.getsockname()[1]]
+        deadline = time.monotonic() + 10
+        while not settled(cycle) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return cycle
+
     def _at_end(self) -> bool:
         if self.buf:
             return False
@@ -194,6 +217,10 @@ class ConnectionMachine(RuleBasedStateMachine):
             return self.sock.recv(65536) == b""
         except (ConnectionResetError, OSError):
             return True
+
+
+def vars_of(cycle) -> dict[str, object]:
+    return {k: getattr(cycle, k) for k in ("their", "ours", "keep_alive")}
 
 
 class TlsMachine(ConnectionMachine):

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, NoReturn
 import trio
 
 from appliance.bounds import CLEANUP_SECONDS
-from appliance.client.upstream import Pool, Response, UpstreamError
+from appliance.client.upstream import Pool, UpstreamError
 from appliance.http.errors import ApiError, Headers
-from appliance.http.stream import Cut, relay_body, stream_error
+from appliance.http.stream import Cut, receive_within, relay_body, stream_error
 from appliance.hub import translate
 from appliance.hub.fleet.flag import Flag
 from appliance.hub.translate.common import Start
@@ -47,15 +47,6 @@ log = logging.getLogger(__name__)
 SHUTTING_DOWN_RETRY_AFTER = 5.0
 # Retry-After of a preempted background request: about one short essential answer.
 PREEMPTED_RETRY_AFTER = 5.0
-
-
-async def receive_within(body: Response | translate.Converted) -> bytes:
-    """`body.receive()` bounded by its read_timeout (the answer's first read)."""
-    try:
-        with trio.fail_after(body.read_timeout):
-            return await body.receive()
-    except trio.TooSlowError:
-        raise await body.timed_out() from None
 
 
 class NotAnswered(Exception):
