@@ -22,7 +22,7 @@ from appliance.http.asgi import BodyTooLarge, Receive, Send, read_body
 from appliance.http.errors import ApiError
 from appliance.http.lines import escape_breaks
 from appliance.http.respond import send_api_error
-from appliance.node.engines.base import Engine, EngineError
+from appliance.node.engines.base import Engine, EngineError, redacted
 from appliance.node.engines.ollama import POLL_ERRORS, PolledEngine
 from appliance.node.proxy import NODE_API
 
@@ -85,12 +85,13 @@ async def handle(engine: Engine, pool: Pool, read_seconds: float, receive: Recei
                 log.info("node: reading the model list after %s failed: %s", action, e)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except UpstreamError as e:
+        log.warning("node: %s on the engine at %s failed: %s", action, engine.url, e)
+        why = redacted(f"the engine failed: {e}", engine.url)  # the client reads no address
         if resp is None:
-            await send_api_error(send, NODE_API, ApiError(502, "engine_failed",
-                                                          f"engine at {engine.url} failed: {e}"))
+            await send_api_error(send, NODE_API, ApiError(502, "engine_failed", why))
         else:
             await send({"type": "http.response.body",
-                        "body": escape_breaks(msgspec.json.encode({"error": str(e)})) + b"\n",
+                        "body": escape_breaks(msgspec.json.encode({"error": why})) + b"\n",
                         "more_body": False})
     finally:
         if resp is not None:

@@ -32,7 +32,7 @@ from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import Api, ApiError
 from appliance.http.respond import send_api_error
 from appliance.http.stream import relay_body, stream_error
-from appliance.node.engines.base import Engine
+from appliance.node.engines.base import Engine, redacted
 from appliance.node.engines.params import fit
 from appliance.node.health import Waiting
 from appliance.node.metrics import NodeMetrics
@@ -251,8 +251,8 @@ class EngineProxy:
             req.status = str(resp.status_code)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError as e:
-            why = f"engine at {upstream} {e}"
-            log.warning("%s %s: %s", scope["method"], raw, why)
+            log.warning("%s %s: engine at %s %s", scope["method"], raw, upstream, e)
+            why = redacted(f"the engine {e}", upstream)  # the client reads no address
             if not started:
                 req.status = "502"
                 await send_api_error(send, api, ApiError(502, "engine_error", why))

@@ -11,6 +11,7 @@ given, so the node can publish a new `NodeState` on its watch stream.
 from __future__ import annotations
 
 import abc
+import urllib.parse
 from collections.abc import Callable
 
 import trio
@@ -22,6 +23,16 @@ Changed = Callable[[], None]
 
 def unheard() -> None:
     """No one listens (an engine built alone, in a test)."""
+
+
+def redacted(text: str, url: str) -> str:
+    """`text` with the engine's address (`url`, its host:port, its host) written as "the
+    engine": an error a client reads names no address behind the node; the log keeps it."""
+    parts = urllib.parse.urlsplit(url)
+    for form in (url.rstrip("/"), parts.netloc, parts.hostname or ""):
+        if form:
+            text = text.replace(form, "the engine")
+    return text
 
 
 class EngineError(Exception):
