@@ -161,3 +161,18 @@ def test_node_reads_its_own_settings_and_the_old_hub_names_with_a_warning():
     assert cfg.node.upstream_read_seconds == 600.0  # neither set: the default
     lines = node_deprecations(old)
     assert len(lines) == 2 and "Hub__MaxBodyBytes" in lines[0] and "Node__DrainSeconds" in lines[1]
+
+
+@pytest.mark.parametrize("env, var", [
+    ({"Auth__Clients__0__Key": "k1", "Auth__Clients__1__Key": "k1 "}, "Auth__Clients__1__Key"),
+    ({"Auth__Clients__0__Key": "\tk1", "Auth__Clients__1__Key": "k1"}, "Auth__Clients__0__Key"),
+    ({"Auth__Clients__0__Key": "k 1"}, "Auth__Clients__0__Key"),
+    ({"Auth__AdminKey": "adm\n"}, "Auth__AdminKey"),
+    ({"Auth__NodeToken": " tok"}, "Auth__NodeToken"),
+    ({"Auth__Nodes__0__Name": "a", "Auth__Nodes__0__Token": "t\x00"}, "Auth__Nodes__0__Token"),
+])
+def test_a_key_with_white_space_is_refused_at_start(env, var):
+    # The hub strips a presented key: "k1 " and "k1" would be one key to every client,
+    # and " tok" none (issue 30 item 8).
+    with pytest.raises(ConfigError, match=f"^{var} holds white space"):
+        load(env)

@@ -57,6 +57,14 @@ def _duplicates(var: str, values: list[str], what: str) -> None:
         seen.setdefault(v, i)
 
 
+def _keys(cfg: Config) -> list[tuple[str, str]]:
+    """Every secret a request presents: (its variable, its value), the empty ones left out."""
+    out = [(f"Auth__Clients__{i}__Key", c.key) for i, c in enumerate(cfg.auth.clients)]
+    out += [(f"Auth__Nodes__{i}__Token", c.token) for i, c in enumerate(cfg.auth.nodes)]
+    out += [("Auth__AdminKey", cfg.auth.admin_key), ("Auth__NodeToken", cfg.auth.node_token)]
+    return [(var, key) for var, key in out if key]
+
+
 def _enum_hint(var: str, got: str) -> str:
     choices = {
         "priority": typing.get_args(PriorityClass),
@@ -76,6 +84,12 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"Auth__Clients__{i}__Key is empty: every client needs a key")
         if not c.name:
             c.name = f"client-{i}"
+    for var, key in _keys(cfg):
+        if key != key.strip() or any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7f
+                                     for ch in key):
+            raise ConfigError(f"{var} holds white space or a control character: a request's "
+                              "header cannot carry it as written (its white space is "
+                              "stripped); use a key without them")
     _duplicates("Auth__Clients__{}__Key", [c.key for c in cfg.auth.clients], "key")
     _duplicates("Auth__Clients__{}__Name", [c.name for c in cfg.auth.clients], "name")
     for i, cred in enumerate(cfg.auth.nodes):
