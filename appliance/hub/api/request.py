@@ -3,7 +3,7 @@
 Owns the record of one inference POST and the way back to its client (`send`). The router
 makes it, the relay (or a worker's lease) fills it in -- only through its methods:
 `identified`, `resolved`, `admitted`, `sent_to`, `answered`, `counted`, `failed`, `refused`,
-`hung_up` --
+`hung_up`, and its waits' clocks --
 and `finish()` writes the audit line and the metrics, exactly once, whatever ends the
 request: through `send_last` just before the last byte goes out (a client that reads its
 answer finds the audit line already there), or in the router's outermost `finally` for a
@@ -261,6 +261,36 @@ class Request:
         """Its client went away (or the worker holding it died): audited as such, whatever
         had started (what was relayed is counted)."""
         self.status, self.error = status, code
+
+    # --- its waits (audit load_ms, queue_ms, node_wait_ms; the span's events) ---------------
+
+    def traced(self, span: RequestSpan) -> None:
+        self.trace = span
+
+    def activating(self) -> None:
+        self.load_at = time.perf_counter()
+
+    def activated(self) -> None:
+        """The activation wait ended (a model made servable)."""
+        if self.load_at is not None:
+            self.load_s = time.perf_counter() - self.load_at
+
+    def queuing(self) -> None:
+        self.queue_at = time.perf_counter()
+
+    def queued(self, since: float | None = None) -> None:
+        """Admission's wait ended; with `since`, one more wait (a slot, a home node) from
+        then is added."""
+        now = time.perf_counter()
+        if since is not None:
+            self.queue_s = (self.queue_s or 0.0) + now - since
+        elif self.queue_at is not None:
+            self.queue_s = now - self.queue_at
+
+    def sending(self) -> None:
+        """Its first send to a node (node_wait_ms counts from here to the first byte)."""
+        if self.sent_at is None:
+            self.sent_at = time.perf_counter()
 
     # --- preemption (admission.py's Preemptible) ----------------------------------------
 

@@ -163,7 +163,7 @@ async def handle_inference(routing: Routing, scope: Scope, receive: Receive, sen
     API's shape). `way`: who copies the answer (this process when None)."""
     req = Request(scope, send, api, routing.recorder)
     if routing.tracing is not None:  # OTEL_EXPORTER_OTLP_ENDPOINT (hub/observe/spans.py)
-        req.trace = RequestSpan(routing.tracing, req)
+        req.traced(RequestSpan(routing.tracing, req))
     try:
         await _handle(routing, req, receive, way or routing.local)
     except ListenerRefusal as e:  # a body too slow, or too many bodies held: the listener answers
@@ -298,19 +298,19 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
                                    *req.id_headers()])
         await req.send_last(body)
         return
-    req.load_at = time.perf_counter()
+    req.activating()
     await r.control.make_servable(model, keep, ready)
-    req.load_s = time.perf_counter() - req.load_at  # the activation wait (audit `load_ms`)
+    req.activated()  # the activation wait (audit `load_ms`)
     assert req.lease is not None  # admitted above
     try:
         in_flight = r.recorder.metrics.in_flight_of(model)
         victim = req if way.preemptible else None
-        req.queue_at = time.perf_counter()
+        req.queuing()
         if req.trace is not None:  # its place in the queue, for the span's admission event
             req.trace.ahead = r.admission.waiting(model)
         async with r.admission.place(model, req.cls, req.client, in_flight, req.lease.demand,
                                      prompt, victim) as place:
-            req.queue_s = time.perf_counter() - req.queue_at  # admission's (audit `queue_ms`)
+            req.queued()  # admission's wait (audit `queue_ms`)
             await _proxy(req, place, model, prep, way)
     finally:
         r.control.touch(model, keep)  # idle time counts from the end of the work
@@ -326,9 +326,8 @@ async def _proxy(req: Request, place: Place, model: str, prep: translate.Prepare
     while node is not None:
         t = time.perf_counter()
         await place.wait_slot()
-        req.queue_s = (req.queue_s or 0.0) + time.perf_counter() - t
-        if req.sent_at is None:  # node_wait_ms: from the first send to the first byte
-            req.sent_at = time.perf_counter()
+        req.queued(since=t)
+        req.sending()
         node = place.node or node  # a home wait that ran out moves it (decide/home.py)
         req.sent_to(node.name, place.tried, place.route)
         if req.trace is not None:
