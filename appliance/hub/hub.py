@@ -154,6 +154,8 @@ class Hub:
             self.store.reload(cfg.store)
         if self.batches is not None:
             self.batches.limiter.total_tokens = cfg.batch.max_concurrent
+        if self.background is not None:
+            self.background.limiter.total_tokens = cfg.batch.max_concurrent
         if self.workers is not None:
             self.workers.reload()  # each worker re-reads it (hub/worker.py)
 

@@ -7,8 +7,8 @@ back to its first response and gives every turn's input and output items in orde
 engine is stateless: this is the input it gets). A conversation is an object of kind
 `conversation` whose items are the turns in order; `record` appends a response's input
 and output to it. `Background` runs `background: true` responses off the request, as
-background work through the router (the same `serve` as batches), each cancellable; after
-a restart the queued ones run again.
+background work through the router (the same `serve` as batches), at most
+Batch__MaxConcurrent at once, each cancellable; after a restart the queued ones run again.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class Background:
 
     def __init__(self, cfg: Callable[[], Config], store: Store, serve: Serve) -> None:
         self.cfg, self.store, self.serve = cfg, store, serve
+        # Background responses in flight at once: as many as batch lines (the rest queue).
+        self.limiter = trio.CapacityLimiter(cfg().batch.max_concurrent)
         self.scopes: dict[str, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -111,6 +113,7 @@ class Background:
         status, body = 0, b""
         try:
             with cs:
+                await self.limiter.acquire_on_behalf_of(cs)
                 o.state = resp["status"] = "in_progress"
                 o.data["response"] = resp
                 await self.store.run(self.store.db.save, snapshot(o))
@@ -119,6 +122,8 @@ class Background:
                                                  "", o.data.setdefault("request_id",
                                                                        secrets.token_hex(16)))
         finally:
+            if cs in self.limiter.statistics().borrowers:
+                self.limiter.release_on_behalf_of(cs)
             self.scopes.pop(o.id, None)
             with trio.move_on_after(10, shield=True):
                 await self._finish(o, resp, cs.cancelled_caught, status, body)
