@@ -1,7 +1,10 @@
 """Work that outlives a request: files, batches, stored responses and conversations.
 
-`db.py` is the SQLite store (WAL, one connection, run off the trio loop by `Store`), with
-uploaded files on disk beside it; `ids.py` makes and reads the object ids (each names the
-hub that holds it); `upload.py` streams a multipart upload to disk within its bounds;
-`runner.py` runs batches on the fleet as background work and resumes them after a restart.
+`db.py` is the SQLite tables (plain, synchronous); `store.py` runs them off the trio loop
+(WAL, one connection, one thread at a time) with the files on disk beside them and the
+bounds; `ids.py` makes and reads object ids (each names the hub that holds it);
+`lines.py` checks a batch's lines and renders results in each API's shape; `runner.py`
+runs batches through the router as background work and resumes them after a restart;
+`outputs.py` writes a finished batch's files; `items.py` and `responses.py` keep stored
+responses, chains, conversations and background responses. The routes are hub/api's.
 """
