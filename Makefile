@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv unit lint clean binary llamacpp-wheel llama-server test-deps js smollm2
+.PHONY: run test venv unit lint clean binary llamacpp-wheel llama-server test-deps fuzz js smollm2
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
@@ -112,3 +112,10 @@ binary:
 
 clean:
 	rm -rf $(VENV) build dist
+
+# The long-running fuzz of the HTTP/1.1 codec (fuzz/, h11 as the oracle), outside `make test`:
+# FUZZ_EXAMPLES per property (20000 by default: minutes; 200000 overnight).
+FUZZ_EXAMPLES ?= 20000
+
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider fuzz/

@@ -1,8 +1,9 @@
 """The floor under the hub's CPU per request: an ASGI app that reads the body and answers
 two bytes -- served by our listener (appliance/server/serve.py: the connection every
 listener runs, plain or TLS), or with `hypercorn` as the first argument by hypercorn's
-own trio server, for comparison. bench/overhead.py runs both beside the real hub so the
-hub's own share (routing, proxying, audit, metrics) can be read off in one run."""
+own trio server, for comparison; with `lean CERT KEY`, our listener over TLS.
+bench/overhead.py runs them beside the real hub so the hub's own share (routing, proxying,
+audit, metrics) and TLS's can be read off in one run."""
 
 import sys
 from functools import partial
@@ -20,7 +21,7 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def main(server: str) -> None:
+async def main(server: str, certfile: str = "", keyfile: str = "") -> None:
     async with trio.open_nursery() as nursery:
         if server == "hypercorn":
             from hypercorn.config import Config
@@ -34,8 +35,9 @@ async def main(server: str) -> None:
                                                 mode="asgi"))
             print(f"floor ({server}) listening on {binds[0]}", file=sys.stderr, flush=True)
         else:  # its own line: `appliance floor listening on http://HOST:PORT`
-            await nursery.start(partial(serve, app, "127.0.0.1:0", "floor"))
+            await nursery.start(partial(serve, app, "127.0.0.1:0", "floor", certfile=certfile,
+                                        keyfile=keyfile))
 
 
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1] if len(sys.argv) > 1 else "lean")
+    trio.run(main, *(sys.argv[1:] or ["lean"]))

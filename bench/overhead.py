@@ -2,6 +2,8 @@
 
 Run: .venv/bin/python bench/overhead.py [--requests N] [--stream-requests N] [--ui-polling]
      [--affinity on|off]
+     .venv/bin/python bench/overhead.py --floors [--requests N]
+     (only the floors: the lean listener plain and TLS, and hypercorn, side by side)
      .venv/bin/python bench/overhead.py --tracing [--requests N] [--stream-requests N]
      (only the hub's CPU per request with OpenTelemetry on and off: bench/tracing_cost.py)
 
@@ -20,17 +22,25 @@ translates. Through the hub at concurrency 1: OpenAI chat passed through (the ba
 Ollama /api/chat passed through to the Ollama-speaking node, Ollama /api/chat translated
 onto the OpenAI engine, Anthropic /v1/messages translated onto it -- added time per
 request and hub CPU per request and per streamed event, side by side.
+
+The floors (bench/floor_app.py, an app answering two bytes): our listener on plain TCP and
+on TLS (one kept-alive connection, the handshake not counted: a TLS listener's CPU per
+request beside plain), and hypercorn's -- the numbers behind the HTTP stack decision
+(docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import trio
@@ -56,12 +66,12 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def run_load(url: str, body: dict, n: int, conc: int, stream: bool) -> tuple[list[float],
-                                                                                   float, int]:
+async def run_load(url: str, body: dict, n: int, conc: int, stream: bool,
+                   verify: ssl.SSLContext | bool = True) -> tuple[list[float], float, int]:
     lat: list[float] = []
     chunks = 0
     limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=60, limits=limits, verify=verify) as client:
         todo = iter(range(n))
 
         async def worker():
@@ -135,7 +145,12 @@ def main() -> None:
                     help="the hub's Router__Affinity (issue 23: its cost per request)")
     ap.add_argument("--ui-polling", action="store_true",
                     help="poll the hub as its /ui/ page does, all run long")
+    ap.add_argument("--floors", action="store_true",
+                    help="only the floors: the lean listener plain and TLS, and hypercorn")
     args = ap.parse_args()
+    if args.floors:
+        print_floors(all_floors(args.requests))
+        return
     procs = Procs()
     stop_polling = threading.Event()
     polls = [0]
@@ -204,13 +219,10 @@ def main() -> None:
                                                                              if chunks else None)))
         # The floors: an app answering two bytes behind our listener, served by the lean
         # server (plain TCP) and by hypercorn (TLS) (bench/floor_app.py).
-        floors = {server: floor_run(server, short, args.requests)
-                  for server in ("hypercorn", "lean server")}
+        floors = all_floors(args.requests)
         translated = translated_rows(hub.url, hub.pid, args)
         print()
-        for server, (floor_cpu, floor_p50) in floors.items():
-            print(f"{server} floor (an ASGI app answering 2 bytes), concurrency 1: "
-                  f"{floor_cpu * 1e3:.3f} ms CPU per request, p50 {floor_p50 * 1e3:.2f} ms")
+        print_floors(floors)
         if args.ui_polling:
             print(
                 f"page polling on: {polls[0]} page requests to the hub during the run; one poll "
@@ -248,16 +260,51 @@ def main() -> None:
         procs.close()
 
 
-def floor_run(server: str, body: dict, n: int) -> tuple[float, float]:
-    """(CPU seconds per request, p50) of bench/floor_app.py served by `server`."""
-    floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                           "floor_app.py"), server.split()[0]],
-                             stderr=subprocess.PIPE)
+SHORT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+def all_floors(n: int) -> dict[str, tuple[float, float]]:
+    """The floors, each server in turn, then again in the other order (the lower figure of
+    the two kept: a loaded box slows whichever ran under the load)."""
+    with tempfile.TemporaryDirectory() as d:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+        from pki import make_pki  # trustme: a CA and a certificate for 127.0.0.1
+
+        ca, cert, key = make_pki(Path(d))
+        tls = (cert, key, ssl.create_default_context(cafile=ca))
+        servers = ("lean server", "lean server TLS", "hypercorn")
+        runs: dict[str, list[tuple[float, float]]] = {s: [] for s in servers}
+        for order in (servers, servers[::-1]):
+            for server in order:
+                runs[server].append(floor_run(server, SHORT, n,
+                                              tls if server.endswith("TLS") else None))
+    return {s: min(r) for s, r in runs.items()}
+
+
+def print_floors(floors: dict[str, tuple[float, float]]) -> None:
+    for server, (floor_cpu, floor_p50) in floors.items():
+        print(f"{server} floor (an ASGI app answering 2 bytes), concurrency 1: "
+              f"{floor_cpu * 1e3:.3f} ms CPU per request, p50 {floor_p50 * 1e3:.2f} ms")
+    plain, tls = floors.get("lean server"), floors.get("lean server TLS")
+    if plain and tls:
+        print(f"TLS adds {(tls[0] - plain[0]) * 1e3:.3f} ms CPU per request "
+              f"({tls[0] / plain[0]:.2f}x plain), kept-alive connection")
+
+
+def floor_run(server: str, body: dict, n: int,
+              tls: tuple[str, str, ssl.SSLContext] | None = None) -> tuple[float, float]:
+    """(CPU seconds per request, p50) of bench/floor_app.py served by `server` (`tls`:
+    certificate, key and a client context that trusts it)."""
+    argv = [sys.executable, os.path.join(os.path.dirname(__file__), "floor_app.py"),
+            server.split()[0], *(tls[:2] if tls else ())]
+    floor = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    verify: ssl.SSLContext | bool = tls[2] if tls else True
     try:
         url = floor.stderr.readline().decode().split()[-1]  # type: ignore[union-attr]
-        trio.run(run_load, url + "/v1/chat/completions", body, 100, 1, False)
+        trio.run(run_load, url + "/v1/chat/completions", body, 100, 1, False, verify)
         before = cpu_seconds(floor.pid)
-        lat, _wall, _ = trio.run(run_load, url + "/v1/chat/completions", body, n, 1, False)
+        lat, _wall, _ = trio.run(run_load, url + "/v1/chat/completions", body, n, 1, False,
+                                 verify)
         return (cpu_seconds(floor.pid) - before) / n, statistics.median(lat)
     finally:
         floor.kill()
