@@ -19,7 +19,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -32,29 +32,23 @@ WEATHER = {"type": "function", "function": {
 ANTHROPIC_TOOL = {"name": "weather", "input_schema": WEATHER["function"]["parameters"]}
 
 
-class Fleet:
-    def __init__(self, procs: Procs, workers: int) -> None:
-        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Hub__Workers": str(workers),
-                              "Hub__MaxBodyBytes": str(LIMIT)}, metrics=False)
-        procs.node("n1", {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
-                          "Sim__TokensPerSecond": "0",
-                          "Sim__Models__0__Name": "plain",
-                          "Sim__Models__0__Capabilities": "completion",
-                          "Sim__Models__1__Name": "full"})
-        wait_until(lambda: {"plain", "full"} <= {m["name"] for m in httpx.get(
-            self.hub.url + "/api/status", timeout=10).json()["models"]}, what="models known")
-
-    def post(self, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
-        return httpx.post(self.hub.url + path, json=body, timeout=30, **kw)
+def _post(f: Fleet, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f.url + path, json=body, timeout=30)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "workers"])
-def fleet(request):
-    procs = Procs()
+def fleet(request, tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("edges"), token=TOKEN)
     try:
-        yield Fleet(procs, request.param)
+        f.start_hub({"Hub__Workers": str(request.param), "Hub__MaxBodyBytes": str(LIMIT)},
+                    metrics=False)
+        f.start_node("n1", {"Sim__TokensPerSecond": "0", "Sim__Models__0__Name": "plain",
+                            "Sim__Models__0__Capabilities": "completion",
+                            "Sim__Models__1__Name": "full"})
+        f.wait_models("plain", "full")
+        yield f
     finally:
-        procs.close()
+        f.close()
 
 
 # --- item 3: tools and think -------------------------------------------------------------
@@ -75,19 +69,19 @@ TOOLS = {
 @pytest.mark.parametrize("route", list(TOOLS))
 def test_tools_to_a_model_without_tools_are_a_400_in_the_apis_shape(fleet, route):
     body, message = TOOLS[route]
-    r = fleet.post(route, {"model": "plain", **body})
+    r = _post(fleet, route, {"model": "plain", **body})
     assert r.status_code == 400, r.text
     assert "does not support tools (its engine lists completion)" in message(r.json())
-    ok = fleet.post(route, {"model": "full", **body})
+    ok = _post(fleet, route, {"model": "full", **body})
     assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("route", ["/api/chat", "/api/generate"])
 def test_think_to_a_model_without_thinking_is_a_400(fleet, route):
     body = {"messages": USER} if route == "/api/chat" else {"prompt": "hi"}
-    r = fleet.post(route, {"model": "plain", "think": True, "stream": False, **body})
+    r = _post(fleet, route, {"model": "plain", "think": True, "stream": False, **body})
     assert r.status_code == 400 and "does not support thinking (its engine" in r.json()["error"]
-    off = fleet.post(route, {"model": "plain", "think": False, "stream": False, **body})
+    off = _post(fleet, route, {"model": "plain", "think": False, "stream": False, **body})
     assert off.status_code == 200, off.text
 
 

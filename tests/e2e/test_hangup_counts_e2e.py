@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -50,38 +51,28 @@ ROUTES: dict[str, tuple[dict[str, Any], Callable[[dict[str, Any]], bool]]] = {
 }
 
 
-class Fleet:
-    def __init__(self, procs: Procs, audit: str, workers: int) -> None:
-        self.audit = audit
-        self.hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": audit,
-                              "Hub__Workers": str(workers), "Auth__RequireKeys": "true",
-                              "Auth__Clients__0__Name": "team", "Auth__Clients__0__Key": KEY,
-                              "Auth__Clients__0__Tpm": "10000000"}, metrics=False)
-        procs.node("n1", {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
-                          "Sim__TokensPerSecond": "400", "Sim__Models__0__Name": "m"})
-        wait_until(lambda: any(m["name"] == "m" for m in httpx.get(
-            self.hub.url + "/api/status", timeout=10).json()["models"]), what="m known")
+def _tenant(f: Fleet) -> dict[str, Any]:
+    got: dict[str, Any] = f.status()["tenants"]["team"]
+    return got
 
-    def tenant(self) -> dict[str, Any]:
-        got: dict[str, Any] = httpx.get(self.hub.url + "/api/status", timeout=10).json()
-        return got["tenants"]["team"]
 
-    def line(self, rid: str) -> dict[str, Any] | None:
-        with open(self.audit) as f:
-            for x in map(json.loads, f):
-                if x.get("request_id") == rid:
-                    return x  # type: ignore[no-any-return]
-        return None
+def _line(f: Fleet, rid: str) -> dict[str, Any] | None:
+    return next((x for x in f.audit("request") if x.get("request_id") == rid), None)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "workers"])
 def fleet(request, tmp_path_factory):
-    procs = Procs()
+    f = Fleet(tmp_path_factory.mktemp("hangup"), token=TOKEN)
     try:
-        tmp = tmp_path_factory.mktemp("hangup")
-        yield Fleet(procs, str(tmp / "audit.jsonl"), request.param)
+        f.start_hub({"Audit__Path": f.audit_path, "Hub__Workers": str(request.param),
+                     "Auth__RequireKeys": "true", "Auth__Clients__0__Name": "team",
+                     "Auth__Clients__0__Key": KEY, "Auth__Clients__0__Tpm": "10000000"},
+                    metrics=False)
+        f.start_node("n1", {"Sim__TokensPerSecond": "400", "Sim__Models__0__Name": "m"})
+        f.wait_models("m")
+        yield f
     finally:
-        procs.close()
+        f.close()
 
 
 def _read_then_hang_up(url: str, route: str, rid: str) -> int:
@@ -109,14 +100,14 @@ def _read_then_hang_up(url: str, route: str, rid: str) -> int:
 
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_a_cancelled_stream_is_audited_499_with_what_was_relayed(fleet, route):
-    before = fleet.tenant()
+    before = _tenant(fleet)
     rid = f"hangup-{uuid.uuid4().hex[:8]}"
     read = _read_then_hang_up(fleet.hub.url, route, rid)
-    line = wait_until(lambda: fleet.line(rid), timeout=20, what="the audit line")
+    line = wait_until(lambda: _line(fleet, rid), timeout=20, what="the audit line")
     assert (line["status"], line.get("error")) == (499, "client_disconnected"), line
     assert line.get("tokens_estimated") is True, line
     assert abs(line["output_tokens"] - read) <= read * 0.1, (read, line)
-    after = wait_until(lambda: (lambda t: t if t["in_flight"] == 0 else None)(fleet.tenant()),
+    after = wait_until(lambda: (lambda t: t if t["in_flight"] == 0 else None)(_tenant(fleet)),
                        what="the key's request settled")
     assert after["served"]["output"] - before["served"]["output"] == line["output_tokens"]
     # The minute window holds at least what was counted (the reservation stands).

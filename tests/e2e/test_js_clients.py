@@ -19,13 +19,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.e2e.test_clients_matrix import LLAMA_SERVER, engine_does
 from tests.harness import smollm2
 from tests.harness.engines import engine_url
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -56,11 +56,18 @@ def _why_not(engine: str) -> str | None:
     return None
 
 
-class Fleet:
-    def __init__(self, procs: Procs, tmp: Path) -> None:
-        self.audit = str(tmp / "audit.jsonl")
-        env = {"Auth__NodeToken": TOKEN, "Audit__Path": self.audit,
-               "Router__ActivationWaitSeconds": "60",
+MODELS = {"sim": ("sim-chat", "sim-embed"), "llama-server": ("smol", "smol-embed")}
+
+
+def _lines_of(f: Fleet, client: str) -> list[dict[str, Any]]:
+    return [x for x in f.audit("request") if x.get("client") == client]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("js"), token=TOKEN)
+    try:
+        env = {"Audit__Path": f.audit_path, "Router__ActivationWaitSeconds": "60",
                "Auth__Clients__0__Name": "one", "Auth__Clients__0__Key": ONE,
                "Auth__Clients__0__MaxConcurrent": "1"}
         if GGUF is not None:
@@ -68,41 +75,21 @@ class Fleet:
                         "Models__1__Name": "smol-embed", "Models__1__Source": str(GGUF),
                         "Models__1__Profile": "embed",
                         "Profiles__embed__Args": "--embeddings --pooling mean"})
-        self.hub = procs.hub(env, metrics=False)
-        common = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
-                  "Node__AnnounceSeconds": "1"}
-        procs.node("sim-n", {**common, "Sim__TokensPerSecond": "100",
-                             "Sim__Models__0__Name": "sim-chat",
-                             "Sim__Models__1__Name": "sim-embed",
-                             "Sim__Models__1__Capabilities": "embedding"})
+        f.start_hub(env, metrics=False)
+        common = {"Node__AnnounceSeconds": "1"}
+        f.start_node("sim-n", {**common, "Sim__TokensPerSecond": "100",
+                               "Sim__Models__0__Name": "sim-chat",
+                               "Sim__Models__1__Name": "sim-embed",
+                               "Sim__Models__1__Capabilities": "embedding"})
         if LLAMA_SERVER is not None and GGUF is not None:
             # Greedy (--temp 0): the same answers every run.
-            self.lc = procs.node("lc-n", {**common, "Engine__Kind": "llamacpp", "Engine__Command": (
+            f.start_node("lc-n", {**common, "Engine__Kind": "llamacpp", "Engine__Command": (
                 f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 --port {{port}} -c 2048 -t 2 "
                 "--jinja --temp 0 {args}")})
-        self.models = {"sim": ("sim-chat", "sim-embed"), "llama-server": ("smol", "smol-embed")}
-        wait_until(lambda: {"sim-chat", "sim-embed"} <= {m["name"] for m in httpx.get(
-            self.hub.url + "/api/status", timeout=10).json()["models"]}, what="models known")
-
-    def line(self, rid: str) -> dict[str, Any] | None:
-        with open(self.audit) as f:
-            for x in map(json.loads, f):
-                if x.get("request_id") == rid:
-                    return x  # type: ignore[no-any-return]
-        return None
-
-    def lines_of(self, client: str) -> list[dict[str, Any]]:
-        with open(self.audit) as f:
-            return [x for x in map(json.loads, f) if x.get("client") == client]
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    procs = Procs()
-    try:
-        yield Fleet(procs, tmp_path_factory.mktemp("js"))
+        f.wait_models("sim-chat", "sim-embed")
+        yield f
     finally:
-        procs.close()
+        f.close()
 
 
 def _cases() -> list[Any]:
@@ -120,7 +107,7 @@ def _cases() -> list[Any]:
 
 
 def run_cell(fleet: Fleet, engine: str, sdk: str, cell: str) -> dict[str, Any]:
-    chat, embed = fleet.models[engine]
+    chat, embed = MODELS[engine]
     key = ONE if cell == "retry-429" else "anyone"
     env = {**os.environ, "NODE_NO_WARNINGS": "1"}
     p = subprocess.run([NODE or "node", str(JS / "cell.mjs"), sdk, cell, fleet.hub.url, chat,
@@ -133,12 +120,12 @@ def run_cell(fleet: Fleet, engine: str, sdk: str, cell: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("engine", "sdk", "cell"), _cases())
 def test_js_cell(fleet, engine, sdk, cell):
-    before = len(fleet.lines_of("anonymous"))
+    before = len(_lines_of(fleet, "anonymous"))
     if engine == "llama-server" and cell in MODEL_CELLS:
         try:
             run_cell(fleet, engine, sdk, cell)
         except AssertionError as e:
-            url = engine_url(fleet.lc.pid, b"llama-server", b"--embeddings", b"SmolLM2")
+            url = engine_url(fleet.node("lc-n").pid, b"llama-server", b"--embeddings", b"SmolLM2")
             assert not engine_does(url, cell), f"llama-server does {cell}: the hub's failure {e}"
         return
     got = run_cell(fleet, engine, sdk, cell)
@@ -148,7 +135,7 @@ def test_js_cell(fleet, engine, sdk, cell):
         # over, at most what its HTTP stack read ahead too (a loaded machine's JS process
         # lags the socket; tests/test_hangup_counts_e2e.py holds the 10 % to raw reads).
         def aborted() -> dict[str, Any] | None:
-            new = fleet.lines_of("anonymous")[before:]
+            new = _lines_of(fleet, "anonymous")[before:]
             return next((x for x in new if x.get("status") == 499), None)
 
         line = wait_until(aborted, timeout=20, what="the aborted stream's audit line")

