@@ -60,6 +60,14 @@ WINDOW_SECONDS = 24 * 3600
 RUNNING = ("validating", "in_progress", "finalizing", "cancelling")
 
 
+def _decoded(body: bytes) -> tuple[Any, bool]:
+    """The answer's JSON, and whether it was whole JSON (else its text)."""
+    try:
+        return (msgspec.json.decode(body) if body else None), bool(body)
+    except msgspec.DecodeError:
+        return body.decode("utf-8", "replace"), False
+
+
 def _code(body: bytes) -> str:
     """The error code of a refusal's body (OpenAI's shape), or ""."""
     try:
@@ -253,9 +261,14 @@ class Batches:
         rid = secrets.token_hex(16)
         status, body = 0, b""
         attempt, stop = 0, self.cancels[b.id]
+        decoded: Any = None
         while True:
             status, body, final = await run_line(self.serve, cfg, b.owner, url,
                                                  request.encode(), b.id, rid)
+            decoded, whole = _decoded(body)
+            if status == 200 and not whole:  # cut mid-answer (its node lost): not an answer
+                status, final = 502, False
+                decoded = {"error": {"code": "node_lost", "message": "the answer was cut"}}
             if status not in (429, 502, 503, 504) or final or stop.is_set() or self._expired(b):
                 break
             if _code(body) not in WAITS:  # a node failed: a few more tries
@@ -264,10 +277,6 @@ class Batches:
                     break
             # no room for background work now: a batch waits for idle places, its window long
             await trio.sleep(RETRY_SECONDS * max(1, attempt))
-        try:
-            decoded: Any = msgspec.json.decode(body) if body else None
-        except msgspec.DecodeError:
-            decoded = body.decode("utf-8", "replace")
         if status == 0:
             return lines.error_result("internal_error", "the hub gave no answer"), False
         return lines.result(status, decoded, rid), status == 200

@@ -110,3 +110,29 @@ async def test_a_batch_past_its_window_expires_its_pending_lines(tmp_path, autoj
     with open(store.file_path(err.id)) as f:
         codes = [json.loads(x)["error"]["code"] for x in f]
     assert codes == ["batch_expired"] * 3
+
+
+async def test_an_answer_cut_mid_way_is_tried_again(tmp_path, autojump_clock):
+    class Cutting(Router):
+        async def __call__(self, scope, receive, send, api) -> None:
+            body = json.loads((await receive())["body"])
+            said = body["messages"][0]["content"]
+            n = self.calls[said] = self.calls.get(said, 0) + 1
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body",
+                        "body": b'{"id": "x", "choi' if n == 1 else b'{"id": "x"}'})
+
+    cfg = config.load({"Store__Path": str(tmp_path / "s.db")})
+    store = open_store(cfg.store, "h", CollectorRegistry())
+    b = Obj("msgbatch_h-1", "msgbatch", "anonymous", 1, None, 0, "in_progress",
+            {"endpoint": "/v1/messages", "expires_at": 2 ** 40,
+             "request_counts": {"total": 1, "completed": 0, "failed": 0}})
+    await store.run(store.db.add_lines, b, _rows(["cut"]))
+    router = Cutting()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(Batches(lambda: cfg, store, router).run)
+        while (await store.run(store.db.get, "msgbatch", b.id, None)).state == "in_progress":
+            await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert router.calls == {"cut": 2}
+    assert await store.run(store.db.line_states, b.id) == {"completed": 1}
