@@ -19,13 +19,12 @@ import json
 import anthropic
 import httpx
 import ollama
-import openai
 import pytest
 from pydantic import BaseModel, ConfigDict
 
 from tests.harness import make_gguf
+from tests.harness.fleet import Fleet
 from tests.harness.llama_cache import RealServer
-from tests.harness.procs import Procs, wait_until
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.e2e]
 
@@ -42,40 +41,27 @@ class Flag(BaseModel):
     a: bool
 
 
-class Fleet:
-    def __init__(self, server: RealServer, tiny: str) -> None:
-        self.server = server
-        self.procs = Procs()
-        self.node = self.procs.node("gpu", {"Engine__Kind": "llamacpp",
-                                            "Engine__Command": server.command,
-                                            "Auth__NodeToken": TOKEN,
-                                            "Engine__StartTimeoutSeconds": "60"})
-        self.hub = self.procs.hub({"Auth__NodeToken": TOKEN, "Nodes__0__Name": "gpu",
-                                   "Nodes__0__Url": self.node.url,
-                                   "Models__0__Name": "tiny", "Models__0__Source": tiny,
-                                   "Router__ActivationWaitSeconds": "60"}, metrics=False)
-        wait_until(lambda: any(m["name"] == "tiny" for m in httpx.get(
-            self.hub.url + "/api/status", timeout=10).json()["models"]), what="tiny known")
-        self.openai = openai.OpenAI(base_url=self.hub.url + "/v1", api_key="x", timeout=60,
-                                    max_retries=0)
-
-    @property
-    def python(self) -> bool:
-        return self.server.name == "llama_cpp.server"
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, real_server):
+def fleet(tmp_path_factory, real_server: RealServer):
     tiny = make_gguf.write(tmp_path_factory.mktemp("gguf") / "tiny.gguf", seed=11)
-    f = Fleet(real_server, str(tiny))
+    f = Fleet(token=TOKEN)
+    f.python = real_server.name == "llama_cpp.server"
     try:
+        node = f.start_node("gpu", {"Engine__Kind": "llamacpp",
+                                    "Engine__Command": real_server.command,
+                                    "Engine__StartTimeoutSeconds": "60"}, announce=False)
+        f.start_hub({"Nodes__0__Name": "gpu", "Nodes__0__Url": node.url,
+                     "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
+                     "Router__ActivationWaitSeconds": "60"}, metrics=False)
+        f.wait_models("tiny")
+        f.client = f.openai(key="x")
         yield f
     finally:
-        f.procs.close()
+        f.close()
 
 
 def test_max_completion_tokens_is_the_engines_cap(fleet):
-    r = fleet.openai.chat.completions.create(model="tiny", messages=USER,
+    r = fleet.client.chat.completions.create(model="tiny", messages=USER,
                                              max_completion_tokens=5)
     # One answer is streamed from the engine (a client that leaves frees its slot) and
     # assembled: llama_cpp.server sends no usage in streams, so the hub counts its chunks.
@@ -85,7 +71,7 @@ def test_max_completion_tokens_is_the_engines_cap(fleet):
 
 
 def test_structured_output_on_every_api(fleet):
-    parsed = fleet.openai.chat.completions.parse(model="tiny", messages=USER,
+    parsed = fleet.client.chat.completions.parse(model="tiny", messages=USER,
                                                  response_format=Flag, max_tokens=ROOM)
     assert isinstance(parsed.choices[0].message.parsed, Flag)
     ol = ollama.Client(host=fleet.hub.url, timeout=60)
@@ -95,17 +81,17 @@ def test_structured_output_on_every_api(fleet):
     m = ac.messages.create(model="tiny", max_tokens=ROOM, messages=USER,
                            output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
     Flag.model_validate_json(m.content[0].text)
-    resp = fleet.openai.responses.create(model="tiny", input="hello", max_output_tokens=ROOM,
+    resp = fleet.client.responses.create(model="tiny", input="hello", max_output_tokens=ROOM,
                                          text={"format": {"type": "json_schema", "name": "flag",
                                                           "schema": SCHEMA, "strict": True}})
     Flag.model_validate_json(resp.output_text)
 
 
 def test_stream_usage_asked_for_and_dropped(fleet):
-    plain = list(fleet.openai.chat.completions.create(model="tiny", messages=USER, max_tokens=4,
+    plain = list(fleet.client.chat.completions.create(model="tiny", messages=USER, max_tokens=4,
                                                       stream=True))
     assert all(c.usage is None for c in plain)
-    asked = list(fleet.openai.chat.completions.create(
+    asked = list(fleet.client.chat.completions.create(
         model="tiny", messages=USER, max_tokens=4, stream=True,
         stream_options={"include_usage": True}))
     if fleet.python:
@@ -135,7 +121,7 @@ def test_anthropic_and_responses_counts(fleet):
     assert start.message.usage.input_tokens > 0
     assert (0 < final.usage.output_tokens <= 5 if fleet.python
             else final.usage.output_tokens == 5)
-    r = fleet.openai.responses.create(model="tiny", input="hello", max_output_tokens=4)
+    r = fleet.client.responses.create(model="tiny", input="hello", max_output_tokens=4)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert (0 < r.usage.output_tokens <= 4 if fleet.python  # (streamed: as above)
             else r.usage.output_tokens == 4) and r.usage.input_tokens > 0
