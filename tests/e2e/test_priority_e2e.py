@@ -107,8 +107,8 @@ def test_priority_classes_live(fleet, workers):
                what="the long request running")
     batch = pool.submit(timed, f, "batch")
     wait_until(lambda: background(f)["waiting"] == 1, what="batch held")
-    r, took, _ = timed(f, "ops")
-    assert r.status_code == 200 and took < 3, (r.status_code, took)
+    r, _, _ = timed(f, "ops")  # answered while batch waits (how fast: bench/refusals.py)
+    assert r.status_code == 200, r.status_code
     assert background(f)["waiting"] == 1 and not batch.done()
     r_long, _, long_done = long_team.result()
     r_batch, _, batch_done = batch.result()
@@ -126,8 +126,8 @@ def test_priority_classes_live(fleet, workers):
     wait_until(lambda: background(f)["waiting"] == 4,
                what="batch, embeddings, messages and the lowered team request held")
     for client in ("ops", "team"):
-        r, took, _ = timed(f, client)
-        assert r.status_code == 200 and took < 3, (client, r.status_code, took)
+        r, _, _ = timed(f, client)
+        assert r.status_code == 200, (client, r.status_code)
     assert background(f)["waiting"] == 4
     resumed = time.monotonic()
     control(f, "gpu-b", "resume")
@@ -176,9 +176,8 @@ def test_priority_off_changes_nothing(tmp_path):
         f.start_node("gpu-a", {"Node__ModelSlots": "1", "Node__MemoryMb": "4000",
                                "Node__AnnounceSeconds": "1"})
         f.wait_up("gpu-a")
-        t = time.monotonic()
         r = f.chat(MODEL, key=KEYS["batch"], max_tokens=2)
-        assert r.status_code == 200 and time.monotonic() - t < 15
+        assert r.status_code == 200
         assert "priority" not in f.status()
         assert "appliance_priority" not in f.scrape()
         assert all("priority" not in x for x in f.audit())
