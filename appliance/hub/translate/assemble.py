@@ -44,13 +44,14 @@ class Whole(Protocol):
 
 
 class _Choice:
-    __slots__ = ("text", "reasoning", "tools", "logprobs", "finish", "extra", "role")
+    __slots__ = ("text", "reasoning", "tools", "logprobs", "legacy", "finish", "extra", "role")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.tools = ToolCallAccumulator()
         self.logprobs: list[Any] | None = None
+        self.legacy: dict[str, list[Any]] | None = None  # text completions' logprobs
         self.finish: Any = None
         self.extra: dict[str, Any] = {}
         self.role = "assistant"
@@ -155,6 +156,8 @@ class Assembler:
             lp = ch.get("logprobs")
             if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                 c.logprobs = (c.logprobs or []) + lp["content"]
+            elif isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
+                c.legacy = _joined(c.legacy, lp)  # a text completion's lists, joined
             if ch.get("finish_reason") is not None:
                 c.finish = ch["finish_reason"]
             for k, v in ch.items():
@@ -182,7 +185,8 @@ class Assembler:
                 choice["message"] = msg
             else:
                 choice["text"] = text
-            choice["logprobs"] = {"content": c.logprobs} if c.logprobs is not None else None
+            choice["logprobs"] = ({"content": c.logprobs} if c.logprobs is not None
+                                  else c.legacy)
             choice["finish_reason"] = c.finish or "stop"
             choice.update(c.extra)
             out["choices"].append(choice)
@@ -193,6 +197,19 @@ class Assembler:
         if self._timings is not None:
             out["timings"] = self._timings
         return out
+
+
+# The lists of a text completion's `logprobs`, one entry per token.
+_LEGACY = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def _joined(have: dict[str, list[Any]] | None, lp: dict[str, Any]) -> dict[str, list[Any]]:
+    out = have if have is not None else {k: [] for k in _LEGACY}
+    for k in _LEGACY:
+        v = lp.get(k)
+        if isinstance(v, list):
+            out[k] += v
+    return out
 
 
 def streamed(req: dict[str, Any]) -> dict[str, Any]:
