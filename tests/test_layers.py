@@ -35,7 +35,9 @@ ROLES = HUB + NODE + SIM + LAUNCHERS
 
 CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.http.errors",
          "appliance.http.lines",
-         "appliance.hub.decide.priority", "appliance.hub.decide.slots", "appliance.hub.decide.placement", "appliance.hub.decide.fit",
+         "appliance.hub.decide.priority", "appliance.hub.decide.slots",
+         "appliance.hub.decide.placement", "appliance.hub.decide.fit",
+         "appliance.hub.decide.demand",
          "appliance.node.state", "appliance.node.health", "appliance.hub.cluster.state",
          "appliance.hub.translate",
          "appliance.hub.decide.fair", "appliance.hub.decide.limits",
