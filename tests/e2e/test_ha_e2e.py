@@ -10,7 +10,6 @@ with "the lease ran out".
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -22,7 +21,8 @@ import httpx
 import pytest
 
 from tests.harness.etcd_proc import EtcdProc, needs_etcd
-from tests.harness.procs import Procs, clean_env, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import clean_env, wait_until
 
 pytestmark = [pytest.mark.e2e, needs_etcd]
 
@@ -52,73 +52,64 @@ CATALOG = {
 }
 
 
-class Fleet:
-    def __init__(self, tmp, lease: int = LEASE) -> None:
-        self.lease = lease
-        self.procs = Procs()
-        self.etcd = EtcdProc(tmp / "etcd")
-        self.etcd.start()
-        self.hubs: dict[str, object] = {}
-        self.nodes: dict[str, object] = {}
+def ha_fleet(tmp, lease: int = LEASE) -> Fleet:
+    """A fleet around one real etcd (`f.etcd`, closed with it): hubs and nodes by name."""
+    f = Fleet(tmp, token=TOKEN)
+    f.lease = lease
+    f.etcd = EtcdProc(tmp / "etcd")
+    f.etcd.start()
+    closing = f.close
 
-    def start_hub(self, name: str) -> None:
-        self.hubs[name] = self.procs.hub({"Hub__Name": name, "Cluster__Etcd": self.etcd.url,
-                                          "Cluster__LeaseSeconds": str(self.lease),
-                                          "Auth__NodeToken": TOKEN, **CATALOG})
+    def close() -> None:
+        closing()
+        f.etcd.close()
+    f.close = close
+    return f
 
-    def start_node(self, name: str, hubs: list[str]) -> None:
-        self.nodes[name] = self.procs.node(name, {"Hub__Url": ",".join(self.hubs[h].url
-                                                                       for h in hubs),
-                                                  "Auth__NodeToken": TOKEN,
-                                                  "Node__MemoryMb": "8000",
-                                                  "Node__AnnounceSeconds": "2", **SIM})
 
-    def status(self, hub: str) -> dict:
-        return httpx.get(self.hubs[hub].url + "/api/status", timeout=10).json()
+def start_hub(f: Fleet, name: str) -> None:
+    f.start_hub({"Hub__Name": name, "Cluster__Etcd": f.etcd.url,
+                 "Cluster__LeaseSeconds": str(f.lease), **CATALOG}, name=name)
 
-    def cluster(self, hub: str) -> dict:
-        try:
-            return self.status(hub)["cluster"]
-        except httpx.HTTPError:
-            return {}
 
-    def leader(self) -> str:
-        """The hub every live hub agrees leads (waits for agreement)."""
-        def agreed():
-            seen = {self.cluster(h).get("leader") for h in self.live()}
-            return seen.pop() if len(seen) == 1 and None not in seen else None
-        return wait_until(agreed, timeout=self.lease + 10, what="one leader agreed by every hub")
+def start_node(f: Fleet, name: str, hubs: list[str]) -> None:
+    f.start_node(name, {"Node__MemoryMb": "8000", "Node__AnnounceSeconds": "2", **SIM}, hubs=hubs)
 
-    def live(self) -> list[str]:
-        return [h for h, p in self.hubs.items() if p.popen.poll() is None]
 
-    def chat(self, hub: str, model: str, timeout: float = 40) -> httpx.Response:
-        return httpx.post(self.hubs[hub].url + "/v1/chat/completions", timeout=timeout,
-                          json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+def cluster(f: Fleet, hub: str) -> dict:
+    try:
+        return f.status(hub)["cluster"]
+    except httpx.HTTPError:
+        return {}
 
-    def loads(self, model: str) -> int:
-        """Load attempts of `model` the nodes saw (their own log lines)."""
-        rx = re.compile(rf"loading {re.escape(model)} \(source")
-        return sum(1 for p in self.nodes.values() for line in p.stderr_lines if rx.search(line))
 
-    def ready_on(self, hub: str, model: str) -> int:
-        return next((m["ready"] for m in self.status(hub)["models"] if m["name"] == model), 0)
+def live(f: Fleet) -> list[str]:
+    return [h for h, p in f.hubs.items() if p.popen.poll() is None]
 
-    def close(self) -> None:
-        self.procs.close()
-        self.etcd.close()
+
+def agreed_leader(f: Fleet) -> str:
+    """The hub every live hub agrees leads (waits for agreement)."""
+    def agreed():
+        seen = {cluster(f, h).get("leader") for h in live(f)}
+        return seen.pop() if len(seen) == 1 and None not in seen else None
+    return wait_until(agreed, timeout=f.lease + 10, what="one leader agreed by every hub")
+
+
+def ready(f: Fleet, hub: str, model: str) -> int:
+    """How many replicas of `model` the hub says are ready."""
+    return f.models(hub).get(model, {}).get("ready", 0)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("ha"))
+    f = ha_fleet(tmp_path_factory.mktemp("ha"))
     try:
-        f.start_hub("hub-a")
-        f.start_hub("hub-b")
-        f.start_node("n1", ["hub-a", "hub-b"])
-        f.start_node("n2", ["hub-a"])  # announced to one hub only: the other learns it through etcd
+        start_hub(f, "hub-a")
+        start_hub(f, "hub-b")
+        start_node(f, "n1", ["hub-a", "hub-b"])
+        start_node(f, "n2", ["hub-a"])  # announced to one hub only: the other learns it through etcd
         for h in ("hub-a", "hub-b"):
-            wait_until(lambda h=h: f.ready_on(h, "ready-m") == 2, timeout=40,
+            wait_until(lambda h=h: ready(f, h, "ready-m") == 2, timeout=40,
                        what=f"ready-m ready twice on {h}")
         yield f
     finally:
@@ -142,7 +133,7 @@ class Hammer(threading.Thread):
     def run(self) -> None:
         while not self.halt.is_set():
             try:
-                r = self.f.chat(self.hub, "ready-m", timeout=20)
+                r = self.f.chat("ready-m", hub=self.hub, timeout=20)
                 if r.status_code != 200:
                     self.failures.append(r.text)
             except httpx.HTTPError as e:
@@ -155,10 +146,10 @@ class Hammer(threading.Thread):
 
 
 def test_one_leader_shared_nodes_and_epoch(fleet):
-    leader = fleet.leader()
-    a, b = fleet.cluster("hub-a"), fleet.cluster("hub-b")
+    leader = agreed_leader(fleet)
+    a, b = cluster(fleet, "hub-a"), cluster(fleet, "hub-b")
     assert a["epoch"] == b["epoch"] > 0 and a["hubs"] == b["hubs"] == ["hub-a", "hub-b"]
-    assert [a["leading"], b["leading"]].count(True) == 1 and fleet.cluster(leader)["leading"]
+    assert [a["leading"], b["leading"]].count(True) == 1 and cluster(fleet, leader)["leading"]
     # n2 announced to hub-a only; hub-b dials it too.
     wait_until(lambda: {n["name"]: n["status"]
                         for n in fleet.status("hub-b")["nodes"]}.get("n2") == "up",
@@ -179,9 +170,9 @@ def test_a_forged_epoch_fences_a_node_for_one_lease_at_most_and_shows(fleet):
     # leader neither steps down nor flaps; /api/status says which nodes refuse it; within
     # one lease of the last forgery the nodes take the leader's epoch again, and an
     # on-demand model loads.
-    leader = fleet.leader()
-    epoch = fleet.cluster(leader)["epoch"]
-    for p in fleet.nodes.values():
+    leader = agreed_leader(fleet)
+    epoch = cluster(fleet, leader)["epoch"]
+    for p in fleet.node_procs.values():
         r = httpx.post(f"{p.url}/node/v1/epoch", timeout=10,
                        headers={"authorization": f"Bearer {TOKEN}",
                                 "x-appliance-epoch": "999999999999",
@@ -191,15 +182,15 @@ def test_a_forged_epoch_fences_a_node_for_one_lease_at_most_and_shows(fleet):
     def fenced() -> dict[str, str]:
         return {n["name"]: n["fenced"] for n in fleet.status(leader)["nodes"] if n["fenced"]}
 
-    wait_until(lambda: len(fenced()) == len(fleet.nodes), timeout=5, what="nodes shown fenced")
+    wait_until(lambda: len(fenced()) == len(fleet.node_procs), timeout=5, what="nodes shown fenced")
     m = httpx.get(fleet.hubs[leader].urls["metrics"] + "/metrics", timeout=10).text
     assert 'appliance_node_fenced{node="n1"} 1.0' in m
     t0 = time.monotonic()
-    assert fleet.chat(leader, "od-e").status_code == 200
+    assert fleet.chat("od-e", hub=leader, timeout=40).status_code == 200
     assert time.monotonic() - t0 < LEASE + 10
     wait_until(lambda: not fenced(), timeout=LEASE + 5, what="no node fenced")
     assert {n["epoch"] for n in fleet.status(leader)["nodes"]} == {epoch}
-    assert fleet.cluster(leader)["epoch"] == epoch and fleet.cluster(leader)["leading"]
+    assert cluster(fleet, leader)["epoch"] == epoch and cluster(fleet, leader)["leading"]
 
 
 def test_forget_on_one_hub_forgets_on_all_until_it_announces_again(fleet):
@@ -214,7 +205,7 @@ def test_forget_on_one_hub_forgets_on_all_until_it_announces_again(fleet):
                                            timeout=10)
     # n2's next announcement (to hub-a) brings it back on both.
     for h in ("hub-a", "hub-b"):
-        wait_until(lambda h=h: fleet.ready_on(h, "ready-m") == 2, timeout=30,
+        wait_until(lambda h=h: ready(fleet, h, "ready-m") == 2, timeout=30,
                    what=f"n2 back on {h}")
 
 
@@ -223,7 +214,7 @@ def test_both_hubs_ask_at_once_one_load(fleet):
     results: list[int] = []
 
     def send(hub):
-        results.append(fleet.chat(hub, "od-a").status_code)
+        results.append(fleet.chat("od-a", hub=hub, timeout=40).status_code)
 
     threads = [threading.Thread(target=send, args=(h,)) for h in ("hub-a", "hub-b", "hub-a",
                                                                   "hub-b")]
@@ -258,9 +249,9 @@ def test_priority_reserve_holds_across_hubs(fleet):
 
 
 def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
-    leader = fleet.leader()
+    leader = agreed_leader(fleet)
     follower = other(fleet, leader)
-    r = fleet.chat(follower, "kev-0.5b")
+    r = fleet.chat("kev-0.5b", hub=follower, timeout=40)
     assert r.status_code == 503 and r.json()[
         "error"]["code"] == "model_parked" and KEV in r.text, r.text
     # Five rounds, each a start on both nodes (a failed start is tried on the other capable
@@ -269,7 +260,7 @@ def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
     for h in fleet.hubs:  # parked on both hubs, answered at once
         st = next(m for m in fleet.status(h)["models"] if m["name"] == "kev-0.5b")
         assert st["parked"] and st["consecutive_start_failures"] == 5 and st["last_error"] == KEV
-        assert fleet.chat(h, "kev-0.5b").json()["error"]["code"] == "model_parked"
+        assert fleet.chat("kev-0.5b", hub=h, timeout=40).json()["error"]["code"] == "model_parked"
     # `ctl retry` on the follower: the leader tries it again (five more rounds at the nodes).
     r = httpx.post(fleet.hubs[follower].url + "/admin/models/kev-0.5b/retry", timeout=10)
     assert r.status_code == 200
@@ -281,7 +272,7 @@ def test_parked_is_shared_and_retry_reaches_the_leader(fleet):
 
 
 def test_kill_leader_failover(fleet):
-    leader = fleet.leader()
+    leader = agreed_leader(fleet)
     survivor = other(fleet, leader)
     t = Hammer(fleet, survivor)
     t.start()
@@ -291,9 +282,9 @@ def test_kill_leader_failover(fleet):
         fleet.hubs[leader].signal(signal.SIGKILL)
         # A request that needs a load during the gap is served once the new leader places it.
         gap: list[httpx.Response] = []
-        asker = threading.Thread(target=lambda: gap.append(fleet.chat(survivor, "od-b")))
+        asker = threading.Thread(target=lambda: gap.append(fleet.chat("od-b", hub=survivor, timeout=40)))
         asker.start()
-        wait_until(lambda: fleet.cluster(survivor).get("leading"), timeout=LEASE + 2, interval=0.05,
+        wait_until(lambda: cluster(fleet, survivor).get("leading"), timeout=LEASE + 2, interval=0.05,
                    what="the survivor leads within LeaseSeconds + 2 s")
         took = time.monotonic() - killed_at
         asker.join()
@@ -305,30 +296,30 @@ def test_kill_leader_failover(fleet):
     assert t.failures == [] and t.sent > 5, (t.failures, t.sent)
     assert took < LEASE + 2
     # Parked survives the failover: answered at once, the node never asked again.
-    r = fleet.chat(survivor, "kev-0.5b")
+    r = fleet.chat("kev-0.5b", hub=survivor, timeout=40)
     assert r.json()["error"]["code"] == "model_parked"
     assert fleet.loads("kev-0.5b") == 10 * NODE_COUNT
-    fleet.start_hub(leader)  # back as a follower for the next cases
-    wait_until(lambda: fleet.cluster(leader).get("leader") == survivor,
+    start_hub(fleet, leader)  # back as a follower for the next cases
+    wait_until(lambda: cluster(fleet, leader).get("leader") == survivor,
                what="restarted hub follows")
 
 
 def test_sigstopped_leader_is_fenced(fleet):
-    old = fleet.leader()
+    old = agreed_leader(fleet)
     new = other(fleet, old)
-    old_epoch = fleet.cluster(old)["epoch"]
+    old_epoch = cluster(fleet, old)["epoch"]
     fleet.hubs[old].signal(signal.SIGSTOP)
     try:
-        wait_until(lambda: fleet.cluster(new).get("leading"), timeout=LEASE + 5,
+        wait_until(lambda: cluster(fleet, new).get("leading"), timeout=LEASE + 5,
                    what="a new leader")
-        assert fleet.chat(new, "od-c").status_code == 200  # the nodes see the new epoch
+        assert fleet.chat("od-c", hub=new, timeout=40).status_code == 200  # the nodes see the new epoch
     finally:
         fleet.hubs[old].signal(signal.SIGCONT)
-    wait_until(lambda: fleet.cluster(old).get("leader") == new
-               and not fleet.cluster(old)["leading"],
+    wait_until(lambda: cluster(fleet, old).get("leader") == new
+               and not cluster(fleet, old)["leading"],
                what="the resumed hub follows")
     # Whatever the old leader still sends carries its old epoch: every node refuses it.
-    node = next(p for n, p in fleet.nodes.items() if any(
+    node = next(p for n, p in fleet.node_procs.items() if any(
         m["name"] == "od-c" and m["state"] == "ready" for x in fleet.status(new)["nodes"]
         if x["name"] == n
         for m in x["models"]))
@@ -344,21 +335,21 @@ def test_etcd_down_ready_models_serve_placements_no_leader(fleet):
     fleet.etcd.stop()
     try:
         for h in fleet.hubs:
-            wait_until(lambda h=h: fleet.cluster(h).get("leader") is None, timeout=LEASE + 5,
+            wait_until(lambda h=h: cluster(fleet, h).get("leader") is None, timeout=LEASE + 5,
                        what=f"{h}: no leader")
         for h in fleet.hubs:
-            assert fleet.chat(h, "ready-m").status_code == 200  # ready models keep serving
-            r = fleet.chat(h, "od-d")  # a placement: no one may decide it
+            assert fleet.chat("ready-m", hub=h, timeout=40).status_code == 200  # ready models keep serving
+            r = fleet.chat("od-d", hub=h, timeout=40)  # a placement: no one may decide it
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_leader", r.text
             assert int(r.headers["retry-after"]) >= 1
     finally:
         fleet.etcd.start()
-    fleet.leader()
-    wait_until(lambda: all(fleet.cluster(h).get("etcd_up") for h in fleet.hubs),
+    agreed_leader(fleet)
+    wait_until(lambda: all(cluster(fleet, h).get("etcd_up") for h in fleet.hubs),
                what="etcd up again")
     for h in fleet.hubs:  # service resumes by itself
-        r = fleet.chat(h, "od-d")
-        assert r.status_code == 200, (h, r.text, fleet.cluster(h))
+        r = fleet.chat("od-d", hub=h, timeout=40)
+        assert r.status_code == 200, (h, r.text, cluster(fleet, h))
     assert fleet.loads("od-d") == 1
 
 
@@ -370,17 +361,17 @@ def test_sigterm_of_the_leader_hands_over_at_once(tmp_path):
     (a new epoch) well before the 30 s lease could have run out -- while the stopped hub
     still finishes a request in flight -- requests through the new leader keep succeeding,
     and the stopped hub exits 0."""
-    f = Fleet(tmp_path, lease=LONG_LEASE)
+    f = ha_fleet(tmp_path, lease=LONG_LEASE)
     try:
-        f.start_hub("hub-a")
-        f.start_hub("hub-b")
-        f.start_node("n1", ["hub-a", "hub-b"])
+        start_hub(f, "hub-a")
+        start_hub(f, "hub-b")
+        start_node(f, "n1", ["hub-a", "hub-b"])
         for h in f.hubs:
-            wait_until(lambda h=h: f.ready_on(h, "ready-m") == 1, timeout=40,
+            wait_until(lambda h=h: ready(f, h, "ready-m") == 1, timeout=40,
                        what=f"ready-m ready on {h}")
-        leader = f.leader()
+        leader = agreed_leader(f)
         follower = other(f, leader)
-        epoch = f.cluster(follower)["epoch"]
+        epoch = cluster(f, follower)["epoch"]
         long: list[httpx.Response] = []  # 6000 tokens at 1000/s: 6 s, in flight on the leader
         slow = threading.Thread(target=lambda: long.append(httpx.post(
             f.hubs[leader].url + "/v1/chat/completions", timeout=60,
@@ -394,7 +385,7 @@ def test_sigterm_of_the_leader_hands_over_at_once(tmp_path):
                        interval=0.05, what="the long request on the node")
             stopped_at = time.monotonic()
             f.hubs[leader].signal(signal.SIGTERM)
-            wait_until(lambda: f.cluster(follower).get("leading"), timeout=LONG_LEASE / 3,
+            wait_until(lambda: cluster(f, follower).get("leading"), timeout=LONG_LEASE / 3,
                        interval=0.05, what="the follower leads before a third of the lease")
             took = time.monotonic() - stopped_at
             draining = slow.is_alive()
@@ -406,7 +397,7 @@ def test_sigterm_of_the_leader_hands_over_at_once(tmp_path):
         assert draining, "the long request ended before the handover: the drain was not tested"
         assert long[0].status_code == 200, long[0].text  # finished by the draining ex-leader
         assert t.failures == [] and t.sent > 5, (t.failures, t.sent)
-        after = f.cluster(follower)
+        after = cluster(f, follower)
         assert after["epoch"] > epoch and after["leader"] == follower
         assert after["hubs"] == [follower]  # the stopped hub's key went with its lease
         assert f.hubs[leader].wait_stderr(rf"hub {leader} stepped down .*this hub is stopping")
