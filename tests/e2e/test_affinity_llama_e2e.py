@@ -9,14 +9,11 @@ holds is the conversation just served there; each conversation's two turns go ba
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from tests.e2e.test_clients_matrix import LLAMA_SERVER
 from tests.harness import make_gguf
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
 
 pytestmark = [
     pytest.mark.llamacpp,
@@ -37,38 +34,26 @@ WORDS = make_gguf.WORDS
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("affinity-llama")
     tiny, _ = make_gguf.write_pair(tmp, seed=3)
-    audit = tmp / "audit.jsonl"
-    procs = Procs()
+    f = Fleet(tmp, token=TOKEN)
     try:
-        hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
-                         "Router__AffinityBlockChars": str(BLOCK),
-                         "Hub__ControlIntervalSeconds": "0.2",
-                         "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
-                         "Models__0__Replicas": "3"})
+        f.start_hub({"Audit__Path": f.audit_path, "Router__AffinityBlockChars": str(BLOCK),
+                     "Hub__ControlIntervalSeconds": "0.2",
+                     "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
+                     "Models__0__Replicas": "3"})
         command = (f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 --port {{port}} -c 256 -t 1 "
                    "-np 1 {args}")
         for name in NODES:
-            procs.node(name, {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                              "Node__AnnounceSeconds": "1", "Node__MemoryMb": "1000",
-                              "Engine__Kind": "llamacpp", "Engine__Command": command,
-                              "Engine__StartTimeoutSeconds": "60"})
-
-        def ready() -> bool:
-            st = httpx.get(hub.url + "/api/status", timeout=10).json()
-            m = next((m for m in st["models"] if m["name"] == "tiny"), None)
-            return m is not None and m["ready"] == 3
-
-        wait_until(ready, timeout=120, what="tiny ready on three llama-servers")
-        yield hub, audit
+            f.start_node(name, {"Node__AnnounceSeconds": "1", "Node__MemoryMb": "1000",
+                                "Engine__Kind": "llamacpp", "Engine__Command": command,
+                                "Engine__StartTimeoutSeconds": "60"})
+        f.wait(lambda: f.models().get("tiny", {}).get("ready") == 3,
+               "tiny ready on three llama-servers", 120)
+        yield f
     finally:
-        procs.close()
+        f.close()
 
 
-def chat(c: httpx.Client, messages: list) -> dict:
-    r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages,
-                                             "max_tokens": 4, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()
+ASK = {"max_tokens": 4, "temperature": 0, "timeout": 60}  # each turn, greedy
 
 
 def cached_of(answer: dict) -> int:
@@ -79,21 +64,19 @@ def cached_of(answer: dict) -> int:
 
 
 def test_turn_two_lands_on_turn_ones_node_and_llama_server_reports_it_cached(fleet):
-    hub, audit = fleet
+    f = fleet
     answers = []
-    with httpx.Client(base_url=hub.url, timeout=60) as c:
-        for i in range(3):
-            ctx = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(25))
-            msgs = [{"role": "system", "content": ctx}, {"role": "user", "content": "what is it"}]
-            first = chat(c, msgs)
-            msgs += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "and then"}]
-            answers.append(chat(c, msgs))
-    lines = [x for x in map(json.loads, audit.read_text().splitlines()) if x["kind"] == "request"]
+    for i in range(3):
+        ctx = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(25))
+        msgs = [{"role": "system", "content": ctx}, {"role": "user", "content": "what is it"}]
+        first = f.answer("tiny", messages=msgs, **ASK)
+        msgs += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "and then"}]
+        answers.append(f.answer("tiny", messages=msgs, **ASK))
+    lines = f.audit("request")
     assert len(lines) == 6
     for turn1, turn2, answer in zip(lines[0::2], lines[1::2], answers, strict=True):
         assert turn2["node"] == turn1["node"] and turn2["routing"] == "prefix"
         assert cached_of(answer) > 0, answer
-    routing = next(m for m in httpx.get(hub.url + "/api/status", timeout=10).json()["models"]
-                   if m["name"] == "tiny")["routing"]
+    routing = f.models()["tiny"]["routing"]
     assert routing["cached_prompt_tokens"] > 0 and routing["confirmed_hits"] >= 1
