@@ -13,6 +13,18 @@ from tests.harness.procs import procs  # noqa: F401  (fixture)
 from tests.harness.wire import KINDS, Wire
 
 
+@pytest.fixture(autouse=True)
+def no_system_store(monkeypatch):
+    """An in-process hub built from `load({...})` would open the machine's default store
+    (Store__Path, /var/lib/appliance/store.db), shared by every test and run; the suite never
+    does: a test that wants a store names its own path (the harness's processes get none)."""
+    from appliance.config.schema import StoreConfig
+    from appliance.hub.store import store
+
+    system = StoreConfig().path
+    monkeypatch.setattr(store, "wanted", lambda cfg: bool(cfg.path) and cfg.path != system)
+
+
 @pytest.fixture(scope="session")
 def wire_pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("wire-pki"))

@@ -155,6 +155,11 @@ def disk_full(e: OSError) -> bool:
     return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+def wanted(cfg: StoreConfig) -> bool:
+    """Whether this hub keeps a store at all: a path is set (empty: its routes answer 501)."""
+    return bool(cfg.path)
+
+
 def open_store(cfg: StoreConfig, hub: str, registry: CollectorRegistry) -> Store | None:
     """The store at cfg.path, or None (empty path; a path it cannot open: logged)."""
     if not cfg.path:
