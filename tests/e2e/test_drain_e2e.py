@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tests.e2e.test_reliability_e2e import Fleet, _addr, pki  # noqa: F401  (pki: the fixture)
+from tests.e2e.test_reliability_e2e import _addr, held, pki, start  # noqa: F401  (pki: fixture)
+from tests.harness.fleet import Fleet
 from tests.harness.pki import client_ctx
 from tests.harness.procs import procs, wait_until  # noqa: F401  (procs: the fixture)
 
@@ -47,12 +48,12 @@ def test_sigterm_ends_streams_the_buffers_hold_for_clients_that_never_read_withi
     env = {"Hub__DrainSeconds": str(DRAIN_S), "Audit__Path": str(audit)}
     if kind == "workers":
         env["Hub__Workers"] = "2"
-    f = Fleet(procs, pki, kind == "tls", env, {"Sim__TokensPerSecond": "200"})  # ~2 s each
+    f = start(procs, pki, kind == "tls", env, {"Sim__TokensPerSecond": "200"})  # ~2 s each
     socks = [never_reading_client(f, f"never-read-{i}") for i in range(4)]
     try:
-        wait_until(lambda: f.held() == 4, timeout=20, what="4 streams on the node")
+        wait_until(lambda: held(f) == 4, timeout=20, what="4 streams on the node")
         # The node finished them: the hub wrote them whole and waits for them to leave.
-        wait_until(lambda: f.held() == 0, timeout=30, what="the node's streams done")
+        wait_until(lambda: held(f) == 0, timeout=30, what="the node's streams done")
         time.sleep(0.5)
         t0 = time.monotonic()
         f.hub.signal(signal.SIGTERM)
