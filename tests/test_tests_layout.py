@@ -35,3 +35,20 @@ def test_the_top_holds_only_whole_tree_checks():
     allowed = {"test_config.py", "test_ctl.py", "test_fuzz.py", "test_docs.py",
                "test_layers.py", "test_tests_layout.py"}
     assert set(top) <= allowed, f"put {sorted(set(top) - allowed)} in the folder of what it tests"
+
+
+def test_no_test_writes_its_own_fleet_or_chat_helper():
+    """One Fleet (tests/harness/fleet.py) and one chat body (`chat_body`) for every test: a
+    module-level `class Fleet` or `def chat(` outside the harness is a copy that drifts."""
+    import ast
+
+    copies = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.parent.name == "harness":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if (isinstance(node, ast.ClassDef) and node.name == "Fleet") or (
+                    isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and node.name == "chat"):
+                copies.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not copies, f"use tests.harness.fleet (Fleet, Fleet.chat, chat_body): {copies}"
