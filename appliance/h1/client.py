@@ -33,7 +33,8 @@ from appliance.h1.parse import TOKEN as _TOKEN
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 256
 
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
+# The reason phrase: tabs, spaces, visible bytes, obs-text (RFC 9112 4; h11 refuses the rest).
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?")
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 # Field lines: a token name, a colon, a value of visible bytes, spaces and tabs; no obs-fold.
 _FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from appliance.h1.body import FREE_CHUNKS, MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
+from appliance.h1.client import BrokenResponse, parse_response_head
 from appliance.h1.parse import BadRequest, parse_head
 from tests.harness.h11io import until_closed
 from tests.server.test_h1 import echo, running
@@ -73,3 +74,12 @@ async def test_a_repeated_authorization_is_400_on_the_wire(wire):
         raw = await until_closed(stream)
     assert raw.startswith(b"HTTP/1.1 400"), raw[:200]
     assert b"Authorization" in raw
+
+
+@pytest.mark.parametrize("reason", [b"\x00K", b"O\x7fK", b"O\x01K"])
+def test_a_control_byte_in_a_reason_phrase_is_refused_as_h11_does(reason):
+    # found by `make fuzz` (fuzz/test_h1_fuzz.py::test_response_heads)
+    with pytest.raises(BrokenResponse):
+        parse_response_head(b"HTTP/1.1 200 " + reason + b"\r\nContent-Length: 0\r\n\r\n")
+    got = parse_response_head(b"HTTP/1.1 200 O\tK \x80\r\nContent-Length: 0\r\n\r\n")
+    assert got is not None and got[0].status_code == 200
