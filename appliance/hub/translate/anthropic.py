@@ -32,6 +32,7 @@ from appliance.hub.translate.common import (
     Buffered,
     EventsConverter,
     SSEReader,
+    Whole,
     bad,
     copy_sampling,
     enc,
@@ -230,7 +231,7 @@ class MessagesConverter(EventsConverter):
         self.finished = False  # the text ended on a stop sequence: read no more (streamed)
         self.content_type = b"text/event-stream" if stream else b"application/json"
         self.id = new_id("msg_")
-        self._buf = b""
+        self._buf = Whole()
         self._sse = SSEReader()
         self._started = False
         self._block: int | None = None  # index of the open content block
@@ -264,7 +265,7 @@ class MessagesConverter(EventsConverter):
     # --- whole -----------------------------------------------------------------------
 
     def _whole(self) -> bytes:
-        obj = engine_object(self._buf)
+        obj = engine_object(self._buf.take())
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
         msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}

@@ -235,7 +235,7 @@ class EventsConverter:
     and `_tally` (which every chunk, and a whole answer, is shown to)."""
 
     stream: bool
-    _buf: bytes
+    _buf: Whole
     _sse: SSEReader
     _tally: Tally
 
@@ -256,7 +256,7 @@ class EventsConverter:
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.stream:
-            self._buf += chunk
+            self._buf.add(chunk)
             return b""
         out = self._start()
         for data in self._sse.feed(chunk):
@@ -278,11 +278,42 @@ class EventsConverter:
         return b"".join(self._finish_events())
 
 
+# The most of an engine's whole answer a translation holds to decode it: Hub__MaxBufferedBytes'
+# default. Past it the rest is dropped and the answer reads as empty (no engine answers a
+# chat with 256 MiB of JSON; one that does is broken or hostile).
+MAX_WHOLE_BYTES = 256 * 1024 * 1024
+
+
+class Whole:
+    """An engine's whole answer gathered in pieces and joined once: a `bytes +=` per chunk
+    copied everything so far each time (a 200 MB answer held a core for minutes)."""
+
+    __slots__ = ("parts", "size", "over")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.over = False
+
+    def add(self, chunk: bytes) -> None:
+        if self.over or self.size + len(chunk) > MAX_WHOLE_BYTES:
+            self.over, self.parts = True, []
+            return
+        self.parts.append(chunk)
+        self.size += len(chunk)
+
+    def take(self) -> bytes:
+        """The answer, joined (b"" when it ran past MAX_WHOLE_BYTES)."""
+        whole = b"".join(self.parts)
+        self.parts = [whole] if whole else []
+        return whole
+
+
 class Buffered:
     """A converter that answers once the engine's whole body is in (`_answer`)."""
 
     content_type = b"application/json"
-    _buf = b""
+    _whole: Whole | None = None
 
     def _answer(self, obj: dict[str, Any]) -> bytes:
         raise NotImplementedError
@@ -291,8 +322,10 @@ class Buffered:
         return None
 
     def feed(self, chunk: bytes) -> bytes:
-        self._buf += chunk
+        if self._whole is None:
+            self._whole = Whole()
+        self._whole.add(chunk)
         return b""
 
     def end(self) -> bytes:
-        return self._answer(engine_object(self._buf))
+        return self._answer(engine_object(self._whole.take() if self._whole else b""))

@@ -28,6 +28,7 @@ from appliance.hub.translate.common import (
     EventsConverter,
     SSEReader,
     ToolCallAccumulator,
+    Whole,
     bad,
     copy_sampling,
     enc,
@@ -212,7 +213,7 @@ class ResponsesConverter(EventsConverter):
         self._tally = Tally(prompt)
         self._finish = "stop"
         self.created = int(time.time())
-        self._buf = b""
+        self._buf = Whole()
         self._sse = SSEReader()
         self._seq = 0
         self._started = False
@@ -259,7 +260,7 @@ class ResponsesConverter(EventsConverter):
     # --- whole -----------------------------------------------------------------------
 
     def _whole(self) -> bytes:
-        obj = engine_object(self._buf)
+        obj = engine_object(self._buf.take())
         choices = obj.get("choices") or [{}]
         ch = choices[0] if isinstance(choices[0], dict) else {}
         msg: Any = ch.get("message") if isinstance(ch.get("message"), dict) else {}
