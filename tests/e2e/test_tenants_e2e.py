@@ -19,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -30,28 +31,21 @@ MSG = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    procs = Procs()
-    audit = tmp_path_factory.mktemp("tenants") / "audit.log"
+    tmp = tmp_path_factory.mktemp("tenants")
+    f = Fleet(tmp, token=TOKEN, key=KEY)
     try:
-        h = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
-                       "Auth__Clients__0__Name": "team", "Auth__Clients__0__Key": KEY,
-                       "Auth__Clients__0__MaxConcurrent": "1",
-                       "Router__ActivationWaitSeconds": "20"}, metrics=False)
+        h = f.start_hub({"Audit__Path": f.audit_path,
+                         "Auth__Clients__0__Name": "team", "Auth__Clients__0__Key": KEY,
+                         "Auth__Clients__0__MaxConcurrent": "1",
+                         "Router__ActivationWaitSeconds": "20"}, metrics=False)
         # 20 tokens a second: a 20-token answer holds the key's one place for ~1 s.
-        procs.node("sim-n", {"Hub__Url": h.url, "Auth__NodeToken": TOKEN,
-                             "Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": "20",
-                             "Sim__Models__0__Name": "s-chat"})
-        wait_until(lambda: any(m["name"] == "s-chat" for m in
-                               httpx.get(h.url + "/api/status", timeout=5).json()["models"]),
-                   what="model known")
-        # Warm: the first request loads the model.
-        r = httpx.post(h.url + "/v1/chat/completions", timeout=60,
-                       headers={"authorization": f"Bearer {KEY}"},
-                       json={"model": "s-chat", "messages": MSG, "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        yield h, audit
+        f.start_node("sim-n", {"Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": "20",
+                               "Sim__Models__0__Name": "s-chat"})
+        f.wait_models("s-chat")
+        f.answer("s-chat", "hello", max_tokens=1)  # warm: the first request loads the model
+        yield h, Path(f.audit_path)
     finally:
-        procs.close()
+        f.close()
 
 
 def hold_the_place(url: str) -> threading.Thread:
