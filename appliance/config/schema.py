@@ -238,6 +238,9 @@ class QueueConfig(_Section):
 class PriorityConfig(_Section):
     enabled: bool = False
     reserve_slots: NonNegInt = 1
+    # Places per model only essential work may take, held against normal and background
+    # alike (background is held by reserve_slots + this): hub/decide/priority.py.
+    essential_slots: NonNegInt = 0
     background_max_wait_seconds: NonNeg = 600.0
     # An essential request that finds no place may take one from a background request that
     # has no first byte from its engine yet (503 `preempted` to it): hub/decide/admission.py.

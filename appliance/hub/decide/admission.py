@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 def _settings(cfg: Config) -> dict[str, Any]:
     return dict(enabled=cfg.priority.enabled, reserve=cfg.priority.reserve_slots,
+                essential=cfg.priority.essential_slots,
                 max_depth=cfg.queue.max_depth, max_wait=cfg.queue.max_wait_seconds,
                 background_max_wait=cfg.priority.background_max_wait_seconds)
 

@@ -235,9 +235,11 @@ class AdmissionCore:
     Rules:
     - essential and normal go while there is room (`room > 0` or unbounded), else wait in the
       capacity queue up to `Queue__MaxWaitSeconds` (503 `queue_timeout` + Retry-After).
-    - background (priority on) goes only while `places > Priority__ReserveSlots`, else it is
-      held up to `Priority__BackgroundMaxWaitSeconds` (503 `priority_wait_timeout`, naming the
-      client). With priority off every request is normal.
+    - background (priority on) goes only while `places > Priority__ReserveSlots` (+
+      `Priority__EssentialSlots`), else it is held up to `Priority__BackgroundMaxWaitSeconds`
+      (503 `priority_wait_timeout`, naming the client). With `Priority__EssentialSlots` > 0
+      normal work too goes only while `places > Priority__EssentialSlots`: those places per
+      model are essential work's alone. With priority off every request is normal.
     - Waiters for one model are released in class order; within a class the key served
       least goes first (fair.py's virtual token counter), first in first out within a key. A
       request never passes a waiting request of a higher class, nor an older one of its own
@@ -252,9 +254,9 @@ class AdmissionCore:
     Slot waits are the same idea per node and model: slots.py (`SlotQueues`).
     """
     def __init__(self, *, enabled: bool, reserve: int, max_depth: int, max_wait: float,
-                 background_max_wait: float) -> None:
+                 background_max_wait: float, essential: int = 0) -> None:
         self.configure(enabled=enabled, reserve=reserve, max_depth=max_depth, max_wait=max_wait,
-                       background_max_wait=background_max_wait)
+                       background_max_wait=background_max_wait, essential=essential)
         self.queues: dict[str, Lanes] = {}
         self.classes = {c: ClassStats() for c in CLASSES}
         self.models: dict[str, ModelStats] = {}
@@ -263,9 +265,10 @@ class AdmissionCore:
         self.share: Callable[[str, str, str], bool] | None = None
 
     def configure(self, *, enabled: bool, reserve: int, max_depth: int, max_wait: float,
-                  background_max_wait: float) -> None:
+                  background_max_wait: float, essential: int = 0) -> None:
         self.enabled = enabled
         self.reserve = reserve
+        self.essential = essential  # Priority__EssentialSlots
         self.max_depth = max_depth
         self.max_wait = max_wait
         self.background_max_wait = background_max_wait
@@ -277,9 +280,21 @@ class AdmissionCore:
         room = fleet.room
         if room is not None and room - pending <= 0:
             return False
-        if cls == BACKGROUND and self.enabled:
-            return fleet.places is None or fleet.places - pending > self.reserve
+        if self.counts_places(cls):
+            return fleet.places is None or fleet.places - pending > self.held_back(cls)
         return True
+
+    def held_back(self, cls: str) -> int:
+        """Free places a request of `cls` must leave: background the reserve and the
+        essential places, normal the essential places (Priority__EssentialSlots), essential
+        none."""
+        if not self.enabled or cls == ESSENTIAL:
+            return 0
+        return self.essential + (self.reserve if cls == BACKGROUND else 0)
+
+    def counts_places(self, cls: str) -> bool:
+        """Whether a request of `cls` needs the free places counted to go."""
+        return self.enabled and (cls == BACKGROUND or (cls == NORMAL and self.essential > 0))
 
     def held_by_reserve(self, cls: str) -> bool:
         return cls == BACKGROUND and self.enabled
@@ -300,7 +315,8 @@ class AdmissionCore:
         if ahead == 0:
             pending = q.pending if q is not None else 0
             if not isinstance(fleet, Fleet):
-                fleet = fleet(self.reserve + pending if self.held_by_reserve(cls) else -1, pending)
+                fleet = fleet(self.held_back(cls) + pending if self.counts_places(cls) else -1,
+                              pending)
             if self.may_go(cls, fleet, pending) and (
                     self.share is None or self.share(model, cls, client)):
                 return None
