@@ -500,8 +500,9 @@ def test_open_webui_call_sequence_with_token_stats(fleet, engine):
     assert len(emb["embeddings"]) == 1 and emb["embeddings"][0]
     unload = c.post("/api/generate", json={"model": chat, "keep_alive": 0, "prompt": ""}).json()
     assert unload["done"] and unload["done_reason"] == "unload"
-    wait_until(lambda: chat not in {m["name"] for m in c.get("/api/ps").json()["models"]},
-               what="unloaded")
+    if engine != "openai":  # a fixed OpenAI-compatible upstream unloads nothing (capable.unloads)
+        wait_until(lambda: chat not in {m["name"] for m in c.get("/api/ps").json()["models"]},
+                   what="unloaded")
     again = c.post("/api/chat", json={**body, "stream": False})
     assert again.status_code == 200 and again.json()["message"]["content"]
 

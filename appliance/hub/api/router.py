@@ -122,13 +122,13 @@ def authenticate(auth: AuthConfig, key: str | None) -> ClientConfig:
 def manages(auth: AuthConfig, client: ClientConfig, key: str | None) -> bool:
     """May this request's keep_alive unload (0) or pin (-1, or longer than the model's idle
     time) a model for everyone? The admin key, a client with `ManageModels`, or anyone on
-    a hub with neither an admin key nor clients (one user's box). Any other key's
+    a hub with no clients configured (one tenant's box: Open WebUI's unload button). Any other key's
     keep_alive holds the model for the configured idle time at most, never less: one
     tenant neither unloads another's model nor pins it (issue 30 item 7)."""
     if client.manage_models:
         return True
-    if auth.admin_key:
-        return bool(key) and hmac.compare_digest(auth.admin_key.encode(), (key or "").encode())
+    if auth.admin_key and key and hmac.compare_digest(auth.admin_key.encode(), key.encode()):
+        return True
     return not auth.clients
 
 
