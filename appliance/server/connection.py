@@ -20,9 +20,9 @@ reaches kept-alive connections):
 - A head over `max_head` bytes: 414 when its request line alone is too long, else 431.
 - A declared Content-Length over `max_body_bytes`: 413 `body_too_large` at once (no
   `100 Continue`, nothing read).
-- Body and the wait for the client to go: appliance/server/receive.py (`Receiver`, which
-  this class extends); a refusal it raises (`Busy` 503, `RequestTimeout` 408) or notes (a
-  broken body: 400) is answered here.
+- Body and the wait for the client to go: appliance/server/receive.py (`Receiver`, the
+  connection's `rx`; answers go out by send.py's `Sender`, its `tx`); a refusal it raises
+  (`Busy` 503, `RequestTimeout` 408) or notes (a broken body: 400) is answered here.
 - The connection serves the next request when `cycle.reusable`: both sides done, nobody
   said `close`, it was not HTTP/1.0, the server does not drain, fewer than
   `max_requests` were served. A body the app did not read but that is already here
@@ -40,7 +40,7 @@ import trio
 
 from appliance.bounds import echo_path
 from appliance.h1.parse import MAX_TARGET, BadRequest, Head, parse_head
-from appliance.h1.state import BROKEN, REQUEST, REQUEST_NO_BODY, SEND_BODY, SEND_RESPONSE
+from appliance.h1.state import BROKEN, REQUEST, REQUEST_NO_BODY, SEND_BODY, SEND_RESPONSE, Cycle
 from appliance.http.budget import BODY_BUDGET
 from appliance.http.disconnect import HANGUP
 from appliance.http.errors import ApiError
@@ -57,6 +57,7 @@ from appliance.server.limits import (
 )
 from appliance.server.receive import Receiver
 from appliance.server.refuse import refusal_answer
+from appliance.server.send import Sender
 
 log = logging.getLogger("appliance.server.listener")
 
@@ -99,11 +100,16 @@ class Slot:
         self.cancel = trio.CancelScope()
 
 
-class Conn(Receiver):
-    """One connection (see the module's docstring)."""
+class Conn:
+    """One connection (see the module's docstring): a receive side (`rx`) and a send side
+    (`tx`) over one table (`cycle`); to the app, the ASGI extensions HANGUP (this object)
+    and BODY_BUDGET (`rx`)."""
 
     def __init__(self, transport: Transport, shared: Shared, slot: Slot) -> None:
-        super().__init__(transport, shared.budget)
+        self.transport = transport
+        self.cycle = Cycle()
+        self.tx = Sender(transport, self.cycle, closing=self.closing, answered=self._answered)
+        self.rx = Receiver(transport, shared.budget, self.tx)
         self.shared = shared
         self.slot = slot
         self.requests = 0
@@ -112,9 +118,29 @@ class Conn(Receiver):
         self.scheme = "https" if transport.tls else "http"
 
     def closing(self) -> bool:
-        head, sh = self.head, self.shared
+        head, sh = self.rx.head, self.shared
         return (head is None or not head.keep_alive or sh.terminating
                 or self.requests >= sh.max_requests)
+
+    def _answered(self) -> None:
+        self.rx.stop_waiting()
+
+    # --- HangupWatch (appliance/http/disconnect.py): the receive side watches, the send
+    # side knows what was delivered ------------------------------------------------------
+
+    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+        return self.rx.watch(fn)
+
+    async def delivered(self) -> bool:
+        return await self.tx.delivered()
+
+    @property
+    def stalled(self) -> bool:
+        return self.tx.stalled
+
+    @property
+    def drained(self) -> bool:
+        return self.tx.drained
 
     # --- the connection ----------------------------------------------------------------------
 
@@ -128,15 +154,15 @@ class Conn(Receiver):
             if not await self._serve(head):
                 break
             self.cycle.next_cycle()
-        if not self.eof and (self.linger or self.buf or not self.body_ended):
+        if not self.rx.eof and (self.rx.linger or self.rx.buf or not self.rx.body_ended):
             await self._linger()
 
     async def _read_head(self, started: float | None) -> Head | None:
         sh = self.shared
         head_seconds = sh.limits.header_read_seconds
         deadline = (started + head_seconds if started is not None
-                    else trio.current_time() + head_seconds if self.buf else None)
-        buf: bytes | bytearray = self.buf
+                    else trio.current_time() + head_seconds if self.rx.buf else None)
+        buf: bytes | bytearray = self.rx.buf
         scan = 0
         try:
             while True:
@@ -150,11 +176,11 @@ class Conn(Receiver):
                 if sh.terminating and not buf:
                     return None
                 if deadline is None:  # kept alive, idle: its bound; a first byte starts the head's
-                    data = await self._wait(trio.current_time() + sh.keep_alive)
+                    data = await self.rx._wait(trio.current_time() + sh.keep_alive)
                     if data:  # (the limits now: a reload may have come meanwhile)
                         deadline = trio.current_time() + sh.limits.header_read_seconds
                 else:
-                    data = await self._wait(deadline)
+                    data = await self.rx._wait(deadline)
                     if data is None and buf:
                         await self._refuse_raw(408, "request_timeout",
                                                "request head not received in time")
@@ -167,11 +193,11 @@ class Conn(Receiver):
                         buf = bytearray(buf)  # a trickled one grows in place
                     buf += data
         finally:
-            self.buf = bytes(buf)
+            self.rx.buf = bytes(buf)
         if end > sh.max_head:
-            await self._too_large(self.buf[:end])
+            await self._too_large(self.rx.buf[:end])
             return None
-        raw, self.buf = self.buf[:end], self.buf[end + 4:]
+        raw, self.rx.buf = self.rx.buf[:end], self.rx.buf[end + 4:]
         try:
             head = parse_head(raw)
         except BadRequest as e:
@@ -199,25 +225,25 @@ class Conn(Receiver):
                           retry_after: float | None = None) -> None:
         """Answer `status` (the head's path gives the API's shape; none: OpenAI's), then
         the connection closes."""
-        self.linger = True
+        self.rx.linger = True
         if self.cycle.ours == SEND_RESPONSE and self.cycle.their == SEND_BODY:
             self.cycle.client(BROKEN)  # what the client sends now is not read
         answer = refusal_answer(path, ApiError(status, code, message, retry_after=retry_after))
         with trio.move_on_after(WRITE_REFUSAL_SECONDS) as cs:
-            await self._write(answer, shield=False)
+            await self.tx.write(answer, shield=False)
         if cs.cancelled_caught:  # a client that does not read: not worth more
-            self.broken = True
+            self.tx.broken = True
 
     async def _serve(self, head: Head) -> bool:
         """One request; whether the connection may serve another."""
         sh = self.shared
-        self.new_request(head)
+        self.rx.new_request(head)
         has_body = head.chunked or head.length > 0
         self.cycle.client(REQUEST if has_body else REQUEST_NO_BODY)
         if not head.keep_alive:
             self.cycle.close()
-        self.body_seconds = sh.limits.body_read_seconds
-        self.body_deadline = trio.current_time() + self.body_seconds
+        self.rx.body_seconds = sh.limits.body_read_seconds
+        self.rx.body_deadline = trio.current_time() + self.rx.body_seconds
         target = head.target
         path, _, query = target.partition(b"?")
         scope: dict[str, Any] = {
@@ -226,37 +252,37 @@ class Conn(Receiver):
             "path": unquote(path.decode("ascii")) if b"%" in path else path.decode("ascii"),
             "raw_path": path, "query_string": query, "root_path": "", "headers": head.headers,
             "client": self.client, "server": self.server, "state": {},
-            "extensions": {HANGUP: self, BODY_BUDGET: self},
+            "extensions": {HANGUP: self, BODY_BUDGET: self.rx},
         }
         self.slot.in_request = True
         try:
-            await sh.app(scope, self.receive, self.send)
+            await sh.app(scope, self.rx.receive, self.tx.send)
         except ListenerRefusal as e:
             await self._refuse(scope["path"], e)
         except Exception:
             log.exception("error in the app serving %s %s", head.method, echo_path(scope["path"]))
         finally:
             self.slot.in_request = False
-            sh.budget.give(self.held)
-            if self.held >= TRIM_AFTER_BYTES and sh.budget.held == 0:
+            sh.budget.give(self.rx.held)
+            if self.rx.held >= TRIM_AFTER_BYTES and sh.budget.held == 0:
                 trim()
-            self.stop_waiting()
-        if self.bad is not None:
-            if not self.framing:
-                await self._refuse_raw(self.bad.status, "invalid_request", self.bad.message,
+            self.rx.stop_waiting()
+        if self.rx.bad is not None:
+            if not self.tx.framing:
+                await self._refuse_raw(self.rx.bad.status, "invalid_request", self.rx.bad.message,
                                        scope["path"])
             return False
-        if not self.framing:  # the app returned (or failed) before its answer: a 500
-            self.started, self.status = True, 500
-            self.head_headers = [(b"connection", b"close")]
-            await self.send({"type": "http.response.body", "body": b""})
-        elif not self.done:
+        if not self.tx.framing:  # the app returned (or failed) before its answer: a 500
+            self.tx.started, self.tx.status = True, 500
+            self.tx.head_headers = [(b"connection", b"close")]
+            await self.tx.send({"type": "http.response.body", "body": b""})
+        elif not self.tx.done:
             return False  # an answer cut short: only a close tells the client
         if self.closing():
             self.cycle.close()
-        if self.eof or self.broken or not self.cycle.keep_alive:
+        if self.rx.eof or self.tx.broken or not self.cycle.keep_alive:
             return False
-        self._skip_unread_body()
+        self.rx._skip_unread_body()
         return self.cycle.reusable
 
     async def _refuse(self, path: str, e: ListenerRefusal) -> None:
@@ -265,10 +291,10 @@ class Conn(Receiver):
             log.warning("refusing a request body: %d bytes of bodies held, the bound is %d",
                         b.held, b.limit)
         self.cycle.close()
-        self.linger = True
-        if self.framing:
+        self.rx.linger = True
+        if self.tx.framing:
             return  # the answer has begun: the close tells the client
-        self.started, self.done, self.framing = True, True, "none"
+        self.tx.started, self.tx.done, self.tx.framing = True, True, "none"
         await self._refuse_raw(e.status, e.code, e.message, path, e.retry_after)
 
     async def _linger(self) -> None:
@@ -279,7 +305,7 @@ class Conn(Receiver):
         dropped = 0
         with trio.move_on_after(LINGER_SECONDS):
             while dropped < LINGER_BYTES:
-                data = await self._wait(float("inf"))
+                data = await self.rx._wait(float("inf"))
                 if not data:
                     return
                 dropped += len(data)

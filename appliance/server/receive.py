@@ -1,12 +1,13 @@
 """The receive side of one HTTP/1.1 connection (appliance/server/connection.py): the
 request's body to the app's `receive`, and the wait for its client to go.
 
-Theory of operation: `Receiver` sits between the send side (appliance/server/send.py,
-`Sender`) and the connection loop (connection.py, `Conn`), which calls `new_request` with
-each head. Bodies are framed by appliance/h1/body.py (chunked) or counted down here
-(Content-Length); the client's side of `self.cycle` (appliance/h1/state.py) moves as they
-end, break or are skipped. Nothing here writes but the `100 Continue`; a refusal is raised
-(`Busy`, `RequestTimeout`) or noted (`bad`) and the connection answers it.
+Theory of operation: the connection (connection.py, `Conn`) composes a `Receiver` with
+the send side (appliance/server/send.py, `Sender`) over one table, and calls
+`new_request` with each head. Bodies are framed by appliance/h1/body.py (chunked) or
+counted down here (Content-Length); the client's side of `self.cycle`
+(appliance/h1/state.py) moves as they end, break or are skipped. Nothing here writes but
+the `100 Continue`; a refusal is raised (`Busy`, `RequestTimeout`) or noted (`bad`) and
+the connection answers it.
 
 The rules:
 - Body: read only when the app asks (`receive`), each read bounded by the body deadline
@@ -62,12 +63,15 @@ def _disconnect() -> dict[str, Any]:  # a fresh dict each time: an app may chang
     return {"type": "http.disconnect"}
 
 
-class Receiver(Sender):
+class Receiver:
     """One connection's request side (see the module's docstring); `new_request` with
-    each head."""
+    each head. It reads what its send side `tx` (appliance/server/send.py) did -- whether
+    the answer began, ended or broke -- and shares its table (`cycle`)."""
 
-    def __init__(self, transport: Transport, budget: Budget) -> None:
-        super().__init__(transport)
+    def __init__(self, transport: Transport, budget: Budget, tx: Sender) -> None:
+        self.transport = transport
+        self.tx = tx
+        self.cycle = tx.cycle
         self.budget = budget
         self.buf = b""
         self.eof = False  # the client closed (or broke) its side
@@ -88,8 +92,8 @@ class Receiver(Sender):
         self.held = 0
         self.reads = 0
         self.continued = False
-        self.new_response(head.method if head is not None else "GET",
-                          head.version if head is not None else "1.1")
+        self.tx.new_response(head.method if head is not None else "GET",
+                             head.version if head is not None else "1.1")
 
     @property
     def body_ended(self) -> bool:
@@ -128,7 +132,7 @@ class Receiver(Sender):
     # --- the app's receive ---------------------------------------------------------------
 
     async def receive(self) -> dict[str, Any]:
-        if self.bad is not None or self.broken:
+        if self.bad is not None or self.tx.broken:
             return _disconnect()
         if not self.body_ended:
             return await self._body()
@@ -140,8 +144,8 @@ class Receiver(Sender):
     async def _body(self) -> dict[str, Any]:
         if self.head is not None and self.head.expect_continue and not self.continued:
             self.continued = True
-            if not self.started and not self.buf:
-                await self._write(_CONTINUE)
+            if not self.tx.started and not self.buf:
+                await self.tx.write(_CONTINUE)
         while True:
             if self.chunks is not None:
                 try:
@@ -250,7 +254,7 @@ class Receiver(Sender):
 
     async def _wait_disconnect(self) -> dict[str, Any]:
         """The body is read: wait for the client to go or the response to end."""
-        if self.done or self.eof:
+        if self.tx.done or self.eof:
             return _disconnect()
         transport = self.transport
         extra = bytearray()  # pipelined bytes (grown in place, however they trickle in)
@@ -274,6 +278,6 @@ class Receiver(Sender):
     def stop_waiting(self) -> None:
         if self._waiter is not None:
             self._waiter.cancel()
-        if self.broken and self._hangup is not None:  # a watcher waits on the socket alone
+        if self.tx.broken and self._hangup is not None:  # a watcher waits on the socket alone
             fn, self._hangup = self._hangup, None
             fn()

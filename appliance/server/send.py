@@ -18,6 +18,7 @@ side BROKEN (appliance/h1/state.py): later writes are dropped and the receive si
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -28,11 +29,18 @@ from appliance.net.transport import Transport, WriteStalled
 
 
 class Sender:
-    """One connection's response side; `new_response` before each request."""
+    """One connection's response side; `new_response` before each request. The connection
+    composes it with its receive side (appliance/server/receive.py): they share the
+    connection's table (`cycle`); `closing()` says whether the connection ends after this
+    answer, `answered()` is told when the answer ended or the client is gone."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, cycle: Cycle | None = None,
+                 closing: Callable[[], bool] | None = None,
+                 answered: Callable[[], None] | None = None) -> None:
         self.transport = transport
-        self.cycle = Cycle()
+        self.cycle = cycle if cycle is not None else Cycle()
+        self.closing = closing or _never
+        self.answered = answered or _nothing
         self.lock = trio.Lock()
         self.broken = False  # a write failed
         self.stalled = False  # ... because the client read nothing for WriteStallSeconds
@@ -55,13 +63,6 @@ class Sender:
         """The listener's drain ended this connection (a write, or the wait for one to
         leave, was cut there), or its end has come while the answer still runs."""
         return self._drained or self.transport.aborted
-
-    def closing(self) -> bool:
-        """Whether the connection ends after this answer (the connection decides)."""
-        return False
-
-    def stop_waiting(self) -> None:
-        """The answer ended or the client is gone (the receive side listens)."""
 
     async def send(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -119,11 +120,11 @@ class Sender:
             data = self.pending + data
             self.pending = b""
         if data:
-            await self._write(data)
+            await self.write(data)
         if not more:
             if not self.broken and self.cycle.ours == SEND_BODY:
                 self.cycle.server(RESPONSE_END)
-            self.stop_waiting()
+            self.answered()
 
     async def delivered(self) -> bool:
         """Before a stream's last bytes (http/disconnect.py's HangupWatch): the socket
@@ -141,10 +142,10 @@ class Sender:
         else:
             self.stalled = True
         self.cycle.server(BROKEN)
-        self.stop_waiting()
+        self.answered()
         return False
 
-    async def _write(self, data: bytes, shield: bool = True) -> None:
+    async def write(self, data: bytes, shield: bool = True) -> None:
         """All of `data`, waiting only while the transport's buffer is full -- shielded
         unless told otherwise: a write cut half-way leaves the client's connection unknown."""
         if self.broken:
@@ -161,6 +162,14 @@ class Sender:
                 self._drained, self.stalled = e.drained, not e.drained
             self.broken = True
             self.cycle.server(BROKEN)
-            self.stop_waiting()  # receive() says http.disconnect now
+            self.answered()  # receive() says http.disconnect now
         finally:
             lock.release()
+
+
+def _never() -> bool:
+    return False
+
+
+def _nothing() -> None:
+    pass
