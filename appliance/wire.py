@@ -83,6 +83,9 @@ class NodeState(msgspec.Struct, dict=True):
     over_limits: bool = False
     over_limits_reason: str = ""
     models: list[ModelState] = []
+    # Hubs that gave this node orders (load, unload) without an HA epoch in the last
+    # ORDERS_SECONDS: two or more fight over it (two hubs without Cluster__Etcd).
+    hubs: list[str] = []
 
     def model(self, name: str) -> ModelState | None:
         """The model called `name` (the first, as listed), by an index built at the first
@@ -147,6 +150,9 @@ class LoadRequest(msgspec.Struct):
 
 load_request_decoder = msgspec.json.Decoder(LoadRequest)
 
+
+# The name of the hub giving a node an order (Hub__Name), on every load and unload.
+HUB_HEADER = "x-appliance-hub"
 
 # Fencing (HA): the leading hub's epoch rides on every load and unload it sends; a node
 # refuses a call from an older epoch than the highest it has seen (409 `stale_leader`).

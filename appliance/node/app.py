@@ -47,7 +47,7 @@ from appliance.http.respond import send_api_error
 from appliance.node import modelops
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
-from appliance.node.fence import Fence, parse_lease
+from appliance.node.fence import Fence, Orders, parse_lease
 from appliance.node.metrics import NodeMetrics
 from appliance.node.proxy import EngineProxy
 from appliance.node.state import NodeStateKeeper
@@ -56,6 +56,7 @@ from appliance.observe.trace import Tracing
 from appliance.wire import (
     EPOCH_HEADER,
     HEARTBEAT_HEADER,
+    HUB_HEADER,
     LEASE_HEADER,
     Heartbeat,
     LoadRequest,
@@ -88,6 +89,7 @@ class NodeApp:
         self.token = cfg.auth.node_token_for(cfg.node_name()).encode()
         # The highest live leader epoch a load/unload carried (HA fencing: node/fence.py).
         self.fence = Fence()
+        self.orders = Orders()  # which hubs gave orders lately (two: they fight over it)
         if not self.token:
             log.warning(
                 "Auth__NodeToken is empty: the node API and the proxy accept anyone who can reach "
@@ -178,6 +180,7 @@ class NodeApp:
         if stale:
             await self._stale(send, action, model, stale)
             return
+        self._ordered_by(scope)
         if action == "load":
             await self._load(send, model, req)
         else:
@@ -199,6 +202,22 @@ class NodeApp:
             log.warning("epoch %d was not asserted for a lease: taking epoch %d", before,
                         self.fence.epoch)
         return why
+
+    def _ordered_by(self, scope: Scope) -> None:
+        """Note which hub gave this order; two hubs giving orders without an HA epoch fight
+        over this node: said in the log and in the node's state (`hubs`)."""
+        headers = dict(scope["headers"])
+        hub = headers.get(HUB_HEADER.encode())
+        if hub is None or EPOCH_HEADER.encode() in headers:
+            return
+        hubs = self.orders.seen(hub.decode("latin-1"), trio.current_time())
+        if hubs is None:
+            return
+        if len(hubs) > 1:
+            log.warning("hubs %s all give this node orders without Cluster__Etcd: they undo "
+                        "each other's loads; give them one etcd, or this node one hub",
+                        ", ".join(echo(h, 64) for h in hubs))
+        self.keeper.set_hubs(hubs)
 
     async def _stale(self, send: Send, action: str, model: str, why: str) -> None:
         log.warning("refused %s%s: %s", action, f" of {echo(model, 80)}" if model else "", why)

@@ -58,3 +58,36 @@ def parse_lease(raw: bytes | None, default: float) -> float:
     except ValueError:
         return default
     return value if math.isfinite(value) else default
+
+
+# How long a hub's order counts as "giving this node orders": two hubs without etcd that
+# both know a node reconcile it about ten times a second; a minute catches even a slow fight.
+ORDERS_SECONDS = 60.0
+# At most this many hub names are kept (a token holder naming a new hub per call).
+MAX_HUBS = 8
+
+
+class Orders:
+    """Which hubs gave this node orders without an HA epoch lately. Two or more: two hubs
+    without Cluster__Etcd both know this node and undo each other's loads -- said by the
+    node (its log, `NodeState.hubs`), since neither hub can see the other."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}  # hub name -> when it last gave an order
+        self.said: list[str] = []  # the hubs as last reported
+
+    def seen(self, hub: str, now: float) -> list[str] | None:
+        """Record an order from `hub`; the hubs giving orders now when that differs from
+        what was last said (None: the same)."""
+        self.last[hub[:64]] = now
+        if len(self.last) > MAX_HUBS:
+            del self.last[min(self.last, key=self.last.__getitem__)]
+        now_hubs = self.hubs(now)
+        if now_hubs == self.said:
+            return None
+        self.said = now_hubs
+        return now_hubs
+
+    def hubs(self, now: float) -> list[str]:
+        self.last = {h: t for h, t in self.last.items() if now - t < ORDERS_SECONDS}
+        return sorted(self.last)

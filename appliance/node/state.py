@@ -85,6 +85,7 @@ class NodeStateKeeper:
         self.slots: int | None = node_cfg.model_slots
         self.memory_mb: int | None = node_cfg.memory_mb
         self.paused = False
+        self.hubs: list[str] = []  # hubs that gave orders lately (more than one: a fight)
         self.left = False
         self.draining = False
         self.in_flight: dict[str, int] = {}
@@ -260,6 +261,12 @@ class NodeStateKeeper:
                                   in_flight=self.in_flight.get(name, 0)))
         return out
 
+    def set_hubs(self, hubs: list[str]) -> None:
+        """The hubs giving this node orders now (node/fence.py `Orders`)."""
+        if hubs != self.hubs:
+            self.hubs = hubs
+            self.changed()
+
     def snapshot(self) -> NodeState:
         total, used = self.memory()
         reason = self.over_limits()
@@ -277,4 +284,5 @@ class NodeStateKeeper:
             over_limits=bool(reason),
             over_limits_reason=reason,
             models=self._models(),
+            hubs=list(self.hubs),
         )

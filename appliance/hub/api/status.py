@@ -49,6 +49,8 @@ def node_entry(h: NodeHandle, cost: CostRouter | None = None) -> dict[str, Any]:
         # refuses this leader's epoch (a forged or dead one it still holds).
         "epoch": h.epoch,
         "fenced": h.fenced,
+        # Hubs that gave the node orders without etcd lately: two or more fight over it.
+        "hubs": list(st.hubs) if st is not None else [],
     }
 
 

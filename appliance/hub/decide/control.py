@@ -72,7 +72,7 @@ class Control:
         self.cfg = cfg
         self.registry = registry
         self.audit = audit
-        self.ops = ops if ops is not None else NodeOps(node_client)
+        self.ops = ops if ops is not None else NodeOps(node_client, cfg.hub_name())
         self.core = Models(cfg)
         self._nursery: trio.Nursery | None = None
         self._backlog: list[Action] = []

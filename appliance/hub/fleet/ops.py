@@ -15,7 +15,7 @@ import httpx
 import msgspec
 
 from appliance.hub.fleet.nodes import NodeHandle
-from appliance.wire import EPOCH_HEADER, LEASE_HEADER, LoadRequest
+from appliance.wire import EPOCH_HEADER, HUB_HEADER, LEASE_HEADER, LoadRequest
 
 # Connecting to a node on the LAN: a few seconds or it is not there.
 CONNECT_SECONDS = 10.0
@@ -60,12 +60,15 @@ class NodeOps:
     `epoch`: the leader's epoch sent with every load and unload (HA fencing); None alone;
     `lease`: its lease length, sent beside it (node/fence.py)."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: httpx.AsyncClient, hub: str = "") -> None:
         self.client = client
+        self.hub = hub  # this hub's name, sent with every order (the node says who orders)
         self.epoch: int | None = None
         self.lease = 0.0
 
     def _headers(self, **extra: str) -> dict[str, str]:
+        if self.hub:
+            extra[HUB_HEADER] = self.hub
         if self.epoch is not None:
             extra[EPOCH_HEADER] = str(self.epoch)
             if self.lease:
