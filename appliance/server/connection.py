@@ -232,7 +232,7 @@ class Conn:
         with trio.move_on_after(WRITE_REFUSAL_SECONDS) as cs:
             await self.tx.write(answer, shield=False)
         if cs.cancelled_caught:  # a client that does not read: not worth more
-            self.tx.broken = True
+            self.tx.abandon()
 
     async def _serve(self, head: Head) -> bool:
         """One request; whether the connection may serve another."""

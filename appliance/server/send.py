@@ -24,7 +24,15 @@ from typing import Any
 import trio
 
 from appliance.h1.head import response_head
-from appliance.h1.state import BROKEN, RESPONSE, RESPONSE_END, SEND_BODY, SEND_RESPONSE, Cycle
+from appliance.h1.state import (
+    BROKEN,
+    ERROR,
+    RESPONSE,
+    RESPONSE_END,
+    SEND_BODY,
+    SEND_RESPONSE,
+    Cycle,
+)
 from appliance.net.transport import Transport, WriteStalled
 
 
@@ -42,7 +50,6 @@ class Sender:
         self.closing = closing or _never
         self.answered = answered or _nothing
         self.lock = trio.Lock()
-        self.broken = False  # a write failed
         self.stalled = False  # ... because the client read nothing for WriteStallSeconds
         self._drained = False  # ... or because the drain ended (the listener stops)
         self.new_response("GET", "1.1")
@@ -136,14 +143,24 @@ class Sender:
             return not (self.stalled or self.drained)
         if await self.transport.wait_sent():
             return True
-        self.broken = True
         if self.transport.aborted:
             self._drained = True
         else:
             self.stalled = True
-        self.cycle.server(BROKEN)
-        self.answered()
+        self.abandon()
         return False
+
+    @property
+    def broken(self) -> bool:
+        """A write failed or was given up: the table's server side is ERROR (for good)."""
+        return self.cycle.ours == ERROR
+
+    def abandon(self) -> None:
+        """The answer is given up (a write failed, or was not worth waiting for): later
+        writes are dropped and the receive side says `http.disconnect`."""
+        if self.cycle.ours != ERROR:
+            self.cycle.server(BROKEN)
+        self.answered()
 
     async def write(self, data: bytes, shield: bool = True) -> None:
         """All of `data`, waiting only while the transport's buffer is full -- shielded
@@ -160,9 +177,7 @@ class Sender:
         except OSError as e:
             if isinstance(e, WriteStalled):
                 self._drained, self.stalled = e.drained, not e.drained
-            self.broken = True
-            self.cycle.server(BROKEN)
-            self.answered()  # receive() says http.disconnect now
+            self.abandon()  # receive() says http.disconnect now
         finally:
             lock.release()
 
