@@ -82,6 +82,12 @@ class ReplicaHealth:
         if gone:
             self.on_change()
 
+    def ready(self, model: str, now: float) -> None:
+        """`model` serves here now (the proxy found its engine), known before the shell's next
+        `loaded`: a request sent in between is watched too."""
+        if model not in self.replicas:
+            self.replicas[model] = _Replica(idle_since=now)
+
     # --- probes --------------------------------------------------------------------------
 
     def due(self, now: float) -> list[str]:

@@ -185,6 +185,7 @@ class EngineProxy:
             await self._forward(scope, send, api, upstream, body, req, None)
             return
         cs = trio.CancelScope()
+        health.ready(req.model, trio.current_time())  # its engine answers: a ready model
         w = health.request(req.model, streamed, trio.current_time(), cs.cancel)
         try:
             with cs:

@@ -30,7 +30,10 @@ TOKEN = "node-secret"
 LONG = "Write a very long story about a dragon who learns to read, chapter by chapter."
 ROUTES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": LONG}], "max_tokens": 600},
-    "/v1/completions": {"prompt": LONG, "max_tokens": 600},
+    # A text completion of the story prompt may end at once (an end-of-text first): counting
+    # goes on, and llama-server's ignore_eos keeps it going to the cap.
+    "/v1/completions": {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 600,
+                        "ignore_eos": True},
     "/v1/messages": {"messages": [{"role": "user", "content": LONG}], "max_tokens": 600},
     "/v1/responses": {"input": LONG, "max_output_tokens": 600},
     "/api/chat": {"messages": [{"role": "user", "content": LONG}], "stream": False,

@@ -105,5 +105,6 @@ def test_a_hung_replica_is_marked_unhealthy_routed_around_and_restored(procs: Pr
     metrics = httpx.get(hub.url + "/metrics", timeout=10).text
     failures = re.search(r'appliance_probe_failures_total\{model="sim-small",node="gpu-a"\} '
                          r'(\S+)', metrics)
-    assert failures is not None and float(failures.group(1)) >= 1
+    if "one-token generation" in why:  # a probe marked it (not a stream's first-byte bound)
+        assert failures is not None and float(failures.group(1)) >= 1
     assert "replica_healthy" in audit.read_text()

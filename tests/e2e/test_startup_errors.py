@@ -19,7 +19,9 @@ pytestmark = pytest.mark.e2e
 
 
 def run_hub(env: dict[str, str]) -> tuple[int, list[str]]:
-    base = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Auth__NodeToken": "t"}
+    # No store: the suite never opens the machine's default (/var/lib/appliance).
+    base = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Auth__NodeToken": "t",
+            "Store__Path": ""}
     r = subprocess.run([sys.executable, "-m", "appliance", "hub"], env=clean_env({**base, **env}),
                        capture_output=True, text=True, timeout=60)
     return r.returncode, [line for line in r.stderr.splitlines() if line.strip()]

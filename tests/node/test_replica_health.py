@@ -130,6 +130,18 @@ def test_a_model_that_leaves_ready_is_forgotten_and_comes_back_healthy():
     assert w.answered
 
 
+def test_a_request_sent_before_the_shells_next_look_is_watched():
+    """The proxy says a model serves (its engine found) before the prober's next `loaded`:
+    a stream sent in that window and never answered still marks the replica unhealthy."""
+    h, _ = _health()
+    cut: list[bool] = []
+    h.ready("m", 0.0)
+    w = h.request("m", True, 0.0, lambda: cut.append(True))
+    assert not w.answered
+    h.check(h.timeout)
+    assert h.unhealthy("m") and cut == [True] and w.was_cut
+
+
 # --- the hub's side ---------------------------------------------------------------------
 
 
