@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,9 @@ import pytest
 import trio
 
 from appliance import config
+from appliance.node.engines import llamacpp
 from appliance.node.engines.base import EngineError, unheard
+from appliance.node.engines.childproc import Child
 from appliance.node.engines.llamacpp import LlamaCppEngine, expand_command, pick_error
 from tests.harness import HARNESS
 from tests.harness.procs import wait_until
@@ -51,6 +54,21 @@ def wait_gone(pid: int, seconds: float = 10.0) -> bool:
 def make_engine(command: str = FAKE_CMD, on_change=unheard) -> LlamaCppEngine:
     return LlamaCppEngine(config.load({"Engine__Kind": "llamacpp", "Engine__Command": command}),
                           on_change)
+
+
+@pytest.fixture
+def spawned(monkeypatch) -> list[tuple[int, int]]:
+    """Every engine process the engine starts, as (pid, the forking thread's ident): the
+    engine's own `Child`, wrapped, so a test sees a pid even after its model is gone."""
+    seen: list[tuple[int, int]] = []
+
+    class Recorded(Child):
+        def __init__(self, argv: list[str]) -> None:
+            super().__init__(argv)
+            seen.append((self.pid, threading.get_ident()))
+
+    monkeypatch.setattr(llamacpp, "Child", Recorded)
+    return seen
 
 
 @pytest.fixture
@@ -149,23 +167,16 @@ async def test_missing_file_and_missing_command(nursery, tmp_path):
         await gone.load("x", "x")
 
 
-async def test_start_timeout_is_the_callers_and_stops_the_process(nursery, model_file):
+async def test_start_timeout_is_the_callers_and_stops_the_process(nursery, model_file,
+                                                                  spawned):
     eng = make_engine()
     await nursery.start(eng.run)
-    pids = set()
-
-    async def watch_pid():
-        while True:
-            pids.add(eng.pid("stall"))
-            await trio.sleep(0.05)
-
-    nursery.start_soon(watch_pid)
     t0 = trio.current_time()
     with trio.move_on_after(1.5) as scope:
         await eng.load("stall", model_file("stall.gguf"))
     assert scope.cancelled_caught
     assert trio.current_time() - t0 < 10  # the stop after the cancel is bounded too
-    (pid,) = pids - {None}
+    ((pid, _),) = spawned
     assert not alive(pid)
     (m,) = eng.models()
     assert m.state == "failed" and "start timeout" in m.last_error
@@ -180,12 +191,17 @@ async def test_chatty_output_does_not_block_and_tail_is_bounded(nursery, model_f
 
 
 async def test_crash_after_ready_marks_failed(nursery, model_file):
-    eng = make_engine()
+    left_ready = trio.Event()
+
+    def changed() -> None:
+        if eng.models() and eng.models()[0].state not in ("loading", "ready"):
+            left_ready.set()
+
+    eng = make_engine(on_change=changed)
     await nursery.start(eng.run)
     with trio.fail_after(20):
         await eng.load("crash", model_file("crash.gguf"))
-        while eng.models()[0].state == "ready":
-            await trio.sleep(0.05)
+        await left_ready.wait()
     (m,) = eng.models()
     assert m.state == "failed" and "GGML_ASSERT" in m.last_error
     assert eng.upstream("crash") is None
@@ -204,18 +220,33 @@ async def test_cancelled_engine_leaves_no_process(model_file):
     assert not any(alive(p) for p in pids)
 
 
-async def test_process_outlives_trio_worker_threads(nursery, model_file, monkeypatch):
-    """The parent-death signal is tied to the forking thread: it must be the trio thread."""
-    from trio._core import _thread_cache
+def test_a_child_dies_with_the_thread_that_forked_it(model_file):
+    """Why the fork thread matters: the parent-death signal fires when the forking *thread*
+    ends, so a child forked from a worker thread dies with that thread."""
+    got: list[Child] = []
+    t = threading.Thread(target=lambda: got.append(Child(["sleep", "60"])))
+    t.start()
+    t.join(10)
+    (child,) = got
+    try:
+        assert wait_gone(child.pid), "a child outlived the thread that forked it"
+    finally:
+        child.signal(signal.SIGKILL)
+        child.popen.wait(10)
 
-    monkeypatch.setattr(_thread_cache, "IDLE_TIMEOUT", 0.1)
+
+async def test_process_outlives_trio_worker_threads(nursery, model_file, spawned):
+    """The parent-death signal is tied to the forking thread: it must be the trio thread,
+    which lives as long as the node, never one of trio's worker threads (they exit when
+    idle)."""
     eng = make_engine()
     await nursery.start(eng.run)
     with trio.fail_after(20):
         await eng.load("t", model_file("t.gguf"))
+    ((pid, forker),) = spawned
+    assert forker == threading.get_ident()  # the trio thread, not a worker
     await trio.to_thread.run_sync(lambda: None)
-    await trio.sleep(0.5)  # real time: let idle worker threads exit
-    assert alive(eng.pid("t"))
+    assert pid == eng.pid("t") and alive(pid)
 
 
 PARENT = str(HARNESS / "llama_parent.py")  # a node-like parent process
