@@ -107,6 +107,7 @@ class Admission:
         self.enabled = cfg.priority.enabled
         self.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
+        self._check_reserve()  # the reserve or the essential places may have changed
         self._on_change()
 
     def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes,
@@ -263,7 +264,7 @@ class Admission:
             return
         caps = [h.state.max_concurrency for h in self.registry.nodes.values()
                 if h.connected and h.state is not None and not h.removed]
-        why = priority.reserve_warning(self.core.reserve, caps)
+        why = priority.reserve_warning(self.core.reserve, caps, self.core.essential)
         if why and why != self.reserve_problem:
             log.warning("%s", why)
         self.reserve_problem = why

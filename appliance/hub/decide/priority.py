@@ -92,17 +92,26 @@ def ready_nodes(nodes: Iterable[N], model: str) -> list[N]:
     return [h for h in nodes if h.ready(model)]
 
 
-def reserve_warning(reserve: int, caps: Iterable[int | None]) -> str:
-    """Why `Priority__ReserveSlots` leaves background work no place at all ("" when it
-    does not): the reserve is at least the places of every connected node together. A node
+def reserve_warning(reserve: int, caps: Iterable[int | None], essential: int = 0) -> str:
+    """Why `Priority__ReserveSlots` and `Priority__EssentialSlots` leave background work
+    (or, essential places alone, normal work too) no place at all ("" when they do not):
+    what they hold back is at least the places of every connected node together. A node
     without a concurrency cap has unbounded places: no warning."""
     total = 0
     for cap in caps:
         if cap is None:
             return ""
         total += cap
-    if reserve <= 0 or total == 0 or reserve < total:
+    held = reserve + essential
+    if held <= 0 or total == 0 or held < total:
         return ""
+    if essential >= total:
+        return (f"Priority__EssentialSlots={essential} is at least the fleet's {total} places: "
+                f"normal and background requests can never run; lower it below {total}")
+    if essential:
+        return (f"Priority__ReserveSlots={reserve} + Priority__EssentialSlots={essential} = "
+                f"{held} is at least the fleet's {total} places: background requests can "
+                f"never run; lower them below {total}")
     return (f"Priority__ReserveSlots={reserve} is at least the fleet's {total} places: "
             f"background requests can never run; lower it below {total}")
 

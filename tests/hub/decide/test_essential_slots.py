@@ -47,3 +47,30 @@ async def test_essential_work_finds_its_places_past_a_full_house_of_normal(autoj
         assert [t - t0 for _, t in log] == [0, 1, 1]
         done.set()
     assert len(log) == 5
+
+
+def test_the_starved_background_warning_counts_the_essential_places() -> None:
+    from appliance.hub.decide.priority import reserve_warning
+
+    assert reserve_warning(1, [2, 2], essential=2) == ""  # 3 of 4 held: background runs
+    why = reserve_warning(1, [2, 2], essential=3)  # 1 + 3 = the fleet's 4 places
+    assert "Priority__EssentialSlots=3" in why and "background requests can never run" in why
+    why = reserve_warning(0, [2, 2], essential=4)  # normal has no place either
+    assert "normal and background requests can never run" in why
+    assert reserve_warning(0, [2, None], essential=9) == ""  # an uncapped node
+
+
+def test_essential_places_that_starve_background_are_said_in_log_and_status(caplog) -> None:
+    a, b = handle("a", max_concurrency=2), handle("b", max_concurrency=2)
+    r = registry(a, b)
+    adm, _ = make(r, Priority__ReserveSlots=1, Priority__EssentialSlots=2)
+    r.changed()
+    assert "warning" not in adm.status_block()  # 3 of 4 places held: background runs
+    b.connected = False  # 2 places left, all held for essential work and the reserve
+    r.changed()
+    block = adm.status_block()
+    assert "never run" in block["warning"] and "Priority__EssentialSlots=2" in block["warning"]
+    assert sum("Priority__EssentialSlots=2" in m for m in caplog.messages) == 1
+    b.connected = True
+    r.changed()
+    assert "warning" not in adm.status_block()
