@@ -37,6 +37,11 @@ def content_coding(headers: Iterable[tuple[bytes, bytes]]) -> str:
 def decode_content(headers: Iterable[tuple[bytes, bytes]], body: bytes, limit: int) -> bytes:
     """`body` as sent, decoded when gzip (BodyTooLarge once it passes `limit` bytes);
     ApiError 415 for a coding the hub does not decode, 400 for gzip that does not inflate."""
+    for k, _ in headers:
+        if k == b"content-encoding":
+            break
+    else:
+        return body  # the common case: no coding, nothing to read twice
     coding = content_coding(headers)
     if not coding:
         return body

@@ -239,8 +239,10 @@ class Request:
 
     def sent_to(self, node: str, tried: list[str], route: Route | None) -> None:
         """An attempt on `node` (the audit line names where it went, even if it fails) and
-        the affinity key admission placed it by."""
+        the affinity key admission placed it by; the first one starts node_wait_ms."""
         self.node, self.tried, self.route = node, tried, route
+        if self.sent_at is None:
+            self.sent_at = time.perf_counter()
 
     def answered(self, node: str, status: int, ttfb: float | None) -> None:
         """The node's answer began: its status and the time to its first byte."""
@@ -267,30 +269,17 @@ class Request:
     def traced(self, span: RequestSpan) -> None:
         self.trace = span
 
-    def activating(self) -> None:
-        self.load_at = time.perf_counter()
+    def activated(self, since: float) -> None:
+        """The activation wait (a model made servable) that began at `since` ended."""
+        self.load_at = since
+        self.load_s = time.perf_counter() - since
 
-    def activated(self) -> None:
-        """The activation wait ended (a model made servable)."""
-        if self.load_at is not None:
-            self.load_s = time.perf_counter() - self.load_at
-
-    def queuing(self) -> None:
-        self.queue_at = time.perf_counter()
-
-    def queued(self, since: float | None = None) -> None:
-        """Admission's wait ended; with `since`, one more wait (a slot, a home node) from
-        then is added."""
-        now = time.perf_counter()
-        if since is not None:
-            self.queue_s = (self.queue_s or 0.0) + now - since
-        elif self.queue_at is not None:
-            self.queue_s = now - self.queue_at
-
-    def sending(self) -> None:
-        """Its first send to a node (node_wait_ms counts from here to the first byte)."""
-        if self.sent_at is None:
-            self.sent_at = time.perf_counter()
+    def queued(self, since: float) -> None:
+        """One more wait for a place that began at `since` ended: admission's, then a slot
+        or a home node's (they add up)."""
+        if self.queue_at is None:
+            self.queue_at = since
+        self.queue_s = (self.queue_s or 0.0) + time.perf_counter() - since
 
     # --- preemption (admission.py's Preemptible) ----------------------------------------
 

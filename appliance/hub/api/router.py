@@ -264,10 +264,11 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
 def refuse_incapable(control: Control, model: str, obj: dict[str, Any]) -> None:
     """Images, tools or thinking for a model whose engines say it cannot (capable.py): a
     400 in the API's shape (as Ollama answers), not an engine's 500 or a silent drop."""
-    if not any(needs(obj) for _, needs, _ in capable.NEEDS):
+    needed = capable.needs(obj)
+    if not needed:
         return
     caps = control.capabilities(model)
-    what = capable.lacking(caps, obj) if caps is not None else None
+    what = capable.lacking(caps, needed) if caps is not None else None
     if caps is not None and what is not None:
         raise ApiError(400, "invalid_request",
                        f"model {echo(model)!r} does not support {what} (its engine lists "
@@ -298,19 +299,19 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
                                    *req.id_headers()])
         await req.send_last(body)
         return
-    req.activating()
+    t = time.perf_counter()
     await r.control.make_servable(model, keep, ready)
-    req.activated()  # the activation wait (audit `load_ms`)
+    req.activated(since=t)  # the activation wait (audit `load_ms`)
     assert req.lease is not None  # admitted above
     try:
         in_flight = r.recorder.metrics.in_flight_of(model)
         victim = req if way.preemptible else None
-        req.queuing()
+        t = time.perf_counter()
         if req.trace is not None:  # its place in the queue, for the span's admission event
             req.trace.ahead = r.admission.waiting(model)
         async with r.admission.place(model, req.cls, req.client, in_flight, req.lease.demand,
                                      prompt, victim) as place:
-            req.queued()  # admission's wait (audit `queue_ms`)
+            req.queued(since=t)  # admission's wait (audit `queue_ms`)
             await _proxy(req, place, model, prep, way)
     finally:
         r.control.touch(model, keep)  # idle time counts from the end of the work
@@ -327,7 +328,6 @@ async def _proxy(req: Request, place: Place, model: str, prep: translate.Prepare
         t = time.perf_counter()
         await place.wait_slot()
         req.queued(since=t)
-        req.sending()
         node = place.node or node  # a home wait that ran out moves it (decide/home.py)
         req.sent_to(node.name, place.tried, place.route)
         if req.trace is not None:

@@ -92,9 +92,10 @@ class Admission:
         registry.set_slot_overrides(slot_overrides(cfg))
         # Replicas that follow demand (demand.py): the control plane's, set by the hub.
         self.demand: ReplicaDemand | None = None
-        # A place kept back for the other keys of a class (share.py).
+        # A place kept back for the other keys of a class (share.py): only where there are
+        # other keys (Auth__Clients); a hub of one tenant has nothing to keep back.
         self.shares = Shares()
-        self.core.share = self._share
+        self._share_keys(cfg)
         registry.add_listener(self._on_change, on_finish=self._wake_waiters)
 
     def reload(self, cfg: Config) -> None:
@@ -108,6 +109,7 @@ class Admission:
         self.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
         self._check_reserve()  # the reserve or the essential places may have changed
+        self._share_keys(cfg)
         self._on_change()
 
     def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes,
@@ -120,8 +122,9 @@ class Admission:
                     weight: float = 1.0) -> Ticket:
         core = self.core
         ready = self._ready_nodes(model)
-        self.shares.arrive(model, cls if self.enabled else NORMAL, client, weight,
-                           trio.current_time())
+        if self.core.share is not None:
+            self.shares.arrive(model, cls if self.enabled else NORMAL, client, weight,
+                               trio.current_time())
         w = core.arrive(model, cls, client, lambda places_need,
                         room_need: count(ready, model, places_need, room_need), cost, weight)
         if w is None:
@@ -137,7 +140,8 @@ class Admission:
             except BaseException:
                 # Cancelled (the client hung up): out of the queue now, grant passed on.
                 if core.leave(w, timed_out=False):
-                    self.shares.release(model, w.cls, client, trio.current_time())
+                    if self.shares.groups:
+                        self.shares.release(model, w.cls, client, trio.current_time())
                     self._dispatch(model)
                 raise
         if w.granted:
@@ -167,7 +171,7 @@ class Admission:
             route.size = prompt.size
         p = Place(self, model, cls, in_flight, ticket, route)
         p._take()  # no checkpoint since admit returned: this place is ours
-        if self.demand is not None:  # replicas that follow demand (demand.py)
+        if self.demand is not None and model in self.demand.follows:  # demand.py
             ms = self.core.models.get(model)
             self.demand.observe(model, self.cost.model_wait(
                 model, self._ready_nodes(model), ms.waiting if ms is not None else 0),
@@ -185,8 +189,9 @@ class Admission:
             if p.route is not None and p._served is not None:
                 self._learn(p, p.route, *p._served)
             p._give_back()
-            self.shares.release(model, cls if self.enabled else NORMAL, client,
-                                trio.current_time())
+            if self.shares.groups:
+                self.shares.release(model, cls if self.enabled else NORMAL, client,
+                                    trio.current_time())
             self._wake_waiters()  # a place kept back for others may be its key's again
             if ticket.fair is not None and demand is not None and demand.used is not None:
                 lane, episode = ticket.fair
@@ -224,6 +229,9 @@ class Admission:
         if name is not None:
             return next(h for h in nodes if h.name == name)
         return registry.pick(model, exclude=set(tried))
+
+    def _share_keys(self, cfg: Config) -> None:
+        self.core.share = self._share if cfg.auth.clients else None
 
     def _share(self, model: str, cls: str, client: str) -> bool:
         """share.py's rule for the core: may `client` take one more place of `model`?"""

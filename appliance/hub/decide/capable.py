@@ -92,25 +92,25 @@ def has_images(body: dict[str, Any]) -> bool:
     return False
 
 
-def has_tools(body: dict[str, Any]) -> bool:
-    """Tools offered in a request body of any API (`tools`, OpenAI's older `functions`)."""
-    return bool(body.get("tools")) or bool(body.get("functions"))
+def needs(body: dict[str, Any]) -> list[tuple[str, str]]:
+    """What a request body needs beyond plain text, once: (the capability that serves it,
+    in Ollama's words; its name in a refusal) -- images (vision), tools offered (`tools`,
+    OpenAI's older `functions`), thinking asked for with Ollama's `think` (true, or a level
+    such as "high")."""
+    out = []
+    if has_images(body):
+        out.append(("vision", "image input"))
+    if body.get("tools") or body.get("functions"):
+        out.append(("tools", "tools"))
+    if body.get("think") not in (None, False):
+        out.append(("thinking", "thinking"))
+    return out
 
 
-def has_think(body: dict[str, Any]) -> bool:
-    """Thinking asked for with Ollama's `think` (true, or a level such as "high")."""
-    return body.get("think") not in (None, False)
-
-
-# What a body may need, the capability (Ollama's word) that serves it, and its name in
-# the refusal.
-NEEDS = (("vision", has_images, "image input"), ("tools", has_tools, "tools"),
-         ("thinking", has_think, "thinking"))
-
-
-def lacking(caps: set[str], body: dict[str, Any]) -> str | None:
-    """What `body` needs that a model of `caps` cannot do (its name), None when nothing."""
-    for cap, needs, what in NEEDS:
-        if cap not in caps and needs(body):
+def lacking(caps: set[str], needed: list[tuple[str, str]]) -> str | None:
+    """What a body that `needed` these (`needs`) asks that a model of `caps` cannot do (its
+    name), None when nothing."""
+    for cap, what in needed:
+        if cap not in caps:
             return what
     return None

@@ -66,3 +66,9 @@ def catalog(cfg: Config) -> dict[str, Spec]:
                            d.idle_unload_seconds, configured=True, engine=d.engine,
                            max_replicas=d.max_replicas)
     return out
+
+
+def follows_demand(specs: dict[str, Spec]) -> frozenset[str]:
+    """The models whose replica count follows demand (demand.py): on demand, and allowed
+    more than one replica. A discovered model has one at most."""
+    return frozenset(n for n, s in specs.items() if not s.replicas and s.max_replicas > 1)

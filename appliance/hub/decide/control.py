@@ -314,7 +314,7 @@ class Control:
         if ready is None:
             ready = self.has_ready(model)
         asked = None
-        err = self.why_unservable(model, ready)
+        err = None if ready else self.why_unservable(model, ready)
         if err is not None and err.code == "model_unplaceable":
             if not self.leading():
                 err = None  # the activation asks the leader for a fresh decision

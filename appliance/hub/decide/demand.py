@@ -38,6 +38,9 @@ class ReplicaDemand:
     def __init__(self) -> None:
         self.models: dict[str, ModelDemand] = {}
         self.last_used: dict[tuple[str, str], float] = {}  # (node, model) -> a request ended
+        # The models whose replicas follow demand (on demand, MaxReplicas > 1): admission
+        # reports only theirs -- for any other model there is nothing to decide.
+        self.follows: frozenset[str] = frozenset()
 
     def _m(self, model: str) -> ModelDemand:
         d = self.models.get(model)

@@ -88,8 +88,9 @@ class Place:
     def _give_back(self) -> None:
         node, self.node = self.node, None
         if node is not None:
-            if self._admission.demand is not None:
-                self._admission.demand.used(node.name, self.model, trio.current_time())
+            demand = self._admission.demand
+            if demand is not None and self.model in demand.follows:
+                demand.used(node.name, self.model, trio.current_time())
             if self._in_flight is not None:
                 self._in_flight.dec()
             self._admission.registry.finish(node, self.model)

@@ -16,7 +16,7 @@ from typing import Any
 
 from appliance.config import Config
 from appliance.hub.decide import capable, fit
-from appliance.hub.decide.catalog import Health, Spec, catalog
+from appliance.hub.decide.catalog import Health, Spec, catalog, follows_demand
 from appliance.hub.decide.demand import ReplicaDemand
 from appliance.wire import LoadRequest
 
@@ -92,6 +92,7 @@ class Models:
         # An on-demand model's replica count following its predicted wait (demand.py);
         # admission reports to it.
         self.demand = ReplicaDemand()
+        self.demand.follows = follows_demand(self.specs)
 
     # --- the catalog -------------------------------------------------------------------
 
@@ -141,6 +142,7 @@ class Models:
         for name in set(self.specs) - set(new):
             self.health.pop(name, None)
         self.cfg, self.specs = cfg, new
+        self.demand.follows = follows_demand(new)
         return unparked
 
     # --- what is where -----------------------------------------------------------------

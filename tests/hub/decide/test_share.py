@@ -52,7 +52,10 @@ async def test_a_light_key_finds_a_place_beside_a_heavy_one(autojump_clock):
     sends a short one now and then. Each light request starts at once; while the light key
     is quiet for ACTIVE_SECONDS the heavy key holds all four places again."""
     a, b = handle("a", slots=2), handle("b", slots=2)
-    adm = Admission(config.load({"Queue__MaxWaitSeconds": "1000"}), registry(a, b))
+    adm = Admission(config.load({"Queue__MaxWaitSeconds": "1000",  # two keys: shares apply
+                                 "Auth__Clients__0__Name": "heavy", "Auth__Clients__0__Key": "kh",
+                                 "Auth__Clients__1__Name": "light", "Auth__Clients__1__Key": "kl"}),
+                    registry(a, b))
     # room counts concurrency: a node's concurrency is its two places here
     for h in (a, b):
         h.state.max_concurrency = 2
@@ -97,3 +100,12 @@ async def test_a_light_key_finds_a_place_beside_a_heavy_one(autojump_clock):
         assert max(held_most) == 4  # light quiet: heavy takes all four
         n.cancel_scope.cancel()
     assert light_waits == [0.0] * 5
+
+
+def test_one_tenant_keeps_nothing_back():
+    """No Auth__Clients: every request is the anonymous key's, so no place is kept back
+    for another key and share.py is not asked (a reload that adds clients turns it on)."""
+    adm = Admission(config.load({}), registry(handle("a", slots=2)))
+    assert adm.core.share is None
+    adm.reload(config.load({"Auth__Clients__0__Name": "x", "Auth__Clients__0__Key": "kx"}))
+    assert adm.core.share is not None
