@@ -126,8 +126,8 @@ def _attrs(span) -> dict:
     return out
 
 
-def _stream(url: str, headers: dict) -> httpx.Response:
-    body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+def _stream(url: str, headers: dict, model: str = MODEL) -> httpx.Response:
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hello"}]}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
                       timeout=30) as r:
@@ -194,6 +194,20 @@ def test_one_trace_from_the_client_through_hub_and_node_to_the_engine(fleet):
     assert "node_attempt" not in {e.name for e in hub_span.events}  # one attempt: the attribute
     line = [json.loads(x) for x in audit.read_text().splitlines() if '"request"' in x][-1]
     assert line["trace_id"] == CLIENT_TRACE and line["request_id"] == "req-1"
+
+
+def test_the_request_model_is_the_name_asked_for_and_the_response_model_the_one_served(fleet):
+    """GenAI conventions: gen_ai.request.model is the client's own name (Ollama's tag rule
+    resolves `tiny:latest` to `tiny`), gen_ai.response.model the model that answered."""
+    hub, engine, receiver, audit = fleet
+    _stream(hub.url, {}, model=f"{MODEL}:latest")
+    wait_until(lambda: receiver.named(f"chat {MODEL}:latest"), 30, "the hub's span exported")
+    (s,) = [s for s in receiver.named(f"chat {MODEL}:latest")
+            if s in receiver.of("appliance-hub")]
+    a = _attrs(s)
+    assert a["gen_ai.request.model"] == f"{MODEL}:latest" and a["gen_ai.response.model"] == MODEL
+    line = [json.loads(x) for x in audit.read_text().splitlines() if '"request"' in x][-1]
+    assert line["model"] == MODEL  # the audit and the metrics keep the resolved name
 
 
 def test_no_or_garbage_traceparent_starts_a_new_trace_tied_to_the_request_id(fleet):

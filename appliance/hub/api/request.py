@@ -154,7 +154,7 @@ class Request:
     """`api` is "openai", "ollama" or "anthropic" (the shape of answers and errors)."""
 
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
-                 "model", "label", "node", "tried", "status", "ttfb", "error", "done",
+                 "model", "asked", "label", "node", "tried", "status", "ttfb", "error", "done",
                  "scope", "usage", "lease", "tokens", "preempted", "_recorder", "route",
                  "load_s", "queue_s", "sent_at", "load_at", "queue_at", "trace")
 
@@ -175,6 +175,9 @@ class Request:
         # series (2,000 unknown names, one series).
         self.model = ""
         self.label = ""
+        # The name the client asked for (cut to ECHO_CHARS), before Ollama's tag rule
+        # resolved it: the span's gen_ai.request.model.
+        self.asked = ""
         # where
         self.node = ""
         self.tried: list[str] = []
@@ -229,9 +232,10 @@ class Request:
     def identified(self, client: str) -> None:
         self.client = client
 
-    def resolved(self, model: str, label: str, cls: str) -> None:
-        """The model as the audit line shows it, its metrics label, the request's class."""
-        self.model, self.label, self.cls = model, label, cls
+    def resolved(self, model: str, label: str, cls: str, asked: str = "") -> None:
+        """The model as the audit line shows it, its metrics label, the request's class
+        (and the name the client asked for, when it differs)."""
+        self.model, self.label, self.cls, self.asked = model, label, cls, asked or model
 
     def admitted(self, lease: limits.Lease) -> None:
         """Its key's reservation, settled at `finish`."""

@@ -214,7 +214,8 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
         # The model's metrics label is its name once the hub knows it, else OTHER_LABEL: a
         # client-chosen name never becomes a series.
         req.resolved(echo(model), model if served else OTHER_LABEL,
-                     r.admission.effective_class(client.priority, req.headers))
+                     r.admission.effective_class(client.priority, req.headers),
+                     echo(asked.model))
         if not served:
             raise ApiError(404, "model_not_found", f"model {echo(asked.model)!r} not found")
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)

@@ -7,10 +7,10 @@ gives the request its trace id (the audit's `trace_id`; also its `x-request-id` 
 client sent none, so an error body's id header leads to the trace). `attempt(node)` marks
 each node tried with an event; `headers()` is the span's context, which the node
 continues (its span a child of this one); `end(req)` closes it from the record in the
-router's one `finally`: the GenAI semantic conventions (operation, model, usage
-input/output and cache-read tokens, time to first token), the client's name (never its
-key), where it went, the breakdown (load, queue, node wait) as attributes and as events at
-their times.
+router's one `finally`: the GenAI semantic conventions (operation, the model asked for
+and the one that answered, usage input/output and cache-read tokens, time to first
+token), the client's name (never its key), where it went, the breakdown (load, queue,
+node wait) as attributes and as events at their times.
 It decides nothing and reads nothing the record does not hold.
 """
 
@@ -37,6 +37,7 @@ class Request(Protocol):
     t0: float
     request_id: str
     model: str
+    asked: str
     client: str
     cls: str
     node: str
@@ -105,11 +106,13 @@ class RequestSpan:
 
     def end(self, req: Request) -> None:
         s = self.span
-        model = req.model
-        if model:
-            s.update_name(f"{self.operation} {model}")
+        # The conventions' request model is the name the client asked for
+        # (`llama3.2:latest`), the response model the one that answered (`llama3.2`).
+        model, asked = req.model, req.asked or req.model
+        if asked:
+            s.update_name(f"{self.operation} {asked}")
         attrs: dict[str, Any] = {
-            "gen_ai.request.model": model, "gen_ai.response.model": model,
+            "gen_ai.request.model": asked, "gen_ai.response.model": model,
             "appliance.client": req.client, "http.response.status_code": req.status,
         }
         if req.node:

@@ -40,7 +40,7 @@ def tracing():
 def _req(headers, **kw):
     t0 = time.perf_counter()
     base = dict(path="/v1/chat/completions", headers=headers, t0=t0, request_id="made-here",
-                model="m", client="team-a", cls="normal", node="", status=0, error="",
+                model="m", asked="m", client="team-a", cls="normal", node="", status=0, error="",
                 ttfb=None, load_s=None, load_at=None, queue_s=None, queue_at=None,
                 sent_at=None, tokens=None, route=None, usage=None)
     base.update(kw)
@@ -103,3 +103,12 @@ def test_a_retried_request_shows_each_attempt(tracing):
                      ("node_attempt", "gpu-b")]
     assert s.attributes["appliance.attempts"] == 2 and s.attributes["error.type"] == "no_capacity"
     assert s.status.status_code.name == "ERROR"
+
+
+def test_the_request_model_is_the_name_asked_for_the_response_model_the_one_served(tracing):
+    req = _req([], model="llama3.2", asked="llama3.2:latest", status=200)
+    RequestSpan(tracing, req).end(req)
+    (s,) = tracing.exporter.get_finished_spans()
+    assert s.name == "chat llama3.2:latest"  # {operation} {gen_ai.request.model}
+    assert s.attributes["gen_ai.request.model"] == "llama3.2:latest"
+    assert s.attributes["gen_ai.response.model"] == "llama3.2"
