@@ -22,7 +22,7 @@ import msgspec
 
 from appliance.hub.translate.common import SSEReader, ToolCallAccumulator, enc
 from appliance.hub.translate.stops import StopWatch
-from appliance.hub.translate.usage import WHOLE_LIMIT, Tally, Usage
+from appliance.hub.translate.usage import WHOLE_LIMIT, Tally, Usage, openai_usage
 
 # Choice keys gathered piece by piece, or set by the assembler itself; any other key an
 # engine puts on a choice chunk (vLLM's `stop_reason`) is kept as it last said it.
@@ -104,7 +104,6 @@ class Assembler:
             except (msgspec.DecodeError, RecursionError):
                 continue
             if isinstance(obj, dict):
-                self._tally.see(obj)
                 self._take(obj)
         return b""
 
@@ -128,41 +127,65 @@ class Assembler:
     # --- gathering ---------------------------------------------------------------------
 
     def _take(self, obj: dict[str, Any]) -> None:
+        """One chunk gathered, and counted on the way as `Tally.see` counts one."""
         if not self._meta:
             self._meta = {k: v for k, v in obj.items() if k not in _NOT_KEPT}
         if isinstance(obj.get("usage"), dict):
             self._usage = obj["usage"]  # the engine's, as it said it (cached tokens too)
+            self._tally.found = openai_usage(obj)
         if obj.get("timings") is not None:
             self._timings = obj["timings"]  # llama-server's, on its last chunk
         choices = obj.get("choices")
-        for ch in choices if isinstance(choices, list) else ():
+        if not isinstance(choices, list):
+            return
+        generated = False
+        for ch in choices:
             if not isinstance(ch, dict):
                 continue
             idx = ch.get("index", 0)
-            c = self._choices.setdefault(idx if isinstance(idx, int) else 0, _Choice())
-            d: dict[str, Any] = ch["delta"] if isinstance(ch.get("delta"), dict) else {}
-            piece = d.get("content") if self.chat else ch.get("text")
+            if not isinstance(idx, int):
+                idx = 0
+            c = self._choices.get(idx)
+            if c is None:
+                c = self._choices[idx] = _Choice()
+            text = ch.get("text")
+            if isinstance(text, str) and text:
+                generated = True
+            d = ch.get("delta")
+            content = None
+            if isinstance(d, dict):
+                content, reasoning, calls = (d.get("content"), d.get("reasoning_content"),
+                                             d.get("tool_calls"))
+                if content or reasoning or calls:
+                    generated = True
+                if isinstance(reasoning, str):
+                    c.reasoning.append(reasoning)
+                if isinstance(d.get("role"), str):
+                    c.role = d["role"]
+                if calls:
+                    c.tools.add(calls)
+            piece = content if self.chat else text
             if isinstance(piece, str):
                 c.text.append(piece)
                 if self._watch is not None and idx == 0:
                     self._watch.feed(piece)
                     self.finished = self._watch.matched is not None
-            if isinstance(d.get("reasoning_content"), str):
-                c.reasoning.append(d["reasoning_content"])
-            if isinstance(d.get("role"), str):
-                c.role = d["role"]
-            if d.get("tool_calls"):
-                c.tools.add(d["tool_calls"])
             lp = ch.get("logprobs")
-            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-                c.logprobs = (c.logprobs or []) + lp["content"]
-            elif isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
-                c.legacy = _joined(c.legacy, lp)  # a text completion's lists, joined
+            if isinstance(lp, dict):
+                if isinstance(lp.get("content"), list):
+                    if c.logprobs is None:
+                        c.logprobs = []
+                    c.logprobs += lp["content"]
+                elif isinstance(lp.get("tokens"), list):
+                    c.legacy = _joined(c.legacy, lp)  # a text completion's lists, joined
             if ch.get("finish_reason") is not None:
                 c.finish = ch["finish_reason"]
-            for k, v in ch.items():
-                if k not in _GATHERED and v is not None:
-                    c.extra[k] = v
+            if not ch.keys() <= _GATHERED:
+                for k, v in ch.items():
+                    if k not in _GATHERED and v is not None:
+                        c.extra[k] = v
+        if generated:
+            self._tally.chunks += 1
 
     def answer(self) -> dict[str, Any]:
         """The whole answer from what was gathered."""

@@ -155,24 +155,23 @@ def engine_object(body: bytes) -> dict[str, Any]:
 
 
 class SSEReader:
-    """Feed raw bytes, get the `data:` payloads of complete events (b"[DONE]" included)."""
+    """Feed raw bytes, get the `data:` payloads of complete events (b"[DONE]" included).
+    A read holding many events is split once (no copy of the rest per line)."""
 
     def __init__(self) -> None:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        self._buf += chunk
-        out: list[bytes] = []
-        while True:
-            i = self._buf.find(b"\n")
-            if i < 0:
-                if len(self._buf) > SSE_LINE_LIMIT:
-                    self._buf = b""  # not an event anyone can use: dropped, not held
-                return out
-            line = self._buf[:i].rstrip(b"\r")
-            self._buf = self._buf[i + 1:]
-            if line.startswith(b"data:"):
-                out.append(line[5:].strip())
+        data = self._buf + chunk if self._buf else chunk
+        end = data.rfind(b"\n")
+        if end < 0:
+            # not an event anyone can use past the limit: dropped, not held
+            self._buf = data if len(data) <= SSE_LINE_LIMIT else b""
+            return []
+        rest = data[end + 1:]
+        self._buf = rest if len(rest) <= SSE_LINE_LIMIT else b""
+        return [line[5:].strip() for line in data[:end].split(b"\n")
+                if line.startswith(b"data:")]
 
 
 def usage_of(obj: dict[str, Any]) -> tuple[int, int]:
