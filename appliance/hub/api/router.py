@@ -122,9 +122,10 @@ def authenticate(auth: AuthConfig, key: str | None) -> ClientConfig:
 def manages(auth: AuthConfig, client: ClientConfig, key: str | None) -> bool:
     """May this request's keep_alive unload (0) or pin (-1, or longer than the model's idle
     time) a model for everyone? The admin key, a client with `ManageModels`, or anyone on
-    a hub with no clients configured (one tenant's box: Open WebUI's unload button). Any other key's
-    keep_alive holds the model for the configured idle time at most, never less: one
-    tenant neither unloads another's model nor pins it (issue 30 item 7)."""
+    a hub with no clients configured (one tenant's box: Open WebUI's unload button). Any
+    other key's keep_alive sets only its own hold, within the model's configured idle
+    time (hub/decide/holds.py): one tenant neither unloads another's model nor pins it
+    (issue 30 item 7)."""
     if client.manage_models:
         return True
     if auth.admin_key and key and hmac.compare_digest(auth.admin_key.encode(), key.encode()):
@@ -221,9 +222,8 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         refuse_incapable(r.control, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None
-        unload = keep == 0
-        if keep is not None and not manages(r.auth, client, key):
-            keep = None  # the model's own idle time: not shortened, not lengthened
+        # A key that may not manage models holds the model for itself (hold: its name).
+        hold = None if manages(r.auth, client, key) else client.name
         # The key's limits (limits.py): reserved now, settled in Request.finish; its lease
         # carries fair queueing's demand. A key with a token limit sends no request without
         # an output cap: one is written in.
@@ -250,7 +250,7 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
     # interrupt its recycling of the connection (then it never reads as idle).
     async with cancel_on_disconnect(receive, lambda: req.done, req.scope) as gone:
         try:
-            await _route(r, req, model, prep, keep, ready, prompt, way, unload)
+            await _route(r, req, model, prep, keep, ready, prompt, way, hold)
         except ApiError as e:
             await req.send_error(e)
     if gone.gone:
@@ -286,13 +286,12 @@ async def _wait_grace(r: Routing, receive: Receive, name: str, scope: Scope) -> 
 
 async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
                  keep: float | None, ready: bool,
-                 prompt: Prompt | None, way: Relaying, unload: bool = False) -> None:
-    if prep.load_only and unload:
+                 prompt: Prompt | None, way: Relaying, hold: str | None = None) -> None:
+    if prep.load_only and keep == 0:
         # Ollama's unload request: the control loop unloads the model once it is idle,
         # and does not load it again until asked; no node needs to see this one. A key
-        # that may not unload for everyone (`keep` None) is answered alike; the model stays.
-        if keep == 0:
-            r.control.touch(model, keep)
+        # that may not unload for everyone (`hold`) ends its own hold; the others' stay.
+        r.control.touch(model, keep, hold)
         req.answered("", 200, None)
         body = unload_answer(model, req.path == "/api/chat")
         await req.send_start(200, [(b"content-type", b"application/json"),
@@ -301,7 +300,7 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
         await req.send_last(body)
         return
     t = time.perf_counter()
-    await r.control.make_servable(model, keep, ready)
+    await r.control.make_servable(model, keep, ready, hold)
     req.activated(since=t)  # the activation wait (audit `load_ms`)
     assert req.lease is not None  # admitted above
     try:
@@ -315,7 +314,7 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
             req.queued(since=t)  # admission's wait (audit `queue_ms`)
             await _proxy(req, place, model, prep, way)
     finally:
-        r.control.touch(model, keep)  # idle time counts from the end of the work
+        r.control.touch(model, keep, hold)  # idle time counts from the end of the work
 
 
 async def _proxy(req: Request, place: Place, model: str, prep: translate.Prepared,

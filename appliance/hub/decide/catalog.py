@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from appliance.config import Config, ModelDef
+from appliance.hub.decide.holds import Holds
 
 # IdleUnloadSeconds of a discovered model (ModelDef's default).
 DISCOVERED_IDLE = ModelDef().idle_unload_seconds
@@ -46,9 +47,10 @@ class Health:
     next_attempt: float = 0.0
     asked: bool = False
     last_used: float | None = None
-    # The last request's Ollama `keep_alive` in seconds (inf: until unloaded, 0: unload
-    # once idle); None: the catalog's IdleUnloadSeconds.
+    # The last managing request's Ollama `keep_alive` in seconds (inf: until unloaded, 0:
+    # unload once idle); None: the catalog's IdleUnloadSeconds (holds.py).
     keep: float | None = None
+    holds: Holds = field(default_factory=Holds)  # other keys' own holds (holds.py)
     asked_gen: int = 0
     decided_gen: int = 0
     warned_reason: str = ""

@@ -272,8 +272,9 @@ class Control:
         return capable.model_capabilities(self.core.spec(model),
                                           list(self.registry.nodes.values()), model)
 
-    def ask(self, model: str) -> int:
-        gen, actions = self.core.ask(model, self._nodes(), self.now())
+    def ask(self, model: str, held: bool = False) -> int:
+        """`held`: the asking request's touch counted its use (Models.ask)."""
+        gen, actions = self.core.ask(model, self._nodes(), self.now(), held)
         self._carry_out(actions)
         self._decided.set()
         self._decided = trio.Event()
@@ -304,30 +305,34 @@ class Control:
         return None
 
     async def make_servable(self, model: str, keep: float | None = None,
-                            ready: bool | None = None) -> None:
+                            ready: bool | None = None, key: str | None = None) -> None:
         """Return once `model` has a ready replica; raise ApiError when it cannot have one
         (parked, unplaceable) or not within Router__ActivationWaitSeconds (model_loading).
         A placement is asked for at most once: an unplaceable answer is decided afresh
         (never refused on a stale one) and the activation waits for that very decision.
         `keep`: the request's keep_alive (a request that is served uses the model);
-        `ready`: whether it has a ready replica, as the caller just found (None: look)."""
+        `ready`: whether it has a ready replica, as the caller just found (None: look);
+        `key`: a key that may not manage models, holding it for itself (holds.py)."""
         if ready is None:
             ready = self.has_ready(model)
+        # In use: the request's own keep_alive shows at once (a client's `ps` right after
+        # its answer sees it); 0 applies only once the work is done, and a key's own hold
+        # is the whole idle time while it waits for the load.
+        self.touch(model, None if keep == 0 or key is not None else keep, key)
         asked = None
         err = None if ready else self.why_unservable(model, ready)
         if err is not None and err.code == "model_unplaceable":
             if not self.leading():
                 err = None  # the activation asks the leader for a fresh decision
             else:
-                asked = self.ask(model)
+                asked = self.ask(model, held=True)
                 err = self.why_unservable(model)
         if err is not None:
             self.core.requested(model, self.now())  # still wanted: status keeps counting it
             raise err
-        # In use: the request's own keep_alive shows at once (a client's `ps` right after
-        # its answer sees it); 0 applies only once the work is done.
-        self.touch(model, None if keep == 0 else keep)
         if not ready:
+            if asked is None and self.leading():
+                asked = self.ask(model, held=True)
             await self.activate(model, asked)
 
     async def activate(self, model: str, asked: int | None = None) -> None:
@@ -350,9 +355,10 @@ class Control:
             self.core.replica_failed(model, node, why, self.now())
             self._wake_up()
 
-    def touch(self, model: str, keep: float | None = None) -> None:
-        """A request used `model`; `keep`: its keep_alive in seconds (None: the catalog's)."""
-        self.core.touch(model, self.now(), keep)
+    def touch(self, model: str, keep: float | None = None, key: str | None = None) -> None:
+        """A request used `model`; `keep`: its keep_alive in seconds (None: the catalog's);
+        `key`: a key that may not manage models: `keep` is its own hold (holds.py)."""
+        self.core.touch(model, self.now(), keep, key)
         if keep is not None:
             self._wake_up()
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.config import Config
-from appliance.hub.decide import capable, fit
+from appliance.hub.decide import capable, fit, holds
 from appliance.hub.decide.catalog import Health, Spec, catalog, follows_demand
 from appliance.hub.decide.demand import ReplicaDemand
 from appliance.wire import LoadRequest
@@ -159,16 +159,15 @@ class Models:
         h = self.health.get(name)
         if h is None or not h.asked:
             return False
-        return h.last_used is None or now - h.last_used < self._idle_limit(name)
+        return now < holds.until(h.last_used, self._idle_limit(name), h.holds, now)
 
     def expires_in(self, name: str, now: float) -> float | None:
         """Seconds until an idle unload of `name` is due (None: never: always-on or kept)."""
         limit = self._idle_limit(name)
         if self.spec(name).replicas or limit == math.inf:
             return None
-        h = self.health.get(name)
-        last = h.last_used if h is not None and h.last_used is not None else now
-        return last + limit - now
+        h = self.health.get(name) or Health()
+        return holds.until(h.last_used, limit, h.holds, now) - now
 
     def _idle_limit(self, name: str) -> float:
         """Seconds an on-demand model stays after its last use (inf: no idle unload)."""
@@ -201,7 +200,7 @@ class Models:
         # A node whose replica of it does not generate (unhealthy) takes no second one.
         sick = {h.name for h in nodes if h.routable() and h.unhealthy(name)}
         got = fit.choose(spec, nodes, set(ready) | set(loading) | sick, self.pending, self.spec,
-                         lambda m: self.health[m].last_used if m in self.health else None,
+                         lambda m: holds.recent(self.health.get(m)),
                          avoid=hl.tried if hl is not None else set())
         if isinstance(got, fit.NoFit):
             return got.why
@@ -242,22 +241,26 @@ class Models:
 
     # --- what the shell calls ----------------------------------------------------------
 
-    def ask(self, name: str, nodes: list[Any], now: float) -> tuple[int, list[Action]]:
-        """A request wants `name`: clear the previous result and decide afresh, now."""
+    def ask(self, name: str, nodes: list[Any], now: float,
+            held: bool = False) -> tuple[int, list[Action]]:
+        """A request wants `name`: clear the previous result and decide afresh, now.
+        `held`: its touch counted the use (a key's own hold: no shared clock, holds.py)."""
         self._settle(nodes, now)
         h = self._h(name)
-        h.asked, h.last_used = True, now
+        h.asked = True
+        if not held:
+            h.last_used = now
         h.asked_gen += 1
         h.unplaceable = ""
         acts = self._place_needed(name, nodes, now)
         h.decided_gen = h.asked_gen
         return h.asked_gen, acts
 
-    def touch(self, name: str, now: float, keep: float | None = None) -> None:
-        """A request used `name`; `keep` is its keep_alive in seconds (None: the default)."""
-        h = self._h(name)
-        h.last_used = now
-        h.keep = keep
+    def touch(self, name: str, now: float, keep: float | None = None,
+              key: str | None = None) -> None:
+        """A request used `name`; `keep`: its keep_alive in seconds (None: the default);
+        `key`: a key that may not manage models, holding it for itself (holds.py)."""
+        holds.touch(self._h(name), self.spec(name).idle_unload_seconds, now, keep, key)
 
     def requested(self, name: str, now: float) -> None:
         """A request for `name` was refused (parked, unplaceable): it is still wanted."""
@@ -280,7 +283,7 @@ class Models:
         acts: list[Action] = []
         for name in self.names(nodes):
             hl = self._h(name)
-            if hl.last_used is None:
+            if hl.last_used is None and hl.holds.last is None:
                 hl.last_used = now  # first sight: idle time counts from here
             if self.desired(name, now) == 0:
                 hl.asked, hl.unplaceable = False, ""
@@ -331,8 +334,8 @@ class Models:
             return []
         if any(p.model == name or name in p.victims for p in self.pending):
             return []
-        last = self._h(name).last_used
-        if last is not None and now - last < limit:
+        hl = self._h(name)
+        if now < holds.until(hl.last_used, limit, hl.holds, now):
             return []
         out: list[Action] = []
         for h in nodes:

@@ -58,3 +58,36 @@ async def test_one_users_box_keeps_keep_alive_for_everyone(tmp_path: Path) -> No
             r = await c.post(url + "/api/generate", json={"model": "m", "keep_alive": 0})
         assert r.status_code == 200 and hub.control.core.health["m"].keep == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_tenants_keep_alive_is_its_own_hold(tmp_path: Path) -> None:
+    # team (k1) and lab (k3): each key's keep_alive sets its own hold, within the model's
+    # 300 s; keep_alive 0 from team ends team's hold only (hub/decide/holds.py).
+    fake = FakeNode()
+    env = {**KEYS, "Auth__Clients__2__Name": "lab", "Auth__Clients__2__Key": "k3"}
+    async with trio.open_nursery() as nursery:
+        hub, url = await start(nursery, tmp_path, fake, env)
+        control = hub.control
+
+        async def keep(key: str, value: object, prompt: bool = True) -> None:
+            body = {"model": "m", "keep_alive": value, "stream": False}
+            if prompt:
+                body["prompt"] = "hi"
+            async with httpx.AsyncClient(timeout=30, headers={"x-api-key": key}) as c:
+                assert (await c.post(url + "/api/generate", json=body)).status_code == 200
+
+        def held() -> dict[str, float]:
+            now = control.now()
+            return {k: round(t - now) for k, t in control.core.health["m"].holds.ends.items()}
+
+        await keep("k1", "5s")
+        assert held() == {"team": 5}
+        await keep("k3", "1h")  # never past the model's idle time
+        assert held() == {"team": 5, "lab": 300}
+        await keep("k1", -1)  # nor pinned
+        assert held() == {"team": 300, "lab": 300}
+        await keep("k1", 0, prompt=False)  # team lets go; lab's hold stays
+        assert held() == {"lab": 300} and control.core.health["m"].keep is None
+        await keep("adm", 0, prompt=False)  # the admin's unload ends every hold
+        assert held() == {} and control.core.health["m"].keep == 0
+        nursery.cancel_scope.cancel()
