@@ -39,6 +39,7 @@ from appliance.hub.api.request import Recorder, Request
 from appliance.hub.decide import capable
 from appliance.hub.decide.limits import output_cap
 from appliance.hub.decide.place import Prompt
+from appliance.hub.decide.priority import effective_class
 from appliance.hub.observe.spans import RequestSpan
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.hub.translate.outcap import ROOM, with_cap
@@ -215,7 +216,7 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
         # The model's metrics label is its name once the hub knows it, else OTHER_LABEL: a
         # client-chosen name never becomes a series.
         req.resolved(echo(model), model if served else OTHER_LABEL,
-                     r.admission.effective_class(client.priority, req.headers),
+                     effective_class(r.admission.enabled, client.priority, req.headers),
                      echo(asked.model))
         if not served:
             raise ApiError(404, "model_not_found", f"model {echo(asked.model)!r} not found")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -111,10 +111,6 @@ class Admission:
         self._check_reserve()  # the reserve or the essential places may have changed
         self._share_keys(cfg)
         self._on_change()
-
-    def effective_class(self, client_cls: str | None, headers: Iterable[tuple[bytes,
-                                                                              bytes]]) -> str:
-        return priority.effective_class(self.enabled, client_cls, headers)
 
     # --- the capacity queue and the reserve ----------------------------------------------
 

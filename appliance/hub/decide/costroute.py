@@ -79,7 +79,6 @@ def free_of(h: Node, model: str) -> int | None:
 class Choice:
     node: str
     home_wait: float  # seconds to wait there for a place (0: send now)
-    option: cost.Option
 
 
 class CostRouter:
@@ -103,10 +102,6 @@ class CostRouter:
         reason, node, matched and predicted figures; counts the reason."""
         if not nodes or (route.session is None and not route.chain):
             return None
-        names = [h.name for h in nodes]
-        key = route.session if route.session is not None else route.chain[0].to_bytes(8, "little")
-        order = rendezvous(key, names)
-        by = {h.name: h for h in nodes}
         held: dict[str, int] = {}
         seqs: dict[str, tuple[int, int]] = {}
         if route.session is not None:
@@ -116,37 +111,53 @@ class CostRouter:
         else:
             seqs = cost.prefix_held(affinity.index.get(model), route.chain)
             held = {n: b * affinity.block // BYTES_PER_TOKEN for n, (b, _) in seqs.items()}
-        if not any(held.get(n, 0) for n in names):
+        if not any(held.get(h.name, 0) for h in nodes):
             return None  # nothing cached anywhere: affinity's bounded rendezvous spreads it
-        options = [cost.Option(n, free_of(by[n], model), places_of(by[n].state, model),
-                               held.get(n, 0), self.rates.get(n, model)) for n in order]
-        prompt = max(cost.prompt_tokens(route.size), max(held.values(), default=0))
-        ranked = cost.score(options, prompt)
-        bound = cost.home_wait(ranked, self.home_wait) if may_wait else 0.0
-        if bound > 0:
-            best: cost.Option | None = ranked[0]
-        else:  # no waiting in the hub: a place where one is left, else the engines' queues
-            sendable = [o for o in ranked if by[o.name].has_concurrency()]
-            best = next((o for o in sendable if o.free is None or o.free > 0),
-                        sendable[0] if sendable else None)
-        if best is None:
-            return None
+        bound = 0.0
+        if len(nodes) == 1:
+            # One candidate: nothing to rank, and a home wait needs another node with room.
+            if not nodes[0].has_concurrency():
+                return None
+            name = nodes[0].name
+        else:
+            best, bound = self._rank(model, route, nodes, held, may_wait)
+            if best is None:
+                return None
+            name = best.name
+            route.predicted = (best.wait, best.prefill)
         stats = affinity.stats(model)
         top = max(held, key=lambda n: held[n], default="")
-        if top and held[top] > 0 and best.name != top:
+        if top and held[top] > 0 and name != top:
             stats.moved += 1
         route.matched = route.entry_seq = 0
         if route.session is not None:
             reason = SESSION
-        elif best.held > 0:
+        elif held.get(name, 0) > 0:
             reason = PREFIX
-            route.matched, route.entry_seq = seqs[best.name]
+            route.matched, route.entry_seq = seqs[name]
         else:
             reason = SPREAD
-        route.reason, route.node = reason, best.name
-        route.predicted = (best.wait, best.prefill)
+        route.reason, route.node = reason, name
         setattr(stats, reason, getattr(stats, reason) + 1)
-        return Choice(best.name, bound, best)
+        return Choice(name, bound)
+
+    def _rank(self, model: str, route: Route, nodes: Sequence[Node], held: dict[str, int],
+              may_wait: bool) -> tuple[cost.Option | None, float]:
+        """The cheapest of several candidates, and how long to wait there for a place."""
+        key = route.session if route.session is not None else route.chain[0].to_bytes(8, "little")
+        by = {h.name: h for h in nodes}
+        options = [cost.Option(n, free_of(by[n], model), places_of(by[n].state, model),
+                               held.get(n, 0), self.rates.get(n, model))
+                   for n in rendezvous(key, list(by))]
+        prompt = max(cost.prompt_tokens(route.size), max(held.values(), default=0))
+        ranked = cost.score(options, prompt)
+        bound = cost.home_wait(ranked, self.home_wait) if may_wait else 0.0
+        if bound > 0:
+            return ranked[0], bound
+        # no waiting in the hub: a place where one is left, else the engines' queues
+        sendable = [o for o in ranked if by[o.name].has_concurrency()]
+        return next((o for o in sendable if o.free is None or o.free > 0),
+                    sendable[0] if sendable else None), 0.0
 
     def learn(self, model: str, route: Route, node: str, *, service_s: float | None,
               first_s: float | None) -> None:

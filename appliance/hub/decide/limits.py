@@ -348,7 +348,7 @@ class Limiter:
         lim = self.limits(name)
         t = self.tenant(name)
         reserve = body_bytes + (cap if cap is not None else self.reserve_output)
-        refusal = self._check(name, lim, t, now, reserve)
+        refusal = None if lim is NO_LIMITS else self._check(name, lim, t, now, reserve)
         if refusal is not None:
             t.limited += 1
             raise refusal

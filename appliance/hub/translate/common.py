@@ -119,12 +119,23 @@ def check_openai_chat(obj: dict[str, Any]) -> None:
     check_sampling(obj)
 
 
+# The OpenAI fields a forwarded body's types are checked for: (field, types, the 400's word).
+NUMBER: tuple[type, ...] = (int, float)
+SAMPLING_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    *((k, NUMBER, "a number") for k in ("temperature", "top_p", "frequency_penalty",
+                                        "presence_penalty")),
+    *((k, (int,), "an integer") for k in ("max_tokens", "max_completion_tokens", "n", "seed")),
+    ("stream", (bool,), "a boolean"))
+
+
 def check_sampling(obj: dict[str, Any]) -> None:
-    for k in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
-        number(obj, k)
-    for k in ("max_tokens", "max_completion_tokens", "n", "seed"):
-        integer(obj, k)
-    opt(obj, "stream", bool, "a boolean")
+    """`opt`'s rule over SAMPLING_TYPES in one pass: absent or None passes, a bool is a
+    number or an integer only where bool is named."""
+    for k, types, what in SAMPLING_TYPES:
+        v = obj.get(k)
+        if v is not None and (not isinstance(v, types) or (
+                isinstance(v, bool) and bool not in types)):
+            raise bad(f"'{k}' must be {what}", k)
     stop_list(obj.get("stop"), "stop")
     tools = obj.get("tools")
     if tools is not None and not isinstance(tools, list):

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from appliance import config
 from appliance.http.errors import ApiError
 from appliance.hub.decide.admission import Admission
+from appliance.hub.decide.priority import effective_class
 from appliance.hub.observe import queue_metrics
 from tests.harness.admission_fleet import MODEL, handle, registry, set_state
 
@@ -206,7 +207,7 @@ async def test_priority_off_nothing_waits_that_did_not_wait_before(autojump_cloc
     adm = Admission(config.load({"Priority__ReserveSlots": "5"}), r)
     queue_metrics.register(metrics, adm)
     assert adm.enabled is False and adm.status_block() is None
-    assert adm.effective_class("essential", [(b"x-priority", b"background")]) == "normal"
+    assert effective_class(adm.enabled, "essential", [(b"x-priority", b"background")]) == "normal"
     t0 = trio.current_time()
     ticket = await adm.admit(MODEL, "normal", "batch")
     assert trio.current_time() == t0 and ticket.cls == "normal"
