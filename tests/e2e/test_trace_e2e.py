@@ -196,6 +196,8 @@ def test_one_trace_from_the_client_through_hub_and_node_to_the_engine(fleet):
     assert line["trace_id"] == CLIENT_TRACE and line["request_id"] == "req-1"
 
 
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["one-process", "two-workers"],
+                         indirect=True)
 def test_the_request_model_is_the_name_asked_for_and_the_response_model_the_one_served(fleet):
     """GenAI conventions: gen_ai.request.model is the client's own name (Ollama's tag rule
     resolves `tiny:latest` to `tiny`), gen_ai.response.model the model that answered."""
