@@ -65,6 +65,17 @@ class ModelState(msgspec.Struct):
     busy: int | None = None
 
 
+class Routed(msgspec.Struct, array_like=True):
+    """A request a node took with a hub's routing key on it (ROUTE_HEADER), published while
+    more than one hub watches it (HA): the other hubs learn where each session and prompt
+    went, so they keep it there too. `seq` counts up per node start; `key` is the header's
+    value as the hub wrote it (the node never reads it)."""
+
+    seq: int
+    model: str
+    key: str
+
+
 class NodeState(msgspec.Struct, dict=True):
     name: str
     version: str = __version__
@@ -86,6 +97,8 @@ class NodeState(msgspec.Struct, dict=True):
     # Hubs that gave this node orders (load, unload) without an HA epoch in the last
     # ORDERS_SECONDS: two or more fight over it (two hubs without Cluster__Etcd).
     hubs: list[str] = []
+    # The keyed requests taken in the last few seconds, oldest first (HA only; see Routed).
+    routed: list[Routed] = []
 
     def model(self, name: str) -> ModelState | None:
         """The model called `name` (the first, as listed), by an index built at the first
@@ -153,6 +166,10 @@ load_request_decoder = msgspec.json.Decoder(LoadRequest)
 
 # The name of the hub giving a node an order (Hub__Name), on every load and unload.
 HUB_HEADER = "x-appliance-hub"
+
+# The routing key of a request the hub sends a node (decide/shared.py writes and reads it);
+# a node watched by several hubs publishes it in `NodeState.routed`.
+ROUTE_HEADER = "x-appliance-route"
 
 # Fencing (HA): the leading hub's epoch rides on every load and unload it sends; a node
 # refuses a call from an older epoch than the highest it has seen (409 `stale_leader`).

@@ -29,6 +29,7 @@ content chunk. Prints one table, affinity off vs on.
     .venv/bin/python bench/affinity.py [--chats 30 --turns 10] [--ha]
     .venv/bin/python bench/affinity.py --llama [--chats 6 --turns 4] [--smol]
     .venv/bin/python bench/affinity.py --full [--turns 5]   # a full fleet (issue 27)
+    .venv/bin/python bench/affinity.py --ha-only --parallel 1 --chats 12 --turns 5 --at-once 6
 """
 
 from __future__ import annotations
@@ -333,13 +334,16 @@ def same_node_share(fleet: Fleet, seed: int) -> float:
     return same / max(1, total)
 
 
-def run_ha(args: argparse.Namespace) -> dict[str, float]:
+def run_ha(args: argparse.Namespace, hubs: int = 2) -> dict[str, float]:
+    """The chats through `hubs` hubs (2: on one etcd, each turn through the other hub; 1:
+    the same sessions through one hub, what two should match)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
     from etcd_proc import EtcdProc
 
     etcd = EtcdProc(os.path.join(tempfile.mkdtemp(prefix="affinity-etcd-"), "etcd"))
-    etcd.start()
-    fleet = Fleet("on", args.parallel, etcd.url)
+    if hubs > 1:
+        etcd.start()
+    fleet = Fleet("on", args.parallel, etcd.url if hubs > 1 else "")
     try:
         urls = tuple(h.url for h in fleet.hubs)
         out: dict[str, float] = {}
@@ -353,7 +357,8 @@ def run_ha(args: argparse.Namespace) -> dict[str, float]:
         return out
     finally:
         fleet.close()
-        etcd.stop()
+        if hubs > 1:
+            etcd.stop()
 
 
 FULL_CASES = ((12, 6), (30, 12))  # sessions, requests at once
@@ -408,7 +413,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--parallel", type=int, default=32, help="Sim__Parallel per node")
     ap.add_argument("--ha", action="store_true", help="also: two hubs on one etcd")
-    ap.add_argument("--ha-only", action="store_true", help="only the two-hub case")
+    ap.add_argument("--ha-only", action="store_true", help="only the two-hub case (beside one hub, the same sessions)")
     ap.add_argument("--full", action="store_true",
                     help="a full fleet (issue 27): Node__ModelSlots=1 and 2, 12 and 30 "
                          "sessions 6 and 12 at a time, off vs on")
@@ -446,8 +451,12 @@ def main() -> None:
               f"{statistics.median(off.ttft) / statistics.median(on.ttft):.2f}x")
         return
     if args.ha_only:
-        for k, v in run_ha(args).items():
-            print(f"  {k:32} {v:.3f}")
+        one, two = run_ha(args, hubs=1), run_ha(args)
+        print(f"{args.chats} chats x {args.turns} turns, {args.at_once or args.chats} at once, "
+              f"3 sim nodes of {args.parallel} places; two hubs: each turn through the other")
+        print(f"  {'figure':24} {'one hub':>8} {'two hubs':>8}")
+        for k, v in two.items():
+            print(f"  {k:24} {one[k]:8.3f} {v:8.3f}")
         return
     off = run("off", args)
     on = run("on", args)

@@ -50,6 +50,7 @@ from appliance.node.engines.base import Engine, EngineError
 from appliance.node.fence import Fence, Orders, parse_lease
 from appliance.node.metrics import NodeMetrics
 from appliance.node.proxy import EngineProxy
+from appliance.node.routed import PUSH_SECONDS
 from appliance.node.state import NodeStateKeeper
 from appliance.observe.metricsapp import render
 from appliance.observe.trace import Tracing
@@ -281,24 +282,31 @@ class NodeApp:
         every = f"{self.cfg.node.heartbeat_seconds:g}".encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*NDJSON, (HEARTBEAT_HEADER.encode(), every)]})
-        async with cancel_on_disconnect(receive) as client:
-            await self._watch_lines(send)
+        self.keeper.watchers += 1
+        try:
+            async with cancel_on_disconnect(receive) as client:
+                await self._watch_lines(send)
+        finally:
+            self.keeper.watchers -= 1
         if not client.gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _watch_lines(self, send: Send) -> None:
         k, every = self.keeper, self.cfg.node.heartbeat_seconds
         last = b""
-        next_beat = trio.current_time() + every
+        sent_at = trio.current_time()
+        next_beat = sent_at + every
         while not k.draining:
             seen = k.version
             line = encode_event(StateEvent(k.snapshot()))
             if line != last:
                 await send({"type": "http.response.body", "body": line, "more_body": True})
-                last = line
+                last, sent_at = line, trio.current_time()
                 next_beat = trio.current_time() + every
             with trio.move_on_at(next_beat):
                 await self.changes.wait_changed(seen)
+                if k.version == k.quiet_version:  # counts only (HA): at a bounded pace
+                    await trio.sleep_until(sent_at + PUSH_SECONDS)
             if trio.current_time() >= next_beat:
                 # A state that changed quietly (in-flight counts) goes out as the heartbeat.
                 line = encode_event(StateEvent(k.snapshot()))

@@ -37,6 +37,7 @@ from appliance.node.engines.params import fit
 from appliance.node.health import Waiting
 from appliance.node.metrics import NodeMetrics
 from appliance.node.request import NodeRequest
+from appliance.node.routed import note_route
 from appliance.node.state import NodeStateKeeper, NoPlace
 from appliance.observe.trace import Tracing, operation, passthrough
 from appliance.wire import UNHEALTHY
@@ -154,6 +155,8 @@ class EngineProxy:
             except NoPlace:
                 req.status = "503"
                 raise
+            if self.keeper.watchers > 1:  # several hubs: where this key went (node/routed.py)
+                note_route(self.keeper, model, scope["headers"])
             if self.tracing is not None:  # a child of the hub's attempt span
                 op = operation(scope["path"])
                 req.span = self.tracing.start(f"{op} {model}", scope["headers"], attributes={

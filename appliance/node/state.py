@@ -8,7 +8,10 @@ and how they ended), and what the owner declared or the box measured (max concur
 slots, memory, paused, left). Every change bumps `version` and calls the listeners
 (`add_listener`): the shell's `node/changes.py` wakes the watch stream from there, so it
 publishes without polling.
-In-flight counts are the exception: they ride on the next heartbeat (see `_counted`).
+In-flight counts are the exception: they ride on the next heartbeat (see `_counted`) --
+unless several hubs watch (HA, `watchers` > 1): then they, and the routing keys of the
+requests taken (`note_routed`, node/routed.py), are quiet changes (`quiet_version`) that the
+watch stream sends at most every PUSH_SECONDS.
 
 Each ready model's generation health comes from `health` (node/health.py) when set.
 
@@ -28,12 +31,14 @@ output into numbers and `set_gpu_memory` hands them in.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol
 
 from appliance.config import NodeConfig
 from appliance.http.errors import ApiError
 from appliance.node.health import ReplicaHealth
+from appliance.node.routed import RoutedLog
 from appliance.wire import EngineInstall, ModelState, NodeState
 
 # The query the shell runs; one line per GPU, "total, used" in MiB.
@@ -95,15 +100,22 @@ class NodeStateKeeper:
         self._failed: dict[str, str] = {}
         self.gpu: tuple[int, int] | None = None
         self.version = 0
+        self.quiet_version = 0  # of `version`, the changes that were quiet only
+        self.watchers = 0  # watch streams open now (hubs; several: HA)
+        self.routed = RoutedLog()
+        self.clock: Callable[[], float] = time.monotonic
         self._listeners: list[Callable[[], None]] = []
         # Each ready model's generation health (node/health.py); None: not watched.
         self.health: ReplicaHealth | None = None
 
     # --- change notification -----------------------------------------------------------
 
-    def changed(self) -> None:
-        """Something changed (the engine calls this too): bump and wake the watchers."""
+    def changed(self, quiet: bool = False) -> None:
+        """Something changed (the engine calls this too): bump and wake the watchers.
+        `quiet`: counts only (several hubs watching), sent at a bounded pace."""
         self.version += 1
+        if quiet:
+            self.quiet_version = self.version
         for fn in self._listeners:
             fn()
 
@@ -191,6 +203,15 @@ class NodeStateKeeper:
         a change of what they decide (over the limits or not) is published at once."""
         if bool(self.over_limits()) != was_over:
             self.changed()
+        elif self.watchers > 1:
+            self.changed(quiet=True)
+
+    def note_routed(self, model: str, key: str) -> None:
+        """A request for `model` with a hub's routing key was taken: said to the other hubs
+        (only while several watch; one hub knows where it sent its own)."""
+        if self.watchers > 1:
+            self.routed.note(model, key, self.clock())
+            self.changed(quiet=True)
 
     # --- loads the node drives -----------------------------------------------------------
 
@@ -285,4 +306,5 @@ class NodeStateKeeper:
             over_limits_reason=reason,
             models=self._models(),
             hubs=list(self.hubs),
+            routed=self.routed.recent(self.clock()) if self.routed.entries else [],
         )

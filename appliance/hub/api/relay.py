@@ -31,6 +31,7 @@ from appliance.client.upstream import Pool, UpstreamError
 from appliance.http.errors import ApiError, Headers
 from appliance.http.stream import Cut, receive_within, relay_body, stream_error
 from appliance.hub import translate
+from appliance.hub.decide import shared
 from appliance.hub.fleet.flag import Flag
 from appliance.hub.translate.common import Start
 from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
@@ -113,7 +114,8 @@ class LocalRelay:
 async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
                  read_seconds: float, cut: Cut) -> None:
     resp = None
-    headers: Headers = [*req.forward_headers(), *node.auth_raw]  # a per-node token wins
+    # A per-node token wins; the routing key goes along for the other hubs (decide/shared.py).
+    headers: Headers = [*req.forward_headers(), *node.auth_raw, *shared.note(req.route)]
     start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # the clock of Ollama's durations
     with cut.reading():
         try:

@@ -46,6 +46,7 @@ from appliance.hub.decide.priority import (
     ready_nodes,
 )
 from appliance.hub.decide.share import Shares
+from appliance.hub.decide.shared import Fold
 from appliance.hub.decide.slots import SlotQueues
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.wire import NodeState
@@ -97,6 +98,9 @@ class Admission:
         self.shares = Shares()
         self._share_keys(cfg)
         registry.add_listener(self._on_change, on_finish=self._wake_waiters)
+        # Where the other hubs (HA) sent sessions and prompts, as the nodes say (shared.py).
+        self.shared = Fold(self.cost.homes_of, self.affinity.index_of)
+        registry.state_listeners.append(self._fold)
 
     def reload(self, cfg: Config) -> None:
         """New settings apply to new waiters; one that waits keeps its bound."""
@@ -228,6 +232,9 @@ class Admission:
 
     def _share_keys(self, cfg: Config) -> None:
         self.core.share = self._share if cfg.auth.clients else None
+
+    def _fold(self, h: NodeHandle, st: NodeState) -> None:
+        self.shared.state(h.name, st)
 
     def _share(self, model: str, cls: str, client: str) -> bool:
         """share.py's rule for the core: may `client` take one more place of `model`?"""

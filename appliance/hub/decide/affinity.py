@@ -263,7 +263,7 @@ class Affinity:
             s = self.models[model] = ModelStats()
         return s
 
-    def _index(self, model: str) -> PrefixIndex:
+    def index_of(self, model: str) -> PrefixIndex:
         ix = self.index.get(model)
         if ix is None:
             ix = self.index[model] = PrefixIndex(self.entries)
@@ -283,7 +283,7 @@ class Affinity:
         if route.session is not None:
             order = rendezvous(route.session, names)
         elif route.chain:
-            matched, node, seq = self._index(model).longest(route.chain, set(names))
+            matched, node, seq = self.index_of(model).longest(route.chain, set(names))
             order = rendezvous(route.chain[0].to_bytes(8, "little"), names)
             if matched:
                 order.remove(node)
@@ -329,7 +329,7 @@ class Affinity:
                 elif ix is not None:
                     ix.evicted(node, route.entry_seq)
         if route.chain and self.enabled:
-            ix = ix if ix is not None else self._index(model)
+            ix = ix if ix is not None else self.index_of(model)
             start = route.matched if node == route.node and route.matched else 0
             ix.record(route.chain, node, start)
 

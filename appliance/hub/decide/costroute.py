@@ -90,7 +90,7 @@ class CostRouter:
         self.homes: dict[str, cost.Homes] = {}
         self.queues = HomeQueues()
 
-    def _homes(self, model: str) -> cost.Homes:
+    def homes_of(self, model: str) -> cost.Homes:
         h = self.homes.get(model)
         if h is None:
             h = self.homes[model] = cost.Homes()
@@ -105,7 +105,7 @@ class CostRouter:
         held: dict[str, int] = {}
         seqs: dict[str, tuple[int, int]] = {}
         if route.session is not None:
-            home = self._homes(model).get(route.session)
+            home = self.homes_of(model).get(route.session)
             if home is not None:
                 held[home[0]] = home[1]
         else:
@@ -169,7 +169,7 @@ class CostRouter:
         if route.session is not None:
             tokens = route.prompt_tokens if route.prompt_tokens is not None \
                 else cost.prompt_tokens(route.size)
-            self._homes(model).record(route.session, node, tokens)
+            self.homes_of(model).record(route.session, node, tokens)
 
     def forget_node(self, node: str) -> None:
         self.rates.forget_node(node)

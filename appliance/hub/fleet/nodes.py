@@ -171,6 +171,9 @@ class Registry:
         # Called with (node, model, why) when a replica turns unhealthy (why) or healthy
         # again ("") by the node's own word (its generation probes): audit, parking count.
         self.health_listeners: list[Callable[[NodeHandle, str, str], None]] = []
+        # Called with every state a node sends while several hubs share it (HA): the keys
+        # the other hubs routed there (decide/shared.py).
+        self.state_listeners: list[Callable[[NodeHandle, NodeState], None]] = []
 
     def add_listener(self, fn: Callable[[], None],
                      on_finish: Callable[[], None] | None = None) -> None:
@@ -259,6 +262,8 @@ class Registry:
     def apply_state(self, h: NodeHandle, state: NodeState) -> None:
         if self.shared:
             count_other_hubs(h, state)
+            for seen in self.state_listeners:
+                seen(h, state)
         turned = health_turns(h, state)
         h.state = state
         override_slots(state, self.slot_overrides)

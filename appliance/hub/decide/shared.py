@@ -1,0 +1,96 @@
+"""Routing memory shared by several hubs through their nodes (issue 27, HA).
+
+Theory of operation. Plain synchronous code. Each hub learns where a session's or a
+prompt's last request went only from its own answers (cost.py's `Homes`, affinity.py's
+`PrefixIndex`), so with two hubs taking a conversation's turns in turn, each sees half of
+them and sends the other half elsewhere once a node is full. Every request with a routing
+key carries it to its node (`x-appliance-route`, `note`); a node that several hubs watch
+says the keys it took in its state (node/routed.py, `NodeState.routed`), and each hub folds
+the ones it has not seen into its own memory (`Fold.state`) as they arrive:
+
+- `s<32 hex>,<tokens>`: a session (its 16-byte digest) and its prompt tokens, predicted: the
+  session's home is that node now (`Homes.record`), as if this hub had sent it.
+- `p<16 hex>`: the last block digest of a prompt's prefix chain: that node holds the
+  prompt through it (`PrefixIndex.record` of that one block; a later turn's chain holds
+  it, so `cost.prefix_held` finds it).
+
+A key from another node is a peer's word: parsed strictly, tokens bounded, anything else
+skipped. Folding the keys of this hub's own requests changes nothing (it sent them there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from appliance.hub.decide.affinity import PrefixIndex, Route
+from appliance.hub.decide.cost import Homes, prompt_tokens
+from appliance.wire import ROUTE_HEADER, NodeState
+
+HEADER = ROUTE_HEADER.encode()
+# The most prompt tokens a key is believed to carry (a million-token context and room).
+MAX_TOKENS = 4_000_000
+
+
+def note(route: Route | None) -> list[tuple[bytes, bytes]]:
+    """The routing-key header for a request placed by `route` (none without a key)."""
+    if route is None:
+        return []
+    if route.session is not None:
+        return [(HEADER, b"s%s,%d" % (route.session.hex().encode(), prompt_tokens(route.size)))]
+    if route.chain:
+        return [(HEADER, b"p%016x" % route.chain[-1])]
+    return []
+
+
+def parse(key: str) -> tuple[str, bytes | int, int] | None:
+    """('s', session digest, tokens) or ('p', block digest, 0); None if malformed."""
+    kind, body = key[:1], key[1:]
+    try:
+        if kind == "s":
+            digest, _, tokens = body.partition(",")
+            n = int(tokens)
+            if len(digest) != 32 or not 0 <= n <= MAX_TOKENS:
+                return None
+            return "s", bytes.fromhex(digest), n
+        if kind == "p" and len(body) == 16:
+            return "p", int(body, 16), 0
+    except ValueError:
+        return None
+    return None
+
+
+class Fold:
+    """The keys each node said, folded once each (by `seq`, the node's count)."""
+
+    def __init__(self, homes: Callable[[str], Homes],
+                 index: Callable[[str], PrefixIndex]) -> None:
+        self.homes, self.index = homes, index
+        self.seen: dict[str, int] = {}  # node -> the highest seq folded
+
+    def state(self, node: str, st: NodeState) -> int:
+        """Fold what `st` says that is new; returns how many keys were folded."""
+        routed = st.routed
+        if not routed:
+            return 0
+        seen = self.seen.get(node, 0)
+        if routed[-1].seq < seen:  # the node started afresh: its count did too
+            seen = 0
+        n = 0
+        for r in routed:
+            if r.seq <= seen:
+                continue
+            seen = r.seq
+            k = parse(r.key)
+            if k is None or st.model(r.model) is None:  # only the node's own models
+                continue
+            kind, digest, tokens = k
+            if isinstance(digest, bytes):
+                self.homes(r.model).record(digest, node, tokens)
+            else:
+                self.index(r.model).record([digest], node)
+            n += 1
+        self.seen[node] = seen
+        return n
+
+    def forget_node(self, node: str) -> None:
+        self.seen.pop(node, None)
