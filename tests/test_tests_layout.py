@@ -52,3 +52,49 @@ def test_no_test_writes_its_own_fleet_or_chat_helper():
                     and node.name == "chat"):
                 copies.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert not copies, f"use tests.harness.fleet (Fleet, Fleet.chat, chat_body): {copies}"
+
+
+def starts_without_the_fleet(tree) -> list[tuple[int, str]]:
+    """Where a module starts an appliance process itself: `procs.hub/node/start(...)` (or
+    `x.procs....`), `Procs()` / `Proc(...)`, or a subprocess running `-m appliance`."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in ("Procs", "Proc"):
+            found.append((node.lineno, f.id))
+        elif isinstance(f, ast.Attribute):
+            owner = f.value
+            named = (owner.id if isinstance(owner, ast.Name)
+                     else owner.attr if isinstance(owner, ast.Attribute) else "")
+            if named == "procs" and f.attr in ("hub", "node", "start"):
+                found.append((node.lineno, f"procs.{f.attr}"))
+            elif named == "subprocess" and any(
+                    isinstance(c, ast.Constant) and c.value == "appliance"
+                    for a in node.args for c in ast.walk(a)):
+                found.append((node.lineno, f"subprocess.{f.attr} appliance"))
+    return found
+
+
+def test_every_e2e_test_starts_its_processes_through_the_fleet():
+    """tests/e2e starts hubs, nodes, sims and `up` only through tests/harness/fleet.Fleet
+    (start_hub, start_node, start_sim, start, run, ctl): one place that knows how a
+    process joins the others, is waited for and is stopped by pid."""
+    import ast
+
+    bypass = [f"{path.relative_to(ROOT)}:{line} {what}"
+              for path in sorted((TESTS / "e2e").glob("*.py"))
+              for line, what in starts_without_the_fleet(ast.parse(path.read_text("utf-8")))]
+    assert not bypass, f"start processes with tests.harness.fleet.Fleet: {bypass}"
+
+
+def test_the_fleet_check_sees_each_way_around_the_fleet():
+    import ast
+
+    src = ("procs.hub({})\nself.procs.node('a')\nfleet.procs.start('up', {})\nProcs()\n"
+           "Proc('hub', {})\nsubprocess.run([sys.executable, '-m', 'appliance', 'hub'])\n"
+           "fleet.start_hub({})\nsubprocess.run(['mount', 'x'])\nfleet.run('hub', {})\n")
+    assert [line for line, _ in starts_without_the_fleet(ast.parse(src))] == [1, 2, 3, 4, 5, 6]

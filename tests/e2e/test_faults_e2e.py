@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.harness.fleet import Fleet
-from tests.harness.procs import Procs, wait_until
+from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -297,9 +297,9 @@ def test_up_has_one_metrics_listener_honours_node_listen_and_feeds_the_watchdog(
     s.bind(sock_path)
     s.settimeout(20)
     metrics_port, node_port = _free_port(), _free_port()
-    procs = Procs()
+    fleet = Fleet()
     try:
-        up = procs.start("up", {"Hub__Listen": "127.0.0.1:0",
+        up = fleet.start("up", {"Hub__Listen": "127.0.0.1:0",
                                 "Metrics__Listen": f"127.0.0.1:{metrics_port}",
                                 "Node__Listen": f"127.0.0.1:{node_port}",
                                 "Sim__TokensPerSecond": "0",
@@ -317,24 +317,16 @@ def test_up_has_one_metrics_listener_honours_node_listen_and_feeds_the_watchdog(
         up.signal(signal.SIGTERM)
         assert up.wait_exit(20) == 0
     finally:
-        procs.close()
+        fleet.close()
         s.close()
 
 
 @pytest.mark.parametrize("where", ["file/audit.log", "missing/dir/audit.log"])
 def test_audit_path_that_cannot_be_opened_exits_2_with_one_line(tmp_path, where):
     (tmp_path / "file").write_text("")
-    procs = Procs()
-    try:
-        from tests.harness.procs import Proc
-
-        p = Proc("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                         "Audit__Path": str(tmp_path / where)})
-        procs.all.append(p)
-        assert p.wait_exit(30) == 2
-        time.sleep(0.2)
-        lines = [x for x in p.stderr_lines if x.strip()]
-        assert len(lines) == 1 and "Audit__Path" in lines[0], lines
-        assert not (tmp_path / "missing").exists()
-    finally:
-        procs.close()
+    r = Fleet().run("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                            "Audit__Path": str(tmp_path / where)})
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Audit__Path" in lines[0], lines
+    assert not (tmp_path / "missing").exists()

@@ -11,8 +11,6 @@ with "the lease ran out".
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -22,7 +20,7 @@ import pytest
 
 from tests.harness.etcd_proc import EtcdProc, needs_etcd
 from tests.harness.fleet import Fleet
-from tests.harness.procs import clean_env, wait_until
+from tests.harness.procs import wait_until
 
 pytestmark = [pytest.mark.e2e, needs_etcd]
 
@@ -154,11 +152,8 @@ def test_one_leader_shared_nodes_and_epoch(fleet):
     wait_until(lambda: {n["name"]: n["status"]
                         for n in fleet.status("hub-b")["nodes"]}.get("n2") == "up",
                what="n2 up on hub-b")
-    r = subprocess.run([sys.executable, "-m", "appliance", "ctl", "status"], capture_output=True,
-                       text=True,
-                       timeout=60,
-                       env=clean_env({"APPLIANCE_HUB_URL": fleet.hubs[other(fleet, leader)].url}))
-    assert f"cluster: leader {leader} (epoch {a['epoch']}); hubs hub-a, hub-b" in r.stdout, r.stdout + r.stderr
+    _, said = fleet.ctl("status", hub=other(fleet, leader))
+    assert f"cluster: leader {leader} (epoch {a['epoch']}); hubs hub-a, hub-b" in said, said
     m = httpx.get(fleet.hubs[leader].urls["metrics"] + "/metrics", timeout=10).text
     assert f'appliance_leader{{hub="{leader}"}} 1.0' in m and "appliance_cluster_up 1.0" in m
     m = httpx.get(fleet.hubs[other(fleet, leader)].urls["metrics"] + "/metrics", timeout=10).text

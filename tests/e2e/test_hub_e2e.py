@@ -6,12 +6,14 @@ the OS picks, and stopped by pid. Nodes announce themselves to the hub with the 
 
 import json
 import signal
+from pathlib import Path
 
 import httpx
 import ollama
 import openai
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -32,16 +34,15 @@ def node_status(hub, name):
 
 @pytest.fixture
 def fleet(procs, tmp_path):
-    audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
-                     "Router__ActivationWaitSeconds": "20"})
-    common = {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
-              "Sim__Models__0__Name": "sim-small", "Sim__Models__1__Name": "sim-embed"}
-    a = procs.node("gpu-a", common)
-    b = procs.node("gpu-b", common)
-    wait_until(lambda: node_status(hub, "gpu-a") == "up" and node_status(hub, "gpu-b") == "up",
-               what="both nodes up")
-    return hub, a, b, audit
+    """(hub, node a, node b, the audit file) of a Fleet: two sim nodes, both up."""
+    f = Fleet(tmp_path, procs=procs, token=TOKEN)
+    hub = f.start_hub({"Audit__Path": f.audit_path, "Router__ActivationWaitSeconds": "20"})
+    common = {"Node__AnnounceSeconds": "1", "Sim__Models__0__Name": "sim-small",
+              "Sim__Models__1__Name": "sim-embed"}
+    a = f.start_node("gpu-a", common)
+    b = f.start_node("gpu-b", common)
+    f.wait_up("gpu-a", "gpu-b")
+    return hub, a, b, Path(f.audit_path)
 
 
 def test_openai_and_ollama_clients_through_the_hub(fleet):
@@ -153,7 +154,7 @@ def test_two_nodes_share_load_and_bad_input_is_answered(fleet):
 
 
 def test_body_too_large(procs):
-    hub = procs.hub({"Hub__MaxBodyBytes": "1000"}, metrics=False)
+    hub = Fleet(procs=procs).start_hub({"Hub__MaxBodyBytes": "1000"}, metrics=False)
     r = httpx.post(hub.url + "/v1/chat/completions", json={"model": "m", "pad": "x" * 5000},
                    timeout=10)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
@@ -161,9 +162,9 @@ def test_body_too_large(procs):
 
 
 def test_keys_required(procs):
-    hub = procs.hub({"Auth__RequireKeys": "true", "Auth__Clients__0__Name": "team",
-                     "Auth__Clients__0__Key": "k-team",
-                     "Auth__Clients__0__Models": "sim-*", "Auth__AdminKey": "adm"}, metrics=False)
+    hub = Fleet(procs=procs, admin="adm").start_hub(
+        {"Auth__RequireKeys": "true", "Auth__Clients__0__Name": "team",
+         "Auth__Clients__0__Key": "k-team", "Auth__Clients__0__Models": "sim-*"}, metrics=False)
     r = httpx.post(hub.url + "/v1/chat/completions", json={"model": "m"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.post(hub.url + "/api/chat", json={"model": "m"}, headers={"x-api-key": "bad"},
@@ -228,11 +229,11 @@ def test_node_killed_paused_resumed(fleet):
 
 def one_slow_node(procs, hub_env: dict, tokens_per_second: str):
     """A hub and one announced sim node at a slow token rate, sim-small loaded and ready."""
-    hub = procs.hub({"Auth__NodeToken": TOKEN, **hub_env}, metrics=False)
-    a = procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                             "Node__AnnounceSeconds": "1",
-                             "Sim__TokensPerSecond": tokens_per_second})
-    wait_until(lambda: node_status(hub, "gpu-a") == "up", what="node up")
+    f = Fleet(procs=procs, token=TOKEN)
+    hub = f.start_hub(hub_env, metrics=False)
+    a = f.start_node("gpu-a", {"Node__AnnounceSeconds": "1",
+                               "Sim__TokensPerSecond": tokens_per_second})
+    f.wait_up("gpu-a")
     httpx.post(a.url + "/node/v1/models/sim-small/load",
                headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
     wait_until(lambda: status(hub)["models"] and status(hub)["models"][0]["nodes"], what="ready")
@@ -257,14 +258,13 @@ def test_node_dies_mid_stream_ends_with_error_event(procs, tmp_path):
 
 
 def test_sigterm_drains_and_exits_0(procs):
-    hub = procs.hub(metrics=False)
-    hub.signal(signal.SIGTERM)
-    assert hub.wait_exit(15) == 0
+    f = Fleet(procs=procs)
+    assert f.stop(f.start_hub(metrics=False)) == 0
 
 
 def test_up_serves_a_chat_with_the_simulator_and_says_so(procs):
-    up = procs.start("up", {"Hub__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0"}, wait=("hub",
-                                                                                              ))
+    up = Fleet(procs=procs).start("up", {"Hub__Listen": "127.0.0.1:0",
+                                         "Sim__TokensPerSecond": "0"}, wait=("hub",))
     assert any("SIMULATED" in line for line in up.stderr_lines)
     oc = openai.OpenAI(base_url=up.urls["hub"] + "/v1", api_key="none", max_retries=0)
     r = oc.chat.completions.create(model="sim-small", messages=[{"role": "user", "content": "hi"}])

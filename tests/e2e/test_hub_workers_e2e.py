@@ -12,31 +12,29 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.procfs import children, client_port, server_inode, socket_inodes
-from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
 TOKEN, ADMIN, MODEL = "node-secret", "admin-secret", "sim-small"
-ADMIN_H = {"authorization": f"Bearer {ADMIN}"}
 
 
 def test_request_through_a_worker_counts_once_in_the_main(procs, tmp_path):
-    audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN, "Audit__Path": str(audit),
-                     "Models__0__Name": MODEL, "Models__0__Replicas": "1", "Hub__Workers": "2"})
-    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__MemoryMb": "4000",
-                         "Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": "50"})
-    wait_until(lambda: len(children(hub.pid)) == 1, what="one worker started")
+    f = Fleet(tmp_path, procs=procs, token=TOKEN, admin=ADMIN)
+    audit = Path(f.audit_path)
+    hub = f.start_hub({"Audit__Path": f.audit_path, "Models__0__Name": MODEL,
+                       "Models__0__Replicas": "1", "Hub__Workers": "2"})
+    f.start_node("gpu-a", {"Node__MemoryMb": "4000", "Node__AnnounceSeconds": "1",
+                           "Sim__TokensPerSecond": "50"})
+    f.wait(lambda: len(children(hub.pid)) == 1, "one worker started")
     worker = children(hub.pid)[0]
-    wait_until(lambda: any(m["name"] == MODEL and m["nodes"] for m in
-                           httpx.get(hub.url + "/api/status", headers=ADMIN_H).json()["models"]),
-               timeout=30, what="sim-small ready")
+    f.wait(lambda: f.ready_on(MODEL), "sim-small ready")
     port = int(hub.url.rsplit(":", 1)[1])
 
     on_worker = None
@@ -56,7 +54,7 @@ def test_request_through_a_worker_counts_once_in_the_main(procs, tmp_path):
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "via-worker"
     # Status through the same (worker's) connection is the main process's answer.
-    st = on_worker.get("/api/status", headers=ADMIN_H)
+    st = on_worker.get("/api/status", headers=f.admin_headers())
     assert st.status_code == 200
     assert inode in socket_inodes(worker)  # still the worker's connection
 
@@ -64,13 +62,11 @@ def test_request_through_a_worker_counts_once_in_the_main(procs, tmp_path):
     mine = [x for x in lines if x.get("request_id") == "via-worker"]
     assert len(mine) == 1 and mine[0]["status"] == 200 and mine[0]["node"] == "gpu-a", mine
     assert sum(1 for x in lines if x.get("kind") == "request") == before + 1
-    scrape = httpx.get(hub.urls["metrics"] + "/metrics").text
-    count = [ln for ln in scrape.splitlines() if ln.startswith("appliance_requests_total{")
+    count = [ln for ln in f.scrape().splitlines() if ln.startswith("appliance_requests_total{")
              and f'model="{MODEL}"' in ln and 'status="200"' in ln]
     assert len(count) == 1 and float(count[0].rsplit(" ", 1)[1]) == 1.0, count
     # the place is given back just after the last byte (as with one process)
-    wait_until(lambda: httpx.get(hub.url + "/api/status", headers=ADMIN_H).json()["nodes"][0]
-               ["in_flight"] == 0, what="the place given back")
+    f.wait(lambda: f.nodes()["gpu-a"]["in_flight"] == 0, "the place given back")
     # What the engine said of its prompt cache comes back with the worker's Done: the
     # second of two long prompts is counted cached in the main process.
     for _ in range(2):
@@ -78,8 +74,7 @@ def test_request_through_a_worker_counts_once_in_the_main(procs, tmp_path):
             "model": MODEL, "max_tokens": 3,
             "messages": [{"role": "user", "content": "the same long prompt " * 40}]})
         assert r.status_code == 200
-    routing = next(m for m in httpx.get(hub.url + "/api/status", headers=ADMIN_H).json()["models"]
-                   if m["name"] == MODEL)["routing"]
+    routing = f.models()[MODEL]["routing"]
     cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and routing["cached_prompt_tokens"] == cached
 
@@ -90,14 +85,11 @@ def test_request_through_a_worker_counts_once_in_the_main(procs, tmp_path):
         assert s.status_code == 200
         chunks = s.iter_raw()  # held: a dropped iterator closes the response
         assert next(chunks)
-        busy = httpx.get(hub.url + "/api/status", headers=ADMIN_H).json()
-        assert busy["nodes"][0]["in_flight"] == 1
+        assert f.nodes()["gpu-a"]["in_flight"] == 1
     on_worker.close()
-    wait_until(lambda: '"client_disconnected"' in audit.read_text(), what="the 499's audit line")
-    wait_until(lambda: httpx.get(hub.url + "/api/status", headers=ADMIN_H).json()["nodes"][0]
-               ["in_flight"] == 0, what="the abandoned stream's place given back")
+    f.wait(lambda: '"client_disconnected"' in audit.read_text(), "the 499's audit line")
+    f.wait(lambda: f.nodes()["gpu-a"]["in_flight"] == 0, "the abandoned stream's place given back")
 
-    hub.signal(signal.SIGTERM)
-    assert hub.wait_exit() == 0
-    wait_until(lambda: not os.path.exists(f"/proc/{worker}") or
-               open(f"/proc/{worker}/stat").read().split()[2] == "Z", what="the worker gone")
+    assert f.stop(hub) == 0
+    f.wait(lambda: not os.path.exists(f"/proc/{worker}") or
+           open(f"/proc/{worker}/stat").read().split()[2] == "Z", "the worker gone")

@@ -11,26 +11,31 @@ import json
 import os
 import signal
 from contextlib import closing
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.test_hub_workers_e2e import children, client_port, server_inode, socket_inodes
-from tests.harness.fleet import chat_body
+from tests.harness.fleet import Fleet, chat_body
 from tests.harness.pki import client_ctx, make_ca, make_cert
-from tests.harness.procs import wait_until
+from tests.harness.procs import Proc, wait_until
 
 pytestmark = pytest.mark.e2e
 
 TOKEN, ADMIN, MODEL = "node-secret", "admin-secret", "sim-small"
 ADMIN_H = {"authorization": f"Bearer {ADMIN}"}
-HUB_ENV = {"Auth__NodeToken": TOKEN, "Auth__AdminKey": ADMIN, "Models__0__Name": MODEL,
-           "Models__0__Replicas": "1", "Hub__Workers": "2"}
+HUB_ENV = {"Models__0__Name": MODEL, "Models__0__Replicas": "1", "Hub__Workers": "2"}
+NODE_ENV = {"Node__MemoryMb": "4000", "Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": "50"}
 
 
-def node_env(hub) -> dict[str, str]:
-    return {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__MemoryMb": "4000",
-            "Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": "50"}
+def start(procs, tmp, hub_env: dict[str, str] | None = None, *, args: list[str] = (),
+          node_env: dict[str, str] | None = None, verify=True) -> tuple[Fleet, Proc]:
+    """A hub of two processes (audited) and one sim node announcing to it."""
+    f = Fleet(tmp, procs=procs, token=TOKEN, admin=ADMIN, verify=verify)
+    hub = f.start_hub({**HUB_ENV, "Audit__Path": f.audit_path, **(hub_env or {})}, args=args)
+    f.start_node("gpu-a", {**NODE_ENV, **(node_env or {})})
+    return f, hub
 
 
 def status(hub, **kw) -> dict:
@@ -69,9 +74,8 @@ def metric(hub, name: str) -> float:
 
 
 def test_a_worker_killed_mid_stream_is_restarted_and_its_place_given_back(procs, tmp_path):
-    audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({**HUB_ENV, "Audit__Path": str(audit)})
-    procs.node("gpu-a", node_env(hub))
+    f, hub = start(procs, tmp_path)
+    audit = Path(f.audit_path)
     worker = the_worker(hub)
     ready(hub)
     assert status(hub)["workers"]["alive"] == 2 and metric(hub, "appliance_hub_workers") == 2
@@ -108,23 +112,18 @@ def test_a_worker_killed_mid_stream_is_restarted_and_its_place_given_back(procs,
     assert metric(hub, 'appliance_hub_worker_cpu_seconds{worker="1"}') >= 0
     assert metric(hub, "appliance_hub_cpu_seconds_total") > 0
     with closing(connect_to(hub, new)) as c2:
-        r = c2.post("/v1/chat/completions", headers={"x-request-id": "after"}, json=chat_body(MODEL, max_tokens=3))
+        r = c2.post("/v1/chat/completions", headers={"x-request-id": "after"},
+                    json=chat_body(MODEL, max_tokens=3))
         assert r.status_code == 200, r.text
     wait_until(lambda: '"after"' in audit.read_text(), what="the new worker's request audited")
-
-    hub.signal(signal.SIGTERM)
-    assert hub.wait_exit() == 0
+    assert f.stop(hub) == 0
 
 
 def test_sighup_reaches_the_workers(procs, tmp_path):
     """The worker bounds a body itself (Hub__MaxBodyBytes): a reload raises the bound there."""
     env_file = tmp_path / "hub.env"
     env_file.write_text("Hub__MaxBodyBytes=2000\n")
-    hub = procs.start("hub", {**HUB_ENV, "Hub__Listen": "127.0.0.1:0",
-                              "Metrics__Listen": "127.0.0.1:0", "Node__HeartbeatSeconds": "0.5",
-                              "Audit__Path": str(tmp_path / "audit.jsonl")},
-                      args=["--env-file", str(env_file)], wait=("hub", "metrics"))
-    procs.node("gpu-a", node_env(hub))
+    f, hub = start(procs, tmp_path, args=["--env-file", str(env_file)])
     worker = the_worker(hub)
     ready(hub)
     big = chat_body(MODEL, max_tokens=3, messages=[{"role": "user", "content": "x" * 5000}])
@@ -139,19 +138,17 @@ def test_sighup_reaches_the_workers(procs, tmp_path):
     with closing(connect_to(hub, worker)) as c:
         assert c.post("/v1/chat/completions", json=big).status_code == 200
     assert children(hub.pid) == [worker]  # reloaded in place, not restarted
-    hub.signal(signal.SIGTERM)
-    assert hub.wait_exit() == 0
+    assert f.stop(hub) == 0
 
 
 def test_tls_with_workers(procs, tmp_path):
     ca = make_ca(tmp_path)
     cert = make_cert(tmp_path, ca, "hub")
-    hub = procs.hub({**HUB_ENV, "Hub__TlsCert": cert[0], "Hub__TlsKey": cert[1],
-                     "Audit__Path": str(tmp_path / "audit.jsonl")})
-    assert hub.url.startswith("https://")
-    procs.node("gpu-a", {**node_env(hub), "Node__TlsCa": ca.pem})  # to trust the hub
-    worker = the_worker(hub)
     verify = client_ctx(ca.pem)
+    f, hub = start(procs, tmp_path, {"Hub__TlsCert": cert[0], "Hub__TlsKey": cert[1]},
+                   node_env={"Node__TlsCa": ca.pem}, verify=verify)  # the node trusts the hub
+    assert hub.url.startswith("https://")
+    worker = the_worker(hub)
     ready(hub, verify=verify)
     with closing(connect_to(hub, worker, verify=verify)) as c:
         r = c.post("/v1/chat/completions", json=chat_body(MODEL, max_tokens=3))
@@ -160,5 +157,4 @@ def test_tls_with_workers(procs, tmp_path):
             lines = [x for x in s.iter_lines() if x.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and len(lines) > 2
         assert c.get("/api/status", headers=ADMIN_H).json()["workers"]["alive"] == 2
-    hub.signal(signal.SIGTERM)
-    assert hub.wait_exit() == 0
+    assert f.stop(hub) == 0

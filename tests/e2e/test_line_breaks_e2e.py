@@ -7,11 +7,12 @@ stay up, the model is served, and every audit line is one line for any reader.
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.harness.procs import wait_until
+from tests.harness.fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -19,29 +20,25 @@ TOKEN = "node-secret"
 NAMES = ["x\u2028y", "p\u2029q", "n\x85l"]
 
 
-def nodes(hub) -> dict[str, dict]:
-    return {n["name"]: n for n in httpx.get(hub.url + "/api/status", timeout=5).json()["nodes"]}
-
-
 def test_a_model_named_with_line_breaks_leaves_the_fleet_up(procs, tmp_path):
-    audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
-                     "Node__HeartbeatSeconds": "0.5"}, metrics=False)
-    common = {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
-              "Node__HeartbeatSeconds": "0.5", "Sim__Models__0__Name": "sim-small"}
-    procs.node("gpu-a", common)
-    procs.node("gpu-b", common)
-    wait_until(lambda: {n["status"] for n in nodes(hub).values()} == {"up"}
-               and len(nodes(hub)) == 2, what="both nodes up")
+    f = Fleet(tmp_path, procs=procs, token=TOKEN)
+    hub = f.start_hub({"Audit__Path": f.audit_path, "Node__HeartbeatSeconds": "0.5"},
+                      metrics=False)
+    common = {"Node__AnnounceSeconds": "1", "Node__HeartbeatSeconds": "0.5",
+              "Sim__Models__0__Name": "sim-small"}
+    f.start_node("gpu-a", common)
+    f.start_node("gpu-b", common)
+    f.wait_up("gpu-a", "gpu-b")
+    assert set(f.nodes()) == {"gpu-a", "gpu-b"}
     with httpx.Client(base_url=hub.url, timeout=30) as c:
         for name in NAMES:
             r = c.post("/api/pull", json={"model": name, "stream": False})
             assert r.status_code == 200 and r.json()["status"] == "success", r.text
         # Both nodes now list the names; their watch lines carry them and stay readable.
-        wait_until(lambda: all(set(NAMES) <= {m["name"] for m in n["models"]}
-                               for n in nodes(hub).values()), what="the names listed")
+        f.wait(lambda: all(set(NAMES) <= {m["name"] for m in n["models"]}
+                           for n in f.nodes().values()), "the names listed")
         time.sleep(2.0)  # several heartbeats (0.5 s): a node lost would show by now
-        assert {n["status"] for n in nodes(hub).values()} == {"up"}
+        assert {n["status"] for n in f.nodes().values()} == {"up"}
         for name in NAMES:
             r = c.post("/api/chat", json={"model": name, "stream": True,
                                           "messages": [{"role": "user", "content": "hi"}]})
@@ -52,7 +49,7 @@ def test_a_model_named_with_line_breaks_leaves_the_fleet_up(procs, tmp_path):
         r = c.post("/v1/chat/completions", json={"model": "sim-small", "max_tokens": 3,
                                                  "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 200
-    text = audit.read_text()
+    text = Path(f.audit_path).read_text()
     assert text.splitlines() == text.rstrip("\n").split("\n")
     lines = [json.loads(x) for x in text.splitlines()]
     assert set(NAMES) <= {x.get("model") for x in lines}

@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import subprocess
-import sys
 
 import httpx
 import openai
@@ -24,7 +22,7 @@ import pytest
 from tests.harness import make_gguf
 from tests.harness.fleet import Fleet
 from tests.harness.llama_cache import RealServer
-from tests.harness.procs import clean_env, wait_until
+from tests.harness.procs import wait_until
 from tests.node.engines.test_llamacpp_engine import alive
 from tests.node.engines.test_llamacpp_real import KEV_LINE, engine_children
 
@@ -144,10 +142,8 @@ def test_kev_is_parked_after_five_real_failures(fleet):
 def test_ctl_retry_tries_kev_again(fleet):
     wait_until(lambda: fleet.models()["kev"]["parked"], 60, "kev parked")
     before = fleet.loads("kev")
-    done = subprocess.run([sys.executable, "-m", "appliance", "ctl", "retry", "kev"],
-                          capture_output=True, text=True,
-                          timeout=30, env=clean_env({"APPLIANCE_HUB_URL": fleet.hub.url}))
-    assert done.returncode == 0, done.stderr
+    code, said = fleet.ctl("retry", "kev")
+    assert code == 0, said
     with pytest.raises(openai.APIStatusError):
         fleet.client.chat.completions.create(model="kev", messages=MESSAGES, max_tokens=4)
     wait_until(lambda: fleet.loads("kev") > before, 30, "kev tried again after ctl retry")

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from appliance.wire import StateEvent, watch_decoder
+from tests.harness.fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -63,12 +64,13 @@ def hub():
 
 
 def test_node_process_serves_watches_announces_and_drains(procs, hub):
-    node = procs.start("node", {
-        "Node__Name": "gpu-e2e", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0",
-        "Engine__Kind": "sim", "Auth__NodeToken": TOKEN, "Node__HeartbeatSeconds": "0.2",
+    f = Fleet(procs=procs, token=TOKEN)  # the hub is the stand-in
+    node = f.start_node("gpu-e2e", {
+        "Metrics__Listen": "127.0.0.1:0", "Node__HeartbeatSeconds": "0.2",
         "Node__MaxConcurrency": "4", "Hub__Url": hub.url, "Node__AnnounceSeconds": "0.2",
         "Sim__TokensPerSecond": "50", "Node__DrainSeconds": "20",
-    }, wait=("node", "metrics"))
+    }, announce=False)
+    node.wait_listening("node", "metrics")
     url = node.url
     with httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:
         # Announced (twice: it repeats), with the node token and the bound address.
@@ -112,5 +114,5 @@ def test_node_process_serves_watches_announces_and_drains(procs, hub):
             node.signal(signal.SIGTERM)
             rest = list(lines)
         assert "data: [DONE]" in rest
-    assert node.wait_exit(30) == 0
+    assert node.wait_exit(60) == 0
     assert any("draining" in line for line in node.stderr_lines)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from appliance.ctl import nodes_table
+from tests.harness.fleet import Fleet
 from tests.harness.procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -48,26 +49,22 @@ def _stream(url: str) -> str:
 
 
 def test_a_hung_replica_is_marked_unhealthy_routed_around_and_restored(procs: Procs, tmp_path):
+    f = Fleet(tmp_path, procs=procs, token=TOKEN)
     audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
-                     "Models__0__Name": MODEL})
+    hub = f.start_hub({"Audit__Path": str(audit), "Models__0__Name": MODEL})
     env_a, env_b = tmp_path / "a.env", tmp_path / "b.env"
     env_a.write_text(_node_env(hang=True))
     env_b.write_text(_node_env(hang=False))
-    common = {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}
     nodes = {}
     for name, env_file in (("gpu-a", env_a), ("gpu-b", env_b)):
-        p = procs.start("node", {"Node__Name": name, "Node__Listen": "127.0.0.1:0",
-                                 "Metrics__Listen": "", "Engine__Kind": "sim",
-                                 "Node__HeartbeatSeconds": "0.5", "Sim__TokensPerSecond": "0",
-                                 **common}, args=["--env-file", str(env_file)])
+        p = f.start_node(name, {"Node__AnnounceSeconds": "1"},
+                         args=["--env-file", str(env_file)])
         r = httpx.post(p.url + f"/node/v1/models/{MODEL}/load",
                        headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
         assert r.status_code == 200, r.text
         nodes[name] = p
 
-    def status() -> dict:
-        return httpx.get(hub.url + "/api/status", timeout=10).json()
+    status = f.status
 
     # Streams while gpu-a hangs: every one is answered in full, and none by gpu-a (a stream
     # sent there before it was known to hang is cut before its first byte and retried).
@@ -86,7 +83,7 @@ def test_a_hung_replica_is_marked_unhealthy_routed_around_and_restored(procs: Pr
     assert {x["node"] for x in served} == {"gpu-b"}
     assert any(x["kind"] == "replica_unhealthy" and x["node"] == "gpu-a" and x["reason"]
                for x in lines)
-    table = nodes_table(httpx.get(hub.url + "/admin/nodes", timeout=10).json()["nodes"])
+    table = nodes_table(list(f.admin_nodes().values()))
     assert "UNHEALTHY" in table and "gpu-a" in table
     metrics = httpx.get(hub.url + "/metrics", timeout=10).text
     assert re.search(r'appliance_replica_healthy\{model="sim-small",node="gpu-a"\} 0\.0', metrics)

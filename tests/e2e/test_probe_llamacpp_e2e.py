@@ -6,15 +6,14 @@ kills the stopped process and starts it again, and the model serves again."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 
-import httpx
 import pytest
 
 from tests.harness import make_gguf
+from tests.harness.fleet import Fleet
 from tests.harness.procs import Procs, wait_until
 from tests.node.engines.test_llamacpp_engine import FAKE_CMD, wait_gone
 
@@ -38,29 +37,24 @@ def test_a_stopped_real_server_is_restarted_and_counted(procs: Procs, tmp_path, 
 
 
 def stopped_and_restarted(procs: Procs, tmp_path, command: str, model) -> None:
-    audit = tmp_path / "audit.jsonl"
-    node = procs.node("gpu-a", {"Engine__Kind": "llamacpp", "Engine__Command": command,
-                                "Auth__NodeToken": TOKEN, "Engine__StartTimeoutSeconds": "60",
-                                "Node__ProbeSeconds": "1", "Node__ProbeTimeoutSeconds": "3"})
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
-                     "Hub__ControlIntervalSeconds": "0.2",
-                     "Nodes__0__Name": "gpu-a", "Nodes__0__Url": node.url,
-                     "Models__0__Name": "tiny", "Models__0__Source": str(model),
-                     "Models__0__Replicas": "1"}, metrics=False)
-
-    def status() -> dict:
-        return httpx.get(hub.url + "/api/status", timeout=10).json()
+    f = Fleet(tmp_path, procs=procs, token=TOKEN)
+    node = f.start_node("gpu-a", {"Engine__Kind": "llamacpp", "Engine__Command": command,
+                                  "Engine__StartTimeoutSeconds": "60", "Node__ProbeSeconds": "1",
+                                  "Node__ProbeTimeoutSeconds": "3"}, announce=False)
+    f.start_hub({"Audit__Path": f.audit_path, "Hub__ControlIntervalSeconds": "0.2",
+                 "Nodes__0__Name": "gpu-a", "Nodes__0__Url": node.url,
+                 "Models__0__Name": "tiny", "Models__0__Source": str(model),
+                 "Models__0__Replicas": "1"}, metrics=False)
 
     def model_status() -> dict:
-        return next(m for m in status()["models"] if m["name"] == "tiny")
+        return f.models()["tiny"]
 
     def pids() -> list[int]:
         return [int(m.group(1)) for line in node.stderr_lines if (m := PID_LINE.search(line))]
 
     wait_until(lambda: model_status()["ready"] == 1 and pids(), 60, "tiny ready")
     first = pids()[-1]
-    chat = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-    assert httpx.post(hub.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
+    assert f.chat("tiny", max_tokens=4).status_code == 200
 
     os.kill(first, signal.SIGSTOP)
     try:
@@ -75,7 +69,7 @@ def stopped_and_restarted(procs: Procs, tmp_path, command: str, model) -> None:
     wait_until(lambda: model_status()["ready"] == 1, 60, "tiny ready again")
     m = model_status()
     assert m["consecutive_start_failures"] >= 1 and "one-token generation" in m["last_error"], m
-    assert httpx.post(hub.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
-    events = [json.loads(x) for x in audit.read_text().splitlines()]
+    assert f.chat("tiny", max_tokens=4).status_code == 200
+    events = f.audit()
     assert any(e["kind"] == "replica_unhealthy" and e["node"] == "gpu-a" for e in events)
     assert any("restarting the engine process of tiny" in x for x in node.stderr_lines)

@@ -35,7 +35,7 @@ def test_token_less_announce_heads_are_refused_before_their_body(procs):  # noqa
     # 70 heads that promise a body and never send it, with no token, on a hub that takes
     # 64 connections: each is refused from its head (401 at once), so none holds a
     # connection for the body deadline and /health stays quick.
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Hub__MaxConnections": "64",
+    hub = Fleet(procs=procs, token=TOKEN).start_hub({"Hub__MaxConnections": "64",
                      "Hub__BodyReadSeconds": "30", "Hub__HeaderReadSeconds": "30"})
     host, port = _addr(hub.url)
     socks = []
@@ -68,7 +68,8 @@ def test_decoded_bodies_count_against_the_budget_peak_rss_stays_under_twice_it(p
     # hundreds of MB per body; now the decoded estimate is held too, so what runs at once
     # stays within the budget and the peak grows by less than twice it.
     budget = 64 * 1024 * 1024
-    hub = procs.hub({"Hub__MaxBufferedBytes": str(budget), "Hub__MaxBodyBytes": str(40 << 20)})
+    hub = Fleet(procs=procs).start_hub({"Hub__MaxBufferedBytes": str(budget),
+                                        "Hub__MaxBodyBytes": str(40 << 20)})
     body = json.dumps({"model": "m", "max_tokens": 5, "messages":
                        [{"role": "user", "content": "a"}] * 1_000_000},
                       separators=(",", ":")).encode()

@@ -165,14 +165,10 @@ def test_hub_sighup_applies_keys_priority_and_models_and_refuses_a_bad_file(proc
 def test_node_sighup_applies_max_concurrency_and_refuses_a_bad_file(procs, tmp_path):
     f = tmp_path / "node.env"
     write_env(f, {"Node__MaxConcurrency": "2"})
-    hub = procs.hub({"Auth__NodeToken": TOKEN}, metrics=False)
-    node = procs.start("node", {"Node__Name": "gpu-r", "Node__Listen": "127.0.0.1:0",
-                                "Metrics__Listen": "",
-                                "Engine__Kind": "sim", "Node__HeartbeatSeconds": "0.5",
-                                "Sim__TokensPerSecond": "0",
-                                "Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                                "Node__AnnounceSeconds": "1",
-                                "APPLIANCE_ENV_FILE": str(f)})
+    fleet = Fleet(procs=procs, token=TOKEN)
+    hub = fleet.start_hub(metrics=False)
+    node = fleet.start_node("gpu-r", {"Node__AnnounceSeconds": "1",
+                                      "APPLIANCE_ENV_FILE": str(f)})
     auth = {"authorization": f"Bearer {TOKEN}"}
 
     def node_state() -> dict:
@@ -214,19 +210,16 @@ def test_hub_sighup_moves_the_listener_limits_of_every_hub_process(procs, tmp_pa
     from before the reload still serves a small request."""
     f = tmp_path / "hub.env"
     write_env(f, {"Hub__MaxBufferedBytes": "1000000"})
-    hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                              "Hub__Workers": "2", "Node__HeartbeatSeconds": "0.5",
-                              "Auth__NodeToken": TOKEN}, args=["--env-file", str(f)])
-    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                         "Node__AnnounceSeconds": "1"})
-    wait_until(lambda: [n["status"] for n in httpx.get(hub.url + "/api/status", timeout=5)
-                        .json()["nodes"]] == ["up"], what="node up")
+    fleet = Fleet(procs=procs, token=TOKEN)
+    hub = fleet.start_hub({"Hub__Workers": "2"}, metrics=False, args=["--env-file", str(f)])
+    fleet.start_node("gpu-a", {"Node__AnnounceSeconds": "1"})
+    fleet.wait_up("gpu-a")
     big = {"model": MODEL, "max_tokens": 4,
            "messages": [{"role": "user", "content": "x" * 20_000}]}
     kept = httpx.Client(base_url=hub.url, timeout=30)
-    assert kept.post("/v1/chat/completions", json=big).status_code == 200
-    stream = kept._transport._pool.connections[0]._connection._network_stream  # type: ignore
-    before = stream.get_extra_info("socket").getsockname()
+    r = kept.post("/v1/chat/completions", json=big)
+    assert r.status_code == 200
+    before = r.extensions["network_stream"].get_extra_info("client_addr")
 
     write_env(f, {"Hub__MaxBufferedBytes": "4096"})
     hub.signal(signal.SIGHUP)
@@ -240,6 +233,6 @@ def test_hub_sighup_moves_the_listener_limits_of_every_hub_process(procs, tmp_pa
     r = kept.post("/v1/chat/completions", json={**big, "messages": [{"role": "user",
                                                                      "content": "small"}]})
     assert r.status_code == 200, r.text
-    stream = kept._transport._pool.connections[0]._connection._network_stream  # type: ignore
-    assert stream.get_extra_info("socket").getsockname() == before  # the same connection
+    # the same connection (its local address)
+    assert r.extensions["network_stream"].get_extra_info("client_addr") == before
     assert not [x for x in hub.stderr_lines if "Traceback" in x]

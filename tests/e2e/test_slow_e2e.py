@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from appliance import ctl
+from tests.harness.fleet import Fleet, chat_body
 from tests.harness.procs import Procs
 
 pytestmark = pytest.mark.e2e
@@ -20,13 +21,11 @@ MODEL = "sim-small"
 
 
 def test_audit_breakdown_and_ctl_slow(procs: Procs, tmp_path):
-    audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit),
-                     "Models__0__Name": MODEL})
-    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                         "Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": "200",
-                         "Sim__Models__0__Name": MODEL, "Sim__Models__0__LoadSeconds": "0.5"})
-    body = {"model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+    f = Fleet(tmp_path, procs=procs, token=TOKEN)
+    hub = f.start_hub({"Audit__Path": f.audit_path, "Models__0__Name": MODEL})
+    f.start_node("gpu-a", {"Node__AnnounceSeconds": "1", "Sim__TokensPerSecond": "200",
+                           "Sim__Models__0__Name": MODEL, "Sim__Models__0__LoadSeconds": "0.5"})
+    body = chat_body(MODEL, max_tokens=20)
     with httpx.Client(base_url=hub.url, timeout=60) as client:
         # The first waits for the model's load (on demand): load_ms says so.
         r = client.post("/v1/chat/completions", json={**body, "stream": True,
@@ -34,8 +33,7 @@ def test_audit_breakdown_and_ctl_slow(procs: Procs, tmp_path):
         assert r.status_code == 200
         for _ in range(3):
             assert client.post("/v1/chat/completions", json=body).status_code == 200
-        lines = [json.loads(x) for x in audit.read_text().splitlines()]
-        reqs = [x for x in lines if x["kind"] == "request"]
+        reqs = f.audit("request")
         assert len(reqs) == 4
         first = reqs[0]
         assert first["load_ms"] >= 400, first  # the sim's 0.5 s load, waited for

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from tests.harness.procs import clean_env
+from tests.harness.fleet import Fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -22,8 +20,7 @@ def run_hub(env: dict[str, str]) -> tuple[int, list[str]]:
     # No store: the suite never opens the machine's default (/var/lib/appliance).
     base = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Auth__NodeToken": "t",
             "Store__Path": ""}
-    r = subprocess.run([sys.executable, "-m", "appliance", "hub"], env=clean_env({**base, **env}),
-                       capture_output=True, text=True, timeout=60)
+    r = Fleet(token=None).run("hub", {**base, **env})
     return r.returncode, [line for line in r.stderr.splitlines() if line.strip()]
 
 

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import anthropic
@@ -21,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.procs import Procs, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -42,22 +42,23 @@ class Box:
 
     def __init__(self, procs: Procs, tmp: Path, env: dict[str, str] | None = None,
                  tps: str = "0", keys: bool = True) -> None:
-        self.procs, self.tmp = procs, tmp
-        self.node = procs.node("n1", {"Sim__Models__0__Name": "s-chat",
-                                      "Sim__TokensPerSecond": tps, "Sim__Parallel": "8"})
+        self.tmp = tmp
+        self.fleet = Fleet(tmp, procs=procs, token=None, admin=ADMIN if keys else None)
+        self.node = self.fleet.start_node("n1", {"Sim__Models__0__Name": "s-chat",
+                                                 "Sim__TokensPerSecond": tps,
+                                                 "Sim__Parallel": "8"}, announce=False)
         self.env = {"Store__Path": str(tmp / "state" / "store.db"),
                     "Audit__Path": str(tmp / "audit.jsonl"), "Nodes__0__Name": "n1",
                     "Nodes__0__Url": self.node.url, **(KEYS if keys else {}), **(env or {})}
         self.start()
 
     def start(self) -> None:
-        self.hub = self.procs.hub(self.env, metrics=False)
-        wait_until(lambda: any(n["status"] == "up" for n in self.status()["nodes"]),
-                   what="node up")
+        """The hub, again after a stop: `fleet.hub` is the newest."""
+        self.hub = self.fleet.start_hub(self.env, metrics=False)
+        self.fleet.wait_up("n1")
 
     def status(self) -> dict:  # (the admin key; without keys the status is open)
-        return httpx.get(self.hub.url + "/api/status", timeout=10,
-                         headers={"authorization": f"Bearer {ADMIN}"}).json()
+        return self.fleet.status()
 
     def oai(self, key: str = "ka") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.hub.url + "/v1", api_key=key, max_retries=0)
@@ -172,10 +173,8 @@ def test_cancel_and_anthropic_message_batches(procs, tmp_path):
     running = box.status()["batches"]
     assert [x["id"] for x in running] == [b.id] and running[0]["total"] == 30
     assert running[0]["owner"] == "alice" and running[0]["completed"] >= 1
-    ctl = subprocess.run([sys.executable, "-m", "appliance", "ctl", "--url", box.hub.url,
-                          "batches"], env={**os.environ, "APPLIANCE_ADMIN_KEY": ADMIN},
-                         capture_output=True, text=True, timeout=60)
-    assert ctl.returncode == 0 and b.id in ctl.stdout and "in_progress" in ctl.stdout
+    code, said = box.fleet.ctl("batches")
+    assert code == 0 and b.id in said and "in_progress" in said
     assert c.batches.cancel(b.id).status in ("cancelling", "cancelled")
     done = wait_batch(c, b.id)
     assert done.status == "cancelled" and done.cancelled_at
@@ -188,11 +187,8 @@ def test_cancel_and_anthropic_message_batches(procs, tmp_path):
                         headers={"authorization": f"Bearer {ADMIN}"}).text
     assert 'appliance_batch_lines_total{outcome="cancelled"}' in metrics
     assert "appliance_store_bytes " in metrics
-    ctl = subprocess.run([sys.executable, "-m", "appliance", "ctl", "--url", box.hub.url,
-                          "batches", "show", b.id],
-                         env={**os.environ, "APPLIANCE_ADMIN_KEY": ADMIN},
-                         capture_output=True, text=True, timeout=60)
-    assert ctl.returncode == 0 and "cancelled" in ctl.stdout
+    code, said = box.fleet.ctl("batches", "show", b.id)
+    assert code == 0 and "cancelled" in said
 
     a = anthropic.Anthropic(base_url=box.hub.url, api_key="ka", max_retries=0)
     reqs = [{"custom_id": f"m{i}", "params": {"model": "s-chat", "max_tokens": 5,
@@ -268,7 +264,7 @@ def test_uploads_bounded_and_a_full_store_keeps_what_it_had(procs, tmp_path):
 
 
 def test_no_store_answers_501(procs):
-    hub = procs.hub({}, metrics=False)
+    hub = Fleet(procs=procs).start_hub({}, metrics=False)
     r = httpx.get(hub.url + "/v1/files", timeout=10)
     assert r.status_code == 501 and r.json()["error"]["code"] == "store_disabled"
     r = httpx.get(hub.url + "/v1/messages/batches", timeout=10)

@@ -9,35 +9,32 @@ import io
 import json
 
 import anthropic
-import httpx
 import openai
 import pytest
 
 from tests.harness import make_gguf
-from tests.harness.procs import Procs, wait_until
+from tests.harness.fleet import Fleet
+from tests.harness.procs import wait_until
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.e2e]
-
-TOKEN = "store-real-secret"
-
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, real_server):
     tmp = tmp_path_factory.mktemp("store-real")
     tiny = make_gguf.write(tmp / "tiny.gguf", seed=11)
-    procs = Procs()
+    f = Fleet(tmp)
     try:
-        node = procs.node("gpu", {"Engine__Kind": "llamacpp", "Engine__Command": real_server.command,
-                                  "Auth__NodeToken": TOKEN, "Engine__StartTimeoutSeconds": "60"})
-        h = procs.hub({"Auth__NodeToken": TOKEN, "Nodes__0__Name": "gpu",
-                       "Nodes__0__Url": node.url, "Models__0__Name": "tiny",
-                       "Models__0__Source": str(tiny), "Router__ActivationWaitSeconds": "60",
-                       "Store__Path": str(tmp / "state" / "store.db")}, metrics=False)
-        wait_until(lambda: any(m["name"] == "tiny" for m in httpx.get(
-            h.url + "/api/status", timeout=10).json()["models"]), what="tiny known")
+        node = f.start_node("gpu", {"Engine__Kind": "llamacpp",
+                                    "Engine__Command": real_server.command,
+                                    "Engine__StartTimeoutSeconds": "60"}, announce=False)
+        h = f.start_hub({"Nodes__0__Name": "gpu", "Nodes__0__Url": node.url,
+                         "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
+                         "Router__ActivationWaitSeconds": "60",
+                         "Store__Path": str(tmp / "state" / "store.db")}, metrics=False)
+        f.wait_models("tiny")
         yield h
     finally:
-        procs.close()
+        f.close()
 
 
 def test_batch_chain_and_message_batch_on_a_real_engine(hub):

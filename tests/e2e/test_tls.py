@@ -12,14 +12,13 @@ OpenAI clients that only verify the hub.
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.pki import DAYS, client_ctx, make_ca, make_cert, not_after
-from tests.harness.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -39,34 +38,25 @@ def pki(tmp_path_factory):
 
 @pytest.fixture
 def tls_fleet(procs, pki, tmp_path):
-    audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
-                     "Hub__TlsCa": pki["ca"],
-                     "Auth__NodeToken": TOKEN, "Audit__Path": str(audit)})
-    node = procs.node("gpu-tls", {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
-                                  "Node__TlsCa": pki["ca"], "Hub__Url": hub.url,
-                                  "Auth__NodeToken": TOKEN,
-                                  "Node__AnnounceSeconds": "1"})
-    return hub, node, audit
-
-
-def hub_status(hub, ca: str) -> dict:
-    return httpx.get(hub.url + "/api/status", verify=client_ctx(ca), timeout=5).json()
+    f = Fleet(tmp_path, procs=procs, token=TOKEN, verify=client_ctx(pki["ca"]))
+    f.start_hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
+                 "Hub__TlsCa": pki["ca"], "Audit__Path": f.audit_path})
+    f.start_node("gpu-tls", {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
+                             "Node__TlsCa": pki["ca"], "Node__AnnounceSeconds": "1"})
+    return f
 
 
 def test_https_both_ways_with_mutual_verification(tls_fleet, pki):
-    hub, node, audit = tls_fleet
+    f = tls_fleet
+    hub, node = f.hub, f.node("gpu-tls")
     ca = pki["ca"]
     # The listening lines say https (the metrics listener stays plain HTTP).
     assert hub.url.startswith("https://127.0.0.1:") and node.url.startswith("https://127.0.0.1:")
     assert hub.urls["metrics"].startswith("http://")
 
     # The node announced itself over HTTPS (its own https:// URL), the hub follows it.
-    def node_up():
-        nodes = hub_status(hub, ca)["nodes"]
-        return nodes and nodes[0]["status"] == "up" and nodes[0]
-    n = wait_until(node_up, timeout=20, what="gpu-tls up on the hub")
-    assert n["url"] == node.url
+    f.wait_up("gpu-tls")
+    assert f.nodes()["gpu-tls"]["url"] == node.url
     assert any("announced gpu-tls as https://" in line for line in node.stderr_lines)
 
     # A chat through the hub, verified against the CA; the hub reaches the node over HTTPS.
@@ -78,8 +68,7 @@ def test_https_both_ways_with_mutual_verification(tls_fleet, pki):
             assert s.status_code == 200
             lines = [x for x in s.iter_lines() if x.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and len(lines) > 3
-    reqs = [json.loads(x) for x in audit.read_text().splitlines()]
-    assert [x["node"] for x in reqs if x["kind"] == "request"] == ["gpu-tls", "gpu-tls"]
+    assert [x["node"] for x in f.audit("request")] == ["gpu-tls", "gpu-tls"]
 
     # A client that does not know the CA refuses the hub's certificate.
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
@@ -101,11 +90,11 @@ def test_https_both_ways_with_mutual_verification(tls_fleet, pki):
     # Refused handshakes cost nothing: hub and node keep serving, the node stays up.
     with httpx.Client(base_url=hub.url, verify=client_ctx(ca), timeout=30) as c:
         assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
-    assert hub_status(hub, ca)["nodes"][0]["status"] == "up"
+    assert f.up() == {"gpu-tls"}
     assert not [x for x in hub.stderr_lines + node.stderr_lines if "Traceback" in x or "ERROR" in x]
 
     # Certificate expiry, read from disk at each scrape: the leaf's DAYS days, the CA's own.
-    metrics = httpx.get(hub.urls["metrics"] + "/metrics", timeout=5).text
+    metrics = f.scrape()
     found = {}
     for line in metrics.splitlines():
         if line.startswith("appliance_tls_cert_expiry_seconds{"):
@@ -123,39 +112,35 @@ def test_node_without_a_ca_and_a_combined_pem(procs, pki, tmp_path):
     Hub__TlsCa. The node's key sits in its certificate file (Node__TlsKey empty)."""
     combined = tmp_path / "node-combined.pem"
     combined.write_text(open(pki["node"][0]).read() + open(pki["node"][1]).read())
-    hub = procs.hub({"Hub__TlsCa": pki["ca"], "Auth__NodeToken": TOKEN}, metrics=False)
+    f = Fleet(tmp_path, procs=procs, token=TOKEN)
+    hub = f.start_hub({"Hub__TlsCa": pki["ca"]}, metrics=False)
     assert hub.url.startswith("http://")
-    node = procs.node("gpu-plain-ca", {"Node__TlsCert": str(combined), "Hub__Url": hub.url,
-                                       "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"})
+    node = f.start_node("gpu-plain-ca", {"Node__TlsCert": str(combined),
+                                         "Node__AnnounceSeconds": "1"})
     assert node.url.startswith("https://")
     r = httpx.get(node.url + "/node/v1/state", headers={"authorization": f"Bearer {TOKEN}"},
                   verify=client_ctx(pki["ca"]), timeout=5)
     assert r.status_code == 200
 
-    def node_up():
-        nodes = httpx.get(hub.url + "/api/status", timeout=5).json()["nodes"]
-        return bool(nodes) and nodes[0]["status"] == "up"
-    wait_until(node_up, timeout=20, what="node up")
-    r = httpx.post(hub.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    f.wait_up("gpu-plain-ca")
+    r = f.post("/v1/chat/completions", CHAT)
     assert r.status_code == 200, r.text
 
 
-def test_untrusted_certificates_are_refused_and_the_logs_say_why(procs, pki):
+def test_untrusted_certificates_are_refused_and_the_logs_say_why(procs, pki, tmp_path):
     """Hub__TlsCa unset: the hub cannot verify a node's certificate and never follows it;
     Node__TlsCa unset: the node cannot verify the hub's and cannot announce. Both say
     CERTIFICATE_VERIFY_FAILED where the operator looks (`ctl nodes`, the node's log)."""
-    hub = procs.hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1],
-                     "Auth__NodeToken": TOKEN},
-                    metrics=False)
-    common = {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1], "Hub__Url": hub.url,
-              "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1"}
-    procs.node("gpu-trusts-hub", {**common, "Node__TlsCa": pki["ca"]})
-    lonely = procs.node("gpu-trusts-nobody", common)
-    lonely.wait_stderr("cannot announce .*CERTIFICATE_VERIFY_FAILED", timeout=20)
+    f = Fleet(tmp_path, procs=procs, token=TOKEN, verify=client_ctx(pki["ca"]))
+    f.start_hub({"Hub__TlsCert": pki["hub"][0], "Hub__TlsKey": pki["hub"][1]}, metrics=False)
+    common = {"Node__TlsCert": pki["node"][0], "Node__TlsKey": pki["node"][1],
+              "Node__AnnounceSeconds": "1"}
+    f.start_node("gpu-trusts-hub", {**common, "Node__TlsCa": pki["ca"]})
+    lonely = f.start_node("gpu-trusts-nobody", common)
+    lonely.wait_stderr("cannot announce .*CERTIFICATE_VERIFY_FAILED", timeout=30)
 
     def refused():
-        r = httpx.get(hub.url + "/admin/nodes", verify=client_ctx(pki["ca"]), timeout=5)
-        nodes = r.json()["nodes"]
+        nodes = list(f.admin_nodes().values())
         return bool(nodes) and "CERTIFICATE_VERIFY_FAILED" in nodes[0]["lost_reason"] and nodes
-    nodes = wait_until(refused, timeout=20, what="the hub refusing the node's certificate")
+    nodes = f.wait(refused, "the hub refusing the node's certificate")
     assert [(n["name"], n["status"]) for n in nodes] == [("gpu-trusts-hub", "lost")]

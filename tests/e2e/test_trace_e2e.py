@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from tests.harness.fleet import Fleet
 from tests.harness.procs import Procs, wait_until
 
 pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
@@ -147,15 +148,14 @@ def fleet(procs: Procs, tmp_path, workers):
     engine_url, receiver_url = _serve(engine), _serve(receiver)
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver_url, "OTEL_TRACES_SAMPLER": "parentbased_always_on",
             "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    f = Fleet(tmp_path, procs=procs, token=TOKEN)
     audit = tmp_path / "audit.jsonl"
-    hub = procs.hub({"Auth__NodeToken": TOKEN, "Audit__Path": str(audit), "Hub__Workers": workers,
-                     **otel})
-    procs.node("gpu-a", {"Hub__Url": hub.url, "Auth__NodeToken": TOKEN,
-                         "Node__AnnounceSeconds": "1", "Engine__Kind": "openai",
-                         "Engine__Url": engine_url, "Engine__PollSeconds": "1",
-                         "Node__ProbeSeconds": "0", **otel})
-    wait_until(lambda: httpx.get(hub.url + "/v1/models", timeout=5).json()["data"], 30,
-               "the model listed")
+    hub = f.start_hub({"Audit__Path": str(audit), "Hub__Workers": workers, **otel})
+    f.start_node("gpu-a", {"Node__AnnounceSeconds": "1", "Engine__Kind": "openai",
+                           "Engine__Url": engine_url, "Engine__PollSeconds": "1",
+                           "Node__ProbeSeconds": "0", **otel})
+    f.wait(lambda: httpx.get(hub.url + "/v1/models", timeout=5).json()["data"],
+           "the model listed")
     try:
         yield hub, engine, receiver, audit
     finally:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.harness.fleet import chat_body
+from tests.harness.fleet import Fleet, chat_body
 
 pytestmark = pytest.mark.e2e
 
@@ -42,9 +42,9 @@ def ask(conn: http.client.HTTPConnection, method: str, path: str,
 def test_up_sighup_reloads_the_hub_and_the_node_listener_limits(procs, tmp_path):
     f = tmp_path / "up.env"
     write_env(f, {"Hub__MaxBufferedBytes": "1000000", "Node__MaxConcurrency": "2"})
-    up = procs.start("up", {"Hub__Listen": "127.0.0.1:0", "Node__Listen": "127.0.0.1:0",
-                            "Metrics__Listen": "", "Sim__TokensPerSecond": "0",
-                            "APPLIANCE_ENV_FILE": str(f)}, wait=("hub", "node"))
+    up = Fleet(procs=procs).start("up", {
+        "Hub__Listen": "127.0.0.1:0", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+        "Sim__TokensPerSecond": "0", "APPLIANCE_ENV_FILE": str(f)}, wait=("hub", "node"))
     hub_c, node_c = kept(up.urls["hub"]), kept(up.urls["node"])
     assert ask(hub_c, "POST", "/v1/chat/completions", chat_body(MODEL, BIG, max_tokens=4))[0] == 200
     status, state = ask(node_c, "GET", "/node/v1/state")

@@ -8,11 +8,14 @@ engines (`appliance sim`), started as an operator would on ports the OS picks
     fleet.wait_up("gpu-a")
     r = fleet.chat("sim-small", key=KEY, max_tokens=3)          # an httpx.Response
     fleet.status(); fleet.nodes(); fleet.models(); fleet.audit("request"); fleet.metric(...)
+    fleet.start("up", env, wait=("hub", "node")); fleet.run("hub", env)  # one that exits
 
 The fleet adds to each process only what joins it to the others (a node's `Hub__Url` and
 `Auth__NodeToken`, the hub's `Auth__NodeToken` and `Auth__AdminKey`); every other setting
 is the test's own, so what a test sets is what its processes run with. Module-scoped
-fixtures build one with `Fleet(tmp_path_factory.mktemp(...))` and `close()` it.
+fixtures build one with `Fleet(tmp_path_factory.mktemp(...))` and `close()` it; a test
+with the `procs` fixture passes `Fleet(tmp_path, procs=procs)`. tests/e2e starts
+processes only through here (tests/test_tests_layout.py).
 """
 
 from __future__ import annotations
@@ -70,14 +73,15 @@ class Fleet:
         return p
 
     def start_node(self, name: str, env: dict[str, str] | None = None, *,
-                   hubs: list[str] | None = None, announce: bool = True) -> Proc:
+                   hubs: list[str] | None = None, announce: bool = True,
+                   args: list[str] = ()) -> Proc:
         """A node (Procs.node: sim engine unless the env says otherwise) announcing to the
         hub (or to each of `hubs`, by name); `announce=False` for a node the hub's
-        `Nodes__N__Url` names instead."""
+        `Nodes__N__Url` names instead (or one started before its hub)."""
         e = {"Auth__NodeToken": self.token} if self.token else {}
         if announce:
             e["Hub__Url"] = ",".join(self.hubs[h].url for h in hubs) if hubs else self.url
-        p = self.procs.node(name, {**e, **(env or {})})
+        p = self.procs.node(name, {**e, **(env or {})}, args)
         self.node_procs[name] = p
         return p
 
@@ -87,6 +91,21 @@ class Fleet:
                                      **(env or {})})
         self.sims.append(p)
         return p
+
+    def start(self, role: str, env: dict[str, str], *, args: list[str] = (),
+              wait: tuple[str, ...] | None = None) -> Proc:
+        """Any other `appliance ROLE` (`up`, a hub or node with every setting the test's
+        own), ready when it says it listens on each of `wait` (default: ROLE)."""
+        return self.procs.start(role, env, args, wait=wait)
+
+    def run(self, role: str, env: dict[str, str], *, args: list[str] = (),
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """`appliance ROLE` expected to exit by itself (a start-up refusal): its exit code
+        and whole output. A hub opens no store unless `env` names one."""
+        base = {"Store__Path": ""} if role in ("hub", "up") else {}
+        return subprocess.run([sys.executable, "-m", "appliance", role, *args],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=clean_env({**base, **env}))
 
     def node(self, name: str) -> Proc:
         return self.node_procs[name]
@@ -220,10 +239,8 @@ class Fleet:
 
     def ctl(self, *args: str, hub: str | None = None) -> tuple[int, str]:
         """`appliance ctl ARGS` against the hub, with the admin key: (exit code, output)."""
-        r = subprocess.run([sys.executable, "-m", "appliance", "ctl", *args],
-                           capture_output=True, text=True, timeout=60,
-                           env=clean_env({"APPLIANCE_HUB_URL": self.hub_url(hub),
-                                          "APPLIANCE_ADMIN_KEY": self.admin_key or ""}))
+        key = {"APPLIANCE_ADMIN_KEY": self.admin_key} if self.admin_key else {}
+        r = self.run("ctl", {"APPLIANCE_HUB_URL": self.hub_url(hub), **key}, args=list(args))
         return r.returncode, r.stdout + r.stderr
 
     # --- waiting -----------------------------------------------------------------------

@@ -96,8 +96,7 @@ def client_port(c: httpx.Client, path: str = "/health") -> int:
     """Make `c` open (and keep) a connection with a GET of `path`; its local port."""
     r = c.get(path)
     assert r.status_code == 200
-    conn = c._transport._pool.connections[0]  # type: ignore[attr-defined]
-    return int(conn._connection._network_stream.get_extra_info("socket").getsockname()[1])
+    return int(r.extensions["network_stream"].get_extra_info("client_addr")[1])
 
 
 def owner(c: httpx.Client, server_port: int, pids: list[int], path: str = "/health") -> int:

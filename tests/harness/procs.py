@@ -148,11 +148,12 @@ class Procs:
         e.update(env or {})
         return self.start("hub", e, args, wait=("hub", "metrics") if metrics else ("hub",))
 
-    def node(self, name: str, env: dict[str, str] | None = None) -> Proc:
+    def node(self, name: str, env: dict[str, str] | None = None,
+             args: list[str] = ()) -> Proc:
         e = {"Node__Name": name, "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
              "Engine__Kind": "sim", "Node__HeartbeatSeconds": "0.5", "Sim__TokensPerSecond": "0"}
         e.update(env or {})
-        return self.start("node", e)
+        return self.start("node", e, args)
 
     def close(self) -> None:
         for p in self.all:
