@@ -12,7 +12,6 @@ The llama-server half is tests/test_leaving_frees_engine_llama.py.
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,9 @@ import httpx
 import pytest
 import trio
 
-from appliance.config import load
 from appliance.http.asgi import read_body
 from appliance.http.disconnect import cancel_on_disconnect
-from appliance.hub.run import run_hub
-from appliance.server.serve import serve
-from appliance.wire import EngineInstall, ModelState, NodeState
+from tests.harness.engine_hub import hub_before
 
 PIECES = 300  # at 10 ms a piece the answer takes 3 s
 USER = [{"role": "user", "content": "tell me a story"}]
@@ -92,22 +88,11 @@ class Engine:
             self.closed.set()
 
 
-async def _hub(nursery: trio.Nursery, tmp: Path, engine: Engine) -> str:
-    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                "Audit__Path": str(tmp / "audit.log")})
-    hub, (host, port) = await nursery.start(run_hub, cfg, trio.Event())
-    nhost, nport = await nursery.start(partial(serve, engine, "127.0.0.1:0", "fake"))
-    h, _ = hub.registry.upsert("n", f"http://{nhost}:{nport}", static=True)
-    hub.registry.apply_state(h, NodeState(name="n", slots=4, engines=[EngineInstall("llamacpp")],
-                                          models=[ModelState(name="m", state="ready")]))
-    return f"http://{host}:{port}"
-
-
 @pytest.mark.parametrize("route", list(ROUTES))
 async def test_a_client_that_leaves_closes_the_engines_stream(tmp_path: Path, route: str) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, engine)
+        url = await hub_before(nursery, tmp_path, engine)
         async with httpx.AsyncClient(timeout=0.5) as c:
             with pytest.raises(httpx.ReadTimeout):
                 await c.post(url + route, json={"model": "m", **ROUTES[route]})
@@ -123,7 +108,7 @@ async def test_one_answer_is_assembled_from_the_engines_stream(tmp_path: Path,
                                                               route: str) -> None:
     engine = Engine(pieces=5, gap=0)
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, engine)
+        url = await hub_before(nursery, tmp_path, engine)
         async with httpx.AsyncClient(timeout=10) as c:
             r = await c.post(url + route, json={"model": "m", **ROUTES[route]})
         nursery.cancel_scope.cancel()

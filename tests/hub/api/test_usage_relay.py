@@ -8,7 +8,6 @@ translation are non-zero and agree between streamed and whole answers."""
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,8 @@ import ollama
 import openai
 import trio
 
-from appliance.config import load
 from appliance.http.asgi import read_body
-from appliance.hub.run import run_hub
-from appliance.server.serve import serve
-from appliance.wire import EngineInstall, ModelState, NodeState
+from tests.harness.engine_hub import hub_before
 
 USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14,
          "prompt_tokens_details": {"cached_tokens": 8}}
@@ -73,17 +69,6 @@ class Engine:
         await send({"type": "http.response.body", "body": b""})
 
 
-async def _hub(nursery: trio.Nursery, tmp: Path, engine: Engine) -> str:
-    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                "Audit__Path": str(tmp / "audit.log")})
-    hub, (host, port) = await nursery.start(run_hub, cfg, trio.Event())
-    nhost, nport = await nursery.start(partial(serve, engine, "127.0.0.1:0", "fake"))
-    h, _ = hub.registry.upsert("n", f"http://{nhost}:{nport}", static=True)
-    hub.registry.apply_state(h, NodeState(name="n", slots=4, engines=[EngineInstall("llamacpp")],
-                                          models=[ModelState(name="m", state="ready")]))
-    return f"http://{host}:{port}"
-
-
 def _audit(tmp: Path) -> list[dict[str, Any]]:
     lines = [json.loads(x) for x in (tmp / "audit.log").read_text().splitlines()]
     return [x for x in lines if x["kind"] == "request"]
@@ -95,7 +80,7 @@ USER = [{"role": "user", "content": "what is the weather in Paris?"}]
 async def test_stream_usage_asked_for_and_dropped_unless_the_client_asked(tmp_path: Path) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, engine)
+        url = await hub_before(nursery, tmp_path, engine)
         oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=20)
         plain = [c async for c in await oc.chat.completions.create(
             model="m", messages=USER, stream=True)]  # type: ignore[arg-type]
@@ -119,7 +104,7 @@ async def test_stream_usage_asked_for_and_dropped_unless_the_client_asked(tmp_pa
 
 async def test_an_engine_without_usage_is_counted_and_marked(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, Engine(usage=False))
+        url = await hub_before(nursery, tmp_path, Engine(usage=False))
         async with httpx.AsyncClient(timeout=20) as c:
             r = await c.post(url + "/v1/chat/completions",
                              json={"model": "m", "messages": USER, "stream": True})
@@ -140,7 +125,7 @@ async def test_an_engine_without_usage_is_counted_and_marked(tmp_path: Path) -> 
 async def test_ollama_counts_and_durations_over_a_translation(tmp_path: Path) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, engine)
+        url = await hub_before(nursery, tmp_path, engine)
         ac = ollama.AsyncClient(host=url, timeout=20)
         whole = await ac.chat(model="m", messages=USER)
         parts = [p async for p in await ac.chat(model="m", messages=USER, stream=True)]

@@ -120,10 +120,16 @@ async def test_class_order_in_the_capacity_wait(autojump_clock):
     assert [c for c, _ in log] == ["first", "e1", "e2", "n1", "n2", "b1"]
 
 
-async def test_queue_timeout_with_retry_after(autojump_clock):
+def one_busy_place():
+    """A node of one place, taken."""
     a = handle("a", slots=None, max_concurrency=1)
     r = registry(a)
     r.start(a, MODEL)
+    return a, r
+
+
+async def test_queue_timeout_with_retry_after(autojump_clock):
+    _, r = one_busy_place()
     adm, metrics = make(r, Queue__MaxWaitSeconds=30)
     t0 = trio.current_time()
     with pytest.raises(ApiError) as e:
@@ -134,9 +140,7 @@ async def test_queue_timeout_with_retry_after(autojump_clock):
 
 
 async def test_queue_full_is_answered_at_once(autojump_clock):
-    a = handle("a", slots=None, max_concurrency=1)
-    r = registry(a)
-    r.start(a, MODEL)
+    _, r = one_busy_place()
     adm, metrics = make(r, Queue__MaxDepth=1)
     async with trio.open_nursery() as n:
         n.start_soon(adm.admit, MODEL, "normal", "one")
@@ -150,23 +154,29 @@ async def test_queue_full_is_answered_at_once(autojump_clock):
         n.cancel_scope.cancel()
 
 
+async def quitter_and_one_behind(n: trio.Nursery, adm: Admission, r, log: list,
+                                 behind: str) -> trio.CancelScope:
+    """An essential request waits for the busy place (cancel the scope returned: its client
+    hangs up), then a normal one called `behind`."""
+    gone = trio.CancelScope()
+
+    async def hangs_up():
+        with gone:
+            await go(adm, r, MODEL, "essential", "quitter", log)
+
+    n.start_soon(hangs_up)
+    await trio.sleep(1)
+    n.start_soon(go, adm, r, MODEL, "normal", behind, log)
+    await trio.sleep(1)
+    return gone
+
+
 async def test_a_client_that_hangs_up_leaves_the_queue_at_once(autojump_clock):
-    a = handle("a", slots=None, max_concurrency=1)
-    r = registry(a)
-    r.start(a, MODEL)
+    a, r = one_busy_place()
     adm, metrics = make(r)
     log: list = []
     async with trio.open_nursery() as n:
-        gone = trio.CancelScope()
-
-        async def hangs_up():
-            with gone:
-                await go(adm, r, MODEL, "essential", "quitter", log)
-
-        n.start_soon(hangs_up)
-        await trio.sleep(1)
-        n.start_soon(go, adm, r, MODEL, "normal", "stays", log)
-        await trio.sleep(1)
+        gone = await quitter_and_one_behind(n, adm, r, log, "stays")
         assert metrics.get_sample_value("appliance_queue_waiting", {"model": MODEL}) == 2
         t = trio.current_time()
         gone.cancel()
@@ -179,22 +189,11 @@ async def test_a_client_that_hangs_up_leaves_the_queue_at_once(autojump_clock):
 
 
 async def test_a_granted_place_whose_client_hangs_up_goes_to_the_next(autojump_clock):
-    a = handle("a", slots=None, max_concurrency=1)
-    r = registry(a)
-    r.start(a, MODEL)
+    a, r = one_busy_place()
     adm, _ = make(r)
     log: list = []
     async with trio.open_nursery() as n:
-        gone = trio.CancelScope()
-
-        async def hangs_up():
-            with gone:
-                await go(adm, r, MODEL, "essential", "quitter", log)
-
-        n.start_soon(hangs_up)
-        await trio.sleep(1)
-        n.start_soon(go, adm, r, MODEL, "normal", "next", log)
-        await trio.sleep(1)
+        gone = await quitter_and_one_behind(n, adm, r, log, "next")
         gone.cancel()  # cancelled first ...
         r.finish(a, MODEL)  # ... then granted, before its task ran
     assert [c for c, _ in log] == ["next"]

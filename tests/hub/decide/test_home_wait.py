@@ -45,17 +45,28 @@ async def hold(adm: Admission, done: trio.Event, log: list, name: str,
         await done.wait()
 
 
-async def test_a_request_waits_for_its_home_when_that_pays(autojump_clock):
+def two_nodes(home: str = "a", **env):
+    """Nodes a and b, an admission that learnt S's home (`teach`)."""
     a, b = handle("a"), handle("b")
-    adm = make(registry(a, b))
-    teach(adm, "a")
+    adm = make(registry(a, b), **env)
+    teach(adm, home)
+    return a, b, adm
+
+
+async def other_takes_a(n: trio.Nursery, adm: Admission, busy: trio.Event, log: list) -> None:
+    """`other` (at home on a) takes a place on a and keeps it until `busy` is set."""
+    n.start_soon(hold, adm, busy, log, "other", Route(session=OTHER))
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_a_request_waits_for_its_home_when_that_pays(autojump_clock):
+    a, b, adm = two_nodes()
     log: list = []
     busy, mine = trio.Event(), trio.Event()
     t0 = trio.current_time()
     route = Route(session=S, size=PROMPT_BYTES)
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, busy, log, "other", Route(session=OTHER))
-        await trio.testing.wait_all_tasks_blocked()
+        await other_takes_a(n, adm, busy, log)
         assert a.in_flight.get(MODEL) == 1  # `other` took a
         n.start_soon(hold, adm, mine, log, "s", route)
         await trio.sleep(0.5)
@@ -72,16 +83,13 @@ async def test_a_request_waits_for_its_home_when_that_pays(autojump_clock):
 
 
 async def test_a_home_wait_past_its_bound_moves(autojump_clock):
-    a, b = handle("a"), handle("b")
-    adm = make(registry(a, b), Router__HomeWaitSeconds=1)
-    teach(adm, "a")
+    a, b, adm = two_nodes(Router__HomeWaitSeconds=1)
     log: list = []
     busy, mine = trio.Event(), trio.Event()
     t0 = trio.current_time()
     route = Route(session=S, size=PROMPT_BYTES)
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, busy, log, "other", Route(session=OTHER))
-        await trio.testing.wait_all_tasks_blocked()
+        await other_takes_a(n, adm, busy, log)
         n.start_soon(hold, adm, mine, log, "s", route)
         await trio.sleep(5)
         mine.set()
@@ -94,15 +102,12 @@ async def test_a_home_wait_past_its_bound_moves(autojump_clock):
 
 async def test_no_home_wait_with_zero_or_when_it_does_not_pay(autojump_clock):
     for env, service in (({"Router__HomeWaitSeconds": 0}, 0.5), ({}, 30.0)):
-        a, b = handle("a"), handle("b")
-        adm = make(registry(a, b), **env)
-        teach(adm, "a")
+        a, b, adm = two_nodes(**env)
         adm.cost.rates.by[("a", MODEL)].service = service  # a slow line at home
         log: list = []
         busy, mine = trio.Event(), trio.Event()
         async with trio.open_nursery() as n:
-            n.start_soon(hold, adm, busy, log, "other", Route(session=OTHER))
-            await trio.testing.wait_all_tasks_blocked()
+            await other_takes_a(n, adm, busy, log)
             n.start_soon(hold, adm, mine, log, "s", Route(session=S, size=PROMPT_BYTES))
             await trio.sleep(0.1)
             assert log[1][:2] == ("s", "b")  # at once, to the free node

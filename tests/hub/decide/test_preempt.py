@@ -5,6 +5,7 @@ started stream is never cut."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
 
 import httpx
@@ -82,6 +83,41 @@ async def start(nursery: trio.Nursery, node: Node, preempt: bool = True) -> tupl
     return hub, f"http://{h}:{p}"
 
 
+KEYS = {"bg": "kb", "ess": "ke"}  # background, essential
+
+
+async def post(c: httpx.AsyncClient, url: str, got: dict[str, httpx.Response], who: str) -> None:
+    """One streamed chat as `who` ("bg" or "ess"), its whole answer kept in `got[who]`."""
+    got[who] = await c.post(url + "/v1/chat/completions", json=chat_body("m", who, stream=True),
+                            headers={"x-api-key": KEYS[who]})
+
+
+async def until(cond: Callable[[], object]) -> None:
+    while not cond():
+        await trio.sleep(0.01)  # virtual
+
+
+async def essential_behind_background(node: Node, preempt: bool = True
+                                      ) -> tuple[Hub, dict[str, httpx.Response], bool]:
+    """A background request holds the one place, an essential one comes and waits; then the
+    background one is released. (The hub, both answers, whether the background one's engine
+    work was cancelled while the essential one waited.)"""
+    got: dict[str, httpx.Response] = {}
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            hub, url = await start(nursery, node, preempt)
+            async with httpx.AsyncClient(timeout=15) as c:
+                nursery.start_soon(post, c, url, got, "bg")
+                await node.arrived.wait()
+                nursery.start_soon(post, c, url, got, "ess")
+                await until(lambda: hub.admission.core.classes["essential"].waiting)
+                cancelled = node.cancelled.is_set()
+                node.release.set()
+                await until(lambda: len(got) == 2)
+            nursery.cancel_scope.cancel()
+    return hub, got, cancelled
+
+
 async def test_essential_takes_the_place_of_background_before_its_first_byte(autojump_clock: trio.testing.MockClock) -> None:
     node = Node(first_byte=False)
     got: dict[str, httpx.Response] = {}
@@ -89,17 +125,11 @@ async def test_essential_takes_the_place_of_background_before_its_first_byte(aut
         async with trio.open_nursery() as nursery:
             hub, url = await start(nursery, node)
             async with httpx.AsyncClient(timeout=15) as c:
-                async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
-                                             headers={"x-api-key": "kb"})
-
-                nursery.start_soon(background)
+                nursery.start_soon(post, c, url, got, "bg")
                 await node.arrived.wait()
-                got["ess"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "ess", stream=True),
-                                          headers={"x-api-key": "ke"})
+                await post(c, url, got, "ess")
                 await node.cancelled.wait()  # the engine's work was cancelled
-                while "bg" not in got:
-                    await trio.sleep(0.01)  # virtual
+                await until(lambda: "bg" in got)
             nursery.cancel_scope.cancel()
     assert got["ess"].status_code == 200 and "data: ess" in got["ess"].text
     bg = got["bg"]
@@ -110,30 +140,8 @@ async def test_essential_takes_the_place_of_background_before_its_first_byte(aut
 
 
 async def test_a_started_stream_is_never_cut(autojump_clock: trio.testing.MockClock) -> None:
-    node = Node(first_byte=True)
-    got: dict[str, httpx.Response] = {}
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            hub, url = await start(nursery, node)
-            async with httpx.AsyncClient(timeout=15) as c:
-                async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
-                                             headers={"x-api-key": "kb"})
-
-                async def essential() -> None:
-                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "ess", stream=True),
-                                              headers={"x-api-key": "ke"})
-
-                nursery.start_soon(background)
-                await node.arrived.wait()
-                nursery.start_soon(essential)
-                while hub.admission.core.classes["essential"].waiting == 0:
-                    await trio.sleep(0.01)  # virtual
-                assert not node.cancelled.is_set()
-                node.release.set()
-                while len(got) < 2:
-                    await trio.sleep(0.01)  # virtual
-            nursery.cancel_scope.cancel()
+    hub, got, cancelled = await essential_behind_background(Node(first_byte=True))
+    assert not cancelled
     assert got["bg"].status_code == 200 and got["bg"].text.endswith("data: [DONE]\n\n")
     assert got["ess"].status_code == 200
     assert hub.admission.status_block()["preempted"] == 0  # type: ignore[index]
@@ -149,51 +157,23 @@ async def test_a_preempt_after_the_first_byte_cuts_nothing(
         async with trio.open_nursery() as nursery:
             hub, url = await start(nursery, node)
             async with httpx.AsyncClient(timeout=15) as c:
-                async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
-                                             headers={"x-api-key": "kb"})
-
-                nursery.start_soon(background)
+                nursery.start_soon(post, c, url, got, "bg")
                 await node.arrived.wait()
-                while not hub.admission.victims.holding("m"):
-                    await trio.sleep(0.01)  # virtual
+                await until(lambda: hub.admission.victims.holding("m"))
                 [req] = hub.admission.victims.holding("m")
-                while not req.first_byte():
-                    await trio.sleep(0.01)  # virtual
+                await until(req.first_byte)
                 req.preempt()
                 await trio.sleep(0.1)  # virtual
                 node.release.set()
-                while "bg" not in got:
-                    await trio.sleep(0.01)  # virtual
+                await until(lambda: "bg" in got)
             nursery.cancel_scope.cancel()
     assert got["bg"].status_code == 200 and got["bg"].text.endswith("data: [DONE]\n\n")
     assert not node.cancelled.is_set()
 
 
 async def test_off_by_default_background_keeps_its_place(autojump_clock: trio.testing.MockClock) -> None:
-    node = Node(first_byte=False)
-    got: dict[str, httpx.Response] = {}
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            hub, url = await start(nursery, node, preempt=False)
-            async with httpx.AsyncClient(timeout=15) as c:
-                async def background() -> None:
-                    got["bg"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "bg", stream=True),
-                                             headers={"x-api-key": "kb"})
-
-                async def essential() -> None:
-                    got["ess"] = await c.post(url + "/v1/chat/completions", json=chat_body("m", "ess", stream=True),
-                                              headers={"x-api-key": "ke"})
-
-                nursery.start_soon(background)
-                await node.arrived.wait()
-                nursery.start_soon(essential)
-                while hub.admission.core.classes["essential"].waiting == 0:
-                    await trio.sleep(0.01)  # virtual
-                node.release.set()
-                while len(got) < 2:
-                    await trio.sleep(0.01)  # virtual
-            nursery.cancel_scope.cancel()
+    hub, got, cancelled = await essential_behind_background(Node(first_byte=False), preempt=False)
+    assert not cancelled
     assert got["bg"].status_code == 200 and got["ess"].status_code == 200
     assert "preempted" not in (hub.admission.status_block() or {})
 

@@ -33,6 +33,13 @@ async def hold(adm: Admission, cls: str, client: str, req: Req, log: list) -> No
         await req.done.wait()
 
 
+async def arrive(n: trio.Nursery, adm: Admission, cls: str, client: str, req: Req, log: list,
+                 then: float = 1) -> None:
+    """`client` asks for a place (class `cls`, held as `req`); `then` virtual seconds pass."""
+    n.start_soon(hold, adm, cls, client, req, log)
+    await trio.sleep(then)
+
+
 def test_the_newest_of_two_without_a_first_byte_is_preempted() -> None:
     # Mutant: the oldest held request picked instead of the newest.
     v = Victims()
@@ -53,10 +60,8 @@ async def test_a_normal_waiter_preempts_nothing(autojump_clock) -> None:
     adm, _ = one_place_fleet()
     bg, normal, log = Req(), Req(), []
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, "background", "batch", bg, log)
-        await trio.sleep(1)
-        n.start_soon(hold, adm, "normal", "team", normal, log)
-        await trio.sleep(5)
+        await arrive(n, adm, "background", "batch", bg, log)
+        await arrive(n, adm, "normal", "team", normal, log, then=5)
         assert not bg.preempted and log == ["batch"]
         bg.done.set()
         await trio.sleep(1)
@@ -69,11 +74,9 @@ async def test_only_background_work_is_held_as_a_victim(autojump_clock) -> None:
     adm, _ = one_place_fleet()
     normal, ess, log = Req(), Req(), []
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, "normal", "team", normal, log)
-        await trio.sleep(1)
+        await arrive(n, adm, "normal", "team", normal, log)
         assert adm.victims.held(MODEL) == 0
-        n.start_soon(hold, adm, "essential", "ops", ess, log)
-        await trio.sleep(5)
+        await arrive(n, adm, "essential", "ops", ess, log, then=5)
         assert not normal.preempted and log == ["team"]
         normal.done.set()
         await trio.sleep(1)
@@ -87,8 +90,7 @@ async def test_a_finished_victim_is_released(autojump_clock) -> None:
     adm, _ = one_place_fleet()
     bg, log = Req(), []
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, "background", "batch", bg, log)
-        await trio.sleep(1)
+        await arrive(n, adm, "background", "batch", bg, log)
         assert adm.victims.held(MODEL) == 1
         bg.done.set()
         await trio.sleep(1)
@@ -102,13 +104,10 @@ async def test_an_essential_request_with_a_place_preempts_nothing(autojump_clock
     adm, _ = make(r, Priority__Preempt="true", Priority__ReserveSlots=1)
     bg, bg2, ess, log = Req(), Req(), Req(), []
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, "background", "batch", bg, log)
-        await trio.sleep(1)
-        n.start_soon(hold, adm, "background", "batch", bg2, log)  # held by the reserve
-        await trio.sleep(1)
+        await arrive(n, adm, "background", "batch", bg, log)
+        await arrive(n, adm, "background", "batch", bg2, log)  # held by the reserve
         assert log == ["batch"]
-        n.start_soon(hold, adm, "essential", "ops", ess, log)
-        await trio.sleep(1)
+        await arrive(n, adm, "essential", "ops", ess, log)
         assert log == ["batch", "ops"] and not bg.preempted and adm.victims.preempted == 0
         for req in (bg, ess, bg2):
             req.done.set()
@@ -120,9 +119,7 @@ async def test_an_essential_waiter_takes_the_background_place(autojump_clock) ->
     adm, _ = one_place_fleet()
     bg, ess, log = Req(), Req(), []
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, "background", "batch", bg, log)
-        await trio.sleep(1)
-        n.start_soon(hold, adm, "essential", "ops", ess, log)
-        await trio.sleep(1)
+        await arrive(n, adm, "background", "batch", bg, log)
+        await arrive(n, adm, "essential", "ops", ess, log)
         assert bg.preempted and log == ["batch", "ops"]
         ess.done.set()
