@@ -14,10 +14,7 @@ are dropped when the table fills, then the soonest to end.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from appliance.hub.decide.catalog import Health
+from typing import Protocol
 
 # Holds kept per model: one per key name (configured clients and the anonymous one).
 MAX_HOLDS = 1024
@@ -53,6 +50,14 @@ class Holds:
 
     def clear(self) -> None:
         self.ends.clear()
+
+
+class Health(Protocol):
+    """A model's health as holds read and write it (catalog.Health)."""
+
+    last_used: float | None
+    keep: float | None
+    holds: Holds
 
 
 def touch(h: Health, idle: float, now: float, keep: float | None, key: str | None) -> None:
