@@ -10,14 +10,13 @@ router does). The rules: `Limiter`'s docstring.
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from appliance.config import ClientConfig
-from appliance.http.errors import ApiError, Headers
-from appliance.hub.decide import fair
+from appliance.http.errors import ApiError
+from appliance.hub.decide import fair, ratelimit
 
 MINUTE = 60.0
 DAY = 86400.0
@@ -242,22 +241,6 @@ class Lease:
         return u
 
 
-def _duration(s: float) -> str:
-    """OpenAI's x-ratelimit-reset-* form: "1s", "6m0s", "1h2m3s"."""
-    whole = math.ceil(s)
-    h, rest = divmod(whole, 3600)
-    m, sec = divmod(rest, 60)
-    if h:
-        return f"{h}h{m}m{sec}s"
-    if m:
-        return f"{m}m{sec}s"
-    return f"{sec}s"
-
-
-def _date(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
 class Limiter:
     """Every key's state; `admit` -> Lease or ApiError 429.
 
@@ -406,31 +389,9 @@ class Limiter:
 
     def _refuse(self, lim: TenantLimits, t: Tenant, now: float, wait: float | None, kind: str,
                 message: str) -> ApiError:
-        extra = self.headers(lim, t, now)
-        if wait is None:
-            extra.append((b"x-should-retry", b"false"))
-        else:
-            extra.append((b"retry-after", str(max(1, math.ceil(wait))).encode()))
-        return ApiError(429, "rate_limit_exceeded", message, extra=extra, kind=kind)
-
-    def headers(self, lim: TenantLimits, t: Tenant, now: float) -> Headers:
-        """x-ratelimit-{limit,remaining,reset}-{requests,tokens} and the Anthropic SDK's
-        anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}."""
-        out: Headers = []
         tokens = (lim.tpm, t.tokens) if lim.tpm is not None else (lim.tpd, t.day)
-        for kind, (limit, window) in (("requests", (lim.rpm, t.requests)), ("tokens", tokens)):
-            if limit is None:
-                continue
-            remaining = max(0, limit - window.used(now))
-            reset = window.empty_in(now)
-            for name, value in ((f"x-ratelimit-limit-{kind}", str(limit)),
-                                (f"x-ratelimit-remaining-{kind}", str(remaining)),
-                                (f"x-ratelimit-reset-{kind}", _duration(reset)),
-                                (f"anthropic-ratelimit-{kind}-limit", str(limit)),
-                                (f"anthropic-ratelimit-{kind}-remaining", str(remaining)),
-                                (f"anthropic-ratelimit-{kind}-reset", _date(now + reset))):
-                out.append((name.encode(), value.encode()))
-        return out
+        return ratelimit.refusal((("requests", lim.rpm, t.requests), ("tokens", *tokens)), now,
+                                 wait, kind, message)
 
     def status(self, now: float, queued: dict[str, int] | None = None) -> dict[str, Any]:
         """Per key: limits, use this minute and the last 24 h, running, queued (`queued`:
