@@ -19,6 +19,7 @@ read by hub/observe/queue_metrics.py: nothing here imports prometheus_client.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -135,8 +136,12 @@ class Admission:
             self.victims.preempt_one(model)
         if not w.granted:
             try:
-                with trio.move_on_after(core.wait_limit(w)):
-                    await woken.wait()
+                limit = trio.current_time() + core.wait_limit(w)
+                while not w.granted and trio.current_time() < limit:
+                    with trio.move_on_at(min(limit, self._quiet_at(model, w.cls))):
+                        await woken.wait()
+                    if not w.granted and trio.current_time() < limit:
+                        self._dispatch(model)  # a key went quiet: its kept place is free
             except BaseException:
                 # Cancelled (the client hung up): out of the queue now, grant passed on.
                 if core.leave(w, timed_out=False):
@@ -232,6 +237,13 @@ class Admission:
 
     def _share_keys(self, cfg: Config) -> None:
         self.core.share = self._share if cfg.auth.clients else None
+
+    def _quiet_at(self, model: str, cls: str) -> float:
+        """When a place kept back for a quiet key frees for the others (inf: never)."""
+        if self.core.share is None:
+            return math.inf
+        t = self.shares.quiet_at(model, cls if self.enabled else NORMAL, trio.current_time())
+        return math.inf if t is None else t
 
     def _fold(self, h: NodeHandle, st: NodeState) -> None:
         self.shared.state(h.name, st)

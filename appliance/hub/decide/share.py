@@ -11,7 +11,8 @@ for one of them to end. So, while more than one key of a class has been active l
 
 -- each other active key keeps back what it uses or waits for, at least one place (so its
 next request finds one free), at most its weighted share; a lone key (the others quiet for
-`ACTIVE_SECONDS`) takes every place again. Work-conserving but for the places kept back.
+`ACTIVE_SECONDS`) takes every place again -- at that moment, not at its next finished
+request: a waiter looks again at `quiet_at`. Work-conserving but for the places kept back.
 Places are the model's over the nodes it can be routed to now; a fleet with a node that
 declares no bound gives nothing to count and nothing is kept. On a one-place fleet nothing
 can be kept back: a light request waits at most for the one running request to end.
@@ -80,6 +81,16 @@ class Shares:
         kept = sum(min(share(k), max(1, k.held + waiting.get(n, 0)))
                    for n, k in active.items() if n != client)
         return max(share(mine), places - kept)
+
+    def quiet_at(self, model: str, cls: str, now: float) -> float | None:
+        """When the next key of the group that holds nothing goes quiet (what it keeps back
+        is free for the others then; the shell looks again at that time), None: none will."""
+        g = self.groups.get((model, cls))
+        if g is None or len(g.keys) < 2:
+            return None
+        ends = [k.seen + self.active_seconds for k in g.keys.values()
+                if k.held == 0 and k.seen + self.active_seconds > now]
+        return min(ends, default=None)
 
     def take(self, model: str, cls: str, client: str, places: int | None, now: float,
              waiting: dict[str, int]) -> bool:

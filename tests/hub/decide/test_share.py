@@ -109,3 +109,46 @@ def test_one_tenant_keeps_nothing_back():
     assert adm.core.share is None
     adm.reload(config.load({"Auth__Clients__0__Name": "x", "Auth__Clients__0__Key": "kx"}))
     assert adm.core.share is not None
+
+
+async def test_the_kept_place_returns_when_the_light_key_goes_quiet(autojump_clock):
+    """One node of four places, the heavy key's requests each an hour long: while the light
+    key is active one place is kept back for it; ACTIVE_SECONDS after its last request the
+    heavy key's waiting request takes that place at once, not an hour later when one of
+    its own ends (the old behaviour: the kept place came back only at a finished request)."""
+    a = handle("a", slots=4)
+    adm = Admission(config.load({"Queue__MaxWaitSeconds": "100000",
+                                 "Auth__Clients__0__Name": "heavy", "Auth__Clients__0__Key": "kh",
+                                 "Auth__Clients__1__Name": "light", "Auth__Clients__1__Key": "kl"}),
+                    registry(a))
+    a.state.max_concurrency = 4
+    adm._on_change()
+    started: list[float] = []
+
+    async def heavy_one() -> None:
+        async with adm.place(MODEL, "normal", "heavy"):
+            started.append(trio.current_time())
+            await trio.sleep(3600)
+
+    async with trio.open_nursery() as n:
+        async with adm.place(MODEL, "normal", "light"):
+            await trio.sleep(1)
+        light_done = trio.current_time()
+        for _ in range(4):
+            n.start_soon(heavy_one)
+        await trio.sleep(1)
+        assert len(started) == 3  # one place kept back for the light key
+        await trio.sleep(ACTIVE_SECONDS)
+        assert len(started) == 4
+        assert started[-1] - light_done <= ACTIVE_SECONDS + 0.01  # at the quiet point
+        n.cancel_scope.cancel()
+
+
+def test_quiet_at_is_when_the_next_idle_key_stops_counting():
+    s = Shares()
+    assert s.quiet_at(MODEL, "normal", 0.0) is None
+    s.arrive(MODEL, "normal", "heavy", 1.0, 0.0)
+    s.arrive(MODEL, "normal", "light", 1.0, 2.0)
+    assert s.take(MODEL, "normal", "heavy", 4, 2.0, {})
+    assert s.quiet_at(MODEL, "normal", 3.0) == 2.0 + ACTIVE_SECONDS  # heavy holds: not it
+    assert s.quiet_at(MODEL, "normal", 2.0 + ACTIVE_SECONDS) is None  # light is quiet now
