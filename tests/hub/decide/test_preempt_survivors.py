@@ -123,3 +123,43 @@ async def test_an_essential_waiter_takes_the_background_place(autojump_clock) ->
         await arrive(n, adm, "essential", "ops", ess, log)
         assert bg.preempted and log == ["batch", "ops"]
         ess.done.set()
+
+
+async def test_an_essential_request_granted_in_its_own_dispatch_preempts_nothing(
+        autojump_clock) -> None:
+    # Mutant: the preempt check without `not w.granted`. Reachable through the fair share
+    # (share.py): key A's essential request waits with a place free -- kept back for the
+    # other active essential keys -- so the next essential request, from B, queues behind
+    # it (one waits ahead) and is granted by the very dispatch its arrival runs. B has its
+    # place: the background request still running must not be preempted for it.
+    r = registry(handle("a", slots=None, max_concurrency=6))
+    adm, _ = make(r, Priority__Preempt="true", Priority__ReserveSlots=0,
+                  Auth__Clients__0__Name="ops", Auth__Clients__0__Key="k")
+    log: list = []
+    bg_old, bg_new = Req(), Req()
+    a_reqs = [Req() for _ in range(4)]
+    b = Req()
+    async with trio.open_nursery() as n:
+        for key in ("B", "C", "D"):  # three more essential keys, active for 10 s
+            quick = Req()
+            quick.done.set()
+            n.start_soon(hold, adm, "essential", key, quick, log)
+        await trio.sleep(1)
+        n.start_soon(hold, adm, "background", "batch", bg_old, log)
+        await trio.sleep(1)
+        n.start_soon(hold, adm, "background", "batch", bg_new, log)
+        await trio.sleep(1)
+        for req in a_reqs[:3]:  # A's share: 6 places less one kept for each of B, C, D
+            n.start_soon(hold, adm, "essential", "A", req, log)
+        await trio.sleep(1)
+        assert log.count("A") == 3 and r.nodes["a"].in_flight_total == 5
+        n.start_soon(hold, adm, "essential", "A", a_reqs[3], log)  # kept back: it waits
+        await trio.sleep(1)
+        # Waiting, it took the newest background request's place (the rule itself) ...
+        assert bg_new.preempted and not bg_old.preempted and log.count("A") == 3
+        n.start_soon(hold, adm, "essential", "B", b, log)
+        await trio.sleep(1)
+        # ... B, granted at once behind it, takes nothing from the older one.
+        assert log[-1] == "B" and not bg_old.preempted and adm.victims.preempted == 1
+        for req in (b, bg_old, *a_reqs):
+            req.done.set()
