@@ -69,6 +69,10 @@ class HubConfig(_Section):
     # is given back, the audit says client_too_slow): a client that stops reading holds
     # nothing longer, and the drain ends whatever clients do.
     write_stall_seconds: PosFloat = 30.0
+    # A client that is behind (the answer waits on it) and reads slower than this, over waits
+    # summing to WriteStallSeconds, is ended the same way (0: any rate). Kestrel's
+    # MinResponseDataRate is 240; 1 KiB/s is still far below any real link.
+    min_read_bytes_per_second: NonNegInt = 1024
     # Open client connections per listener; beyond it new ones wait in the kernel's backlog.
     max_connections: PosInt = 4096
     # Bytes of request bodies held at once per listener; beyond it 503 `busy`.
@@ -154,6 +158,9 @@ class NodeConfig(_Section):
     header_read_seconds: PosFloat = 10.0
     body_read_seconds: PosFloat = 60.0
     write_stall_seconds: PosFloat = 30.0
+    # Off by default: the node's client is the hub, which keeps the rule for its own clients
+    # (a node that cut first would end a stream the hub would have audited client_too_slow).
+    min_read_bytes_per_second: NonNegInt = 0
     # The node's own twins of the hub's settings (it read Hub__* before; those are still
     # read when these are unset, with a warning: NODE_OWN).
     max_body_bytes: PosInt = 32 * MiB

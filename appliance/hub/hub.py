@@ -166,7 +166,8 @@ def hub_limits(cfg: Config) -> Limits:
     uploads = frozenset({b"/v1/files"}) if cfg.store.path else frozenset()
     return Limits(h.header_read_seconds, h.body_read_seconds, h.max_connections,
                   h.max_buffered_bytes, h.max_body_bytes, h.write_stall_seconds,
-                  uploads, cfg.store.max_file_mb * MiB + UPLOAD_SLACK)
+                  uploads, cfg.store.max_file_mb * MiB + UPLOAD_SLACK,
+                  min_read_bytes_per_second=h.min_read_bytes_per_second)
 
 
 def auth_headers(cfg: Config) -> dict[str, str]:

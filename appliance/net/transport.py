@@ -15,8 +15,15 @@ Rules every caller relies on:
 - `send_all` writes everything or raises `OSError`; its waits are shielded unless told
   otherwise (a write cut half-way leaves the peer's framing unknown), but never longer
   than `stall` seconds without progress (then `WriteStalled`: a peer that stopped reading
-  holds nothing), and none waits past `abort_by`'s deadline (the drain's end). The caller holds a
+  holds nothing), nor, with a `min_rate`, lets a peer that is behind read slower than that
+  (below), and none waits past `abort_by`'s deadline (the drain's end). The caller holds a
   lock around it if two tasks could write (trio's SSLStream refuses concurrent sends).
+- The read rate: while the writer waits (the peer is behind: the kernel's buffers are full),
+  the waits are summed; once they reach `stall` seconds, the bytes written since the first of
+  them (read by the peer: the buffers were full at both ends of the span) over that waited time
+  must reach `min_rate`, or the write fails `WriteStalled` (a slow, steady reader holds a place
+  no longer than a stopped one, roughly). Time the writer did not wait is not counted, so an
+  answer that pauses is never taken for a slow reader; per write it costs one addition.
 - `shutdown_write` sends our end (a TCP FIN; on TLS under the TLS records, without a
   close_notify: the peer has what it was owed) so a closing server can drain the read side.
 """
@@ -108,7 +115,7 @@ async def send_all(sock: socket.socket, data: bytes, shield: bool = True,
                 with trio.CancelScope(shield=shield):
                     await trio.lowlevel.wait_writable(sock)
             else:
-                with guard.waiting(shield):
+                with guard.waiting(shield, len(data) - len(view)):
                     await trio.lowlevel.wait_writable(sock)
             continue
         view = view[n:]
@@ -117,33 +124,57 @@ async def send_all(sock: socket.socket, data: bytes, shield: bool = True,
 class Transport:
     """A plain connection: the socket itself (see the module's docstring)."""
 
-    __slots__ = ("sock", "tls", "stall", "_by", "_wait")
+    __slots__ = ("sock", "tls", "stall", "min_rate", "sent", "_by", "_wait", "_mark",
+                 "_behind")
 
-    def __init__(self, sock: socket.socket, stall: float = math.inf) -> None:
+    def __init__(self, sock: socket.socket, stall: float = math.inf,
+                 min_rate: float = 0.0) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.tls = False
         self.stall = stall  # seconds a write may make no progress (math.inf: unbounded)
+        self.min_rate = min_rate  # bytes a second a peer that is behind reads at least (0: any)
+        self.sent = 0  # bytes of finished `send_all`s
         self._by = math.inf  # no write waits past this (the drain's end)
         self._wait: trio.CancelScope | None = None  # the write waiting now
+        self._mark = -1  # `sent` at the first wait of the read-rate span (-1: none open)
+        self._behind = 0.0  # seconds waited in that span
 
     @contextlib.contextmanager
-    def waiting(self, shield: bool) -> Iterator[None]:
-        """One wait of a write: shielded as asked, ended by the stall or by `abort`."""
+    def waiting(self, shield: bool, done: int = 0) -> Iterator[None]:
+        """One wait of a write (`done`: its bytes already out): shielded as asked, ended by
+        the stall or by `abort`; refused when the peer has been reading too slowly."""
         if self.aborted:
             raise WriteStalled(True, _ABORTED)
-        scope = trio.CancelScope(shield=shield,
-                                 deadline=min(trio.current_time() + self.stall, self._by))
+        start = trio.current_time()
+        if self.min_rate:
+            self._judge(self.sent + done)
+        scope = trio.CancelScope(shield=shield, deadline=min(start + self.stall, self._by))
         self._wait = scope
         try:
             with scope:
                 yield
         finally:
             self._wait = None
+            self._behind += trio.current_time() - start
         if scope.cancelled_caught:
             if self.aborted:
                 raise WriteStalled(True, _ABORTED)
             raise WriteStalled(False, f"the peer read nothing for {self.stall:g} s")
+
+    def _judge(self, written: int) -> None:
+        """At a wait (the buffers full again): once the span's waits reach `stall` seconds,
+        the peer must have read `min_rate` bytes a second of them; then a new span opens."""
+        if self._mark < 0:
+            self._mark, self._behind = written, 0.0
+            return
+        if self._behind < self.stall:
+            return
+        rate = (written - self._mark) / self._behind
+        if rate < self.min_rate:
+            raise WriteStalled(False, f"the peer read {rate:.0f} bytes/s while behind for "
+                                      f"{self._behind:.0f} s (under {self.min_rate:g})")
+        self._mark, self._behind = written, 0.0
 
     @property
     def aborted(self) -> bool:
@@ -201,6 +232,7 @@ class Transport:
 
     async def send_all(self, data: bytes, shield: bool = True) -> None:
         await send_all(self.sock, data, shield, self)
+        self.sent += len(data)
 
     def shutdown_write(self) -> bool:
         try:
@@ -225,8 +257,9 @@ class TlsTransport(Transport):
     __slots__ = ("stream",)
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, *, server_side: bool,
-                 server_hostname: str | None = None, stall: float = math.inf) -> None:
-        super().__init__(sock, stall)
+                 server_hostname: str | None = None, stall: float = math.inf,
+                 min_rate: float = 0.0) -> None:
+        super().__init__(sock, stall, min_rate)
         self.tls = True
         self.stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)),
                                      context, server_side=server_side,
@@ -253,12 +286,15 @@ class TlsTransport(Transport):
             if self.stall == math.inf and self._by == math.inf:
                 with trio.CancelScope(shield=shield):
                     await self.stream.send_all(data)
+                self.sent += len(data)
                 return
-            # The TLS stream shows no partial progress: fed in pieces, each bounded.
+            # The TLS stream shows no partial progress: fed in pieces, each bounded (a
+            # piece's write counts as a wait: the peer was behind if it took long).
             view = memoryview(data)
             for i in range(0, max(len(view), 1), TLS_PIECE):
-                with self.waiting(shield):
+                with self.waiting(shield, i):
                     await self.stream.send_all(view[i:i + TLS_PIECE])
+            self.sent += len(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise ConnectionError(str(e) or "TLS connection broken") from None
 

@@ -68,7 +68,8 @@ def node_limits(cfg: Config) -> Limits:
     """The node's listeners: its own read deadlines; connection and buffer bounds as the hub's."""
     return Limits(cfg.node.header_read_seconds, cfg.node.body_read_seconds, cfg.hub.max_connections,
                   cfg.hub.max_buffered_bytes, cfg.node.max_body_bytes,
-                  cfg.node.write_stall_seconds)
+                  cfg.node.write_stall_seconds,
+                  min_read_bytes_per_second=cfg.node.min_read_bytes_per_second)
 
 
 def _limits_line(lim: Limits) -> str:

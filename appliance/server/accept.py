@@ -151,9 +151,9 @@ async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socke
     async def connection(sock: socket.socket) -> None:
         slot = Slot()
         open_slots[slot] = None
-        stall = live.now.write_stall_seconds
-        transport = (TlsTransport(sock, tls, server_side=True, stall=stall) if tls is not None
-                     else Transport(sock, stall))
+        stall, rate = live.now.write_stall_seconds, live.now.min_read_bytes_per_second
+        transport = (TlsTransport(sock, tls, server_side=True, stall=stall, min_rate=rate)
+                     if tls is not None else Transport(sock, stall, rate))
         transports[slot] = transport
         try:
             with slot.cancel:

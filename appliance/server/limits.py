@@ -51,6 +51,9 @@ class Limits:
     # length is bounded by `max_upload_bytes` instead.
     upload_paths: frozenset[bytes] = frozenset()
     max_upload_bytes: int = 0
+    # A client that is behind (its writes wait) and reads slower than this, over waits
+    # summing to `write_stall_seconds`, is ended too (net/transport.py; 0: any rate).
+    min_read_bytes_per_second: int = 0
 
 
 def body_limit(limits: Limits, target: bytes) -> int:

@@ -149,13 +149,15 @@ def held(f: Fleet) -> int:
     return int(r.json()["in_flight"])
 
 
-def stalled_client(f: Fleet, url: str, n: int, headers: dict[str, str]) -> socket.socket:
+def stalled_client(f: Fleet, url: str, n: int, headers: dict[str, str],
+                   rcvbuf: int = 2048) -> socket.socket:
     """A client that asks for a long stream and never reads a byte of it (a 2 KiB
     receive buffer: the server's writes stop making progress once the ~4 MB of socket
-    buffers between them are full)."""
+    buffers between them are full); `rcvbuf=0` keeps the system's receive buffer."""
     host, port = _addr(url)
     raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    if rcvbuf:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     raw.connect((host, port))
     s = (client_ctx(f.tls["ca"], f.tls["hub"]).wrap_socket(raw, server_hostname="127.0.0.1")
          if f.tls else raw)
@@ -196,6 +198,70 @@ def test_clients_that_stop_reading_give_their_places_back_within_the_write_stall
         slow = [x for x in lines if x.get("error") == "client_too_slow"]
         assert len(slow) == 4 and {x["status"] for x in slow} == {499}, [
             (x.get("status"), x.get("error"), x.get("ms")) for x in lines if x.get("kind") == "request"]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def paced_read(s: socket.socket, per_second: int, got: list[int], until: float) -> None:
+    """Reads `s` at about `per_second` bytes a second until its end (or `until`); what it
+    read goes into got[0], and got[1] is 1 when the chunked stream ended properly."""
+    start, tail = time.monotonic(), b""
+    s.settimeout(30)
+    try:
+        while time.monotonic() < until:
+            chunk = s.recv(65536)
+            if not chunk:
+                return
+            got[0] += len(chunk)
+            tail = (tail + chunk)[-16:]
+            if tail.endswith(b"\r\n0\r\n\r\n"):
+                got[1] = 1
+                return
+            ahead = got[0] / per_second - (time.monotonic() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+    except OSError:  # the server ended it (a reset, a TLS EOF)
+        return
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_steady_reader_slower_than_the_minimum_rate_gives_its_place_back(
+        procs, pki, tmp_path, tls):  # noqa: F811
+    # Issue 30 item 4: a client that reads all the time, only slowly, never trips the write
+    # stall. Scaled to a fast test: ~10 MB streams, the stall 3 s, a minimum of 3 MB/s; one
+    # client reads at 1 MB/s (progress well within each stall: the hub's ~4 MB send buffer
+    # wakes its writer every ~1 MB read), one reads raw bytes as fast as it can. The slow
+    # one is ended 499 client_too_slow and its place given back; the fast one gets it all.
+    audit = tmp_path / "audit.jsonl"
+    f = start(procs, pki, tls, {"Hub__WriteStallSeconds": "3", "Audit__Path": str(audit),
+                                "Hub__MinReadBytesPerSecond": str(3 << 20)},
+              {"Node__WriteStallSeconds": "30"})
+    until = time.monotonic() + 40
+    socks = [stalled_client(f, f.hub.url, 1, {"x-request-id": "slow-reader"}),
+             stalled_client(f, f.hub.url, 2, {"x-request-id": "fast-reader"}, rcvbuf=0)]
+    slow, fast = [0, 0], [0, 0]
+    readers = [threading.Thread(target=paced_read, args=(socks[0], 1 << 20, slow, until)),
+               threading.Thread(target=paced_read, args=(socks[1], 1 << 40, fast, until))]
+    for t in readers:
+        t.start()
+    try:
+        for t in readers:
+            t.join(45)
+        assert fast[1] == 1 and fast[0] > 4 << 20, fast  # the whole stream
+        assert slow[1] == 0 and 0 < slow[0] < fast[0], slow  # cut, not finished
+
+        def line(rid: str) -> dict | None:
+            for x in audit.read_text().splitlines():
+                if f'"{rid}"' in x:
+                    return json.loads(x)
+            return None
+
+        cut = wait_until(lambda: line("slow-reader"), timeout=30, what="its audit")
+        assert (cut["status"], cut.get("error")) == (499, "client_too_slow"), cut
+        clean = wait_until(lambda: line("fast-reader"), timeout=30, what="its audit")
+        assert clean["status"] == 200 and not clean.get("error"), clean
+        wait_until(lambda: held(f) == 0, timeout=15, what="the place given back")
     finally:
         for s in socks:
             s.close()
