@@ -67,11 +67,12 @@ class Fleet:
         self.procs = Procs()
         env = {"Auth__NodeToken": TOKEN, "Audit__Path": "/dev/null", "Queue__MaxDepth": "5000",
                "Queue__MaxWaitSeconds": "300", **hub_env}
+        self.audit = env["Audit__Path"]
         for i, (name, extra) in enumerate(clients.items()):
             env.update({f"Auth__Clients__{i}__Name": name, f"Auth__Clients__{i}__Key": name,
                         **{f"Auth__Clients__{i}__{k}": v for k, v in extra.items()}})
         self.hub = self.procs.hub(env, metrics=False)
-        node = self.procs.node("gpu-a", {
+        self.node = node = self.procs.node("gpu-a", {
             "Hub__Url": self.hub.url, "Auth__NodeToken": TOKEN, "Node__AnnounceSeconds": "1",
             "Sim__Models__0__Name": MODEL, "Sim__TokensPerSecond": "100",
             "Sim__Parallel": str(PARALLEL), "Node__MaxConcurrency": str(PARALLEL),
@@ -169,12 +170,50 @@ def run(fn: Callable[[], Awaitable[None]]) -> None:
 
 # --- 1. fairness: heavy and light -------------------------------------------------------
 
+class Cpu:
+    """CPU seconds of processes over a span: their share of one core."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.t0, self.c0 = time.monotonic(), {k: cpu_seconds(p) for k, p in pids.items()}
+
+    def shares(self) -> dict[str, float]:
+        wall = time.monotonic() - self.t0
+        return {k: (cpu_seconds(p) - self.c0[k]) / wall for k, p in self.pids.items()}
+
+
+def light_breakdown(audit: str, since: float, until: float) -> dict[str, float]:
+    """The light key's p95 of the hub's own figures over its requests sent in [since,
+    until) (audit `ts`, wall clock): queue_ms (admission), node_wait_ms (send -> first byte
+    from the node), ttfb_ms (the hub's arrival -> first byte)."""
+    lines = []
+    with open(audit) as fh:
+        for x in map(json.loads, fh):
+            if x.get("kind") == "request" and x.get("client") == "light":
+                lines.append(x)
+    out = {}
+    for k in ("queue_ms", "node_wait_ms", "ttfb_ms"):
+        xs = [float(x.get(k, 0.0)) for x in lines
+              if since <= _ts(x) - x.get("ms", 0) / 1000 < until]
+        out[k] = p95(xs)
+    return out
+
+
+def _ts(x: dict[str, Any]) -> float:
+    return float(x["ts"])
+
+
 def fairness_heavy_light() -> None:
     global start
-    f = Fleet({}, {"heavy": {}, "light": {}})
+    import tempfile
+
+    audit = os.path.join(tempfile.mkdtemp(prefix="tenants-"), "audit.jsonl")
+    f = Fleet({"Audit__Path": audit}, {"heavy": {}, "light": {}})
     alone: list[Result] = []
     both: list[Result] = []
     heavy: list[Result] = []
+    spans: dict[str, tuple[float, float]] = {}
+    cpu: dict[str, dict[str, float]] = {}
 
     async def main() -> None:
         global start
@@ -183,11 +222,15 @@ def fairness_heavy_light() -> None:
         # client itself, never reaching the hub.
         async with client() as c, client() as lc:
             start = trio.current_time()
+            t, meter = time.time(), Cpu({"hub": f.hub.pid, "node": f.node.pid, "bench": os.getpid()})
             await open_loop(lc, f.hub.url, "light", 1.2, 20, alone, stream=True)
+            spans["alone"], cpu["alone"] = (t, time.time()), meter.shares()
             start = trio.current_time()
+            t, meter = time.time(), Cpu({"hub": f.hub.pid, "node": f.node.pid, "bench": os.getpid()})
             async with trio.open_nursery() as n:
                 n.start_soon(open_loop, c, f.hub.url, "heavy", 24.0, 40, heavy)
                 await open_loop(lc, f.hub.url, "light", 1.2, 40, both, stream=True)
+            spans["both"], cpu["both"] = (t, time.time()), meter.shares()
 
     try:
         run(main)
@@ -205,6 +248,14 @@ def fairness_heavy_light() -> None:
           f"{len(ok[1])}/{len(both)}")
     print(f"   heavy key: {len(hv)}/{len(heavy)} answered, p95 total {p95([r.total for r in hv]):.1f} s"
           " (its own backlog)")
+    # Where the light key's first token waited (the hub's audit), and how busy the box was:
+    # a queue_ms near 0 beside the heavy key means the rule let it straight in.
+    for span in ("alone", "both"):
+        b = light_breakdown(audit, *spans[span])
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in cpu[span].items())
+        print(f"   light key {span:5}: p95 queue {b['queue_ms']:.1f} ms, node wait "
+              f"{b['node_wait_ms']:.1f} ms, hub ttfb {b['ttfb_ms']:.1f} ms; CPU of one core: "
+              f"{shares}; load {os.getloadavg()[0]:.1f}")
 
 
 # --- 2. equal keys ------------------------------------------------------------------------
