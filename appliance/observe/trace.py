@@ -5,7 +5,8 @@ so a process without tracing pays nothing -- unless `OTEL_EXPORTER_OTLP_ENDPOINT
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set. Then it builds a TracerProvider whose sampler
 is `OTEL_TRACES_SAMPLER` / `_ARG` (the SDK reads them; default parent-based always-on),
 whose resource is `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` over our default
-service name, exporting OTLP/HTTP protobuf to that endpoint (`/v1/traces` appended).
+service name, exporting OTLP/HTTP protobuf to that endpoint (`/v1/traces` appended),
+encoded and posted by observe/otlp.py (the SDK's encoder cost as much as the request).
 
 Export never blocks or fails a request: an ended span goes into a bounded queue
 (`MAX_QUEUE`) with a non-blocking put, and one daemon thread wakes once a second to
@@ -30,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real imports are in setup(): none without an endpoint
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-    from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from appliance.observe.otlp import Exporter
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +103,9 @@ class Drops:
         return self.full + self.failed
 
 
-def _processor(exporter: SpanExporter, drops: Drops) -> SpanProcessor:
+def _processor(exporter: Exporter, drops: Drops) -> SpanProcessor:
     """A span processor that never blocks: a bounded queue and one export thread."""
     from opentelemetry.sdk.trace import SpanProcessor
-    from opentelemetry.sdk.trace.export import SpanExportResult
 
     class QueueProcessor(SpanProcessor):
         def __init__(self) -> None:
@@ -152,7 +153,7 @@ def _processor(exporter: SpanExporter, drops: Drops) -> SpanProcessor:
 
         def _export(self, batch: list[ReadableSpan]) -> None:
             try:
-                ok = exporter.export(batch) == SpanExportResult.SUCCESS
+                ok = exporter.export(batch)
             except Exception:  # an exporter's bug must not end the thread
                 log.exception("span export failed")
                 ok = False
@@ -208,10 +209,17 @@ class Tracing:
                                       start_time=start_ns, attributes=attributes)
 
     def inject(self, span: Span) -> list[tuple[bytes, bytes]]:
-        """`traceparent` (and `tracestate`) naming `span` as the next hop's parent."""
-        out: dict[str, str] = {}
-        self.propagator.inject(out, context=self._api.set_span_in_context(span))
-        return [(k.encode(), v.encode("latin-1")) for k, v in out.items()]
+        """`traceparent` (and `tracestate`) naming `span` as the next hop's parent: what
+        the W3C propagator writes, formatted here (it costs a context and a lookup)."""
+        ctx = span.get_span_context()
+        if not ctx.is_valid:
+            return []
+        out = [(b"traceparent",
+                f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}".encode())]
+        state = ctx.trace_state.to_header() if ctx.trace_state else ""
+        if state:
+            out.append((b"tracestate", state.encode("latin-1")))
+        return out
 
     def error(self, span: Span, what: str) -> None:
         span.set_status(self._api.Status(self._api.StatusCode.ERROR, what[:200]))
@@ -231,7 +239,6 @@ def setup(service: str, environ: Mapping[str, str] = os.environ) -> Tracing | No
     endpoint."""
     if not enabled(environ):
         return None
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -240,10 +247,10 @@ def setup(service: str, environ: Mapping[str, str] = os.environ) -> Tracing | No
     if not environ.get("OTEL_SERVICE_NAME") and "service.name=" not in environ.get(
             "OTEL_RESOURCE_ATTRIBUTES", ""):
         resource = resource.merge(Resource({"service.name": service}))
+    from appliance.observe.otlp import Exporter
+
     drops = Drops()
-    # The exporter logs every failed or retried batch; the export thread says it once.
-    logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)
-    processor = _processor(OTLPSpanExporter(), drops)
+    processor = _processor(Exporter(environ), drops)
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(processor)
     tracer = provider.get_tracer("appliance")

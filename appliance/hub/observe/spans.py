@@ -80,6 +80,8 @@ class RequestSpan:
             req.request_id = self.trace_id
 
     def _ns(self, perf: float) -> int:
+        """Epoch ns of a perf_counter time: every time of the span from the one clock (the
+        wall clock's steps would put an event past the span's end)."""
         return self.epoch_ns + int((perf - self.perf0) * 1e9)
 
     def attempt(self, node: str) -> None:
@@ -95,7 +97,7 @@ class RequestSpan:
             self.span.add_event("node_attempt", {"appliance.node": node,
                                                  "appliance.attempt": len(self.attempts) + 1})
         else:
-            self.first_attempt_ns = time.time_ns()
+            self.first_attempt_ns = self._ns(time.perf_counter())
         self.attempts.append(node)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -153,4 +155,4 @@ class RequestSpan:
         s.set_attributes(attrs)
         if req.status >= 500:
             self.tracing.error(s, req.error or str(req.status))
-        s.end()
+        s.end(self._ns(time.perf_counter()))  # the clock its events' times come from
