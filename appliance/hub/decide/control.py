@@ -31,7 +31,8 @@ from appliance.config import Config
 from appliance.http.errors import ApiError
 from appliance.hub import translate
 from appliance.hub.decide import activation, capable
-from appliance.hub.decide.placement import Action, Load, Models, Unload
+from appliance.hub.decide.actions import Action, Load, Unload
+from appliance.hub.decide.placement import Models
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.fleet.ops import (
     CONNECT_SECONDS,

@@ -61,7 +61,7 @@ class Node(Protocol):
 
 
 class Reserved(Protocol):
-    """A load in progress, holding its memory (placement.Pending)."""
+    """A load in progress, holding its memory (actions.Pending)."""
 
     @property
     def model(self) -> str: ...

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.config import Config
 from appliance.hub.decide import capable, fit, holds
+from appliance.hub.decide.actions import Action, Load, Pending, Unload
 from appliance.hub.decide.catalog import Health, Spec, catalog, follows_demand
 from appliance.hub.decide.demand import ReplicaDemand
 from appliance.wire import LoadRequest
@@ -27,35 +27,6 @@ BACKOFF_START = 1.0
 # How long a load the node answered 200 counts as a replica before the node's own state
 # shows it: a few heartbeats (DESIGN 2 default 2 s).
 SETTLE_SECONDS = 10.0
-
-
-@dataclass
-class Pending:
-    """A load the shell is carrying out (or one the node answered and has yet to show)."""
-
-    model: str
-    node: str
-    need: int
-    settle_until: float | None = None
-    victims: tuple[str, ...] = ()
-
-
-@dataclass
-class Load:
-    model: str
-    node: str
-    request: LoadRequest
-    victims: list[str] = field(default_factory=list)  # models to unload from `node` first
-
-
-@dataclass
-class Unload:
-    model: str
-    node: str
-    why: str
-
-
-Action = Load | Unload
 
 
 class Models:

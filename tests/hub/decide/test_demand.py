@@ -4,8 +4,9 @@ room, up to Models__N__MaxReplicas; once the wait falls, idle unload takes it ba
 
 from __future__ import annotations
 
+from appliance.hub.decide.actions import Load, Unload
 from appliance.hub.decide.demand import DEMAND_HOLD_SECONDS, DEMAND_WAIT_SECONDS, ReplicaDemand
-from appliance.hub.decide.placement import Load, Models, Unload
+from appliance.hub.decide.placement import Models
 from tests.hub.decide.test_placement import cfg, node, set_state
 
 DEEP = DEMAND_WAIT_SECONDS * 4  # a deep queue's predicted wait

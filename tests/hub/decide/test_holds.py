@@ -11,7 +11,8 @@ import math
 import trio
 
 from appliance.hub.decide import holds
-from appliance.hub.decide.placement import Models, Unload
+from appliance.hub.decide.actions import Unload
+from appliance.hub.decide.placement import Models
 from tests.hub.decide.test_control import make
 from tests.hub.decide.test_placement import cfg, node, set_state
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import trio
 
+from appliance.hub.decide.actions import Unload
 from appliance.hub.decide.control import MAX_IDLE_UNLOADS, Control
-from appliance.hub.decide.placement import Models, Unload
+from appliance.hub.decide.placement import Models
 from appliance.hub.fleet.nodes import Registry
 from appliance.wire import ModelState, NodeState
 from tests.hub.decide.test_control import FakeAudit, FakeOps

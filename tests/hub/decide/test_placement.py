@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from appliance import config
-from appliance.hub.decide.placement import Load, Models, Unload
+from appliance.hub.decide.actions import Load, Unload
+from appliance.hub.decide.placement import Models
 from appliance.hub.fleet.nodes import NodeHandle
 from appliance.wire import EngineInstall, ModelState, NodeState
 
