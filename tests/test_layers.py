@@ -44,7 +44,7 @@ CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.ht
          "appliance.hub.decide.fair", "appliance.hub.decide.limits", "appliance.hub.decide.ratelimit",
          "appliance.hub.decide.affinity", "appliance.hub.decide.capable",
          "appliance.hub.decide.catalog", "appliance.hub.decide.holds",
-         "appliance.hub.decide.actions")
+         "appliance.hub.decide.actions", "appliance.hub.decide.lanes")
 SHELL_LIBS = ("trio", "httpx", "h11", "hypercorn", "anyio", "prometheus_client")
 
 

@@ -34,13 +34,13 @@ from appliance.hub.decide.costroute import CostRouter, places_of
 from appliance.hub.decide.demand import ReplicaDemand
 from appliance.hub.decide.fair import Demand
 from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT
+from appliance.hub.decide.lanes import RANK
 from appliance.hub.decide.place import Gauge, Place, Prompt, Ticket
 from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
     BACKGROUND,
     ESSENTIAL,
     NORMAL,
-    RANK,
     AdmissionCore,
     Fleet,
     count,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from appliance.hub.decide.priority import RANK
+from appliance.hub.decide.lanes import RANK
 
 HOME, MOVED, SENT, CANCELLED = "home", "moved", "sent", "cancelled"
 OUTCOMES = (HOME, MOVED, SENT, CANCELLED)

@@ -12,11 +12,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from appliance.http.errors import ApiError
-from appliance.hub.decide.fair import FairLane
+from appliance.hub.decide.lanes import CLASSES, RANK, Lanes, Waiter
 from appliance.wire import NodeState
 
-CLASSES = ("essential", "normal", "background")
-RANK = {c: i for i, c in enumerate(CLASSES)}
 ESSENTIAL, NORMAL, BACKGROUND = CLASSES
 # The request headers a client lowers its own class with (ASGI names are lower case).
 PRIORITY_HEADERS = (b"x-priority", b"x-inferhub-priority")
@@ -58,13 +56,6 @@ class Node(Protocol):
 
 
 N = TypeVar("N", bound=Node)
-
-
-class Wakeup(Protocol):
-    """The shell's trio.Event a waiter sleeps on (the core only holds it)."""
-
-    def set(self) -> None: ...
-    async def wait(self) -> None: ...
 
 
 def fleet_of(nodes: Iterable[Node], model: str) -> Fleet:
@@ -155,62 +146,6 @@ def count(ready: Iterable[Node], model: str, places_need: int | None = None,
 
 
 Measure = Callable[[int, int], Fleet]
-
-
-class Waiter:
-    """One request waiting for admission. `event` belongs to the shell (a trio.Event)."""
-
-    __slots__ = ("model", "cls", "client", "granted", "event", "cost", "weight", "fair")
-
-    def __init__(self, model: str, cls: str, client: str, cost: int = 0,
-                 weight: float = 1.0) -> None:
-        self.model = model
-        self.cls = cls
-        self.client = client
-        self.granted = False
-        self.event: Wakeup | None = None  # the shell's trio.Event
-        # fair.py: the charge at grant, the key's weight, and (lane, episode) once charged
-        self.cost = cost
-        self.weight = weight
-        self.fair: tuple[FairLane, int] | None = None
-
-
-class Lanes:
-    """Waiters in class order; within a class the fair share between keys (fair.py: FIFO
-    for one key); O(1) removal."""
-
-    __slots__ = ("lanes", "pending")
-
-    def __init__(self) -> None:
-        self.lanes = (FairLane(), FairLane(), FairLane())
-        self.pending = 0
-
-    def __len__(self) -> int:
-        return len(self.lanes[0]) + len(self.lanes[1]) + len(self.lanes[2])
-
-    def at_or_above(self, cls: str) -> int:
-        """How many wait in `cls` or a higher class."""
-        return sum(len(self.lanes[r]) for r in range(RANK[cls] + 1))
-
-    def add(self, w: Waiter) -> None:
-        self.lanes[RANK[w.cls]].add(w)
-
-    def remove(self, w: Waiter) -> bool:
-        return self.lanes[RANK[w.cls]].remove(w)
-
-    def head(self) -> Waiter | None:
-        for lane in self.lanes:
-            if lane:
-                w: Waiter = lane.head()
-                return w
-        return None
-
-    def pop_head(self) -> Waiter:
-        for lane in self.lanes:
-            if lane:
-                w: Waiter = lane.pop()
-                return w
-        raise IndexError("no waiter")
 
 
 class ClassStats:

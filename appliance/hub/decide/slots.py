@@ -8,7 +8,8 @@ trio, no clock; admission.py is the shell that waits.
 
 from __future__ import annotations
 
-from appliance.hub.decide.priority import ESSENTIAL, Lanes, Waiter
+from appliance.hub.decide.lanes import Lanes, Waiter
+from appliance.hub.decide.priority import ESSENTIAL
 
 
 class SlotQueues:

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from appliance.hub.decide.admission import Admission
-from appliance.hub.decide.priority import CLASSES, AdmissionCore
+from appliance.hub.decide.lanes import CLASSES
+from appliance.hub.decide.priority import AdmissionCore
 from appliance.hub.observe.home import HomeWaitCollector
 from appliance.hub.observe.routing import RoutingCollector
 

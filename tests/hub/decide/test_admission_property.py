@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.http.errors import ApiError
-from appliance.hub.decide.priority import CLASSES, RANK, AdmissionCore, fleet_of
+from appliance.hub.decide.lanes import CLASSES, RANK
+from appliance.hub.decide.priority import AdmissionCore, fleet_of
 from tests.harness.admission_fleet import handle, registry, set_state
 
 MODELS = ("m1", "m2")

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.hub.decide.fair import FairLane, cost
-from appliance.hub.decide.priority import AdmissionCore, Fleet, Waiter
+from appliance.hub.decide.lanes import Waiter
+from appliance.hub.decide.priority import AdmissionCore, Fleet
 
 FULL = Fleet(places=0, room=0)
 ONE = Fleet(places=1, room=1)
