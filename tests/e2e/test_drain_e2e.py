@@ -61,7 +61,7 @@ def test_sigterm_ends_streams_the_buffers_hold_for_clients_that_never_read_withi
         took = time.monotonic() - t0
         # The drain, the listener's 2 s to end cut streams, a worker's exit; the stall
         # (30 s) is far past it.
-        assert code == 0 and took < DRAIN_S + 2 + 6, f"the hub took {took:.1f} s to exit"
+        assert code == 0 and took < DRAIN_S + 2 + 10, f"the hub took {took:.1f} s to exit"
         lines = [json.loads(x) for x in audit.read_text().splitlines() if "never-read" in x]
         assert sorted(x["request_id"] for x in lines) == [f"never-read-{i}" for i in range(4)]
         assert {(x["status"], x.get("error")) for x in lines} == {(200, "shutting_down")}, [

@@ -99,9 +99,18 @@ def fleet(tmp_path_factory):
 def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50,
                 during=None) -> list[str]:
     """`n` concurrent streams; each outcome: "done", "error:<code>", "refused:<code>" or
-    "LOST:<why>" (no complete response and no clean error: must never happen)."""
+    "LOST:<why>" (no complete response and no clean error: must never happen). `during`
+    is called with an event set once every stream has its first line (a fault after it is
+    not retried: a condition, where a fixed pause raced a loaded box)."""
     out: list[str] = [""] * n
     started = threading.Barrier(n + 1)
+    under_way, firsts, lock = threading.Event(), [0], threading.Lock()
+
+    def first_line() -> None:
+        with lock:
+            firsts[0] += 1
+            if firsts[0] == n:
+                under_way.set()
 
     def one(i: int) -> None:
         try:
@@ -120,7 +129,12 @@ def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50,
                     err = r.json()["error"]
                     out[i] = f"refused:{err['code'] if isinstance(err, dict) else err[:40]}"
                     return
-                lines = [x for x in r.iter_lines() if x.strip()]
+                lines = []
+                for x in r.iter_lines():
+                    if x.strip():
+                        lines.append(x)
+                        if len(lines) == 1:
+                            first_line()
             if api == "openai":
                 last = lines[-1][len("data: "):] if lines else ""
                 if last == "[DONE]":
@@ -146,7 +160,7 @@ def run_streams(url: str, n: int, *, api: str = "openai", tokens: int = 50,
         t.start()
     started.wait()
     if during is not None:
-        during()
+        during(under_way)
     for t in threads:
         t.join(CLIENT_TIMEOUT + 10)
     assert not any(t.is_alive() for t in threads), "a request hung past its bound"
@@ -192,9 +206,9 @@ def test_kill_9_of_a_node_under_streams(fleet):
     n0, t0 = len(fleet.audit("request")), requests_total(fleet)
     victim = fleet.node("gpu-a")
 
-    def kill():
+    def kill(under_way: threading.Event):
         wait_holding(fleet, "gpu-a")
-        time.sleep(0.5)  # its streams are under way (a fault before the first byte is retried)
+        assert under_way.wait(20), "streams under way"  # a fault before them is retried
         victim.signal(signal.SIGKILL)
 
     got = run_streams(fleet.url, 12, tokens=60, during=kill)
@@ -210,9 +224,9 @@ def test_sigstop_of_a_node_ends_its_streams_with_node_lost(fleet):
     n0, t0 = len(fleet.audit("request")), requests_total(fleet)
     victim = fleet.node("gpu-b")
 
-    def stop():
+    def stop(under_way: threading.Event):
         wait_holding(fleet, "gpu-b")
-        time.sleep(0.5)  # its streams are under way (a fault before the first byte is retried)
+        assert under_way.wait(20), "streams under way"  # a fault before them is retried
         victim.signal(signal.SIGSTOP)
 
     try:
@@ -259,7 +273,7 @@ def test_hub_restart_under_load_refuses_nothing_falsely(fleet):
     workers = [threading.Thread(target=load) for _ in range(4)]
     for w in workers:
         w.start()
-    time.sleep(1)
+    wait_until(lambda: outcomes.count("ok") >= 4, 30, "the load served before the restart")
     fleet.hub.signal(signal.SIGTERM)
     assert fleet.hub.wait_exit(20) == 0
     start_hub(fleet)
@@ -280,8 +294,8 @@ def test_hub_restart_under_load_refuses_nothing_falsely(fleet):
 def test_sigterm_of_the_hub_ends_streams_longer_than_the_drain_with_shutting_down(fleet):
     n0 = len(fleet.audit("request"))
 
-    def term():
-        time.sleep(0.8)
+    def term(under_way: threading.Event):
+        assert under_way.wait(20), "streams under way"  # each accepted and answering
         fleet.hub.signal(signal.SIGTERM)
 
     got = run_streams(fleet.url, 6, tokens=150, during=term)  # ~6 s streams, 1 s drain

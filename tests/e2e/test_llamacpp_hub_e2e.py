@@ -39,12 +39,14 @@ def fleet(tmp_path_factory, real_server: RealServer):
     f = Fleet(token=TOKEN)
     f.server = real_server
     try:
+        # A Python llama_cpp.server starting on a busy 2-core box can take over a minute:
+        # generous start and activation waits (the cases are about behaviour, not speed).
         node_env = {"Engine__Kind": "llamacpp", "Engine__Command": real_server.command,
-                    "Engine__StartTimeoutSeconds": "60"}
+                    "Engine__StartTimeoutSeconds": "150"}
         a = f.start_node("gpu-a", {**node_env, "Node__MemoryMb": "2000"}, announce=False)
         b = f.start_node("gpu-b", {**node_env, "Node__MemoryMb": "1000"}, announce=False)
         f.start_hub({
-            "Hub__ControlIntervalSeconds": "0.2",
+            "Hub__ControlIntervalSeconds": "0.2", "Router__ActivationWaitSeconds": "150",
             "Nodes__0__Name": "gpu-a", "Nodes__0__Url": a.url,
             "Nodes__1__Name": "gpu-b", "Nodes__1__Url": b.url,
             "Models__0__Name": "tiny", "Models__0__Source": str(tiny),
@@ -55,7 +57,7 @@ def fleet(tmp_path_factory, real_server: RealServer):
             # Keep five real failures quick: the backoff between attempts is capped at 0.5 s.
             "Models__RetryBackoffMaxSeconds": "0.5",
         }, metrics=False)
-        f.client = f.openai()
+        f.client = f.openai(timeout=180)
         f.wait(lambda: len(f.nodes()) == 2 and all(n["status"] == "up"
                                                    for n in f.nodes().values()),
                "both nodes up")
@@ -161,7 +163,7 @@ def _same_stream_as_the_engine_alone(fleet, node) -> None:
 
     def deltas(url: str) -> list[str]:
         out = []
-        with httpx.stream("POST", url, json=body, timeout=60) as r:
+        with httpx.stream("POST", url, json=body, timeout=180) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -180,7 +182,7 @@ def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
     import anthropic
     import ollama
 
-    ol = ollama.Client(host=fleet.hub.url, timeout=120)
+    ol = ollama.Client(host=fleet.hub.url, timeout=180)
     opts = {"temperature": 0, "seed": 3, "num_predict": 12}
     whole = ol.chat(model="tiny", messages=MESSAGES, options=opts)
     show = ol.show("tiny")  # from the GGUF's header, read by the node
@@ -200,7 +202,7 @@ def test_ollama_anthropic_and_responses_clients_on_a_llamacpp_model(fleet):
                                                           "num_ctx": 4 * make_gguf.N_CTX})
     assert ei.value.status_code == 400 and f"({make_gguf.N_CTX})" in ei.value.error
 
-    ac = anthropic.Anthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=120)
+    ac = anthropic.Anthropic(base_url=fleet.hub.url, api_key="anyone", max_retries=0, timeout=180)
     m = ac.messages.create(model="tiny", max_tokens=12, extra_body={"temperature": 0},
                            messages=MESSAGES)
     with ac.messages.stream(model="tiny", max_tokens=12, extra_body={"temperature": 0},
@@ -227,7 +229,7 @@ def test_langchain_chat_models_on_a_llamacpp_model(fleet):
                             seed=3),
                  ChatOpenAI(model="tiny", base_url=fleet.hub.url + "/v1", api_key="anyone",
                             max_tokens=10,
-                            temperature=0, seed=3, max_retries=0, timeout=120)):
+                            temperature=0, seed=3, max_retries=0, timeout=180)):
         whole = chat.invoke("hi")
         streamed = "".join(c.content for c in chat.stream("hi"))
         ascii_only = lambda s: "".join(ch for ch in s if ord(ch) < 128)  # noqa: E731

@@ -182,7 +182,7 @@ def test_clients_that_stop_reading_give_their_places_back_within_the_write_stall
     audit = tmp_path / "audit.jsonl"
     f = start(procs, pki, tls, {"Hub__WriteStallSeconds": str(STALL_S),
                                 "Audit__Path": str(audit)},
-              {"Node__WriteStallSeconds": str(STALL_S * 5)})  # the hub's fires first
+              {"Node__WriteStallSeconds": str(STALL_S * 30)})  # the hub's fires first
     t0 = time.monotonic()
     socks = [stalled_client(f, f.hub.url, i, {}) for i in range(4)]
     try:
@@ -190,8 +190,9 @@ def test_clients_that_stop_reading_give_their_places_back_within_the_write_stall
         wait_until(lambda: held(f) == 0, timeout=STALL_S + 15, what="the places given back")
         # The stall counts from when the writes stop progressing: after the sim has made
         # ~10 MB of events per stream and they filled the socket buffers (a few seconds on
-        # a loaded 2-core box), then WriteStallSeconds.
-        assert time.monotonic() - t0 < STALL_S + 2 + 4
+        # a loaded 2-core box), then WriteStallSeconds; generous, far below the node's own
+        # stall (60 s). Who cut them is the audit's `client_too_slow` below.
+        assert time.monotonic() - t0 < STALL_S + 20
         r = f.chat("sim-small", max_tokens=3, timeout=30)
         assert r.status_code == 200
         lines = [json.loads(x) for x in audit.read_text().splitlines() if x.strip()]
@@ -281,9 +282,10 @@ def test_sigterm_with_clients_that_never_read_exits_within_the_drain(procs, pki,
         time.sleep(1)  # let the writes fill the buffers and block
         t0 = time.monotonic()
         target.signal(signal.SIGTERM)
-        code = target.wait_exit(2 + 5 + 5)
+        code = target.wait_exit(2 + 10 + 10)
         took = time.monotonic() - t0
-        assert code is not None and took < 2 + 5, f"{role} took {took:.1f} s to exit"
+        # The drain (2 s) and slack for a busy box, far below the write stall (30 s).
+        assert code is not None and took < 2 + 10, f"{role} took {took:.1f} s to exit"
     finally:
         for s in socks:
             s.close()
