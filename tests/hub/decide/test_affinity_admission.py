@@ -5,23 +5,13 @@ from __future__ import annotations
 
 import trio
 import trio.testing
-from prometheus_client import CollectorRegistry
 
-from appliance import config
 from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.affinity import SESSION, SPREAD, Route, rendezvous, route_key
-from appliance.hub.observe import queue_metrics
 from tests.harness.admission_fleet import MODEL, handle, registry
+from tests.hub.decide.test_admission import make
 
 HOT = b"one-hot-session!"
-
-
-def make(r, **env) -> tuple[Admission, CollectorRegistry]:
-    env = {"Priority__Enabled": "true", **{k: str(v) for k, v in env.items()}}
-    metrics = CollectorRegistry()
-    adm = Admission(config.load(env), r)
-    queue_metrics.register(metrics, adm)
-    return adm, metrics
 
 
 async def go(adm: Admission, cls: str, client: str, log: list, hold: trio.Event | None = None,

@@ -5,7 +5,9 @@ started stream is never cut."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import httpx
@@ -97,11 +99,17 @@ async def until(cond: Callable[[], object]) -> None:
         await trio.sleep(0.01)  # virtual
 
 
-async def essential_behind_background(node: Node, preempt: bool = True
-                                      ) -> tuple[Hub, dict[str, httpx.Response], bool]:
-    """A background request holds the one place, an essential one comes and waits; then the
-    background one is released. (The hub, both answers, whether the background one's engine
-    work was cancelled while the essential one waited.)"""
+@dataclass
+class Scene:
+    hub: Hub
+    nursery: trio.Nursery
+    ask: Callable[[str], Awaitable[None]]  # ask("ess"): post() as essential
+    got: dict[str, httpx.Response]
+
+
+@asynccontextmanager
+async def background_arrived(node: Node, preempt: bool = True) -> AsyncIterator[Scene]:
+    """A hub in front of `node` (one place), and a background request arrived there."""
     got: dict[str, httpx.Response] = {}
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
@@ -109,34 +117,37 @@ async def essential_behind_background(node: Node, preempt: bool = True
             async with httpx.AsyncClient(timeout=15) as c:
                 nursery.start_soon(post, c, url, got, "bg")
                 await node.arrived.wait()
-                nursery.start_soon(post, c, url, got, "ess")
-                await until(lambda: hub.admission.core.classes["essential"].waiting)
-                cancelled = node.cancelled.is_set()
-                node.release.set()
-                await until(lambda: len(got) == 2)
+                yield Scene(hub, nursery, partial(post, c, url, got), got)
             nursery.cancel_scope.cancel()
-    return hub, got, cancelled
+
+
+async def essential_behind_background(node: Node, preempt: bool = True
+                                      ) -> tuple[Hub, dict[str, httpx.Response], bool]:
+    """An essential request comes and waits behind the background one; then the background
+    one is released. (The hub, both answers, whether the background one's engine work was
+    cancelled while the essential one waited.)"""
+    async with background_arrived(node, preempt) as s:
+        s.nursery.start_soon(s.ask, "ess")
+        await until(lambda: s.hub.admission.core.classes["essential"].waiting)
+        cancelled = node.cancelled.is_set()
+        node.release.set()
+        await until(lambda: len(s.got) == 2)
+    return s.hub, s.got, cancelled
 
 
 async def test_essential_takes_the_place_of_background_before_its_first_byte(autojump_clock: trio.testing.MockClock) -> None:
     node = Node(first_byte=False)
-    got: dict[str, httpx.Response] = {}
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            hub, url = await start(nursery, node)
-            async with httpx.AsyncClient(timeout=15) as c:
-                nursery.start_soon(post, c, url, got, "bg")
-                await node.arrived.wait()
-                await post(c, url, got, "ess")
-                await node.cancelled.wait()  # the engine's work was cancelled
-                await until(lambda: "bg" in got)
-            nursery.cancel_scope.cancel()
+    async with background_arrived(node) as s:
+        await s.ask("ess")
+        await node.cancelled.wait()  # the engine's work was cancelled
+        await until(lambda: "bg" in s.got)
+    got = s.got
     assert got["ess"].status_code == 200 and "data: ess" in got["ess"].text
     bg = got["bg"]
     assert bg.status_code == 503 and bg.json()["error"]["code"] == "preempted"
     assert bg.headers["retry-after"] == "5"
     assert node.seen == ["bg", "ess"]
-    assert hub.admission.status_block()["preempted"] == 1  # type: ignore[index]
+    assert s.hub.admission.status_block()["preempted"] == 1  # type: ignore[index]
 
 
 async def test_a_started_stream_is_never_cut(autojump_clock: trio.testing.MockClock) -> None:
@@ -152,22 +163,15 @@ async def test_a_preempt_after_the_first_byte_cuts_nothing(
     """Whoever asks (a race with the victim choice), the relay cuts only before the first
     byte: the request's own flag set mid-stream leaves the stream whole."""
     node = Node(first_byte=True)
-    got: dict[str, httpx.Response] = {}
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            hub, url = await start(nursery, node)
-            async with httpx.AsyncClient(timeout=15) as c:
-                nursery.start_soon(post, c, url, got, "bg")
-                await node.arrived.wait()
-                await until(lambda: hub.admission.victims.holding("m"))
-                [req] = hub.admission.victims.holding("m")
-                await until(req.first_byte)
-                req.preempt()
-                await trio.sleep(0.1)  # virtual
-                node.release.set()
-                await until(lambda: "bg" in got)
-            nursery.cancel_scope.cancel()
-    assert got["bg"].status_code == 200 and got["bg"].text.endswith("data: [DONE]\n\n")
+    async with background_arrived(node) as s:
+        await until(lambda: s.hub.admission.victims.holding("m"))
+        [req] = s.hub.admission.victims.holding("m")
+        await until(req.first_byte)
+        req.preempt()
+        await trio.sleep(0.1)  # virtual
+        node.release.set()
+        await until(lambda: "bg" in s.got)
+    assert s.got["bg"].status_code == 200 and s.got["bg"].text.endswith("data: [DONE]\n\n")
     assert not node.cancelled.is_set()
 
 
