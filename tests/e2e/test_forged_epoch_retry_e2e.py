@@ -31,7 +31,7 @@ def test_a_load_refused_by_a_repeated_forgery_is_served_after_it(tmp_path, vecto
         wait_until(lambda: any(n["status"] == "up" for n in f.status(leader)["nodes"]),
                    timeout=30, what="n1 up")
         node = f.node_procs["n1"].url
-        stop = threading.Event()
+        stop, fenced = threading.Event(), threading.Event()
 
         path = "epoch" if vector == "epoch" else "models/od-c/load"
 
@@ -41,11 +41,12 @@ def test_a_load_refused_by_a_repeated_forgery_is_served_after_it(tmp_path, vecto
                            headers={"authorization": f"Bearer {TOKEN}",
                                     "x-appliance-epoch": "999999999999",
                                     "x-appliance-lease": "31536000"})
+                fenced.set()  # the node took the forged epoch: a condition, not a pause
                 time.sleep(0.3)
 
         forger = threading.Thread(target=forge, daemon=True)
         forger.start()
-        time.sleep(1.0)
+        assert fenced.wait(30), "the forgery never reached the node"
         t0 = time.monotonic()
         threading.Timer(FORGERY_SECONDS, stop.set).start()
         r = f.chat("od-b", hub=leader, timeout=60)  # asked while fenced: refused, asked again
