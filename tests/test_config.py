@@ -1,12 +1,11 @@
 """Config parsing: names, lists, profiles, prefixes, env files, and one-line failures."""
 
-import subprocess
-import sys
 
 import pytest
 
 from appliance import config
 from appliance.config import ConfigError, load
+from tests.harness.fleet import Fleet
 
 
 def test_defaults_match_the_contract():
@@ -100,10 +99,8 @@ def test_parse_listen():
 
 
 def test_cli_exits_2_with_one_line():
-    r = subprocess.run([sys.executable, "-m", "appliance", "hub"], capture_output=True, text=True,
-                       env={"Priority__Enabled": "true", "Auth__Clients__0__Key": "k",
-                            "Auth__Clients__0__Priority": "backgroud", "PATH": "/usr/bin"},
-                       timeout=60)
+    r = Fleet(token=None).run("hub", {"Priority__Enabled": "true", "Auth__Clients__0__Key": "k",
+                                      "Auth__Clients__0__Priority": "backgroud"})
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1
@@ -112,8 +109,7 @@ def test_cli_exits_2_with_one_line():
 
 
 def test_cli_version():
-    r = subprocess.run([sys.executable, "-m", "appliance", "--version"], capture_output=True,
-                       text=True, timeout=60)
+    r = Fleet().run("--version", {})
     assert r.returncode == 0 and r.stdout.startswith("appliance 0.1.0")
 
 

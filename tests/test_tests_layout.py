@@ -79,14 +79,14 @@ def starts_without_the_fleet(tree) -> list[tuple[int, str]]:
     return found
 
 
-def test_every_e2e_test_starts_its_processes_through_the_fleet():
-    """tests/e2e starts hubs, nodes, sims and `up` only through tests/harness/fleet.Fleet
+def test_every_test_starts_its_processes_through_the_fleet():
+    """Tests start hubs, nodes, sims and `up` only through tests/harness/fleet.Fleet
     (start_hub, start_node, start_sim, start, run, ctl): one place that knows how a
     process joins the others, is waited for and is stopped by pid."""
     import ast
 
     bypass = [f"{path.relative_to(ROOT)}:{line} {what}"
-              for path in sorted((TESTS / "e2e").glob("*.py"))
+              for path in sorted(TESTS.rglob("*.py")) if path.parent.name != "harness"
               for line, what in starts_without_the_fleet(ast.parse(path.read_text("utf-8")))]
     assert not bypass, f"start processes with tests.harness.fleet.Fleet: {bypass}"
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.harness import ROOT
+from tests.harness.fleet import Fleet
 from tests.harness.procs import wait_until
 
 DASHBOARD = ROOT / "packaging" / "grafana" / "appliance.json"
@@ -92,16 +93,13 @@ def _sample_names(text: str) -> set[str]:
 def test_every_series_is_in_a_live_scrape(procs, tmp_path):
     from tests.harness.pki import make_ca, make_cert
 
-    hub = procs.hub({"Auth__NodeToken": "t", "Priority__Enabled": "true",
-                     "Queue__MaxWaitSeconds": "30",
-                     "Models__0__Name": "sim-small", "Models__0__Replicas": "1"})
-    node = procs.start("node", {"Node__Name": "gpu-a", "Node__Listen": "127.0.0.1:0",
-                                "Metrics__Listen": "127.0.0.1:0",
-                                "Engine__Kind": "sim", "Node__HeartbeatSeconds": "0.5",
-                                "Hub__Url": hub.url,
-                                "Auth__NodeToken": "t", "Node__MaxConcurrency": "1",
-                                "Node__MemoryMb": "4000",
-                                "Sim__TokensPerSecond": "50"}, wait=("node", "metrics"))
+    fleet = Fleet(procs=procs, token="t")
+    hub = fleet.start_hub({"Priority__Enabled": "true", "Queue__MaxWaitSeconds": "30",
+                           "Models__0__Name": "sim-small", "Models__0__Replicas": "1"})
+    node = fleet.start_node("gpu-a", {"Metrics__Listen": "127.0.0.1:0",
+                                      "Node__MaxConcurrency": "1", "Node__MemoryMb": "4000",
+                                      "Sim__TokensPerSecond": "50"})
+    node.wait_listening("node", "metrics")
     wait_until(lambda: httpx.get(hub.url + "/api/status").json()["models"][0]["ready"] == 1,
                what="sim-small ready")
     # Three at once on a node that takes one: two wait in the queue for a while.
@@ -125,7 +123,7 @@ def test_every_series_is_in_a_live_scrape(procs, tmp_path):
     # A hub serving TLS publishes the certificate's expiry.
     ca = make_ca(tmp_path)
     cert, key = make_cert(tmp_path, ca, "hub")
-    tls_hub = procs.hub({"Hub__TlsCert": cert, "Hub__TlsKey": key})
+    tls_hub = fleet.start_hub({"Hub__TlsCert": cert, "Hub__TlsKey": key}, name="tls")
 
     scraped = set()
     for url in (hub.urls["metrics"], node.urls["metrics"], tls_hub.urls["metrics"]):

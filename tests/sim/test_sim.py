@@ -16,6 +16,7 @@ import trio
 from appliance.config import SimConfig, SimModel
 from appliance.sim.core import is_zero_keep_alive
 from appliance.sim.server import FINGERPRINT, VERSION, make_sim_app, serve_sim
+from tests.harness.fleet import Fleet
 
 CHAT = {"model": "sim-small", "messages": [{"role": "user", "content": "why is the sky blue"}]}
 FAIL = "error loading model: unknown model architecture: 'kev'"
@@ -343,10 +344,9 @@ def test_appliance_sim_process_with_official_clients(procs):
     import ollama
     import openai
 
-    env = {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-           "Sim__Models__0__Name": "sim-small", "Sim__Models__1__Name": "kev",
-           "Sim__Models__1__FailLoad": FAIL}
-    p = procs.start("sim", env)
+    p = Fleet(procs=procs).start_sim({"Sim__Models__0__Name": "sim-small",
+                                      "Sim__Models__1__Name": "kev",
+                                      "Sim__Models__1__FailLoad": FAIL})
     oc = openai.OpenAI(base_url=p.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     r = oc.chat.completions.create(model="sim-small", messages=CHAT["messages"], max_tokens=8)
     assert r.system_fingerprint == FINGERPRINT and len(r.choices[0].message.content.split()) == 8

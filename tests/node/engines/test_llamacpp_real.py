@@ -27,6 +27,7 @@ from appliance import config
 from appliance.node.engines.base import EngineError
 from appliance.node.engines.llamacpp import LlamaCppEngine
 from tests.harness import HARNESS, make_gguf
+from tests.harness.fleet import Fleet
 from tests.harness.llama_cache import VERSION, RealServer
 from tests.node.engines.test_llamacpp_engine import alive, wait_gone
 
@@ -156,12 +157,9 @@ def test_real_node_process_loads_serves_refuses_kev_and_dies_clean(procs, gguf_p
     """`appliance node` with Engine__Kind=llamacpp, as an operator runs it."""
     tiny, kev = gguf_pair
     token = "llama-node-secret"
-    node = procs.start("node", {
-        "Node__Name": "llama-e2e", "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+    node = Fleet(procs=procs, token=token).start_node("llama-e2e", {
         "Engine__Kind": "llamacpp", "Engine__Command": real_server.command,
-        "Engine__StartTimeoutSeconds": "60",
-        "Auth__NodeToken": token, "Node__HeartbeatSeconds": "0.5",
-    })
+        "Engine__StartTimeoutSeconds": "60"}, announce=False)
     with httpx.Client(base_url=node.url, headers={"authorization": f"Bearer {token}"},
                       timeout=60) as c:
         (engine,) = c.get("/node/v1/state").json()["engines"]
