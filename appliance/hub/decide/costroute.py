@@ -67,8 +67,9 @@ def free_of(h: Node, model: str) -> int | None:
     left = h.places_left(model)
     st = h.state
     m = st.model(model) if st is not None else None
-    if m is not None and m.busy is not None and m.slots is not None:
-        engine = m.slots - m.busy
+    slots = st.model_slots(model) if st is not None and m is not None else None
+    if m is not None and m.busy is not None and slots is not None:
+        engine = slots - m.busy  # vLLM's busy counts its waiting too: below zero then
         left = engine if left is None else min(left, engine)
     if not h.has_concurrency():
         left = min(0, left or 0)
