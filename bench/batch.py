@@ -12,7 +12,8 @@ second), priority on (reserve 1), one hub with a store. Rounds, one run, side by
      batch completes; output lines, distinct custom_ids, lines run twice (audit lines of
      the batch with status 200, less the line count).
   6. store cost: `--responses` non-streamed Responses requests with `store` left on (the
-     default) and with `store: false`; the hub's CPU seconds per request for each.
+     default) and with `store: false`, alternated `--store-rounds` times; the hub's CPU
+     seconds per request for each, and the medians' ratio.
 
     .venv/bin/python bench/batch.py --lines 2000
 """
@@ -23,6 +24,7 @@ import argparse
 import io
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--tps", type=int, default=200, help="sim tokens per second")
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--responses", type=int, default=300)
+    ap.add_argument("--store-rounds", type=int, default=4, help="store on/off alternations")
     ap.add_argument("--rounds", default="1,2,3,4,5,6", help="which rounds (4 needs 1-3)")
     args = ap.parse_args()
     rounds = {int(r) for r in args.rounds.split(",")}
@@ -207,17 +210,23 @@ def kill_round(b: Bench, args: argparse.Namespace) -> None:
 
 
 def store_round(b: Bench, args: argparse.Namespace) -> None:
-    for store in (True, False, True, False):
-        c = openai.OpenAI(base_url=b.hub.url + "/v1", api_key=OWNER, max_retries=0)
+    """Store on and off alternated `--store-rounds` times each (the machine's noise hits both
+    alike); the median of each and their ratio."""
+    c = openai.OpenAI(base_url=b.hub.url + "/v1", api_key=OWNER, max_retries=0)
+    per: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(2 * args.store_rounds):
+        store = r % 2 == 0
         c.responses.create(model="m", input="warm", max_output_tokens=4, store=store)
         cpu0 = hub_cpu(b.hub.pid)
         for i in range(args.responses):
             c.responses.create(model="m", input=f"question {i}", max_output_tokens=4,
                                store=store)
-        per = (hub_cpu(b.hub.pid) - cpu0) / args.responses * 1000
-        print(f"6. responses, store {'on ' if store else 'off'}: {per:.2f} ms hub CPU per "
-              f"request ({args.responses} requests)", flush=True)
-
+        per[store].append((hub_cpu(b.hub.pid) - cpu0) / args.responses * 1000)
+        print(f"6. responses, store {'on ' if store else 'off'}: {per[store][-1]:.2f} ms hub CPU "
+              f"per request ({args.responses} requests)", flush=True)
+    on, off = statistics.median(per[True]), statistics.median(per[False])
+    print(f"6. store cost: median {on:.2f} ms on vs {off:.2f} ms off: {100 * (on / off - 1):+.0f}%"
+          f" ({args.store_rounds} rounds each)", flush=True)
 
 if __name__ == "__main__":
     main()

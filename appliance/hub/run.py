@@ -153,6 +153,7 @@ async def _store(hub: Hub, *,
     hub.background = Background(lambda: hub.cfg, hub.store, serve)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hub.store.sweep_every)
+        await nursery.start(hub.store.behind.run)
         await nursery.start(hub.batches.run)
         await nursery.start(hub.background.run)
         task_status.started()

@@ -70,7 +70,7 @@ def maker(c: Caller) -> str:
 
 async def find(hub: Hub, store: Store, c: Caller, kind: str, prefix: str, oid: str) -> Obj:
     """The object, or 404 `not_found` -- for one that is absent or another key's alike."""
-    o = await store.run(store.db.get, kind, oid, c.owner)
+    o = await store.get(kind, oid, c.owner)
     if o is not None:
         return o
     holder = ids.holder(oid, prefix)

@@ -91,6 +91,17 @@ class Db:
             if items:
                 self._add_items(o.id, items)
 
+    def put_group(self, group: list[tuple[Obj, list[tuple[str, dict[str, Any]]]]]) -> None:
+        """Objects and their items, in one transaction (hub/store/behind.py)."""
+        with self.conn:
+            for o, items in group:
+                self.put(o)
+                if items:  # a new parent: its items are numbered from 0
+                    self.conn.executemany(
+                        "INSERT INTO items(parent, seq, id, data) VALUES (?,?,?,?)",
+                        [(o.id, i, iid, msgspec.json.encode(d).decode())
+                         for i, (iid, d) in enumerate(items)])
+
     def save(self, o: Obj) -> None:
         """Write back an object's state, bytes, expiry and fields."""
         self.conn.execute("UPDATE objects SET state=?, bytes=?, expires_at=?, data=? WHERE id=?",

@@ -44,7 +44,7 @@ async def history(store: Store, owner: str, prev: str) -> tuple[list[dict[str, A
     oid: str | None = prev
     root = prev
     while oid:
-        o = await store.run(store.db.get, "response", oid, owner)
+        o = await store.get("response", oid, owner)
         if o is None:
             raise ApiError(404, "not_found", f"Previous response with id '{oid}' not found.",
                            param="previous_response_id")
@@ -70,7 +70,7 @@ async def record(store: Store, owner: str, rid: str, response: dict[str, Any], p
                 str(response.get("status") or "completed"),
                 {"response": response, "previous_response_id": prev})
         o.bytes = len(msgspec.json.encode(o.data))
-        await store.put(o, [(i["id"], i) for i in own])
+        await store.put_behind(o, [(i["id"], i) for i in own])
     if conversation:
         turn = own + itemsmod.output_items(response)
         await store.run(store.db.add_items, conversation, [(i["id"], i) for i in turn])

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from appliance.config import StoreConfig
 from appliance.http.errors import ApiError
+from appliance.hub.store.behind import Behind
 from appliance.hub.store.db import Db, Obj
 
 log = logging.getLogger("appliance.hub.store")
@@ -62,6 +63,7 @@ class Store:
         self.limiter = trio.CapacityLimiter(1)
         self.total = 0
         self.owned: dict[str, int] = {}  # objects per owner, once asked (check_quota)
+        self.behind = Behind(db, self.run, self._uncharge)  # stored responses (behind.py)
 
     def reload(self, cfg: StoreConfig) -> None:
         """New bounds (SIGHUP); the path stays the one opened."""
@@ -103,6 +105,28 @@ class Store:
         self.charge(o.bytes)
         if o.owner in self.owned:
             self.owned[o.owner] += 1
+
+    async def put_behind(self, o: Obj, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """A new object committed with others in one group soon (behind.py); read back at
+        once through `get`. Without the group writer running: put now."""
+        if not self.behind.running:
+            await self.put(o, items)
+            return
+        self.room(o.bytes)
+        self.charge(o.bytes)
+        if o.owner in self.owned:
+            self.owned[o.owner] += 1
+        self.behind.put(o, items)
+
+    def _uncharge(self, o: Obj) -> None:
+        self.charge(-o.bytes)
+        if o.owner in self.owned:
+            self.owned[o.owner] -= 1
+
+    async def get(self, kind: str, oid: str, owner: str | None) -> Obj | None:
+        """The object (one still queued behind is committed first), or None."""
+        await self.behind.wait(oid)
+        return await self.run(self.db.get, kind, oid, owner)
 
     async def remove(self, o: Obj) -> None:
         """The object, its lines or items, and its file on disk."""
