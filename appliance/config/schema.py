@@ -304,11 +304,16 @@ class StoreConfig(_Section):
     max_total_mb: PosInt = 10240
     # Stored responses are kept 30 days, as OpenAI keeps them.
     response_days: PosInt = 30
+    # Objects one key may hold (files, batches, responses, conversations): a runaway
+    # client fills its own share, not the disk.
+    max_objects_per_key: Annotated[int, msgspec.Meta(ge=1, le=100_000_000)] = 100_000
 
 
 class BatchConfig(_Section):
     # Batch lines in flight at once per hub (each is background work on the fleet).
     max_concurrent: PosInt = 4
+    # Lines one batch may hold (OpenAI's bound); a batch's lines are checked whole in memory.
+    max_lines: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 50_000
 
 
 class ClusterConfig(_Section):

@@ -233,8 +233,9 @@ async def handle_anthropic(hub: Hub, scope: Scope, receive: Receive, send: Send,
 
 
 async def _create_msgbatch(hub: Hub, store: Store, owner: str, req: _MsgCreate) -> Obj:
-    if not req.requests or len(req.requests) > lines.MAX_LINES:
-        raise ApiError(400, "invalid_request", f"requests: 1 to {lines.MAX_LINES}")
+    most = hub.cfg.batch.max_lines
+    if not req.requests or len(req.requests) > most:
+        raise ApiError(400, "invalid_request", f"requests: 1 to {most} (Batch__MaxLines)")
     seen: set[str] = set()
     rows: list[tuple[int, str, str, str | None, str | None]] = []
     for i, r in enumerate(req.requests):

@@ -26,8 +26,8 @@ from appliance.hub.store.db import Db, Obj
 log = logging.getLogger("appliance.hub.store")
 
 # A group commits this long after its first object, or at GROUP_MAX objects.
-GROUP_SECONDS = 0.05
-GROUP_MAX = 256
+GROUP_SECONDS = 0.5
+GROUP_MAX = 512
 # What is queued at a clean stop is committed within this bound.
 FLUSH_SECONDS = 10.0
 

@@ -92,15 +92,16 @@ class Db:
                 self._add_items(o.id, items)
 
     def put_group(self, group: list[tuple[Obj, list[tuple[str, dict[str, Any]]]]]) -> None:
-        """Objects and their items, in one transaction (hub/store/behind.py)."""
+        """New objects and their items (new parents: numbered from 0), in one transaction
+        of two statements (hub/store/behind.py)."""
+        enc = msgspec.json.encode
         with self.conn:
-            for o, items in group:
-                self.put(o)
-                if items:  # a new parent: its items are numbered from 0
-                    self.conn.executemany(
-                        "INSERT INTO items(parent, seq, id, data) VALUES (?,?,?,?)",
-                        [(o.id, i, iid, msgspec.json.encode(d).decode())
-                         for i, (iid, d) in enumerate(items)])
+            self.conn.executemany(f"INSERT INTO objects({_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                                  [(o.id, o.kind, o.owner, o.created_at, o.expires_at, o.bytes,
+                                    o.state, enc(o.data).decode()) for o, _ in group])
+            self.conn.executemany("INSERT INTO items(parent, seq, id, data) VALUES (?,?,?,?)",
+                                  [(o.id, i, iid, enc(d).decode()) for o, items in group
+                                   for i, (iid, d) in enumerate(items)])
 
     def save(self, o: Obj) -> None:
         """Write back an object's state, bytes, expiry and fields."""

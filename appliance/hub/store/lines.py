@@ -20,8 +20,6 @@ from typing import Any
 
 import msgspec
 
-# OpenAI's bound on one batch; a batch's lines live in the store until it is deleted.
-MAX_LINES = 50_000
 # Endpoints a batch line may name (as OpenAI's Batch API takes them).
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # Anthropic's custom_id rule (Message Batches API reference).
@@ -47,16 +45,17 @@ def _fail(idx: int, cid: str, code: str, message: str) -> Row:
     return (idx, cid, "failed", None, error_result(code, f"line {idx + 1}: {message}"))
 
 
-def check_lines(lines: Iterable[bytes], endpoint: str) -> Iterator[Row]:
-    """One row per non-empty input line, in order; at most MAX_LINES (then raises)."""
+def check_lines(lines: Iterable[bytes], endpoint: str, max_lines: int) -> Iterator[Row]:
+    """One row per non-empty input line, in order; at most `max_lines` (Batch__MaxLines;
+    then raises)."""
     seen: set[str] = set()
     idx = -1
     for raw in lines:
         if not raw.strip():
             continue
         idx += 1
-        if idx >= MAX_LINES:
-            raise ValueError(f"the input has more than {MAX_LINES} lines")
+        if idx >= max_lines:
+            raise ValueError(f"the input has more than Batch__MaxLines={max_lines} lines")
         try:
             obj = msgspec.json.decode(raw)
         except (msgspec.DecodeError, RecursionError):

@@ -166,13 +166,14 @@ class Batches:
     async def _validate(self, b: Obj) -> None:
         path = self.store.file_path(b.data["input_file_id"])
         endpoint = b.data["endpoint"]
+        most = self.cfg().batch.max_lines
         problem = ""
 
         def check() -> None:
             nonlocal problem
             try:
                 with open(path, "rb") as f:
-                    rows = list(lines.check_lines(f, endpoint))
+                    rows = list(lines.check_lines(f, endpoint, most))
             except FileNotFoundError:
                 problem = "the input file is gone"
                 return

@@ -37,9 +37,6 @@ T = TypeVar("T")
 MiB = 1024 * 1024
 # Expired objects are looked for this often; OpenAI's expiries are hours to days.
 SWEEP_SECONDS = 600.0
-# Objects per key (files, batches, responses, conversations): a runaway client fills its
-# own share, not the disk -- OpenAI's organisation limit on files is 10,000 per purpose.
-MAX_OBJECTS_PER_KEY = 100_000
 
 
 class StoreMetrics:
@@ -141,9 +138,10 @@ class Store:
     async def check_quota(self, owner: str) -> None:
         if owner not in self.owned:  # counted once, then kept by put and remove
             self.owned[owner] = await self.run(self.db.count, owner)
-        if self.owned[owner] >= MAX_OBJECTS_PER_KEY:
-            raise ApiError(507, "store_full", f"this key holds {MAX_OBJECTS_PER_KEY} objects, "
-                           "the most one key may; delete some first")
+        most = self.cfg.max_objects_per_key
+        if self.owned[owner] >= most:
+            raise ApiError(507, "store_full", f"this key holds {most} objects, the most one key "
+                           "may (Store__MaxObjectsPerKey); delete some first")
 
     async def sweep(self) -> None:
         """Drop what has expired, a bounded number at a time."""

@@ -92,7 +92,7 @@ def test_check_lines_bad_lines_are_error_rows_and_the_rest_run():
     raw = [_line("a", stream=True), b"{not json", b"[1]", b"", _line("a"),
            _line("b", url="/v1/embeddings"), json.dumps({"custom_id": "c", "body": {}}).encode(),
            _line("d")]
-    rows = list(lines.check_lines(raw, "/v1/chat/completions"))
+    rows = list(lines.check_lines(raw, "/v1/chat/completions", 100))
     assert [r[2] for r in rows] == ["pending", "failed", "failed", "failed", "failed", "failed",
                                     "pending"]
     assert [r[0] for r in rows] == list(range(7))  # the empty line is not a line
@@ -102,10 +102,44 @@ def test_check_lines_bad_lines_are_error_rows_and_the_rest_run():
     assert json.loads(rows[1][4])["error"]["code"] == "invalid_json"
 
 
-def test_check_lines_bounds_the_count():
-    with pytest.raises(ValueError):
-        list(lines.check_lines((_line(f"x{i}") for i in range(lines.MAX_LINES + 1)),
-                               "/v1/chat/completions"))
+def test_check_lines_bounds_the_count_at_batch_max_lines():
+    assert len(list(lines.check_lines((_line(f"x{i}") for i in range(10)),
+                                      "/v1/chat/completions", 10))) == 10
+    with pytest.raises(ValueError, match="Batch__MaxLines=10"):
+        list(lines.check_lines((_line(f"x{i}") for i in range(11)), "/v1/chat/completions", 10))
+
+
+def test_store_bounds_are_settings_validated_at_start():
+    from appliance.config import ConfigError, load
+
+    cfg = load({"Store__MaxObjectsPerKey": "3", "Batch__MaxLines": "7"})
+    assert cfg.store.max_objects_per_key == 3 and cfg.batch.max_lines == 7
+    assert load({}).store.max_objects_per_key == 100_000 and load({}).batch.max_lines == 50_000
+    for bad in ({"Store__MaxObjectsPerKey": "0"}, {"Batch__MaxLines": "0"},
+                {"Batch__MaxLines": "2000000"}, {"Store__MaxObjectsPerKey": "x"}):
+        with pytest.raises(ConfigError, match=next(iter(bad)).split("__")[1]):
+            load(bad)
+
+
+async def test_objects_per_key_follow_the_setting_and_a_reload(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from appliance.config import StoreConfig
+    from appliance.http.errors import ApiError
+    from appliance.hub.store.store import open_store
+
+    cfg = StoreConfig(path=str(tmp_path / "store.db"), max_objects_per_key=2)
+    store = open_store(cfg, "h", CollectorRegistry())
+    assert store is not None
+    for i in range(2):
+        await store.check_quota("a")
+        await store.put(Obj(f"resp_h-{i}", "response", "a", 1, None, 1, "completed", {}))
+    with pytest.raises(ApiError) as e:
+        await store.check_quota("a")
+    assert e.value.status == 507 and "Store__MaxObjectsPerKey" in str(e.value)
+    await store.check_quota("b")  # another key has its own share
+    store.reload(msgspec.structs.replace(cfg, max_objects_per_key=3))
+    await store.check_quota("a")
 
 
 def test_output_shapes():
