@@ -137,6 +137,7 @@ async def _store(hub: Hub, *,
     """Store__Path: files, batches, stored responses (hub/store/); batches resume here."""
     from appliance.hub.api.router import handle_inference
     from appliance.hub.store import store
+    from appliance.hub.store.beside import Beside, of_admission
     from appliance.hub.store.responses import Background
     from appliance.hub.store.runner import Batches
 
@@ -149,8 +150,9 @@ async def _store(hub: Hub, *,
         task_status.started()
         return
     serve = partial(handle_inference, hub.routing)
-    hub.batches = Batches(lambda: hub.cfg, hub.store, serve)
-    hub.background = Background(lambda: hub.cfg, hub.store, serve)
+    beside = Beside(of_admission(hub.admission))  # lines step aside for other work
+    hub.batches = Batches(lambda: hub.cfg, hub.store, serve, beside)
+    hub.background = Background(lambda: hub.cfg, hub.store, serve, beside)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hub.store.sweep_every)
         await nursery.start(hub.store.behind.run)

@@ -25,6 +25,7 @@ import trio
 from appliance.config import Config
 from appliance.http.errors import ApiError
 from appliance.hub.store import items as itemsmod
+from appliance.hub.store.beside import Beside
 from appliance.hub.store.db import Obj
 from appliance.hub.store.runner import Serve, run_line, snapshot
 from appliance.hub.store.store import Store
@@ -79,8 +80,10 @@ async def record(store: Store, owner: str, rid: str, response: dict[str, Any], p
 class Background:
     """`background: true` responses: run one by one off their request, cancellable."""
 
-    def __init__(self, cfg: Callable[[], Config], store: Store, serve: Serve) -> None:
+    def __init__(self, cfg: Callable[[], Config], store: Store, serve: Serve,
+                 beside: Beside | None = None) -> None:
         self.cfg, self.store, self.serve = cfg, store, serve
+        self.beside = beside or Beside(None)  # shared with the batches (beside.py)
         # Background responses in flight at once: as many as batch lines (the rest queue).
         self.limiter = trio.CapacityLimiter(cfg().batch.max_concurrent)
         self.scopes: dict[str, trio.CancelScope] = {}
@@ -111,9 +114,13 @@ class Background:
     async def _one(self, o: Obj, cs: trio.CancelScope) -> None:
         resp = dict(o.data["response"])
         status, body = 0, b""
+        going = False
         try:
             with cs:
                 await self.limiter.acquire_on_behalf_of(cs)
+                await self.beside.room(self.cfg().batch.max_concurrent)
+                self.beside.started()
+                going = True
                 o.state = resp["status"] = "in_progress"
                 o.data["response"] = resp
                 await self.store.run(self.store.db.save, snapshot(o))
@@ -122,6 +129,8 @@ class Background:
                                                  "", o.data.setdefault("request_id",
                                                                        secrets.token_hex(16)))
         finally:
+            if going:
+                self.beside.ended()
             if cs in self.limiter.statistics().borrowers:
                 self.limiter.release_on_behalf_of(cs)
             self.scopes.pop(o.id, None)

@@ -33,6 +33,7 @@ from appliance.http.asgi import Receive, Scope, Send
 from appliance.http.errors import api_of, error_body
 from appliance.hub.api.request import BATCH_SCOPE
 from appliance.hub.store import lines
+from appliance.hub.store.beside import Beside
 from appliance.hub.store.db import Obj
 from appliance.hub.store.outputs import write_outputs
 from appliance.hub.store.store import Store, disk_full
@@ -91,10 +92,13 @@ def set_state(o: Obj, state: str) -> None:
 
 
 class Batches:
-    def __init__(self, cfg: Callable[[], Config], store: Store, serve: Serve) -> None:
+    def __init__(self, cfg: Callable[[], Config], store: Store, serve: Serve,
+                 beside: Beside | None = None) -> None:
         """`cfg`: the configuration as the last reload left it (the owner's key is read
-        from it at each line)."""
+        from it at each line). `beside`: how many lines go while other work is about
+        (beside.py; shared with background responses)."""
         self.cfg = cfg
+        self.beside = beside or Beside(None)
         self.serve = serve
         self.store = store
         self.limiter = trio.CapacityLimiter(cfg().batch.max_concurrent)
@@ -213,9 +217,11 @@ class Batches:
                 for idx, _cid, request in pending:
                     token = object()
                     await self.limiter.acquire_on_behalf_of(token)
+                    await self.beside.room(self.cfg().batch.max_concurrent)
                     if stop.is_set() or self._expired(b):
                         self.limiter.release_on_behalf_of(token)
                         break
+                    self.beside.started()
                     nursery.start_soon(self._line, b, idx, request, token)
                     after = idx
                 else:
@@ -251,6 +257,7 @@ class Batches:
                 await self.store.run(self.store.db.line_done, snapshot(b), idx, key, res)
             self.store.metrics.lines.labels(key).inc()
         finally:
+            self.beside.ended()
             self.limiter.release_on_behalf_of(token)
 
     async def _attempts(self, b: Obj, request: str) -> tuple[str, bool]:
