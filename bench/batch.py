@@ -11,9 +11,9 @@ second), priority on (reserve 1), one hub with a store. Rounds, one run, side by
   5. kill -9 at 50%: the hub is killed mid-batch and started again on the same store; the
      batch completes; output lines, distinct custom_ids, lines run twice (audit lines of
      the batch with status 200, less the line count).
-  6. store cost: `--responses` non-streamed Responses requests with `store` left on (the
-     default) and with `store: false`, alternated `--store-rounds` times; the hub's CPU
-     seconds per request for each, and the medians' ratio.
+  6. store cost: non-streamed Responses requests with `store` left on (the default) and
+     with `store: false`, in `--store-rounds` blocks of `--responses` each, interleaved;
+     the hub's CPU per request for each (its loop, and the store's thread), and the ratio.
 
     .venv/bin/python bench/batch.py --lines 2000
 """
@@ -24,7 +24,6 @@ import argparse
 import io
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -44,6 +43,19 @@ def hub_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each of the process's threads, by thread id."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended
+            continue
+        out[tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def body(i: int) -> dict:
@@ -154,8 +166,8 @@ def main() -> None:
     ap.add_argument("--places", type=int, default=4, help="places per node")
     ap.add_argument("--tps", type=int, default=200, help="sim tokens per second")
     ap.add_argument("--seconds", type=float, default=15.0)
-    ap.add_argument("--responses", type=int, default=300)
-    ap.add_argument("--store-rounds", type=int, default=4, help="store on/off alternations")
+    ap.add_argument("--responses", type=int, default=100, help="requests per store block")
+    ap.add_argument("--store-rounds", type=int, default=10, help="store blocks of each mode")
     ap.add_argument("--rounds", default="1,2,3,4,5,6", help="which rounds (4 needs 1-3)")
     args = ap.parse_args()
     rounds = {int(r) for r in args.rounds.split(",")}
@@ -210,23 +222,32 @@ def kill_round(b: Bench, args: argparse.Namespace) -> None:
 
 
 def store_round(b: Bench, args: argparse.Namespace) -> None:
-    """Store on and off alternated `--store-rounds` times each (the machine's noise hits both
-    alike); the median of each and their ratio."""
+    """Store on and off in blocks of `--responses` requests, `--store-rounds` blocks each,
+    in the order on off off on on off ... (the machine's load drifts over a run: this
+    order leaves a steady drift out of the difference); the hub's CPU split into its loop
+    (the main thread) and the rest (the store's thread: SQLite); the totals' ratio."""
     c = openai.OpenAI(base_url=b.hub.url + "/v1", api_key=OWNER, max_retries=0)
-    per: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(2 * args.store_rounds):
-        store = r % 2 == 0
+    for store in (True, False):
         c.responses.create(model="m", input="warm", max_output_tokens=4, store=store)
-        cpu0 = hub_cpu(b.hub.pid)
+    cpu: dict[bool, list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    main = str(b.hub.pid)
+    for r in range(2 * args.store_rounds):
+        store = r % 4 in (0, 3)
+        cpu0 = thread_cpu(b.hub.pid)
         for i in range(args.responses):
             c.responses.create(model="m", input=f"question {i}", max_output_tokens=4,
                                store=store)
-        per[store].append((hub_cpu(b.hub.pid) - cpu0) / args.responses * 1000)
-        print(f"6. responses, store {'on ' if store else 'off'}: {per[store][-1]:.2f} ms hub CPU "
-              f"per request ({args.responses} requests)", flush=True)
-    on, off = statistics.median(per[True]), statistics.median(per[False])
-    print(f"6. store cost: median {on:.2f} ms on vs {off:.2f} ms off: {100 * (on / off - 1):+.0f}%"
-          f" ({args.store_rounds} rounds each)", flush=True)
+        cpu1 = thread_cpu(b.hub.pid)
+        cpu[store][0] += cpu1[main] - cpu0.get(main, 0.0)
+        cpu[store][1] += sum(v - cpu0.get(t, 0.0) for t, v in cpu1.items() if t != main)
+    n = args.responses * args.store_rounds
+    for store in (True, False):
+        loop, rest = (x / n * 1000 for x in cpu[store])
+        print(f"6. responses, store {'on ' if store else 'off'}: {loop + rest:.3f} ms hub CPU "
+              f"per request ({loop:.3f} loop + {rest:.3f} other threads; {n} requests)",
+              flush=True)
+    on, off = sum(cpu[True]), sum(cpu[False])
+    print(f"6. store cost: {100 * (on / off - 1):+.1f}% hub CPU with store on", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -90,6 +90,7 @@ class Behind:
         try:
             with trio.CancelScope(shield=True):  # what the clients were told is stored
                 await self.run_sync(self.db.put_group, g.rows)
+            log.debug("store: %d stored responses committed in one group", len(g.rows))
         except (OSError, sqlite3.Error) as e:
             log.warning("store: %d stored responses lost, their commit failed: %s", len(g.rows), e)
             for o, _ in g.rows:
