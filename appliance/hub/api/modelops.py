@@ -1,24 +1,17 @@
 """`/api/pull` and `/api/delete` as fleet operations (admin key), in Ollama's shapes.
 
-Theory of operation: a pull or a delete goes to every connected node whose engine
-manages its own models (`ollama`, `sim`) -- or only to `?node=NAME` -- through the node's
-`POST /node/v1/pull` / `POST /node/v1/delete`; a catalog model tied to an engine kind
-(`Models__N__Engine`, a `.gguf` source: llama.cpp) goes only to nodes of that kind, so a
-sim never "pulls" a llama.cpp model. One fan-out (`fan_out`) serves both: each
-node's operation is its own task, at most NODES_AT_ONCE at a time (a pull downloads
-gigabytes: a bound on the fleet's share of the uplink; a delete is cheap, but the same
-bound costs nothing), and each ends with its outcome, kept in the order the nodes were
-asked. Pull progress lines meet in one bounded channel that the one writer drains to
-the client (a slow client slows the pulls, no line is lost or cut), as Ollama's NDJSON
-with a `node` field added; a node that fails adds an `{"error", "node"}` line. The last
-line is `{"status": "success"}` only when every node succeeded, else an error line naming
-the nodes that did not; either carries `nodes`, each node's outcome ("success" or its
-error). `"stream": false` answers that object once at the end. A delete is a 200
-`{"deleted": [names]}` when any node had the model, else a 404 (none had it) or a 502
-(a node failed or was lost, so it may still hold the model); each answer carries `nodes`
-too ("deleted", "not found" or the error). Each operation is one audit event. The nodes
-read their engine's model list right after, so the hub's catalog follows within a
-heartbeat.
+Owns the fan-out of one pull or delete to every connected node whose engine manages its
+own models (`ollama`, `sim`) -- or only `?node=NAME` -- through the node's
+`POST /node/v1/pull` / `/node/v1/delete`; a model tied to an engine kind goes only to
+nodes of that kind. `fan_out`: one task per node, at most NODES_AT_ONCE at a time (a pull
+downloads gigabytes), outcomes kept in the order the nodes were asked. Pull progress meets
+in one bounded channel the one writer drains to the client (a slow client slows the
+pulls; no line is lost), Ollama's NDJSON with a `node` field; the last line is
+`{"status": "success"}` only when every node succeeded, else an error naming the others;
+either carries `nodes`. `"stream": false` answers that object once. A delete is a 200
+`{"deleted": [...]}` when any node had the model, else 404 (none) or 502 (a node failed,
+it may still hold it), with `nodes`. One audit event per operation. It must not change
+the catalog: the nodes report their model lists within a heartbeat.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """The client routes around inference: liveness, version, one model, show, CORS, and the
 model-management routes the hub does not do.
 
-Theory of operation: `handle(hub, scope, receive, send)` answers the routes below and
-returns True, or returns False and leaves the request to the app. It decides nothing about
-routing; what it says about models comes from the registry and the control plane.
+Owns `handle(hub, scope, receive, send)`: answers the routes below and returns True, or
+returns False and leaves the request to the app. It must not decide routing; what it
+says about models comes from the registry and the control plane.
 - `GET /`, `HEAD /`: "Ollama is running" (the Ollama CLI's liveness check); a browser
-  (Accept: text/html) is sent to `/ui/`.
-- `GET /api/version`: the Ollama API version the hub implements, its own in
-  `appliance_version`.
+  (Accept: text/html) is sent to `/ui/`. `GET /api/version`: the Ollama API version.
 - `GET /v1/models/{id}`: one model, or a 404 in OpenAI's shape.
-- `POST /api/show`: forwarded to a node whose engine speaks Ollama and has the model; for
-  other engines an answer from what the hub knows (details, `model_info` with the context
-  length where known, capabilities).
-- `/api/pull`, `/api/delete`: fleet operations behind the admin key (modelops.py).
-- `/api/copy`, `/api/create`, `/api/push`, `/api/blobs/*`: 501 in Ollama's shape, saying
-  what to do instead.
-- CORS (`Hub__CorsOrigins`, comma-separated, `*` for any): `with_cors` adds the headers
-  to the app's answers and answers preflights (`OPTIONS`); `with_request_id` makes sure
-  every answer carries `x-request-id`.
+- `POST /api/show`: forwarded to a node whose engine speaks Ollama and has the model; else
+  answered from what the hub knows (details, context length, capabilities).
+- `/api/pull`, `/api/delete`: fleet operations behind the admin key (modelops.py);
+  `/api/copy`, `/create`, `/push`, `/blobs/*`: 501 in Ollama's shape, saying what instead.
+- CORS (`Hub__CorsOrigins`): `with_cors` adds the headers and answers preflights;
+  `with_request_id` makes sure every answer carries `x-request-id`.
 """
 
 from __future__ import annotations

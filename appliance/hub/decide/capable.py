@@ -1,6 +1,6 @@
 """Which nodes' engines can serve a model: `Models__N__Engine`, else the source's form.
 
-Theory of operation (DESIGN 9.2, issue 20): a model is tied to an engine kind by the
+Theory of operation (DESIGN 9.2): a model is tied to an engine kind by the
 catalog (`Models__N__Engine`), or by its source's form -- a `.gguf` path is a file only
 llama.cpp reads -- and otherwise any engine may serve it. A node says its kind in its
 `NodeState.engine` (the hub checks the word: `NodeHandle.kind()`); a node whose kind is

@@ -1,28 +1,19 @@
-"""Cost: which node gives a request its first token soonest (issue 27).
+"""Cost: which node gives a request its first token soonest.
 
-Theory of operation. Plain synchronous code: no sockets, no trio, no clock (durations come
-in as arguments). It never decides whether a request may go -- admission does, exactly as
-without it; it only ORDERS the nodes admission allows, for an arriving request and for a
-queued one granted its place alike. One number per request and node, the expected time to
-its first token:
-
-    cost = expected wait on the node + prefill of the prompt tokens the node does not hold
-
-- wait: the requests ahead of this one there -- those beyond its places, sent or holding
-  for a place (home waits are counted in flight on their node) -- at the node's observed
-  service time for the model, over its places. A node with a place left: no wait; one
-  that declares no bound: none either (nothing to count).
-- prefill: (prompt tokens - tokens held there) / the node's observed prefill rate. What a
-  node holds: the session's last answer there (`Homes`), else the longest prefix the
-  index saw served there (affinity.py's `PrefixIndex`, read, never written here).
-- both rates are learned (`Rates`, an EWMA per node and model) from the hub's own clock:
-  send -> end of answer, send -> first byte over the uncached tokens the engine reported;
-  bounded by caps, so an engine reporting nonsense is never trusted past them.
-
-Ties keep the order given (rendezvous: every hub agrees while nothing is learned). A
-request whose cheapest node is full waits there for a place (a home wait) while it holds
-the prompt and the predicted saving (the prefill it skips, against the cheapest node with
-a place) exceeds the predicted wait; bounded by `Router__HomeWaitSeconds`, then it moves.
+Owns one number per request and node, the expected time to its first token -- the wait
+for a place there plus the prefill of the prompt tokens it does not hold -- and the rates
+behind it. It only ORDERS the nodes admission allows (admission alone says whether a
+request may go), and must not do I/O, read a clock or sleep: durations come in.
+- wait: the requests ahead there (beyond its places, home waits included) at the node's
+  service time for the model, over its places; none while a place is left or unbounded.
+- prefill: (prompt tokens - tokens held there) / the node's prefill rate. Held: the
+  session's last answer there (`Homes`), else the longest prefix affinity's index saw
+  served there (read, never written here).
+- `Rates`: an EWMA per node and model from the hub's own clock (send -> end, send -> first
+  byte over the uncached tokens), bounded by caps: a lying engine is not trusted past them.
+Ties keep the given (rendezvous) order. A request whose cheapest node is full waits there
+(a home wait, `home_wait`) while it holds the prompt and the prefill it skips beats the
+predicted wait; at most `Router__HomeWaitSeconds`, then it moves.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cost-ordered pick among the nodes admission allows (issue 27): cost.py's numbers
+"""The cost-ordered pick among the nodes admission allows: cost.py's numbers
 over the hub's node handles, and what it learns from each answer.
 
 Theory of operation. Plain synchronous code, called by admission.py's `Place` for an
@@ -13,6 +13,7 @@ on, admission's spread applies as before and nothing here runs.
 - Order: by cost, cheapest first, ties in rendezvous order on the key (the same on every
   hub). Where no node holds any of the prompt nothing here decides: affinity.py's bounded
   rendezvous spreads it (a free node first), so new keys never pile on the fastest node.
+  One candidate is not ranked: there is nothing to order and nowhere else to wait.
 - `learn`: an answer's send -> end and send -> first byte, the engine's cached tokens, and
   the node that holds the session's prompt now.
 """

@@ -1,4 +1,4 @@
-"""Replicas that follow demand: an on-demand model's replica count (issue 27).
+"""Replicas that follow demand: an on-demand model's replica count.
 
 Theory of operation. Plain synchronous code; time comes in as an argument. An on-demand
 model gets one replica when asked for (placement.py). While its predicted wait for a place

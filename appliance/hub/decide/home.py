@@ -1,4 +1,4 @@
-"""Home waits: requests held for a place on the node that holds their prompt (issue 27).
+"""Home waits: requests held for a place on the node that holds their prompt.
 
 Theory of operation. Plain synchronous bookkeeping; the shell (admission.py's `Place`)
 waits on the event it is given, bounded by what cost.py's `home_wait` said. A home waiter

@@ -1,7 +1,7 @@
 """Essential work before the first byte (Priority__Preempt): which background request gives
 its place.
 
-Theory of operation (issue 21). Plain synchronous code. Admission holds here every
+Theory of operation. Plain synchronous code. Admission holds here every
 background request that has a place (per model, in the order they got it) while
 preemption is on. When an essential request must wait for a place, `preempt_one` picks
 the newest background request of the model that has not yet taken its engine's first

@@ -1,25 +1,19 @@
-"""Fair share to the first token: a place kept back for the other keys of a class (issue 27).
+"""Fair share to the first token: a place kept back for the other keys of a class.
 
-Theory of operation. Fair queueing (fair.py) puts the key served least first in line, but
-on a fleet whose every place is held by one key's long streams, first in line still waits
-for one of them to end. So, while more than one key of a class has been active lately
-(`ACTIVE_SECONDS`), no key holds more places of a model than what the others leave it:
+Owns `Shares`: per model and class, which keys hold places and were active lately. Fair
+queueing (fair.py) puts the key served least first in line, but where one key's long
+streams hold every place, first in line still waits. So while more than one key of a
+class was active in the last `ACTIVE_SECONDS`, no key holds more places than the others
+leave it:
 
     cap(K) = max(share(K), places - sum over the other active keys j of
                                     min(share(j), max(1, held(j) + waiting(j))))
     share(k) = max(1, floor(places x weight(k) / the active keys' weights))
 
--- each other active key keeps back what it uses or waits for, at least one place (so its
-next request finds one free), at most its weighted share; a lone key (the others quiet for
-`ACTIVE_SECONDS`) takes every place again -- at that moment, not at its next finished
-request: a waiter looks again at `quiet_at`. Work-conserving but for the places kept back.
-Places are the model's over the nodes it can be routed to now; a fleet with a node that
-declares no bound gives nothing to count and nothing is kept. On a one-place fleet nothing
-can be kept back: a light request waits at most for the one running request to end.
-
-Plain synchronous code; time comes in as an argument. Admission's core asks `take` before
-it lets a request take a place (True: it may, and it is counted held), and the shell
-`release`s it when the request ends.
+A lone key takes every place again; a fleet that declares no bound keeps nothing back.
+Plain synchronous code, time as an argument: admission's core asks `take` before a request
+takes a place (True: it may, counted held) and the shell `release`s it. It must not wait
+or pick a node. Only asked where there are keys to share between (Auth__Clients).
 """
 
 from __future__ import annotations

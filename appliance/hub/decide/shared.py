@@ -1,4 +1,4 @@
-"""Routing memory shared by several hubs through their nodes (issue 27, HA).
+"""Routing memory shared by several hubs through their nodes (HA).
 
 Theory of operation. Plain synchronous code. Each hub learns where a session's or a
 prompt's last request went only from its own answers (cost.py's `Homes`, affinity.py's
