@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import trio
@@ -126,8 +127,7 @@ class Admission:
         if self.core.share is not None:
             self.shares.arrive(model, cls if self.enabled else NORMAL, client, weight,
                                trio.current_time())
-        w = core.arrive(model, cls, client, lambda places_need,
-                        room_need: count(ready, model, places_need, room_need), cost, weight)
+        w = core.arrive(model, cls, client, partial(count, ready, model), cost, weight)
         if w is None:
             return Ticket(model, cls, client)
         w.event = woken = trio.Event()
