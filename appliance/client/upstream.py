@@ -37,14 +37,8 @@ from urllib.parse import urlsplit
 import trio
 
 from appliance.h1.body import Body, BodyError, ChunkedBody, CloseBody, SizedBody, ends_at_close
-from appliance.h1.client import (
-    CHUNKED,
-    CLOSE,
-    BrokenResponse,
-    ResponseHead,
-    encode_request,
-    parse_response_head,
-)
+from appliance.h1.client import BrokenResponse, ResponseHead, encode_request, parse_response_head
+from appliance.h1.state import CHUNKED, UNTIL_CLOSE
 from appliance.http.stream import receive_within
 from appliance.net.transport import TlsTransport, Transport, connect
 
@@ -141,7 +135,7 @@ class Response:
         self.status_code = head.status_code
         self.headers = head.headers
         self._body: Body = (ChunkedBody() if head.framing == CHUNKED
-                            else CloseBody() if head.framing == CLOSE
+                            else CloseBody() if head.framing == UNTIL_CLOSE
                             else SizedBody(head.length))
         self._early = early  # body bytes that came with the head
         self._keep = head.keep_alive  # the connection may serve another request after this one

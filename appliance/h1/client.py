@@ -28,6 +28,7 @@ import re
 from appliance.h1.errors import RemoteProtocolError
 from appliance.h1.parse import DIGITS as _DIGITS
 from appliance.h1.parse import TOKEN as _TOKEN
+from appliance.h1.state import CHUNKED, SIZED, UNTIL_CLOSE
 
 # h11's own bound on an incomplete head, as the upstream used it.
 MAX_HEAD = 64 * 1024
@@ -39,8 +40,6 @@ _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 # Field lines: a token name, a colon, a value of visible bytes, spaces and tabs; no obs-fold.
 _FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f-\xff]")
-
-LENGTH, CHUNKED, CLOSE = "length", "chunked", "close"
 
 
 class BrokenResponse(RemoteProtocolError):
@@ -62,7 +61,7 @@ class ResponseHead:
         for k, v in raw_headers:
             self.headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         self.framing = framing
-        self.length = length  # the body's bytes when framing is LENGTH
+        self.length = length  # the body's bytes when framing is SIZED
         self.keep_alive = keep_alive
 
 
@@ -127,14 +126,14 @@ def parse_response_head(buf: bytes, head_request: bool = False
                 if b"close" in {t.strip(b" \t").lower() for t in value.split(b",")}:
                     close = True
     if head_request or status < 200 or status in (204, 304):
-        framing, length = LENGTH, 0
+        framing, length = SIZED, 0
     elif te is not None:
         framing, length = CHUNKED, 0
     elif length >= 0:
-        framing = LENGTH
+        framing = SIZED
     else:
-        framing, length = CLOSE, 0
-    keep_alive = not close and framing != CLOSE
+        framing, length = UNTIL_CLOSE, 0
+    keep_alive = not close and framing != UNTIL_CLOSE
     return ResponseHead(status, headers, framing, length, keep_alive), end + 4
 
 

@@ -3,12 +3,12 @@
 Theory of operation: the server holds a response's head until its first body message,
 then `response_head` decides the framing and writes the head's bytes at once:
 
-- HEAD, 1xx, 204, 304: no body ("none"); a HEAD keeps the app's content-length (or the
+- HEAD, 1xx, 204, 304: no body (NO_BODY); a HEAD keeps the app's content-length (or the
   length of the one body message it gave, what a GET would say).
-- The app's own content-length: "sized" (a body longer than it said is cut, and the
+- The app's own content-length: SIZED (a body longer than it said is cut, and the
   connection closed -- so is one shorter).
-- One body message and no content-length: "sized" by that message.
-- A streamed body (`more_body`): "chunked" on HTTP/1.1, "close" (delimited by the close)
+- One body message and no content-length: SIZED by that message.
+- A streamed body (`more_body`): CHUNKED on HTTP/1.1, UNTIL_CLOSE (delimited by the close)
   on HTTP/1.0.
 - `connection: close` when the client asked for it, the app did, HTTP/1.0 without a
   length, or the server is about to close (drain, the requests bound).
@@ -24,6 +24,8 @@ import time
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import NamedTuple
+
+from appliance.h1.state import CHUNKED, NO_BODY, SIZED, UNTIL_CLOSE
 
 NO_BODY_STATUS = frozenset({204, 304})
 
@@ -57,8 +59,8 @@ def first_line(status: int) -> bytes:
 
 class Framed(NamedTuple):
     head: bytes
-    framing: str  # "sized", "chunked", "close", "none"
-    length: int  # "sized": the body's length
+    framing: str  # SIZED, CHUNKED, UNTIL_CLOSE, NO_BODY (appliance/h1/state.py)
+    length: int  # SIZED: the body's length
     close: bool  # the connection ends after this response
 
 
@@ -79,19 +81,19 @@ def response_head(status: int, headers: list[tuple[bytes, bytes]], *, method: st
             lines.append(k + b": " + v + b"\r\n")
     length = 0
     if method == "HEAD" or status in NO_BODY_STATUS or status < 200:
-        framing = "none"
+        framing = NO_BODY
         if sized >= 0:
             lines.append(b"content-length: %d\r\n" % sized)
         elif not more and body and status >= 200 and status not in NO_BODY_STATUS:
             lines.append(b"content-length: %d\r\n" % len(body))
     elif sized >= 0 or not more:
-        framing, length = "sized", sized if sized >= 0 else len(body)
+        framing, length = SIZED, sized if sized >= 0 else len(body)
         lines.append(b"content-length: %d\r\n" % length)
     elif version == "1.1":
-        framing = "chunked"
+        framing = CHUNKED
         lines.append(b"transfer-encoding: chunked\r\n")
     else:
-        framing, close = "close", True
+        framing, close = UNTIL_CLOSE, True
     if close:
         lines.append(b"connection: close\r\n")
     lines.append(b"\r\n")

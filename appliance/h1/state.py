@@ -20,6 +20,14 @@ on, so the rules are in one place and testable without sockets:
   SEND_BODY: the server may read what the client already sent to get it to DONE (a body
   already buffered whole), and otherwise closes.
 - ERROR and CLOSED never change again; MUST_CLOSE only to CLOSED or ERROR.
+
+Beside the two states, the table holds the cycle's facts the sides act on, so a connection's
+whole state is here (and a test reads it): the response's framing (`respond`: SIZED with
+the bytes it still owes, CHUNKED, UNTIL_CLOSE, NO_BODY -- the same words for a response
+received, appliance/h1/client.py) and whether its last message was taken (`sent_end`);
+whether the app was given the request's last message (`end_given`); the client's end of
+the stream (`eof`, `peer_closed`); a refusal's close that drains the read side first
+(`linger`). `next_cycle` starts the next request's facts afresh.
 """
 
 from __future__ import annotations
@@ -36,6 +44,12 @@ DONE: Final = "DONE"
 MUST_CLOSE: Final = "MUST_CLOSE"
 CLOSED: Final = "CLOSED"
 ERROR: Final = "ERROR"
+
+# How a response's body is framed (sent by us, or received from a peer we dialled).
+SIZED: Final = "sized"  # Content-Length
+CHUNKED: Final = "chunked"
+UNTIL_CLOSE: Final = "close"  # the connection's end ends it (HTTP/1.0, or no length)
+NO_BODY: Final = "none"  # HEAD, 1xx, 204, 304 (or a refusal written whole)
 
 # Events.
 REQUEST: Final = "REQUEST"  # the client's head was read (it has a body to send)
@@ -68,12 +82,38 @@ _SERVER: dict[str, dict[str, str]] = {
 class Cycle:
     """The two sides' states on one connection (see the module's docstring)."""
 
-    __slots__ = ("their", "ours", "keep_alive")
+    __slots__ = ("their", "ours", "keep_alive", "framing", "owed", "sent_end", "end_given",
+                 "eof", "linger")
 
     def __init__(self) -> None:
         self.their = IDLE
         self.ours = IDLE
         self.keep_alive = True
+        self.eof = False  # the client's end of the stream came (or the connection broke)
+        self.linger = False  # a refusal: the read side is drained a moment before the close
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.framing = ""  # the response's: "" until its head is decided, then SIZED...
+        self.owed = 0  # SIZED: the bytes it still owes
+        self.sent_end = False  # the response's last message was taken (written or dropped)
+        self.end_given = False  # the app was given the request body's last message
+
+    def respond(self, framing: str, owed: int, close: bool) -> None:
+        """The response's head is decided: its framing, and whether it ends the connection."""
+        self.framing, self.owed = framing, owed
+        if close:
+            self.close()
+        if self.ours == SEND_RESPONSE:
+            self.server(RESPONSE)
+
+    def peer_closed(self) -> None:
+        """The client's end of the stream (a FIN, a reset, a TLS error). Mid-body it is the
+        body reader's to call a BROKEN body."""
+        if not self.eof:
+            self.eof = True
+            if self.their in (IDLE, DONE, MUST_CLOSE):
+                self.client(PEER_CLOSED)
 
     def client(self, event: str) -> None:
         self.their = _step(_CLIENT, self.their, event, "client")
@@ -114,6 +154,7 @@ class Cycle:
         if not self.reusable:
             raise LocalProtocolError(f"no next cycle from {self.their}/{self.ours}")
         self.their = self.ours = IDLE
+        self._fresh()
 
 
 def _step(table: dict[str, dict[str, str]], state: str, event: str, who: str) -> str:

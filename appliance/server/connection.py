@@ -40,7 +40,15 @@ import trio
 
 from appliance.bounds import echo_path
 from appliance.h1.parse import MAX_TARGET, BadRequest, Head, parse_head
-from appliance.h1.state import BROKEN, REQUEST, REQUEST_NO_BODY, SEND_BODY, SEND_RESPONSE, Cycle
+from appliance.h1.state import (
+    BROKEN,
+    NO_BODY,
+    REQUEST,
+    REQUEST_NO_BODY,
+    SEND_BODY,
+    SEND_RESPONSE,
+    Cycle,
+)
 from appliance.http.budget import BODY_BUDGET
 from appliance.http.disconnect import HANGUP
 from appliance.http.errors import ApiError
@@ -154,7 +162,8 @@ class Conn:
             if not await self._serve(head):
                 break
             self.cycle.next_cycle()
-        if not self.rx.eof and (self.rx.linger or self.rx.buf or not self.rx.body_ended):
+        cycle = self.cycle
+        if not cycle.eof and (cycle.linger or self.rx.buf or not self.rx.body_ended):
             await self._linger()
 
     async def _read_head(self, started: float | None) -> Head | None:
@@ -225,7 +234,7 @@ class Conn:
                           retry_after: float | None = None) -> None:
         """Answer `status` (the head's path gives the API's shape; none: OpenAI's), then
         the connection closes."""
-        self.rx.linger = True
+        self.cycle.linger = True
         if self.cycle.ours == SEND_RESPONSE and self.cycle.their == SEND_BODY:
             self.cycle.client(BROKEN)  # what the client sends now is not read
         answer = refusal_answer(path, ApiError(status, code, message, retry_after=retry_after))
@@ -267,40 +276,43 @@ class Conn:
             if self.rx.held >= TRIM_AFTER_BYTES and sh.budget.held == 0:
                 trim()
             self.rx.stop_waiting()
+        cycle = self.cycle
         if self.rx.bad is not None:
-            if not self.tx.framing:
+            if not cycle.framing:
                 await self._refuse_raw(self.rx.bad.status, "invalid_request", self.rx.bad.message,
                                        scope["path"])
             return False
-        if not self.tx.framing:  # the app returned (or failed) before its answer: a 500
+        if not cycle.framing:  # the app returned (or failed) before its answer: a 500
             self.tx.started, self.tx.status = True, 500
             self.tx.head_headers = [(b"connection", b"close")]
             await self.tx.send({"type": "http.response.body", "body": b""})
-        elif not self.tx.done:
+        elif not cycle.sent_end:
             return False  # an answer cut short: only a close tells the client
         if self.closing():
-            self.cycle.close()
-        if self.rx.eof or self.tx.broken or not self.cycle.keep_alive:
+            cycle.close()
+        if cycle.eof or self.tx.broken or not cycle.keep_alive:
             return False
         self.rx._skip_unread_body()
-        return self.cycle.reusable
+        return cycle.reusable
 
     async def _refuse(self, path: str, e: ListenerRefusal) -> None:
         if isinstance(e, Busy):
             b = self.shared.budget
             log.warning("refusing a request body: %d bytes of bodies held, the bound is %d",
                         b.held, b.limit)
-        self.cycle.close()
-        self.rx.linger = True
-        if self.tx.framing:
+        cycle = self.cycle
+        cycle.close()
+        cycle.linger = True
+        if cycle.framing:
             return  # the answer has begun: the close tells the client
-        self.tx.started, self.tx.done, self.tx.framing = True, True, "none"
+        self.tx.started, cycle.sent_end, cycle.framing = True, True, NO_BODY
         await self._refuse_raw(e.status, e.code, e.message, path, e.retry_after)
 
     async def _linger(self) -> None:
         """Close gently: our side first, then drop what the client still sends (bounded),
         so the last answer reaches it rather than a reset."""
-        if not self.transport.shutdown_write():
+        if not self.transport.shutdown_write():  # the connection is gone (a reset)
+            self.cycle.peer_closed()
             return
         dropped = 0
         with trio.move_on_after(LINGER_SECONDS):

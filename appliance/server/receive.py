@@ -5,7 +5,8 @@ Theory of operation: the connection (connection.py, `Conn`) composes a `Receiver
 the send side (appliance/server/send.py, `Sender`) over one table, and calls
 `new_request` with each head. Bodies are framed by appliance/h1/body.py (chunked) or
 counted down here (Content-Length); the client's side of `self.cycle`
-(appliance/h1/state.py) moves as they end, break or are skipped. Nothing here writes but
+(appliance/h1/state.py) moves as they end, break or are skipped, and the table holds this
+side's facts too (`eof`, `linger`, `end_given`). Nothing here writes but
 the `100 Continue`; a refusal is raised (`Busy`, `RequestTimeout`) or noted (`bad`) and
 the connection answers it.
 
@@ -35,7 +36,7 @@ import trio
 
 from appliance.h1.body import MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
 from appliance.h1.parse import BadRequest, Head
-from appliance.h1.state import BODY_END, BROKEN, DONE, IDLE, MUST_CLOSE, PEER_CLOSED, SEND_BODY
+from appliance.h1.state import BODY_END, BROKEN, SEND_BODY
 from appliance.net.transport import Transport
 from appliance.server.hangups import watch_hangup
 from appliance.server.limits import Budget, Busy, ListenerRefusal, RequestTimeout
@@ -74,8 +75,6 @@ class Receiver:
         self.cycle = tx.cycle
         self.budget = budget
         self.buf = b""
-        self.eof = False  # the client closed (or broke) its side
-        self.linger = False  # an answer refused the request: drain its read side before the close
         self.body_deadline = float("inf")  # the connection sets it per request
         self.body_seconds = 0.0  # ... from this many seconds (its 408 says so)
         self._waiter: trio.CancelScope | None = None  # receive() waiting for the disconnect
@@ -87,7 +86,6 @@ class Receiver:
         self.body_left = head.length if head is not None else 0
         self.chunks = (ChunkedBody(MIN_AVERAGE_CHUNK) if head is not None and head.chunked
                        else None)
-        self.end_given = False  # the last http.request message went to the app
         self.bad: BadRequest | None = None
         self.held = 0
         self.reads = 0
@@ -123,10 +121,7 @@ class Receiver:
         return None
 
     def _eof(self) -> bytes:
-        if not self.eof:
-            self.eof = True
-            if self.cycle.their in (IDLE, DONE, MUST_CLOSE):  # (mid-body: the reader says so)
-                self.cycle.client(PEER_CLOSED)
+        self.cycle.peer_closed()
         return b""
 
     # --- the app's receive ---------------------------------------------------------------
@@ -136,8 +131,8 @@ class Receiver:
             return _disconnect()
         if not self.body_ended:
             return await self._body()
-        if not self.end_given:
-            self.end_given = True
+        if not self.cycle.end_given:
+            self.cycle.end_given = True
             return {"type": "http.request", "body": b"", "more_body": False}
         return await self._wait_disconnect()
 
@@ -176,7 +171,7 @@ class Receiver:
 
     def _broken_body(self, e: BadRequest) -> dict[str, Any]:
         self.bad = e
-        self.linger = True
+        self.cycle.linger = True
         if self.cycle.their == SEND_BODY:
             self.cycle.client(BROKEN)
         return _disconnect()
@@ -196,7 +191,7 @@ class Receiver:
         """A refusal leaves the rest of the body unread: the connection closes after its
         answer, whoever gives it (the listener, or an app that answers the ApiError)."""
         self.cycle.close()
-        self.linger = True
+        self.cycle.linger = True
         return e
 
     @property
@@ -226,7 +221,7 @@ class Receiver:
             self.held += n
         ended = self.body_ended
         if ended:
-            self.end_given = True
+            self.cycle.end_given = True
         return {"type": "http.request", "body": data, "more_body": not ended}
 
     def _skip_unread_body(self) -> None:
@@ -254,7 +249,7 @@ class Receiver:
 
     async def _wait_disconnect(self) -> dict[str, Any]:
         """The body is read: wait for the client to go or the response to end."""
-        if self.tx.done or self.eof:
+        if self.cycle.sent_end or self.cycle.eof:
             return _disconnect()
         transport = self.transport
         extra = bytearray()  # pipelined bytes (grown in place, however they trickle in)

@@ -13,7 +13,9 @@ What a relay may rely on (appliance/http/stream.py calls `send` inside the scope
 cancellable wait comes before any byte of the message is written (the lock); every wait
 once bytes are going out is shielded. A write that fails marks the connection's server
 side BROKEN (appliance/h1/state.py): later writes are dropped and the receive side says
-`http.disconnect` (`stop_waiting`).
+`http.disconnect` (`stop_waiting`). The response's framing, what a sized one still owes
+and whether its last message was taken are the table's (`cycle.framing`, `owed`,
+`sent_end`); this side keeps only the head it has not written yet.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import trio
 from appliance.h1.head import response_head
 from appliance.h1.state import (
     BROKEN,
+    CHUNKED,
     ERROR,
-    RESPONSE,
+    NO_BODY,
     RESPONSE_END,
     SEND_BODY,
-    SEND_RESPONSE,
+    SIZED,
+    UNTIL_CLOSE,
     Cycle,
 )
 from appliance.net.transport import Transport, WriteStalled
@@ -55,15 +59,13 @@ class Sender:
         self.new_response("GET", "1.1")
 
     def new_response(self, method: str, version: str) -> None:
+        """The request's method and version (the table's facts start afresh per cycle)."""
         self.method = method
         self.version = version
         self.started = False
         self.status = 0
         self.head_headers: list[tuple[bytes, bytes]] = []
         self.pending = b""  # the response head, not written yet
-        self.framing = ""  # "sized", "chunked", "close", "none"
-        self.out_left = 0
-        self.done = False
 
     @property
     def drained(self) -> bool:
@@ -76,11 +78,11 @@ class Sender:
         if kind == "http.response.body":
             if not self.started:
                 raise RuntimeError("http.response.body before http.response.start")
-            if self.done:
+            if self.cycle.sent_end:
                 return
             more = msg.get("more_body", False)
             body = msg.get("body", b"")
-            if not self.framing:
+            if not self.cycle.framing:
                 self._frame(body, more)
             await self._body_out(body, more)
         elif kind == "http.response.start":
@@ -95,42 +97,40 @@ class Sender:
         """Decides the body's framing and builds the head (in `pending`)."""
         f = response_head(self.status, self.head_headers, method=self.method,
                           version=self.version, body=body, more=more, close=self.closing())
-        self.pending, self.framing, self.out_left = f.head, f.framing, f.length
-        if f.close:
-            self.cycle.close()
-        if self.cycle.ours == SEND_RESPONSE:
-            self.cycle.server(RESPONSE)
+        self.pending = f.head
+        self.cycle.respond(f.framing, f.length, f.close)
 
     async def _body_out(self, body: bytes, more: bool) -> None:
-        framing = self.framing
-        if framing == "chunked":
+        cycle = self.cycle
+        framing = cycle.framing
+        if framing == CHUNKED:
             if body:
                 data = b"%x\r\n%b\r\n" % (len(body), body)
                 if not more:
                     data += b"0\r\n\r\n"
             else:
                 data = b"" if more else b"0\r\n\r\n"
-        elif framing == "none":
+        elif framing == NO_BODY:
             data = b""
         else:
             data = body
-            if framing == "sized":
-                if len(body) > self.out_left:
-                    data = body[:self.out_left]
-                    self.cycle.close()  # the app wrote more than it said: cut
-                self.out_left -= len(data)
-                if not more and self.out_left:
-                    self.cycle.close()  # ... or less
+            if framing == SIZED:
+                if len(body) > cycle.owed:
+                    data = body[:cycle.owed]
+                    cycle.close()  # the app wrote more than it said: cut
+                cycle.owed -= len(data)
+                if not more and cycle.owed:
+                    cycle.close()  # ... or less
         if not more:
-            self.done = True
+            cycle.sent_end = True
         if self.pending:
             data = self.pending + data
             self.pending = b""
         if data:
             await self.write(data)
         if not more:
-            if not self.broken and self.cycle.ours == SEND_BODY:
-                self.cycle.server(RESPONSE_END)
+            if not self.broken and cycle.ours == SEND_BODY:
+                cycle.server(RESPONSE_END)
             self.answered()
 
     async def delivered(self) -> bool:
@@ -139,7 +139,7 @@ class Sender:
         by the write stall) until what was written has left; if it never does, the client
         is too slow: the connection ends as for a stalled write (False) -- or the drain
         ended first (False, `drained`)."""
-        if self.broken or self.framing not in ("chunked", "close"):
+        if self.broken or self.cycle.framing not in (CHUNKED, UNTIL_CLOSE):
             return not (self.stalled or self.drained)
         if await self.transport.wait_sent():
             return True

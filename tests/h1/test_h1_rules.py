@@ -13,8 +13,9 @@ import trio
 
 from appliance.bounds import PATH_ECHO
 from appliance.h1.body import FREE_CHUNKS, MAX_LINE, BodyError, ChunkedBody
-from appliance.h1.client import LENGTH, MAX_HEAD, BrokenResponse, parse_response_head
+from appliance.h1.client import MAX_HEAD, BrokenResponse, parse_response_head
 from appliance.h1.parse import MAX_HEADERS, BadRequest, parse_head
+from appliance.h1.state import SIZED
 from appliance.server.accept import Settings, serve_sockets
 from appliance.server.limits import LiveLimits
 from appliance.server.serve import listening_socket
@@ -106,7 +107,7 @@ def test_1xx_heads_carry_no_body():
     got = parse_response_head(b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>\r\n\r\nHTTP/1.1 200")
     assert got is not None
     head, used = got
-    assert head.status_code == 103 and head.framing == LENGTH and head.length == 0
+    assert head.status_code == 103 and head.framing == SIZED and head.length == 0
     got = parse_response_head(b"HTTP/1.1 100 Continue\r\ncontent-length: 5\r\n\r\n")
     assert got is not None and got[0].length == 0
 

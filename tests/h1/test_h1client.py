@@ -5,15 +5,8 @@ from __future__ import annotations
 import h11
 import pytest
 
-from appliance.h1.client import (
-    CHUNKED,
-    CLOSE,
-    LENGTH,
-    MAX_HEAD,
-    BrokenResponse,
-    encode_request,
-    parse_response_head,
-)
+from appliance.h1.client import MAX_HEAD, BrokenResponse, encode_request, parse_response_head
+from appliance.h1.state import CHUNKED, SIZED, UNTIL_CLOSE
 
 
 def test_a_request_head_reads_back_through_h11_as_sent():
@@ -56,7 +49,7 @@ def test_a_sized_answer_and_the_bytes_after_its_head():
            b"X-Request-Id: r1\r\n\r\n{\"a\":1}")
     head, used = _parse(raw)
     assert raw[used:] == b'{"a":1}'
-    assert (head.status_code, head.framing, head.length, head.keep_alive) == (200, LENGTH, 7,
+    assert (head.status_code, head.framing, head.length, head.keep_alive) == (200, SIZED, 7,
                                                                              True)
     assert head.headers == {"content-type": "application/json", "content-length": "7",
                             "x-request-id": "r1"}
@@ -68,15 +61,15 @@ def test_a_sized_answer_and_the_bytes_after_its_head():
     # Transfer-Encoding wins over Content-Length (RFC 9112 6.3)
     (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n", CHUNKED, 0,
      True),
-    (b"HTTP/1.1 200 OK\r\n\r\n", CLOSE, 0, False),
-    (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\n", LENGTH, 2, False),
-    (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\n", LENGTH, 2, False),
-    (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n", LENGTH, 2, False),
-    (b"HTTP/1.1 204 No Content\r\n\r\n", LENGTH, 0, True),
-    (b"HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n", LENGTH, 0, True),
-    (b"HTTP/1.1 100 Continue\r\n\r\n", LENGTH, 0, True),
-    (b"HTTP/1.1 200 OK\r\ncontent-length: 3, 3\r\n\r\n", LENGTH, 3, True),
-    (b"HTTP/1.1 503\r\ncontent-length: 0\r\n\r\n", LENGTH, 0, True),
+    (b"HTTP/1.1 200 OK\r\n\r\n", UNTIL_CLOSE, 0, False),
+    (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\n", SIZED, 2, False),
+    (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\n", SIZED, 2, False),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n", SIZED, 2, False),
+    (b"HTTP/1.1 204 No Content\r\n\r\n", SIZED, 0, True),
+    (b"HTTP/1.1 304 Not Modified\r\ncontent-length: 9\r\n\r\n", SIZED, 0, True),
+    (b"HTTP/1.1 100 Continue\r\n\r\n", SIZED, 0, True),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 3, 3\r\n\r\n", SIZED, 3, True),
+    (b"HTTP/1.1 503\r\ncontent-length: 0\r\n\r\n", SIZED, 0, True),
 ])
 def test_the_framing_is_what_h11_decides(raw, framing, length, keep):
     head, used = _parse(raw)
@@ -89,7 +82,7 @@ def test_the_framing_is_what_h11_decides(raw, framing, length, keep):
     c.receive_data(raw + b"xyz")
     ev = c.next_event()
     assert ev.status_code == head.status_code
-    if head.status_code >= 200 and framing == LENGTH:
+    if head.status_code >= 200 and framing == SIZED:
         body = b""
         while True:
             ev = c.next_event()
@@ -104,7 +97,7 @@ def test_the_framing_is_what_h11_decides(raw, framing, length, keep):
 
 def test_a_head_request_has_no_body_whatever_it_says():
     head, _ = _parse(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n", head_request=True)
-    assert (head.framing, head.length) == (LENGTH, 0)
+    assert (head.framing, head.length) == (SIZED, 0)
 
 
 def test_an_incomplete_head_waits_and_a_huge_one_is_broken():

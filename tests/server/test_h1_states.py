@@ -11,8 +11,10 @@ the framing of every response in order. What must hold, step after step:
   server said `close`), and never while the client could send the next request;
 - a client that hangs up (mid-body too) leaves the server serving the next connection;
 - the server's own table (appliance/h1/state.py, `Cycle`) says what h11 says: both sides
-  IDLE again once an answer ended on a kept-alive connection, MUST_CLOSE (keep-alive off)
-  once an answer said `close`.
+  IDLE again once an answer ended on a kept-alive connection, the cycle's facts afresh
+  (no framing, nothing sent or given); MUST_CLOSE (keep-alive off) once an answer said
+  `close`, with the framing h11 read (chunked for a stream, else a content-length), the
+  answer's end taken and nothing owed; after a hang-up, the client's end noted (`eof`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from appliance.h1.state import IDLE, MUST_CLOSE
+from appliance.h1.state import CHUNKED, CLOSED, ERROR, IDLE, MUST_CLOSE, SEND_BODY, SIZED
 from appliance.http.asgi import read_body
 from appliance.http.disconnect import HANGUP, cancel_on_disconnect
 from appliance.server.serve import serve
@@ -115,6 +117,8 @@ class ConnectionMachine(RuleBasedStateMachine):
         raw = socket.create_connection(("127.0.0.1", self.srv.port), timeout=10)
         self.sock = self.srv.wire.wrap(raw)
         self.buf, self.waiting, self.must_close, self.hung = b"", [], False, False
+        self.asked = False  # a request went out on this connection
+        CYCLES.pop(self.sock.getsockname()[1], None)  # an earlier connection's, same port
 
     def teardown(self) -> None:
         if self.sock is not None:
@@ -133,6 +137,7 @@ class ConnectionMachine(RuleBasedStateMachine):
             headers.append(("connection", "close"))
         body = b"b" * size
         out = c.send(h11.Request(method="POST", target=path, headers=headers))
+        self.asked = True
         if partial and size > 1:  # half the body, then (only) a hang-up
             out += c.send(h11.Data(data=body[: size // 2]))
             self.sock.sendall(out)
@@ -150,7 +155,7 @@ class ConnectionMachine(RuleBasedStateMachine):
     def read_answers(self) -> None:
         while self.waiting:
             c, path, size = self.waiting.pop(0)
-            status, body = self._answer(c)
+            status, body, chunked = self._answer(c)
             assert status == 200
             if path == "/read":
                 assert json.loads(body) == {"n": size}
@@ -162,10 +167,14 @@ class ConnectionMachine(RuleBasedStateMachine):
                 # (the server notes the answer's end just after its last byte went out)
                 cycle = self._cycle(lambda t: t.ours == MUST_CLOSE)
                 assert cycle.ours == MUST_CLOSE and not cycle.keep_alive, vars_of(cycle)
+                assert cycle.framing == (CHUNKED if chunked else SIZED), vars_of(cycle)
+                assert cycle.sent_end and cycle.owed == 0, vars_of(cycle)
         if not self.must_close and not self.hung:  # kept alive, nothing more sent: the
-            # table is back at IDLE for the next request
+            # table is back at IDLE for the next request, its facts afresh
             cycle = self._cycle(lambda t: (t.their, t.ours) == (IDLE, IDLE))
             assert (cycle.their, cycle.ours) == (IDLE, IDLE), vars_of(cycle)
+            assert (cycle.framing, cycle.sent_end, cycle.end_given, cycle.eof,
+                    cycle.linger) == ("", False, False, False, False), vars_of(cycle)
         if self.must_close:
             assert self._at_end(), "the server must close after `connection: close`"
             self.sock.close()
@@ -174,15 +183,23 @@ class ConnectionMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.waiting)
     @rule()
     def hang_up(self) -> None:
+        port = self.sock.getsockname()[1]
         self.sock.close()
+        if self.asked:  # the server notes the client's end (a FIN, or a reset)
+            wait_until(lambda: port in CYCLES)
+            cycle = self._cycle(lambda t: t.eof, port)
+            # (a body cut short and never read, an early answer's: SEND_BODY, never DONE)
+            assert cycle.eof and cycle.their in (CLOSED, ERROR, SEND_BODY), vars_of(cycle)
+            assert not cycle.reusable, vars_of(cycle)
         self.connect()
 
     @invariant()
     def the_app_never_failed(self) -> None:
         assert APP_ERRORS == []
 
-    def _answer(self, c: h11.Connection) -> tuple[int, bytes]:
-        status, body = 0, b""
+    def _answer(self, c: h11.Connection) -> tuple[int, bytes, bool]:
+        """The status, the body and whether it came chunked (as h11 read them)."""
+        status, body, chunked = 0, b"", False
         if self.buf:  # (b"" would tell h11 the stream ended)
             c.receive_data(self.buf)
         self.buf = b""
@@ -194,17 +211,19 @@ class ConnectionMachine(RuleBasedStateMachine):
                 c.receive_data(data)
             elif isinstance(ev, h11.Response):
                 status = ev.status_code
+                chunked = (b"transfer-encoding", b"chunked") in list(ev.headers)
             elif isinstance(ev, h11.Data):
                 body += ev.data
             elif isinstance(ev, h11.EndOfMessage):
                 self.buf = c.trailing_data[0]  # the next answer's bytes, already here
-                return status, body
+                return status, body, chunked
             else:
                 raise AssertionError(ev)
 
-    def _cycle(self, settled):
-        """This connection's table once `settled(table)` holds (or after 10 s)."""
-        cycle = CYCLES[self.sock.getsockname()[1]]
+    def _cycle(self, settled, port: int | None = None):
+        """This connection's (or the one from `port`'s) table once `settled(table)` holds
+        (or after 10 s)."""
+        cycle = CYCLES[port if port is not None else self.sock.getsockname()[1]]
         deadline = time.monotonic() + 10
         while not settled(cycle) and time.monotonic() < deadline:
             time.sleep(0.002)
@@ -219,8 +238,15 @@ class ConnectionMachine(RuleBasedStateMachine):
             return True
 
 
+def wait_until(cond) -> None:
+    deadline = time.monotonic() + 10
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def vars_of(cycle) -> dict[str, object]:
-    return {k: getattr(cycle, k) for k in ("their", "ours", "keep_alive")}
+    return {k: getattr(cycle, k) for k in ("their", "ours", "keep_alive", "framing", "owed",
+                                           "sent_end", "end_given", "eof", "linger")}
 
 
 class TlsMachine(ConnectionMachine):

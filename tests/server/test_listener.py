@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from appliance.h1.errors import LocalProtocolError as ProtocolError
 from appliance.h1.state import (
     BODY_END,
+    CHUNKED,
     DONE,
     ERROR,
     MUST_CLOSE,
@@ -19,6 +20,7 @@ from appliance.h1.state import (
     RESPONSE,
     RESPONSE_END,
     SEND_BODY,
+    SIZED,
     Cycle,
 )
 from appliance.server.accept import Shed
@@ -76,6 +78,29 @@ def test_close_and_early_answers_and_hang_ups_end_the_connection():
     assert (c.their, c.ours) == (MUST_CLOSE, MUST_CLOSE) and not c.reusable
     with pytest.raises(ProtocolError):
         c.next_cycle()
+
+
+def test_the_table_holds_the_cycles_facts_and_starts_them_afresh():
+    c = Cycle()
+    assert (c.framing, c.owed, c.sent_end, c.end_given, c.eof, c.linger) == (
+        "", 0, False, False, False, False)
+    c.client(REQUEST_NO_BODY)
+    c.respond(SIZED, 5, close=False)  # the head is decided: the server sends its body
+    assert (c.ours, c.framing, c.owed, c.keep_alive) == ("SEND_BODY", SIZED, 5, True)
+    c.owed, c.sent_end, c.end_given = 0, True, True
+    c.server(RESPONSE_END)
+    c.next_cycle()  # the next request's facts start afresh; the connection's stay
+    assert (c.framing, c.owed, c.sent_end, c.end_given) == ("", 0, False, False)
+    c.client(REQUEST)
+    c.respond(CHUNKED, 0, close=True)  # a streamed answer that ends the connection
+    assert (c.ours, c.framing, c.keep_alive) == ("SEND_BODY", CHUNKED, False)
+    c.peer_closed()  # mid-body: only noted (the body reader calls the body BROKEN)
+    assert c.eof and c.their == SEND_BODY
+    c = Cycle()
+    c.peer_closed()  # between requests: the client's side is CLOSED
+    assert c.eof and c.their == "CLOSED"
+    c.peer_closed()  # once
+    assert c.their == "CLOSED"
 
 
 CLIENT_EVENTS = [REQUEST, REQUEST_NO_BODY, BODY_END, PEER_CLOSED, "BROKEN"]
