@@ -37,7 +37,7 @@ def test_a_load_refused_by_a_repeated_forgery_is_served_after_it(tmp_path, vecto
 
         def forge() -> None:  # the forgery goes on, asserted every 0.3 s
             while not stop.is_set():
-                httpx.post(f"{node}/node/v1/{path}", timeout=5, json={},
+                httpx.post(f"{node}/node/v1/{path}", timeout=30, json={},
                            headers={"authorization": f"Bearer {TOKEN}",
                                     "x-appliance-epoch": "999999999999",
                                     "x-appliance-lease": "31536000"})

@@ -143,7 +143,8 @@ def test_priority_classes_live(fleet, workers):
                what="the reload")
     control(f, "gpu-b", "pause")
     r, took, _ = timed(f, "batch")
-    assert r.status_code == 503 and 1.5 <= took < 10, (r.status_code, took)
+    # the 2 s wait, with slack for a busy box (the wait before the reload: 60 s and more)
+    assert r.status_code == 503 and 1.5 <= took < 20, (r.status_code, took)
     err = r.json()["error"]
     assert err["code"] == "priority_wait_timeout" and "'batch'" in err["message"]
     assert "retry-after" not in r.headers

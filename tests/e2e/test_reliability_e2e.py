@@ -144,7 +144,7 @@ def ready(f: Fleet) -> bool:
 
 def held(f: Fleet) -> int:
     """Places held on the node: its own count (a client may talk to it directly)."""
-    r = httpx.get(f.node("gpu").url + "/node/v1/state", timeout=5, verify=f.verify,
+    r = httpx.get(f.node("gpu").url + "/node/v1/state", timeout=30, verify=f.verify,
                   headers={"authorization": f"Bearer {NODE_TOKEN}"})
     return int(r.json()["in_flight"])
 

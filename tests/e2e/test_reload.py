@@ -172,10 +172,10 @@ def test_node_sighup_applies_max_concurrency_and_refuses_a_bad_file(procs, tmp_p
     auth = {"authorization": f"Bearer {TOKEN}"}
 
     def node_state() -> dict:
-        return httpx.get(node.url + "/node/v1/state", headers=auth, timeout=5).json()
+        return httpx.get(node.url + "/node/v1/state", headers=auth, timeout=30).json()
 
     def seen_by_hub():
-        nodes = httpx.get(hub.url + "/api/status", timeout=5).json()["nodes"]
+        nodes = httpx.get(hub.url + "/api/status", timeout=30).json()["nodes"]
         return nodes[0]["max_concurrency"] if nodes and nodes[0]["status"] == "up" else None
 
     assert node_state()["max_concurrency"] == 2

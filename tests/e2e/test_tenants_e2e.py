@@ -57,7 +57,7 @@ def hold_the_place(url: str) -> threading.Thread:
 
     t = threading.Thread(target=run)
     t.start()
-    wait_until(lambda: httpx.get(url + "/api/status", timeout=5).json()["tenants"]["team"][
+    wait_until(lambda: httpx.get(url + "/api/status", timeout=30).json()["tenants"]["team"][
         "in_flight"] == 1, 10, "the first request running", interval=0.01)
     return t
 

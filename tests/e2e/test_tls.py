@@ -72,9 +72,9 @@ def test_https_both_ways_with_mutual_verification(tls_fleet, pki):
 
     # A client that does not know the CA refuses the hub's certificate.
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-        httpx.get(hub.url + "/health", timeout=5)
+        httpx.get(hub.url + "/health", timeout=30)
     # The hub's client API does not ask clients for a certificate (ordinary OpenAI clients).
-    assert httpx.get(hub.url + "/health", verify=client_ctx(ca), timeout=5).status_code == 200
+    assert httpx.get(hub.url + "/health", verify=client_ctx(ca), timeout=30).status_code == 200
 
     # The node requires a certificate from the CA: none, or one from another CA, is refused
     # at the handshake; the hub's certificate (what the owner uses with curl --cert) works.
@@ -82,9 +82,9 @@ def test_https_both_ways_with_mutual_verification(tls_fleet, pki):
     for who in (None, pki["stranger"]):
         with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
             httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, who),
-                      timeout=5)
+                      timeout=30)
     r = httpx.get(node.url + "/node/v1/state", headers=auth, verify=client_ctx(ca, pki["hub"]),
-                  timeout=5)
+                  timeout=30)
     assert r.status_code == 200 and r.json()["name"] == "gpu-tls"
 
     # Refused handshakes cost nothing: hub and node keep serving, the node stays up.
@@ -119,7 +119,7 @@ def test_node_without_a_ca_and_a_combined_pem(procs, pki, tmp_path):
                                          "Node__AnnounceSeconds": "1"})
     assert node.url.startswith("https://")
     r = httpx.get(node.url + "/node/v1/state", headers={"authorization": f"Bearer {TOKEN}"},
-                  verify=client_ctx(pki["ca"]), timeout=5)
+                  verify=client_ctx(pki["ca"]), timeout=30)
     assert r.status_code == 200
 
     f.wait_up("gpu-plain-ca")

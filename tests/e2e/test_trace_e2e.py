@@ -154,7 +154,7 @@ def fleet(procs: Procs, tmp_path, workers):
     f.start_node("gpu-a", {"Node__AnnounceSeconds": "1", "Engine__Kind": "openai",
                            "Engine__Url": engine_url, "Engine__PollSeconds": "1",
                            "Node__ProbeSeconds": "0", **otel})
-    f.wait(lambda: httpx.get(hub.url + "/v1/models", timeout=5).json()["data"],
+    f.wait(lambda: httpx.get(hub.url + "/v1/models", timeout=30).json()["data"],
            "the model listed")
     try:
         yield hub, engine, receiver, audit

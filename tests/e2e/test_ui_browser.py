@@ -282,11 +282,11 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
 
     # Retry (confirmed) takes the model out of parked; the audit names the admin.
     _click(d, "#attention button[data-action=retry][data-model='kev-0.5b']")
-    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
+    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=30).accept()
     _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "#attention li[data-model='kev-0.5b']")
           and d.find_elements(By.CSS_SELECTOR,
                               "#models tr[data-model='kev-0.5b']:not([data-state=parked])"),
-          "kev out of parked", timeout=10)
+          "kev out of parked", timeout=30)
     assert "Retry model kev-0.5b: done" in d.find_element(By.ID, "notice").text
     admin = [x for x in fleet.audit() if x["kind"] == "admin"]
     assert admin and admin[-1][
@@ -294,27 +294,27 @@ def test_the_page_shows_the_fleet_and_its_actions_work(fleet, browser, tmp_path)
 
     # Cordon through the page: confirmed, applied, audited.
     _click(d, "button[data-action=cordon][data-node=gpu-b]")
-    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
+    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=30).accept()
     _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR,
                                        "article.node[data-node=gpu-b][data-status=cordoned]"),
-          "gpu-b cordoned", timeout=10)
+          "gpu-b cordoned", timeout=30)
     assert [x["node"] for x in fleet.audit() if x.get("action") == "cordon"] == ["gpu-b"]
 
     # A node that stops turns lost on the page within a few seconds.
     fleet.node("gpu-a").kill()
     _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR,
                                        "article.node[data-node=gpu-a][data-status=lost]"),
-          "gpu-a lost on the page", timeout=10)
+          "gpu-a lost on the page", timeout=30)
     assert "gpu-a" in _text(d, "#attention li[data-state=lost]")
 
     # Forget the lost node (DELETE /admin/nodes/gpu-a): it leaves the page, or -- on a hub
     # without that route -- the page shows the hub's own refusal, not a silent nothing.
     _click(d, "button[data-action=forget][data-node=gpu-a]")
-    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=5).accept()
+    _wait(d, lambda d: d.switch_to.alert, "the confirm dialog", timeout=30).accept()
     _wait(d, lambda d: not d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]")
           or "Forget node gpu-a failed: " in d.find_element(By.ID, "notice").text,
           "gpu-a forgotten or refused",
-          timeout=10)
+          timeout=30)
     if d.find_elements(By.CSS_SELECTOR, "article.node[data-node=gpu-a]"):
         assert "no such admin path" in d.find_element(By.ID, "notice").text
         assert fleet.admin.delete("/admin/nodes/gpu-a").status_code == 404
