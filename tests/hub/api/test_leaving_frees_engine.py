@@ -92,7 +92,7 @@ class Engine:
 async def test_a_client_that_leaves_closes_the_engines_stream(tmp_path: Path, route: str) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await hub_before(nursery, tmp_path, engine)
+        _, url = await hub_before(nursery, tmp_path, engine)
         async with httpx.AsyncClient(timeout=0.5) as c:
             with pytest.raises(httpx.ReadTimeout):
                 await c.post(url + route, json={"model": "m", **ROUTES[route]})
@@ -108,7 +108,7 @@ async def test_one_answer_is_assembled_from_the_engines_stream(tmp_path: Path,
                                                               route: str) -> None:
     engine = Engine(pieces=5, gap=0)
     async with trio.open_nursery() as nursery:
-        url = await hub_before(nursery, tmp_path, engine)
+        _, url = await hub_before(nursery, tmp_path, engine)
         async with httpx.AsyncClient(timeout=10) as c:
             r = await c.post(url + route, json={"model": "m", **ROUTES[route]})
         nursery.cancel_scope.cancel()

@@ -9,7 +9,6 @@ Tpm=5000 settled ~16,000 tokens in the minute.
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,13 @@ import httpx
 import pytest
 import trio
 
-from appliance.config import ClientConfig, load
+from appliance.config import ClientConfig
 from appliance.http.asgi import Receive, Scope, Send, read_body
 from appliance.hub.decide.limits import Limiter
-from appliance.hub.run import Hub, run_hub
+from appliance.hub.run import Hub
 from appliance.hub.translate.outcap import ROOM, with_cap
-from appliance.server.serve import serve
-from appliance.wire import ModelState, NodeState
+from appliance.wire import NodeState
+from tests.harness.engine_hub import M_READY, hub_before
 
 UNCAPPED = 4096  # what the fake engine generates for a request naming no cap
 
@@ -66,16 +65,9 @@ class FakeNode:
 
 async def start(nursery: trio.Nursery, tmp: Path, fake: FakeNode, env: dict[str, str],
                 engine: str = "ollama") -> tuple[Hub, str]:
-    host, port = await nursery.start(partial(serve, fake, "127.0.0.1:0", "fake"))
-    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                "Audit__Path": str(tmp / "audit.log"), "Auth__Clients__0__Name": "team",
-                "Auth__Clients__0__Key": "k1", **env})
-    hub, (h, p) = await nursery.start(run_hub, cfg, trio.Event())
-    n, _ = hub.registry.upsert("n1", f"http://{host}:{port}", static=True)
-    n.connected = True
-    n.state = NodeState(name="n1", slots=8, engine=engine,
-                        models=[ModelState(name="m", state="ready")])
-    return hub, f"http://{h}:{p}"
+    return await hub_before(nursery, tmp, fake, {"Auth__Clients__0__Name": "team",
+                                                 "Auth__Clients__0__Key": "k1", **env},
+                            NodeState(name="n1", slots=8, engine=engine, models=M_READY))
 
 
 MSG = [{"role": "user", "content": "hello"}]

@@ -4,7 +4,6 @@ API's shape with its headers, tokens in the metrics and the audit line."""
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +11,10 @@ import httpx
 import trio
 from prometheus_client import generate_latest
 
-from appliance.config import load
 from appliance.http.asgi import Receive, Scope, Send, read_body
-from appliance.hub.run import Hub, run_hub
-from appliance.server.serve import serve
-from appliance.wire import ModelState, NodeState
+from appliance.hub.run import Hub
+from appliance.wire import NodeState
+from tests.harness.engine_hub import M_READY, hub_before
 
 ANSWER = {"id": "x", "object": "chat.completion", "model": "m",
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
@@ -34,15 +32,9 @@ async def node(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def start(nursery: trio.Nursery, tmp: Path, env: dict[str, str]) -> tuple[Hub, str]:
-    host, port = await nursery.start(partial(serve, node, "127.0.0.1:0", "fake"))
-    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                "Audit__Path": str(tmp / "audit.log"), "Auth__Clients__0__Name": "team",
-                "Auth__Clients__0__Key": "k1", **env})
-    hub, (h, p) = await nursery.start(run_hub, cfg, trio.Event())
-    n, _ = hub.registry.upsert("n1", f"http://{host}:{port}", static=True)
-    n.connected = True
-    n.state = NodeState(name="n1", slots=4, models=[ModelState(name="m", state="ready")])
-    return hub, f"http://{h}:{p}"
+    return await hub_before(nursery, tmp, node, {"Auth__Clients__0__Name": "team",
+                                                 "Auth__Clients__0__Key": "k1", **env},
+                            NodeState(name="n1", slots=4, models=M_READY))
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}

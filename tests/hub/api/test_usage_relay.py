@@ -80,7 +80,7 @@ USER = [{"role": "user", "content": "what is the weather in Paris?"}]
 async def test_stream_usage_asked_for_and_dropped_unless_the_client_asked(tmp_path: Path) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await hub_before(nursery, tmp_path, engine)
+        _, url = await hub_before(nursery, tmp_path, engine)
         oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=20)
         plain = [c async for c in await oc.chat.completions.create(
             model="m", messages=USER, stream=True)]  # type: ignore[arg-type]
@@ -104,7 +104,7 @@ async def test_stream_usage_asked_for_and_dropped_unless_the_client_asked(tmp_pa
 
 async def test_an_engine_without_usage_is_counted_and_marked(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
-        url = await hub_before(nursery, tmp_path, Engine(usage=False))
+        _, url = await hub_before(nursery, tmp_path, Engine(usage=False))
         async with httpx.AsyncClient(timeout=20) as c:
             r = await c.post(url + "/v1/chat/completions",
                              json={"model": "m", "messages": USER, "stream": True})
@@ -125,7 +125,7 @@ async def test_an_engine_without_usage_is_counted_and_marked(tmp_path: Path) -> 
 async def test_ollama_counts_and_durations_over_a_translation(tmp_path: Path) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await hub_before(nursery, tmp_path, engine)
+        _, url = await hub_before(nursery, tmp_path, engine)
         ac = ollama.AsyncClient(host=url, timeout=20)
         whole = await ac.chat(model="m", messages=USER)
         parts = [p async for p in await ac.chat(model="m", messages=USER, stream=True)]

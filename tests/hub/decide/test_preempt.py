@@ -14,12 +14,11 @@ import httpx
 import trio
 import trio.testing
 
-from appliance.config import load
 from appliance.http.asgi import Receive, Scope, Send, read_body
 from appliance.http.disconnect import wait_disconnect
-from appliance.hub.run import Hub, run_hub
-from appliance.server.serve import serve
-from appliance.wire import ModelState, NodeState
+from appliance.hub.run import Hub
+from appliance.wire import NodeState
+from tests.harness.engine_hub import M_READY, hub_before
 from tests.harness.fleet import chat_body
 
 
@@ -68,21 +67,14 @@ class Node:
 
 
 async def start(nursery: trio.Nursery, node: Node, preempt: bool = True) -> tuple[Hub, str]:
-    host, port = await nursery.start(partial(serve, node, "127.0.0.1:0", "fake"))
-    cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": "/dev/null",
-                "Priority__Enabled": "true", "Priority__Preempt": str(preempt).lower(),
-                "Priority__ReserveSlots": "0",
-                "Auth__Clients__0__Name": "ops", "Auth__Clients__0__Key": "ke",
-                "Auth__Clients__0__Priority": "essential",
-                "Auth__Clients__1__Name": "batch", "Auth__Clients__1__Key": "kb",
-                "Auth__Clients__1__Priority": "background"})
-    hub, (h, p) = await nursery.start(run_hub, cfg, trio.Event())
-    n, _ = hub.registry.upsert("n1", f"http://{host}:{port}", static=True)
-    n.connected = True
-    n.state = NodeState(name="n1", max_concurrency=1, slots=1,
-                        models=[ModelState(name="m", state="ready")])
-    hub.registry.changed()
-    return hub, f"http://{h}:{p}"
+    return await hub_before(nursery, None, node, {
+        "Priority__Enabled": "true", "Priority__Preempt": str(preempt).lower(),
+        "Priority__ReserveSlots": "0",
+        "Auth__Clients__0__Name": "ops", "Auth__Clients__0__Key": "ke",
+        "Auth__Clients__0__Priority": "essential",
+        "Auth__Clients__1__Name": "batch", "Auth__Clients__1__Key": "kb",
+        "Auth__Clients__1__Priority": "background"},
+        NodeState(name="n1", max_concurrency=1, slots=1, models=M_READY))
 
 
 KEYS = {"bg": "kb", "ess": "ke"}  # background, essential
