@@ -102,16 +102,13 @@ def make_app(hub: Hub) -> App:
     others = apiroutes.with_request_id(rest)
     routing = hub.routing
 
-    def api_stored(path: str) -> bool:
-        return path == "/v1/responses" and hub.store is not None
-
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # An inference POST goes straight to the router, which makes its request id (it
         # also forwards and audits it); every other answer gets one from the wrapper.
         if scope.get("method") == "POST":
             api = INFERENCE.get(scope["path"])
             if api is not None:
-                if api_stored(scope["path"]):
+                if scope["path"] == "/v1/responses" and hub.store is not None:
                     await responses.create(hub, scope, receive, send)  # stored, chained
                 else:
                     await handle_inference(routing, scope, receive, send, api)

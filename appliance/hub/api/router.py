@@ -215,11 +215,13 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
         served = known and allowed(client, model)
         # The model's metrics label is its name once the hub knows it, else OTHER_LABEL: a
         # client-chosen name never becomes a series.
-        req.resolved(echo(model), model if served else OTHER_LABEL,
+        shown = echo(asked.model)
+        req.resolved(shown if model == asked.model else echo(model),
+                     model if served else OTHER_LABEL,
                      effective_class(r.admission.enabled, client.priority, req.headers),
-                     echo(asked.model))
+                     shown)
         if not served:
-            raise ApiError(404, "model_not_found", f"model {echo(asked.model)!r} not found")
+            raise ApiError(404, "model_not_found", f"model {shown!r} not found")
         prep = translate.prepare(req.path, req.api, body, asked.model, model, obj)
         refuse_incapable(r.control, model, obj)
         keep = keep_alive_seconds(asked.keep_alive) if req.api == "ollama" else None

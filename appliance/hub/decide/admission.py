@@ -193,11 +193,13 @@ class Admission:
                 self.victims.release(model, held)
             if p.route is not None and p._served is not None:
                 self._learn(p, p.route, *p._served)
-            p._give_back()
+            took = p.node is not None
+            p._give_back()  # a node given back wakes the waiters (Registry.finish)
             if self.shares.groups:
                 self.shares.release(model, cls if self.enabled else NORMAL, client,
                                     trio.current_time())
-            self._wake_waiters()  # a place kept back for others may be its key's again
+            if self.shares.groups or not took:
+                self._wake_waiters()  # a place kept back for others may be its key's again
             if ticket.fair is not None and demand is not None and demand.used is not None:
                 lane, episode = ticket.fair
                 lane.settle(client, episode, demand.cost, demand.used, demand.weight)
