@@ -63,6 +63,10 @@ class ModelState(msgspec.Struct):
     # that reach the engine another way. None: the engine does not say.
     slots: int | None = None
     busy: int | None = None
+    # The node's mean time from taking a request of this model to its last byte, lately
+    # (ms; said only while several hubs watch): a hub that has not had an answer of its own
+    # from this node yet takes its service time from here (decide/shared.py).
+    service_ms: int | None = None
 
 
 class Routed(msgspec.Struct, array_like=True):

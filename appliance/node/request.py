@@ -11,6 +11,7 @@ ended with no status is counted under `otherwise` (`client_gone`, `cancelled`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from appliance.bounds import OTHER_LABEL
@@ -20,7 +21,7 @@ from appliance.node.state import NodeStateKeeper
 
 class NodeRequest:
     __slots__ = ("keeper", "metrics", "model", "label", "status", "started", "done", "sent_type",
-                 "span")
+                 "span", "t0")
 
     def __init__(self, keeper: NodeStateKeeper, metrics: NodeMetrics | None, model: str) -> None:
         self.keeper, self.metrics, self.model = keeper, metrics, model
@@ -40,6 +41,7 @@ class NodeRequest:
         """Take a place among the node's in-flight requests; raises NoPlace (why not)."""
         self.keeper.try_start(self.model)
         self.started = True
+        self.t0 = time.monotonic()
 
     def finish(self, otherwise: str) -> None:
         """Give the place back and count the request; once (later calls do nothing)."""
@@ -48,5 +50,7 @@ class NodeRequest:
         self.done = True
         if self.started:
             self.keeper.finish(self.model)
+            if self.status == "200" and self.keeper.watchers > 1:  # several hubs (HA)
+                self.keeper.served(self.model, time.monotonic() - self.t0)
         if self.metrics is not None:
             self.metrics.request(self.label, self.status or otherwise)

@@ -12,6 +12,7 @@ from appliance.node.state import NoPlace
 class Keeper:
     def __init__(self, refuse: str | None = None) -> None:
         self.refuse, self.in_flight = refuse, 0
+        self.watchers = 1  # one hub: nothing said for the others (node/routed.py)
 
     def try_start(self, model: str) -> None:
         if self.refuse is not None:

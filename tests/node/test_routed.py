@@ -40,6 +40,9 @@ async def test_two_watchers_see_a_keyed_request_and_its_count_before_any_heartbe
                 assert [(r.model, r.key) for r in ev.state.routed] == [("sim-small", KEY)]
                 assert ev.state.model("sim-small").in_flight == 1  # type: ignore[union-attr]
             n.upstream.gate.set()
+        # Answered: the node's mean time per answer, for a hub with none of its own yet.
+        m = n.keeper.snapshot().model("sim-small")
+        assert m is not None and m.service_ms is not None and m.service_ms >= 1
 
 
 async def test_one_watcher_keeps_no_keys():
@@ -52,6 +55,7 @@ async def test_one_watcher_keeps_no_keys():
             assert r.status_code == 200
             assert n.keeper.watchers == 1
             assert n.keeper.snapshot().routed == []
+            assert n.keeper.snapshot().model("sim-small").service_ms is None  # type: ignore[union-attr]
 
 
 def test_keys_are_bounded_checked_and_forgotten():

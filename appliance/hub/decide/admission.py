@@ -101,7 +101,7 @@ class Admission:
         self._share_keys(cfg)
         registry.add_listener(self._on_change, on_finish=self._wake_waiters)
         # Where the other hubs (HA) sent sessions and prompts, as the nodes say (shared.py).
-        self.shared = Fold(self.cost.homes_of, self.affinity.index_of)
+        self.shared = Fold(self.cost.homes_of, self.affinity.index_of, self.cost.rates)
         registry.state_listeners.append(self._fold)
 
     def reload(self, cfg: Config) -> None:

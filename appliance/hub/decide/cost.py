@@ -100,6 +100,18 @@ class Rates:
             r.prefill = tps if r.prefill == DEFAULT_PREFILL_TPS else \
                 (1 - EWMA) * r.prefill + EWMA * tps
 
+    def hint(self, node: str, model: str, service_s: float) -> None:
+        """The node's own word on its service time (several hubs): taken until this hub has
+        an answer of its own from there, never after."""
+        r = self.by.get((node, model))
+        if r is not None and r.answers > 0:
+            return
+        s = _bounded(service_s, SERVICE_S_BOUNDS, "a node's service time (s)", self.warned)
+        if r is None:
+            self.by[(node, model)] = Rate(service=s)
+        else:
+            r.service = s
+
     def forget_node(self, node: str) -> None:
         for k in [k for k in self.by if k[0] == node]:
             del self.by[k]

@@ -14,6 +14,10 @@ the ones it has not seen into its own memory (`Fold.state`) as they arrive:
   prompt through it (`PrefixIndex.record` of that one block; a later turn's chain holds
   it, so `cost.prefix_held` finds it).
 
+The node's mean time per answer (`ModelState.service_ms`) is this hub's service time
+there until it has an answer of its own from that node (`Rates.hint`): a hub whose first
+requests are a conversation's later turns does not price a busy home at the defaults.
+
 A key from another node is a peer's word: parsed strictly, tokens bounded, anything else
 skipped. Folding the keys of this hub's own requests changes nothing (it sent them there).
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from appliance.hub.decide.affinity import PrefixIndex, Route
-from appliance.hub.decide.cost import Homes, prompt_tokens
+from appliance.hub.decide.cost import Homes, Rates, prompt_tokens
 from appliance.wire import ROUTE_HEADER, NodeState
 
 HEADER = ROUTE_HEADER.encode()
@@ -63,12 +67,16 @@ class Fold:
     """The keys each node said, folded once each (by `seq`, the node's count)."""
 
     def __init__(self, homes: Callable[[str], Homes],
-                 index: Callable[[str], PrefixIndex]) -> None:
-        self.homes, self.index = homes, index
+                 index: Callable[[str], PrefixIndex], rates: Rates | None = None) -> None:
+        self.homes, self.index, self.rates = homes, index, rates
         self.seen: dict[str, int] = {}  # node -> the highest seq folded
 
     def state(self, node: str, st: NodeState) -> int:
         """Fold what `st` says that is new; returns how many keys were folded."""
+        if self.rates is not None:
+            for m in st.models:
+                if m.service_ms is not None:
+                    self.rates.hint(node, m.name, m.service_ms / 1000)
         routed = st.routed
         if not routed:
             return 0

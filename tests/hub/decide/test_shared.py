@@ -35,7 +35,7 @@ class Hub:
     def __init__(self) -> None:
         self.affinity = Affinity()
         self.cost = CostRouter(10.0)
-        self.fold = shared.Fold(self.cost.homes_of, self.affinity.index_of)
+        self.fold = shared.Fold(self.cost.homes_of, self.affinity.index_of, self.cost.rates)
 
     def route(self, body: dict, headers: list[tuple[bytes, bytes]]):  # type: ignore[no-untyped-def]
         r = self.affinity.key(body, headers)
@@ -43,8 +43,8 @@ class Hub:
         return r
 
 
-def conversation(turns: int) -> dict:
-    msgs = [{"role": "system", "content": "context " * 4000}]
+def conversation(turns: int, context: int = 4000) -> dict:
+    msgs = [{"role": "system", "content": "context " * context}]
     for t in range(turns):
         msgs += [{"role": "user", "content": f"question {t} " * 20},
                  {"role": "assistant", "content": f"answer {t} " * 20}]
@@ -124,3 +124,25 @@ def test_no_key_no_header():
     b = Hub()
     short = b.route({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, [])
     assert shared.note(short) == []  # under one block: nothing to keep
+
+
+def test_a_hub_without_answers_of_its_own_prices_the_home_at_the_nodes_time():
+    """~3k tokens held at a busy home (one ahead), the other nodes free: at the default
+    service time (2 s) the wait costs more than the 1.5 s of prefill saved -- it would move;
+    at the node's word (0.3 s a request) it waits for its home."""
+    session = [(b"x-session-id", b"chat-2")]
+    nodes = [FakeNode("gpu-a"), FakeNode("gpu-b"), FakeNode("gpu-c", left=0)]
+    for node_says, home in ((None, False), (300, True)):
+        a, b = Hub(), Hub()
+        r1 = a.route(conversation(0, 1500), session)
+        (_, value), = shared.note(r1)
+        st = said("gpu-c", (1, value))
+        st.models[0].service_ms = node_says
+        b.fold.state("gpu-c", st)
+        r2 = b.route(conversation(1, 1500), session)
+        choice = b.cost.choose(MODEL, r2, nodes, b.affinity)
+        assert choice is not None and (choice.node == "gpu-c") is home
+    # Its own answers win, and later words of the node change nothing.
+    b.cost.rates.observe("gpu-c", MODEL, service_s=1.0, first_s=None, uncached=None)
+    b.fold.state("gpu-c", st)
+    assert b.cost.rates.get("gpu-c", MODEL).service == 1.0

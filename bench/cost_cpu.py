@@ -1,0 +1,144 @@
+"""Hub CPU per request with cost routing, side by side in one run (issue 27 item 5).
+
+Run: .venv/bin/python bench/cost_cpu.py [--before TREE] [--rounds 8] [--per-round 100]
+
+One sim engine (no artificial delay, 64 parallel); per variant a hub in front of two
+`Engine__Kind=ollama` nodes of that engine (two: the cost pick ranks nodes), its own
+nodes (a node watched by several hubs works as in HA). Variants, their rounds interleaved
+so every variant sees the same minutes of a shared box:
+
+- `off`: this tree, `Router__Affinity=off` (no key, no cost pick: admission's spread);
+- `on`: this tree as shipped (affinity keys, cost routing, home waits, the share check);
+- `before` (with `--before TREE`, a checkout of the commit before issue 27's first,
+  e.g. `git worktree add /tmp/before 184f97d^`): that tree's hub (affinity's rendezvous,
+  no cost), this tree's nodes and engine.
+
+Each round sends, per variant, `--per-round` streamed chats at concurrency 1 and again at
+8, each carrying a ~2k-token prompt of one of 24 conversations (so it has a key: the
+prefix chain is made and the cost pick runs) and max_tokens 8; the hub's CPU (utime +
+stime from /proc) over the round, per request. Prints per variant and concurrency the hub
+ms per request and the ratio to `off` (and to `before`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import httpx
+import trio
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+sys.path.insert(0, os.path.dirname(__file__))
+from overhead import cpu_seconds, run_load  # noqa: E402
+from procs import Proc  # noqa: E402
+
+CHAT = "/v1/chat/completions"
+MODEL = "sim-small"
+HERE = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def bodies(n: int = 24) -> list[dict]:
+    rng = random.Random(7)
+    out = []
+    for _ in range(n):
+        ctx = " ".join(rng.choice(WORDS) for _ in range(1400))  # ~8 KB, ~2k tokens
+        out.append({"model": MODEL, "max_tokens": 8, "stream": True,
+                    "messages": [{"role": "system", "content": ctx},
+                                 {"role": "user", "content": "next?"}]})
+    return out
+
+
+def start(procs: list[Proc], role: str, env: dict[str, str], tree: str,
+          wait: tuple[str, ...] | None = None) -> Proc:
+    p = Proc(role, dict(env, PYTHONPATH=tree), cwd=tree)
+    procs.append(p)
+    p.wait_listening(*(wait or (role,)))
+    return p
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", default="", help="a checkout of the tree before issue 27")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--per-round", type=int, default=100)
+    args = ap.parse_args()
+    variants = {"off": (HERE, {"Router__Affinity": "off"}), "on": (HERE, {})}
+    if args.before:
+        variants["before"] = (os.path.abspath(args.before), {})
+    chats = bodies()
+    procs: list[Proc] = []
+    try:
+        sim = start(procs, "sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                   "Sim__Parallel": "64"}, HERE)
+        hubs: dict[str, Proc] = {}
+        for name, (tree, extra) in variants.items():
+            env = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                   "Audit__Path": os.devnull, **extra}
+            for i in range(2):
+                node = start(procs, "node", {
+                    "Node__Name": f"{name}-{i}", "Node__Listen": "127.0.0.1:0",
+                    "Metrics__Listen": "", "Engine__Kind": "ollama", "Engine__Url": sim.url,
+                    "Node__ModelSlots": "32"}, HERE)
+                env.update({f"Nodes__{i}__Name": f"{name}-{i}", f"Nodes__{i}__Url": node.url})
+            hubs[name] = start(procs, "hub", env, tree, wait=("hub",))
+        for hub in hubs.values():  # the model loaded on both nodes, the paths warm
+            deadline = time.monotonic() + 90
+            while True:
+                st = httpx.get(hub.url + "/api/status", timeout=10).json()
+                m = next((m for m in st["models"] if m["name"] == MODEL), None)
+                if m is not None and len(m.get("nodes", [])) == 2:
+                    break
+                httpx.post(hub.url + CHAT, json=dict(chats[0], stream=False), timeout=60)
+                assert time.monotonic() < deadline, "the model never became ready on both nodes"
+                time.sleep(0.5)
+            for body in chats:
+                trio.run(run_load, hub.url + CHAT, body, 2, 1, True)
+        cpu: dict[tuple[str, int], list[float]] = {}
+        for _ in range(args.rounds):
+            for conc in (1, 8):
+                for name, hub in hubs.items():
+                    before = cpu_seconds(hub.pid)
+                    trio.run(spread, hub.url, chats, args.per_round, conc)
+                    cpu.setdefault((name, conc), []).append(
+                        (cpu_seconds(hub.pid) - before) / args.per_round)
+        print(f"{args.rounds} rounds x {args.per_round} streamed chats (max_tokens 8, a ~2k-token "
+              f"prompt of 24 conversations), interleaved; hub CPU ms per request, "
+              f"median of rounds (mean)")
+        for conc in (1, 8):
+            base = statistics.median(cpu[("off", conc)])
+            for name in hubs:
+                xs = cpu[(name, conc)]
+                med = statistics.median(xs)
+                print(f"  concurrency {conc}  {name:6}  {med * 1e3:6.3f} ms "
+                      f"({statistics.mean(xs) * 1e3:6.3f})  x{med / base:5.3f} of off")
+    finally:
+        for p in procs:
+            p.kill()
+
+
+async def spread(url: str, chats: list[dict], n: int, conc: int) -> None:
+    """`n` streamed chats, `conc` at once, each worker through the conversations in turn."""
+    per = n // conc
+    async with trio.open_nursery() as nursery:
+        for i in range(conc):
+            nursery.start_soon(_worker, url, chats, i, per)
+
+
+async def _worker(url: str, chats: list[dict], i: int, n: int) -> None:
+    async with httpx.AsyncClient(timeout=60) as c:
+        for j in range(n):
+            body = chats[(i * 7 + j) % len(chats)]
+            async with c.stream("POST", url + CHAT, json=body) as r:
+                assert r.status_code == 200, r.status_code
+                async for _ in r.aiter_bytes():
+                    pass
+
+
+if __name__ == "__main__":
+    main()
