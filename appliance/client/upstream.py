@@ -23,7 +23,9 @@ is handed over whole (`Response.whole`: no read, no deadline).
 
 Timeouts belong to the caller's configuration: connecting is bounded by
 CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
-httpx stays for everything else (control calls, polling), where its features pay.
+The hub's control calls to its nodes (hub/fleet/ops.py) take the same pool: one set of
+connections and one TLS setup per node. httpx stays for the rest (the watch stream, ctl,
+etcd, engines), where its features pay.
 """
 
 from __future__ import annotations

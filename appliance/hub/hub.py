@@ -76,7 +76,7 @@ class Hub:
         queue_metrics.register(self.metrics_registry, self.admission)
         # Per-key limits; with several hubs each enforces its share (hubs alive).
         self.tenants = Limiter(cfg.auth.clients, cfg.auth.reserve_output_tokens, self.hubs_alive)
-        self.control = Control(cfg, self.registry, node_client, self.audit, beat=beat)
+        self.control = Control(cfg, self.registry, self.upstream, self.audit, beat=beat)
         self.admission.demand = self.control.core.demand  # replicas follow demand (demand.py)
         self.registry.health_listeners.append(self._replica_health)
         self.metrics_registry.register(ReplicaCollector(self.registry))
@@ -185,7 +185,8 @@ def client_ssl(cfg: Config) -> ssl.SSLContext | None:
 
 
 def node_client(cfg: Config) -> httpx.AsyncClient:
-    """One client for every node's control calls: the node token, an explicit timeout, TLS."""
+    """One client for every node's watch stream (hub/fleet/supervisor.py): the node token,
+    an explicit timeout, TLS. Control calls and requests go through `Hub.upstream`."""
     return httpx.AsyncClient(
         headers=auth_headers(cfg),
         verify=client_ssl(cfg) or True,

@@ -22,9 +22,8 @@ import urllib.parse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from appliance.bounds import echo
+from appliance.client.upstream import UpstreamError
 from appliance.http.asgi import Receive, Scope, Send, send_json
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
@@ -204,7 +203,7 @@ async def _node_action(hub: Hub, name: str, action: str, send: Send) -> None:
     else:
         try:
             await hub.control.ops.control(h, action)
-        except httpx.TransportError as e:
+        except UpstreamError as e:
             raise ApiError(502, "node_error", f"node {name} did not answer {action}: "
                            f"{type(e).__name__}: {e}") from None
         except NodeRefused as e:

@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import trio
 
 from appliance.bounds import CLEANUP_SECONDS
+from appliance.client.upstream import UpstreamError
 from appliance.config import Config
 from appliance.hub.cluster import state
 from appliance.hub.cluster.etcd import Etcd, EtcdError
@@ -288,7 +288,7 @@ class Member:
         async def one(h: NodeHandle) -> None:
             try:
                 await ops.assert_epoch(h)
-            except httpx.TransportError:
+            except UpstreamError:
                 pass
 
         with trio.move_on_after(self.tick):

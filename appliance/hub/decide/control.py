@@ -24,9 +24,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import httpx
 import trio
 
+from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.errors import ApiError
 from appliance.hub import translate
@@ -67,13 +67,13 @@ LOAD_SLACK_SECONDS = 120.0
 
 
 class Control:
-    def __init__(self, cfg: Config, registry: Registry, node_client: httpx.AsyncClient,
+    def __init__(self, cfg: Config, registry: Registry, pool: Pool | None,
                  audit: AuditLog | None, *, ops: NodeOps | None = None,
                  beat: Callable[[], None] = lambda: None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.audit = audit
-        self.ops = ops if ops is not None else NodeOps(node_client, cfg.hub_name())
+        self.ops = ops if ops is not None else NodeOps(pool or Pool(), cfg.hub_name())
         self.core = Models(cfg)
         self._nursery: trio.Nursery | None = None
         self._backlog: list[Action] = []
@@ -204,7 +204,7 @@ class Control:
                 error = f"node {act.node} did not answer the load within {bound:g} s"
             if error is None:
                 h.unloading.discard(act.model)  # loaded again: ready as the node says
-        except (httpx.TransportError, NodeGone) as e:
+        except (UpstreamError, NodeGone) as e:
             self.core.load_lost(act.model, act.node, f"{type(e).__name__}: {e}", self.now())
         except StaleLeader as e:
             self.core.load_lost(act.model, act.node, f"refused as a stale leader: {e}", self.now())
@@ -233,7 +233,7 @@ class Control:
                 done = True
         except NodeRefused as e:
             log.warning("unload of %s on %s refused: %s", act.model, act.node, e)
-        except (httpx.TransportError, StaleLeader) as e:
+        except (UpstreamError, StaleLeader) as e:
             log.warning("unload of %s on %s not done: %s", act.model, act.node, e)
         finally:
             if h is not None and not done:
