@@ -22,9 +22,12 @@ const READ = 20; // pieces an aborting client reads first
 
 // Every status the SDK saw, to tell a retried 429 from a first success.
 const statuses = [];
+let saw429;
+const first429 = new Promise((r) => { saw429 = r; });
 async function countingFetch(url, init) {
   const r = await fetch(url, init);
   statuses.push(r.status);
+  if (r.status === 429) saw429();
   return r;
 }
 
@@ -37,10 +40,21 @@ function out(obj) {
 }
 
 // A request that holds the key's one place (MaxConcurrent=1) while it streams.
-async function holdPlace(send) {
-  const pieces = [];
-  for await (const p of await send()) pieces.push(p);
-  return pieces.length;
+// The 429 cells, on a key of one place, without a race against the machine's speed: a
+// long stream holds the place (its headers are in: the hub granted it), a second request
+// is sent, and only once that one has been refused does the holder let go (`release`).
+// A holder that ended before the second arrived (a fast engine) is tried again.
+async function whileHeld(hold, release, second) {
+  for (let tries = 0; tries < 5; tries++) {
+    const held = await hold();
+    const answer = second().then((r) => ({ r }), (e) => ({ e }));
+    const first = await Promise.race([first429.then(() => "429"), answer.then(() => "answered")]);
+    release(held);
+    const got = await answer;
+    if (first === "429") return got;
+    if (got.e) throw got.e;
+  }
+  throw new Error("the holder ended before a second request came, 5 times");
 }
 
 async function openaiCell() {
@@ -107,10 +121,11 @@ async function openaiCell() {
       throw new Error("no error for an unknown model");
     }
     case "retry-429": {
-      const hold = holdPlace(() => c.chat.completions.create({ model: chat, messages: USER, max_tokens: 100, stream: true }));
-      await new Promise((r) => setTimeout(r, 300)); // the first holds the place
-      const r = await c.chat.completions.create({ model: chat, messages: USER, max_tokens: 4 });
-      await hold;
+      const { r, e } = await whileHeld(
+        () => c.chat.completions.create({ model: chat, messages: USER, max_tokens: 400, stream: true }),
+        (s) => s.controller.abort(),
+        () => c.chat.completions.create({ model: chat, messages: USER, max_tokens: 4 }));
+      if (e) throw e;
       check(statuses.includes(429) && statuses.at(-1) === 200, `retried after a 429 (${statuses})`);
       return out({ text: r.choices[0].message.content });
     }
@@ -180,16 +195,12 @@ async function ollamaCell() {
       throw new Error("no error for an unknown model");
     }
     case "retry-429": { // Ollama's client does not retry: the 429 reaches the caller
-      const hold = holdPlace(() => o.chat({ model: chat, messages: USER, stream: true, options: { num_predict: 100 } }));
-      await new Promise((r) => setTimeout(r, 300));
-      try {
-        await o.chat({ model: chat, messages: USER, options: { num_predict: 4 } });
-      } catch (e) {
-        await hold;
-        check(e.name === "ResponseError" && e.status_code === 429, `ResponseError 429 (${e})`);
-        return out({ status: e.status_code, error: e.error });
-      }
-      throw new Error("no 429 while the key's one place was held");
+      const { e } = await whileHeld(
+        () => o.chat({ model: chat, messages: USER, stream: true, options: { num_predict: 400 } }),
+        (s) => s.abort(),
+        () => o.chat({ model: chat, messages: USER, options: { num_predict: 4 } }));
+      check(e && e.name === "ResponseError" && e.status_code === 429, `ResponseError 429 (${e})`);
+      return out({ status: e.status_code, error: e.error });
     }
   }
   throw new Error(`no cell ${cell}`);
@@ -255,10 +266,11 @@ async function anthropicCell() {
       throw new Error("no error for an unknown model");
     }
     case "retry-429": {
-      const hold = (async () => { await c.messages.stream({ model: chat, max_tokens: 100, messages: USER }).finalMessage(); })();
-      await new Promise((r) => setTimeout(r, 300));
-      const r = await c.messages.create({ model: chat, max_tokens: 4, messages: USER });
-      await hold;
+      const { r, e } = await whileHeld(
+        () => c.messages.create({ model: chat, max_tokens: 400, messages: USER, stream: true }),
+        (s) => s.controller.abort(),
+        () => c.messages.create({ model: chat, max_tokens: 4, messages: USER }));
+      if (e) throw e;
       check(statuses.includes(429) && statuses.at(-1) === 200, `retried after a 429 (${statuses})`);
       return out({ stop: r.stop_reason });
     }
