@@ -48,7 +48,7 @@ from appliance.hub.api.anthropic_models import anthropic_model, is_anthropic
 from appliance.hub.api.request import request_id
 from appliance.hub.api.router import allowed, authenticate
 from appliance.hub.decide import capable
-from appliance.hub.translate import OPENAI_ONLY, resolve
+from appliance.hub.translate import OPENAI_ONLY
 
 if TYPE_CHECKING:
     from appliance.hub.fleet.nodes import NodeHandle
@@ -205,8 +205,9 @@ async def _one_model(hub: Hub, scope: Scope, send: Send, model_id: str) -> None:
         if scope["method"] not in ("GET", "HEAD"):
             raise ApiError(405, "method_not_allowed", "/v1/models/{id} takes GET")
         client = _client(hub, scope)
+        resolved = hub.control.resolve(model_id)[0]
         for m in status.openai_models(hub, lambda name: allowed(client, name))["data"]:
-            if m["id"] == resolve(model_id, hub.control.known):
+            if m["id"] == resolved:
                 await send_json(send, 200, anthropic_model(m) if api == "anthropic" else m)
                 return
         raise ApiError(404, "model_not_found", f"The model '{model_id}' does not exist")
@@ -234,8 +235,8 @@ async def _show(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
             raise ApiError(400, "invalid_json",
                            "body is not valid JSON: nested too deeply") from None
         given = req.model or req.name
-        model = resolve(given, hub.control.known)
-        if not given or not allowed(client, model) or not hub.control.known(model):
+        model, known = hub.control.resolve(given)
+        if not given or not allowed(client, model) or not known:
             raise ApiError(404, "model_not_found", f"model '{echo(given)}' not found")
         body = await _show_from_node(hub, model)
         if body is None:

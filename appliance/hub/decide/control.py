@@ -248,25 +248,20 @@ class Control:
     # --- what the router calls ---------------------------------------------------------
 
     def known(self, model: str) -> bool:
-        return model in self.core.specs or model in self.registry.known_models()
+        """In the catalog or on a node: looked up in each node's model index
+        (NodeState.model), not in a set of every name built per call -- a node with 2,000
+        models costs a lookup no more than one with two."""
+        if model in self.core.specs:
+            return True
+        for h in self.registry.nodes.values():
+            if h.state is not None and h.state.model(model) is not None:
+                return True
+        return False
 
     def resolve(self, name: str) -> tuple[str, bool]:
         """The model a client's `name` means (Ollama's tag rule, translate.resolve) and
-        whether it is known. Each name tried is looked up in the catalog and in each node's
-        model index (NodeState.model), not in a set of every name built per request: a node
-        with 2,000 models costs a request no more than one with two."""
-        specs, nodes = self.core.specs, self.registry.nodes.values()
-        seen: dict[str, bool] = {}
-
-        def known(m: str) -> bool:
-            found = seen.get(m)
-            if found is None:
-                found = seen[m] = m in specs or any(
-                    h.state is not None and h.state.model(m) is not None for h in nodes)
-            return found
-
-        model = translate.resolve(name, known)
-        return model, known(model)
+        whether it is known."""
+        return translate.resolve(name, self.known)
 
     def capabilities(self, model: str) -> set[str] | None:
         """What `model`'s engines say it can do (capable.py); None: nothing is known."""

@@ -243,13 +243,6 @@ class Registry:
         self._turn += 1
         return best[self._turn % len(best)]
 
-    def known_models(self) -> set[str]:
-        out: set[str] = set()
-        for h in self.nodes.values():
-            if h.state is not None:
-                out.update(m.name for m in h.state.models)
-        return out
-
     def start(self, h: NodeHandle, model: str) -> None:
         h.in_flight[model] = h.in_flight.get(model, 0) + 1
         h.in_flight_total += 1

@@ -261,17 +261,18 @@ def _assembled(stream: bool, prompt: int, conv: Converter,
     return conv if stream else Assembler(prompt, True, conv, stops)
 
 
-def resolve(name: str, known: Callable[[str], bool]) -> str:
-    """Ollama's tag rule: `llama3.2` is `llama3.2:latest` and the other way round."""
+def resolve(name: str, known: Callable[[str], bool]) -> tuple[str, bool]:
+    """Ollama's tag rule: `llama3.2` is `llama3.2:latest` and the other way round. The
+    model `name` means, and whether it is known (each name tried is asked once)."""
     if known(name):
-        return name
+        return name, True
     if name.endswith(LATEST):
         bare = name[: -len(LATEST)]
         if bare and known(bare):
-            return bare
+            return bare, True
     elif ":" not in name.rsplit("/", 1)[-1] and known(name + LATEST):
-        return name + LATEST
-    return name
+        return name + LATEST, True
+    return name, False
 
 
 __all__ = ["OPENAI_ONLY", "Converted", "Plan", "Prepared", "context_length", "decode_object",

@@ -314,11 +314,11 @@ def test_anthropic_and_responses_sampling_fields_through_one_helper(make):
 
 def test_resolve_latest_both_ways():
     names = {"llama3.2:latest", "plain", "org/x:latest"}
-    assert resolve("llama3.2", names.__contains__) == "llama3.2:latest"
-    assert resolve("plain:latest", names.__contains__) == "plain"
-    assert resolve("org/x", names.__contains__) == "org/x:latest"
-    assert resolve("nope", names.__contains__) == "nope"
-    assert resolve("llama3.2:1b", names.__contains__) == "llama3.2:1b"
+    assert resolve("llama3.2", names.__contains__) == ("llama3.2:latest", True)
+    assert resolve("plain:latest", names.__contains__) == ("plain", True)
+    assert resolve("org/x", names.__contains__) == ("org/x:latest", True)
+    assert resolve("nope", names.__contains__) == ("nope", False)
+    assert resolve("llama3.2:1b", names.__contains__) == ("llama3.2:1b", False)
 
 
 def test_engine_kind_and_error_converter_and_sse_reader():
