@@ -128,7 +128,7 @@ class CostRouter:
             name = best.name
             route.predicted = (best.wait, best.prefill)
         stats = affinity.stats(model)
-        top = max(held, key=lambda n: held[n], default="")
+        top = max(held, key=held.__getitem__, default="")
         if top and held[top] > 0 and name != top:
             stats.moved += 1
         route.matched = route.entry_seq = 0
