@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import trio
 
-from tests.hub.api.test_leaving_frees_engine import Engine, _hub
+from tests.harness.engine_hub import hub_before
+from tests.hub.api.test_leaving_frees_engine import Engine
 
 BODY = {"model": "m", "max_tokens": 300, "stop_sequences": ["w3 ", "never"],
         "messages": [{"role": "user", "content": "count"}]}
@@ -22,7 +23,7 @@ BODY = {"model": "m", "max_tokens": 300, "stop_sequences": ["w3 ", "never"],
 async def test_a_whole_answer_names_the_stop_sequence(tmp_path: Path) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, engine)
+        _, url = await hub_before(nursery, tmp_path, engine)
         async with httpx.AsyncClient(timeout=20) as c:
             r = await c.post(url + "/v1/messages", json=BODY)
         with trio.fail_after(10):  # the engine's stream is closed once the sequence came
@@ -37,7 +38,7 @@ async def test_a_whole_answer_names_the_stop_sequence(tmp_path: Path) -> None:
 async def test_a_stream_names_the_stop_sequence(tmp_path: Path) -> None:
     engine = Engine()
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, engine)
+        _, url = await hub_before(nursery, tmp_path, engine)
         async with httpx.AsyncClient(timeout=20) as c:
             r = await c.post(url + "/v1/messages", json={**BODY, "stream": True})
         with trio.fail_after(10):
@@ -54,7 +55,7 @@ async def test_a_stream_names_the_stop_sequence(tmp_path: Path) -> None:
 async def test_no_sequence_met_ends_as_the_engine_says(tmp_path: Path) -> None:
     engine = Engine(pieces=5, gap=0)
     async with trio.open_nursery() as nursery:
-        url = await _hub(nursery, tmp_path, engine)
+        _, url = await hub_before(nursery, tmp_path, engine)
         async with httpx.AsyncClient(timeout=20) as c:
             r = await c.post(url + "/v1/messages", json={**BODY, "stop_sequences": ["w9"]})
         nursery.cancel_scope.cancel()
