@@ -14,6 +14,7 @@ configuration stays. The listeners' limits (`Hub.limits`, appliance/server/limit
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -253,6 +254,9 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         async with trio.open_nursery() as nursery:
             hub, _addr = await nursery.start(hub_task)
             notifier.ready()
+            # What startup made lives as long as the process: full collections need not walk it
+            # (each walked the whole heap, paid by the requests that allocate: spans most).
+            gc.freeze()
             nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
             nursery.start_soon(handle_signals, signals, stop, notifier, partial(reload_hub, hub,
                                                                                 env_file), "hub")

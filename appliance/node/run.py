@@ -25,6 +25,7 @@ and the owner's curl on the box needs `--cert` (the hub's certificate, or one of
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import signal
@@ -268,6 +269,9 @@ async def _main(cfg: Config, env_file: str | None) -> None:
         nursery.start_soon(_signals, stop, notifier, env_file, reload_send)
         await nursery.start(node_task)
         notifier.ready()
+        # What startup made lives as long as the process: full collections need not walk it
+        # (each walked the whole heap, paid by the requests that allocate: spans most).
+        gc.freeze()
         nursery.start_soon(sdnotify.beat_loop, heartbeat, cfg.node.heartbeat_seconds)
         nursery.start_soon(sdnotify.watchdog_loop, notifier, heartbeat)
         await node_done.wait()
