@@ -31,7 +31,7 @@ GROUP_MAX = 512
 # What is queued at a clean stop is committed within this bound.
 FLUSH_SECONDS = 10.0
 
-Row = tuple[Obj, list[tuple[str, dict[str, Any]]]]
+Row = tuple[Obj, bytes, list[tuple[str, dict[str, Any]]]]  # the object, its data's JSON, items
 
 
 class _Group:
@@ -42,16 +42,16 @@ class _Group:
 
 class Behind:
     def __init__(self, db: Db, run: Callable[..., Awaitable[Any]],
-                 uncharge: Callable[[Obj], None]) -> None:
-        self.db, self.run_sync, self.uncharge = db, run, uncharge
+                 uncharge: Callable[[Obj], None], committed: Callable[[], None]) -> None:
+        self.db, self.run_sync, self.uncharge, self.committed = db, run, uncharge, committed
         self.group = _Group()
         self.queued: dict[str, _Group] = {}  # id -> the group that commits it
         self.first = trio.Event()  # the open group has something
         self.now = trio.Event()  # ... and should commit without waiting out GROUP_SECONDS
         self.running = False
 
-    def put(self, o: Obj, items: list[tuple[str, dict[str, Any]]]) -> None:
-        self.group.rows.append((o, items))
+    def put(self, o: Obj, data: bytes, items: list[tuple[str, dict[str, Any]]]) -> None:
+        self.group.rows.append((o, data, items))
         self.queued[o.id] = self.group
         self.first.set()
         if len(self.group.rows) >= GROUP_MAX:
@@ -93,10 +93,11 @@ class Behind:
             log.debug("store: %d stored responses committed in one group", len(g.rows))
         except (OSError, sqlite3.Error) as e:
             log.warning("store: %d stored responses lost, their commit failed: %s", len(g.rows), e)
-            for o, _ in g.rows:
+            for o, _, _ in g.rows:
                 self.uncharge(o)
         finally:
-            for o, _ in g.rows:
+            self.committed()
+            for o, _, _ in g.rows:
                 if self.queued.get(o.id) is g:
                     del self.queued[o.id]
             g.done.set()

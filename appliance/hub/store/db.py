@@ -91,16 +91,17 @@ class Db:
             if items:
                 self._add_items(o.id, items)
 
-    def put_group(self, group: list[tuple[Obj, list[tuple[str, dict[str, Any]]]]]) -> None:
-        """New objects and their items (new parents: numbered from 0), in one transaction
-        of two statements (hub/store/behind.py)."""
+    def put_group(self, group: list[tuple[Obj, bytes, list[tuple[str, dict[str, Any]]]]]
+                  ) -> None:
+        """New objects (each with its fields' JSON) and their items (new parents: numbered
+        from 0), in one transaction of two statements (hub/store/behind.py)."""
         enc = msgspec.json.encode
         with self.conn:
             self.conn.executemany(f"INSERT INTO objects({_COLS}) VALUES (?,?,?,?,?,?,?,?)",
                                   [(o.id, o.kind, o.owner, o.created_at, o.expires_at, o.bytes,
-                                    o.state, enc(o.data).decode()) for o, _ in group])
+                                    o.state, data.decode()) for o, data, _ in group])
             self.conn.executemany("INSERT INTO items(parent, seq, id, data) VALUES (?,?,?,?)",
-                                  [(o.id, i, iid, enc(d).decode()) for o, items in group
+                                  [(o.id, i, iid, enc(d).decode()) for o, _, items in group
                                    for i, (iid, d) in enumerate(items)])
 
     def save(self, o: Obj) -> None:

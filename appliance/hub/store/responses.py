@@ -70,8 +70,9 @@ async def record(store: Store, owner: str, rid: str, response: dict[str, Any], p
         o = Obj(rid, "response", owner, now, now + days * DAY, 0,
                 str(response.get("status") or "completed"),
                 {"response": response, "previous_response_id": prev})
-        o.bytes = len(msgspec.json.encode(o.data))
-        await store.put_behind(o, [(i["id"], i) for i in own])
+        data = msgspec.json.encode(o.data)  # once: its size here, its text in the store
+        o.bytes = len(data)
+        await store.put_behind(o, [(i["id"], i) for i in own], data)
     if conversation:
         turn = own + itemsmod.output_items(response)
         await store.run(store.db.add_items, conversation, [(i["id"], i) for i in turn])

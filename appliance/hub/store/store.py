@@ -60,7 +60,8 @@ class Store:
         self.limiter = trio.CapacityLimiter(1)
         self.total = 0
         self.owned: dict[str, int] = {}  # objects per owner, once asked (check_quota)
-        self.behind = Behind(db, self.run, self._uncharge)  # stored responses (behind.py)
+        # stored responses (behind.py); the bytes gauge set once a group
+        self.behind = Behind(db, self.run, self._uncharge, lambda: self.charge(0))
 
     def reload(self, cfg: StoreConfig) -> None:
         """New bounds (SIGHUP); the path stays the one opened."""
@@ -103,17 +104,19 @@ class Store:
         if o.owner in self.owned:
             self.owned[o.owner] += 1
 
-    async def put_behind(self, o: Obj, items: list[tuple[str, dict[str, Any]]]) -> None:
-        """A new object committed with others in one group soon (behind.py); read back at
-        once through `get`. Without the group writer running: put now."""
+    async def put_behind(self, o: Obj, items: list[tuple[str, dict[str, Any]]],
+                         data: bytes) -> None:
+        """A new object (`data`: its fields as JSON) committed with others in one group
+        soon (behind.py); read back at once through `get`. Without the group writer
+        running: put now. The bytes gauge follows at the group's commit."""
         if not self.behind.running:
             await self.put(o, items)
             return
         self.room(o.bytes)
-        self.charge(o.bytes)
+        self.total += o.bytes
         if o.owner in self.owned:
             self.owned[o.owner] += 1
-        self.behind.put(o, items)
+        self.behind.put(o, data, items)
 
     def _uncharge(self, o: Obj) -> None:
         self.charge(-o.bytes)

@@ -38,7 +38,7 @@ async def test_many_responses_one_transaction_and_each_read_back_at_once(tmp_pat
     async with trio.open_nursery() as nursery:
         await nursery.start(store.behind.run)
         for i in range(50):
-            await store.put_behind(_resp(i), _items(i))
+            await store.put_behind(_resp(i), _items(i), b'{"n":%d}' % i)
         assert store.total == 500 and groups == []  # charged at once, not yet written
         assert len(store.behind.queued) == 50
         o = await store.get("response", "resp_h-7", "a")  # a reader commits its group
@@ -46,7 +46,7 @@ async def test_many_responses_one_transaction_and_each_read_back_at_once(tmp_pat
         assert groups == [50]
         items, _ = await store.run(store.db.items, "resp_h-7", None, 10, False)
         assert [x["id"] for x in items] == ["msg_7_0", "msg_7_1"]
-        await store.put_behind(_resp(99), [])
+        await store.put_behind(_resp(99), [], b'{}')
         await trio.sleep(2 * behind.GROUP_SECONDS)  # no reader: committed within the bound
         assert groups == [50, 1] and not store.behind.queued
         nursery.cancel_scope.cancel()
@@ -57,12 +57,12 @@ async def test_a_clean_stop_commits_what_is_queued(tmp_path):
     async with trio.open_nursery() as nursery:
         await nursery.start(store.behind.run)
         for i in range(3):
-            await store.put_behind(_resp(i), _items(i))
+            await store.put_behind(_resp(i), _items(i), b'{"n":%d}' % i)
         nursery.cancel_scope.cancel()
     assert not store.behind.running
     got = [await store.run(store.db.get, "response", f"resp_h-{i}", "a") for i in range(3)]
     assert all(o is not None for o in got)
-    await store.put_behind(_resp(5), [])  # no writer now: written at once
+    await store.put_behind(_resp(5), [], b'{}')  # no writer now: written at once
     assert await store.run(store.db.get, "response", "resp_h-5", "a") is not None
 
 
@@ -76,7 +76,7 @@ async def test_a_failed_commit_gives_its_bytes_back(tmp_path):
     async with trio.open_nursery() as nursery:
         await nursery.start(store.behind.run)
         await store.check_quota("a")
-        await store.put_behind(_resp(1), [])
+        await store.put_behind(_resp(1), [], b'{}')
         assert store.total == 10 and store.owned["a"] == 1
         assert await store.get("response", "resp_h-1", "a") is None
         assert store.total == 0 and store.owned["a"] == 0
