@@ -131,7 +131,8 @@ def _check(cfg: Config) -> None:
     for var, listen in (("Hub__Listen", cfg.hub.listen), ("Node__Listen", cfg.node.listen),
                         ("Sim__Listen", cfg.sim.listen)):
         parse_listen(listen, var)
-    for var, urls in (("Cluster__Etcd", cfg.cluster.endpoints()), ("Hub__Url", cfg.hub_urls())):
+    for var, urls in (("Cluster__Etcd", cfg.cluster.endpoints()), ("Hub__Url", cfg.hub_urls()),
+                      ("Cluster__Url", [cfg.cluster.url] if cfg.cluster.url else [])):
         for u in urls:
             if not u.startswith(("http://", "https://")):
                 raise ConfigError(f"{var}={u!r}: expected comma-separated http:// or https:// URLs")

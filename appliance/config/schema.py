@@ -322,6 +322,9 @@ class ClusterConfig(_Section):
     prefix: str = "appliance"
     # The leader's lease: a dead leader is replaced this long after its last keepalive.
     lease_seconds: Annotated[int, msgspec.Meta(ge=2, le=3600)] = 10
+    # This hub's URL as the other hubs reach it (they ask it for the objects it holds);
+    # empty: http(s)://HOST:PORT of Hub__Listen as bound (its host, else this host's name).
+    url: str = ""
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""

@@ -104,6 +104,10 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
                 api_done.set()
 
         addr = await nursery.start(api_server)
+        if hub.cluster is not None:  # the other hubs ask this one for the objects it holds
+            from appliance.hub.store.peers import own_url
+
+            hub.cluster.advertise(own_url(cfg, addr))
         if shared is not None:
             await nursery.start(workers.start_workers, hub, cfg.hub.workers, shared.fileno(),
                                 where, env_file)

@@ -5,8 +5,10 @@ Theory of operation: an object belongs to the client name of the key that made i
 every owner's objects but makes none; in anonymous mode every caller is the one owner
 `anonymous`. An id that does not exist and an id of another owner get the same 404
 `not_found` -- nothing tells them apart. An id that names another hub is that hub's:
-503 `held_elsewhere` with Retry-After (its hub answers for it). With no store
-(`Store__Path` empty, or not openable) every such route is 501 `store_disabled`.
+stored.py sends the request there (hub/store/peers.py); one that reaches `find` anyway
+(a hub that sent it on, one hub without a cluster) is 503 `held_elsewhere` with
+Retry-After. With no store (`Store__Path` empty, or not openable) every such route is 501
+`store_disabled`.
 """
 
 from __future__ import annotations

@@ -68,6 +68,8 @@ class Member:
         self.tenure = state.Tenure()
         self.snapshot = state.Snapshot()
         self.up = False
+        self.url = cfg.cluster.url.rstrip("/")  # as the other hubs reach this one (`advertise`)
+        self._published: str | None = None  # the URL our hubs/NAME key holds
         self.changes = 0  # leader changes this hub has seen (appliance_leader_changes_total)
         self._seen_epoch = 0
         self._decided: dict[str, int] = {}
@@ -154,6 +156,16 @@ class Member:
             nursery.start_soon(self._follow)
             task_status.started()
 
+    def advertise(self, url: str) -> None:
+        """This hub's URL (Hub__Listen as bound) unless Cluster__Url names one; published
+        at the next tick."""
+        if not self.url:
+            self.url = url.rstrip("/")
+
+    def hub_urls(self) -> dict[str, str]:
+        """The running hubs' URLs by name, as etcd last said."""
+        return self.snapshot.hub_urls
+
     def resign(self) -> None:
         """A clean stop: decide nothing more, give the lease up now and stand no more;
         keep following."""
@@ -183,8 +195,12 @@ class Member:
                     if not lease:
                         lease_sent = self.now()
                         lease, _ttl = await self.etcd.grant(int(self.lease_seconds))
+                        self._published = None
+                    if self._published != self.url:
                         await self.etcd.put(self.keys.hub(self.name),
-                                            json.dumps({"name": self.name}), lease)
+                                            json.dumps({"name": self.name, "url": self.url}),
+                                            lease)
+                        self._published = self.url
                     if not self.tenure.epoch:
                         won, rev, held = await self.etcd.create(self.keys.leader, self.name, lease)
                         if won:

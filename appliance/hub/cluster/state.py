@@ -5,7 +5,8 @@ Theory of operation: everything lives under `{Cluster__Prefix}/`:
     leader            the leading hub's name, on its lease; the key's create revision
                       is the EPOCH (etcd revisions only grow, so a later leader always
                       has a higher epoch: nodes fence on it)
-    hubs/NAME         every running hub, on its own lease (status shows them)
+    hubs/NAME         every running hub, on its own lease (status shows them), with the
+                      URL the other hubs reach it at (they ask it for the objects it holds)
     health/MODEL      the leader's memory of a model: consecutive start failures, parked,
                       last error, unplaceable reason, the definition it failed with, and
                       `decided` -- the last ask revision the leader made a decision for
@@ -81,6 +82,7 @@ class Snapshot:
     leader: str = ""
     epoch: int = 0
     hubs: list[str] = field(default_factory=list)
+    hub_urls: dict[str, str] = field(default_factory=dict)  # hub name -> its URL
     health: dict[str, HealthRecord] = field(default_factory=dict)
     asks: dict[str, int] = field(default_factory=dict)
     retries: dict[str, int] = field(default_factory=dict)
@@ -106,6 +108,12 @@ def parse(keys: Keys, revision: int, kvs: Any) -> Snapshot:
             continue
         if kind == "hubs":
             s.hubs.append(name)
+            try:
+                url = msgspec.json.decode(kv.value).get("url")
+            except (msgspec.DecodeError, AttributeError):
+                url = None
+            if isinstance(url, str) and url.startswith(("http://", "https://")):
+                s.hub_urls[name] = url.rstrip("/")
         elif kind == "health":
             try:
                 s.health[name] = _health_dec.decode(kv.value)
