@@ -182,21 +182,33 @@ class Transport:
         return trio.current_time() >= self._by
 
     async def wait_sent(self) -> bool:
-        """Whether every byte written has left (the peer's window took it), waiting for it
-        at most `stall` seconds and not past `abort_by`'s deadline -- read at each look, so
-        a drain that begins while it waits ends it too (`aborted` then says so): a stream's
-        end, so a client that read nothing of an answer the socket buffers held is not
-        taken for one that received it."""
-        stall_end = trio.current_time() + self.stall
+        """Whether every byte written has left (the peer's window took it): a stream's end,
+        so a client that read nothing of an answer the socket buffers held is not taken for
+        one that received it. Waits while what is left goes down -- as a write waits: never
+        `stall` seconds without progress, nor, with a `min_rate`, slower than it over spans
+        of `stall` seconds -- and not past `abort_by`'s deadline, read at each look, so a
+        drain that begins while it waits ends it too (`aborted` then says so)."""
+        left = unsent(self.sock)
+        if left <= 0:
+            return True
+        now = trio.current_time()
+        moved = span_at = now  # the last progress; the read-rate span's start
+        span_left = left
         pause = 0.001
-        while unsent(self.sock) > 0:
-            now = trio.current_time()
-            deadline = min(stall_end, self._by)
+        while left > 0:
+            if self.min_rate and now - span_at >= self.stall:
+                if span_left - left < self.min_rate * (now - span_at):
+                    return False
+                span_at, span_left = now, left
+            deadline = min(moved + self.stall, self._by)
             if now >= deadline:
                 return False
             with trio.CancelScope(shield=True):  # bounded by `deadline`
                 await trio.sleep(min(pause, deadline - now))
             pause = min(pause * 2, 0.05)
+            now, was, left = trio.current_time(), left, unsent(self.sock)
+            if left < was:
+                moved = now
         return True
 
     def abort_by(self, deadline: float) -> None:

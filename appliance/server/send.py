@@ -135,10 +135,10 @@ class Sender:
 
     async def delivered(self) -> bool:
         """Before a stream's last bytes (http/disconnect.py's HangupWatch): the socket
-        buffers may hold the whole answer for a client that reads nothing. Waits (bounded
-        by the write stall) until what was written has left; if it never does, the client
-        is too slow: the connection ends as for a stalled write (False) -- or the drain
-        ended first (False, `drained`)."""
+        buffers may hold the whole answer for a client that reads nothing. Waits (by the
+        write stall's and the read rate's rules) until what was written has left; if it
+        never does, the client is too slow: the connection ends as for a stalled write
+        (False) -- or the drain ended first (False, `drained`)."""
         if self.broken or self.cycle.framing not in (CHUNKED, UNTIL_CLOSE):
             return not (self.stalled or self.drained)
         if await self.transport.wait_sent():

@@ -169,3 +169,71 @@ def test_the_settings_reach_the_listeners() -> None:
     cfg = load({"Hub__MinReadBytesPerSecond": "5000", "Node__MinReadBytesPerSecond": "7"})
     assert hub_limits(cfg).min_read_bytes_per_second == 5000
     assert node_limits(cfg).min_read_bytes_per_second == 7
+
+
+async def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A loopback TCP pair (the unsent count, SIOCOUTQNSD, is TCP's): writer, reader."""
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen()
+        b = socket.socket()
+        b.setblocking(False)
+        try:
+            b.connect(ls.getsockname())
+        except BlockingIOError:
+            pass
+        await trio.lowlevel.wait_writable(b)
+        a, _ = ls.accept()
+    a.setblocking(False)
+    return a, b
+
+
+def fill(a: socket.socket) -> int:
+    """Writes until the kernel's buffers are full; how much."""
+    n = 0
+    while True:
+        try:
+            n += a.send(b"x" * PIECE)
+        except BlockingIOError:
+            return n
+
+
+async def run_end(rate: float, every: float) -> tuple[bool, int, int]:
+    """A stream's end on TCP: the buffers full, a reader taking PIECE every `every` s;
+    what `wait_sent` says (stall 1 s, `rate`), what was written, what was read by then."""
+    a, b = await tcp_pair()
+    t = Transport(a, stall=1.0, min_rate=rate)
+    got = [0]
+    with a, b:
+        written = fill(a)
+        async with trio.open_nursery() as n:
+            n.start_soon(steady_reader_every, b, every, got)
+            ok = await t.wait_sent()
+            n.cancel_scope.cancel()
+    return ok, written, got[0]
+
+
+async def steady_reader_every(sock: socket.socket, every: float, got: list[int]) -> None:
+    while True:
+        await trio.sleep(every)
+        try:
+            got[0] += len(sock.recv(PIECE))
+        except BlockingIOError:
+            pass
+
+
+async def test_the_streams_end_waits_while_a_steady_reader_drains_it(autojump_clock):
+    # Far more buffered than leaves in one stall: a reader that progresses all the time
+    # (above the minimum) is waited for -- it was cut after one stall before.
+    ok, written, got = await run_end(100_000, EVERY)
+    assert written > 10 * PIECE and ok
+
+
+async def test_the_streams_end_cuts_a_reader_under_the_minimum(autojump_clock):
+    ok, written, got = await run_end(10_000_000, EVERY)
+    assert not ok and 0 < got < written
+
+
+async def test_the_streams_end_cuts_a_reader_that_stopped(autojump_clock):
+    ok, _, got = await run_end(0, 3600.0)
+    assert not ok and got == 0
