@@ -178,6 +178,7 @@ def main() -> None:
         procs.append(node)
         hub = Proc([*me, "--child", "hub", "--out", os.path.join(tmp, "hub.json"), *extra],
                    {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": os.devnull,
+                    "Store__Path": "",  # no store: never the machine's /var/lib/appliance
                     "Hub__Workers": "1", "Router__Affinity": "on",
                     "Nodes__0__Name": "walk", "Nodes__0__Url": node.wait_url()})
         procs.append(hub)
