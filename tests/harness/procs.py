@@ -51,6 +51,8 @@ class Proc:
     def __init__(self, role: str, env: dict[str, str], args: list[str] = (),
                  cwd: str | None = None) -> None:
         self.role = role
+        if role == "hub":  # no store unless the caller names one (the default is /var/lib)
+            env = {"Store__Path": "", **env}
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "appliance", role, *args],
             env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
@@ -143,8 +145,7 @@ class Procs:
     def hub(self, env: dict[str, str] | None = None, metrics: bool = True,
             args: list[str] = ()) -> Proc:
         e = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "127.0.0.1:0" if metrics else "",
-             "Node__HeartbeatSeconds": "0.5", "Hub__DrainSeconds": "5",
-             "Store__Path": ""}  # no store unless the test gives one (the default is /var/lib)
+             "Node__HeartbeatSeconds": "0.5", "Hub__DrainSeconds": "5"}
         e.update(env or {})
         return self.start("hub", e, args, wait=("hub", "metrics") if metrics else ("hub",))
 
