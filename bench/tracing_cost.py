@@ -12,7 +12,8 @@ set up, no request sampled: what the import and an unsampled span cost). The sam
 a short chat and a streamed one, at concurrency 1 and 8 -- and each hub's CPU (utime +
 stime from /proc, export thread included) is read around each round. Prints the median
 per round of hub ms CPU per request, off and on, and their ratio; the node does the same
-work either way (it does not trace here).
+work either way (it does not trace here). Last, each hub's CPU over all rounds split by
+thread (/proc/PID/task): the trio thread's and the rest's (the export thread, when on).
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ from overhead import cpu_seconds, run_load  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 ROUNDS = 5
+
+
+def thread_cpu(pid: int) -> tuple[float, float]:
+    """(the main thread's, all other threads') CPU seconds of a process."""
+    main = other = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended
+            continue
+        t = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if int(tid) == pid:
+            main += t
+        else:
+            other += t
+    return main, other
 
 
 class Receiver(ThreadingHTTPServer):
@@ -92,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         for h in hubs.values():
             wait_until(lambda h=h: httpx.post(h.url + "/v1/chat/completions", json=chat,
                                               timeout=60).status_code == 200, 60, "hub warm")
+        split0 = {name: thread_cpu(h.pid) for name, h in hubs.items()}
+        sent = 0
         cases = (("short", {**chat, "max_tokens": 8}, args.requests, False),
                  ("stream200", {**chat, "max_tokens": 200, "stream": True},
                   args.stream_requests, True))
@@ -105,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                 for h in hubs.values():  # warm-up
                     trio.run(run_load, h.url + "/v1/chat/completions", body, max(conc, n // 10),
                              conc, stream)
+                sent += n * ROUNDS + max(conc, n // 10)
                 for _ in range(ROUNDS):
                     for name, h in hubs.items():
                         before = cpu_seconds(h.pid)
@@ -115,6 +136,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{kind:<10}{conc:>5}{off * 1e3:>9.3f}{on * 1e3:>9.3f}{on / off:>8.2f}"
                       f"{(on - off) * 1e6:>9.0f}{un * 1e3:>11.3f}{(un - off) * 1e6:>9.0f}")
         wait_until(lambda: receiver.posts > 0, 10, "spans received")
+        print("all rounds, by thread (us per request): trio thread / other threads")
+        for name, h in hubs.items():
+            (m0, o0), (m1, o1) = split0[name], thread_cpu(h.pid)
+            print(f"  {name:<10}{(m1 - m0) / sent * 1e6:8.0f} /{(o1 - o0) / sent * 1e6:6.0f}")
         dropped = httpx.get(hubs["on"].url + "/metrics", timeout=10).text
         line = next((x for x in dropped.splitlines()
                      if x.startswith("appliance_spans_dropped_total")), "(none)")

@@ -143,11 +143,10 @@ class Assembler:
             if not isinstance(ch, dict):
                 continue
             idx = ch.get("index", 0)
-            if not isinstance(idx, int):
-                idx = 0
-            c = self._choices.get(idx)
+            at = idx if isinstance(idx, int) else 0
+            c = self._choices.get(at)
             if c is None:
-                c = self._choices[idx] = _Choice()
+                c = self._choices[at] = _Choice()
             text = ch.get("text")
             if isinstance(text, str) and text:
                 generated = True
