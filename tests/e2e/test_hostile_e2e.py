@@ -18,6 +18,7 @@ import socketserver
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -312,13 +313,19 @@ def test_request_smuggling_is_refused_and_the_connection_closed(fleet):
 
 def test_slow_heads_and_bodies_are_cut_with_408(fleet):
     f = fleet
-    got, closed = raw(f.url, b"GET /health HTTP/1.1\r\nHost: hub\r\n", wait=HEADER_S + 20)
+    # The three slow clients at once: the case lasts the longest deadline, not their sum.
+    with ThreadPoolExecutor(3) as pool:
+        head = pool.submit(raw, f.url, b"GET /health HTTP/1.1\r\nHost: hub\r\n", HEADER_S + 20)
+        body = pool.submit(raw, f.url, HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": "sim',
+                           BODY_S + 20)
+        node = pool.submit(raw, f.node("node1").url, b"GET /health HTTP/1.1\r\nHost: x\r\n",
+                           HEADER_S + 20)
+    got, closed = head.result()
     assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got and closed, got
-    got, closed = raw(f.url, HEAD + b"Content-Length: 100\r\n\r\n" + b'{"model": "sim',
-                      wait=BODY_S + 20)
+    got, closed = body.result()
     assert got.startswith(b"HTTP/1.1 408") and closed, got
     assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
-    got, closed = raw(f.node("node1").url, b"GET /health HTTP/1.1\r\nHost: x\r\n", wait=HEADER_S + 20)
+    got, closed = node.result()
     assert got.startswith(b"HTTP/1.1 408") and closed
     healthy(f)
 
