@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +109,9 @@ def _processor(exporter: Exporter, drops: Drops) -> SpanProcessor:
 
     class QueueProcessor(SpanProcessor):
         def __init__(self) -> None:
-            self.queue: queue.Queue[ReadableSpan] = queue.Queue(MAX_QUEUE)
+            # A deque: append and popleft are atomic, no lock and condition per span as
+            # queue.Queue takes; its bound is MAX_QUEUE, checked here.
+            self.queue: deque[ReadableSpan] = deque()
             self.stop = threading.Event()
             self.wake = threading.Event()
             self.pending = 0
@@ -121,11 +123,10 @@ def _processor(exporter: Exporter, drops: Drops) -> SpanProcessor:
         def on_end(self, span: ReadableSpan) -> None:
             if span.context is None or not span.context.trace_flags.sampled:
                 return
-            try:
-                self.queue.put_nowait(span)
-            except queue.Full:
+            if len(self.queue) >= MAX_QUEUE:
                 drops.full += 1
                 return
+            self.queue.append(span)
             self.pending += 1  # (approximate: read and reset by the export thread)
             if self.pending == MAX_BATCH:
                 self.wake.set()  # a full batch goes before its second is up
@@ -142,8 +143,8 @@ def _processor(exporter: Exporter, drops: Drops) -> SpanProcessor:
                     batch: list[ReadableSpan] = []
                     while len(batch) < MAX_BATCH:
                         try:
-                            batch.append(self.queue.get_nowait())
-                        except queue.Empty:
+                            batch.append(self.queue.popleft())
+                        except IndexError:
                             break
                     if not batch:
                         break
@@ -174,7 +175,7 @@ def _processor(exporter: Exporter, drops: Drops) -> SpanProcessor:
             exporter.shutdown()
 
         def force_flush(self, timeout_millis: int = 30000) -> bool:
-            return self.queue.empty()
+            return not self.queue
 
     return QueueProcessor()
 
