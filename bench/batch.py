@@ -4,10 +4,12 @@ Two sim nodes (`Node__MaxConcurrency` places each, the sim streaming `--tps` tok
 second), priority on (reserve 1), one hub with a store. Rounds, one run, side by side:
   1. capacity: a plain client keeps every place busy with the batch's own request; its
      requests/s is the fleet's rate for these lines (the "spare places" measured alone).
-  2. essential alone: a client of class essential sends streamed chats back to back for
-     `--seconds`; its TTFT p50/p95.
+  2. essential alone: a client of class essential (a process of its own) sends streamed
+     chats back to back for `--seconds`; its TTFT p50/p95.
   3. batch alone: a `--lines`-line chat batch (`Batch__MaxConcurrent` = every place): lines/s.
-  4. batch + essential: both at once; the essential client's TTFT and the batch's lines/s.
+  4. batch + essential: both at once; the essential client's TTFT and the batch's lines/s;
+     then the essential client alone again (the box's load drifts): p95 beside over the
+     mean of both alone rounds.
   5. kill -9 at 50%: the hub is killed mid-batch and started again on the same store; the
      batch completes; output lines, distinct custom_ids, lines run twice (audit lines of
      the batch with status 200, less the line count).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -114,19 +117,10 @@ class Bench:
             t.join()
         return done[0] / (time.monotonic() - t0)
 
-    def essential(self, stop: threading.Event, ttfts: list[float]) -> None:
-        c = openai.OpenAI(base_url=self.hub.url + "/v1", api_key=ESSENTIAL, max_retries=0)
-        i = 0
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            s = c.chat.completions.create(stream=True, **body(i))
-            for chunk in s:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    ttfts.append(time.perf_counter() - t0)
-                    break
-            for _ in s:
-                pass
-            i += 1
+    def essential(self, seconds: float | None = None) -> Essential:
+        """The essential client, in a process of its own (so this process's polling never
+        slows its reads): for `seconds`, or until `.stop()`."""
+        return Essential(self.hub.url, seconds)
 
     def submit(self, n: int) -> str:
         text = "\n".join(json.dumps({"custom_id": f"l{i}", "method": "POST",
@@ -136,23 +130,57 @@ class Bench:
         return self.oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                        completion_window="24h").id
 
-    def wait(self, bid: str, until: float = 1.0) -> object:
+    def wait(self, bid: str, until: float = 1.0, poll: float = 0.1) -> object:
         def check():
             b = self.oai.batches.retrieve(bid)
             c = b.request_counts
             return b if (b.status == "completed" if until >= 1.0 else
                          c.total and c.completed >= until * c.total) else None
-        return wait_until(check, timeout=3600, interval=0.1, what=f"batch at {until:.0%}")
+        return wait_until(check, timeout=3600, interval=poll, what=f"batch at {until:.0%}")
 
-    def batch_rate(self, n: int) -> tuple[float, object]:
+    def batch_rate(self, n: int, poll: float = 0.1) -> tuple[float, object]:
         t0 = time.monotonic()
         bid = self.submit(n)
-        b = self.wait(bid)
+        b = self.wait(bid, poll=poll)
         return n / (time.monotonic() - t0), b
 
     def audit(self) -> list[dict]:
         with open(self.env["Audit__Path"]) as f:
             return [json.loads(x) for x in f]
+
+
+def _chat_loop(url: str, seconds: float | None, stop: object, out: object) -> None:
+    c = openai.OpenAI(base_url=url + "/v1", api_key=ESSENTIAL, max_retries=0)
+    ttfts, i = [], 0
+    end = time.monotonic() + seconds if seconds is not None else float("inf")
+    while not stop.is_set() and time.monotonic() < end:
+        t0 = time.perf_counter()
+        st = c.chat.completions.create(stream=True, **body(i))
+        for chunk in st:
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttfts.append(time.perf_counter() - t0)
+                break
+        for _ in st:
+            pass
+        i += 1
+    out.send(ttfts)
+
+
+class Essential:
+    """Streamed chats of class essential back to back, in a child process; `.ttfts()`."""
+
+    def __init__(self, url: str, seconds: float | None) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_chat_loop, args=(url, seconds, self._stop, send))
+        self._proc.start()
+
+    def ttfts(self) -> list[float]:
+        self._stop.set()
+        got = self._recv.recv()
+        self._proc.join()
+        return got
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -186,26 +214,25 @@ def main() -> None:
 def rounds_1_to_4(b: Bench, args: argparse.Namespace) -> None:
     cap = b.capacity(args.seconds)
     print(f"1. capacity: {cap:.1f} requests/s on {b.places} places", flush=True)
-    stop, alone = threading.Event(), []
-    t = threading.Thread(target=b.essential, args=(stop, alone))
-    t.start()
+    e = b.essential(args.seconds)
     time.sleep(args.seconds)
-    stop.set()
-    t.join()
+    alone = e.ttfts()
     print(f"2. essential alone: {len(alone)} chats, TTFT p50 {pct(alone, .5):.1f} ms, "
           f"p95 {pct(alone, .95):.1f} ms", flush=True)
     rate, _ = b.batch_rate(args.lines)
     print(f"3. batch alone: {args.lines} lines, {rate:.1f} lines/s "
           f"({100 * rate / cap:.0f}% of capacity)", flush=True)
-    stop, beside = threading.Event(), []
-    t = threading.Thread(target=b.essential, args=(stop, beside))
-    t.start()
-    rate2, _ = b.batch_rate(args.lines)
-    stop.set()
-    t.join()
+    e = b.essential()
+    rate2, _ = b.batch_rate(args.lines, poll=1.0)
+    beside = e.ttfts()
+    e = b.essential(args.seconds)  # alone again: the box's load drifts over a run
+    time.sleep(args.seconds)
+    after = e.ttfts()
+    base = (pct(alone, .95) + pct(after, .95)) / 2
     print(f"4. batch + essential: {rate2:.1f} lines/s; essential {len(beside)} chats, TTFT "
-          f"p50 {pct(beside, .5):.1f} ms, p95 {pct(beside, .95):.1f} ms "
-          f"({pct(beside, .95) / pct(alone, .95):.2f}x alone)", flush=True)
+          f"p50 {pct(beside, .5):.1f} ms, p95 {pct(beside, .95):.1f} ms; alone again after: "
+          f"p50 {pct(after, .5):.1f} ms, p95 {pct(after, .95):.1f} ms; p95 beside / alone "
+          f"(both alone rounds' mean) {pct(beside, .95) / base:.2f}x", flush=True)
 
 
 def kill_round(b: Bench, args: argparse.Namespace) -> None:
