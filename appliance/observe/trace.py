@@ -7,6 +7,8 @@ is `OTEL_TRACES_SAMPLER` / `_ARG` (the SDK reads them; default parent-based alwa
 whose resource is `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` over our default
 service name, exporting OTLP/HTTP protobuf to that endpoint (`/v1/traces` appended),
 encoded and posted by observe/otlp.py (the SDK's encoder cost as much as the request).
+Spans are observe/span.py's records, started with that provider's sampler and ids (the
+SDK's own span cost most of tracing's CPU).
 
 Export never blocks or fails a request: an ended span goes into a bounded queue
 (`MAX_QUEUE`) with a non-blocking put, and one daemon thread wakes once a second to
@@ -31,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real imports are in setup(): none without an endpoint
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-    from opentelemetry.trace import Span, Tracer
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     from appliance.observe.otlp import Exporter
+    from appliance.observe.span import Record as Span
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +185,18 @@ def _processor(exporter: Exporter, drops: Drops) -> SpanProcessor:
 class Tracing:
     """The process's tracer, its propagator and its drop count."""
 
-    def __init__(self, tracer: Tracer, propagator: TraceContextTextMapPropagator,
+    def __init__(self, tracer: Any, propagator: TraceContextTextMapPropagator,
                  processor: SpanProcessor, drops: Drops) -> None:
         self.tracer, self.propagator, self.processor = tracer, propagator, processor
         self.drops = drops
         from opentelemetry import trace as api  # already imported by setup()
+        from opentelemetry.context import Context
         from opentelemetry.trace import SpanKind
-        self._api, self._kind = api, SpanKind
+
+        from appliance.observe.span import Maker
+        self._api, self._kind, self._context = api, SpanKind, Context
+        # Spans are observe/span.py's records, made with this tracer's sampler and ids.
+        self._maker = Maker(tracer)
 
     @property
     def dropped(self) -> int:
@@ -198,16 +205,15 @@ class Tracing:
     def start(self, name: str, headers: Headers, start_ns: int | None = None,
               attributes: dict[str, Any] | None = None) -> Span:
         """A server span continuing the request's own trace context when it has a valid one."""
-        ctx = self.propagator.extract(carrier(headers))
-        return self.tracer.start_span(name, context=ctx, kind=self._kind.SERVER,
-                                      start_time=start_ns, attributes=attributes)
+        found = carrier(headers)
+        ctx = self.propagator.extract(found) if found else self._context()
+        return self._maker.start(name, ctx, self._kind.SERVER, start_ns, attributes)
 
     def child(self, parent: Span, name: str, start_ns: int | None = None,
               attributes: dict[str, Any] | None = None) -> Span:
         """A client span under `parent` (a call to the next hop)."""
-        ctx = self._api.set_span_in_context(parent)
-        return self.tracer.start_span(name, context=ctx, kind=self._kind.CLIENT,
-                                      start_time=start_ns, attributes=attributes)
+        ctx = self._api.set_span_in_context(self._api.NonRecordingSpan(parent.get_span_context()))
+        return self._maker.start(name, ctx, self._kind.CLIENT, start_ns, attributes)
 
     def inject(self, span: Span) -> list[tuple[bytes, bytes]]:
         """`traceparent` (and `tracestate`) naming `span` as the next hop's parent: what

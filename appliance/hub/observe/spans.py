@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from appliance.observe.trace import Tracing, operation, trace_id
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from appliance.hub.decide.affinity import Route
     from appliance.hub.decide.limits import Settled
     from appliance.hub.translate.usage import Usage
@@ -68,7 +66,7 @@ class RequestSpan:
         # The record's times are perf_counter seconds from req.t0; spans want epoch ns.
         self.perf0 = req.t0
         self.epoch_ns = time.time_ns() - int((time.perf_counter() - req.t0) * 1e9)
-        self.span: Span = tracing.start(self.operation, req.headers, self.epoch_ns,
+        self.span = tracing.start(self.operation, req.headers, self.epoch_ns,
                                         {"gen_ai.operation.name": self.operation,
                                          "url.path": req.path})
         self.trace_id = trace_id(self.span)
