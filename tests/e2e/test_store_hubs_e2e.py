@@ -1,5 +1,6 @@
 """Several hubs on a real etcd: any hub answers for an object another hub holds by asking
-that hub (hub/store/peers.py); 503 `held_elsewhere` with Retry-After while it is down.
+that hub (hub/store/peers.py); 503 `held_elsewhere` with Retry-After while it is down; a
+turn continuing another hub's chain or conversation runs on that hub.
 
 Two hubs, each with its own store, the same client keys; no nodes (files need none).
 A file uploaded to hub-a is retrieved, read and deleted through hub-b; another key gets
@@ -29,15 +30,47 @@ LINE = (b'{"custom_id": "l1", "method": "POST", "url": "/v1/chat/completions", '
         b'"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n')
 
 
-def test_any_hub_answers_for_another_hubs_objects(tmp_path):
+def _fleet(tmp_path) -> tuple[Fleet, EtcdProc]:
     f = Fleet(tmp_path)
     etcd = EtcdProc(tmp_path / "etcd")
     etcd.start()
+    for name in ("hub-a", "hub-b"):
+        f.start_hub({"Hub__Name": name, "Cluster__Etcd": etcd.url, "Cluster__LeaseSeconds": "3",
+                     "Store__Path": str(tmp_path / name / "store.db"), **KEYS}, name=name)
+    return f, etcd
+
+
+def test_a_chain_held_by_another_hub_is_continued_there(tmp_path):
+    f, etcd = _fleet(tmp_path)
     try:
-        for name in ("hub-a", "hub-b"):
-            f.start_hub({"Hub__Name": name, "Cluster__Etcd": etcd.url,
-                         "Cluster__LeaseSeconds": "3",
-                         "Store__Path": str(tmp_path / name / "store.db"), **KEYS}, name=name)
+        f.start_node("n1", {"Sim__Models__0__Name": "m"}, hubs=["hub-a", "hub-b"])
+        for h in ("hub-a", "hub-b"):
+            f.wait_models("m", hub=h, timeout=40)
+        a, b = f.openai("ka", hub="hub-a"), f.openai("ka", hub="hub-b")
+        first = a.responses.create(model="m", input="one", max_output_tokens=4)
+        second = wait_until(lambda: _continue(b, first.id), timeout=20,
+                            what="hub-b sending the turn to hub-a")
+        assert "hub-a" in second.id and second.previous_response_id == first.id
+        items = b.responses.input_items.list(second.id, order="asc").data  # via hub-b too
+        assert [i.content[0].text for i in items] == ["two"]
+        conv = a.conversations.create()
+        third = b.responses.create(model="m", input="three", conversation=conv.id,
+                                   max_output_tokens=4)
+        assert "hub-a" in third.id
+        texts = [i.content[0].text for i in b.conversations.items.list(conv.id, order="asc").data
+                 if i.role == "user"]
+        assert texts == ["three"]
+        with pytest.raises(openai.AuthenticationError):  # an unknown key is refused here
+            f.openai("nobody", hub="hub-b").responses.create(
+                model="m", input="x", previous_response_id=first.id)
+    finally:
+        f.close()
+        etcd.close()
+
+
+def test_any_hub_answers_for_another_hubs_objects(tmp_path):
+    f, etcd = _fleet(tmp_path)
+    try:
         a, b = f.openai("ka", hub="hub-a"), f.openai("ka", hub="hub-b")
         held = a.files.create(file=("in.jsonl", io.BytesIO(LINE)), purpose="batch")
         assert "hub-a" in held.id
@@ -68,6 +101,15 @@ def test_any_hub_answers_for_another_hubs_objects(tmp_path):
     finally:
         f.close()
         etcd.close()
+
+
+def _continue(client, prev):
+    try:
+        return client.responses.create(model="m", input="two", previous_response_id=prev,
+                                       max_output_tokens=4)
+    except openai.APIStatusError as e:
+        assert e.status_code in (404, 503), e  # hub-a's URL not yet known to hub-b
+        return None
 
 
 def _retrieve(client, fid):

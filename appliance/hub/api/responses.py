@@ -10,7 +10,9 @@ hands the router that body. The answer goes to the client byte for byte; a copy 
 is read as it passes, and once it is whole and a 200 it is recorded -- before its last
 byte leaves, so a retrieve right after finds it. `background: true` is stored `queued`
 and answered at once; the store's `Background` runs it as background work. Another key's
-response is 404 `not_found`, like one that does not exist.
+response is 404 `not_found`, like one that does not exist. A turn that continues a chain or
+a conversation another hub holds is sent to that hub whole (hub/store/peers.py): it runs
+there, where the history is, and its response is stored there.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
 from appliance.hub.api.objects import Caller, caller, find, listing, maker, page_ask, store_of
 from appliance.hub.api.router import handle_inference
-from appliance.hub.store import ids
+from appliance.hub.store import ids, peers
 from appliance.hub.store import items as itemsmod
 from appliance.hub.store.db import Obj
 from appliance.hub.store.responses import history, record
@@ -81,6 +83,14 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
             body = msgspec.json.encode(obj)
         await handle_inference(hub.routing, scope, _replay(body, receive), send, "openai")
         return
+    holder, oid = _chain_elsewhere(hub, scope, prev, conv)
+    if holder is not None:  # the chain lives on another hub: that hub runs this turn
+        try:
+            caller(hub, scope)  # a caller this hub knows, before it asks another
+            await peers.forward(hub, scope, _replay(body, receive), send, oid, holder)
+        except ApiError as e:
+            await send_api_error(send, "openai", e)
+        return
     try:
         plan = await _plan(hub, caller(hub, scope), obj, keep, prev, conv, bg)
     except ApiError as e:
@@ -105,6 +115,18 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     tee.on_end = finish
     await handle_inference(hub.routing, scope, _replay(msgspec.json.encode(plan.body), receive),
                            tee.send, "openai")
+
+
+def _chain_elsewhere(hub: Hub, scope: Scope, prev: Any, conv: Any) -> tuple[str | None, str]:
+    """The other hub holding the response or conversation this turn continues, and its id
+    (hub/store/peers.py)."""
+    conv_id = conv.get("id") if isinstance(conv, dict) else conv
+    for oid, prefix in ((prev, "resp_"), (conv_id, "conv_")):
+        if isinstance(oid, str):
+            holder = peers.elsewhere(hub, scope, oid, prefix)
+            if holder is not None:
+                return holder, oid
+    return None, ""
 
 
 class _Plan:
