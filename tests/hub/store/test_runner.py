@@ -11,6 +11,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from appliance import config
+from appliance.hub.store.beside import Arrivals, Beside
 from appliance.hub.store.db import Obj
 from appliance.hub.store.runner import Batches
 from appliance.hub.store.store import open_store
@@ -49,8 +50,9 @@ def _rows(prompts: list[str]) -> list[tuple[int, str, str, str | None, str | Non
         {"role": "user", "content": p}]}), None) for i, p in enumerate(prompts)]
 
 
-async def _run(tmp_path, prompts, done_first: int = 0) -> tuple[Router, dict, Obj]:
-    cfg = config.load({"Batch__MaxConcurrent": "3", "Store__Path": str(tmp_path / "s.db")})
+async def _run(tmp_path, prompts, done_first: int = 0, most: int = 3,
+               beside: Beside | None = None) -> tuple[Router, dict, Obj]:
+    cfg = config.load({"Batch__MaxConcurrent": str(most), "Store__Path": str(tmp_path / "s.db")})
     store = open_store(cfg.store, "h", CollectorRegistry())
     b = Obj("msgbatch_h-1", "msgbatch", "anonymous", 1, None, 0, "in_progress",
             {"endpoint": "/v1/messages", "expires_at": 2 ** 40,
@@ -59,7 +61,7 @@ async def _run(tmp_path, prompts, done_first: int = 0) -> tuple[Router, dict, Ob
     for i in range(done_first):  # committed before a "restart"
         await store.run(store.db.line_done, b, i, "completed", "{}")
     router = Router()
-    batches = Batches(lambda: cfg, store, router)
+    batches = Batches(lambda: cfg, store, router, beside)
     async with trio.open_nursery() as nursery:
         await nursery.start(batches.run)  # resumes the in_progress batch
         while (await store.run(store.db.get, "msgbatch", b.id, None)).state == "in_progress":
@@ -78,6 +80,22 @@ async def test_lines_once_waits_retried_final_refusals_not(tmp_path, autojump_cl
     assert router.calls["parked"] == 1  # x-should-retry: false: the line's result at once
     assert all(v == 1 for k, v in router.calls.items() if k.startswith("ok"))
     assert router.most == 3  # Batch__MaxConcurrent
+
+
+async def test_lines_step_aside_while_other_work_arrives(tmp_path, autojump_clock):
+    arrived = [0]
+
+    def counts() -> Arrivals:
+        arrived[0] += 1  # an essential chat arrives at every look
+        return Arrivals(arrived[0], False, 0)
+
+    router, states, b = await _run(tmp_path, [f"ok{i}" for i in range(12)], most=8,
+                                   beside=Beside(counts))
+    assert b.state == "completed" and states == {"completed": 12}
+    assert router.most == 2  # a quarter of Batch__MaxConcurrent=8
+    router, _, _ = await _run(tmp_path / "quiet", [f"ok{i}" for i in range(12)], most=8,
+                              beside=Beside(lambda: Arrivals(0, False, 0)))
+    assert router.most == 8
 
 
 async def test_a_resumed_batch_runs_only_pending_lines(tmp_path, autojump_clock):
