@@ -39,7 +39,7 @@ README_MAX_LINES = 450
 
 # String literals shaped like a series name that are none.
 NOT_SERIES = {
-    "appliance_hangups": "a trio RunVar's name (appliance/server/hangups.py)",
+    "appliance_hangups": "a trio RunVar's name (appliance/server/send.py)",
     "appliance_version": "a field of the hub's /api/version answer (hub/api/routes.py)",
 }
 # The prometheus_client constructors whose first argument is a series name, and whether the

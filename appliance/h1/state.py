@@ -28,11 +28,22 @@ received, appliance/h1/client.py) and whether its last message was taken (`sent_
 whether the app was given the request's last message (`end_given`); the client's end of
 the stream (`eof`, `peer_closed`); a refusal's close that drains the read side first
 (`linger`). `next_cycle` starts the next request's facts afresh.
+
+The response's framing is decided here too (`response_head`, with its first body message):
+HEAD, 1xx, 204, 304 carry no body (a HEAD keeps the content-length a GET would say); the
+app's content-length, or one body message, is SIZED (more or fewer bytes than said: cut
+and closed); a streamed body is CHUNKED on HTTP/1.1, UNTIL_CLOSE on 1.0; `connection:
+close` when either side or HTTP/1.0 asks, or the server is about to close. Header names go
+out in lower case; CR, LF (or a colon in a name) is an app bug (RuntimeError). Every head
+carries `date` (made once a second), no `server`.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import time
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Final, NamedTuple
 
 from appliance.h1.errors import LocalProtocolError
 
@@ -162,3 +173,78 @@ def _step(table: dict[str, dict[str, str]], state: str, event: str, who: str) ->
         return table[state][event]
     except KeyError:
         raise LocalProtocolError(f"{who}: {event} is not allowed in {state}") from None
+
+
+# --- the response's head and framing -----------------------------------------------------
+
+NO_BODY_STATUS = frozenset({204, 304})
+
+
+def status_line(code: int) -> bytes:
+    try:
+        phrase = HTTPStatus(code).phrase
+    except ValueError:
+        phrase = ""
+    return f"HTTP/1.1 {code} {phrase}\r\n".encode("latin-1")
+
+
+_STATUS = {s.value: status_line(s.value) for s in HTTPStatus}
+_date_second = 0
+_date_line = b""
+
+
+def date_header() -> bytes:
+    """The `date` header line, made once a second."""
+    global _date_second, _date_line
+    now = int(time.time())
+    if now != _date_second:
+        _date_second = now
+        _date_line = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+    return _date_line
+
+
+def first_line(status: int) -> bytes:
+    return _STATUS.get(status) or status_line(status)
+
+
+class Framed(NamedTuple):
+    head: bytes
+    framing: str  # SIZED, CHUNKED, UNTIL_CLOSE, NO_BODY (above)
+    length: int  # SIZED: the body's length
+    close: bool  # the connection ends after this response
+
+
+def response_head(status: int, headers: list[tuple[bytes, bytes]], *, method: str,
+                  version: str, close: bool, body: bytes, more: bool) -> Framed:
+    """The head of a response whose first body message is `body` (`more`: more follow)."""
+    lines = [first_line(status), date_header()]
+    sized = -1
+    for k, v in headers:
+        k = k.lower()
+        if b"\n" in v or b"\r" in v or b"\n" in k or b"\r" in k or b":" in k:
+            raise RuntimeError(f"invalid response header {k!r}")
+        if k == b"content-length":
+            sized = int(v)
+        elif k == b"connection":
+            close = close or b"close" in v.lower()
+        elif k != b"transfer-encoding":  # the framing is ours to choose
+            lines.append(k + b": " + v + b"\r\n")
+    length = 0
+    if method == "HEAD" or status in NO_BODY_STATUS or status < 200:
+        framing = NO_BODY
+        if sized >= 0:
+            lines.append(b"content-length: %d\r\n" % sized)
+        elif not more and body and status >= 200 and status not in NO_BODY_STATUS:
+            lines.append(b"content-length: %d\r\n" % len(body))
+    elif sized >= 0 or not more:
+        framing, length = SIZED, sized if sized >= 0 else len(body)
+        lines.append(b"content-length: %d\r\n" % length)
+    elif version == "1.1":
+        framing = CHUNKED
+        lines.append(b"transfer-encoding: chunked\r\n")
+    else:
+        framing, close = UNTIL_CLOSE, True
+    if close:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    return Framed(b"".join(lines), framing, length, close)

@@ -2,20 +2,19 @@
 
 Theory of operation: each of our servers is a plain ASGI callable dispatching on
 (method, path) by hand -- no framework, because the hot path is one dict lookup and a
-byte copy. This module owns reading a bounded request body and writing JSON and text
-responses; appliance/server/serve.py serves such an app.
+byte copy. This module owns reading a bounded request body and its key, and writing JSON and
+text responses; appliance/server/serve.py serves such an app.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import msgspec
 import trio
 
 from appliance.http.errors import ApiError
-from appliance.http.keys import request_key
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -40,6 +39,21 @@ def header(scope: Scope, name: bytes) -> str | None:
         if k == name:
             return v.decode("latin-1")
     return None
+
+
+def request_key(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The key a request carries (`Authorization: Bearer KEY`, else Anthropic's `x-api-key`),
+    or None. Header names are lower case (ASGI)."""
+    auth = None
+    xkey = None
+    for k, v in headers:
+        if k == b"authorization" and auth is None:
+            auth = v.decode("latin-1")
+        elif k == b"x-api-key" and xkey is None:
+            xkey = v.decode("latin-1")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return xkey
 
 
 def bearer(scope: Scope) -> str | None:

@@ -8,8 +8,8 @@ last byte goes out too, and a finished response must not be interrupted then.
 
 Two ways to notice the hang-up, the same outcome:
 - The server offers a `HangupWatch` as the ASGI extension `HANGUP` in the request's
-  scope (appliance/server/connection.py: one epoll set per process watches the client's
-  socket, appliance/server/hangups.py): no task per request.
+  scope (the connection's send side, appliance/server/send.py: one epoll set per process
+  watches the client's socket): no task per request.
 - Otherwise (no such server, a test's fake scope, a socket it cannot watch) a watcher
   task beside the work waits for `http.disconnect` on `receive`.
 """

@@ -49,15 +49,14 @@ from appliance.h1.state import (
     SEND_RESPONSE,
     Cycle,
 )
-from appliance.http.budget import BODY_BUDGET
 from appliance.http.disconnect import HANGUP
+from appliance.http.encoding import BODY_BUDGET
 from appliance.http.errors import ApiError
 from appliance.net.transport import Transport
 from appliance.server.limits import (
     TRIM_AFTER_BYTES,
     Budget,
     Busy,
-    Limits,
     ListenerRefusal,
     LiveLimits,
     body_limit,
@@ -92,10 +91,6 @@ class Shared:
         self.max_requests = max_requests
         self.terminating = False
 
-    @property
-    def limits(self) -> Limits:
-        return self.live.now
-
 
 class Slot:
     """A connection's place under `max_connections`: whether it serves a request now (a
@@ -110,14 +105,15 @@ class Slot:
 
 class Conn:
     """One connection (see the module's docstring): a receive side (`rx`) and a send side
-    (`tx`) over one table (`cycle`); to the app, the ASGI extensions HANGUP (this object)
-    and BODY_BUDGET (`rx`)."""
+    (`tx`) over one table (`cycle`); to the app, the ASGI extensions HANGUP (`tx`) and
+    BODY_BUDGET (`rx`)."""
 
     def __init__(self, transport: Transport, shared: Shared, slot: Slot) -> None:
         self.transport = transport
         self.cycle = Cycle()
-        self.tx = Sender(transport, self.cycle, closing=self.closing, answered=self._answered)
+        self.tx = Sender(transport, self.cycle, closing=self.closing)
         self.rx = Receiver(transport, shared.budget, self.tx)
+        self.tx.answered = self.rx.stop_waiting  # the answer ended: receive() stops waiting
         self.shared = shared
         self.slot = slot
         self.requests = 0
@@ -129,26 +125,6 @@ class Conn:
         head, sh = self.rx.head, self.shared
         return (head is None or not head.keep_alive or sh.terminating
                 or self.requests >= sh.max_requests)
-
-    def _answered(self) -> None:
-        self.rx.stop_waiting()
-
-    # --- HangupWatch (appliance/http/disconnect.py): the receive side watches, the send
-    # side knows what was delivered ------------------------------------------------------
-
-    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
-        return self.rx.watch(fn)
-
-    async def delivered(self) -> bool:
-        return await self.tx.delivered()
-
-    @property
-    def stalled(self) -> bool:
-        return self.tx.stalled
-
-    @property
-    def drained(self) -> bool:
-        return self.tx.drained
 
     # --- the connection ----------------------------------------------------------------------
 
@@ -168,7 +144,7 @@ class Conn:
 
     async def _read_head(self, started: float | None) -> Head | None:
         sh = self.shared
-        head_seconds = sh.limits.header_read_seconds
+        head_seconds = sh.live.now.header_read_seconds
         deadline = (started + head_seconds if started is not None
                     else trio.current_time() + head_seconds if self.rx.buf else None)
         buf: bytes | bytearray = self.rx.buf
@@ -187,7 +163,7 @@ class Conn:
                 if deadline is None:  # kept alive, idle: its bound; a first byte starts the head's
                     data = await self.rx._wait(trio.current_time() + sh.keep_alive)
                     if data:  # (the limits now: a reload may have come meanwhile)
-                        deadline = trio.current_time() + sh.limits.header_read_seconds
+                        deadline = trio.current_time() + sh.live.now.header_read_seconds
                 else:
                     data = await self.rx._wait(deadline)
                     if data is None and buf:
@@ -212,7 +188,7 @@ class Conn:
         except BadRequest as e:
             await self._refuse_raw(e.status, "invalid_request", e.message, _path_of(raw))
             return None
-        limit = body_limit(sh.limits, head.target)
+        limit = body_limit(sh.live.now, head.target)
         if limit and head.length > limit:  # said up front: refused before any of it is read
             await self._refuse_raw(413, "body_too_large",
                                    f"request body of {head.length} bytes is over the bound "
@@ -251,7 +227,7 @@ class Conn:
         self.cycle.client(REQUEST if has_body else REQUEST_NO_BODY)
         if not head.keep_alive:
             self.cycle.close()
-        self.rx.body_seconds = sh.limits.body_read_seconds
+        self.rx.body_seconds = sh.live.now.body_read_seconds
         self.rx.body_deadline = trio.current_time() + self.rx.body_seconds
         target = head.target
         path, _, query = target.partition(b"?")
@@ -261,7 +237,7 @@ class Conn:
             "path": unquote(path.decode("ascii")) if b"%" in path else path.decode("ascii"),
             "raw_path": path, "query_string": query, "root_path": "", "headers": head.headers,
             "client": self.client, "server": self.server, "state": {},
-            "extensions": {HANGUP: self, BODY_BUDGET: self.rx},
+            "extensions": {HANGUP: self.tx, BODY_BUDGET: self.rx},
         }
         self.slot.in_request = True
         try:

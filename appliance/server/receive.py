@@ -21,15 +21,14 @@ The rules:
 - Once the body is read, `receive` waits for the client to go (EOF, an error, a write
   that failed) or for the response to end, and says `http.disconnect`, so a hub relaying a
   stream cancels the upstream when its client leaves. Pipelined bytes read meanwhile are
-  kept for the next request (up to a bound). The ASGI extension HANGUP (`watch`) tells
-  the same without a waiting task (appliance/server/hangups.py).
+  kept for the next request (up to a bound). The ASGI extension HANGUP (the send side's
+  `watch`, appliance/server/send.py) tells the same without a waiting task.
 - A body the app did not read but that is already here whole is skipped
   (`_skip_unread_body`), so the connection may serve the next request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -38,7 +37,6 @@ from appliance.h1.body import MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
 from appliance.h1.parse import BadRequest, Head
 from appliance.h1.state import BODY_END, BROKEN, SEND_BODY
 from appliance.net.transport import Transport
-from appliance.server.hangups import watch_hangup
 from appliance.server.limits import Budget, Busy, ListenerRefusal, RequestTimeout
 from appliance.server.send import Sender
 
@@ -78,7 +76,6 @@ class Receiver:
         self.body_deadline = float("inf")  # the connection sets it per request
         self.body_seconds = 0.0  # ... from this many seconds (its 408 says so)
         self._waiter: trio.CancelScope | None = None  # receive() waiting for the disconnect
-        self._hangup: Callable[[], None] | None = None  # a HangupWatch watcher (watch)
         self.new_request(None)
 
     def new_request(self, head: Head | None) -> None:
@@ -96,20 +93,6 @@ class Receiver:
     @property
     def body_ended(self) -> bool:
         return self.cycle.their != SEND_BODY
-
-    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
-        """appliance/http/disconnect.py's HangupWatch: `fn()` once when the client hangs up
-        -- or when a write to it fails (it stopped reading, or the connection broke)."""
-        stop = watch_hangup(self.transport.fileno(), fn)
-        if stop is None:
-            return None
-        self._hangup = fn
-
-        def unwatch() -> None:
-            self._hangup = None
-            stop()
-
-        return unwatch
 
     async def _wait(self, deadline: float) -> bytes | None:
         """The next bytes (b"" at the end), or None past `deadline`."""
@@ -196,11 +179,11 @@ class Receiver:
 
     @property
     def bound(self) -> int:
-        """BodyBudget (http/budget.py): the listener's whole budget."""
+        """BodyBudget (http/encoding.py): the listener's whole budget."""
         return self.budget.limit
 
     def hold(self, n: int) -> bool:
-        """BodyBudget (http/budget.py): `n` more bytes held for this request, given back
+        """BodyBudget (http/encoding.py): `n` more bytes held for this request, given back
         with its body when it ends; False when the listener's bound would be passed."""
         if not self.budget.take(n):
             return False
@@ -273,6 +256,3 @@ class Receiver:
     def stop_waiting(self) -> None:
         if self._waiter is not None:
             self._waiter.cancel()
-        if self.tx.broken and self._hangup is not None:  # a watcher waits on the socket alone
-            fn, self._hangup = self._hangup, None
-            fn()

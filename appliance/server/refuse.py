@@ -9,7 +9,7 @@ A path the server echoes is cut to PATH_ECHO characters (appliance/bounds.py).
 
 from __future__ import annotations
 
-from appliance.h1.head import date_header, first_line
+from appliance.h1.state import date_header, first_line
 from appliance.http.errors import ApiError, api_of, render
 
 

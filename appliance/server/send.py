@@ -1,8 +1,8 @@
 """The send side of one HTTP/1.1 connection (appliance/server/connection.py): ASGI response
 messages to bytes on the client's transport -- the one path every response byte takes.
 
-Theory of operation: `http.response.start` is only noted; the head is built
-(appliance/h1/head.py) with the first body message, so a small answer is one write of
+Theory of operation: `http.response.start` is only noted; the head is built with the
+first body message (appliance/h1/state.py, `response_head`), so a small answer is one write of
 head + body with a content-length, and a streamed one (`more_body`) is chunked (HTTP/1.1)
 or delimited by the close (HTTP/1.0); HEAD, 1xx, 204 and 304 carry no body. Writes go
 straight to the transport (appliance/net/transport.py: on a plain socket a `send`, a wait
@@ -16,16 +16,26 @@ side BROKEN (appliance/h1/state.py): later writes are dropped and the receive si
 `http.disconnect` (`stop_waiting`). The response's framing, what a sized one still owes
 and whether its last message was taken are the table's (`cycle.framing`, `owed`,
 `sent_end`); this side keeps only the head it has not written yet.
+
+The send side is also the app's `HangupWatch` (appliance/http/disconnect.py, the ASGI
+extension HANGUP): what was delivered (`delivered`, `stalled`, `drained`), and the
+client's hang-up (`watch`) -- told without a task per request: a watcher task costs a
+nursery and a task (~35 us of CPU, a third of the hub's own share of a short request), so
+one task per process holds one epoll set (`Hangups`) of the sockets whose requests wait
+now, each registered for the peer's close (EPOLLRDHUP, and the always-reported HUP/ERR:
+never for readable bytes, so a pipelined request is no hang-up); a request pays two
+epoll_ctl calls. A write that fails tells the watcher too. A socket the set cannot take
+(no epoll, one already watched) gets None, and the app falls back to a watcher task.
 """
 
 from __future__ import annotations
 
+import select
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from appliance.h1.head import response_head
 from appliance.h1.state import (
     BROKEN,
     CHUNKED,
@@ -36,8 +46,79 @@ from appliance.h1.state import (
     SIZED,
     UNTIL_CLOSE,
     Cycle,
+    response_head,
 )
 from appliance.net.transport import Transport, WriteStalled
+
+_HUNG_UP = getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLHUP", 0) | getattr(
+    select, "EPOLLERR", 0)
+
+
+class Hangups:
+    """The client sockets whose requests wait now, watched for the peer's close by one
+    task (started with the first `add` of a trio run, ended with the run)."""
+
+    def __init__(self) -> None:
+        self._ep = select.epoll()
+        self._calls: dict[int, Callable[[], None]] = {}
+
+    def add(self, fd: int, fn: Callable[[], None]) -> bool:
+        """Call `fn()` (once, from the watching task) when `fd`'s peer hangs up; False
+        when it cannot be watched here."""
+        if fd < 0 or fd in self._calls:
+            return False
+        try:
+            self._ep.register(fd, _HUNG_UP)
+        except OSError:
+            return False
+        self._calls[fd] = fn
+        return True
+
+    def remove(self, fd: int) -> None:
+        if self._calls.pop(fd, None) is not None:
+            try:
+                self._ep.unregister(fd)
+            except OSError:  # closed meanwhile: the kernel dropped it from the set
+                pass
+
+    def watching(self) -> int:
+        return len(self._calls)
+
+    def fire(self) -> None:
+        """Call the function of every socket hung up now (the task's one step)."""
+        for fd, _ in self._ep.poll(0):
+            fn = self._calls.pop(fd, None)
+            try:
+                self._ep.unregister(fd)
+            except OSError:
+                pass
+            if fn is not None:
+                fn()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self._ep)
+                self.fire()
+        finally:
+            self._ep.close()
+
+
+_hangups: trio.lowlevel.RunVar[Hangups | None] = trio.lowlevel.RunVar("appliance_hangups")
+
+
+def hangups() -> Hangups | None:
+    """This trio run's Hangups (started on first use), or None where there is no epoll."""
+    try:
+        return _hangups.get()
+    except LookupError:
+        pass
+    h: Hangups | None = None
+    if _HUNG_UP and hasattr(select, "epoll"):
+        h = Hangups()
+        trio.lowlevel.spawn_system_task(h.run, name="appliance.server.send.Hangups")
+    _hangups.set(h)
+    return h
 
 
 class Sender:
@@ -56,6 +137,7 @@ class Sender:
         self.lock = trio.Lock()
         self.stalled = False  # ... because the client read nothing for WriteStallSeconds
         self._drained = False  # ... or because the drain ended (the listener stops)
+        self._hangup: Callable[[], None] | None = None  # a HangupWatch watcher (watch)
         self.new_response("GET", "1.1")
 
     def new_response(self, method: str, version: str) -> None:
@@ -82,8 +164,12 @@ class Sender:
                 return
             more = msg.get("more_body", False)
             body = msg.get("body", b"")
-            if not self.cycle.framing:
-                self._frame(body, more)
+            if not self.cycle.framing:  # the first body message: the head is decided now
+                f = response_head(self.status, self.head_headers, method=self.method,
+                                  version=self.version, body=body, more=more,
+                                  close=self.closing())
+                self.pending = f.head
+                self.cycle.respond(f.framing, f.length, f.close)
             await self._body_out(body, more)
         elif kind == "http.response.start":
             if self.started:
@@ -92,13 +178,6 @@ class Sender:
             self.status = int(msg["status"])
             self.head_headers = msg.get("headers") or []
         # other messages (trailers, push, early hints) mean nothing on HTTP/1.1 here
-
-    def _frame(self, body: bytes, more: bool) -> None:
-        """Decides the body's framing and builds the head (in `pending`)."""
-        f = response_head(self.status, self.head_headers, method=self.method,
-                          version=self.version, body=body, more=more, close=self.closing())
-        self.pending = f.head
-        self.cycle.respond(f.framing, f.length, f.close)
 
     async def _body_out(self, body: bytes, more: bool) -> None:
         cycle = self.cycle
@@ -150,6 +229,21 @@ class Sender:
         self.abandon()
         return False
 
+    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+        """HangupWatch: `fn()` once when the client hangs up -- or when a write to it fails
+        (it stopped reading, or the connection broke); the function that stops watching."""
+        h = hangups()
+        fd = self.transport.fileno()
+        if h is None or not h.add(fd, fn):
+            return None
+        self._hangup = fn
+
+        def unwatch() -> None:
+            self._hangup = None
+            h.remove(fd)
+
+        return unwatch
+
     @property
     def broken(self) -> bool:
         """A write failed or was given up: the table's server side is ERROR (for good)."""
@@ -160,6 +254,9 @@ class Sender:
         writes are dropped and the receive side says `http.disconnect`."""
         if self.cycle.ours != ERROR:
             self.cycle.server(BROKEN)
+        if self._hangup is not None:  # a watcher waits on the socket alone: tell it
+            fn, self._hangup = self._hangup, None
+            fn()
         self.answered()
 
     async def write(self, data: bytes, shield: bool = True) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import trio
 
 from appliance.config import parse_listen
-from appliance.http.asgi import App, http_only
+from appliance.http.asgi import App
 from appliance.server.accept import Settings, serve_sockets
 from appliance.server.limits import Limits, LiveLimits, live_limits
 
@@ -171,7 +171,7 @@ async def serve(
     settings = Settings(keep_alive=KEEP_ALIVE_SECONDS, drain=drain_seconds)
     async with trio.open_nursery() as nursery:
         await nursery.start(lambda task_status: serve_sockets(
-            http_only(app), [sock], tls, live_limits(limits), settings,
+            app, [sock], tls, live_limits(limits), settings,
             shutdown_trigger=shutdown_trigger or trio.sleep_forever, task_status=task_status))
         if not announce:  # a hub worker, or the hub's private socket: no line, no address
             task_status.started(("", 0))

@@ -1,4 +1,4 @@
-"""http/budget.py: the decoded size of a body, held against the listener's budget."""
+"""http/encoding.py: the decoded size of a body, held against the listener's budget."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from appliance.http.budget import BODY_BUDGET, ITEM_BYTES, decoded_estimate, hold_decoded
+from appliance.http.encoding import BODY_BUDGET, ITEM_BYTES, decoded_estimate, hold_decoded
 from appliance.http.errors import ApiError
 
 

@@ -1,5 +1,5 @@
 """Cancel on disconnect (appliance/http/disconnect.py): the server's hang-up watch
-(appliance/server/hangups.py) and the watcher task."""
+(appliance/server/send.py) and the watcher task."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from appliance.http.disconnect import cancel_on_disconnect, hangup_watch
-from appliance.server.hangups import Hangups, hangups
+from appliance.server.send import Hangups, hangups
 from appliance.server.serve import serve
 
 REQUEST = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"

@@ -27,12 +27,18 @@ import trio
 
 from appliance.bounds import OTHER_LABEL, echo
 from appliance.config import AuthConfig, ClientConfig, Config
-from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, decode_json, read_body
-from appliance.http.budget import hold_decoded
+from appliance.http.asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    decode_json,
+    read_body,
+    request_key,
+)
 from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
-from appliance.http.encoding import decode_content
+from appliance.http.encoding import decode_content, hold_decoded
 from appliance.http.errors import ApiError
-from appliance.http.keys import request_key
 from appliance.hub import translate
 from appliance.hub.api.relay import NotAnswered
 from appliance.hub.api.request import Recorder, Request
