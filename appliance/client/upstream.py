@@ -344,9 +344,11 @@ class Pool:
             raise UpstreamError(f"has no host in its URL {url!r}")
         key = (u.scheme, u.hostname, port)
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        given = {k for k, _ in headers}
-        hdrs = [(b"host", f"{u.hostname}:{port}".encode()), *(kv for kv in self._headers
-                                                              if kv[0] not in given), *headers]
+        hdrs = [(b"host", f"{u.hostname}:{port}".encode())]
+        if self._headers:  # the pool's own (a node token), unless the request says them
+            given = {k for k, _ in headers}
+            hdrs += [kv for kv in self._headers if kv[0] not in given]
+        hdrs += headers
         for attempt in (0, 1):
             conn = self._get(key) if attempt == 0 else None
             reused = conn is not None

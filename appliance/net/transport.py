@@ -58,17 +58,6 @@ def nodelay(sock: socket.socket) -> None:
             pass
 
 
-async def recv_some(sock: socket.socket, max_bytes: int) -> bytes:
-    """The next bytes on a non-blocking `sock` (b"" at its end; OSError when it broke),
-    with one checkpoint: the wait."""
-    while True:
-        await trio.lowlevel.wait_readable(sock)
-        try:
-            return sock.recv(max_bytes)
-        except BlockingIOError:
-            continue
-
-
 # What one TLS write waits for at most before it must have progressed (the TLS stream
 # shows no partial progress: it is fed in pieces this large).
 TLS_PIECE = 16 * 1024
@@ -99,26 +88,6 @@ class WriteStalled(OSError):
 
 
 _ABORTED = "the connection was aborted at the drain's end"
-
-
-async def send_all(sock: socket.socket, data: bytes, shield: bool = True,
-                   guard: Transport | None = None) -> None:
-    """All of `data` on a non-blocking `sock` (OSError when the peer is gone); waits only
-    while its buffer is full -- shielded unless told otherwise, and each wait bounded by
-    `guard`'s stall (any progress starts it again)."""
-    view = memoryview(data)
-    while view:
-        try:
-            n = sock.send(view)
-        except BlockingIOError:
-            if guard is None:
-                with trio.CancelScope(shield=shield):
-                    await trio.lowlevel.wait_writable(sock)
-            else:
-                with guard.waiting(shield, len(data) - len(view)):
-                    await trio.lowlevel.wait_writable(sock)
-            continue
-        view = view[n:]
 
 
 class Transport:
@@ -228,10 +197,17 @@ class Transport:
         return _inet(self.sock, peer=False)
 
     async def receive(self, max_bytes: int = READ_BYTES) -> bytes:
-        try:
-            return await recv_some(self.sock, max_bytes)
-        except OSError:
-            return b""
+        """The next bytes (b"" at the end, or when the connection broke), with one
+        checkpoint: the wait until the socket is readable."""
+        sock = self.sock
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                return sock.recv(max_bytes)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return b""
 
     def receive_nowait(self, max_bytes: int = READ_BYTES) -> bytes | None:
         """What is already here (b"": the end), or None when a read would wait."""
@@ -243,7 +219,19 @@ class Transport:
             return b""
 
     async def send_all(self, data: bytes, shield: bool = True) -> None:
-        await send_all(self.sock, data, shield, self)
+        """All of `data` (OSError when the peer is gone); waits only while the socket's
+        buffer is full -- shielded unless told otherwise, each wait bounded by the stall
+        and the read rate (`waiting`: any progress starts it again)."""
+        sock = self.sock
+        view = memoryview(data)
+        while view:
+            try:
+                n = sock.send(view)
+            except BlockingIOError:
+                with self.waiting(shield, len(data) - len(view)):
+                    await trio.lowlevel.wait_writable(sock)
+                continue
+            view = view[n:]
         self.sent += len(data)
 
     def shutdown_write(self) -> bool:

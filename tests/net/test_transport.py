@@ -8,21 +8,22 @@ import socket
 import pytest
 import trio
 
-from appliance.net.transport import Transport, recv_some
+from appliance.net.transport import Transport
 
 
-async def test_recv_some_reads_ends_and_honours_deadlines(autojump_clock):
+async def test_receive_reads_ends_and_honours_deadlines(autojump_clock):
     a, b = socket.socketpair()
     a.setblocking(False)
     b.setblocking(False)
+    t = Transport(a)
     with a, b:
         with trio.move_on_after(5) as cs:
-            await recv_some(a, 100)  # nothing sent: waits until the deadline
+            await t.receive(100)  # nothing sent: waits until the deadline
         assert cs.cancelled_caught
         b.send(b"hello")
-        assert await recv_some(a, 100) == b"hello"
+        assert await t.receive(100) == b"hello"
         b.shutdown(socket.SHUT_WR)
-        assert await recv_some(a, 100) == b""
+        assert await t.receive(100) == b""
 
 
 async def test_a_plain_transport_reads_nowait_and_says_the_end_on_a_reset():

@@ -8,7 +8,7 @@ import socket
 import pytest
 import trio
 
-from appliance.net.transport import Transport, WriteStalled, send_all
+from appliance.net.transport import Transport, WriteStalled
 
 DATA = b"x" * (4 << 20)  # far more than a socketpair's buffers hold
 
@@ -35,7 +35,7 @@ async def test_a_slow_steady_reader_is_not_cut(autojump_clock):
         async with trio.open_nursery() as n:
             n.start_soon(slow_reader, b, 0.5, 256 << 10, got)
             start = trio.current_time()
-            await send_all(a, DATA, guard=t)  # a steady reader: never 1 s without progress
+            await t.send_all(DATA)  # a steady reader: never 1 s without progress
             a.shutdown(socket.SHUT_WR)
         assert got[0] == len(DATA) and trio.current_time() - start > 5  # well past one stall
 
@@ -47,5 +47,5 @@ async def test_a_reader_that_stops_is_cut_after_the_stall(autojump_clock):
     with a, b:
         start = trio.current_time()
         with pytest.raises(WriteStalled):
-            await send_all(a, DATA, guard=t)
+            await t.send_all(DATA)
         assert trio.current_time() - start == pytest.approx(1.0)
