@@ -2,16 +2,17 @@
 engine's slot (issue 31 item 2 "Done when").
 
 A hub in front of a llamacpp node running llama-server with SmolLM2 (one slot). On each
-generating route a non-streamed request for a long answer is sent with a client timeout of
-0.5 s; the slot is busy then (`/slots`: `is_processing`), and once the client is gone it is
-free again within a few seconds -- not after the answer's 600 tokens, as when the hub asked
+generating route a non-streamed request for a long answer is sent; once the engine's slot is
+busy with it (`/slots`: `is_processing`) the client closes its connection, and the slot is
+free again within a few seconds -- not after the answer's 1,800 tokens, as when the hub asked
 llama-server for a whole answer (it generates that to its end for nobody). The engine is
 asked directly, by the port in its command line.
 """
 
 from __future__ import annotations
 
-import threading
+import json
+import socket
 import time
 
 import httpx
@@ -28,21 +29,26 @@ pytestmark = [pytest.mark.e2e, pytest.mark.llamacpp]
 GGUF = smollm2.gguf()
 TOKEN = "node-secret"
 LONG = "Write a very long story about a dragon who learns to read, chapter by chapter."
+# The answer's cap: ~1,800 tokens of SmolLM2 take 30-60 s on this box when nobody leaves,
+# several times FREED_WITHIN, so a slot freed within it was freed by the client leaving.
+CAP = 1800
 ROUTES = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": LONG}], "max_tokens": 600},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": LONG}], "max_tokens": CAP,
+                             "ignore_eos": True},
     # A text completion of the story prompt may end at once (an end-of-text first): counting
     # goes on, and llama-server's ignore_eos keeps it going to the cap.
-    "/v1/completions": {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 600,
+    "/v1/completions": {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": CAP,
                         "ignore_eos": True},
-    "/v1/messages": {"messages": [{"role": "user", "content": LONG}], "max_tokens": 600},
-    "/v1/responses": {"input": LONG, "max_output_tokens": 600},
+    "/v1/messages": {"messages": [{"role": "user", "content": LONG}], "max_tokens": CAP},
+    "/v1/responses": {"input": LONG, "max_output_tokens": CAP},
     "/api/chat": {"messages": [{"role": "user", "content": LONG}], "stream": False,
-                  "options": {"num_predict": 600}},
-    "/api/generate": {"prompt": LONG, "stream": False, "options": {"num_predict": 600}},
+                  "options": {"num_predict": CAP}},
+    "/api/generate": {"prompt": LONG, "stream": False, "options": {"num_predict": CAP}},
 }
-# Generous for a shared two-core machine (the issue's figure: within 1 s); the old path
-# kept the slot the whole answer long (10-19 s for 600 tokens).
-FREED_WITHIN = 4.0
+# Generous for a shared, loaded two-core machine (the issue's figure: within 1 s; under load
+# 10 the engine's own steps slow several-fold); the old path kept the slot the whole answer
+# long (10-19 s for 600 tokens on a quiet box, the cap here is three times that).
+FREED_WITHIN = 12.0
 
 
 @pytest.fixture(scope="module")
@@ -72,31 +78,28 @@ def _busy(engine: str) -> bool:
     return any(s.get("is_processing") for s in slots)
 
 
+def _ask(url: str, route: str, body: dict) -> socket.socket:
+    """Send one request and read nothing: the client holds its connection until it leaves."""
+    u = httpx.URL(url)
+    conn = socket.create_connection((u.host, u.port), timeout=30)
+    data = json.dumps(body).encode()
+    conn.sendall(f"POST {route} HTTP/1.1\r\nHost: {u.host}\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return conn
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_a_client_that_leaves_frees_the_llama_server_slot(fleet, route):
     hub, engine = fleet
     wait_until(lambda: not _busy(engine), timeout=60, what="the slot free before the test")
-    outcome: list[BaseException | None] = []
-
-    def client() -> None:
-        try:
-            httpx.post(hub.url + route, json={"model": "smol", **ROUTES[route]},
-                       timeout=httpx.Timeout(30, read=0.5))
-            outcome.append(None)
-        except httpx.TimeoutException as e:
-            outcome.append(e)
-
-    t = threading.Thread(target=client)
-    t.start()
-    # The engine works on this request while its client waits (else nothing is shown).
-    seen: list[bool] = []
-    wait_until(lambda: seen.append(_busy(engine)) or seen[-1] or bool(outcome), timeout=30,
-               what="the request on the engine")
-    saw_busy = any(seen)
-    t.join(30)
+    conn = _ask(hub.url, route, {"model": "smol", **ROUTES[route]})
+    try:
+        # The client leaves once the engine works on its request (not on a clock: on a
+        # loaded box the request may take seconds to get there).
+        wait_until(lambda: _busy(engine), timeout=60, what="the request on the engine")
+    finally:
+        conn.close()
     left = time.monotonic()
-    assert outcome and isinstance(outcome[0], httpx.TimeoutException), "the client left"
-    assert saw_busy, "the slot was never busy with this request"
     wait_until(lambda: not _busy(engine), timeout=FREED_WITHIN, interval=0.05,
                what="the slot freed after the client left")
     print(f"{route}: slot free {time.monotonic() - left:.2f} s after the client left")
