@@ -227,11 +227,11 @@ class Response:
         conn = self._conn
         if conn is None:
             return
+        self._conn = None
         if body.leftover or self._early or not self._keep:
-            self._conn = None
             conn.close_now()
-            return
-        self._release()
+        else:
+            self._pool._put(self._key, conn)
 
     def _release(self) -> None:
         conn, self._conn = self._conn, None

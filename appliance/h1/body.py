@@ -115,7 +115,8 @@ class ChunkedBody:
                     n = int(head, 16)
                     end = i + 2 + n
                     if n and len(data) == end + 2 and data[end:] == b"\r\n":
-                        self._count(n)
+                        if self._min_average:  # (a request body's bound: a reply has none)
+                            self._count(n)
                         return data[i + 2:end]
         out: list[bytes] = []
         try:
@@ -160,7 +161,8 @@ class ChunkedBody:
                      else _chunk_size(line))
                 pos = i + 2
                 if n:
-                    self._count(n)
+                    if self._min_average:
+                        self._count(n)
                     end = pos + n
                     if data[end:end + 2] == b"\r\n":  # the whole chunk is in this read
                         out.append(data[pos:end])
@@ -188,10 +190,10 @@ class ChunkedBody:
                     raise BodyError(f"trailers are over {MAX_TRAILERS} bytes")
 
     def _count(self, n: int) -> None:
+        """One more chunk of `n` bytes against the bound on their average size."""
         self._chunks += 1
         self._payload += n
-        if (self._min_average and self._chunks > FREE_CHUNKS
-                and self._payload < self._chunks * self._min_average):
+        if self._chunks > FREE_CHUNKS and self._payload < self._chunks * self._min_average:
             raise BodyError(f"more than {FREE_CHUNKS} chunks averaging under "
                             f"{self._min_average} bytes")
 

@@ -190,11 +190,23 @@ class Transport:
         """The TCP socket's fd (to watch for the peer's hang-up), -1 once closed."""
         return self.sock.fileno()
 
-    def peer(self) -> tuple[str, int] | None:
-        return _inet(self.sock, peer=True)
-
-    def local(self) -> tuple[str, int] | None:
-        return _inet(self.sock, peer=False)
+    def addresses(self) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+        """The peer's and our own (host, port), as an ASGI scope's `client` and `server`;
+        None for a socket that is not IP, or an address it cannot tell (gone)."""
+        sock = self.sock
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None, None
+        try:
+            peer = sock.getpeername()
+            peer = peer[0], peer[1]
+        except OSError:
+            peer = None
+        try:
+            local = sock.getsockname()
+            local = local[0], local[1]
+        except OSError:
+            local = None
+        return peer, local
 
     async def receive(self, max_bytes: int = READ_BYTES) -> bytes:
         """The next bytes (b"" at the end, or when the connection broke), with one
@@ -312,16 +324,6 @@ class TlsTransport(Transport):
             except _GONE:
                 pass
         self.sock.close()
-
-
-def _inet(sock: socket.socket, *, peer: bool) -> tuple[str, int] | None:
-    if sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return None
-    try:
-        addr = sock.getpeername() if peer else sock.getsockname()
-    except OSError:
-        return None
-    return addr[0], addr[1]
 
 
 async def connect(host: str, port: int) -> socket.socket:

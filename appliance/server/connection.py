@@ -117,8 +117,7 @@ class Conn:
         self.shared = shared
         self.slot = slot
         self.requests = 0
-        self.client = transport.peer()
-        self.server = transport.local()
+        self.client, self.server = transport.addresses()
         self.scheme = "https" if transport.tls else "http"
 
     def closing(self) -> bool:

@@ -99,13 +99,9 @@ class Receiver:
         with trio.CancelScope(deadline=deadline):
             data = await self.transport.receive(MAX_RECV)
             if not data:
-                self._eof()
+                self.cycle.peer_closed()
             return data
         return None
-
-    def _eof(self) -> bytes:
-        self.cycle.peer_closed()
-        return b""
 
     # --- the app's receive ---------------------------------------------------------------
 
@@ -164,7 +160,9 @@ class Receiver:
         if self.reads == 1:  # the body most often followed its head: no wait for it
             data = self.transport.receive_nowait(MAX_RECV)
             if data is not None:
-                return data or self._eof()
+                if not data:
+                    self.cycle.peer_closed()
+                return data
         data = await self._wait(self.body_deadline)
         if data is None:
             raise self._refusing(RequestTimeout(self.body_seconds))
@@ -244,7 +242,7 @@ class Receiver:
                         await trio.sleep_forever()  # read no further until the answer is out
                     data = await transport.receive(MAX_RECV)
                     if not data:
-                        self._eof()
+                        self.cycle.peer_closed()
                         break
                     extra += data
         finally:
