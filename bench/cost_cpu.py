@@ -3,8 +3,9 @@
 Run: .venv/bin/python bench/cost_cpu.py [--before TREE] [--rounds 8] [--per-round 100]
 
 One sim engine (no artificial delay, 64 parallel); per variant a hub in front of two
-`Engine__Kind=ollama` nodes of that engine (two: the cost pick ranks nodes), its own
-nodes (a node watched by several hubs works as in HA). Variants, their rounds interleaved
+`Engine__Kind=openai` nodes of that engine (two: the cost pick ranks nodes; a fixed
+upstream: no hub unloads the model the others use), its own nodes (a node watched by
+several hubs works as in HA). Variants, their rounds interleaved
 so every variant sees the same minutes of a shared box:
 
 - `off`: this tree, `Router__Affinity=off` (no key, no cost pick: admission's spread);
@@ -23,8 +24,10 @@ ms per request and the ratio to `off` (and to `before`).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -63,6 +66,7 @@ def start(procs: list[Proc], role: str, env: dict[str, str], tree: str,
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where it waits
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", default="", help="a checkout of the tree before issue 27")
     ap.add_argument("--rounds", type=int, default=8)
@@ -83,7 +87,7 @@ def main() -> None:
             for i in range(2):
                 node = start(procs, "node", {
                     "Node__Name": f"{name}-{i}", "Node__Listen": "127.0.0.1:0",
-                    "Metrics__Listen": "", "Engine__Kind": "ollama", "Engine__Url": sim.url,
+                    "Metrics__Listen": "", "Engine__Kind": "openai", "Engine__Url": sim.url + "/v1",
                     "Node__ModelSlots": "32"}, HERE)
                 env.update({f"Nodes__{i}__Name": f"{name}-{i}", f"Nodes__{i}__Url": node.url})
             hubs[name] = start(procs, "hub", env, tree, wait=("hub",))
@@ -99,14 +103,19 @@ def main() -> None:
                 time.sleep(0.5)
             for body in chats:
                 trio.run(run_load, hub.url + CHAT, body, 2, 1, True)
+        print("ready; rounds:", end="", flush=True)
         cpu: dict[tuple[str, int], list[float]] = {}
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
+            print(f" {r + 1}", end="", flush=True)
             for conc in (1, 8):
                 for name, hub in hubs.items():
+                    print(f"{name}/{conc}", end=" ", flush=True)
                     before = cpu_seconds(hub.pid)
                     trio.run(spread, hub.url, chats, args.per_round, conc)
                     cpu.setdefault((name, conc), []).append(
                         (cpu_seconds(hub.pid) - before) / args.per_round)
+                    print(f"{cpu[(name, conc)][-1] * 1e3:.3f}ms", end=" ", flush=True)
+        print()
         print(f"{args.rounds} rounds x {args.per_round} streamed chats (max_tokens 8, a ~2k-token "
               f"prompt of 24 conversations), interleaved; hub CPU ms per request, "
               f"median of rounds (mean)")
@@ -117,6 +126,9 @@ def main() -> None:
                 med = statistics.median(xs)
                 print(f"  concurrency {conc}  {name:6}  {med * 1e3:6.3f} ms "
                       f"({statistics.mean(xs) * 1e3:6.3f})  x{med / base:5.3f} of off")
+        if STALLED:
+            print(f"  {len(STALLED)} requests given up after {STALL_SECONDS:g} s: "
+                  + ", ".join(sorted(set(STALLED))))
     finally:
         for p in procs:
             p.kill()
@@ -130,14 +142,26 @@ async def spread(url: str, chats: list[dict], n: int, conc: int) -> None:
             nursery.start_soon(_worker, url, chats, i, per)
 
 
+STALLED: list[str] = []  # requests given up after STALL_SECONDS (said at the end)
+STALL_SECONDS = 10.0
+
+
 async def _worker(url: str, chats: list[dict], i: int, n: int) -> None:
-    async with httpx.AsyncClient(timeout=60) as c:
-        for j in range(n):
-            body = chats[(i * 7 + j) % len(chats)]
+    """A stalled request (one in a few hundred never ends through hub -> node -> sim on
+    this box) is given up, its client abandoned (its pool may hold the stalled stream)."""
+    c = httpx.AsyncClient(timeout=60)
+    for j in range(n):
+        body = chats[(i * 7 + j) % len(chats)]
+        with trio.move_on_after(STALL_SECONDS) as cs:
             async with c.stream("POST", url + CHAT, json=body) as r:
                 assert r.status_code == 200, r.status_code
                 async for _ in r.aiter_bytes():
                     pass
+        if cs.cancelled_caught:
+            STALLED.append(url)
+            c = httpx.AsyncClient(timeout=60)
+    with trio.move_on_after(1):
+        await c.aclose()
 
 
 if __name__ == "__main__":
