@@ -126,8 +126,8 @@ def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
                 raise BadRequest(400, "repeated X-Api-Key header")
             xkey = True
         elif name == b"connection":
-            tokens = {t.strip() for t in value.lower().split(b",")}
-            if b"close" in tokens:
+            low = value.lower()  # (most say keep-alive: no "close" in it, nothing to split)
+            if b"close" in low and b"close" in {t.strip() for t in low.split(b",")}:
                 keep_alive = False
         elif name == b"expect":
             expect = value.lower() == b"100-continue"

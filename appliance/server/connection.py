@@ -49,8 +49,8 @@ from appliance.h1.state import (
     SEND_RESPONSE,
     Cycle,
 )
+from appliance.http.asgi import BODY_BUDGET
 from appliance.http.disconnect import HANGUP
-from appliance.http.encoding import BODY_BUDGET
 from appliance.http.errors import ApiError
 from appliance.net.transport import Transport
 from appliance.server.limits import (

@@ -177,11 +177,11 @@ class Receiver:
 
     @property
     def bound(self) -> int:
-        """BodyBudget (http/encoding.py): the listener's whole budget."""
+        """BodyBudget (http/asgi.py): the listener's whole budget."""
         return self.budget.limit
 
     def hold(self, n: int) -> bool:
-        """BodyBudget (http/encoding.py): `n` more bytes held for this request, given back
+        """BodyBudget (http/asgi.py): `n` more bytes held for this request, given back
         with its body when it ends; False when the listener's bound would be passed."""
         if not self.budget.take(n):
             return False

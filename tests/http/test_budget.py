@@ -1,4 +1,4 @@
-"""http/encoding.py: the decoded size of a body, held against the listener's budget."""
+"""http/asgi.py: the decoded size of a body, held against the listener's budget."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from appliance.http.encoding import BODY_BUDGET, ITEM_BYTES, decoded_estimate, hold_decoded
+from appliance.http.asgi import BODY_BUDGET, ITEM_BYTES, decoded_estimate, hold_decoded
 from appliance.http.errors import ApiError
 
 

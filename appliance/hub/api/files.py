@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from appliance.bounds import echo
-from appliance.http.asgi import Receive, Scope, Send, header, send_json
-from appliance.http.encoding import release
+from appliance.http.asgi import Receive, Scope, Send, header, release, send_json
 from appliance.http.errors import ApiError
 from appliance.http.multipart import Done, MultipartError, Part, PartEnd, Reader, boundary_of
 from appliance.hub.api.objects import Caller, find, listing, maker, page_ask, store_of

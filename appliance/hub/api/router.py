@@ -32,12 +32,13 @@ from appliance.http.asgi import (
     Receive,
     Scope,
     Send,
+    decode_content,
     decode_json,
+    hold_decoded,
     read_body,
     request_key,
 )
 from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
-from appliance.http.encoding import decode_content, hold_decoded
 from appliance.http.errors import ApiError
 from appliance.hub import translate
 from appliance.hub.api.relay import NotAnswered
