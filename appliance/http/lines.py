@@ -29,8 +29,6 @@ RAW_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"),
 
 def escape_breaks(data: bytes) -> bytes:
     """JSON text with U+0085, U+2028, U+2029 written as escapes (the same value)."""
-    if b"\xc2\x85" not in data and b"\xe2\x80" not in data:
-        return data
     for raw, escaped in RAW_BREAKS:
         data = data.replace(raw, escaped)
     return data
@@ -43,11 +41,14 @@ class LineEncoder:
         self._enc = msgspec.json.Encoder()
 
     def encode(self, obj: Any) -> bytes:
-        return escape_breaks(self._enc.encode(obj))
+        data = self._enc.encode(obj)
+        if b"\xc2\x85" in data or b"\xe2\x80" in data:  # a break to escape (rare): the slow way
+            return escape_breaks(data)
+        return data
 
     def line(self, obj: Any) -> bytes:
         """One NDJSON line: the encoded object and its `\\n`."""
-        return escape_breaks(self._enc.encode(obj)) + b"\n"
+        return self.encode(obj) + b"\n"
 
 
 class LineTooLong(ValueError):
