@@ -106,9 +106,14 @@ def test_two_nodes_share_load_and_bad_input_is_answered(fleet):
         with cf.ThreadPoolExecutor(8) as ex:
             rs = list(ex.map(lambda _: c.post("/v1/chat/completions", json=body), range(16)))
         assert all(r.status_code == 200 for r in rs)
-        nodes = [json.loads(x)["node"] for x in audit.read_text().splitlines()
+        # Each answer's audit line is written as its request ends: wait for all 16.
+        def served() -> list[str] | None:
+            n = [json.loads(x)["node"] for x in audit.read_text().splitlines()
                  if json.loads(x)["kind"] == "request"]
-        assert nodes.count("gpu-a") >= 2 and nodes.count("gpu-b") >= 2
+            return n if len(n) >= 16 else None
+
+        nodes = wait_until(served, what="16 audit lines")
+        assert nodes.count("gpu-a") >= 2 and nodes.count("gpu-b") >= 2, nodes
 
         # Bad input, each in the API's own shape; the hub keeps serving.
         r = c.post("/v1/chat/completions", content=b"{nope")
