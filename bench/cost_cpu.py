@@ -30,6 +30,7 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import time
 
 import httpx
@@ -74,7 +75,10 @@ def main() -> None:
     args = ap.parse_args()
     variants = {"off": (HERE, {"Router__Affinity": "off"}), "on": (HERE, {})}
     if args.before:
-        variants["before"] = (os.path.abspath(args.before), {})
+        # An older tree may read an empty Store__Path as its default (/var/lib/appliance):
+        # a store of its own in a temporary folder instead.
+        store = os.path.join(tempfile.mkdtemp(prefix="cost-cpu-"), "store.db")
+        variants["before"] = (os.path.abspath(args.before), {"Store__Path": store})
     chats = bodies()
     procs: list[Proc] = []
     try:
