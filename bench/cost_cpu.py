@@ -19,6 +19,10 @@ Each round sends, per variant, `--per-round` streamed chats at concurrency 1 and
 prefix chain is made and the cost pick runs) and max_tokens 8; the hub's CPU (utime +
 stime from /proc) over the round, per request. Prints per variant and concurrency the hub
 ms per request and the ratio to `off` (and to `before`).
+
+A request still running after STALL_DUMP_SECONDS has every process's trio tasks written
+(bench/taskdump.py, through gdb) with `ss -tnpi` to a folder the run names, before the
+request is given up at STALL_SECONDS: where the hub, its nodes and the sim wait then.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harne
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import cpu_seconds, run_load  # noqa: E402
 from procs import Proc  # noqa: E402
+from taskdump import dump  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 MODEL = "sim-small"
@@ -80,7 +86,7 @@ def main() -> None:
         store = os.path.join(tempfile.mkdtemp(prefix="cost-cpu-"), "store.db")
         variants["before"] = (os.path.abspath(args.before), {"Store__Path": store})
     chats = bodies()
-    procs: list[Proc] = []
+    procs = PROCS
     try:
         sim = start(procs, "sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
                                    "Sim__Parallel": "64"}, HERE)
@@ -133,6 +139,8 @@ def main() -> None:
         if STALLED:
             print(f"  {len(STALLED)} requests given up after {STALL_SECONDS:g} s: "
                   + ", ".join(sorted(set(STALLED))))
+        for folder in DUMPS:
+            print(f"  a stall's trio tasks: {folder}")
     finally:
         for p in procs:
             p.kill()
@@ -141,13 +149,41 @@ def main() -> None:
 async def spread(url: str, chats: list[dict], n: int, conc: int) -> None:
     """`n` streamed chats, `conc` at once, each worker through the conversations in turn."""
     per = n // conc
-    async with trio.open_nursery() as nursery:
-        for i in range(conc):
-            nursery.start_soon(_worker, url, chats, i, per)
+    async with trio.open_nursery() as outer:
+        outer.start_soon(_watch_stalls, url)
+        async with trio.open_nursery() as nursery:
+            for i in range(conc):
+                nursery.start_soon(_worker, url, chats, i, per)
+        outer.cancel_scope.cancel()
 
 
 STALLED: list[str] = []  # requests given up after STALL_SECONDS (said at the end)
 STALL_SECONDS = 10.0
+STALL_DUMP_SECONDS = 8.0  # ... and dumped (taskdump) after this long, at most STALL_DUMPS a run
+STALL_DUMPS = 2
+PROCS: list[Proc] = []
+RUNNING: dict[int, float] = {}  # worker -> when its request began (time.monotonic)
+DUMPS: list[str] = []
+
+
+async def _watch_stalls(url: str) -> None:
+    """Once a request has run STALL_DUMP_SECONDS: every process's trio tasks, and sockets."""
+    while len(DUMPS) < STALL_DUMPS:
+        await trio.sleep(1)
+        now = time.monotonic()
+        if not any(now - t > STALL_DUMP_SECONDS for t in RUNNING.values()):
+            continue
+        folder = tempfile.mkdtemp(prefix="cost-cpu-stall-")
+        DUMPS.append(folder)
+        with open(os.path.join(folder, "ss.txt"), "w") as f:
+            subprocess.run(["ss", "-tnpi"], stdout=f, stderr=subprocess.STDOUT, check=False)
+        notes = [f"a request to {url} ran over {STALL_DUMP_SECONDS:g} s"]
+        for p in PROCS:
+            why = dump(p.pid, os.path.join(folder, f"{p.role}-{p.pid}.txt"))
+            notes.append(f"{p.role} {p.pid} {p.url}: {why or 'dumped'}")
+        with open(os.path.join(folder, "README"), "w") as f:
+            f.write("\n".join(notes) + "\n")
+        print(f"\n  stalled: trio tasks of every process in {folder}", flush=True)
 
 
 async def _worker(url: str, chats: list[dict], i: int, n: int) -> None:
@@ -156,11 +192,13 @@ async def _worker(url: str, chats: list[dict], i: int, n: int) -> None:
     c = httpx.AsyncClient(timeout=60)
     for j in range(n):
         body = chats[(i * 7 + j) % len(chats)]
+        RUNNING[i] = time.monotonic()
         with trio.move_on_after(STALL_SECONDS) as cs:
             async with c.stream("POST", url + CHAT, json=body) as r:
                 assert r.status_code == 200, r.status_code
                 async for _ in r.aiter_bytes():
                     pass
+        RUNNING.pop(i, None)
         if cs.cancelled_caught:
             STALLED.append(url)
             c = httpx.AsyncClient(timeout=60)
