@@ -26,7 +26,7 @@ reaches kept-alive connections):
 - The connection serves the next request when `cycle.reusable`: both sides done, nobody
   said `close`, it was not HTTP/1.0, the server does not drain, fewer than
   `max_requests` were served. A body the app did not read but that is already here
-  whole is skipped; one still owed closes the connection.
+  whole is skipped; one still owed closes the connection (its answer says so).
 """
 
 from __future__ import annotations
@@ -121,9 +121,14 @@ class Conn:
         self.scheme = "https" if transport.tls else "http"
 
     def closing(self) -> bool:
+        """Whether the connection ends after this answer -- said in its head
+        (`connection: close`) and obeyed. An answer that begins while the request's body is
+        still owed (a refusal before reading it) closes: a body not here whole is never
+        skipped, and a head that said keep-alive would have the client send its next
+        request into our close."""
         head, sh = self.rx.head, self.shared
         return (head is None or not head.keep_alive or sh.terminating
-                or self.requests >= sh.max_requests)
+                or self.requests >= sh.max_requests or self.rx.body_owed())
 
     # --- the connection ----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ The rules:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import trio
@@ -204,6 +205,21 @@ class Receiver:
         if ended:
             self.cycle.end_given = True
         return {"type": "http.request", "body": data, "more_body": not ended}
+
+    def body_owed(self) -> bool:
+        """The request's body is neither read nor here whole (one here whole is skipped
+        after the answer: `_skip_unread_body`). Asked as an answer begins: a chunked body
+        is tried on a copy of its reader, the app may still read it."""
+        if self.body_ended:
+            return False
+        if self.chunks is None:
+            return len(self.buf) < self.body_left
+        trial = copy.copy(self.chunks)
+        try:
+            _chunks_feed(trial, self.buf)
+        except BadRequest:
+            return True
+        return not trial.done
 
     def _skip_unread_body(self) -> None:
         """Drop a body the app did not read if it is already here whole (the client is

@@ -415,3 +415,27 @@ async def test_a_request_pipelined_while_an_answer_streams_is_kept_for_after_it(
             await trio.sleep(0.05)
         raw = await until_closed(stream)
     assert raw.count(b"HTTP/1.1 200") == 1 and b"/second" in raw and raw.endswith(b"0\r\n\r\n")
+
+
+async def refuser(scope, receive, send):
+    """Answers 401 without reading the body (as the hub refuses a wrong token)."""
+    await send({"type": "http.response.start", "status": 401, "headers": []})
+    await send({"type": "http.response.body", "body": b"no"})
+
+
+async def test_an_answer_before_a_body_still_owed_says_close(wire, autojump_clock):
+    """A refusal that begins before the body arrived closes the connection: its head says
+    so (it said keep-alive, then the connection closed, and the client's next request on it
+    got no answer: httpx's "Server disconnected without sending a response")."""
+    async with running(wire, refuser) as (host, port, _):
+        stream = await wire.connect(host, port)
+        await stream.send_all(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+        raw = await until_closed(stream)
+        assert raw.startswith(b"HTTP/1.1 401") and b"connection: close" in raw.lower()
+        # The body here whole with its head: skipped, the connection serves the next one.
+        stream = await wire.connect(host, port)
+        await stream.send_all(b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                              b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                              b"Connection: close\r\n\r\n")
+        raw = await until_closed(stream)
+        assert raw.count(b"HTTP/1.1 401") == 2 and raw.lower().count(b"connection: close") == 1
