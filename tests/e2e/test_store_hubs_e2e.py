@@ -48,8 +48,7 @@ def test_a_chain_held_by_another_hub_is_continued_there(tmp_path):
             f.wait_models("m", hub=h, timeout=40)
         a, b = f.openai("ka", hub="hub-a"), f.openai("ka", hub="hub-b")
         first = a.responses.create(model="m", input="one", max_output_tokens=4)
-        second = wait_until(lambda: _continue(b, first.id), timeout=20,
-                            what="hub-b sending the turn to hub-a")
+        second = _until(lambda: _continue(b, first.id), "hub-b sending the turn to hub-a")
         assert "hub-a" in second.id and second.previous_response_id == first.id
         items = b.responses.input_items.list(second.id, order="asc").data  # via hub-b too
         assert [i.content[0].text for i in items] == ["two"]
@@ -75,7 +74,7 @@ def test_any_hub_answers_for_another_hubs_objects(tmp_path):
         held = a.files.create(file=("in.jsonl", io.BytesIO(LINE)), purpose="batch")
         assert "hub-a" in held.id
         # hub-b learns hub-a's URL from etcd within a tick or two
-        got = wait_until(lambda: _retrieve(b, held.id), timeout=20, what="hub-b answering")
+        got = _until(lambda: _retrieve(b, held.id), "hub-b answering")
         assert got.id == held.id and got.bytes == held.bytes
         assert b.files.content(held.id).content == LINE
         with pytest.raises(openai.NotFoundError):  # another key: the same 404 via either hub
@@ -109,6 +108,7 @@ def _continue(client, prev):
                                        max_output_tokens=4)
     except openai.APIStatusError as e:
         assert e.status_code in (404, 503), e  # hub-a's URL not yet known to hub-b
+        REFUSED.append(str(e))
         return None
 
 
@@ -117,7 +117,20 @@ def _retrieve(client, fid):
         return client.files.retrieve(fid)
     except openai.APIStatusError as e:
         assert e.status_code == 503, e  # not yet known: held elsewhere
+        REFUSED.append(str(e))
         return None
+
+
+# What hub-b last answered while it did not reach hub-a: said when a wait runs out (the
+# 503's message tells "is not running now" from "does not answer (...)").
+REFUSED: list[str] = []
+
+
+def _until(fn, what: str):
+    try:
+        return wait_until(fn, timeout=20, what=what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; hub-b's last refusal: {REFUSED[-1:]}") from None
 
 
 def _refused(f: Fleet, fid: str) -> httpx.Response | None:
