@@ -241,7 +241,8 @@ def test_units_verify_with_the_built_binary(binary, tmp_path):
 
 ROLE_ENV = {
     "hub": {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-            "Hub__DrainSeconds": DRAIN_SECONDS},
+            "Hub__DrainSeconds": DRAIN_SECONDS,
+            "Store__Path": ""},  # never the machine's /var/lib/appliance
     "node": {"Node__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Engine__Kind": "sim",
              "Auth__NodeToken": "t0ken", "Hub__DrainSeconds": DRAIN_SECONDS},
 }
