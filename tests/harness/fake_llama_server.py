@@ -21,7 +21,8 @@ the file, or `--fake-mode MODE`):
 `--health-delay S` (default 0.2) is how long it reports "loading" first.
 `-np N` (`--parallel`, default 1): the slots `/props` says (`total_slots`; `--fake-total-slots`
 says any number instead, an absurd one too) and `/slots` lists, busy while a completion
-runs; `--fake-hold S` holds each completion that long (so a busy slot can be seen).
+runs; `--fake-hold S` holds each completion that long at most (so a busy slot can be seen),
+and `POST /fake/release` ends every hold, now and later (so a test waits on no clock).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 WORDS = "the quick brown fox jumps over the lazy dog".split()
 LOCK = threading.Lock()
+RELEASED = threading.Event()  # POST /fake/release: no completion is held any more
 
 
 def _arch(path: str) -> str:
@@ -112,6 +114,9 @@ class Handler(BaseHTTPRequestHandler):
             req = json.loads(self.rfile.read(n) or b"{}")
         except ValueError:
             return self._json(400, {"error": {"code": 400, "message": "bad json"}})
+        if self.path == "/fake/release":
+            RELEASED.set()
+            return self._json(200, {})
         if not self.state["ready"]:
             return self._json(503, {"error": {"code": 503, "message": "Loading model"}})
         chat = self.path == "/v1/chat/completions"
@@ -127,7 +132,8 @@ class Handler(BaseHTTPRequestHandler):
         with LOCK:
             self.state["busy"] += 1
         try:
-            time.sleep(self.state.get("hold", 0.0))
+            if self.state["hold"]:
+                RELEASED.wait(self.state["hold"])
             self._complete(chat, req, count)
         finally:
             with LOCK:
