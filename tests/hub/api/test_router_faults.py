@@ -221,7 +221,7 @@ async def test_drain_deadline_ends_streams_with_shutting_down_and_a_proper_end(t
         nursery.cancel_scope.cancel()
 
 
-async def test_every_request_one_audit_line_and_one_count(tmp_path):
+async def test_every_request_one_audit_line_and_one_count(tmp_path, autojump_clock):
     async with trio.open_nursery() as nursery:
         hub, url, _stop = await _hub(nursery, tmp_path)
         host, port = url[len("http://"):].split(":")
@@ -304,7 +304,7 @@ async def test_unwritable_audit_never_fails_a_request(tmp_path):
         nursery.cancel_scope.cancel()
 
 
-async def test_a_request_right_after_start_waits_for_the_fleet_instead_of_404(tmp_path):
+async def test_a_request_right_after_start_waits_for_the_fleet_instead_of_404(tmp_path, autojump_clock):
     node = StallNode("gpu-a", chunks=1)
     async with trio.open_nursery() as nursery:
         hub, url, _stop = await _hub(nursery, tmp_path, {"Node__HeartbeatSeconds": "2"})

@@ -72,7 +72,8 @@ def test_numbers_from_the_engine_are_bounded(caplog):
     assert busy_slots([{}] * (4 * MAX_ENGINE_SLOTS + 1)) is None
 
 
-async def test_slots_and_busy_from_props_and_slots(nursery, tmp_path):
+async def test_slots_and_busy_from_props_and_slots(nursery, tmp_path, monkeypatch):
+    monkeypatch.setattr(llamaslots, "SLOTS_POLL_SECONDS", 0.05)  # a busy change seen at once
     changes = Changes()
     # Each completion held until /fake/release.
     eng = await loaded(nursery, tmp_path, "tiny", "-np 3 --fake-hold 60", changes)
