@@ -97,7 +97,7 @@ class _Conn:
         """An idle connection whose peer hung up (or sent what no request asked for)."""
         try:
             poller = select.poll()
-            poller.register(self.transport.fileno(),
+            poller.register(self.transport.sock.fileno(),
                             select.POLLIN | select.POLLERR | select.POLLHUP)
             # Readable while idle: the end of the stream, or bytes no request asked for.
             return bool(poller.poll(0))

@@ -102,9 +102,6 @@ class Cycle:
         self.keep_alive = True
         self.eof = False  # the client's end of the stream came (or the connection broke)
         self.linger = False  # a refusal: the read side is drained a moment before the close
-        self._fresh()
-
-    def _fresh(self) -> None:
         self.framing = ""  # the response's: "" until its head is decided, then SIZED...
         self.owed = 0  # SIZED: the bytes it still owes
         self.sent_end = False  # the response's last message was taken (written or dropped)
@@ -127,26 +124,31 @@ class Cycle:
                 self.client(PEER_CLOSED)
 
     def client(self, event: str) -> None:
-        self.their = _step(_CLIENT, self.their, event, "client")
-        self._settle()
+        try:
+            their = self.their = _CLIENT[self.their][event]
+        except KeyError:
+            raise LocalProtocolError(f"client: {event} is not allowed in {self.their}") from None
+        # What the client's move settles (the server's own moves cannot touch these).
+        if self.ours == IDLE and their in (SEND_BODY, DONE):
+            self.ours = SEND_RESPONSE
+        if their == DONE and not self.keep_alive:
+            self.their = MUST_CLOSE
 
     def server(self, event: str) -> None:
-        self.ours = _step(_SERVER, self.ours, event, "server")
-        self._settle()
+        try:
+            ours = self.ours = _SERVER[self.ours][event]
+        except KeyError:
+            raise LocalProtocolError(f"server: {event} is not allowed in {self.ours}") from None
+        if ours == DONE and not self.keep_alive:
+            self.ours = MUST_CLOSE
 
     def close(self) -> None:
         """No next cycle: either side said close, or the server drains."""
         self.keep_alive = False
-        self._settle()
-
-    def _settle(self) -> None:
-        if self.ours == IDLE and self.their in (SEND_BODY, DONE):
-            self.ours = SEND_RESPONSE
-        if not self.keep_alive:
-            if self.their == DONE:
-                self.their = MUST_CLOSE
-            if self.ours == DONE:
-                self.ours = MUST_CLOSE
+        if self.their == DONE:
+            self.their = MUST_CLOSE
+        if self.ours == DONE:
+            self.ours = MUST_CLOSE
 
     @property
     def reusable(self) -> bool:
@@ -162,17 +164,10 @@ class Cycle:
         return self.ours in (DONE, MUST_CLOSE)
 
     def next_cycle(self) -> None:
-        if not self.reusable:
+        if not (self.their == DONE and self.ours == DONE):
             raise LocalProtocolError(f"no next cycle from {self.their}/{self.ours}")
         self.their = self.ours = IDLE
-        self._fresh()
-
-
-def _step(table: dict[str, dict[str, str]], state: str, event: str, who: str) -> str:
-    try:
-        return table[state][event]
-    except KeyError:
-        raise LocalProtocolError(f"{who}: {event} is not allowed in {state}") from None
+        self.framing, self.owed, self.sent_end, self.end_given = "", 0, False, False
 
 
 # --- the response's head and framing -----------------------------------------------------
@@ -188,7 +183,7 @@ def status_line(code: int) -> bytes:
     return f"HTTP/1.1 {code} {phrase}\r\n".encode("latin-1")
 
 
-_STATUS = {s.value: status_line(s.value) for s in HTTPStatus}
+STATUS_LINES = {s.value: status_line(s.value) for s in HTTPStatus}
 _date_second = 0
 _date_line = b""
 
@@ -203,10 +198,6 @@ def date_header() -> bytes:
     return _date_line
 
 
-def first_line(status: int) -> bytes:
-    return _STATUS.get(status) or status_line(status)
-
-
 class Framed(NamedTuple):
     head: bytes
     framing: str  # SIZED, CHUNKED, UNTIL_CLOSE, NO_BODY (above)
@@ -217,7 +208,7 @@ class Framed(NamedTuple):
 def response_head(status: int, headers: list[tuple[bytes, bytes]], *, method: str,
                   version: str, close: bool, body: bytes, more: bool) -> Framed:
     """The head of a response whose first body message is `body` (`more`: more follow)."""
-    lines = [first_line(status), date_header()]
+    lines = [STATUS_LINES.get(status) or status_line(status), date_header()]
     sized = -1
     for k, v in headers:
         k = k.lower()

@@ -64,7 +64,7 @@ async def delivered(scope: dict[str, Any] | None) -> bool:
     """Wait until this request's stream so far has reached its client (a server that can
     tell; else at once): False when it never did (the client stopped reading, and was hung
     up: `stalled`)."""
-    watch = hangup_watch(scope)
+    watch: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP) if scope else None
     return True if watch is None else await watch.delivered()
 
 
@@ -89,10 +89,9 @@ async def wait_disconnect(receive: Receive) -> None:
 
 
 class Gone:
-    __slots__ = ("gone",)
+    """Whether the client hung up (set once, by the watch)."""
 
-    def __init__(self) -> None:
-        self.gone = False
+    gone = False
 
 
 @asynccontextmanager
@@ -102,7 +101,7 @@ async def cancel_on_disconnect(receive: Receive, finished: Callable[[], bool] | 
     client hangs up (then `g.gone`), unless `finished()` says the answer is complete.
     `scope`: the request's, to watch its socket without a task (see above)."""
     g = Gone()
-    server = hangup_watch(scope)
+    server: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP) if scope else None
     if server is not None:
         cs = trio.CancelScope()
 

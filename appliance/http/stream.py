@@ -47,11 +47,8 @@ class Cut:
     interrupts. `trip` cancels the read in progress, and every later read; watchers
     (`watch`) run in the relay's nursery."""
 
-    __slots__ = ("reason", "_scope")
-
-    def __init__(self) -> None:
-        self.reason = ""
-        self._scope: trio.CancelScope | None = None
+    reason = ""
+    _scope: trio.CancelScope | None = None  # the read in progress
 
     def trip(self, reason: str) -> None:
         if not self.reason:
@@ -91,12 +88,9 @@ class Relayed:
     """How a relay ended: `ended` (the source finished), else `failure` (its error text)
     or a cut (`Cut.reason`); `tail` is the last two bytes sent."""
 
-    __slots__ = ("ended", "failure", "tail")
-
-    def __init__(self) -> None:
-        self.ended = False
-        self.failure = ""
-        self.tail = b""
+    ended = False
+    failure = ""
+    tail = b""
 
 
 class Body(Protocol):

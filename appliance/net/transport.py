@@ -186,28 +186,6 @@ class Transport:
         if self._wait is not None:
             self._wait.deadline = min(self._wait.deadline, self._by)
 
-    def fileno(self) -> int:
-        """The TCP socket's fd (to watch for the peer's hang-up), -1 once closed."""
-        return self.sock.fileno()
-
-    def addresses(self) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
-        """The peer's and our own (host, port), as an ASGI scope's `client` and `server`;
-        None for a socket that is not IP, or an address it cannot tell (gone)."""
-        sock = self.sock
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return None, None
-        try:
-            peer = sock.getpeername()
-            peer = peer[0], peer[1]
-        except OSError:
-            peer = None
-        try:
-            local = sock.getsockname()
-            local = local[0], local[1]
-        except OSError:
-            local = None
-        return peer, local
-
     async def receive(self, max_bytes: int = READ_BYTES) -> bytes:
         """The next bytes (b"" at the end, or when the connection broke), with one
         checkpoint: the wait until the socket is readable."""

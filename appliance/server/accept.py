@@ -14,7 +14,7 @@ connection -- the same code for both kinds: a TLS connection is a `TlsTransport`
 - A reload (`LiveLimits.set`): a raised bound lets waiting accepts through at once, a
   lowered one closes nothing; the body budget follows.
 
-The decisions (`Slots`, `Shed`) are plain; the rest waits and accepts.
+The decision (`Shed`) is plain; the rest waits and accepts.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from typing import Any
 import trio
 
 from appliance.net.transport import TlsTransport, Transport, nodelay
-from appliance.server.connection import Conn, Shared, Slot
-from appliance.server.limits import Budget, Limits, LiveLimits
+from appliance.server.connection import Conn, Shared
+from appliance.server.limits import Limits, LiveLimits
+from appliance.server.receive import Budget
+from appliance.server.send import hangups
 
 log = logging.getLogger("appliance.server.listener")
 
@@ -68,7 +70,7 @@ class Shed:
         self.count = 0
         self._logged = -math.inf
 
-    def one(self, live: dict[Slot, None], limit: int) -> bool:
+    def one(self, live: dict[Conn, None], limit: int) -> bool:
         for s in live:
             if not s.in_request:
                 del live[s]
@@ -81,31 +83,6 @@ class Shed:
                                 "no request to take new ones (%d so far)", limit, self.count)
                 return True
         return False
-
-
-class Slots:
-    """Open connections against `max_connections`, a bound a reload may move: a raised one
-    lets waiting accepts through at once, a lowered one closes nothing."""
-
-    def __init__(self, live: LiveLimits) -> None:
-        self.live = live
-        self.held = 0
-        self._lot = trio.lowlevel.ParkingLot()
-
-    def full(self) -> bool:
-        return self.held >= self.live.now.max_connections
-
-    async def acquire(self) -> None:
-        while self.full():
-            await self._lot.park()
-        self.held += 1
-
-    def release(self) -> None:
-        self.held -= 1
-        self._lot.unpark()
-
-    def wake(self) -> None:
-        self._lot.unpark_all()
 
 
 async def _accept(lsock: socket.socket) -> socket.socket:
@@ -124,8 +101,7 @@ async def _accept(lsock: socket.socket) -> socket.socket:
             log.error("accept failed (%s); pausing 100 ms", errno.errorcode.get(e.errno, e.errno))
             await trio.sleep(0.1)
             continue
-        nodelay(sock)
-        return sock
+        return sock  # (TCP_NODELAY: the listening socket's, inherited on Linux)
 
 
 async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socket.socket],
@@ -136,45 +112,52 @@ async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socke
     (see the module's docstring)."""
     for lsock in sockets:
         lsock.setblocking(False)
+        nodelay(lsock)  # small writes go out at once: a token is a write (accepted: inherited)
     budget = Budget(live.now.max_buffered_bytes)
     shared = Shared(app, live, budget, keep_alive=settings.keep_alive,
-                    max_head=settings.max_head, max_requests=settings.max_requests)
-    slots = Slots(live)
-    open_slots: dict[Slot, None] = {}  # open connections, oldest first
-    transports: dict[Slot, Transport] = {}
+                    max_head=settings.max_head, max_requests=settings.max_requests,
+                    hangups=hangups())
+    # The connection bound, a bound a reload may move: a raised one lets waiting accepts
+    # through at once (`lot`), a lowered one closes nothing.
+    held = 0
+    lot = trio.lowlevel.ParkingLot()
+    conns: dict[Conn, None] = {}  # open connections, oldest first
     shed = Shed()
 
     def follow(new: Limits) -> None:  # a reload: what is not read per connection or request
         budget.limit = new.max_buffered_bytes
-        slots.wake()
+        lot.unpark_all()
 
     async def connection(sock: socket.socket) -> None:
-        slot = Slot()
-        open_slots[slot] = None
+        nonlocal held
         stall, rate = live.now.write_stall_seconds, live.now.min_read_bytes_per_second
         transport = (TlsTransport(sock, tls, server_side=True, stall=stall, min_rate=rate)
                      if tls is not None else Transport(sock, stall, rate))
-        transports[slot] = transport
+        conn = Conn(transport, shared)
+        conns[conn] = None
         try:
-            with slot.cancel:
-                await Conn(transport, shared, slot).run()
+            with conn.cancel:
+                await conn.run()
         finally:
-            open_slots.pop(slot, None)
-            transports.pop(slot, None)
-            slots.release()
+            conns.pop(conn, None)
+            held -= 1
+            lot.unpark()
             with trio.move_on_after(CLOSE_SECONDS, shield=True):
                 await transport.aclose()
 
     async def accept_loop(lsock: socket.socket, handlers: trio.Nursery) -> None:
+        nonlocal held
         while True:
             sock = await _accept(lsock)
             try:
-                if slots.full():
-                    shed.one(open_slots, live.now.max_connections)
-                await slots.acquire()
+                if held >= live.now.max_connections:
+                    shed.one(conns, live.now.max_connections)
+                    while held >= live.now.max_connections:
+                        await lot.park()
             except BaseException:
                 sock.close()
                 raise
+            held += 1
             handlers.start_soon(connection, sock)
 
     with live.following(follow):
@@ -190,11 +173,11 @@ async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socke
                 for lsock in sockets:
                     lsock.close()
                 shared.terminating = True  # idle connections close now, busy ones after
-                for s in list(open_slots):
-                    if not s.in_request:
-                        s.cancel.cancel()
+                for c in list(conns):
+                    if not c.in_request:
+                        c.cancel.cancel()
                 handlers.cancel_scope.deadline = trio.current_time() + settings.drain
                 # Writes waiting on clients that do not read are shielded from that cancel:
                 # they end at the same deadline, so the process exits within the drain.
-                for t in list(transports.values()):
-                    t.abort_by(handlers.cancel_scope.deadline)
+                for c in list(conns):
+                    c.transport.abort_by(handlers.cancel_scope.deadline)

@@ -32,6 +32,7 @@ reaches kept-alive connections):
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
@@ -42,6 +43,8 @@ from appliance.bounds import echo_path
 from appliance.h1.parse import MAX_TARGET, BadRequest, Head, parse_head
 from appliance.h1.state import (
     BROKEN,
+    DONE,
+    ERROR,
     NO_BODY,
     REQUEST,
     REQUEST_NO_BODY,
@@ -53,18 +56,10 @@ from appliance.http.asgi import BODY_BUDGET
 from appliance.http.disconnect import HANGUP
 from appliance.http.errors import ApiError
 from appliance.net.transport import Transport
-from appliance.server.limits import (
-    TRIM_AFTER_BYTES,
-    Budget,
-    Busy,
-    ListenerRefusal,
-    LiveLimits,
-    body_limit,
-    trim,
-)
-from appliance.server.receive import Receiver
+from appliance.server.limits import TRIM_AFTER_BYTES, Busy, ListenerRefusal, LiveLimits, trim
+from appliance.server.receive import Budget, Receiver
 from appliance.server.refuse import refusal_answer
-from appliance.server.send import Sender
+from appliance.server.send import Hangups, Sender
 
 log = logging.getLogger("appliance.server.listener")
 
@@ -79,45 +74,50 @@ _ASGI = {"spec_version": "2.1", "version": "3.0"}
 
 class Shared:
     """What a listener's connections share: its rules (live: read per request, so a
-    reload reaches kept-alive connections), its budget, its drain."""
+    reload reaches kept-alive connections), its budget, its hang-up watcher, its drain."""
 
     def __init__(self, app: Callable[..., Any], limits: LiveLimits, budget: Budget, *,
-                 keep_alive: float, max_head: int, max_requests: int) -> None:
+                 keep_alive: float, max_head: int, max_requests: int,
+                 hangups: Hangups | None = None) -> None:
         self.app = app
         self.live = limits
         self.budget = budget
         self.keep_alive = keep_alive
         self.max_head = max_head
         self.max_requests = max_requests
+        self.hangups = hangups
         self.terminating = False
-
-
-class Slot:
-    """A connection's place under `max_connections`: whether it serves a request now (a
-    connection that does not may be shed), and the scope that sheds it."""
-
-    __slots__ = ("in_request", "cancel")
-
-    def __init__(self) -> None:
-        self.in_request = False
-        self.cancel = trio.CancelScope()
 
 
 class Conn:
     """One connection (see the module's docstring): a receive side (`rx`) and a send side
     (`tx`) over one table (`cycle`); to the app, the ASGI extensions HANGUP (`tx`) and
-    BODY_BUDGET (`rx`)."""
+    BODY_BUDGET (`rx`). To the accept loop it is also a place under `max_connections`:
+    whether it serves a request now (`in_request`: one that does not may be shed), and the
+    scope that sheds it (`cancel`)."""
 
-    def __init__(self, transport: Transport, shared: Shared, slot: Slot) -> None:
+    def __init__(self, transport: Transport, shared: Shared) -> None:
         self.transport = transport
         self.cycle = Cycle()
-        self.tx = Sender(transport, self.cycle, closing=self.closing)
+        self.tx = Sender(transport, self.cycle, closing=self.closing, hangups=shared.hangups)
         self.rx = Receiver(transport, shared.budget, self.tx)
         self.tx.answered = self.rx.stop_waiting  # the answer ended: receive() stops waiting
         self.shared = shared
-        self.slot = slot
+        self.in_request = False
+        self.cancel = trio.CancelScope()
         self.requests = 0
-        self.client, self.server = transport.addresses()
+        sock = transport.sock  # the peer's and our (host, port): the scope's client, server
+        self.client: tuple[str, int] | None = None  # (None: not IP, or it cannot tell)
+        self.server: tuple[str, int] | None = None
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                self.client = sock.getpeername()[:2]
+            except OSError:  # gone already
+                pass
+            try:
+                self.server = sock.getsockname()[:2]
+            except OSError:
+                pass
         self.scheme = "https" if transport.tls else "http"
 
     def closing(self) -> bool:
@@ -128,7 +128,8 @@ class Conn:
         request into our close."""
         head, sh = self.rx.head, self.shared
         return (head is None or not head.keep_alive or sh.terminating
-                or self.requests >= sh.max_requests or self.rx.body_owed())
+                or self.requests >= sh.max_requests
+                or (self.cycle.their == SEND_BODY and self.rx.body_owed()))
 
     # --- the connection ----------------------------------------------------------------------
 
@@ -143,7 +144,7 @@ class Conn:
                 break
             self.cycle.next_cycle()
         cycle = self.cycle
-        if not cycle.eof and (cycle.linger or self.rx.buf or not self.rx.body_ended):
+        if not cycle.eof and (cycle.linger or self.rx.buf or cycle.their == SEND_BODY):
             await self._linger()
 
     async def _read_head(self, started: float | None) -> Head | None:
@@ -192,7 +193,9 @@ class Conn:
         except BadRequest as e:
             await self._refuse_raw(e.status, "invalid_request", e.message, _path_of(raw))
             return None
-        limit = body_limit(sh.live.now, head.target)
+        lim = sh.live.now  # the largest body it may declare (0: no bound)
+        limit = (lim.max_upload_bytes if lim.upload_paths
+                 and head.target.partition(b"?")[0] in lim.upload_paths else lim.max_body_bytes)
         if limit and head.length > limit:  # said up front: refused before any of it is read
             await self._refuse_raw(413, "body_too_large",
                                    f"request body of {head.length} bytes is over the bound "
@@ -243,7 +246,7 @@ class Conn:
             "client": self.client, "server": self.server, "state": {},
             "extensions": {HANGUP: self.tx, BODY_BUDGET: self.rx},
         }
-        self.slot.in_request = True
+        self.in_request = True
         try:
             await sh.app(scope, self.rx.receive, self.tx.send)
         except ListenerRefusal as e:
@@ -251,7 +254,7 @@ class Conn:
         except Exception:
             log.exception("error in the app serving %s %s", head.method, echo_path(scope["path"]))
         finally:
-            self.slot.in_request = False
+            self.in_request = False
             sh.budget.give(self.rx.held)
             if self.rx.held >= TRIM_AFTER_BYTES and sh.budget.held == 0:
                 trim()
@@ -270,10 +273,11 @@ class Conn:
             return False  # an answer cut short: only a close tells the client
         if self.closing():
             cycle.close()
-        if cycle.eof or self.tx.broken or not cycle.keep_alive:
+        if cycle.eof or cycle.ours == ERROR or not cycle.keep_alive:
             return False
-        self.rx._skip_unread_body()
-        return cycle.reusable
+        if cycle.their == SEND_BODY:
+            self.rx._skip_unread_body()
+        return cycle.their == DONE and cycle.ours == DONE  # the table's `reusable`
 
     async def _refuse(self, path: str, e: ListenerRefusal) -> None:
         if isinstance(e, Busy):

@@ -10,8 +10,8 @@ plain decisions they use:
 - `LiveLimits`: the limits as the last reload (SIGHUP) left them; read at each new
   connection and request, so what starts after a reload gets the new ones and what runs
   keeps its own.
-- `Budget`: the request-body bytes the apps of one listener hold at once; a request that
-  would pass it is refused 503 `busy` (`Busy`).
+- `Busy`: a request that would pass the listener's body budget (`max_buffered_bytes`,
+  counted by appliance/server/receive.py's `Budget`) is refused 503 `busy`.
 - `ListenerRefusal`: the ApiError the server raises out of an app's `receive` when a rule
   is broken (`RequestTimeout`: the body was too slow; `Busy`); the connection answers it
   in the API's shape and closes. Apps with a catch-all let it through.
@@ -54,13 +54,6 @@ class Limits:
     # A client that is behind (its writes wait) and reads slower than this, over waits
     # summing to `write_stall_seconds`, is ended too (net/transport.py; 0: any rate).
     min_read_bytes_per_second: int = 0
-
-
-def body_limit(limits: Limits, target: bytes) -> int:
-    """The largest body a request for `target` may declare (0: no bound)."""
-    if limits.upload_paths and target.partition(b"?")[0] in limits.upload_paths:
-        return limits.max_upload_bytes
-    return limits.max_body_bytes
 
 
 class LiveLimits:
@@ -109,23 +102,6 @@ class Busy(ListenerRefusal):
     def __init__(self) -> None:
         super().__init__(503, "busy", "the server holds too many request bodies now; "
                          "retry shortly", retry_after=BUSY_RETRY_AFTER)
-
-
-class Budget:
-    """Body bytes held at once by one listener's requests."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, n: int) -> bool:
-        if self.held + n > self.limit:
-            return False
-        self.held += n
-        return True
-
-    def give(self, n: int) -> None:
-        self.held = max(0, self.held - n)
 
 
 def _load_trim() -> Callable[..., Any]:

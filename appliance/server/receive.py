@@ -36,15 +36,32 @@ import trio
 
 from appliance.h1.body import MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
 from appliance.h1.parse import BadRequest, Head
-from appliance.h1.state import BODY_END, BROKEN, SEND_BODY
+from appliance.h1.state import BODY_END, BROKEN, ERROR, SEND_BODY
 from appliance.net.transport import Transport
-from appliance.server.limits import Budget, Busy, ListenerRefusal, RequestTimeout
+from appliance.server.limits import Busy, ListenerRefusal, RequestTimeout
 from appliance.server.send import Sender
 
 MAX_RECV = 65536
 # Pipelined bytes held while a response is written; past this the connection stops reading.
 MAX_PIPELINED = 64 * 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Budget:
+    """Body bytes held at once by one listener's requests (503 `busy` past `limit`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held = max(0, self.held - n)
 
 
 def _chunks_feed(body: ChunkedBody, data: bytes) -> bytes:
@@ -91,10 +108,6 @@ class Receiver:
         self.tx.new_response(head.method if head is not None else "GET",
                              head.version if head is not None else "1.1")
 
-    @property
-    def body_ended(self) -> bool:
-        return self.cycle.their != SEND_BODY
-
     async def _wait(self, deadline: float) -> bytes | None:
         """The next bytes (b"" at the end), or None past `deadline`."""
         with trio.CancelScope(deadline=deadline):
@@ -107,9 +120,9 @@ class Receiver:
     # --- the app's receive ---------------------------------------------------------------
 
     async def receive(self) -> dict[str, Any]:
-        if self.bad is not None or self.tx.broken:
+        if self.bad is not None or self.cycle.ours == ERROR:
             return _disconnect()
-        if not self.body_ended:
+        if self.cycle.their == SEND_BODY:
             return await self._body()
         if not self.cycle.end_given:
             self.cycle.end_given = True
@@ -201,17 +214,16 @@ class Receiver:
             if not self.budget.take(n):
                 raise self._refusing(Busy())
             self.held += n
-        ended = self.body_ended
-        if ended:
+        more = self.cycle.their == SEND_BODY
+        if not more:
             self.cycle.end_given = True
-        return {"type": "http.request", "body": data, "more_body": not ended}
+        return {"type": "http.request", "body": data, "more_body": more}
 
     def body_owed(self) -> bool:
         """The request's body is neither read nor here whole (one here whole is skipped
-        after the answer: `_skip_unread_body`). Asked as an answer begins: a chunked body
-        is tried on a copy of its reader, the app may still read it."""
-        if self.body_ended:
-            return False
+        after the answer: `_skip_unread_body`). Asked as an answer begins while the client
+        is still in SEND_BODY: a chunked body is tried on a copy of its reader, the app may
+        still read it."""
         if self.chunks is None:
             return len(self.buf) < self.body_left
         trial = copy.copy(self.chunks)
@@ -223,9 +235,8 @@ class Receiver:
 
     def _skip_unread_body(self) -> None:
         """Drop a body the app did not read if it is already here whole (the client is
-        then DONE and the connection may serve the next request)."""
-        if self.body_ended:
-            return
+        then DONE and the connection may serve the next request); asked while the client
+        is still in SEND_BODY."""
         if self.chunks is not None:
             try:
                 _chunks_feed(self.chunks, self.buf)

@@ -9,12 +9,12 @@ A path the server echoes is cut to PATH_ECHO characters (appliance/bounds.py).
 
 from __future__ import annotations
 
-from appliance.h1.state import date_header, first_line
+from appliance.h1.state import STATUS_LINES, date_header, status_line
 from appliance.http.errors import ApiError, api_of, render
 
 
 def refusal_answer(path: str, e: ApiError) -> bytes:
     """The whole answer to a request on `path` refused with `e`; the connection closes."""
     r = render(e, api_of(path), [(b"connection", b"close")])
-    return (first_line(r.status) + date_header()
+    return ((STATUS_LINES.get(r.status) or status_line(r.status)) + date_header()
             + b"".join(k + b": " + v + b"\r\n" for k, v in r.headers) + b"\r\n" + r.body)

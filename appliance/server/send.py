@@ -21,7 +21,8 @@ The send side is also the app's `HangupWatch` (appliance/http/disconnect.py, the
 extension HANGUP): what was delivered (`delivered`, `stalled`, `drained`), and the
 client's hang-up (`watch`) -- told without a task per request: a watcher task costs a
 nursery and a task (~35 us of CPU, a third of the hub's own share of a short request), so
-one task per process holds one epoll set (`Hangups`) of the sockets whose requests wait
+one task per process holds one epoll set (`Hangups`, found once per listener and
+given to each connection) of the sockets whose requests wait
 now, each registered for the peer's close (EPOLLRDHUP, and the always-reported HUP/ERR:
 never for readable bytes, so a pipelined request is no hang-up); a request pays two
 epoll_ctl calls. A write that fails tells the watcher too. A socket the set cannot take
@@ -129,15 +130,18 @@ class Sender:
 
     def __init__(self, transport: Transport, cycle: Cycle | None = None,
                  closing: Callable[[], bool] | None = None,
-                 answered: Callable[[], None] | None = None) -> None:
+                 answered: Callable[[], None] | None = None,
+                 hangups: Hangups | None = None) -> None:
         self.transport = transport
         self.cycle = cycle if cycle is not None else Cycle()
         self.closing = closing or _never
         self.answered = answered or _nothing
+        self.hangups = hangups  # the listener's (`hangups()`, looked up once): None, no watch
         self.lock = trio.Lock()
         self.stalled = False  # ... because the client read nothing for WriteStallSeconds
         self._drained = False  # ... or because the drain ended (the listener stops)
         self._hangup: Callable[[], None] | None = None  # a HangupWatch watcher (watch)
+        self._watched = -1  # ... on this fd
         self.new_response("GET", "1.1")
 
     def new_response(self, method: str, version: str) -> None:
@@ -157,20 +161,51 @@ class Sender:
 
     async def send(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
+        cycle = self.cycle
         if kind == "http.response.body":
             if not self.started:
                 raise RuntimeError("http.response.body before http.response.start")
-            if self.cycle.sent_end:
+            if cycle.sent_end:
                 return
             more = msg.get("more_body", False)
             body = msg.get("body", b"")
-            if not self.cycle.framing:  # the first body message: the head is decided now
+            framing = cycle.framing
+            if not framing:  # the first body message: the head is decided now
                 f = response_head(self.status, self.head_headers, method=self.method,
                                   version=self.version, body=body, more=more,
                                   close=self.closing())
                 self.pending = f.head
-                self.cycle.respond(f.framing, f.length, f.close)
-            await self._body_out(body, more)
+                cycle.respond(f.framing, f.length, f.close)
+                framing = f.framing
+            if framing == CHUNKED:
+                if body:
+                    data = b"%x\r\n%b\r\n" % (len(body), body)
+                    if not more:
+                        data += b"0\r\n\r\n"
+                else:
+                    data = b"" if more else b"0\r\n\r\n"
+            elif framing == NO_BODY:
+                data = b""
+            else:
+                data = body
+                if framing == SIZED:
+                    if len(body) > cycle.owed:
+                        data = body[:cycle.owed]
+                        cycle.close()  # the app wrote more than it said: cut
+                    cycle.owed -= len(data)
+                    if not more and cycle.owed:
+                        cycle.close()  # ... or less
+            if not more:
+                cycle.sent_end = True
+            if self.pending:
+                data = self.pending + data
+                self.pending = b""
+            if data:
+                await self.write(data)
+            if not more:
+                if cycle.ours == SEND_BODY:  # (not ERROR: the write went out)
+                    cycle.server(RESPONSE_END)
+                self.answered()
         elif kind == "http.response.start":
             if self.started:
                 raise RuntimeError("the response has already started")
@@ -179,46 +214,13 @@ class Sender:
             self.head_headers = msg.get("headers") or []
         # other messages (trailers, push, early hints) mean nothing on HTTP/1.1 here
 
-    async def _body_out(self, body: bytes, more: bool) -> None:
-        cycle = self.cycle
-        framing = cycle.framing
-        if framing == CHUNKED:
-            if body:
-                data = b"%x\r\n%b\r\n" % (len(body), body)
-                if not more:
-                    data += b"0\r\n\r\n"
-            else:
-                data = b"" if more else b"0\r\n\r\n"
-        elif framing == NO_BODY:
-            data = b""
-        else:
-            data = body
-            if framing == SIZED:
-                if len(body) > cycle.owed:
-                    data = body[:cycle.owed]
-                    cycle.close()  # the app wrote more than it said: cut
-                cycle.owed -= len(data)
-                if not more and cycle.owed:
-                    cycle.close()  # ... or less
-        if not more:
-            cycle.sent_end = True
-        if self.pending:
-            data = self.pending + data
-            self.pending = b""
-        if data:
-            await self.write(data)
-        if not more:
-            if not self.broken and cycle.ours == SEND_BODY:
-                cycle.server(RESPONSE_END)
-            self.answered()
-
     async def delivered(self) -> bool:
         """Before a stream's last bytes (http/disconnect.py's HangupWatch): the socket
         buffers may hold the whole answer for a client that reads nothing. Waits (by the
         write stall's and the read rate's rules) until what was written has left; if it
         never does, the client is too slow: the connection ends as for a stalled write
         (False) -- or the drain ended first (False, `drained`)."""
-        if self.broken or self.cycle.framing not in (CHUNKED, UNTIL_CLOSE):
+        if self.cycle.ours == ERROR or self.cycle.framing not in (CHUNKED, UNTIL_CLOSE):
             return not (self.stalled or self.drained)
         if await self.transport.wait_sent():
             return True
@@ -232,22 +234,17 @@ class Sender:
     def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
         """HangupWatch: `fn()` once when the client hangs up -- or when a write to it fails
         (it stopped reading, or the connection broke); the function that stops watching."""
-        h = hangups()
-        fd = self.transport.fileno()
+        h, fd = self.hangups, self.transport.sock.fileno()
         if h is None or not h.add(fd, fn):
             return None
-        self._hangup = fn
+        self._hangup, self._watched = fn, fd
+        return self.unwatch
 
-        def unwatch() -> None:
-            self._hangup = None
-            h.remove(fd)
-
-        return unwatch
-
-    @property
-    def broken(self) -> bool:
-        """A write failed or was given up: the table's server side is ERROR (for good)."""
-        return self.cycle.ours == ERROR
+    def unwatch(self) -> None:
+        self._hangup = None
+        if self._watched >= 0 and self.hangups is not None:
+            self.hangups.remove(self._watched)
+            self._watched = -1
 
     def abandon(self) -> None:
         """The answer is given up (a write failed, or was not worth waiting for): later
@@ -262,7 +259,7 @@ class Sender:
     async def write(self, data: bytes, shield: bool = True) -> None:
         """All of `data`, waiting only while the transport's buffer is full -- shielded
         unless told otherwise: a write cut half-way leaves the client's connection unknown."""
-        if self.broken:
+        if self.cycle.ours == ERROR:  # a write failed or was given up: dropped
             return
         lock = self.lock
         try:

@@ -125,4 +125,4 @@ async def test_idle_connections_the_peer_closed_are_closed_not_kept(autojump_clo
     await trio.sleep(0.1)
     assert conn.peer_closed()
     assert pool.sweep() == 1 and pool.idle_count() == 0
-    assert conn.transport.fileno() == -1  # closed now, not left to the garbage collector
+    assert conn.transport.sock.fileno() == -1  # closed now, not left to the garbage collector

@@ -39,4 +39,4 @@ async def test_a_plain_transport_reads_nowait_and_says_the_end_on_a_reset():
         for _ in range(100):  # the kernel tells a write to a dead peer within a few
             await t.send_all(b"y" * 65536)
     t.close()
-    assert t.fileno() == -1
+    assert t.sock.fileno() == -1

@@ -1,9 +1,10 @@
 """The listener's plain decisions: body budget, which connection to shed, the connection's
-state table (appliance/server/limits.py, accept.py; appliance/h1/state.py)."""
+state table (appliance/server/receive.py, accept.py; appliance/h1/state.py)."""
 
 from __future__ import annotations
 
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,8 +25,15 @@ from appliance.h1.state import (
     Cycle,
 )
 from appliance.server.accept import Shed
-from appliance.server.connection import Slot
-from appliance.server.limits import Budget
+from appliance.server.receive import Budget
+
+
+class Slot:
+    """What the shedding reads of a connection (appliance/server/connection.py's Conn)."""
+
+    def __init__(self) -> None:
+        self.in_request = False
+        self.cancel = trio.CancelScope()
 
 
 def test_budget_takes_until_the_bound_and_gives_back():
