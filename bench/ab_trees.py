@@ -23,37 +23,31 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 sys.path.insert(0, os.path.dirname(__file__))
-from overhead import cpu_seconds, run_load  # noqa: E402
-from procs import Proc  # noqa: E402
+from overhead import run_load  # noqa: E402
+from procfs import cpu_seconds  # noqa: E402
+from procs import Procs  # noqa: E402
 
 PER_ROUND = 100
 SHORT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 CHAT = "/v1/chat/completions"
 
 
-def start(procs: list[Proc], role: str, env: dict[str, str], tree: str,
-          wait: tuple[str, ...] | None = None) -> Proc:
-    p = Proc(role, dict(env, PYTHONPATH=tree), cwd=tree)
-    procs.append(p)
-    p.wait_listening(*(wait or (role,)))
-    return p
-
-
 def main() -> None:
     trees = {"A": sys.argv[1], "B": sys.argv[2]}
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 10
-    procs: list[Proc] = []
+    procs = Procs()
     try:
-        sim = start(procs, "sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                   "Sim__Parallel": "64"}, trees["A"])
+        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                  "Sim__Parallel": "64"}, tree=trees["A"])
         stacks = {}
         for name, tree in trees.items():
-            node = start(procs, "node", {"Node__Name": "n" + name, "Node__Listen": "127.0.0.1:0",
-                                         "Metrics__Listen": "", "Engine__Kind": "ollama",
-                                         "Engine__Url": sim.url, "Node__ModelSlots": "64"}, tree)
-            hub = start(procs, "hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                                       "Audit__Path": os.devnull, "Nodes__0__Name": "n" + name,
-                                       "Nodes__0__Url": node.url}, tree, wait=("hub",))
+            node = procs.start("node", {"Node__Name": "n" + name, "Node__Listen": "127.0.0.1:0",
+                                        "Metrics__Listen": "", "Engine__Kind": "ollama",
+                                        "Engine__Url": sim.url, "Node__ModelSlots": "64"},
+                               tree=tree)
+            hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                                      "Audit__Path": os.devnull, "Nodes__0__Name": "n" + name,
+                                      "Nodes__0__Url": node.url}, tree=tree)
             stacks[name] = (node, hub)
         for node, hub in stacks.values():  # the model loaded, both paths warm
             deadline = time.monotonic() + 60
@@ -87,8 +81,7 @@ def main() -> None:
                       f"  CPU ms/req: hub {x['hub'] / x['n'] * 1e3:6.3f}"
                       f"  node {x['node'] / x['n'] * 1e3:6.3f}  eng {x['eng'] / x['n'] * 1e3:6.3f}")
     finally:
-        for p in procs:
-            p.kill()
+        procs.close()
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests.e2e.test_clients_matrix
+from procfs import cpu_seconds  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 TOKEN = "bench"
@@ -73,12 +74,6 @@ def text(rng: random.Random, n: int) -> str:
         out.append(w)
         size += len(w) + 1
     return " ".join(out)
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def use_llama() -> str:

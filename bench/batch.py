@@ -36,29 +36,11 @@ import httpx
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+from procfs import loop_and_rest, thread_cpu  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 ESSENTIAL, OWNER, ADMIN = "ke", "kb", "adm"
 TOKENS = 8
-
-
-def hub_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each of the process's threads, by thread id."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a thread that ended
-            continue
-        out[tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
 
 
 def body(i: int) -> dict:
@@ -258,16 +240,15 @@ def store_round(b: Bench, args: argparse.Namespace) -> None:
     for store in (True, False):
         c.responses.create(model="m", input="warm", max_output_tokens=4, store=store)
     cpu: dict[bool, list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}
-    main = str(b.hub.pid)
     for r in range(2 * args.store_rounds):
         store = r % 4 in (0, 3)
         cpu0 = thread_cpu(b.hub.pid)
         for i in range(args.responses):
             c.responses.create(model="m", input=f"question {i}", max_output_tokens=4,
                                store=store)
-        cpu1 = thread_cpu(b.hub.pid)
-        cpu[store][0] += cpu1[main] - cpu0.get(main, 0.0)
-        cpu[store][1] += sum(v - cpu0.get(t, 0.0) for t, v in cpu1.items() if t != main)
+        loop, rest = loop_and_rest(b.hub.pid, cpu0)
+        cpu[store][0] += loop
+        cpu[store][1] += rest
     n = args.responses * args.store_rounds
     for store in (True, False):
         loop, rest = (x / n * 1000 for x in cpu[store])

@@ -43,8 +43,9 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 sys.path.insert(0, os.path.dirname(__file__))
-from overhead import cpu_seconds, run_load  # noqa: E402
-from procs import Proc  # noqa: E402
+from overhead import run_load  # noqa: E402
+from procfs import cpu_seconds  # noqa: E402
+from procs import Proc, Procs  # noqa: E402
 from taskdump import dump  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -64,14 +65,6 @@ def bodies(n: int = 24) -> list[dict]:
     return out
 
 
-def start(procs: list[Proc], role: str, env: dict[str, str], tree: str,
-          wait: tuple[str, ...] | None = None) -> Proc:
-    p = Proc(role, dict(env, PYTHONPATH=tree), cwd=tree)
-    procs.append(p)
-    p.wait_listening(*(wait or (role,)))
-    return p
-
-
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where it waits
     ap = argparse.ArgumentParser()
@@ -88,19 +81,19 @@ def main() -> None:
     chats = bodies()
     procs = PROCS
     try:
-        sim = start(procs, "sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                   "Sim__Parallel": "64"}, HERE)
+        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                  "Sim__Parallel": "64"}, tree=HERE)
         hubs: dict[str, Proc] = {}
         for name, (tree, extra) in variants.items():
             env = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
                    "Audit__Path": os.devnull, **extra}
             for i in range(2):
-                node = start(procs, "node", {
+                node = procs.start("node", {
                     "Node__Name": f"{name}-{i}", "Node__Listen": "127.0.0.1:0",
                     "Metrics__Listen": "", "Engine__Kind": "openai", "Engine__Url": sim.url + "/v1",
-                    "Node__ModelSlots": "32"}, HERE)
+                    "Node__ModelSlots": "32"}, tree=HERE)
                 env.update({f"Nodes__{i}__Name": f"{name}-{i}", f"Nodes__{i}__Url": node.url})
-            hubs[name] = start(procs, "hub", env, tree, wait=("hub",))
+            hubs[name] = procs.start("hub", env, tree=tree)
         for hub in hubs.values():  # the model loaded on both nodes, the paths warm
             deadline = time.monotonic() + 90
             while True:
@@ -142,8 +135,7 @@ def main() -> None:
         for folder in DUMPS:
             print(f"  a stall's trio tasks: {folder}")
     finally:
-        for p in procs:
-            p.kill()
+        procs.close()
 
 
 async def spread(url: str, chats: list[dict], n: int, conc: int) -> None:
@@ -161,7 +153,7 @@ STALLED: list[str] = []  # requests given up after STALL_SECONDS (said at the en
 STALL_SECONDS = 10.0
 STALL_DUMP_SECONDS = 8.0  # ... and dumped (taskdump) after this long, at most STALL_DUMPS a run
 STALL_DUMPS = 2
-PROCS: list[Proc] = []
+PROCS = Procs()
 RUNNING: dict[int, float] = {}  # worker -> when its request began (time.monotonic)
 DUMPS: list[str] = []
 
@@ -178,7 +170,7 @@ async def _watch_stalls(url: str) -> None:
         with open(os.path.join(folder, "ss.txt"), "w") as f:
             subprocess.run(["ss", "-tnpi"], stdout=f, stderr=subprocess.STDOUT, check=False)
         notes = [f"a request to {url} ran over {STALL_DUMP_SECONDS:g} s"]
-        for p in PROCS:
+        for p in PROCS.all:
             why = dump(p.pid, os.path.join(folder, f"{p.role}-{p.pid}.txt"))
             notes.append(f"{p.role} {p.pid} {p.url}: {why or 'dumped'}")
         with open(os.path.join(folder, "README"), "w") as f:

@@ -60,6 +60,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "harness"))
 import llama_cache  # noqa: E402
 import make_gguf  # noqa: E402
+from procfs import cpu_seconds  # noqa: E402
 from procs import Proc, Procs, wait_until  # noqa: E402
 
 TOKEN = "bench-llamacpp"
@@ -67,13 +68,6 @@ SERVERS = {"llama-server": llama_cache.llama_server,
            "llama_cpp": llama_cache.llama_cpp_python_server}
 TARGETS = ("engine alone", "hub+node")
 MESSAGES = [{"role": "user", "content": "hi"}]
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def log_ts(line: str) -> float:

@@ -46,16 +46,10 @@ import httpx
 import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+from procfs import cpu_seconds  # noqa: E402
 from procs import Procs  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 STREAM_CHUNKS = 200
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def rss_mb(pid: int) -> float:

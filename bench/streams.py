@@ -40,24 +40,23 @@ import time
 import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+import procfs  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 MODEL = "sim-small"
 # The hub adds more than this to the p99 gap between tokens: saturated.
 P99_BUDGET = 0.005
 
 
 def cpu_seconds(pids: list[int], kernel_only: bool = False) -> float:
-    """utime + stime of `pids` (stime only with kernel_only: the syscalls' share)."""
+    """utime + stime of `pids` (stime only with kernel_only: the syscalls' share); a
+    process gone counts nothing."""
     total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            total += procfs.cpu_seconds(pid, kernel_only)
         except OSError:
             continue
-        total += ((0 if kernel_only else int(fields[11])) + int(fields[12])) / TICKS
     return total
 
 

@@ -44,17 +44,12 @@ import httpx
 import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+from procfs import cpu_seconds  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 TOKEN = "bench"
 MODEL = "sim-small"
 PARALLEL = 8
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def p95(xs: list[float]) -> float:

@@ -24,7 +24,8 @@ import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
-from overhead import cpu_seconds, run_load  # noqa: E402
+from overhead import run_load  # noqa: E402
+from procfs import cpu_seconds  # noqa: E402
 from procs import Proc  # noqa: E402
 from tracing_cost import Receiver  # noqa: E402
 

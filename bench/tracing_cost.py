@@ -30,27 +30,11 @@ import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
-from overhead import cpu_seconds, run_load  # noqa: E402
+from overhead import run_load  # noqa: E402
+from procfs import cpu_seconds, loop_and_rest, thread_cpu  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
 ROUNDS = 5
-
-
-def thread_cpu(pid: int) -> tuple[float, float]:
-    """(the main thread's, all other threads') CPU seconds of a process."""
-    main = other = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a thread that ended
-            continue
-        t = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        if int(tid) == pid:
-            main += t
-        else:
-            other += t
-    return main, other
 
 
 class Receiver(ThreadingHTTPServer):
@@ -138,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         wait_until(lambda: receiver.posts > 0, 10, "spans received")
         print("all rounds, by thread (us per request): trio thread / other threads")
         for name, h in hubs.items():
-            (m0, o0), (m1, o1) = split0[name], thread_cpu(h.pid)
-            print(f"  {name:<10}{(m1 - m0) / sent * 1e6:8.0f} /{(o1 - o0) / sent * 1e6:6.0f}")
+            loop, rest = loop_and_rest(h.pid, split0[name])
+            print(f"  {name:<10}{loop / sent * 1e6:8.0f} /{rest / sent * 1e6:6.0f}")
         dropped = httpx.get(hubs["on"].url + "/metrics", timeout=10).text
         line = next((x for x in dropped.splitlines()
                      if x.startswith("appliance_spans_dropped_total")), "(none)")

@@ -27,7 +27,6 @@ import procfs  # noqa: E402
 from procfs import children  # noqa: E402
 from procs import Procs  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 SHORT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STREAM = {"model": "sim-small", "messages": [{"role": "user", "content": "tell"}],
           "max_tokens": 200, "stream": True}
@@ -38,12 +37,7 @@ def tree(pid: int) -> list[int]:
 
 
 def cpu(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / TICKS
-    return total
+    return sum(procfs.cpu_seconds(pid) for pid in pids)
 
 
 def owner(c: httpx.Client, url: str, pids: list[int]) -> int:

@@ -4,7 +4,8 @@ Linux only. `socket_inodes` names the sockets in a process's fd table; a row of
 /proc/net/tcp{,6} (`tcp_rows`: local, remote, state, ..., inode at index 9) ties a
 connection to one of them -- that is how a test learns which process accepted a
 connection, or how many connections a process has left in CLOSE-WAIT. Sizes (RSS, fds)
-are for leak checks.
+are for leak checks; CPU seconds (utime + stime of proc(5)'s stat, a process's or each of
+its threads') are what the benches count per request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 
 ESTABLISHED, CLOSE_WAIT = "01", "08"
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:
@@ -30,21 +32,51 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def rss_kb(pid: int) -> int:
+def _status_kb(pid: int, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
+    raise AssertionError(f"no {key} for pid {pid}")
+
+
+def rss_kb(pid: int) -> int:
+    return _status_kb(pid, "VmRSS")
 
 
 def peak_rss_kb(pid: int) -> int:
     """The process's peak resident set (VmHWM) so far."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmHWM for pid {pid}")
+    return _status_kb(pid, "VmHWM")
+
+
+def _stat_cpu(path: str, kernel_only: bool = False) -> float:
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return ((0 if kernel_only else int(fields[11])) + int(fields[12])) / TICKS
+
+
+def cpu_seconds(pid: int, kernel_only: bool = False) -> float:
+    """utime + stime of `pid` so far (stime only with kernel_only: the syscalls' share)."""
+    return _stat_cpu(f"/proc/{pid}/stat", kernel_only)
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each of the process's threads, by thread id (the main thread's is `pid`)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+        except FileNotFoundError:  # a thread that ended
+            continue
+    return out
+
+
+def loop_and_rest(pid: int, before: dict[int, float]) -> tuple[float, float]:
+    """CPU seconds since `before` (a `thread_cpu(pid)`): the main thread's (a trio process's
+    loop) and its other threads' together (one begun since counts whole, one ended is lost)."""
+    now = thread_cpu(pid)
+    rest = sum(v - before.get(tid, 0.0) for tid, v in now.items() if tid != pid)
+    return now.get(pid, 0.0) - before.get(pid, 0.0), rest
 
 
 def socket_inodes(pid: int) -> set[str]:

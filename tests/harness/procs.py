@@ -136,8 +136,12 @@ class Procs:
         self.all: list[Proc] = []
 
     def start(self, role: str, env: dict[str, str], args: list[str] = (),
-              wait: tuple[str, ...] | None = None) -> Proc:
-        p = Proc(role, env, args)
+              wait: tuple[str, ...] | None = None, tree: str | None = None) -> Proc:
+        """`role` started and listening; with `tree` (a checkout of this repository: the
+        benches that set two trees side by side) it imports that tree's `appliance`."""
+        if tree is not None:
+            env = dict(env, PYTHONPATH=tree)
+        p = Proc(role, env, args, cwd=tree)
         self.all.append(p)
         p.wait_listening(*(wait or (role,)))
         return p
