@@ -20,25 +20,18 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
     ExportTraceServiceRequest,
 )
 from opentelemetry.sdk.resources import Resource  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
-    InMemorySpanExporter,
-)
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode  # noqa: E402
 from opentelemetry.trace.propagation.tracecontext import (  # noqa: E402
     TraceContextTextMapPropagator,
 )
 
 from appliance.observe import otlp  # noqa: E402
+from tests.harness.sdk import in_memory  # noqa: E402
 
 
 def spans():
-    memory = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource({"service.name": "hub", "n": 3},
-                                                schema_url="https://x/s"),
-                              shutdown_on_exit=False)
-    provider.add_span_processor(SimpleSpanProcessor(memory))
+    sdk = in_memory(Resource({"service.name": "hub", "n": 3}, schema_url="https://x/s"))
+    provider = sdk.provider
     tracer = provider.get_tracer("appliance", "1.2", schema_url="https://x/t")
     other = provider.get_tracer("other")
     ctx = TraceContextTextMapPropagator().extract({
@@ -58,7 +51,7 @@ def spans():
     for _ in range(3):  # the same attributes again: from the cache
         s = other.start_span("again", attributes={"gen_ai.operation.name": "chat", "i": 7})
         s.end()
-    return memory.get_finished_spans()
+    return sdk.exporter.get_finished_spans()
 
 
 def test_the_encoding_decodes_to_what_the_sdk_encoder_builds():

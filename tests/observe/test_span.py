@@ -15,33 +15,19 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import (  # noqa: E4
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
 )
-from opentelemetry.sdk.resources import Resource  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
-    InMemorySpanExporter,
-)
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased  # noqa: E402
 from opentelemetry.trace import SpanKind  # noqa: E402
-from opentelemetry.trace.propagation.tracecontext import (  # noqa: E402
-    TraceContextTextMapPropagator,
-)
 
 from appliance.observe import otlp  # noqa: E402
-from appliance.observe.trace import Drops, Tracing  # noqa: E402
+from tests.harness.sdk import in_memory  # noqa: E402
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 def make(sampler=None):
-    memory = InMemorySpanExporter()
-    kw = {"sampler": sampler} if sampler is not None else {}
-    provider = TracerProvider(resource=Resource({"service.name": "hub"}),
-                              shutdown_on_exit=False, **kw)
-    processor = SimpleSpanProcessor(memory)
-    provider.add_span_processor(processor)
-    tracer = provider.get_tracer("appliance")
-    return Tracing(tracer, TraceContextTextMapPropagator(), processor, Drops()), tracer, memory
+    sdk = in_memory(sampler=sampler)
+    tracer = sdk.provider.get_tracer("appliance")
+    return sdk.tracing(tracer), tracer, sdk.exporter
 
 
 def test_a_record_is_started_as_the_sdk_starts_a_span_and_encodes_as_its_encoder_would():

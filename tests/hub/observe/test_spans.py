@@ -10,17 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("opentelemetry.sdk.trace")
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
-    InMemorySpanExporter,
-)
-from opentelemetry.trace.propagation.tracecontext import (  # noqa: E402
-    TraceContextTextMapPropagator,
-)
 
 from appliance.hub.observe.spans import RequestSpan  # noqa: E402
-from appliance.observe.trace import Drops, Tracing  # noqa: E402
+from tests.harness.sdk import in_memory  # noqa: E402
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = f"00-{TRACE}-00f067aa0ba902b7-01".encode()
@@ -28,12 +20,9 @@ PARENT = f"00-{TRACE}-00f067aa0ba902b7-01".encode()
 
 @pytest.fixture
 def tracing():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(shutdown_on_exit=False)
-    processor = SimpleSpanProcessor(exporter)
-    provider.add_span_processor(processor)
-    t = Tracing(provider.get_tracer("t"), TraceContextTextMapPropagator(), processor, Drops())
-    t.exporter = exporter
+    sdk = in_memory()
+    t = sdk.tracing(sdk.provider.get_tracer("t"))
+    t.exporter = sdk.exporter
     return t
 
 
