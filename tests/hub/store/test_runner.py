@@ -5,6 +5,7 @@ most Batch__MaxConcurrent lines are in flight."""
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import msgspec
 import trio
@@ -14,7 +15,7 @@ from appliance import config
 from appliance.hub.store.beside import Arrivals, Beside
 from appliance.hub.store.db import Obj
 from appliance.hub.store.runner import Batches
-from appliance.hub.store.store import open_store
+from appliance.hub.store.store import Store, open_store
 
 
 class Router:
@@ -50,30 +51,42 @@ def _rows(prompts: list[str]) -> list[tuple[int, str, str, str | None, str | Non
         {"role": "user", "content": p}]}), None) for i, p in enumerate(prompts)]
 
 
+class Ran(NamedTuple):
+    router: Router
+    states: dict[str, int]  # the lines' states, counted
+    batch: Obj  # as the store has it once it left in_progress
+    store: Store
+
+
 async def _run(tmp_path, prompts, done_first: int = 0, most: int = 3,
-               beside: Beside | None = None) -> tuple[Router, dict, Obj]:
+               beside: Beside | None = None, router: Router | None = None,
+               kind: str = "msgbatch", expires_at: int = 2 ** 40) -> Ran:
+    """A batch of `prompts` (`kind` msgbatch: /v1/messages; batch: /v1/chat/completions), its
+    first `done_first` lines already done, run by the runner until it is no longer
+    in_progress."""
     cfg = config.load({"Batch__MaxConcurrent": str(most), "Store__Path": str(tmp_path / "s.db")})
     store = open_store(cfg.store, "h", CollectorRegistry())
-    b = Obj("msgbatch_h-1", "msgbatch", "anonymous", 1, None, 0, "in_progress",
-            {"endpoint": "/v1/messages", "expires_at": 2 ** 40,
+    endpoint = "/v1/messages" if kind == "msgbatch" else "/v1/chat/completions"
+    b = Obj(f"{kind}_h-1", kind, "anonymous", 1, None, 0, "in_progress",
+            {"endpoint": endpoint, "expires_at": expires_at,
              "request_counts": {"total": len(prompts), "completed": 0, "failed": 0}})
     await store.run(store.db.add_lines, b, _rows(prompts))
     for i in range(done_first):  # committed before a "restart"
         await store.run(store.db.line_done, b, i, "completed", "{}")
-    router = Router()
+    router = router or Router()
     batches = Batches(lambda: cfg, store, router, beside)
     async with trio.open_nursery() as nursery:
         await nursery.start(batches.run)  # resumes the in_progress batch
-        while (await store.run(store.db.get, "msgbatch", b.id, None)).state == "in_progress":
+        while (await store.run(store.db.get, kind, b.id, None)).state == "in_progress":
             await trio.sleep(1)
         nursery.cancel_scope.cancel()
-    got = await store.run(store.db.get, "msgbatch", b.id, None)
-    return router, await store.run(store.db.line_states, b.id), got
+    got = await store.run(store.db.get, kind, b.id, None)
+    return Ran(router, await store.run(store.db.line_states, b.id), got, store)
 
 
 async def test_lines_once_waits_retried_final_refusals_not(tmp_path, autojump_clock):
     prompts = ["ok", "wait:3", "parked", *[f"ok{i}" for i in range(7)]]
-    router, states, b = await _run(tmp_path, prompts)
+    router, states, b, _ = await _run(tmp_path, prompts)
     assert b.state == "completed"
     assert states == {"completed": 9, "failed": 1}
     assert router.calls["wait:3"] == 4  # three waits for room, then served
@@ -89,18 +102,18 @@ async def test_lines_step_aside_while_other_work_arrives(tmp_path, autojump_cloc
         arrived[0] += 1  # an essential chat arrives at every look
         return Arrivals(arrived[0], False, 0)
 
-    router, states, b = await _run(tmp_path, [f"ok{i}" for i in range(12)], most=8,
-                                   beside=Beside(counts))
+    router, states, b, _ = await _run(tmp_path, [f"ok{i}" for i in range(12)], most=8,
+                                      beside=Beside(counts))
     assert b.state == "completed" and states == {"completed": 12}
     assert router.most == 2  # a quarter of Batch__MaxConcurrent=8
-    router, _, _ = await _run(tmp_path / "quiet", [f"ok{i}" for i in range(12)], most=8,
-                              beside=Beside(lambda: Arrivals(0, False, 0)))
-    assert router.most == 8
+    quiet = await _run(tmp_path / "quiet", [f"ok{i}" for i in range(12)], most=8,
+                       beside=Beside(lambda: Arrivals(0, False, 0)))
+    assert quiet.router.most == 8
 
 
 async def test_a_resumed_batch_runs_only_pending_lines(tmp_path, autojump_clock):
     prompts = [f"ok{i}" for i in range(6)]
-    router, states, b = await _run(tmp_path, prompts, done_first=4)
+    router, states, b, _ = await _run(tmp_path, prompts, done_first=4)
     assert states == {"completed": 6} and b.state == "completed"
     assert sorted(router.calls) == ["ok4", "ok5"]
 
@@ -108,22 +121,11 @@ async def test_a_resumed_batch_runs_only_pending_lines(tmp_path, autojump_clock)
 async def test_a_batch_past_its_window_expires_its_pending_lines(tmp_path, autojump_clock):
     import time
 
-    cfg = config.load({"Store__Path": str(tmp_path / "s.db")})
-    store = open_store(cfg.store, "h", CollectorRegistry())
-    b = Obj("batch_h-1", "batch", "anonymous", 1, None, 0, "in_progress",
-            {"endpoint": "/v1/chat/completions", "expires_at": int(time.time()) - 1,
-             "request_counts": {"total": 3, "completed": 0, "failed": 0}})
-    await store.run(store.db.add_lines, b, _rows(["ok0", "ok1", "ok2"]))
-    router = Router()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(Batches(lambda: cfg, store, router).run)
-        while (await store.run(store.db.get, "batch", b.id, None)).state == "in_progress":
-            await trio.sleep(1)
-        nursery.cancel_scope.cancel()
-    got = await store.run(store.db.get, "batch", b.id, None)
+    router, states, got, store = await _run(tmp_path, ["ok0", "ok1", "ok2"], kind="batch",
+                                            expires_at=int(time.time()) - 1)
     assert got.state == "expired" and got.data["expired_at"]
     assert router.calls == {}
-    assert await store.run(store.db.line_states, b.id) == {"expired": 3}
+    assert states == {"expired": 3}
     err = await store.run(store.db.get, "file", got.data["error_file_id"], None)
     with open(store.file_path(err.id)) as f:
         codes = [json.loads(x)["error"]["code"] for x in f]
@@ -140,17 +142,6 @@ async def test_an_answer_cut_mid_way_is_tried_again(tmp_path, autojump_clock):
             await send({"type": "http.response.body",
                         "body": b'{"id": "x", "choi' if n == 1 else b'{"id": "x"}'})
 
-    cfg = config.load({"Store__Path": str(tmp_path / "s.db")})
-    store = open_store(cfg.store, "h", CollectorRegistry())
-    b = Obj("msgbatch_h-1", "msgbatch", "anonymous", 1, None, 0, "in_progress",
-            {"endpoint": "/v1/messages", "expires_at": 2 ** 40,
-             "request_counts": {"total": 1, "completed": 0, "failed": 0}})
-    await store.run(store.db.add_lines, b, _rows(["cut"]))
-    router = Cutting()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(Batches(lambda: cfg, store, router).run)
-        while (await store.run(store.db.get, "msgbatch", b.id, None)).state == "in_progress":
-            await trio.sleep(1)
-        nursery.cancel_scope.cancel()
+    router, states, _, _ = await _run(tmp_path, ["cut"], router=Cutting())
     assert router.calls == {"cut": 2}
-    assert await store.run(store.db.line_states, b.id) == {"completed": 1}
+    assert states == {"completed": 1}
