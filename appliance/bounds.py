@@ -6,10 +6,15 @@ makes a series for as long as the process lives, so only names the process knows
 labels (models in the catalog or on a node, configured client names); everything else is
 counted under `OTHER_LABEL`. Echoed text is cut to `ECHO_CHARS`, so a 100 KB name costs
 a 100 KB request, not a 100 KB answer and a 100 KB audit line. `CLEANUP_SECONDS` bounds
-the shielded cleanup after a cancel. This module decides nothing else and imports no role.
+the shielded cleanup after a cancel. `Children` remembers a labelled metric's child per
+tuple of (bounded) label values, so the request path pays a dict lookup instead of
+prometheus-client's `labels()` (its checks and lock). This module decides nothing else and
+imports no role.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 # A model or node name an operator would read is well under 200 characters (Ollama tags
 # are name:tag, Hugging Face repos owner/name); longer ones are cut with "...".
@@ -32,3 +37,22 @@ def echo_path(path: str) -> str:
 def echo(text: str, n: int = ECHO_CHARS) -> str:
     """`text`, cut to `n` characters (with "..." when it was cut)."""
     return text if len(text) <= n else text[:n] + "..."
+
+
+class Children:
+    """A labelled metric's children, looked up once (only for metrics whose children are
+    never removed: a `clear()` or `remove()` would leave a remembered child counting into
+    nothing). It holds no more entries than the metric has series."""
+
+    __slots__ = ("_metric", "_children")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        """The child for `values`, the same one `metric.labels(*values)` gives."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child

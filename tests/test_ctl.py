@@ -15,7 +15,7 @@ from appliance.http.errors import ApiError
 from appliance.hub.api import admin
 from appliance.hub.decide.affinity import Affinity
 from appliance.hub.decide.control import Control
-from appliance.hub.decide.costroute import CostRouter
+from appliance.hub.decide.cost import CostRouter
 from appliance.hub.fleet.nodes import Registry
 from tests.hub.decide.test_control import KEV_ERROR, FakeAudit, make
 

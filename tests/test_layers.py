@@ -41,7 +41,7 @@ CORES = ("appliance.config", "appliance.wire", "appliance.bounds", "appliance.ht
          "appliance.node.state", "appliance.node.health", "appliance.node.routed",
          "appliance.hub.cluster.state", "appliance.hub.decide.shared", "appliance.hub.decide.cost",
          "appliance.hub.translate",
-         "appliance.hub.decide.fair", "appliance.hub.decide.limits", "appliance.hub.decide.ratelimit",
+         "appliance.hub.decide.fair", "appliance.hub.decide.home", "appliance.hub.decide.limits", "appliance.hub.decide.ratelimit",
          "appliance.hub.decide.affinity", "appliance.hub.decide.capable",
          "appliance.hub.decide.catalog", "appliance.hub.decide.holds",
          "appliance.hub.decide.actions", "appliance.hub.decide.lanes")

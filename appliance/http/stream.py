@@ -37,7 +37,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Waitable(Protocol):
-    """A trio.Event, or anything else waited on the same way (appliance/hub/fleet/flag.py)."""
+    """A trio.Event, or anything else waited on the same way (hub/fleet/nodes.py Flag)."""
 
     async def wait(self) -> None: ...
 

@@ -29,8 +29,7 @@ from appliance.hub.decide.admission import Admission
 from appliance.hub.decide.control import Control
 from appliance.hub.decide.grace import StartupGrace
 from appliance.hub.decide.limits import Limiter
-from appliance.hub.fleet.flag import Flag
-from appliance.hub.fleet.nodes import NodeHandle, Registry
+from appliance.hub.fleet.nodes import Flag, NodeHandle, Registry
 from appliance.hub.fleet.supervisor import supervise
 from appliance.hub.observe import queue_metrics
 from appliance.hub.observe.audit import AuditLog
@@ -83,7 +82,7 @@ class Hub:
         self.metrics_registry.register(ControlCollector(self.control))
         # Set when Hub__DrainSeconds ran out after a stop: every running stream ends with
         # a `shutting_down` error event and a proper end, before the server cancels.
-        self.drain_over = Flag()  # hub/fleet/flag.py: streams are cut by it without a task each
+        self.drain_over = Flag()  # nodes.Flag: streams are cut by it without a task each
         self.grace = StartupGrace(self.registry, cfg.node.heartbeat_seconds)
         # The page's memory (history.py): 15 minutes of counters, the last request records.
         self.history = History()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from appliance.bounds import Children
 from appliance.node.state import NodeStateKeeper
-from appliance.observe.children import Children
 
 
 class NodeMetrics:

@@ -29,7 +29,7 @@ from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
 from appliance.hub.api.status import tenants_status, with_routing
 from appliance.hub.cluster.etcd import EtcdError
-from appliance.hub.decide.costroute import CostRouter
+from appliance.hub.decide.cost import CostRouter
 from appliance.hub.fleet.nodes import NodeHandle
 from appliance.hub.fleet.ops import NodeRefused
 

@@ -10,7 +10,7 @@ try another.
 Two events may end the copy before the node does: the node declared lost (its handle's
 `lost` event: a SIGSTOPped node would otherwise hold its streams for
 Hub__UpstreamReadSeconds) and the end of the drain (`Hub.drain_over`). A `Cut` is tripped by
-both -- called from their setters, `Flag`s (hub/fleet/flag.py: no task per request) -- and
+both -- called from their setters, `Flag`s (hub/fleet/nodes.py: Flag: no task per request) -- and
 cancels only the read in progress, never a write to the client. Before the first byte a
 lost node means "try another node" and a drain a 503 `shutting_down`; after it, the error
 event in the stream's own framing (`stream_error`) and a proper end of the response.
@@ -31,8 +31,8 @@ from appliance.client.upstream import Pool, UpstreamError
 from appliance.http.errors import ApiError, Headers
 from appliance.http.stream import Cut, receive_within, relay_body, stream_error
 from appliance.hub import translate
-from appliance.hub.decide import shared
-from appliance.hub.fleet.flag import Flag
+from appliance.hub.decide import affinity
+from appliance.hub.fleet.nodes import Flag
 from appliance.hub.translate.common import Start
 from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
 from appliance.hub.translate.usage import Meter, SSEMeter
@@ -95,7 +95,7 @@ class LocalRelay:
         before the first byte -- including it being declared lost while the request waited
         on it -- and ApiError when the request is refused (the drain ended, preempted). The
         node's `lost`, the drain and the request's `preempted` are Flags: the cut is called
-        from their setters (hub/fleet/flag.py), no watcher tasks."""
+        from their setters (hub/fleet/nodes.py: Flag), no watcher tasks."""
         cut = Cut()
         lost, drain, preempted = node.lost, self.drain, req.preempted
         on_lost, on_drain = partial(cut.trip, "node_lost"), partial(cut.trip, "shutting_down")
@@ -114,8 +114,8 @@ class LocalRelay:
 async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
                  read_seconds: float, cut: Cut) -> None:
     resp = None
-    # A per-node token wins; the routing key goes along for the other hubs (decide/shared.py).
-    headers: Headers = [*req.forward_headers(), *node.auth_raw, *shared.note(req.route)]
+    # A per-node token wins; the routing key goes along for the other hubs (affinity.note).
+    headers: Headers = [*req.forward_headers(), *node.auth_raw, *affinity.note(req.route)]
     start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # the clock of Ollama's durations
     with cut.reading():
         try:

@@ -24,7 +24,7 @@ from appliance.http.disconnect import delivered, drained
 from appliance.http.errors import ApiError, Headers, render
 from appliance.hub.decide import limits
 from appliance.hub.decide.affinity import Route
-from appliance.hub.fleet.flag import Flag
+from appliance.hub.fleet.nodes import Flag
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.observe.metrics import HubMetrics
 from appliance.hub.observe.spans import RequestSpan

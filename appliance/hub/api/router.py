@@ -50,6 +50,7 @@ from appliance.hub.decide.priority import effective_class
 from appliance.hub.observe.spans import RequestSpan
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
 from appliance.hub.translate.outcap import ROOM, with_cap
+from appliance.hub.translate.prompt import needs
 from appliance.server.limits import ListenerRefusal
 
 if TYPE_CHECKING:
@@ -275,7 +276,7 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
 def refuse_incapable(control: Control, model: str, obj: dict[str, Any]) -> None:
     """Images, tools or thinking for a model whose engines say it cannot (capable.py): a
     400 in the API's shape (as Ollama answers), not an engine's 500 or a silent drop."""
-    needed = capable.needs(obj)
+    needed = needs(obj)
     if not needed:
         return
     caps = control.capabilities(model)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance import __version__
 from appliance.hub.decide.affinity import Affinity
-from appliance.hub.decide.costroute import CostRouter
+from appliance.hub.decide.cost import CostRouter
 from appliance.hub.fleet.nodes import NodeHandle
 from appliance.wire import HEALTHY, UNHEALTHY, ModelMeta
 

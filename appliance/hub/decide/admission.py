@@ -31,7 +31,7 @@ import trio
 from appliance.config import Config
 from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
-from appliance.hub.decide.costroute import CostRouter, places_of
+from appliance.hub.decide.cost import CostRouter, places_of
 from appliance.hub.decide.demand import ReplicaDemand
 from appliance.hub.decide.fair import Demand
 from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.hub.translate.prompt import chain_of, render, session_of
+from appliance.wire import ROUTE_HEADER
 
 # Bytes per token of English text in the BPE vocabularies of today's models (the usual
 # rule of thumb: ~4); converts a matched prefix in bytes to the tokens an engine reports.
@@ -31,6 +32,9 @@ CONFIRM_SHARE = 0.5
 # warm node cost less than a cold prefill (llama-server runs 4 slots by default, Ollama
 # up to OLLAMA_NUM_PARALLEL=4); the factor takes over from ~16 requests per node.
 BALANCE_SLACK = 4
+
+# The routing key's header to the node, for the other hubs (shared.py reads it back).
+HEADER = ROUTE_HEADER.encode()
 
 SESSION, PREFIX, SPREAD = "session", "prefix", "spread"
 REASONS = (SESSION, PREFIX, SPREAD)
@@ -69,6 +73,23 @@ def route_key(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]], block
     if session is not None:
         return Route(session=session)
     return Route(chain=chain_of(render(obj), block))
+
+
+def prompt_tokens(size: int) -> int:
+    """A request's prompt tokens, predicted from its body's bytes (~4 a token)."""
+    return size // BYTES_PER_TOKEN
+
+
+def note(route: Route | None) -> list[tuple[bytes, bytes]]:
+    """The routing-key header for a request placed by `route` (none without a key): the
+    other hubs sharing its node fold it into their memory (shared.py)."""
+    if route is None:
+        return []
+    if route.session is not None:
+        return [(HEADER, b"s%s,%d" % (route.session.hex().encode(), route.size // BYTES_PER_TOKEN))]
+    if route.chain:
+        return [(HEADER, b"p%016x" % route.chain[-1])]
+    return []
 
 
 # --- rendezvous with a load bound --------------------------------------------------------

@@ -7,9 +7,9 @@ llama.cpp reads -- and otherwise any engine may serve it. A node says its kind i
 unknown serves only models that any engine may serve. Placement, parking counts,
 `/api/pull` and `/api/show` ask this one rule; idle unloads and room-making ask
 `unloads`. What a model can do is what the engines of capable nodes say
-(`ModelMeta.capabilities`); a request that needs what they say the model lacks -- images
-(vision), `tools` (tools), Ollama's `think` (thinking) -- is refused (400, as Ollama
-answers) before any node sees it. Pure functions, no I/O.
+(`ModelMeta.capabilities`); a request that needs what they say the model lacks (what it
+needs: translate/prompt.py's `needs`) is refused (400, as Ollama answers) before any node
+sees it. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -53,10 +53,6 @@ def why_none(spec: Any, up: list[Any]) -> str:
 
 # --- what a model can do -----------------------------------------------------------------
 
-# Content-part types that carry an image: OpenAI chat, Responses, Anthropic.
-IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
-
-
 def model_capabilities(spec: Any, nodes: Iterable[Any], model: str) -> set[str] | None:
     """What the engines of capable nodes say `model` can do (their union); None when none
     of them says (an engine that reports no capabilities: nothing is refused for it)."""
@@ -70,46 +66,9 @@ def model_capabilities(spec: Any, nodes: Iterable[Any], model: str) -> set[str] 
     return out
 
 
-def _parts_have_images(content: Any) -> bool:
-    return isinstance(content, list) and any(
-        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in content)
-
-
-def has_images(body: dict[str, Any]) -> bool:
-    """Images in a request body of any API: Ollama's `images` (a message's, or
-    /api/generate's), OpenAI `image_url` parts, Responses `input_image`, Anthropic `image`
-    blocks. Only the messages' own level is looked at (no deep walk of a client's JSON)."""
-    if body.get("images"):
-        return True
-    for key in ("messages", "input"):
-        items = body.get(key)
-        if not isinstance(items, list):
-            continue
-        for msg in items:
-            if isinstance(msg, dict) and (msg.get("images") or _parts_have_images(
-                    msg.get("content")) or msg.get("type") in IMAGE_PARTS):
-                return True
-    return False
-
-
-def needs(body: dict[str, Any]) -> list[tuple[str, str]]:
-    """What a request body needs beyond plain text, once: (the capability that serves it,
-    in Ollama's words; its name in a refusal) -- images (vision), tools offered (`tools`,
-    OpenAI's older `functions`), thinking asked for with Ollama's `think` (true, or a level
-    such as "high")."""
-    out = []
-    if has_images(body):
-        out.append(("vision", "image input"))
-    if body.get("tools") or body.get("functions"):
-        out.append(("tools", "tools"))
-    if body.get("think") not in (None, False):
-        out.append(("thinking", "thinking"))
-    return out
-
-
 def lacking(caps: set[str], needed: list[tuple[str, str]]) -> str | None:
-    """What a body that `needed` these (`needs`) asks that a model of `caps` cannot do (its
-    name), None when nothing."""
+    """What a body that `needed` these (translate/prompt.py's `needs`) asks that a model
+    of `caps` cannot do (its name), None when nothing."""
     for cap, what in needed:
         if cap not in caps:
             return what

@@ -1,19 +1,22 @@
-"""Cost: which node gives a request its first token soonest.
+"""Cost: which of the nodes admission allows gives a request its first token soonest.
 
 Owns one number per request and node, the expected time to its first token -- the wait
-for a place there plus the prefill of the prompt tokens it does not hold -- and the rates
-behind it. It only ORDERS the nodes admission allows (admission alone says whether a
-request may go), and must not do I/O, read a clock or sleep: durations come in.
+for a place there plus the prefill of the prompt tokens it does not hold -- the rates
+behind it, and `CostRouter`'s pick and learning over the hub's node handles. It only ORDERS
+the nodes admission allows (admission alone says whether a request may go), and must not
+do I/O, read a clock or sleep: durations come in. With `Router__Affinity=off`, or a
+request with nothing to key on, admission's spread applies and nothing here runs.
 - wait: the requests ahead there (beyond its places, home waits included) at the node's
   service time for the model, over its places; none while a place is left or unbounded.
 - prefill: (prompt tokens - tokens held there) / the node's prefill rate. Held: the
   session's last answer there (`Homes`), else the longest prefix affinity's index saw
-  served there (read, never written here).
+  served there (read, never written here). Nothing held anywhere: affinity's bounded
+  rendezvous spreads it, so new keys never pile on the fastest node.
 - `Rates`: an EWMA per node and model from the hub's own clock (send -> end, send -> first
   byte over the uncached tokens), bounded by caps: a lying engine is not trusted past them.
-Ties keep the given (rendezvous) order. A request whose cheapest node is full waits there
-(a home wait, `home_wait`) while it holds the prompt and the prefill it skips beats the
-predicted wait; at most `Router__HomeWaitSeconds`, then it moves.
+Ties keep the rendezvous order. A request whose cheapest node is full waits there (a home
+wait, home.py) while it holds the prompt and the prefill it skips beats the predicted
+wait; at most `Router__HomeWaitSeconds`, then it moves.
 """
 
 from __future__ import annotations
@@ -22,10 +25,23 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from appliance.hub.decide.affinity import BYTES_PER_TOKEN, PrefixIndex
+from appliance.hub.decide.affinity import (
+    BYTES_PER_TOKEN,
+    PREFIX,
+    SESSION,
+    SPREAD,
+    Affinity,
+    PrefixIndex,
+    Route,
+    prompt_tokens,
+    rendezvous,
+)
+from appliance.hub.decide.home import HomeQueues
+from appliance.wire import NodeState
 
-log = logging.getLogger("appliance.hub.decide.cost")
+log = logging.getLogger(__name__)
 
 # Before a node has answered: a short chat's end-to-end time and a 7-8B model's prefill on
 # one consumer GPU (the sim's default, Sim__PrefillTokensPerSecond=4000, halved).
@@ -206,10 +222,175 @@ def home_wait(ranked: Sequence[Option], limit: float) -> float:
     return min(limit, saving)
 
 
-def prompt_tokens(size: int) -> int:
-    """A request's prompt tokens, predicted from its body's bytes (~4 a token)."""
-    return size // BYTES_PER_TOKEN
-
-
 def names(options: Iterable[Option]) -> list[str]:
     return [o.name for o in options]
+
+
+# --- the pick over the hub's node handles ------------------------------------------------
+
+
+class Node(Protocol):
+    """A node handle as the pick reads it (hub/fleet/nodes.NodeHandle)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def state(self) -> NodeState | None: ...
+    @property
+    def in_flight_total(self) -> int: ...
+    @property
+    def others_total(self) -> int: ...
+    def places_left(self, model: str) -> int | None: ...
+    def has_concurrency(self) -> bool: ...
+
+
+def places_of(st: NodeState | None, model: str) -> int | None:
+    """A node's places for one model: the lesser of its slots and its concurrency."""
+    if st is None:
+        return None
+    bounds = [b for b in (st.model_slots(model), st.max_concurrency) if b is not None]
+    return min(bounds) if bounds else None
+
+
+def free_of(h: Node, model: str) -> int | None:
+    """Places left for `model` on `h` as the cost sees them: the hub's count, or the
+    engine's own busy slots where it says more are taken (load from outside the hub); a
+    node without concurrency left has none."""
+    left = h.places_left(model)
+    st = h.state
+    m = st.model(model) if st is not None else None
+    slots = st.model_slots(model) if st is not None and m is not None else None
+    if m is not None and m.busy is not None and slots is not None:
+        engine = slots - m.busy  # vLLM's busy counts its waiting too: below zero then
+        left = engine if left is None else min(left, engine)
+    if not h.has_concurrency():
+        left = min(0, left or 0)
+    return left
+
+
+@dataclass(slots=True)
+class Choice:
+    node: str
+    home_wait: float  # seconds to wait there for a place (0: send now)
+
+
+class CostRouter:
+    """Rates and session homes learned, home waits held, and the pick."""
+
+    def __init__(self, home_wait: float) -> None:
+        self.home_wait = home_wait  # Router__HomeWaitSeconds
+        self.rates = Rates()
+        self.homes: dict[str, Homes] = {}
+        self.queues = HomeQueues()
+
+    def homes_of(self, model: str) -> Homes:
+        h = self.homes.get(model)
+        if h is None:
+            h = self.homes[model] = Homes()
+        return h
+
+    def choose(self, model: str, route: Route, nodes: Sequence[Node],
+               affinity: Affinity, may_wait: bool = True) -> Choice | None:
+        """The node for `route` (None: no candidate; the caller spreads). Fills the route's
+        reason, node, matched and predicted figures; counts the reason."""
+        if not nodes or (route.session is None and not route.chain):
+            return None
+        held: dict[str, int] = {}
+        seqs: dict[str, tuple[int, int]] = {}
+        if route.session is not None:
+            home = self.homes_of(model).get(route.session)
+            if home is not None:
+                held[home[0]] = home[1]
+        else:
+            seqs = prefix_held(affinity.index.get(model), route.chain)
+            held = {n: b * affinity.block // BYTES_PER_TOKEN for n, (b, _) in seqs.items()}
+        if not any(held.get(h.name, 0) for h in nodes):
+            return None  # nothing cached anywhere: affinity's bounded rendezvous spreads it
+        bound = 0.0
+        if len(nodes) == 1:
+            # One candidate: nothing to rank, and a home wait needs another node with room.
+            if not nodes[0].has_concurrency():
+                return None
+            name = nodes[0].name
+        else:
+            best, bound = self._rank(model, route, nodes, held, may_wait)
+            if best is None:
+                return None
+            name = best.name
+            route.predicted = (best.wait, best.prefill)
+        stats = affinity.stats(model)
+        top = max(held, key=held.__getitem__, default="")
+        if top and held[top] > 0 and name != top:
+            stats.moved += 1
+        route.matched = route.entry_seq = 0
+        if route.session is not None:
+            reason = SESSION
+        elif held.get(name, 0) > 0:
+            reason = PREFIX
+            route.matched, route.entry_seq = seqs[name]
+        else:
+            reason = SPREAD
+        route.reason, route.node = reason, name
+        setattr(stats, reason, getattr(stats, reason) + 1)
+        return Choice(name, bound)
+
+    def _rank(self, model: str, route: Route, nodes: Sequence[Node], held: dict[str, int],
+              may_wait: bool) -> tuple[Option | None, float]:
+        """The cheapest of several candidates, and how long to wait there for a place."""
+        key = route.session if route.session is not None else route.chain[0].to_bytes(8, "little")
+        by = {h.name: h for h in nodes}
+        options = [Option(n, free_of(by[n], model), places_of(by[n].state, model),
+                               held.get(n, 0), self.rates.get(n, model))
+                   for n in rendezvous(key, list(by))]
+        prompt = max(prompt_tokens(route.size), max(held.values(), default=0))
+        ranked = score(options, prompt)
+        bound = home_wait(ranked, self.home_wait) if may_wait else 0.0
+        if bound > 0:
+            return ranked[0], bound
+        # no waiting in the hub: a place where one is left, else the engines' queues
+        sendable = [o for o in ranked if by[o.name].has_concurrency()]
+        return next((o for o in sendable if o.free is None or o.free > 0),
+                    sendable[0] if sendable else None), 0.0
+
+    def learn(self, model: str, route: Route, node: str, *, service_s: float | None,
+              first_s: float | None) -> None:
+        """`node` answered `route`: its rates, and the session's home (what it holds now)."""
+        uncached = None
+        if route.prompt_tokens is not None and route.cached_tokens is not None:
+            uncached = route.prompt_tokens - route.cached_tokens
+        self.rates.observe(node, model, service_s=service_s, first_s=first_s, uncached=uncached)
+        if route.session is not None:
+            tokens = route.prompt_tokens if route.prompt_tokens is not None \
+                else prompt_tokens(route.size)
+            self.homes_of(model).record(route.session, node, tokens)
+
+    def forget_node(self, node: str) -> None:
+        self.rates.forget_node(node)
+
+    def load_of(self, h: Node, model: str) -> dict[str, Any]:
+        """What status shows of `model` on `h`: its places (`slots`), the engine's busy
+        slots (None: it does not say), the predicted wait for a place there (ms), and the
+        requests waiting there for their home now."""
+        st = h.state
+        m = st.model(model) if st is not None else None
+        wait = wait_s(free_of(h, model), places_of(st, model),
+                           self.rates.get(h.name, model).service)
+        return {"slots": st.model_slots(model) if st is not None else None,
+                "busy": m.busy if m is not None else None,
+                "predicted_wait_ms": round(wait * 1000, 1),
+                "home_waiting": self.queues.waiting(h.name, model)}
+
+    def model_wait(self, model: str, nodes: Sequence[Node], queued: int) -> float:
+        """A request's predicted wait for a place of `model` now: the shortest over its
+        ready nodes, plus the hub's queue ahead of it at the mean service time over every
+        place (demand.py's measure)."""
+        if not nodes:
+            return 0.0
+        waits, places, service = [], 0, 0.0
+        for h in nodes:
+            rate = self.rates.get(h.name, model)
+            n = places_of(h.state, model)
+            waits.append(wait_s(free_of(h, model), n, rate.service))
+            places += n or 1
+            service += rate.service
+        return min(waits) + queued * (service / len(nodes)) / max(1, places)

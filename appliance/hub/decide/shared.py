@@ -4,7 +4,7 @@ Theory of operation. Plain synchronous code. Each hub learns where a session's o
 prompt's last request went only from its own answers (cost.py's `Homes`, affinity.py's
 `PrefixIndex`), so with two hubs taking a conversation's turns in turn, each sees half of
 them and sends the other half elsewhere once a node is full. Every request with a routing
-key carries it to its node (`x-appliance-route`, `note`); a node that several hubs watch
+key carries it to its node (`x-appliance-route`, `affinity.note`); a node that several hubs watch
 says the keys it took in its state (node/routed.py, `NodeState.routed`), and each hub folds
 the ones it has not seen into its own memory (`Fold.state`) as they arrive:
 
@@ -26,24 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from appliance.hub.decide.affinity import PrefixIndex, Route
-from appliance.hub.decide.cost import Homes, Rates, prompt_tokens
-from appliance.wire import ROUTE_HEADER, NodeState
+from appliance.hub.decide.affinity import PrefixIndex
+from appliance.hub.decide.cost import Homes, Rates
+from appliance.wire import NodeState
 
-HEADER = ROUTE_HEADER.encode()
 # The most prompt tokens a key is believed to carry (a million-token context and room).
 MAX_TOKENS = 4_000_000
-
-
-def note(route: Route | None) -> list[tuple[bytes, bytes]]:
-    """The routing-key header for a request placed by `route` (none without a key)."""
-    if route is None:
-        return []
-    if route.session is not None:
-        return [(HEADER, b"s%s,%d" % (route.session.hex().encode(), prompt_tokens(route.size)))]
-    if route.chain:
-        return [(HEADER, b"p%016x" % route.chain[-1])]
-    return []
 
 
 def parse(key: str) -> tuple[str, bytes | int, int] | None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from appliance.bounds import Children
 from appliance.hub.fleet.nodes import Registry
-from appliance.observe.children import Children
 
 # Buckets from 5 ms (a proxied short answer) to 5 min (a long generation).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -39,7 +39,7 @@ class HubMetrics:
                               ["client", "model", "kind"], registry=r)
         self.in_flight = Gauge("appliance_in_flight", "Requests in flight by model.", ["model"],
                                registry=r)
-        # The request path's lookups (children.py): these series are never removed.
+        # The request path's lookups (bounds.Children): these series are never removed.
         self.requests_of = Children(self.requests)
         self.latency_of = Children(self.latency)
         self.ttfb_of = Children(self.ttfb)

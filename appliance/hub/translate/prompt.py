@@ -1,9 +1,10 @@
-"""What of a request's body affinity keys on: its session, or its prompt as a template renders it.
+"""What the router reads of a request's body besides its fields: its key and its needs.
 
 Owns reading the body for decide/affinity.py: `session_of` (a session key's digest, from
 the body or the headers, first found wins), `render` (the request in chat-template order)
-and `chain_of` (the prefix-hash chain of those bytes). Plain synchronous code; it keeps
-nothing, logs nothing and decides nothing (the node choice is affinity.py's).
+and `chain_of` (the prefix-hash chain of those bytes); and for decide/capable.py `needs`
+(images, tools, thinking). Plain synchronous code; it keeps nothing, logs nothing and
+decides nothing (the node choice is affinity.py's, a refusal capable.py's and the router's).
 """
 
 from __future__ import annotations
@@ -101,4 +102,46 @@ def chain_of(data: bytes, block: int, max_blocks: int = MAX_BLOCKS) -> list[int]
         part = view[i * block:(i + 1) * block]
         crc, adler = crc32(part, crc), adler32(part, adler)
         out.append(crc << 32 | adler)
+    return out
+
+
+# Content-part types that carry an image: OpenAI chat, Responses, Anthropic.
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+
+
+def has_images(body: dict[str, Any]) -> bool:
+    """Images in a request body of any API: Ollama's `images` (a message's, or
+    /api/generate's), OpenAI `image_url` parts, Responses `input_image`, Anthropic `image`
+    blocks. Only the messages' own level is looked at (no deep walk of a client's JSON)."""
+    if body.get("images"):
+        return True
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if not isinstance(items, list):
+            continue
+        for msg in items:
+            if not isinstance(msg, dict):
+                continue
+            if msg.get("images") or msg.get("type") in IMAGE_PARTS:
+                return True
+            content = msg.get("content")
+            if isinstance(content, list):
+                for p in content:
+                    if isinstance(p, dict) and p.get("type") in IMAGE_PARTS:
+                        return True
+    return False
+
+
+def needs(body: dict[str, Any]) -> list[tuple[str, str]]:
+    """What a request body needs beyond plain text, once: (the capability that serves it,
+    in Ollama's words; its name in a refusal) -- images (vision), tools offered (`tools`,
+    OpenAI's older `functions`), thinking asked for with Ollama's `think` (true, or a level
+    such as "high")."""
+    out = []
+    if has_images(body):
+        out.append(("vision", "image input"))
+    if body.get("tools") or body.get("functions"):
+        out.append(("tools", "tools"))
+    if body.get("think") not in (None, False):
+        out.append(("thinking", "thinking"))
     return out

@@ -39,7 +39,7 @@ from appliance.http.errors import ApiError
 from appliance.hub import translate
 from appliance.hub.api.relay import SHUTTING_DOWN_RETRY_AFTER, NotAnswered
 from appliance.hub.api.router import handle_inference
-from appliance.hub.fleet.flag import Flag
+from appliance.hub.fleet.nodes import Flag
 from appliance.hub.workers.lease import (
     GONE,
     Ack,
@@ -307,7 +307,7 @@ class LeaseRelay:
         failure: ApiError | NotAnswered | None = None
         lost, drain = node.lost, self.hub.drain_over
         if isinstance(lost, Flag) and isinstance(drain, Flag) and self.nursery is not None:
-            # The hub's own flags (hub/fleet/flag.py): a `Cut` is sent when one is set, no task
+            # The hub's own flags (nodes.Flag): a `Cut` is sent when one is set, no task
             # waits for it meanwhile.
             nursery = self.nursery
             on_lost = partial(nursery.start_soon, self._cut, node, "node_lost")

@@ -41,7 +41,7 @@ from appliance.hub.api.app import INFERENCE
 from appliance.hub.api.relay import LocalRelay, NotAnswered
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.api.router import decode_request
-from appliance.hub.fleet.flag import Flag
+from appliance.hub.fleet.nodes import Flag
 from appliance.hub.hub import auth_headers, client_ssl, hub_limits
 from appliance.hub.workers.lease import (
     GONE,
@@ -79,7 +79,7 @@ class _Cuts:
     """What the main's `Cut` messages said: the current node lost, the drain over."""
 
     def __init__(self) -> None:
-        # Flags (hub/fleet/flag.py): LocalRelay's cut subscribes to them, no watcher tasks.
+        # Flags (hub/fleet/nodes.py: Flag): LocalRelay's cut subscribes to them, no watcher tasks.
         self.lost, self.drain, self.why = Flag(), Flag(), ""
 
 

@@ -7,10 +7,9 @@ from functools import partial
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from appliance.bounds import Children
 from appliance.http.stream import Cut
-from appliance.hub.fleet.flag import Flag
-from appliance.hub.fleet.nodes import Registry
-from appliance.observe.children import Children
+from appliance.hub.fleet.nodes import Flag, Registry
 
 
 async def test_a_flag_calls_its_subscribers_once_and_wakes_its_waiters():

@@ -11,6 +11,7 @@ from appliance import config
 from appliance.hub.decide import capable
 from appliance.hub.decide.placement import Models
 from appliance.hub.fleet.nodes import NodeHandle
+from appliance.hub.translate import prompt
 from appliance.wire import EngineInstall, NodeState, StateEvent, watch_decoder
 from tests.hub.decide.test_placement import cfg, node
 
@@ -177,7 +178,7 @@ PNG = "iVBORw0KGgo="
     ({"input": "look"}, False),
 ])
 def test_images_in_a_body_of_any_api(body, images):
-    assert capable.has_images(body) is images
+    assert prompt.has_images(body) is images
 
 
 def test_what_a_model_can_do_is_what_capable_engines_say():

@@ -1,4 +1,4 @@
-"""Cost-ordered placement inside admission (decide/costroute.py, decide/home.py): a request
+"""Cost-ordered placement inside admission (decide/cost.py, decide/home.py): a request
 goes where its first token comes soonest, waits for its home node while that pays, moves
 when the wait runs out -- and classes, the reserve and limits stay exact."""
 

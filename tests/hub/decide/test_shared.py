@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from appliance.hub.decide import shared
+from appliance.hub.decide import affinity, shared
 from appliance.hub.decide.affinity import Affinity
-from appliance.hub.decide.costroute import CostRouter
+from appliance.hub.decide.cost import CostRouter
 from appliance.wire import ModelState, NodeState, Routed
 
 MODEL = "m"
@@ -63,7 +63,7 @@ def test_the_other_hub_keeps_a_session_where_the_first_sent_it_even_when_full():
     session = [(b"x-session-id", b"chat-1")]
     # Hub a sent turn 1 to gpu-c (the cold pick of a full fleet, not the rendezvous one).
     r1 = a.route(conversation(0), session)
-    (header, value), = shared.note(r1)
+    (header, value), = affinity.note(r1)
     assert header == b"x-appliance-route" and value.startswith(b"s")
     a.cost.learn(MODEL, r1, "gpu-c", service_s=0.5, first_s=0.4)
     # gpu-c says so on its watch stream; hub b folds it.
@@ -83,7 +83,7 @@ def test_the_other_hub_finds_a_prompt_through_its_last_block():
     a, b = Hub(), Hub()
     r1 = a.route(conversation(0), [])
     assert r1.chain and r1.session is None
-    (_, value), = shared.note(r1)
+    (_, value), = affinity.note(r1)
     assert b.fold.state("gpu-b", said("gpu-b", (7, value))) == 1
     r2 = b.route(conversation(1), [])
     assert r2.chain[len(r1.chain) - 1] == r1.chain[-1]  # the next turn's chain holds it
@@ -96,7 +96,7 @@ def test_the_other_hub_finds_a_prompt_through_its_last_block():
 def test_each_key_is_folded_once_and_a_restarted_node_counts_afresh():
     b = Hub()
     r = b.route(conversation(0), [(b"x-session-id", b"s")])
-    (_, v), = shared.note(r)
+    (_, v), = affinity.note(r)
     st = said("gpu-a", (1, v), (2, v))
     assert b.fold.state("gpu-a", st) == 2
     assert b.fold.state("gpu-a", st) == 0  # the same state again (a heartbeat): nothing new
@@ -113,17 +113,17 @@ def test_a_peers_malformed_keys_are_skipped():
     assert b.fold.state("gpu-a", said("gpu-a", *enumerate(bad, 1))) == 0
     assert not b.cost.homes and not b.affinity.index
     # A model the node does not serve is not remembered (its names are bounded by its state).
-    good = shared.note(b.route(conversation(0), []))[0][1]
+    good = affinity.note(b.route(conversation(0), []))[0][1]
     st = NodeState(name="gpu-a", routed=[Routed(9, "other", good.decode())])
     assert b.fold.state("gpu-a", st) == 0
     assert shared.parse("s" + "ab" * 16 + "," + str(shared.MAX_TOKENS + 1)) is None
 
 
 def test_no_key_no_header():
-    assert shared.note(None) == []
+    assert affinity.note(None) == []
     b = Hub()
     short = b.route({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, [])
-    assert shared.note(short) == []  # under one block: nothing to keep
+    assert affinity.note(short) == []  # under one block: nothing to keep
 
 
 def test_a_hub_without_answers_of_its_own_prices_the_home_at_the_nodes_time():
@@ -135,7 +135,7 @@ def test_a_hub_without_answers_of_its_own_prices_the_home_at_the_nodes_time():
     for node_says, home in ((None, False), (300, True)):
         a, b = Hub(), Hub()
         r1 = a.route(conversation(0, 1500), session)
-        (_, value), = shared.note(r1)
+        (_, value), = affinity.note(r1)
         st = said("gpu-c", (1, value))
         st.models[0].service_ms = node_says
         b.fold.state("gpu-c", st)

@@ -65,7 +65,7 @@ def test_busy_slots_from_outside_the_hub_are_counted_in_the_cost():
 def test_an_engine_that_says_busy_but_not_its_slots_counts_against_node_model_slots():
     """vLLM without max_num_seqs in /metrics: its running + waiting against
     Node__ModelSlots; 5 held on 4 places is one beyond them (its own queue)."""
-    from appliance.hub.decide.costroute import free_of
+    from appliance.hub.decide.cost import free_of
 
     assert free_of(node("a", None, busy=5, node_slots=4), MODEL) == -1
     assert free_of(node("a", None, busy=1, node_slots=4), MODEL) == 3
