@@ -62,15 +62,7 @@ def cpu_seconds(pids: list[int], kernel_only: bool = False) -> float:
 
 def children(pid: int) -> list[int]:
     """pid and its descendants (a multi-worker hub, nginx's workers)."""
-    out = [pid]
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                for c in f.read().split():
-                    out.extend(children(int(c)))
-    except OSError:
-        pass
-    return out
+    return [pid, *procfs.descendants(pid)]
 
 
 def pct(xs: list[float], p: float) -> float:

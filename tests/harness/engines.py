@@ -4,17 +4,8 @@ model's own, is the engine's slot busy)."""
 
 from __future__ import annotations
 
-from tests.harness.procfs import children
+from tests.harness.procfs import descendants
 from tests.harness.procs import wait_until
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 def engine_url(node_pid: int, program: bytes = b"llama-server", without: bytes | None = None,

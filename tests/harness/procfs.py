@@ -28,6 +28,20 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its children, theirs, ...); one gone meanwhile has none."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        try:
+            kids = children(todo.pop())
+        except OSError:
+            continue
+        out += kids
+        todo += kids
+    return out
+
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -121,12 +121,17 @@ class Proc:
         return self.popen.wait(timeout)
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.popen.wait(10)
+        kill_group(self.popen)
+
+
+def kill_group(popen: subprocess.Popen) -> None:
+    """SIGKILL to a process started with `start_new_session` and all in its group, reaped."""
+    if popen.poll() is None:
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        popen.wait(10)
 
 
 class Procs:

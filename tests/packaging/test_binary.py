@@ -29,13 +29,13 @@ import pytest
 
 from appliance import __version__
 from tests.harness import ROOT
-from tests.harness.procs import wait_until
+from tests.harness.procfs import descendants
+from tests.harness.procs import LISTEN_RE, kill_group, wait_until
 
 pytestmark = pytest.mark.binary
 
 CACHE = Path(os.environ.get("APPLIANCE_BINARY_CACHE",
                             Path.home() / ".cache" / "appliance" / "binary"))
-LISTEN_RE = re.compile(r"appliance (\w+) listening on (https?://\S+)")
 # A cold onefile start extracts ~20 MB before Python runs; generous on a loaded box.
 START_TIMEOUT = 60.0
 DRAIN_SECONDS = 3
@@ -160,24 +160,10 @@ class Running:
 
     def child_pids(self) -> list[int]:
         """Processes of the tree below the bootloader (the Python child, and any more)."""
-        out, todo = [], [self.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            except OSError:
-                continue
-            out += map(int, kids)
-            todo += map(int, kids)
-        return out
+        return descendants(self.pid)
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.popen.wait(10)
+        kill_group(self.popen)
 
 
 @pytest.fixture
