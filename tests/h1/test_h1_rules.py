@@ -20,7 +20,7 @@ from appliance.server.accept import Settings, serve_sockets
 from appliance.server.limits import LiveLimits
 from appliance.server.serve import listening_socket
 from tests.harness.h11io import until_closed
-from tests.server.test_h1 import echo, running
+from tests.server.test_h1 import answer, echo, running
 
 # --- request heads (sans-I/O) ---------------------------------------------------------
 
@@ -116,11 +116,8 @@ def test_1xx_heads_carry_no_body():
 
 
 async def test_absolute_form_and_http_1_2_are_served(wire):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET http://hub/v1/x?y=1 HTTP/1.2\r\nHost: hub\r\n"
-                              b"Connection: close\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo, b"GET http://hub/v1/x?y=1 HTTP/1.2\r\nHost: hub\r\n"
+                                   b"Connection: close\r\n\r\n")
     assert raw.startswith(b"HTTP/1.1 200")
     got = json.loads(raw.partition(b"\r\n\r\n")[2])
     assert (got["path"], got["query"], got["version"]) == ("/v1/x", "y=1", "1.1")
@@ -128,10 +125,7 @@ async def test_absolute_form_and_http_1_2_are_served(wire):
 
 @pytest.mark.parametrize("n", [9000, 20000])
 async def test_a_long_target_is_414_and_not_echoed_whole(wire, n):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET /v1/" + b"a" * n + b" HTTP/1.1\r\nHost: x\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo, b"GET /v1/" + b"a" * n + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     assert raw.startswith(b"HTTP/1.1 414"), raw[:100]
     assert len(raw) < 1000
 
@@ -140,11 +134,9 @@ async def test_an_echoed_path_is_cut(wire):
     from appliance.config import SimConfig
     from appliance.sim.server import make_sim_app  # an app whose 404 names the path
 
-    async with running(wire, make_sim_app(SimConfig())) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET /" + b"p" * 5000 + b" HTTP/1.1\r\nHost: x\r\n"
-                              b"Connection: close\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, make_sim_app(SimConfig()),
+                       b"GET /" + b"p" * 5000 + b" HTTP/1.1\r\nHost: x\r\n"
+                       b"Connection: close\r\n\r\n")
     assert raw.startswith(b"HTTP/1.1 404")
     message = json.loads(raw.partition(b"\r\n\r\n")[2])["error"]
     assert len(message) < PATH_ECHO + 100 and "..." in message
@@ -164,20 +156,15 @@ async def test_a_declared_length_over_the_bound_is_413_at_once_without_100_conti
 
 
 async def test_one_byte_chunks_are_refused(wire):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                              + b"1\r\nx\r\n" * (FREE_CHUNKS + 10) + b"0\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo,
+                       b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       + b"1\r\nx\r\n" * (FREE_CHUNKS + 10) + b"0\r\n\r\n")
     assert raw.startswith(b"HTTP/1.1 400") and b"chunks" in raw
 
 
 async def test_no_100_continue_once_the_body_is_here(wire):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-                              b"Content-Length: 5\r\nConnection: close\r\n\r\nhello")
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo, b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                   b"Content-Length: 5\r\nConnection: close\r\n\r\nhello")
     assert raw.startswith(b"HTTP/1.1 200") and b"100 Continue" not in raw
 
 
@@ -186,13 +173,11 @@ async def test_an_unread_body_already_here_does_not_close_the_connection(wire):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": scope["path"].encode()})
 
-    async with running(wire, early) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /one HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
-                              b"POST /two HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                              b"\r\n3\r\nabc\r\n0\r\n\r\n"
-                              b"GET /three HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, early,
+                       b"POST /one HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                       b"POST /two HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                       b"\r\n3\r\nabc\r\n0\r\n\r\n"
+                       b"GET /three HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert raw.count(b"HTTP/1.1 200") == 3 and raw.endswith(b"/three")
 
 

@@ -13,8 +13,7 @@ from appliance.h1.body import FREE_CHUNKS, MIN_AVERAGE_CHUNK, BodyError, Chunked
 from appliance.h1.parse import MAX_TARGET, BadRequest, parse_head
 from appliance.http.asgi import BodyTooLarge, read_body
 from appliance.server.accept import Settings
-from tests.harness.h11io import until_closed
-from tests.server.test_h1 import echo, running
+from tests.server.test_h1 import answer, echo
 
 
 def chunk(payload: bytes) -> bytes:
@@ -77,21 +76,16 @@ async def test_a_body_of_exactly_the_bound_is_read():
 
 @pytest.mark.parametrize("length,status", [(1000, 200), (1001, 413)])
 async def test_a_declared_length_of_exactly_max_body_bytes_is_served(wire, length, status):
-    async with running(wire, echo, max_body_bytes=1000) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                              b"Content-Length: %d\r\n\r\n" % length + b"b" * length)
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo,
+                       b"POST /v1/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                       b"Content-Length: %d\r\n\r\n" % length + b"b" * length, max_body_bytes=1000)
     assert raw.startswith(b"HTTP/1.1 %d" % status), raw[:80]
     if status == 200:
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["n"] == length
 
 
 async def test_a_head_over_the_bound_without_any_crlf_is_414(wire):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET /v1/" + b"a" * (Settings().max_head + 100))  # no CRLF
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo, b"GET /v1/" + b"a" * (Settings().max_head + 100))  # no CRLF
     assert raw.startswith(b"HTTP/1.1 414"), raw[:80]
 
 
@@ -110,10 +104,7 @@ def test_an_absolute_target_without_a_path_keeps_its_query():
 
 
 async def test_an_absolute_target_without_a_path_keeps_its_query_on_the_wire(wire):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET http://hub?k=v HTTP/1.1\r\nHost: hub\r\n"
-                              b"Connection: close\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo, b"GET http://hub?k=v HTTP/1.1\r\nHost: hub\r\n"
+                                   b"Connection: close\r\n\r\n")
     got = json.loads(raw.partition(b"\r\n\r\n")[2])
     assert (got["path"], got["query"]) == ("/", "k=v")

@@ -12,8 +12,7 @@ import pytest
 from appliance.h1.body import FREE_CHUNKS, MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
 from appliance.h1.client import BrokenResponse, parse_response_head
 from appliance.h1.parse import BadRequest, parse_head
-from tests.harness.h11io import until_closed
-from tests.server.test_h1 import echo, running
+from tests.server.test_h1 import answer, echo
 
 MB = 1 << 20
 
@@ -41,11 +40,9 @@ def test_chunks_below_the_bound_are_still_refused():
 
 
 async def test_a_streamed_upload_of_512_byte_chunks_is_served(wire):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                              b"Connection: close\r\n\r\n" + chunked(b"u" * MB, 512))
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo,
+                       b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                       b"Connection: close\r\n\r\n" + chunked(b"u" * MB, 512))
     assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
     assert json.loads(raw.partition(b"\r\n\r\n")[2])["n"] == MB
 
@@ -67,11 +64,8 @@ def test_one_authorization_and_one_x_api_key_are_accepted():
 
 
 async def test_a_repeated_authorization_is_400_on_the_wire(wire):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a"
-                              b"\r\nAuthorization: Bearer b\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a"
+                                   b"\r\nAuthorization: Bearer b\r\n\r\n")
     assert raw.startswith(b"HTTP/1.1 400"), raw[:200]
     assert b"Authorization" in raw
 

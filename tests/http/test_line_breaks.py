@@ -8,6 +8,7 @@ b"\\n" only, so a peer that writes U+2028 raw (an older node) is still read whol
 from __future__ import annotations
 
 import json
+from contextlib import asynccontextmanager
 
 import httpx
 import msgspec
@@ -141,6 +142,23 @@ def test_the_line_reader_splits_on_newline_only_and_bounds_a_line():
     assert list(iter_lines([b"a\xe2\x80", b"\xa8b\nc"], 100)) == ["a\u2028b".encode(), b"c"]
 
 
+@asynccontextmanager
+async def watching(stream: httpx.AsyncByteStream, connected: bool = False):
+    """The hub's supervisor reading node `a`'s watch `stream` while the block runs: the
+    node's handle and the (event, reason) pairs said."""
+    reg = Registry()
+    h, _ = reg.upsert("a", "http://a:1", static=True)
+    h.connected = connected
+    events: list[tuple[str, str]] = []
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=stream))
+    async with httpx.AsyncClient(transport=transport) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30,
+                                                 on_event=lambda k, n, r: events.append((k, r))))
+            yield h, events
+            nursery.cancel_scope.cancel()
+
+
 async def test_the_hub_reads_a_watch_line_holding_a_raw_u2028_whole(autojump_clock):
     # An older node (or any peer) writes U+2028 raw, as msgspec does: the hub splits on
     # b"\n" only, so the node stays up and its model is ready under its own name.
@@ -156,17 +174,9 @@ async def test_the_hub_reads_a_watch_line_holding_a_raw_u2028_whole(autojump_clo
                 await trio.sleep(1)
                 yield encode_event(Heartbeat())
 
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=True)
-    events = []
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Stream()))
-    async with httpx.AsyncClient(transport=transport) as client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30,
-                                                 on_event=lambda k, n, r: events.append((k, r))))
-            await trio.sleep(60)
-            assert h.connected and h.ready("x\u2028y") and h.ready("m\x85")
-            nursery.cancel_scope.cancel()
+    async with watching(Stream()) as (h, events):
+        await trio.sleep(60)
+        assert h.connected and h.ready("x\u2028y") and h.ready("m\x85")
     assert events == [("node_up", "")]
 
 
@@ -180,15 +190,6 @@ async def test_a_watch_line_past_its_bound_loses_the_node(autojump_clock, monkey
                 yield b"x" * 100
                 await trio.sleep(0.1)
 
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=True)
-    h.connected = True
-    events = []
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Stream()))
-    async with httpx.AsyncClient(transport=transport) as client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30,
-                                                 on_event=lambda k, n, r: events.append((k, r))))
-            await trio.sleep(1.5)
-            nursery.cancel_scope.cancel()
+    async with watching(Stream(), connected=True) as (_, events):
+        await trio.sleep(1.5)
     assert events and events[0][0] == "node_lost" and "line over 1000 bytes" in events[0][1]

@@ -55,6 +55,19 @@ async def running(wire, app, drain: float = 5.0, **limits):
             n.cancel_scope.cancel()
 
 
+async def exchange(wire, host: str, port: int, data: bytes) -> bytes:
+    """`data` sent on a new connection, and all the server says on it until it closes."""
+    stream = await wire.connect(host, port)
+    await stream.send_all(data)
+    return await until_closed(stream)
+
+
+async def answer(wire, app, data: bytes, **limits) -> bytes:
+    """What a listener serving `app` says to `data` on one connection, until it closes."""
+    async with running(wire, app, **limits) as (host, port, _):
+        return await exchange(wire, host, port, data)
+
+
 async def test_keep_alive_sized_and_chunked_answers_on_one_connection(wire):
     async with running(wire, echo) as (host, port, _):
         stream = await wire.connect(host, port)
@@ -120,15 +133,12 @@ async def test_pipelined_requests_are_answered_in_order(wire):
 
 async def test_head_http10_and_expect_continue(wire):
     async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"HEAD / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port,
+                             b"HEAD / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         head, _, body = raw.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"content-length: " in head and body == b""
         # HTTP/1.0: answered, then closed (no keep-alive), streamed bodies end with the close.
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /old HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi")
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port, b"POST /old HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi")
         assert raw.startswith(b"HTTP/1.1 200") and b"connection: close" in raw
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["version"] == "1.0"
         # Expect: 100-continue: the interim answer comes before the body is sent.
@@ -145,9 +155,7 @@ async def test_head_http10_and_expect_continue(wire):
         status, _, body = await response(stream, conn)
         assert status == 200 and json.loads(body)["n"] == 3
     async with running(wire, streamer) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET / HTTP/1.0\r\n\r\n")
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port, b"GET / HTTP/1.0\r\n\r\n")
         head, _, body = raw.partition(b"\r\n\r\n")
         assert body == b"one two three" and b"transfer-encoding" not in head
 
@@ -181,10 +189,7 @@ REFUSED = [
 @pytest.mark.parametrize("data,status,why", REFUSED)
 async def test_refusals_are_answered_in_the_api_shape_and_the_connection_closed(wire, data, status,
                                                                                  why):
-    async with running(wire, echo) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(data)
-        raw = await until_closed(stream)
+    raw = await answer(wire, echo, data)
     assert raw.startswith(b"HTTP/1.1 %d" % status), raw[:300]
     assert len(re.findall(rb"HTTP/1.1 \d\d\d ", raw)) == 1, raw[:300]  # nothing behind it served
     assert b"connection: close" in raw and why in raw
@@ -232,10 +237,9 @@ async def test_body_deadline_and_budget_are_answered_408_and_503(wire, autojump_
         assert raw.startswith(b"HTTP/1.1 408") and trio.current_time() - t0 == pytest.approx(30,
                                                                                           abs=1)
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"
-                              + b"y" * 2000)
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port,
+                             b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n"
+                             + b"y" * 2000)
         assert raw.startswith(b"HTTP/1.1 503") and b"retry-after: 2" in raw
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == "busy"
 
@@ -243,17 +247,13 @@ async def test_body_deadline_and_budget_are_answered_408_and_503(wire, autojump_
 async def test_408_and_busy_on_v1_messages_are_in_anthropics_shape(wire, autojump_clock):
     """An Anthropic client reads its own error shape (it got OpenAI's before)."""
     async with running(wire, echo, body_read_seconds=30, max_buffered_bytes=1000) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
-                              b"Content-Length: 10\r\n\r\nabc")
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
+                                               b"Content-Length: 10\r\n\r\nabc")
         assert raw.startswith(b"HTTP/1.1 408")
         body = json.loads(raw.partition(b"\r\n\r\n")[2])
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
-                              b"Content-Length: 2000\r\n\r\n" + b"y" * 2000)
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
+                                               b"Content-Length: 2000\r\n\r\n" + b"y" * 2000)
         assert raw.startswith(b"HTTP/1.1 503") and b"retry-after: 2" in raw
         body = json.loads(raw.partition(b"\r\n\r\n")[2])
         assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
@@ -301,11 +301,8 @@ async def test_disconnect_is_said_when_the_answer_ends_and_app_errors_are_500(wi
             await trio.sleep(0.05)
             await send({"type": "http.response.body", "body": b"ok"})
 
-    async with running(wire, app) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /boom HTTP/1.1\r\nHost: x"
-                              b"\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, app, b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /boom HTTP/1.1\r\nHost: x"
+                                  b"\r\n\r\n")
     assert said == ["http.disconnect"]
     assert raw.startswith(b"HTTP/1.1 200") and b"\r\n\r\nokHTTP/1.1 500" in raw
 
@@ -371,11 +368,8 @@ async def test_app_heads_are_written_once_and_a_bad_one_is_a_500(wire):
                                 (b"Transfer-Encoding", b"chunked")]})
         await send({"type": "http.response.body", "body": b"hi"})
 
-    async with running(wire, app) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /bad HTTP/1.1\r\nHost: x"
-                              b"\r\n\r\n")
-        raw = await until_closed(stream)
+    raw = await answer(wire, app, b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /bad HTTP/1.1\r\nHost: x"
+                                  b"\r\n\r\n")
     first, _, second = raw.partition(b"hi")
     assert first.count(b"content-length: 2\r\n") == 1 and b"x-value: ok\r\n" in first
     assert b"transfer-encoding" not in first  # the framing is the server's
@@ -428,14 +422,12 @@ async def test_an_answer_before_a_body_still_owed_says_close(wire, autojump_cloc
     so (it said keep-alive, then the connection closed, and the client's next request on it
     got no answer: httpx's "Server disconnected without sending a response")."""
     async with running(wire, refuser) as (host, port, _):
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port,
+                             b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
         assert raw.startswith(b"HTTP/1.1 401") and b"connection: close" in raw.lower()
         # The body here whole with its head: skipped, the connection serves the next one.
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
-                              b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
-                              b"Connection: close\r\n\r\n")
-        raw = await until_closed(stream)
+        raw = await exchange(wire, host, port,
+                             b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+                             b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
         assert raw.count(b"HTTP/1.1 401") == 2 and raw.lower().count(b"connection: close") == 1
