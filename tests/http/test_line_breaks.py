@@ -8,7 +8,6 @@ b"\\n" only, so a peer that writes U+2028 raw (an older node) is still read whol
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
 
 import httpx
 import msgspec
@@ -18,8 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.http.lines import LineReader, LineTooLong, escape_breaks, iter_lines
-from appliance.hub.fleet.nodes import Registry
-from appliance.hub.fleet.supervisor import supervise
 from appliance.hub.observe.audit import AuditLog
 from appliance.hub.translate import anthropic, ollama, responses
 from appliance.wire import (
@@ -32,6 +29,7 @@ from appliance.wire import (
     encode_event,
     watch_decoder,
 )
+from tests.harness.watch import supervising
 
 # Every character str.splitlines splits on (and so httpx's aiter_lines).
 BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
@@ -142,23 +140,6 @@ def test_the_line_reader_splits_on_newline_only_and_bounds_a_line():
     assert list(iter_lines([b"a\xe2\x80", b"\xa8b\nc"], 100)) == ["a\u2028b".encode(), b"c"]
 
 
-@asynccontextmanager
-async def watching(stream: httpx.AsyncByteStream, connected: bool = False):
-    """The hub's supervisor reading node `a`'s watch `stream` while the block runs: the
-    node's handle and the (event, reason) pairs said."""
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=True)
-    h.connected = connected
-    events: list[tuple[str, str]] = []
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=stream))
-    async with httpx.AsyncClient(transport=transport) as client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30,
-                                                 on_event=lambda k, n, r: events.append((k, r))))
-            yield h, events
-            nursery.cancel_scope.cancel()
-
-
 async def test_the_hub_reads_a_watch_line_holding_a_raw_u2028_whole(autojump_clock):
     # An older node (or any peer) writes U+2028 raw, as msgspec does: the hub splits on
     # b"\n" only, so the node stays up and its model is ready under its own name.
@@ -174,10 +155,10 @@ async def test_the_hub_reads_a_watch_line_holding_a_raw_u2028_whole(autojump_clo
                 await trio.sleep(1)
                 yield encode_event(Heartbeat())
 
-    async with watching(Stream()) as (h, events):
+    async with supervising(lambda request: httpx.Response(200, stream=Stream())) as s:
         await trio.sleep(60)
-        assert h.connected and h.ready("x\u2028y") and h.ready("m\x85")
-    assert events == [("node_up", "")]
+        assert s.h.connected and s.h.ready("x\u2028y") and s.h.ready("m\x85")
+    assert [(k, r) for k, _, r in s.events] == [("node_up", "")]
 
 
 async def test_a_watch_line_past_its_bound_loses_the_node(autojump_clock, monkeypatch):
@@ -190,6 +171,7 @@ async def test_a_watch_line_past_its_bound_loses_the_node(autojump_clock, monkey
                 yield b"x" * 100
                 await trio.sleep(0.1)
 
-    async with watching(Stream(), connected=True) as (_, events):
+    async with supervising(lambda request: httpx.Response(200, stream=Stream()),
+                           connected=True) as s:
         await trio.sleep(1.5)
-    assert events and events[0][0] == "node_lost" and "line over 1000 bytes" in events[0][1]
+    assert s.events and s.events[0][0] == "node_lost" and "line over 1000 bytes" in s.events[0][2]

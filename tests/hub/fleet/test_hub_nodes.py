@@ -6,8 +6,9 @@ import trio
 
 from appliance.hub.decide.priority import count, ready_nodes
 from appliance.hub.fleet.nodes import NodeHandle, Registry
-from appliance.hub.fleet.supervisor import BACKOFF_START, supervise
+from appliance.hub.fleet.supervisor import BACKOFF_START
 from appliance.wire import Heartbeat, ModelState, NodeState, StateEvent, encode_event
+from tests.harness.watch import supervising
 
 
 def _node(name, *, models=("m",), max_conc=None, slots=None, paused=False, state="ready"):
@@ -81,8 +82,8 @@ def test_pick_respects_max_concurrency():
     assert r.pick("m") is None
 
 
-def _watch_transport(script, headers=None):
-    """An httpx transport whose /node/v1/watch yields `script` lines with virtual pauses
+def _watch(script, headers=None):
+    """A handler whose /node/v1/watch yields `script` lines with virtual pauses, once
     (`headers`: the watch answer's, e.g. the node's heartbeat interval)."""
 
     class Stream(httpx.AsyncByteStream):
@@ -101,29 +102,20 @@ def _watch_transport(script, headers=None):
         served.append(1)
         return httpx.Response(200, stream=Stream(), headers=headers or {})
 
-    return httpx.MockTransport(handler)
+    return handler
 
 
 async def test_lost_after_three_missed_heartbeats(autojump_clock):
     state = NodeState(name="a", models=[ModelState(name="m", state="ready")])
     script = [(0, encode_event(StateEvent(state=state))), (1, encode_event(Heartbeat())), (100,
                                                                                            None)]
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=True)
-    events = []
-    async with httpx.AsyncClient(transport=_watch_transport(script)) as client:
-        async with trio.open_nursery() as nursery:
-            start = trio.current_time()
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=30,
-                                                 on_event=lambda k, n, r: events.append((k,
-                                                                                         trio.current_time() - start, r))))
-            await trio.sleep(0.5)
-            assert h.connected and h.ready("m")
-            await trio.sleep(7.0)  # heartbeat at 1 s; silence from then on: lost at 1 + 3 x 2 = 7 s
-            assert not h.connected and h.status() == "lost"
-            nursery.cancel_scope.cancel()
-    assert events[0][0] == "node_up"
-    kind, at, reason = events[1]
+    async with supervising(_watch(script)) as s:
+        await trio.sleep(0.5)
+        assert s.h.connected and s.h.ready("m")
+        await trio.sleep(7.0)  # heartbeat at 1 s; silence from then on: lost at 1 + 3 x 2 = 7 s
+        assert not s.h.connected and s.h.status() == "lost"
+    assert s.events[0][0] == "node_up"
+    kind, at, reason = s.events[1]
     assert kind == "node_lost" and at == 7.0 and "no heartbeat for 6 s" in reason
 
 
@@ -135,20 +127,10 @@ async def test_lost_after_three_of_the_nodes_own_heartbeats(autojump_clock, said
     state = NodeState(name="a", models=[ModelState(name="m", state="ready")])
     script = [(0, encode_event(StateEvent(state=state))), (1, encode_event(Heartbeat())),
               (10_000, None)]
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=True)
-    events = []
-    transport = _watch_transport(script, {"x-appliance-heartbeat": said})
-    async with httpx.AsyncClient(transport=transport) as client:
-        async with trio.open_nursery() as nursery:
-            start = trio.current_time()
-            nursery.start_soon(lambda: supervise(
-                client, h, reg, heartbeat=2.0, backoff_max=30,
-                on_event=lambda k, n, r: events.append((k, trio.current_time() - start))))
-            await trio.sleep(lost_at + 0.01)
-            nursery.cancel_scope.cancel()
-    assert [k for k, _ in events[:2]] == ["node_up", "node_lost"]
-    assert events[1][1] == pytest.approx(lost_at)
+    async with supervising(_watch(script, {"x-appliance-heartbeat": said})) as s:
+        await trio.sleep(lost_at + 0.01)
+    assert [k for k, _, _ in s.events[:2]] == ["node_up", "node_lost"]
+    assert s.events[1][1] == pytest.approx(lost_at)
 
 
 async def test_backoff_is_capped_and_reconnects(autojump_clock):
@@ -158,17 +140,13 @@ async def test_backoff_is_capped_and_reconnects(autojump_clock):
         attempts.append(trio.current_time())
         raise httpx.ConnectError("refused")
 
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=True)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        with trio.move_on_after(200):
-            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0,
-                            on_event=lambda *a: None)
+    async with supervising(handler, backoff_max=8.0) as s:
+        await trio.sleep(200)
     gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert gaps[0] <= BACKOFF_START
     assert max(gaps) <= 8.0 and max(gaps) >= 4.0  # jittered in [cap/2, cap]
     assert len(attempts) > 20  # it kept trying
-    assert "ConnectError" in h.lost_reason
+    assert "ConnectError" in s.h.lost_reason
 
 
 async def test_announced_url_change_reconnects_at_once(autojump_clock):
@@ -178,17 +156,11 @@ async def test_announced_url_change_reconnects_at_once(autojump_clock):
         calls.append((str(request.url), trio.current_time()))
         raise httpx.ConnectError("refused")
 
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=False)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=600,
-                                                 on_event=lambda *a: None))
-            await trio.sleep(100)
-            t = trio.current_time()
-            reg.upsert("a", "http://a2:1", static=False)
-            await trio.sleep(0.01)
-            nursery.cancel_scope.cancel()
+    async with supervising(handler, static=False, backoff_max=600) as s:
+        await trio.sleep(100)
+        t = trio.current_time()
+        s.reg.upsert("a", "http://a2:1", static=False)
+        await trio.sleep(0.01)
     assert calls[-1][0].startswith("http://a2:1/") and calls[-1][1] == t
 
 
@@ -196,12 +168,8 @@ async def test_a_node_never_reached_is_logged_once_per_reason(autojump_clock, ca
     async def handler(request):
         raise httpx.ConnectError("connection refused")
 
-    reg = Registry()
-    h, _ = reg.upsert("far", "http://far:1", static=True)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        with trio.move_on_after(300):
-            await supervise(client, h, reg, heartbeat=2.0, backoff_max=8.0,
-                            on_event=lambda *a: None)
+    async with supervising(handler, name="far", backoff_max=8.0):
+        await trio.sleep(300)
     said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert said == [
         "node far at http://far:1 unreachable: ConnectError: connection refused (retrying with "
@@ -273,21 +241,15 @@ async def test_announcement_from_a_lost_node_dials_it_at_once(autojump_clock):
             raise httpx.ConnectError("refused")
         return httpx.Response(200, stream=Stream())
 
-    reg = Registry()
-    h, _ = reg.upsert("a", "http://a:1", static=False)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0, backoff_max=60,
-                                                 on_event=lambda *a: None))
-            await trio.sleep(300)  # away for long: the backoff is at its cap
-            assert not h.connected and calls[-1] - calls[-2] >= 30
-            back.append(1)
-            t = trio.current_time()
-            reg.upsert("a", "http://a:1", static=False)  # it announces itself, same URL
-            await trio.sleep(0.01)
-            assert calls[-1] == t and h.connected and h.ready("m")
-            n = len(calls)
-            reg.upsert("a", "http://a:1", static=False)  # announcing while connected: no new dial
-            await trio.sleep(10)
-            assert len(calls) == n
-            nursery.cancel_scope.cancel()
+    async with supervising(handler, static=False, backoff_max=60) as s:
+        await trio.sleep(300)  # away for long: the backoff is at its cap
+        assert not s.h.connected and calls[-1] - calls[-2] >= 30
+        back.append(1)
+        t = trio.current_time()
+        s.reg.upsert("a", "http://a:1", static=False)  # it announces itself, same URL
+        await trio.sleep(0.01)
+        assert calls[-1] == t and s.h.connected and s.h.ready("m")
+        n = len(calls)
+        s.reg.upsert("a", "http://a:1", static=False)  # announcing while connected: no new dial
+        await trio.sleep(10)
+        assert len(calls) == n
