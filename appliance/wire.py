@@ -175,6 +175,11 @@ HUB_HEADER = "x-appliance-hub"
 # a node watched by several hubs publishes it in `NodeState.routed`.
 ROUTE_HEADER = "x-appliance-route"
 
+# "1" on a request whose answer the hub only assembles (a generation its client wants
+# whole, asked of the engine as a stream): the node sends the engine's stream in one body
+# (node/whole.py) instead of event by event.
+WHOLE_HEADER = "x-appliance-whole"
+
 # Fencing (HA): the leading hub's epoch rides on every load and unload it sends; a node
 # refuses a call from an older epoch than the highest it has seen (409 `stale_leader`).
 EPOCH_HEADER = "x-appliance-epoch"

@@ -452,3 +452,40 @@ async def test_fencing_refuses_an_older_epoch_with_stale_leader():
         assert (await n.http.post(f"{path}/load",
                                   headers={"x-appliance-epoch": "7"})).status_code == 409
         assert (await n.http.post(f"{path}/load")).status_code == 200  # one hub alone sends none
+
+
+WHOLE = {"x-appliance-whole": "1"}
+
+
+async def test_a_stream_the_hub_only_assembles_comes_in_one_body():
+    # The hub says it only assembles the answer (x-appliance-whole): the engine's stream,
+    # its bytes unchanged, comes in one body with its length -- not event by event.
+    async with running_node() as n:
+        r = await n.http.post("/v1/chat/completions", json=CHAT, headers=WHOLE)
+        assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+        assert r.content == b'data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n'
+        assert r.headers["content-length"] == str(len(r.content))
+        assert "transfer-encoding" not in r.headers
+        # Not asked, or not an event stream (Ollama's NDJSON): relayed as it comes.
+        r = await n.http.post("/v1/chat/completions", json=CHAT)
+        assert r.headers.get("transfer-encoding") == "chunked"
+        r = await n.http.post("/api/chat", json=CHAT, headers=WHOLE)
+        assert r.headers.get("transfer-encoding") == "chunked"
+        assert r.content == b'{"n":1}\n{"n":2,"done":true}\n'
+        await n.wait_until(lambda: n.keeper.in_flight_total == 0)
+        scrape = (await n.http.get("/metrics")).text
+        assert 'appliance_node_requests_total{model="sim-small",status="200"} 3.0' in scrape
+
+
+async def test_a_hub_that_leaves_while_the_node_gathers_stops_the_engine():
+    async with running_node() as n:
+        n.upstream.gate = trio.Event()  # the engine sends one event, then holds the rest
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(n.http.post, "/v1/chat/completions", json=CHAT,
+                                       headers=WHOLE))
+            await n.wait_until(lambda: n.keeper.in_flight_total == 1)
+            nursery.cancel_scope.cancel()  # the hub leaves: its connection closes
+        await n.wait_until(lambda: n.upstream.gone > 0)  # the engine's stream was closed
+        await n.wait_until(lambda: n.keeper.in_flight_total == 0)
+        scrape = (await n.http.get("/metrics")).text
+        assert 'appliance_node_requests_total{model="sim-small",status="client_gone"} 1.0' in scrape

@@ -36,6 +36,7 @@ from appliance.hub.fleet.nodes import Flag
 from appliance.hub.translate.common import Start
 from appliance.hub.translate.errors import ERROR_BODY_LIMIT, engine_message
 from appliance.hub.translate.usage import Meter, SSEMeter
+from appliance.wire import WHOLE_HEADER
 
 if TYPE_CHECKING:
     from appliance.hub.api.request import Request
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 SHUTTING_DOWN_RETRY_AFTER = 5.0
 # Retry-After of a preempted background request: about one short essential answer.
 PREEMPTED_RETRY_AFTER = 5.0
+WHOLE = (WHOLE_HEADER.encode(), b"1")
 
 
 class NotAnswered(Exception):
@@ -116,6 +118,8 @@ async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream:
     resp = None
     # A per-node token wins; the routing key goes along for the other hubs (affinity.note).
     headers: Headers = [*req.forward_headers(), *node.auth_raw, *affinity.note(req.route)]
+    if plan.whole:  # only assembled here: the node sends the engine's stream in one body
+        headers.append(WHOLE)
     start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # the clock of Ollama's durations
     with cut.reading():
         try:

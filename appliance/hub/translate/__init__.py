@@ -19,7 +19,8 @@ Who speaks what (docs/api.md's route table is this function):
   /v1/messages/count_tokens as a one-token chat whose usage the engine counts.
 A generation the client wants as one answer is asked of the engine as a stream and
 assembled by the hub (translate/assemble.py): a client that leaves closes the engine's
-stream, which frees its slot. A name resolved by the hub (`llama3.2` -> `llama3.2:latest`),
+stream, which frees its slot; the plan says `whole`, and the node sends that stream in one
+body (node/whole.py). A name resolved by the hub (`llama3.2` -> `llama3.2:latest`),
 the usage asked for or that stream is written into a forwarded body; otherwise a
 forwarded body is the client's own bytes. Every
 answer's converter ends with the answer's `Usage` (the engine's counts, else the hub's,
@@ -73,16 +74,19 @@ class Plan:
     An answer of status 400 or more is never passed through: it becomes the hub's own error
     in the client's shape (translate/errors.py), whatever the engine wrote."""
 
-    __slots__ = ("path", "body", "convert", "api", "prompt", "drop_usage")
+    __slots__ = ("path", "body", "convert", "api", "prompt", "drop_usage", "whole")
 
     def __init__(self, path: str, body: bytes, api: str, convert: Make | None = None,
-                 prompt: int = 0, drop_usage: bool = False) -> None:
+                 prompt: int = 0, drop_usage: bool = False, whole: bool = False) -> None:
         self.path = path
         self.body = body
         self.api = api
         self.convert = convert
         self.prompt = prompt  # the prompt's estimate in tokens (translate/usage.py)
         self.drop_usage = drop_usage  # the hub asked for the stream's usage, the client not
+        # The engine's stream is only assembled here: the node may send it in one body
+        # (wire.WHOLE_HEADER, node/whole.py).
+        self.whole = whole
 
     def converter(self, status: int, content_type: str = "",
                   start: Start | None = None) -> Converter:
@@ -97,7 +101,7 @@ class Plan:
 
 class Prepared:
     __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only",
-                 "need", "prompt", "drop_usage", "assembled")
+                 "need", "prompt", "drop_usage", "assembled", "whole")
 
     def __init__(self, path: str, api: str, body: bytes, translated: tuple[str,
                                                                            bytes] | None = None,
@@ -108,6 +112,9 @@ class Prepared:
         # Passed through, one answer asked for: the streamed body the engine is sent (its
         # answer gathered by translate/assemble.py), else None.
         self.assembled: bytes | None = None
+        # Translated, one answer asked for: the engine's stream is only assembled (no stop
+        # sequence of the hub's ends it early), so the node may send it whole.
+        self.whole = False
         self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
         self.load_only = False  # Ollama's load/unload request: no prompt, no messages
         self.need = 0  # the fewest context tokens a translated Ollama request takes
@@ -127,13 +134,13 @@ class Prepared:
             if self.assembled is not None:
                 chat, prompt = self.path == CHAT, self.prompt
                 return Plan(self.path, self.assembled, self.api,
-                            lambda start: Assembler(prompt, chat), prompt)
+                            lambda start: Assembler(prompt, chat), prompt, whole=True)
             return Plan(self.path, self.body, self.api, prompt=self.prompt,
                         drop_usage=self.drop_usage)
         if context and self.need > context:
             raise ollama.too_long(self.need, context)
         path, body = self.translated
-        return Plan(path, body, self.api, self.make, self.prompt)
+        return Plan(path, body, self.api, self.make, self.prompt, whole=self.whole)
 
 
 def _openai_check(check: Callable[[dict[str, Any]], None],
@@ -237,20 +244,24 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
         # (translate/stops.py): the engine is not given them.
         got = req.pop("stop", None)
         stops = got if isinstance(got, list) else None
-        return Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
+        prep = Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
                         lambda start: _assembled(stream, prompt, anthropic.MessagesConverter(
                             given, stream, stops, prompt=prompt), stops),
                         always=True, prompt=prompt)
+        prep.whole = not stream and not stops
+        return prep
     if path == "/v1/messages/count_tokens":
         return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
                         lambda start: anthropic.CountConverter(prompt), always=True,
                         prompt=prompt)
     if path == "/v1/responses":
         req, stream, echo = responses.request(obj, model)
-        return Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
+        prep = Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
                         lambda start: _assembled(stream, prompt, responses.ResponsesConverter(
                             given, stream, echo, prompt=prompt)),
                         always=True, prompt=prompt)
+        prep.whole = not stream
+        return prep
     return Prepared(path, api, fwd, prompt=prompt)
 
 

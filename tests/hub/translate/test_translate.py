@@ -544,3 +544,30 @@ def test_keep_alive_durations():
         with pytest.raises(ApiError) as ei:
             keep_alive_seconds(bad_value)
         assert ei.value.param == "keep_alive"
+
+
+@pytest.mark.parametrize("path,api,body,whole", [
+    ("/v1/chat/completions", "openai", {"messages": [{"role": "user", "content": "x"}]}, True),
+    ("/v1/completions", "openai", {"prompt": "x"}, True),
+    ("/v1/chat/completions", "openai", {"messages": [{"role": "user", "content": "x"}],
+                                        "stream": True}, False),
+    ("/v1/messages", "anthropic", {"max_tokens": 8, "messages": [
+        {"role": "user", "content": "x"}]}, True),
+    ("/v1/messages", "anthropic", {"max_tokens": 8, "stream": True, "messages": [
+        {"role": "user", "content": "x"}]}, False),
+    # The hub matches these stop sequences and closes the engine's stream at one: it reads
+    # the stream as it comes.
+    ("/v1/messages", "anthropic", {"max_tokens": 8, "stop_sequences": ["END"], "messages": [
+        {"role": "user", "content": "x"}]}, False),
+    ("/v1/responses", "openai", {"input": "x"}, True),
+    ("/v1/responses", "openai", {"input": "x", "stream": True}, False),
+    ("/v1/embeddings", "openai", {"input": "x"}, False),
+])
+def test_a_plan_says_whole_where_the_hub_only_assembles_the_engines_stream(path, api, body,
+                                                                           whole):
+    data = json.dumps({"model": "m", **body}).encode()
+    for kind in ("sim", "llamacpp", "ollama", "openai"):
+        plan = prepare(path, api, data, "m", "m").for_engine(kind)
+        assert plan.whole is whole
+        if whole:  # the engine is asked to stream: a client that leaves still stops it
+            assert json.loads(plan.body)["stream"] is True
