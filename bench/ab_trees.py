@@ -1,14 +1,16 @@
 """Two source trees side by side, interleaved in one run, so both see the same load.
 
-Run: .venv/bin/python bench/ab_trees.py TREE_A TREE_B [ROUNDS]
+Run: .venv/bin/python bench/ab_trees.py TREE_A TREE_B [ROUNDS] [stream]
 
 TREE_A and TREE_B are checkouts of this repository (e.g. `git worktree add /tmp/a main~3`,
 or `git archive COMMIT | tar -x -C /tmp/a`). Starts one sim engine and, per tree,
 a node and a hub in front of it (the processes import that tree's `appliance`), then for
 ROUNDS rounds (default 10) sends 100 short chats at concurrency 1 to the engine, each
 node and each hub, alternating A and B, and prints p50, the added p50 and the CPU per
-request of each process, read from /proc. On a box with other work the figures swing from
-run to run; the difference between A and B, measured in the same minutes, does not.
+request of each process, read from /proc. `stream`: the chats are streamed (else each is
+one answer, which the hub assembles from the engine's stream). On a box with other work
+the figures swing from run to run; the difference between A and B, measured in the same
+minutes, does not.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ CHAT = "/v1/chat/completions"
 def main() -> None:
     trees = {"A": sys.argv[1], "B": sys.argv[2]}
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    stream = sys.argv[4:5] == ["stream"]
+    body = {**SHORT, "stream": True} if stream else SHORT
     procs = Procs()
     try:
         sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
@@ -63,14 +67,15 @@ def main() -> None:
                 for t, url in (("direct", sim.url), ("node", node.url), ("hub", hub.url)):
                     who = (("hub", hub), ("node", node), ("eng", sim))
                     before = {k: cpu_seconds(p.pid) for k, p in who}
-                    lat, _, _ = trio.run(run_load, url + CHAT, SHORT, PER_ROUND, 1, False)
+                    lat, _, _ = trio.run(run_load, url + CHAT, body, PER_ROUND, 1, stream)
                     after = {k: cpu_seconds(p.pid) for k, p in who}
                     x = res[(name, t)]
                     x["lat"] += lat
                     x["n"] += PER_ROUND
                     for k in ("hub", "node", "eng"):
                         x[k] += after[k] - before[k]
-        print(f"{rounds} rounds x {PER_ROUND} short requests at concurrency 1, interleaved; "
+        print(f"{rounds} rounds x {PER_ROUND} short {'streamed ' if stream else ''}requests "
+              "at concurrency 1, interleaved; "
               f"A={trees['A']} B={trees['B']}")
         for name in stacks:
             base = statistics.median(res[(name, "direct")]["lat"])
