@@ -59,7 +59,7 @@ def main() -> None:
                 assert time.monotonic() < deadline, "the hub never answered 200"
                 time.sleep(0.2)
             for url in (hub.url, node.url):
-                trio.run(run_load, url + CHAT, SHORT, PER_ROUND, 1, False)
+                trio.run(run_load, url + CHAT, body, PER_ROUND, 1, stream)
         res = {(n, t): {"lat": [], "hub": 0.0, "node": 0.0, "eng": 0.0, "n": 0}
                for n in stacks for t in ("direct", "node", "hub")}
         for _ in range(rounds):
