@@ -62,6 +62,16 @@ async def exchange(wire, host: str, port: int, data: bytes) -> bytes:
     return await until_closed(stream)
 
 
+async def kept_alive(wire, host: str, port: int):
+    """A new connection whose first GET was answered 200, kept alive."""
+    stream = await wire.connect(host, port)
+    await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    assert (await response(stream, conn))[0] == 200
+    return stream
+
+
 async def answer(wire, app, data: bytes, **limits) -> bytes:
     """What a listener serving `app` says to `data` on one connection, until it closes."""
     async with running(wire, app, **limits) as (host, port, _):
@@ -207,22 +217,14 @@ async def test_head_deadline_then_keep_alive_bound(wire, autojump_clock):
         assert trio.current_time() - t0 == pytest.approx(10, abs=0.5)
         assert await until_closed(silent) == b""  # no head at all: just closed
         # Kept alive: idle for up to hypercorn's keep_alive_timeout (75 s), then closed.
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        conn = h11.Connection(h11.CLIENT)
-        conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
-        assert (await response(stream, conn))[0] == 200
+        stream = await kept_alive(wire, host, port)
         t0 = trio.current_time()
         await trio.sleep(60)
         await stream.send_all(b"GET / HTTP/1.1\r\n")  # the next head starts its own deadline
         raw = await until_closed(stream)
         assert raw.startswith(b"HTTP/1.1 408")
         assert trio.current_time() - t0 == pytest.approx(70, abs=0.5)
-        stream = await wire.connect(host, port)
-        await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        conn = h11.Connection(h11.CLIENT)
-        conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
-        assert (await response(stream, conn))[0] == 200
+        stream = await kept_alive(wire, host, port)
         t0 = trio.current_time()
         assert await until_closed(stream) == b""
         assert trio.current_time() - t0 == pytest.approx(75, abs=0.5)

@@ -252,17 +252,24 @@ async def test_process_outlives_trio_worker_threads(nursery, model_file, spawned
 PARENT = str(HARNESS / "llama_parent.py")  # a node-like parent process
 
 
-def test_sigkill_of_the_node_leaves_no_engine(model_file):
-    parent = subprocess.Popen([sys.executable, PARENT, FAKE_CMD, model_file("m.gguf")],
-                              stdout=subprocess.PIPE, text=True)
+def engine_of_a_killed_node(command: str, model: str, seconds: float, check=alive) -> int:
+    """The engine pid of a node-like parent that loaded `model` with `command` (in `seconds`
+    at most) and was then SIGKILLed, once `check(pid)` held."""
+    parent = subprocess.Popen([sys.executable, PARENT, command, model], stdout=subprocess.PIPE,
+                              text=True)
     try:
-        ready, _, _ = select.select([parent.stdout], [], [], 30)
-        assert ready, "the node-like parent did not load its model in 30 s"
+        ready, _, _ = select.select([parent.stdout], [], [], seconds)
+        assert ready, f"the node-like parent did not load its model in {seconds:g} s"
         child = int(parent.stdout.readline())
-        assert alive(child)
+        assert check(child)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
-        assert wait_gone(child), f"engine pid {child} outlived its node"
+        return child
     finally:
         parent.kill()
         parent.wait(10)
+
+
+def test_sigkill_of_the_node_leaves_no_engine(model_file):
+    child = engine_of_a_killed_node(FAKE_CMD, model_file("m.gguf"), 30)
+    assert wait_gone(child), f"engine pid {child} outlived its node"

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -26,10 +23,10 @@ import trio
 from appliance import config
 from appliance.node.engines.base import EngineError
 from appliance.node.engines.llamacpp import LlamaCppEngine
-from tests.harness import HARNESS, make_gguf
+from tests.harness import make_gguf
 from tests.harness.fleet import Fleet
 from tests.harness.llama_cache import VERSION, RealServer
-from tests.node.engines.test_llamacpp_engine import alive, wait_gone
+from tests.node.engines.test_llamacpp_engine import alive, engine_of_a_killed_node, wait_gone
 
 pytestmark = pytest.mark.llamacpp
 
@@ -112,25 +109,15 @@ async def test_real_kev_fails_with_llamacpp_error(nursery, gguf_pair, real_serve
     assert m.state == "failed" and KEV_LINE in m.last_error and "Traceback" not in m.last_error
 
 
-PARENT = str(HARNESS / "llama_parent.py")  # a node-like parent process
-
-
 def test_real_sigkill_of_the_node_leaves_no_llama_server(gguf_pair, real_server):
     tiny, _ = gguf_pair
-    parent = subprocess.Popen([sys.executable, PARENT, real_server.command, str(tiny)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        ready, _, _ = select.select([parent.stdout], [], [], 60)
-        assert ready, "the node-like parent did not load its model in 60 s"
-        child = int(parent.stdout.readline())
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            assert real_server.marker in f.read()
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(10)
-        assert wait_gone(child), f"{real_server.name} pid {child} outlived its node"
-    finally:
-        parent.kill()
-        parent.wait(10)
+
+    def the_real_server(pid: int) -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return real_server.marker in f.read()
+
+    child = engine_of_a_killed_node(real_server.command, str(tiny), 60, the_real_server)
+    assert wait_gone(child), f"{real_server.name} pid {child} outlived its node"
 
 
 def engine_children(node_pid: int, marker: bytes) -> list[int]:
