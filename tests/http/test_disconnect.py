@@ -44,16 +44,23 @@ async def _start(nursery, app) -> tuple[str, int]:
     return host, port
 
 
+async def _entered(nursery, **app) -> tuple[dict, trio.SocketStream]:
+    """What `_app(**app)` saw, and the client whose request it has entered."""
+    seen: dict = {"entered": trio.Event(), "ended": trio.Event()}
+    host, port = await _start(nursery, _app(seen, **app))
+    stream = await trio.open_tcp_stream(host, port)
+    await stream.send_all(REQUEST)
+    with trio.fail_after(10):
+        await seen["entered"].wait()
+    return seen, stream
+
+
 @pytest.mark.parametrize("use_scope", [True, False])
 async def test_a_client_that_hangs_up_cancels_the_work(use_scope):
-    seen: dict = {"entered": trio.Event(), "ended": trio.Event()}
     async with trio.open_nursery() as nursery:
-        host, port = await _start(nursery, _app(seen, use_scope=use_scope))
-        stream = await trio.open_tcp_stream(host, port)
-        await stream.send_all(REQUEST)
+        seen, stream = await _entered(nursery, use_scope=use_scope)
+        await stream.aclose()
         with trio.fail_after(10):
-            await seen["entered"].wait()
-            await stream.aclose()
             await seen["ended"].wait()
         nursery.cancel_scope.cancel()
     assert seen["socket"] is True  # our server offers its watch
@@ -61,14 +68,9 @@ async def test_a_client_that_hangs_up_cancels_the_work(use_scope):
     assert seen["gone"] is True
 
 
-async def test_a_finished_answer_is_not_cut_by_the_hang_up():
-    seen: dict = {"entered": trio.Event(), "ended": trio.Event()}
+async def test_a_finished_answer_is_not_cut_by_the_hang_up(autojump_clock):
     async with trio.open_nursery() as nursery:
-        host, port = await _start(nursery, _app(seen, finished=True))
-        stream = await trio.open_tcp_stream(host, port)
-        await stream.send_all(REQUEST)
-        with trio.fail_after(10):
-            await seen["entered"].wait()
+        seen, stream = await _entered(nursery, finished=True)
         await stream.aclose()
         with trio.move_on_after(0.5):  # nothing ends it: the work goes on
             await seen["ended"].wait()
