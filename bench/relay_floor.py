@@ -63,7 +63,7 @@ def child(mode: str, ins: list[socket.socket], outs: list[socket.socket]) -> Non
 
     async def relay(src: socket.socket, dst: socket.socket) -> None:
         from appliance.client.upstream import Pool, Response, UpstreamError, _Conn
-        from appliance.h1.client import parse_response_head
+        from appliance.h1.parse import parse_response_head
         from appliance.http.stream import Cut, relay_body
         from appliance.net.transport import Transport
         from appliance.server.send import Sender

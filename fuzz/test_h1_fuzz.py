@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from appliance.h1.body import BodyError, ChunkedBody
-from appliance.h1.client import BrokenResponse, parse_response_head
+from appliance.h1.parse import BrokenResponse, parse_response_head
 from tests.h1.test_h1parse import check, encode_chunked, header_lists, request_lines
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "20000"))

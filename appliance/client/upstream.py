@@ -16,7 +16,7 @@ non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_ev
 read and written through it (on plain TCP a read waits once, then reads; trio's socket
 calls would add a scheduler round trip to each); TLS peers go through trio's SSLStream
 over the same socket. The request head is written and the response head
-read by appliance/h1/client.py, and every response body -- sized, chunked or
+read by appliance/h1/parse.py, and every response body -- sized, chunked or
 close-delimited -- by appliance/h1/body.py's one reader (plain functions: h11's events
 and state machine cost ~40 us per exchange); a short answer whose body came with its head
 is handed over whole (`Response.whole`: no read, no deadline).
@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import trio
 
 from appliance.h1.body import Body, BodyError, ChunkedBody, CloseBody, SizedBody, ends_at_close
-from appliance.h1.client import BrokenResponse, ResponseHead, encode_request, parse_response_head
+from appliance.h1.parse import BrokenResponse, ResponseHead, encode_request, parse_response_head
 from appliance.h1.state import CHUNKED, UNTIL_CLOSE
 from appliance.http.stream import receive_within
 from appliance.net.transport import TlsTransport, Transport, connect

@@ -1,7 +1,7 @@
 """The one base of h1/'s errors: `ProtocolError(message, status_hint)`, as h11 has it.
 
 Owns the family only: `RemoteProtocolError` -- the peer broke HTTP/1.1 (parse.BadRequest,
-body.BodyError, client.BrokenResponse) -- and `LocalProtocolError` -- this side asked the
+body.BodyError, parse.BrokenResponse) -- and `LocalProtocolError` -- this side asked the
 state table for a step it does not allow (state.py: a bug in the caller). `status_hint`
 is the status an answer to it would carry (400 for a bad request, 502 for a broken
 response, 500 for our own bug); rendering it is the server's business, not h1/'s.

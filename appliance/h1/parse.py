@@ -1,37 +1,40 @@
-"""Strict HTTP/1.1 request heads: plain functions over bytes.
+"""Strict HTTP/1.1 heads, both ways: plain functions over bytes, no I/O, no state.
 
-Theory of operation: appliance/server/connection.py reads bytes and asks this module what they
-say. A head is whatever precedes the first CRLF CRLF; `parse_head` either returns it as
-a `Head` (method, target, version, headers with lower-case names, the body's framing,
-keep-alive, Expect: 100-continue) or raises `BadRequest` with the status to answer --
-the server then closes the connection, nothing behind the head is read. It accepts
-less than h11 does, never more (tests/h1/test_h1parse.py checks that against h11):
+Theory of operation: the server (appliance/server/connection.py) reads bytes and asks
+`parse_head` what a request head says; the upstream client (appliance/client/upstream.py)
+writes its request head with `encode_request` and reads the answer's with
+`parse_response_head`. A head is whatever precedes the first CRLF CRLF. Each accepts
+less than h11 does, never more (tests/h1/test_h1parse.py, test_h1client.py against h11).
 
-- CRLF line ends only; no blank line before the request line; a request line of exactly
-  `TOKEN SP TARGET SP HTTP/1.x` (a target of visible ASCII, at most MAX_TARGET bytes,
-  else 414); HTTP/1.x with x above 1 is served as HTTP/1.1 (RFC 9110 2.5: a minor
-  version is backwards compatible); other versions get 505.
-- The target in absolute form (`http://host/path`, RFC 9112 3.2.2: a server MUST accept
-  it) is read as its path and query (origin form).
+Request heads (`parse_head` -> `Head`, or `BadRequest` with the status to answer; the
+server then closes, nothing behind the head is read):
+- CRLF line ends only; a request line of exactly `TOKEN SP TARGET SP HTTP/1.x` (a target
+  of visible ASCII, at most MAX_TARGET bytes, else 414); HTTP/1.x with x above 1 is
+  served as HTTP/1.1 (RFC 9110 2.5); other versions get 505. An absolute-form target
+  (`http://host/path`, RFC 9112 3.2.2) is read as its path and query.
 - Header names are tokens (no space before the colon); values are visible bytes, spaces
-  and tabs; obs-fold (a line starting with white space) is refused.
-- At most `max_headers` fields (431); the caller bounds the head's size (431, or 414
-  when the request line alone is over MAX_TARGET).
-- Content-Length: digits only, one field only; Transfer-Encoding: `chunked` only (501
-  for anything else), one field, not on HTTP/1.0; both together: 400 (RFC 9112 6.1).
-- One Host at most; HTTP/1.1 needs exactly one. One Authorization and one X-Api-Key at
-  most: a proxy in front may read the other one than we do (400).
+  and tabs; obs-fold is refused; at most `max_headers` fields (431).
+- Content-Length: digits only, one field; Transfer-Encoding: `chunked` only (501), one
+  field, not on HTTP/1.0; both together: 400 (RFC 9112 6.1). One Host at most (HTTP/1.1:
+  exactly one); one Authorization and one X-Api-Key at most (a proxy in front may read
+  the other one than we do).
 
-A chunked request body is read by appliance/h1/body.py's `ChunkedBody`, the reader
-of relayed responses too, with the same strictness (its trailers are checked with this
-module's TOKEN and VALUE).
+Response heads (`parse_response_head`: None while incomplete, up to MAX_HEAD bytes, else
+`(ResponseHead, used)` or `BrokenResponse`): a status line `HTTP/1.x DDD ...`, CRLF line
+ends, token names, no obs-fold, one Content-Length value (equal repeats allowed),
+Transfer-Encoding `chunked` only and before Content-Length (RFC 9112 6.3). Framing: SIZED
+(0 for HEAD, 1xx, 204, 304), CHUNKED, or UNTIL_CLOSE; HTTP/1.0 and `connection: close`
+are never kept alive. A request head out refuses CR, LF or NUL in a value (ValueError).
+Bodies are appliance/h1/body.py's (its trailers checked with TOKEN and VALUE).
 """
 
 from __future__ import annotations
 
 import re
+from operator import itemgetter
 
 from appliance.h1.errors import RemoteProtocolError
+from appliance.h1.state import CHUNKED, SIZED, UNTIL_CLOSE
 
 MAX_HEADERS = 128
 # A request target longer than this is refused 414: nginx's default buffer for a request
@@ -153,3 +156,120 @@ def _origin_form(target: bytes) -> bytes:
         raise BadRequest(400, "malformed request target")
     rest = target[m.end():]
     return rest if rest[:1] == b"/" else b"/" + rest
+
+
+# --- the client's side: a request head out, a response head in ----------------------------
+
+# h11's own bound on an incomplete head, as the upstream used it.
+MAX_HEAD = 64 * 1024
+MAX_RESPONSE_HEADERS = 256
+
+# The reason phrase: tabs, spaces, visible bytes, obs-text (RFC 9112 4; h11 refuses the rest).
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [\t\x20-\x7e\x80-\xff]*)?")
+_BAD_VALUE = re.compile(rb"[\x00\r\n]")
+# Field lines: a token name, a colon, a value of visible bytes, spaces and tabs; no obs-fold.
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*")
+_BAD_TARGET = re.compile(r"[\x00-\x20\x7f-\xff]")
+_NAME, _VALUE = itemgetter(0), itemgetter(1)
+
+
+class BrokenResponse(RemoteProtocolError):
+    """The peer's response head cannot be read (the message says why, for an operator)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 502)
+
+
+class ResponseHead:
+    __slots__ = ("status_code", "raw_headers", "headers", "framing", "length", "keep_alive")
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]],
+                 framing: str, length: int, keep_alive: bool) -> None:
+        self.status_code = status_code
+        self.raw_headers = raw_headers  # (lower-case name, value) as received
+        # name -> value (latin-1 text), the first of repeated names
+        self.headers: dict[str, str] = {}
+        for k, v in raw_headers:
+            self.headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
+        self.framing = framing
+        self.length = length  # the body's bytes when framing is SIZED
+        self.keep_alive = keep_alive
+
+
+def encode_request(method: str, target: str, headers: list[tuple[bytes, bytes]],
+                   body_length: int) -> bytes:
+    """`METHOD target HTTP/1.1`, the headers, `content-length`, the blank line."""
+    if _BAD_TARGET.search(target) or not TOKEN.fullmatch(method.encode("latin-1")):
+        raise ValueError(f"bad request line {method!r} {target[:80]!r}")
+    if (not TOKEN.fullmatch(b"".join(map(_NAME, headers)) or b"x")
+            or _BAD_VALUE.search(b"".join(map(_VALUE, headers)))):
+        raise ValueError("a request header name is not a token, or a value holds CR, LF or NUL")
+    parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
+    for k, v in headers:
+        parts.append(k + b": " + v + b"\r\n")
+    parts.append(b"content-length: %d\r\n\r\n" % body_length)
+    return b"".join(parts)
+
+
+def parse_response_head(buf: bytes, head_request: bool = False
+                        ) -> tuple[ResponseHead, int] | None:
+    """The response head at the start of `buf` and the bytes it used; None: incomplete."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HEAD:
+            raise BrokenResponse(f"response head over {MAX_HEAD} bytes")
+        return None
+    if end > MAX_HEAD:
+        raise BrokenResponse(f"response head over {MAX_HEAD} bytes")
+    first = buf.find(b"\r\n")
+    m = _STATUS_LINE.fullmatch(buf, 0, first)
+    if m is None:
+        raise BrokenResponse(f"malformed status line {buf[:min(first, 80)]!r}")
+    minor, code = m.groups()
+    status = int(code)
+    headers: list[tuple[bytes, bytes]] = []
+    length = -1
+    te: bytes | None = None
+    close = minor == b"0"
+    if first < end:
+        # Every field line at once (one C call); a bad one is named below.
+        if not _FIELDS.fullmatch(buf, first + 2, end + 2):
+            _bad_field(buf[first + 2:end])
+        lines = buf[first + 2:end].split(b"\r\n")
+        if len(lines) > MAX_RESPONSE_HEADERS:
+            raise BrokenResponse(f"more than {MAX_RESPONSE_HEADERS} header fields")
+        for line in lines:
+            name, _, value = line.partition(b":")
+            name = name.lower()
+            value = value.strip(b" \t")
+            headers.append((name, value))
+            if name == b"content-length":
+                for one in value.split(b","):
+                    one = one.strip(b" \t")
+                    if not DIGITS.fullmatch(one) or (length >= 0 and int(one) != length):
+                        raise BrokenResponse(f"bad content-length {value[:40]!r}")
+                    length = int(one)
+            elif name == b"transfer-encoding":
+                if te is not None or value.lower() != b"chunked":
+                    raise BrokenResponse(f"unsupported transfer-encoding {value[:40]!r}")
+                te = value
+            elif name == b"connection":
+                if b"close" in {t.strip(b" \t").lower() for t in value.split(b",")}:
+                    close = True
+    if head_request or status < 200 or status in (204, 304):
+        framing, length = SIZED, 0
+    elif te is not None:
+        framing, length = CHUNKED, 0
+    elif length >= 0:
+        framing = SIZED
+    else:
+        framing, length = UNTIL_CLOSE, 0
+    keep_alive = not close and framing != UNTIL_CLOSE
+    return ResponseHead(status, headers, framing, length, keep_alive), end + 4
+
+
+def _bad_field(block: bytes) -> None:
+    for line in block.split(b"\r\n"):
+        if not _FIELDS.fullmatch(line + b"\r\n"):
+            raise BrokenResponse(f"malformed header line {line[:80]!r}")
+    raise BrokenResponse("malformed header block")

@@ -24,7 +24,7 @@ on, so the rules are in one place and testable without sockets:
 Beside the two states, the table holds the cycle's facts the sides act on, so a connection's
 whole state is here (and a test reads it): the response's framing (`respond`: SIZED with
 the bytes it still owes, CHUNKED, UNTIL_CLOSE, NO_BODY -- the same words for a response
-received, appliance/h1/client.py) and whether its last message was taken (`sent_end`);
+received, appliance/h1/parse.py) and whether its last message was taken (`sent_end`);
 whether the app was given the request's last message (`end_given`); the client's end of
 the stream (`eof`, `peer_closed`); a refusal's close that drains the read side first
 (`linger`). `next_cycle` starts the next request's facts afresh.

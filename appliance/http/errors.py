@@ -13,7 +13,7 @@ Ollama `{"error": "..."}` elsewhere). The family, and where each is raised:
 
 Not refusals, caught where they happen and turned into one of the above or a close:
 h1/errors.ProtocolError(message, status_hint) -- RemoteProtocolError (the peer broke
-HTTP/1.1: parse.BadRequest, body.BodyError, client.BrokenResponse), LocalProtocolError
+HTTP/1.1: parse.BadRequest, body.BodyError, parse.BrokenResponse), LocalProtocolError
 (our own step the state table refuses); client/upstream.UpstreamError (a node or engine
 failed: the hub's relay.NotAnswered, "try another"); hub/fleet/ops.NodeRefused,
 StaleLeader, NodeGone (the control API's answers). Plain data and msgspec only.

@@ -13,8 +13,14 @@ import trio
 
 from appliance.bounds import PATH_ECHO
 from appliance.h1.body import FREE_CHUNKS, MAX_LINE, BodyError, ChunkedBody
-from appliance.h1.client import MAX_HEAD, BrokenResponse, parse_response_head
-from appliance.h1.parse import MAX_HEADERS, BadRequest, parse_head
+from appliance.h1.parse import (
+    MAX_HEAD,
+    MAX_HEADERS,
+    BadRequest,
+    BrokenResponse,
+    parse_head,
+    parse_response_head,
+)
 from appliance.h1.state import SIZED
 from appliance.server.accept import Settings, serve_sockets
 from appliance.server.limits import LiveLimits

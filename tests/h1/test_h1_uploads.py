@@ -10,8 +10,7 @@ import json
 import pytest
 
 from appliance.h1.body import FREE_CHUNKS, MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
-from appliance.h1.client import BrokenResponse, parse_response_head
-from appliance.h1.parse import BadRequest, parse_head
+from appliance.h1.parse import BadRequest, BrokenResponse, parse_head, parse_response_head
 from tests.server.test_h1 import answer, echo
 
 MB = 1 << 20

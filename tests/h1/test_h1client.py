@@ -1,11 +1,11 @@
-"""The upstream's request heads and response heads (appliance/h1/client.py), against h11."""
+"""The upstream's request heads and response heads (appliance/h1/parse.py), against h11."""
 
 from __future__ import annotations
 
 import h11
 import pytest
 
-from appliance.h1.client import MAX_HEAD, BrokenResponse, encode_request, parse_response_head
+from appliance.h1.parse import MAX_HEAD, BrokenResponse, encode_request, parse_response_head
 from appliance.h1.state import CHUNKED, SIZED, UNTIL_CLOSE
 
 
