@@ -1,32 +1,29 @@
-"""Relaying a stream, and ending one early, cleanly.
+"""A relayed answer and its client: the relay loop, a cut, the client's hang-up.
 
-Theory of operation: a server that relays (the hub from a node, the node from its engine)
-copies the answer chunk by chunk with `relay_body`. Something outside the copy may
-decide it must stop -- the node was declared lost, the drain ran out: `Cut` cancels only
-the read in progress, never a write to the client (a write cut half-way leaves the
-client's connection in an unknown state). A stream that ends before its end gets one
-error event, in the stream's own framing (`stream_error`): an SSE `data:` event
-(`event: error` first for Anthropic's), or one valid NDJSON line -- which the `ollama`
-client raises as ResponseError -- never a blank line an NDJSON reader would choke on.
+Relay: a server that relays (the hub from a node, the node from its engine) copies the
+answer chunk by chunk with `relay_body`: one plain loop under one cancel scope for the
+cost of a relayed token. That scope is the `Cut`'s (a lost node, the drain's end: it
+cancels only the read in progress, never a write to the client) and carries the read
+deadline lazily: "read_timeout after some read began", never moved per read; when it
+fires early (the read in progress began later: the body's `waited_at`) a fresh scope
+continues. Writes are our server's `send` (appliance/server/send.py), which never leaves
+a write half-way when cancelled, so a cut or a deadline interrupts only a read.
+`receive_within` is one read bounded the same way. A stream cut before its end gets one
+error event in its own framing (`stream_error`): an SSE `data:` event (`event: error`
+first for Anthropic's) or one NDJSON line, never a blank line an NDJSON reader chokes on.
 
-`relay_body` copies a body passed through unchanged (appliance/client/upstream.py's
-Response, or the hub's translation of one), written as one plain loop for the cost of a
-relayed token (issue 15): one cancel scope for the whole relay, not one per read -- it is
-the Cut's scope, and it also carries the read deadline, lazily: its deadline is
-"read_timeout after some read began", never moved per read; when it fires, a read that
-began less than read_timeout ago (the body's `waited_at`) means it fired early, and a
-fresh scope continues with the deadline of the read in progress. So the deadline is exact
-and costs nothing per event. Its writes are the ASGI `send` of our server
-(appliance/server/send.py), the one path every response byte takes, called inside that
-scope: that server's `send` never leaves a write half-way when cancelled (its waits are
-shielded once bytes go out), so a cut or a deadline interrupts only a read, where nothing
-is lost. `receive_within` is one read of such a body bounded the same way (an answer's
-first read, a whole body read by `chunks`).
+Hang-up: `cancel_on_disconnect` cancels the work's scope when the client goes (then
+`Gone.gone`), unless `finished()` says the answer is complete (a server says "disconnect"
+as its last byte goes out too). Our server offers a `HangupWatch` as the ASGI extension
+HANGUP (one epoll set per process watches the client's socket: no task per request);
+elsewhere (a test's fake scope, a socket it cannot watch) a watcher task waits for
+`http.disconnect` on `receive`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import trio
@@ -152,3 +149,117 @@ async def receive_within(body: Body) -> bytes:
             return await body.receive()
     except trio.TooSlowError:
         raise await body.timed_out() from None
+
+
+# --- the client's hang-up ----------------------------------------------------------------
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+# The ASGI extension (scope["extensions"]) under which a server offers its HangupWatch.
+HANGUP = "appliance.hangup"
+
+
+class HangupWatch(Protocol):
+    """A server's word that it can tell when this request's client hangs up."""
+
+    # The client stopped reading: a write made no progress for WriteStallSeconds and the
+    # connection was ended (audited `client_too_slow`, not a clean answer).
+    stalled: bool
+    @property
+    def drained(self) -> bool:
+        """The listener's drain ended before the answer reached the client: the connection
+        was ended there (audited as the drain's cut, `shutting_down`)."""
+        ...
+
+    async def delivered(self) -> bool:
+        """Before a stream's last bytes: wait (bounded) until what was written has left;
+        False when the client never took it (it is stalled and hung up, or the drain
+        ended first: `drained`)."""
+        ...
+
+    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+        """Call `fn()` once when the client hangs up; returns the function that stops
+        watching, or None when this connection cannot be watched so."""
+        ...
+
+
+def hangup_watch(scope: dict[str, Any] | None) -> HangupWatch | None:
+    """The server's HangupWatch for this request, or None."""
+    if not scope:
+        return None
+    watch: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP)
+    return watch
+
+
+async def delivered(scope: dict[str, Any] | None) -> bool:
+    """Wait until this request's stream so far has reached its client (a server that can
+    tell; else at once): False when it never did (the client stopped reading, and was hung
+    up: `stalled`)."""
+    watch: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP) if scope else None
+    return True if watch is None else await watch.delivered()
+
+
+def stalled(scope: dict[str, Any] | None) -> bool:
+    """Did this request's connection end because its client stopped reading?"""
+    watch = hangup_watch(scope)
+    return watch is not None and watch.stalled
+
+
+def drained(scope: dict[str, Any] | None) -> bool:
+    """Did this request's connection end because the listener's drain ended?"""
+    watch = hangup_watch(scope)
+    return watch is not None and watch.drained
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone away."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class Gone:
+    """Whether the client hung up (set once, by the watch)."""
+
+    gone = False
+
+
+@asynccontextmanager
+async def cancel_on_disconnect(receive: Receive, finished: Callable[[], bool] | None = None,
+                               scope: dict[str, Any] | None = None) -> AsyncIterator[Gone]:
+    """`async with cancel_on_disconnect(receive) as g:` -- the body is cancelled when the
+    client hangs up (then `g.gone`), unless `finished()` says the answer is complete.
+    `scope`: the request's, to watch its socket without a task (see above)."""
+    g = Gone()
+    server: HangupWatch | None = (scope.get("extensions") or {}).get(HANGUP) if scope else None
+    if server is not None:
+        cs = trio.CancelScope()
+
+        def hung_up() -> None:
+            if finished is not None and finished():
+                return
+            g.gone = True
+            cs.cancel()
+
+        stop = server.watch(hung_up)
+        if stop is not None:
+            try:
+                with cs:
+                    yield g
+            finally:
+                stop()
+            return  # (also after our own cancel: the generator must not yield again)
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            await wait_disconnect(receive)
+            if finished is not None and finished():
+                return
+            g.gone = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            yield g
+        finally:
+            nursery.cancel_scope.cancel()

@@ -41,9 +41,9 @@ from appliance.http.asgi import (
     send_json,
     send_text,
 )
-from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
+from appliance.http.stream import cancel_on_disconnect
 from appliance.node import modelops
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError

@@ -8,7 +8,7 @@ to the engine
 -- fitted to the fields it takes where they differ (engines/params.py), as JSON whatever
 content type the client gave -- and the engine's bytes back, chunk by chunk
 (`appliance.http.stream.relay_body`). The copy is cancelled when the client hangs up
-(`appliance.http.disconnect`), so a client that goes away frees its place at once; an
+(`appliance.http.stream`), so a client that goes away frees its place at once; an
 engine that breaks off mid-stream ends the stream with an error event in its own framing.
 Every request is counted and its place given back once (`NodeRequest.finish`).
 A model marked unhealthy (node/health.py) is answered 503 `replica_unhealthy` at once, and
@@ -28,10 +28,9 @@ from appliance.bounds import CLEANUP_SECONDS, echo, echo_path
 from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
-from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import Api, ApiError
 from appliance.http.respond import send_api_error
-from appliance.http.stream import relay_body, stream_error
+from appliance.http.stream import cancel_on_disconnect, relay_body, stream_error
 from appliance.node.engines.base import Engine, redacted
 from appliance.node.engines.params import fit
 from appliance.node.health import Waiting

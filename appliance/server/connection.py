@@ -1,6 +1,6 @@
 """One HTTP/1.1 connection of a listener, plain or TLS: every listener rule, written once.
 
-Theory of operation: the accept loop (appliance/server/accept.py) runs `Conn.run` for each
+Theory of operation: the accept loop (appliance/server/serve.py) runs `Conn.run` for each
 connection it accepts: one task per connection, the app called in it, request after
 request. The bytes move through a `Transport` (appliance/net/transport.py: the plain
 socket itself, or trio's SSLStream over it), so plain and TLS connections run this same
@@ -53,15 +53,15 @@ from appliance.h1.state import (
     Cycle,
 )
 from appliance.http.asgi import BODY_BUDGET
-from appliance.http.disconnect import HANGUP
 from appliance.http.errors import ApiError
+from appliance.http.stream import HANGUP
 from appliance.net.transport import Transport
 from appliance.server.limits import TRIM_AFTER_BYTES, Busy, ListenerRefusal, LiveLimits, trim
 from appliance.server.receive import Budget, Receiver
 from appliance.server.refuse import refusal_answer
 from appliance.server.send import Hangups, Sender
 
-log = logging.getLogger("appliance.server.listener")
+log = logging.getLogger(__name__)
 
 # A closing connection reads (and drops) what the client still sends for at most this long,
 # so our last answer is not destroyed by a reset.

@@ -2,7 +2,7 @@
 
 Theory of operation: every listener (hub API, node API, metrics; plain or TLS) keeps the
 same rules, written once in appliance/server/connection.py (per connection) and
-appliance/server/accept.py (the accept loop); this module holds their numbers and the
+appliance/server/serve.py (the accept loop); this module holds their numbers and the
 plain decisions they use:
 
 - `Limits`: head and body deadlines, the connection bound, the body budget, the largest

@@ -17,7 +17,7 @@ side BROKEN (appliance/h1/state.py): later writes are dropped and the receive si
 and whether its last message was taken are the table's (`cycle.framing`, `owed`,
 `sent_end`); this side keeps only the head it has not written yet.
 
-The send side is also the app's `HangupWatch` (appliance/http/disconnect.py, the ASGI
+The send side is also the app's `HangupWatch` (appliance/http/stream.py, the ASGI
 extension HANGUP): what was delivered (`delivered`, `stalled`, `drained`), and the
 client's hang-up (`watch`) -- told without a task per request: a watcher task costs a
 nursery and a task (~35 us of CPU, a third of the hub's own share of a short request), so
@@ -215,7 +215,7 @@ class Sender:
         # other messages (trailers, push, early hints) mean nothing on HTTP/1.1 here
 
     async def delivered(self) -> bool:
-        """Before a stream's last bytes (http/disconnect.py's HangupWatch): the socket
+        """Before a stream's last bytes (http/stream.py's HangupWatch): the socket
         buffers may hold the whole answer for a client that reads nothing. Waits (by the
         write stall's and the read rate's rules) until what was written has left; if it
         never does, the client is too slow: the connection ends as for a stalled write

@@ -1,39 +1,49 @@
-"""How every role serves its ASGI app: bind, say where, accept, drain.
+"""How every role serves its ASGI app: bind, say where, accept, shed, drain.
 
 Theory of operation: `serve` binds the listener (a `HOST:PORT`, or an inherited socket
 `fd://N`, or `unix:PATH` -- the hub's workers), loads the TLS files when given (refused
 with one line naming the variable when they cannot be used), prints the one
 `appliance <role> listening on http://HOST:PORT` line the contract promises, and hands
-the bound (host, port) to `task_status.started` only once the socket listens. The
-connections are then appliance/server/accept.py's, plain and TLS alike.
+the bound (host, port) to `task_status.started` only once the socket listens. TLS offers
+only HTTP/1.1 (ALPN `http/1.1`); a client that asks for h2 falls back.
 
-TLS offers only HTTP/1.1 (ALPN `http/1.1`): the connection speaks nothing else, and a
-client that asks for h2 falls back, as every HTTP client does.
-
-Why TLS is not hypercorn's (issue 19): through its public interface (Config and ASGI
-middleware) the head deadline cannot be kept -- a head trickled a byte a second never
-reaches any middleware, and hypercorn's `read_timeout` is per read -- nor the connection
-bound with shedding (no hook at accept) nor the prompt close of a connection its client
-left; keeping them took a private TCPServer subclass and a monkeypatch. So TLS runs the
-same connection as plain TCP, over trio's SSLStream: one code path, one suite.
+`serve_sockets` is the accept loop: one appliance/server/connection.py `Conn` per
+connection, plain or TLS alike (a `TlsTransport`, its handshake part of the head
+deadline). It owns:
+- The connection bound: at most `max_connections` open. At the bound, a new client takes
+  the place of the oldest connection that serves no request (idle, or still trickling its
+  head or handshake: `Shed`); when every one is serving, the next waits in the kernel's
+  backlog (no fd here).
+- The drain: once `shutdown_trigger` returns, the listening sockets close, idle
+  connections close at once, and those serving a request have `drain` seconds to finish.
+- A reload (`LiveLimits.set`): a raised bound lets waiting accepts through at once, a
+  lowered one closes nothing; the body budget follows.
+Why our own server and not hypercorn's: docs/architecture.md, "The HTTP stack".
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import math
 import os
 import socket
 import ssl
 import stat
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from appliance.config import parse_listen
 from appliance.http.asgi import App
-from appliance.server.accept import Settings, serve_sockets
+from appliance.net.transport import TlsTransport, Transport, nodelay
+from appliance.server.connection import Conn, Shared
 from appliance.server.limits import Limits, LiveLimits, live_limits
+from appliance.server.receive import Budget
+from appliance.server.send import hangups
 
 DEFAULT_LIMITS = Limits()
 
@@ -41,7 +51,7 @@ DEFAULT_LIMITS = Limits()
 # connecting at once (1,000 in bench/soak.py) overran 100; the kernel caps it at
 # net.core.somaxconn (4096 on current Linux).
 LISTEN_BACKLOG = 4096
-# The idle keep-alive bound between requests (hypercorn's, which served here before).
+# The idle keep-alive bound between requests (nginx's keepalive_timeout default, 75 s).
 KEEP_ALIVE_SECONDS = 75.0
 # Ciphers a TLS listener offers (TLS 1.2; TLS 1.3's are fixed): forward-secret AEAD only.
 TLS_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
@@ -181,3 +191,152 @@ async def serve(
         addr = f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
         print(f"appliance {role} listening on {scheme}://{addr}", file=sys.stderr, flush=True)
         task_status.started((h, p))
+
+
+# --- the accept loop ----------------------------------------------------------------------
+
+log = logging.getLogger(__name__)
+
+# errnos of accept() that mean "out of fds/memory now", as trio's serve_listeners lists them.
+_ACCEPT_CAPACITY = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+# errnos of accept() about the one connection that failed (trio ignores these too).
+_ACCEPT_SKIP = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT,
+                errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
+                errno.ENETUNREACH}
+# A connection whose handler does not end within the drain is cut; its close is this short.
+CLOSE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a listener is, beside its live limits."""
+
+    keep_alive: float = 75.0  # idle seconds between requests (nginx's default too)
+    max_head: int = 16 * 1024  # a request head's bytes (hypercorn's h11_max_incomplete_size)
+    max_requests: int = 1000  # per connection, then `connection: close`
+    drain: float = 5.0  # seconds for requests in flight once the listener stops
+
+
+class Shed:
+    """At `max_connections`, a new client takes the place of the oldest connection that is
+    not serving a request (idle, or still sending its head): otherwise clients that only
+    trickle head bytes would make every new one wait out their head deadlines."""
+
+    # One warning per minute at most while the listener sheds.
+    LOG_EVERY = 60.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._logged = -math.inf
+
+    def one(self, live: dict[Conn, None], limit: int) -> bool:
+        for s in live:
+            if not s.in_request:
+                del live[s]
+                s.cancel.cancel()
+                self.count += 1
+                now = trio.current_time()
+                if now - self._logged >= self.LOG_EVERY:
+                    self._logged = now
+                    log.warning("%d connections open (the bound): closing the oldest that serve "
+                                "no request to take new ones (%d so far)", limit, self.count)
+                return True
+        return False
+
+
+async def _accept(lsock: socket.socket) -> socket.socket:
+    """The next connection on a non-blocking listening socket (trio's accept rules)."""
+    while True:
+        await trio.lowlevel.wait_readable(lsock)
+        try:
+            sock, _ = lsock.accept()
+        except BlockingIOError:
+            continue
+        except OSError as e:
+            if e.errno in _ACCEPT_SKIP:
+                continue
+            if e.errno not in _ACCEPT_CAPACITY:
+                raise
+            log.error("accept failed (%s); pausing 100 ms", errno.errorcode.get(e.errno, e.errno))
+            await trio.sleep(0.1)
+            continue
+        return sock  # (TCP_NODELAY: the listening socket's, inherited on Linux)
+
+
+async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socket.socket],
+                        tls: ssl.SSLContext | None, live: LiveLimits, settings: Settings, *,
+                        shutdown_trigger: Callable[[], Awaitable[Any]],
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on the listening `sockets` until `shutdown_trigger` returns, then drain
+    (see the module's docstring)."""
+    for lsock in sockets:
+        lsock.setblocking(False)
+        nodelay(lsock)  # small writes go out at once: a token is a write (accepted: inherited)
+    budget = Budget(live.now.max_buffered_bytes)
+    shared = Shared(app, live, budget, keep_alive=settings.keep_alive,
+                    max_head=settings.max_head, max_requests=settings.max_requests,
+                    hangups=hangups())
+    # The connection bound, a bound a reload may move: a raised one lets waiting accepts
+    # through at once (`lot`), a lowered one closes nothing.
+    held = 0
+    lot = trio.lowlevel.ParkingLot()
+    conns: dict[Conn, None] = {}  # open connections, oldest first
+    shed = Shed()
+
+    def follow(new: Limits) -> None:  # a reload: what is not read per connection or request
+        budget.limit = new.max_buffered_bytes
+        lot.unpark_all()
+
+    async def connection(sock: socket.socket) -> None:
+        nonlocal held
+        stall, rate = live.now.write_stall_seconds, live.now.min_read_bytes_per_second
+        transport = (TlsTransport(sock, tls, server_side=True, stall=stall, min_rate=rate)
+                     if tls is not None else Transport(sock, stall, rate))
+        conn = Conn(transport, shared)
+        conns[conn] = None
+        try:
+            with conn.cancel:
+                await conn.run()
+        finally:
+            conns.pop(conn, None)
+            held -= 1
+            lot.unpark()
+            with trio.move_on_after(CLOSE_SECONDS, shield=True):
+                await transport.aclose()
+
+    async def accept_loop(lsock: socket.socket, handlers: trio.Nursery) -> None:
+        nonlocal held
+        while True:
+            sock = await _accept(lsock)
+            try:
+                if held >= live.now.max_connections:
+                    shed.one(conns, live.now.max_connections)
+                    while held >= live.now.max_connections:
+                        await lot.park()
+            except BaseException:
+                sock.close()
+                raise
+            held += 1
+            handlers.start_soon(connection, sock)
+
+    with live.following(follow):
+        async with trio.open_nursery() as handlers:
+            try:
+                async with trio.open_nursery() as acceptors:
+                    for lsock in sockets:
+                        acceptors.start_soon(accept_loop, lsock, handlers)
+                    task_status.started()
+                    await shutdown_trigger()
+                    acceptors.cancel_scope.cancel()
+            finally:
+                for lsock in sockets:
+                    lsock.close()
+                shared.terminating = True  # idle connections close now, busy ones after
+                for c in list(conns):
+                    if not c.in_request:
+                        c.cancel.cancel()
+                handlers.cancel_scope.deadline = trio.current_time() + settings.drain
+                # Writes waiting on clients that do not read are shielded from that cancel:
+                # they end at the same deadline, so the process exits within the drain.
+                for c in list(conns):
+                    c.transport.abort_by(handlers.cancel_scope.deadline)

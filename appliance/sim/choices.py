@@ -20,9 +20,9 @@ import msgspec
 import trio
 
 from appliance.http.asgi import JSON_HEADERS, Receive, Send
-from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError
 from appliance.http.lines import LineEncoder
+from appliance.http.stream import cancel_on_disconnect
 from appliance.sim import shape
 from appliance.sim.core import (
     FINGERPRINT,

@@ -69,10 +69,10 @@ from appliance.http.asgi import (
     Scope,
     Send,
 )
-from appliance.http.disconnect import cancel_on_disconnect
 from appliance.http.errors import ApiError, api_of
 from appliance.http.lines import LineEncoder
 from appliance.http.respond import send_api_error
+from appliance.http.stream import cancel_on_disconnect
 from appliance.server.serve import serve
 from appliance.sim import choices, shape
 from appliance.sim import tools as simtools

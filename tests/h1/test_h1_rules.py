@@ -22,9 +22,8 @@ from appliance.h1.parse import (
     parse_response_head,
 )
 from appliance.h1.state import SIZED
-from appliance.server.accept import Settings, serve_sockets
 from appliance.server.limits import LiveLimits
-from appliance.server.serve import listening_socket
+from appliance.server.serve import Settings, listening_socket, serve_sockets
 from tests.harness.h11io import until_closed
 from tests.server.test_h1 import answer, echo, running
 

@@ -12,7 +12,7 @@ import pytest
 from appliance.h1.body import FREE_CHUNKS, MIN_AVERAGE_CHUNK, BodyError, ChunkedBody
 from appliance.h1.parse import MAX_TARGET, BadRequest, parse_head
 from appliance.http.asgi import BodyTooLarge, read_body
-from appliance.server.accept import Settings
+from appliance.server.serve import Settings
 from tests.server.test_h1 import answer, echo
 
 

@@ -1,4 +1,4 @@
-"""Cancel on disconnect (appliance/http/disconnect.py): the server's hang-up watch
+"""Cancel on disconnect (appliance/http/stream.py): the server's hang-up watch
 (appliance/server/send.py) and the watcher task."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 import pytest
 import trio
 
-from appliance.http.disconnect import cancel_on_disconnect, hangup_watch
+from appliance.http.stream import cancel_on_disconnect, hangup_watch
 from appliance.server.send import Hangups, hangups
 from appliance.server.serve import serve
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.config import load
 from appliance.http.asgi import read_body
-from appliance.http.disconnect import wait_disconnect
+from appliance.http.stream import wait_disconnect
 from appliance.node.app import NodeApp
 from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError

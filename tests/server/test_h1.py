@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from appliance.http.asgi import read_body
-from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.stream import cancel_on_disconnect
 from appliance.server.limits import Limits
 from appliance.server.serve import serve
 from tests.harness.h11io import response, until_closed

@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from appliance.h1.state import CHUNKED, CLOSED, ERROR, IDLE, MUST_CLOSE, SEND_BODY, SIZED
 from appliance.http.asgi import read_body
-from appliance.http.disconnect import HANGUP, cancel_on_disconnect
+from appliance.http.stream import HANGUP, cancel_on_disconnect
 from appliance.server.serve import serve
 from tests.harness.pki import make_pki
 from tests.harness.wire import Wire

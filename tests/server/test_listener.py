@@ -24,8 +24,8 @@ from appliance.h1.state import (
     SIZED,
     Cycle,
 )
-from appliance.server.accept import Shed
 from appliance.server.receive import Budget
+from appliance.server.serve import Shed
 
 
 class Slot:

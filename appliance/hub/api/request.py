@@ -20,8 +20,8 @@ from typing import Any
 
 from appliance.bounds import OTHER_LABEL
 from appliance.http.asgi import Scope, Send
-from appliance.http.disconnect import delivered, drained
 from appliance.http.errors import ApiError, Headers, render
+from appliance.http.stream import delivered, drained
 from appliance.hub.decide import limits
 from appliance.hub.decide.affinity import Route
 from appliance.hub.fleet.nodes import Flag
@@ -165,7 +165,7 @@ class Request:
         self.headers: Headers = scope["headers"]
         self.request_id = request_id(self.headers)
         self.send = send
-        self.scope = scope  # the server's hang-up watch (appliance/http/disconnect.py)
+        self.scope = scope  # the server's hang-up watch (appliance/http/stream.py)
         self.t0 = time.perf_counter()
         # who
         self.client = "anonymous"

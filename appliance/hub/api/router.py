@@ -38,8 +38,8 @@ from appliance.http.asgi import (
     read_body,
     request_key,
 )
-from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
 from appliance.http.errors import ApiError
+from appliance.http.stream import cancel_on_disconnect, drained, stalled
 from appliance.hub import translate
 from appliance.hub.api.relay import NotAnswered
 from appliance.hub.api.request import Recorder, Request

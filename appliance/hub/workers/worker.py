@@ -33,9 +33,9 @@ from appliance import config as config_mod
 from appliance.client.upstream import Pool
 from appliance.config import Config
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, decode_content, read_body
-from appliance.http.disconnect import cancel_on_disconnect, drained, stalled
 from appliance.http.errors import ApiError, api_of
 from appliance.http.respond import send_api_error
+from appliance.http.stream import cancel_on_disconnect, drained, stalled
 from appliance.hub import translate
 from appliance.hub.api.app import INFERENCE
 from appliance.hub.api.relay import LocalRelay, NotAnswered

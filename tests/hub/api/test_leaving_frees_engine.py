@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from appliance.http.asgi import read_body
-from appliance.http.disconnect import cancel_on_disconnect
+from appliance.http.stream import cancel_on_disconnect
 from tests.harness.engine_hub import hub_before
 
 PIECES = 300  # at 10 ms a piece the answer takes 3 s

@@ -11,8 +11,8 @@ import trio
 
 from appliance.config import load
 from appliance.http.asgi import read_body
-from appliance.http.disconnect import wait_disconnect
 from appliance.http.errors import ApiError, error_body
+from appliance.http.stream import wait_disconnect
 from appliance.hub.api.router import allowed, authenticate, decode_request
 from appliance.hub.run import run_hub
 from appliance.server.serve import serve

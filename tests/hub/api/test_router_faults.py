@@ -16,7 +16,7 @@ import trio
 
 from appliance.config import load
 from appliance.http.asgi import read_body
-from appliance.http.disconnect import wait_disconnect
+from appliance.http.stream import wait_disconnect
 from appliance.hub.run import run_hub
 from appliance.server.serve import serve
 from appliance.wire import ModelState, NodeState

@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from appliance.http.asgi import Receive, Scope, Send, read_body
-from appliance.http.disconnect import wait_disconnect
+from appliance.http.stream import wait_disconnect
 from appliance.hub.run import Hub
 from appliance.wire import NodeState
 from tests.harness.engine_hub import M_READY, hub_before
