@@ -53,22 +53,25 @@ def two_nodes(home: str = "a", **env):
     return a, b, adm
 
 
-async def other_takes_a(n: trio.Nursery, adm: Admission, busy: trio.Event, log: list) -> None:
-    """`other` (at home on a) takes a place on a and keeps it until `busy` is set."""
+async def s_behind_other(n: trio.Nursery, adm: Admission, log: list,
+                         route: Route | None = None) -> tuple[trio.Event, trio.Event]:
+    """`other` (at home on a) takes a place on a and keeps it until the first event is set;
+    then S asks (with `route`) and keeps what it gets until the second is set."""
+    busy, mine = trio.Event(), trio.Event()
     n.start_soon(hold, adm, busy, log, "other", Route(session=OTHER))
     await trio.testing.wait_all_tasks_blocked()
+    n.start_soon(hold, adm, mine, log, "s", route or Route(session=S, size=PROMPT_BYTES))
+    return busy, mine
 
 
 async def test_a_request_waits_for_its_home_when_that_pays(autojump_clock):
     a, b, adm = two_nodes()
     log: list = []
-    busy, mine = trio.Event(), trio.Event()
     t0 = trio.current_time()
     route = Route(session=S, size=PROMPT_BYTES)
     async with trio.open_nursery() as n:
-        await other_takes_a(n, adm, busy, log)
+        busy, mine = await s_behind_other(n, adm, log, route)
         assert a.in_flight.get(MODEL) == 1  # `other` took a
-        n.start_soon(hold, adm, mine, log, "s", route)
         await trio.sleep(0.5)
         assert [x[0] for x in log] == ["other"]  # b is free, yet s waits for a
         assert a.in_flight[MODEL] == 2 and b.in_flight.get(MODEL, 0) == 0
@@ -85,12 +88,10 @@ async def test_a_request_waits_for_its_home_when_that_pays(autojump_clock):
 async def test_a_home_wait_past_its_bound_moves(autojump_clock):
     a, b, adm = two_nodes(Router__HomeWaitSeconds=1)
     log: list = []
-    busy, mine = trio.Event(), trio.Event()
     t0 = trio.current_time()
     route = Route(session=S, size=PROMPT_BYTES)
     async with trio.open_nursery() as n:
-        await other_takes_a(n, adm, busy, log)
-        n.start_soon(hold, adm, mine, log, "s", route)
+        busy, mine = await s_behind_other(n, adm, log, route)
         await trio.sleep(5)
         mine.set()
         busy.set()
@@ -105,10 +106,8 @@ async def test_no_home_wait_with_zero_or_when_it_does_not_pay(autojump_clock):
         a, b, adm = two_nodes(**env)
         adm.cost.rates.by[("a", MODEL)].service = service  # a slow line at home
         log: list = []
-        busy, mine = trio.Event(), trio.Event()
         async with trio.open_nursery() as n:
-            await other_takes_a(n, adm, busy, log)
-            n.start_soon(hold, adm, mine, log, "s", Route(session=S, size=PROMPT_BYTES))
+            busy, mine = await s_behind_other(n, adm, log)
             await trio.sleep(0.1)
             assert log[1][:2] == ("s", "b")  # at once, to the free node
             busy.set()
@@ -179,11 +178,9 @@ async def test_reserve_stays_exact_with_a_home_wait(autojump_clock):
     adm = make(registry(a, b), Priority__Enabled="true")
     teach(adm, "a")
     log: list = []
-    busy, mine, bg = trio.Event(), trio.Event(), trio.Event()
+    bg = trio.Event()
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, busy, log, "other", Route(session=OTHER))
-        await trio.testing.wait_all_tasks_blocked()
-        n.start_soon(hold, adm, mine, log, "s", Route(session=S, size=PROMPT_BYTES))
+        busy, mine = await s_behind_other(n, adm, log)
         await trio.sleep(0.1)
         n.start_soon(hold, adm, bg, log, "batch", None, "background")
         await trio.sleep(0.2)
@@ -205,11 +202,8 @@ async def test_home_waits_counted_in_the_scrape(autojump_clock):
     queue_metrics.register(metrics, adm)
     teach(adm, "a")
     log: list = []
-    busy, mine = trio.Event(), trio.Event()
     async with trio.open_nursery() as n:
-        n.start_soon(hold, adm, busy, log, "other", Route(session=OTHER))
-        await trio.testing.wait_all_tasks_blocked()
-        n.start_soon(hold, adm, mine, log, "s", Route(session=S, size=PROMPT_BYTES))
+        busy, mine = await s_behind_other(n, adm, log)
         await trio.sleep(0.3)
         busy.set()
         await trio.sleep(0.1)
