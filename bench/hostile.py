@@ -43,6 +43,20 @@ def chat(url: str, model: str = "sim-small", timeout: float = 120) -> httpx.Resp
                             "max_tokens": 2})
 
 
+class Peak:
+    """`read()` sampled every `every` seconds in a thread of its own until `stop` is set."""
+
+    def __init__(self, read, every: float) -> None:
+        self.seen = [read()]
+        self.stop = threading.Event()
+
+        def sample() -> None:
+            while not self.stop.wait(every):
+                self.seen.append(read())
+
+        threading.Thread(target=sample, daemon=True).start()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-connections", type=int, default=256)
@@ -86,23 +100,15 @@ def main() -> None:
                 s.send(b"GET /health HTTP/1.1\r\nHost: x\r\n")
             except OSError:
                 pass
-        peak = [fds(pid)]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak.append(fds(pid))
-                stop.wait(0.1)
-
-        threading.Thread(target=sample, daemon=True).start()
+        fds_peak = Peak(lambda: fds(pid), 0.1)
         t0 = time.monotonic()
         code = chat(hub.url).status_code
         took = time.monotonic() - t0
-        stop.set()
+        fds_peak.stop.set()
         for s in socks:
             s.close()
         print(
-            f"2. 900 slow heads: hub fds {base} idle, peak {max(peak)} "
+            f"2. 900 slow heads: hub fds {base} idle, peak {max(fds_peak.seen)} "
             f"(Hub__MaxConnections={args.max_connections});"
               f" an ordinary request answered {code} in {took:.1f} s")
 
@@ -134,15 +140,7 @@ def main() -> None:
               f" (Hub__BodyReadSeconds={args.body_seconds:g})")
 
         idle = rss_mb(pid)
-        top = [idle]
-        stop = threading.Event()
-
-        def sample_rss() -> None:
-            while not stop.is_set():
-                top.append(rss_mb(pid))
-                stop.wait(0.05)
-
-        threading.Thread(target=sample_rss, daemon=True).start()
+        rss_peak = Peak(lambda: rss_mb(pid), 0.05)
         body = b'{"model": "sim-small", "messages": [], "pad": "' + b"x" * (30 * MiB) + b'"}'
 
         def big() -> None:
@@ -159,8 +157,9 @@ def main() -> None:
         for t in threads:
             t.join()
         time.sleep(2)
-        stop.set()
-        print(f"4. ten 30 MB bodies at once: hub RSS {idle:.0f} MB idle, peak {max(top):.0f} MB, "
+        rss_peak.stop.set()
+        print(f"4. ten 30 MB bodies at once: hub RSS {idle:.0f} MB idle, peak "
+              f"{max(rss_peak.seen):.0f} MB, "
               f"{rss_mb(pid):.0f} MB 2 s after")
     finally:
         procs.close()

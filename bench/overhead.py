@@ -47,7 +47,7 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 from procfs import cpu_seconds  # noqa: E402
-from procs import Procs  # noqa: E402
+from procs import Proc, Procs  # noqa: E402
 
 STREAM_CHUNKS = 200
 
@@ -149,19 +149,16 @@ def main() -> None:
     stop_polling = threading.Event()
     polls = [0]
     try:
-        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                  "Sim__Parallel": "64"})
-        node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0",
-                                    "Metrics__Listen": "",
-                                    "Engine__Kind": "ollama", "Engine__Url": sim.url,
-                                    "Node__ModelSlots": "64"})
-        sim2 = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                   "Sim__Parallel": "64",
-                                   "Sim__Models__0__Name": "sim-oai"})
-        node2 = procs.start("node", {"Node__Name": "bench-oai", "Node__Listen": "127.0.0.1:0",
-                                     "Metrics__Listen": "",
-                                     "Engine__Kind": "openai", "Engine__Url": sim2.url,
-                                     "Node__ModelSlots": "64"})
+        def fronted(name: str, kind: str, **sim: str) -> tuple[Proc, Proc]:
+            """A sim (no delay, 64 in parallel) and node `name` before it as a `kind` engine."""
+            engine = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                         "Sim__Parallel": "64", **sim})
+            return engine, procs.start("node", {
+                "Node__Name": name, "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+                "Engine__Kind": kind, "Engine__Url": engine.url, "Node__ModelSlots": "64"})
+
+        sim, node = fronted("bench", "ollama")
+        _, node2 = fronted("bench-oai", "openai", Sim__Models__0__Name="sim-oai")
         hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
                                   "Audit__Path": os.devnull, "Router__Affinity": args.affinity,
                                   "Nodes__0__Name": "bench", "Nodes__0__Url": node.url,
