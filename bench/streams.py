@@ -41,7 +41,7 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 import procfs  # noqa: E402
-from procs import Procs, wait_until  # noqa: E402
+from procs import Procs, free_port, wait_until  # noqa: E402
 
 MODEL = "sim-small"
 # The hub adds more than this to the p99 gap between tokens: saturated.
@@ -167,14 +167,6 @@ http {{
   }}
 }}
 """
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def start_nginx(upstream: str) -> tuple[subprocess.Popen, int] | None:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.harness.fleet import Fleet
-from tests.harness.procs import wait_until
+from tests.harness.procs import free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -29,14 +29,6 @@ TOKEN = "fault-token"
 NODES = ("gpu-a", "gpu-b", "gpu-c")
 # Bound for any single request here: streams last ~2 s; a hung one would wait 600 s.
 CLIENT_TIMEOUT = 30.0
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def start_hub(f: Fleet):
@@ -85,7 +77,7 @@ def requests_total(f: Fleet) -> float:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("faults"), token=TOKEN)
-    f.port = _free_port()
+    f.port = free_port()
     try:
         start_hub(f)
         for n in NODES:
@@ -310,7 +302,7 @@ def test_up_has_one_metrics_listener_honours_node_listen_and_feeds_the_watchdog(
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(sock_path)
     s.settimeout(20)
-    metrics_port, node_port = _free_port(), _free_port()
+    metrics_port, node_port = free_port(), free_port()
     fleet = Fleet()
     try:
         up = fleet.start("up", {"Hub__Listen": "127.0.0.1:0",

@@ -11,22 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
 import httpx
 import pytest
 
+from tests.harness.procs import free_port
+
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
 needs_etcd = pytest.mark.skipif(ETCD is None,
                                 reason="etcd missing (make test installs Debian's etcd-server)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdProc:

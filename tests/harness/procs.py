@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,14 @@ def clean_env(extra: dict[str, str]) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now (the OS's pick, bound then closed):
+    for a process that must be told its port, or a peer that is down."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_until(fn, timeout: float = 20.0, what: str = "condition", interval: float = 0.05):

@@ -3,7 +3,6 @@ upstream, error shapes, and the lean upstream pool's reuse -- against small fake
 served on port 0 with the same `appliance.server.serve.serve` the real processes use."""
 
 import json
-import socket
 from functools import partial
 
 import httpx
@@ -17,6 +16,7 @@ from appliance.hub.api.router import allowed, authenticate, decode_request
 from appliance.hub.run import run_hub
 from appliance.server.serve import serve
 from appliance.wire import ModelState, NodeState
+from tests.harness.procs import free_port
 
 
 class FakeNode:
@@ -53,14 +53,6 @@ class FakeNode:
             nursery.cancel_scope.cancel()
 
 
-def _free_dead_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def _ready(h, model="m"):
     h.connected = True
     h.state = NodeState(name=h.name, slots=4, models=[ModelState(name=model, state="ready")])
@@ -86,7 +78,7 @@ async def test_failed_node_before_first_byte_is_retried_on_another():
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(partial(serve, good, "127.0.0.1:0", "fake"))
         hub, url, stop = await _hub(nursery)
-        dead = _static(hub, "dead", f"http://127.0.0.1:{_free_dead_port()}")
+        dead = _static(hub, "dead", f"http://127.0.0.1:{free_port()}")
         dead.state.slots = 8  # the most free places: picked first
         _static(hub, "good", f"http://{host}:{port}")
         async with httpx.AsyncClient(timeout=10) as c:
@@ -107,8 +99,8 @@ async def test_failed_node_before_first_byte_is_retried_on_another():
 async def test_every_node_failing_is_no_capacity_with_retry_after():
     async with trio.open_nursery() as nursery:
         hub, url, stop = await _hub(nursery)
-        _static(hub, "d1", f"http://127.0.0.1:{_free_dead_port()}")
-        _static(hub, "d2", f"http://127.0.0.1:{_free_dead_port()}")
+        _static(hub, "d1", f"http://127.0.0.1:{free_port()}")
+        _static(hub, "d2", f"http://127.0.0.1:{free_port()}")
         async with httpx.AsyncClient(timeout=10) as c:
             r = await c.post(url + "/v1/chat/completions", json={"model": "m"})
             r2 = await c.post(url + "/api/chat", json={"model": "m"})

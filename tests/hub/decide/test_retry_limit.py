@@ -9,7 +9,8 @@ import trio
 
 from appliance.hub.api import router
 from tests.harness.admission_fleet import MODEL, handle, registry
-from tests.hub.api.test_router import _free_dead_port, _hub, _static
+from tests.harness.procs import free_port
+from tests.hub.api.test_router import _hub, _static
 from tests.hub.decide.test_admission import make
 
 
@@ -32,7 +33,7 @@ async def test_the_router_tries_two_of_three_failing_nodes_then_answers_no_capac
     async with trio.open_nursery() as nursery:
         hub, url, _stop = await _hub(nursery)
         for name in ("d1", "d2", "d3"):
-            _static(hub, name, f"http://127.0.0.1:{_free_dead_port()}")
+            _static(hub, name, f"http://127.0.0.1:{free_port()}")
         async with httpx.AsyncClient(timeout=10) as c:
             r = await c.post(url + "/v1/chat/completions", json={"model": "m"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"

@@ -3,7 +3,6 @@ against the sim's /v1."""
 
 from __future__ import annotations
 
-import socket
 from contextlib import asynccontextmanager
 
 import httpx
@@ -18,6 +17,7 @@ from appliance.node.engines.openai import OpenAIEngine
 from appliance.node.engines.sim import SimEngine
 from appliance.sim.server import VERSION, make_sim_app, serve_sim
 from appliance.wire import EngineInstall
+from tests.harness.procs import free_port
 
 FAIL = "error loading model: unknown model architecture: 'kev'"
 MODELS = [SimModel(name="sim-small"), SimModel(name="big:7b", size_mb=4000),
@@ -157,12 +157,6 @@ async def test_poll_sees_changes_made_behind_the_nodes_back(autojump_clock):
             n = len(changes)
             await trio.sleep(5.5)  # one Engine__PollSeconds
             assert states(engine)["sim-small"][0] == "ready" and len(changes) == n + 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_absent_ollama_is_no_models_then_found_then_lost(autojump_clock):
