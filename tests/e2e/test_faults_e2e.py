@@ -194,16 +194,22 @@ def test_three_equal_nodes_share_300_concurrent_requests(fleet):
     assert all(abs(c - 100) <= 15 for c in per_node.values()), per_node
 
 
+def signal_under_streams(fleet: Fleet, name: str, sig: int):
+    """run_streams' `during`: once node `name` holds streams under way, `sig` to it."""
+    victim = fleet.node(name)
+
+    def send(under_way: threading.Event):
+        wait_holding(fleet, name)
+        assert under_way.wait(20), "streams under way"  # a fault before them is retried
+        victim.signal(sig)
+
+    return send
+
+
 def test_kill_9_of_a_node_under_streams(fleet):
     n0, t0 = len(fleet.audit("request")), requests_total(fleet)
-    victim = fleet.node("gpu-a")
-
-    def kill(under_way: threading.Event):
-        wait_holding(fleet, "gpu-a")
-        assert under_way.wait(20), "streams under way"  # a fault before them is retried
-        victim.signal(signal.SIGKILL)
-
-    got = run_streams(fleet.url, 12, tokens=60, during=kill)
+    got = run_streams(fleet.url, 12, tokens=60,
+                      during=signal_under_streams(fleet, "gpu-a", signal.SIGKILL))
     assert not [g for g in got if g.startswith("LOST")], got
     assert set(got) <= {"done", "error:node_lost"} and "error:node_lost" in got, got
     lines = check_accounting(fleet, n0, t0, 12)
@@ -214,18 +220,12 @@ def test_kill_9_of_a_node_under_streams(fleet):
 
 def test_sigstop_of_a_node_ends_its_streams_with_node_lost(fleet):
     n0, t0 = len(fleet.audit("request")), requests_total(fleet)
-    victim = fleet.node("gpu-b")
-
-    def stop(under_way: threading.Event):
-        wait_holding(fleet, "gpu-b")
-        assert under_way.wait(20), "streams under way"  # a fault before them is retried
-        victim.signal(signal.SIGSTOP)
-
     try:
         # Ollama's framing this time; streams of ~4 s, lost after 1.5 s of silence.
-        got = run_streams(fleet.url, 9, api="ollama", tokens=100, during=stop)
+        got = run_streams(fleet.url, 9, api="ollama", tokens=100,
+                          during=signal_under_streams(fleet, "gpu-b", signal.SIGSTOP))
     finally:
-        victim.signal(signal.SIGCONT)
+        fleet.node("gpu-b").signal(signal.SIGCONT)
     assert not [g for g in got if g.startswith("LOST")], got
     assert set(got) <= {"done", "error:node_lost"} and "error:node_lost" in got, got
     check_accounting(fleet, n0, t0, 9)
