@@ -55,6 +55,13 @@ class FakeWorker:
                                  [(b"x-request-id", (rid or self.rid).encode())], body(), "",
                                  seq))
 
+    async def go(self, rid: str = "", seq: int = 0) -> Go:
+        """Ask, and be told Go."""
+        await self.ask(rid, seq)
+        go = await self.conn.recv()
+        assert isinstance(go, Go), go
+        return go
+
     async def drop(self) -> None:
         """The worker died: its connection just ends."""
         await self.stream.aclose()
@@ -94,9 +101,8 @@ async def test_dropped_while_relaying_gives_the_place_back_once(autojump_clock, 
         hub = await make_hub(nursery, tmp_path)
         node = hub.registry.nodes["a"]
         w = FakeWorker(hub, nursery, "relaying")
-        await w.ask()
-        go = await w.conn.recv()
-        assert isinstance(go, Go) and go.node == "a" and go.model == MODEL
+        go = await w.go()
+        assert go.node == "a" and go.model == MODEL
         assert node.in_flight_total == 1
         await trio.sleep(3)  # relaying for a while
         await w.drop()  # the worker died holding the client
@@ -111,8 +117,7 @@ async def test_dropped_while_queued_leaves_the_queue(autojump_clock, tmp_path):
         hub = await make_hub(nursery, tmp_path)
         node = hub.registry.nodes["a"]
         first = FakeWorker(hub, nursery, "first")
-        await first.ask()
-        assert isinstance(await first.conn.recv(), Go)
+        await first.go()
         queued = FakeWorker(hub, nursery, "queued")
         await queued.ask()
         await settle()
@@ -138,9 +143,8 @@ async def test_dropped_while_queued_leaves_the_queue(autojump_clock, tmp_path):
         assert node.in_flight_total == 0
         assert [x["status"] for x in audit_lines(tmp_path, "first")] == [200]
         nxt = FakeWorker(hub, nursery, "next")
-        await nxt.ask()
         with trio.fail_after(1):
-            assert isinstance(await nxt.conn.recv(), Go)
+            await nxt.go()
         nursery.cancel_scope.cancel()
 
 
@@ -182,8 +186,7 @@ async def test_cut_reaches_the_worker(autojump_clock, tmp_path, how):
         hub = await make_hub(nursery, tmp_path)
         node = hub.registry.nodes["a"]
         w = FakeWorker(hub, nursery, how)
-        await w.ask()
-        assert isinstance(await w.conn.recv(), Go)
+        await w.go()
         await trio.sleep(2)
         if how == "node_lost":
             hub.registry.mark_lost(node, "watch stream ended")
@@ -211,8 +214,7 @@ async def test_a_connection_carries_one_lease_after_another(autojump_clock, tmp_
         node = hub.registry.nodes["a"]
         w = FakeWorker(hub, nursery, "")
         for seq, rid in enumerate(("first", "second"), 1):
-            await w.ask(rid, seq)
-            assert isinstance(await w.conn.recv(), Go)
+            await w.go(rid, seq)
             assert node.in_flight_total == 1
             if rid == "second":
                 hub.registry.mark_lost(node, "watch stream ended")
@@ -236,8 +238,7 @@ async def test_the_workers_usage_reaches_the_main_processs_record(autojump_clock
         w = FakeWorker(hub, nursery, "")
         for seq, (rid, usage) in enumerate((("said", Usage(12, 5, 8)),
                                             ("counted", Usage(9, 4, 0, estimated=True))), 1):
-            await w.ask(rid, seq)
-            assert isinstance(await w.conn.recv(), Go)
+            await w.go(rid, seq)
             await w.conn.send(Done("a", 200, 0.01, "", usage))
             assert isinstance(await w.conn.recv(), Ack)
         await w.drop()
@@ -258,8 +259,7 @@ async def test_a_body_the_worker_found_too_large_is_answered_413(autojump_clock,
         answer = await w.conn.recv()
         assert isinstance(answer, Answer) and answer.status == 413
         assert json.loads(answer.body)["error"]["code"] == "body_too_large"
-        await w.ask("after", 2)  # the connection carries the next lease
-        assert isinstance(await w.conn.recv(), Go)
+        await w.go("after", 2)  # the connection carries the next lease
         await w.drop()
         assert [x["status"] for x in audit_lines(tmp_path, "big")] == [413]
         nursery.cancel_scope.cancel()
