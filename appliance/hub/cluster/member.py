@@ -70,6 +70,7 @@ class Member:
         self.up = False
         self.url = cfg.cluster.url.rstrip("/")  # as the other hubs reach this one (`advertise`)
         self._published: str | None = None  # the URL our hubs/NAME key holds
+        self.peers = state.PeerUrls(grace=self.lease_seconds)
         self.changes = 0  # leader changes this hub has seen (appliance_leader_changes_total)
         self._seen_epoch = 0
         self._decided: dict[str, int] = {}
@@ -163,8 +164,8 @@ class Member:
             self.url = url.rstrip("/")
 
     def hub_urls(self) -> dict[str, str]:
-        """The running hubs' URLs by name, as etcd last said."""
-        return self.snapshot.hub_urls
+        """The running hubs' URLs by name, as etcd said within the last lease."""
+        return self.peers.urls
 
     def resign(self) -> None:
         """A clean stop: decide nothing more, give the lease up now and stand no more;
@@ -196,11 +197,11 @@ class Member:
                         lease_sent = self.now()
                         lease, _ttl = await self.etcd.grant(int(self.lease_seconds))
                         self._published = None
-                    if self._published != self.url:
+                    url = self.url  # as written: `advertise` may change it while we wait
+                    if self._published != url:
                         await self.etcd.put(self.keys.hub(self.name),
-                                            json.dumps({"name": self.name, "url": self.url}),
-                                            lease)
-                        self._published = self.url
+                                            json.dumps({"name": self.name, "url": url}), lease)
+                        self._published = url
                     if not self.tenure.epoch:
                         won, rev, held = await self.etcd.create(self.keys.leader, self.name, lease)
                         if won:
@@ -284,6 +285,7 @@ class Member:
         rev, kvs = await self.etcd.get_prefix(self.keys.root)
         snap = state.parse(self.keys, rev, kvs)
         self.snapshot = snap
+        self.peers.read(snap.hub_urls, self.now())
         self._saw_epoch(snap.epoch)
         if self.tenure.epoch and (snap.leader != self.name or snap.epoch != self.tenure.epoch):
             self._step_down(f"the leader key names {snap.leader or 'no one'} (epoch {snap.epoch})")

@@ -17,12 +17,12 @@ Theory of operation: everything lives under `{Cluster__Prefix}/`:
     forgotten/NAME    `ctl forget` on some hub: every hub drops the node, unless it has
                       announced again since (a later revision of nodes/NAME)
 
-This module decides three things: how a range of keys reads (`parse`), how a model's
-health is written (`record_of`) and taken over (`adopt` -- a follower mirrors it, a new
-leader continues from it; a definition that changed since the failures unparks, as a
-reload would), and whether this hub still leads (`Tenure`: until the lease it last
-renewed would end, counted from when the renewal was *sent*, so etcd's own expiry is
-never earlier than ours).
+This module decides how a range of keys reads (`parse`), how a model's health is written
+(`record_of`) and taken over (`adopt` -- a follower mirrors it, a new leader continues
+from it; a definition that changed since the failures unparks, as a reload would), which
+hubs are asked for their objects (`PeerUrls`), and whether this hub still leads
+(`Tenure`: until the lease it last renewed would end, counted from when the renewal was
+*sent*, so etcd's own expiry is never earlier than ours).
 """
 
 from __future__ import annotations
@@ -155,6 +155,27 @@ def adopt(h: Any, rec: HealthRecord, definition: tuple[str, ...], configured: bo
         h.failures, h.parked, h.last_error = rec.failures, rec.parked, rec.last_error
     h.unplaceable = rec.unplaceable
     return stale
+
+
+@dataclass
+class PeerUrls:
+    """The hubs' URLs as this hub's reads of etcd gave them, each kept `grace` seconds (one
+    lease) after a read first lacked it. A hub whose renewal came a lease late (a busy box,
+    a slow etcd) loses its key until its next tick writes it again; meanwhile the others
+    still ask it for its objects rather than refuse them. One that is really gone does not
+    answer there, and is refused as before."""
+
+    grace: float
+    urls: dict[str, str] = field(default_factory=dict)
+    missing: dict[str, float] = field(default_factory=dict)  # name -> first read without it
+
+    def read(self, current: dict[str, str], now: float) -> None:
+        for name in list(self.urls):
+            if name not in current and now - self.missing.setdefault(name, now) >= self.grace:
+                del self.urls[name], self.missing[name]
+        for name, url in current.items():
+            self.urls[name] = url
+            self.missing.pop(name, None)
 
 
 @dataclass

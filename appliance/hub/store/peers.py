@@ -5,9 +5,10 @@ A route over one object (`/v1/files/{id}...`, batches, message batches, response
 conversations) whose id names another hub is sent to that hub as it came -- method, path,
 query, the caller's headers (its key), the body -- and the answer relayed back as it
 arrives, so any hub answers for every object. The hubs' URLs are the cluster's (each
-hub's `hubs/NAME` key in etcd holds its Cluster__Url, else Hub__Listen as bound). A hub
-that is not running now (no key: its lease ended) or does not answer is 503
-`held_elsewhere` with Retry-After. A request a hub sent on carries `x-appliance-from` and
+hub's `hubs/NAME` key in etcd holds its Cluster__Url, else Hub__Listen as bound; kept a
+lease after the key went, so a hub whose renewal came late is still asked). A hub that
+is not running now (no key for a lease) or does not answer is 503 `held_elsewhere` with
+Retry-After. A request a hub sent on carries `x-appliance-from` and
 is answered where it lands, never sent on again (no loops).
 """
 
