@@ -32,12 +32,11 @@ from appliance.hub.decide.limits import Limiter
 from appliance.hub.fleet.nodes import Flag, NodeHandle, Registry
 from appliance.hub.fleet.supervisor import supervise
 from appliance.hub.observe import queue_metrics
-from appliance.hub.observe.audit import AuditLog
+from appliance.hub.observe.audit import AuditLog, Recent, SlowRequests
 from appliance.hub.observe.fleet_metrics import ControlCollector
-from appliance.hub.observe.history import History, Recent
+from appliance.hub.observe.history import History
 from appliance.hub.observe.metrics import HubMetrics
 from appliance.hub.observe.replica_metrics import ReplicaCollector
-from appliance.hub.observe.slow import SlowRequests
 from appliance.observe import trace
 from appliance.server.limits import Limits, LiveLimits
 
@@ -87,8 +86,7 @@ class Hub:
         # The page's memory (history.py): 15 minutes of counters, the last request records.
         self.history = History()
         self.recent = Recent()
-        self.audit.recent = self.recent
-        self.slow = self.audit.slow = SlowRequests()  # the hour's slowest ("why slow")
+        self.slow = SlowRequests()  # the hour's slowest ("why slow")
         # OpenTelemetry while OTEL_EXPORTER_OTLP_ENDPOINT is set (observe/trace.py), else None.
         self.tracing = trace.setup("appliance-hub")
         if self.tracing is not None:
@@ -97,7 +95,8 @@ class Hub:
         self.relay = LocalRelay(self.upstream, cfg.hub.upstream_read_seconds, self.drain_over)
         self.routing = Routing(
             cfg.auth, cfg.hub.max_body_bytes, self.tenants, self.control, self.admission,
-            self.grace, Recorder(self.audit, self.metrics, self.admission.enabled),
+            self.grace, Recorder(self.audit, self.recent, self.slow, self.metrics,
+                                 self.admission.enabled),
             self.relay, self.tracing)
         # with Cluster__Etcd (run_hub sets it)
         self.cluster: Member | None = None

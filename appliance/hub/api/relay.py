@@ -105,104 +105,96 @@ class LocalRelay:
         lost.subscribe(on_lost)
         drain.subscribe(on_drain)
         preempted.subscribe(on_preempt)
+        resp = None
+        # A per-node token wins; the routing key goes along for the other hubs (affinity.note).
+        headers: Headers = [*req.forwarded, *req.id_headers, *node.auth_raw,
+                            *affinity.note(req.route)]
+        if plan.whole:  # only assembled here: the node sends the engine's stream in one body
+            headers.append(WHOLE)
+        start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # Ollama's durations' clock
         try:
-            await _relay(node, req, plan, self.upstream, self.read_seconds, cut)
+            with cut.reading():
+                try:
+                    resp = await self.upstream.request("POST", node.url + plan.path, headers,
+                                                       plan.body, self.read_seconds)
+                except UpstreamError as e:
+                    raise NotAnswered(str(e)) from None
+            if resp is None:
+                cut_before_answer(cut)
+            # The answer's four ends: a 503 (try another node), whole with its length, a
+            # stream, a stream cut short (an error event in its own framing).
+            # Passed through: the node's payload through a meter (its bytes as they are, bar
+            # a usage chunk the client did not ask for); translated: through the converter.
+            # Either parses every event for the usage. Both read by relay_body's one loop.
+            conv = plan.converter(resp.status_code, resp.headers.get("content-type", ""), start)
+            body = translate.Converted(resp, conv)
+            if resp.status_code == 503:
+                # The node (paused, full) or its engine (still loading) refused: try another.
+                why = b""
+                with cut.reading():
+                    why = (await resp.read())[:ERROR_BODY_LIMIT]
+                raise NotAnswered(f"answered 503 ({engine_message(503, why)})")
+            whole = resp.whole()  # a short answer: no read to wait on
+            first = body.take_whole(whole) if whole is not None else None
+            if first is None:
+                with cut.reading():
+                    try:
+                        first = await receive_within(body)
+                    except UpstreamError as e:
+                        raise NotAnswered(str(e)) from None
+            if first is None or cut.reason == "preempted":
+                # Preempted while the first read was already done: the client has had nothing.
+                cut_before_answer(cut)
+            req.answered(node.name, resp.status_code, time.perf_counter() - req.t0, conv.usage)
+            if isinstance(conv, Meter):
+                ctype = resp.headers.get("content-type", "application/json")
+                # The node's length holds while the meter passes every byte on.
+                clen = None if isinstance(conv, SSEMeter) and conv.drop else resp.headers.get(
+                    "content-length")
+            else:
+                ctype = conv.content_type.decode()
+                clen = None
+            if body.ended:
+                clen = str(len(first))
+            start_headers = [(b"content-type", ctype.encode()), *req.id_headers]
+            if clen is not None and clen.isdigit() and int(clen) == len(first):
+                # A whole answer in the first read (every short, non-streamed one): one
+                # body message with its length, no chunked framing, fewer writes.
+                start_headers.append((b"content-length", clen.encode()))
+                await req.send({"type": "http.response.start", "status": resp.status_code,
+                                "headers": start_headers})
+                await req.send_last(first)
+                return
+            await req.send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": start_headers})
+            tail = b""
+            if first:
+                await req.send({"type": "http.response.body", "body": first, "more_body": True})
+                tail = first[-2:]
+            relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
+            if relayed.ended:
+                await req.send_last(b"")
+                return
+            code = cut.reason or "node_lost"
+            if code == "shutting_down":
+                msg = ("the hub is shutting down: stream cut at the end of the drain "
+                       "(Hub__DrainSeconds)")
+            elif cut.reason:
+                msg = f"node {node.name} was declared lost mid-stream ({node.lost_reason})"
+            else:
+                msg = f"node {node.name} {relayed.failure}"
+            req.failed(code)
+            log.warning("%s: request for %s from %s ends with %s", msg, req.model, req.client,
+                        code)
+            # A sized body cannot carry an error event; it just ends short.
+            if clen is None:
+                await req.send_last(stream_error(ctype, req.api, code, msg, relayed.tail))
+            else:
+                req.finish()
         finally:
             lost.unsubscribe(on_lost)
             drain.unsubscribe(on_drain)
             preempted.unsubscribe(on_preempt)
-
-
-async def _relay(node: NodeHandle, req: Request, plan: translate.Plan, upstream: Pool,
-                 read_seconds: float, cut: Cut) -> None:
-    resp = None
-    # A per-node token wins; the routing key goes along for the other hubs (affinity.note).
-    headers: Headers = [*req.forward_headers(), *node.auth_raw, *affinity.note(req.route)]
-    if plan.whole:  # only assembled here: the node sends the engine's stream in one body
-        headers.append(WHOLE)
-    start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # the clock of Ollama's durations
-    with cut.reading():
-        try:
-            resp = await upstream.request("POST", node.url + plan.path, headers, plan.body,
-                                          read_seconds)
-        except UpstreamError as e:
-            raise NotAnswered(str(e)) from None
-    if resp is None:
-        cut_before_answer(cut)
-    conv = plan.converter(resp.status_code, resp.headers.get("content-type", ""), start)
-    # Passed through: the node's payload through a meter (its bytes as they are, bar a usage
-    # chunk the client did not ask for); translated: through the converter. Either parses
-    # every event for the usage. Both read by relay_body's one loop.
-    metered = isinstance(conv, Meter)
-    body = translate.Converted(resp, conv)
-    try:
-        if resp.status_code == 503:
-            # The node (paused, full) or its engine (still loading) refused: try another.
-            why = b""
-            with cut.reading():
-                why = (await resp.read())[:ERROR_BODY_LIMIT]
-            raise NotAnswered(f"answered 503 ({engine_message(503, why)})")
-        whole = resp.whole()  # a short answer: no read to wait on
-        first = body.take_whole(whole) if whole is not None else None
-        if first is None:
-            with cut.reading():
-                try:
-                    first = await receive_within(body)
-                except UpstreamError as e:
-                    raise NotAnswered(str(e)) from None
-        if first is None or cut.reason == "preempted":
-            # Preempted while the first read was already done: the client has had nothing.
-            cut_before_answer(cut)
-        req.answered(node.name, resp.status_code, time.perf_counter() - req.t0)
-        if metered:
-            ctype = resp.headers.get("content-type", "application/json")
-            # The node's length holds while the meter passes every byte on.
-            clen = None if isinstance(conv, SSEMeter) and conv.drop else resp.headers.get(
-                "content-length")
-        else:
-            ctype = conv.content_type.decode()
-            clen = None
-        if body.ended:
-            clen = str(len(first))
-        start_headers = [(b"content-type", ctype.encode()), *req.id_headers()]
-        if clen is not None and clen.isdigit() and int(clen) == len(first):
-            # A whole answer in the first read (every short, non-streamed one): one
-            # body message with its length, no chunked framing, fewer writes.
-            start_headers.append((b"content-length", clen.encode()))
-            await req.send_start(resp.status_code, start_headers)
-            req.counted(conv.usage())
-            await req.send_last(first)
-            return
-        await req.send_start(resp.status_code, start_headers)
-        tail = b""
-        if first:
-            await req.send({"type": "http.response.body", "body": first, "more_body": True})
-            tail = first[-2:]
-        try:
-            relayed = await relay_body(body, req.send, cut, (UpstreamError,), tail)
-        finally:
-            # Cut short, or the client gone (this scope cancelled): what was relayed so far.
-            req.counted(conv.usage())
-        if relayed.ended:
-            await req.send_last(b"")
-            return
-        code = cut.reason or "node_lost"
-        if code == "shutting_down":
-            msg = ("the hub is shutting down: stream cut at the end of the drain "
-                   "(Hub__DrainSeconds)")
-        elif cut.reason:
-            msg = f"node {node.name} was declared lost mid-stream ({node.lost_reason})"
-        else:
-            msg = f"node {node.name} {relayed.failure}"
-        req.failed(code)
-        log.warning("%s: request for %s from %s ends with %s", msg, req.model, req.client, code)
-        # A sized body cannot carry an error event; it just ends short.
-        event = b"" if clen is not None else stream_error(ctype, req.api, code, msg, relayed.tail)
-        if clen is None:
-            await req.send_last(event)
-        else:
-            req.finish()
-    finally:
-        if not resp.released:
-            with trio.move_on_after(CLEANUP_SECONDS, shield=True):
-                await resp.aclose()
+            if resp is not None and not resp.released:
+                with trio.move_on_after(CLEANUP_SECONDS, shield=True):
+                    await resp.aclose()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from appliance.bounds import OTHER_LABEL
@@ -25,7 +25,7 @@ from appliance.http.stream import delivered, drained
 from appliance.hub.decide import limits
 from appliance.hub.decide.affinity import Route
 from appliance.hub.fleet.nodes import Flag
-from appliance.hub.observe.audit import AuditLog
+from appliance.hub.observe.audit import AuditLog, Recent, SlowRequests
 from appliance.hub.observe.metrics import HubMetrics
 from appliance.hub.observe.spans import RequestSpan
 from appliance.hub.translate.usage import Usage
@@ -62,15 +62,19 @@ def request_id(headers: Iterable[tuple[bytes, bytes]]) -> str:
 
 
 class Recorder:
-    """Where a finished request is written: the audit log and the metrics."""
+    """Where a finished request is written: one record, built once, for the audit log, the
+    page's recent and slow feeds (hub/observe/audit.py), then the metrics."""
 
-    def __init__(self, audit: AuditLog, metrics: HubMetrics, priority_on: bool) -> None:
-        self.audit, self.metrics = audit, metrics
+    def __init__(self, audit: AuditLog, recent: Recent, slow: SlowRequests,
+                 metrics: HubMetrics, priority_on: bool) -> None:
+        self.audit, self.recent, self.slow, self.metrics = audit, recent, slow, metrics
         self.priority_on = priority_on  # Priority__Enabled (the hub sets it on reload)
 
     def record(self, req: Request) -> None:
         elapsed = time.perf_counter() - req.t0
-        fields: dict[str, Any] = {"client": req.client, "model": req.model, "path": req.path,
+        ttfb = req.ttfb
+        fields: dict[str, Any] = {"ts": round(time.time(), 3), "kind": "request",
+                                  "client": req.client, "model": req.model, "path": req.path,
                                   "status": req.status, "node": req.node,
                                   "ms": round(elapsed * 1000, 2)}
         if req.request_id:
@@ -80,9 +84,17 @@ class Recorder:
         batch = req.scope.get(BATCH_SCOPE)
         if batch:
             fields["batch"] = batch  # a batch line (hub/store/runner.py)
-        if req.ttfb is not None:
-            fields["ttfb_ms"] = round(req.ttfb * 1000, 2)
-        fields.update(breakdown(req, elapsed))
+        if ttfb is not None:
+            fields["ttfb_ms"] = round(ttfb * 1000, 2)
+        # Where the time went ("why slow"): `load_ms` the activation wait, `queue_ms`
+        # admission's and the slot wait, `node_wait_ms` from the first send to a node to the
+        # first byte (a retry included) -- each only where the request got that far.
+        if req.load_s is not None:
+            fields["load_ms"] = round(req.load_s * 1000, 2)
+        if req.queue_s is not None:
+            fields["queue_ms"] = round(req.queue_s * 1000, 2)
+        if req.sent_at is not None and ttfb is not None:
+            fields["node_wait_ms"] = round(max(0.0, req.t0 + ttfb - req.sent_at) * 1000, 2)
         if req.error:
             fields["error"] = req.error
         if self.priority_on:
@@ -106,8 +118,10 @@ class Recorder:
             fields["cached_tokens"] = usage.cached  # as the engine reported it
         if tokens is not None:
             fields.update(token_breakdown(tokens.input, tokens.output,
-                                          fields.get("cached_tokens"), req.ttfb, elapsed))
-        self.audit.request(**fields)
+                                          fields.get("cached_tokens"), ttfb, elapsed))
+        self.audit.write(fields)
+        self.recent.append(fields)
+        self.slow.add(fields)
         m = self.metrics
         m.requests_of(req.client, req.label, str(req.status)).inc()
         if tokens is not None:
@@ -117,26 +131,8 @@ class Recorder:
                 m.tokens_of(req.client, req.label, "output").inc(tokens.output)
         if req.label and req.label != OTHER_LABEL:  # no histogram for names nobody serves
             m.latency_of(req.label).observe(elapsed)
-            if req.ttfb is not None:
-                m.ttfb_of(req.label).observe(req.ttfb)
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 2)
-
-
-def breakdown(req: Request, elapsed: float) -> dict[str, float]:
-    """Where the time went ("why slow"): `load_ms` the activation wait, `queue_ms`
-    admission's and the slot wait, `node_wait_ms` from the first send to a node to the
-    first byte (a retry included) -- each only where the request got that far."""
-    out = {}
-    if req.load_s is not None:
-        out["load_ms"] = _ms(req.load_s)
-    if req.queue_s is not None:
-        out["queue_ms"] = _ms(req.queue_s)
-    if req.sent_at is not None and req.ttfb is not None:
-        out["node_wait_ms"] = _ms(max(0.0, req.t0 + req.ttfb - req.sent_at))
-    return out
+            if ttfb is not None:
+                m.ttfb_of(req.label).observe(ttfb)
 
 
 def token_breakdown(input_tokens: int, output_tokens: int, cached: int | None,
@@ -156,14 +152,25 @@ class Request:
     __slots__ = ("api", "path", "headers", "request_id", "send", "t0", "client", "cls",
                  "model", "asked", "label", "node", "tried", "status", "ttfb", "error", "done",
                  "scope", "usage", "lease", "tokens", "preempted", "_recorder", "route",
-                 "load_s", "queue_s", "sent_at", "load_at", "queue_at", "trace")
+                 "load_s", "queue_s", "sent_at", "load_at", "queue_at", "trace", "forwarded",
+                 "id_headers", "_usage_of")
 
     def __init__(self, scope: Scope, send: Send, api: str, recorder: Recorder) -> None:
         # what
         self.api = api
         self.path: str = scope["path"]
         self.headers: Headers = scope["headers"]
-        self.request_id = request_id(self.headers)
+        # One pass over the headers: its id (request_id's rule) and the ones the node sees.
+        rid = ""
+        self.forwarded: Headers = [JSON_BODY]  # the client's headers the node sees
+        for k, v in self.headers:
+            if k == b"x-request-id":
+                if not rid and _SANE.fullmatch(v) is not None:
+                    rid = v.decode("ascii")
+            elif k in FORWARD_HEADERS:
+                self.forwarded.append((k, v))
+        self.request_id = rid or f"{random.getrandbits(128):032x}"
+        self.id_headers: Headers = [(b"x-request-id", self.request_id.encode())]
         self.send = send
         self.scope = scope  # the server's hang-up watch (appliance/http/stream.py)
         self.t0 = time.perf_counter()
@@ -207,6 +214,8 @@ class Request:
         # byte (Priority__Preempt): the relay's cut ends it with 503 `preempted`.
         self.preempted = Flag()
         self._recorder = recorder
+        # The answer's usage, read once at `finish` (its converter's, translate/usage.py).
+        self._usage_of: Callable[[], Usage | None] | None = None
 
     def finish(self) -> None:
         """Write the audit line and the metrics; once (later calls do nothing). A request
@@ -215,6 +224,8 @@ class Request:
             return
         self.done = True
         self.status = self.status or 499
+        if self._usage_of is not None:
+            self.usage = self._usage_of()
         if self.lease is not None:
             # Answered, or hung up mid-answer (what was relayed is counted and charged).
             served = bool(self.node) and (self.status < 400 or (
@@ -241,19 +252,28 @@ class Request:
         """Its key's reservation, settled at `finish`."""
         self.lease = lease
 
-    def sent_to(self, node: str, tried: list[str], route: Route | None) -> None:
+    def sent_to(self, node: str, tried: list[str], route: Route | None,
+                queued_since: float) -> None:
         """An attempt on `node` (the audit line names where it went, even if it fails) and
-        the affinity key admission placed it by; the first one starts node_wait_ms."""
+        the affinity key admission placed it by, after a wait for a place that began at
+        `queued_since` (admission's, then a slot or a home node's: they add up); the first
+        one starts node_wait_ms."""
         self.node, self.tried, self.route = node, tried, route
+        now = time.perf_counter()
+        if self.queue_at is None:
+            self.queue_at = queued_since
+        self.queue_s = (self.queue_s or 0.0) + now - queued_since
         if self.sent_at is None:
-            self.sent_at = time.perf_counter()
+            self.sent_at = now
 
-    def answered(self, node: str, status: int, ttfb: float | None) -> None:
-        """The node's answer began: its status and the time to its first byte."""
-        self.node, self.status, self.ttfb = node, status, ttfb
+    def answered(self, node: str, status: int, ttfb: float | None,
+                 usage: Callable[[], Usage | None] | None = None) -> None:
+        """The node's answer began: its status, the time to its first byte and what tells
+        its tokens at the end (its converter's `usage`, read once in `finish`)."""
+        self.node, self.status, self.ttfb, self._usage_of = node, status, ttfb, usage
 
     def counted(self, usage: Usage | None) -> None:
-        """The answer's tokens as the relay read them (translate/usage.py)."""
+        """The answer's tokens as a hub worker read them (workers/pool.py)."""
         self.usage = usage
 
     def failed(self, code: str) -> None:
@@ -271,19 +291,15 @@ class Request:
     # --- its waits (audit load_ms, queue_ms, node_wait_ms; the span's events) ---------------
 
     def traced(self, span: RequestSpan) -> None:
+        """Its span: the node continues it; its id may be the trace's (spans.py)."""
         self.trace = span
+        self.id_headers = [(b"x-request-id", self.request_id.encode())]
+        self.forwarded = [*self.forwarded, *span.headers()]
 
     def activated(self, since: float) -> None:
         """The activation wait (a model made servable) that began at `since` ended."""
         self.load_at = since
         self.load_s = time.perf_counter() - since
-
-    def queued(self, since: float) -> None:
-        """One more wait for a place that began at `since` ended: admission's, then a slot
-        or a home node's (they add up)."""
-        if self.queue_at is None:
-            self.queue_at = since
-        self.queue_s = (self.queue_s or 0.0) + time.perf_counter() - since
 
     # --- preemption (admission.py's Preemptible) ----------------------------------------
 
@@ -295,16 +311,6 @@ class Request:
         self.preempted.set()
 
     # --- the way back to the client ----------------------------------------------------
-
-    def id_headers(self) -> Headers:
-        return [(b"x-request-id", self.request_id.encode())] if self.request_id else []
-
-    def forward_headers(self) -> Headers:
-        """The client's headers the node sees, the body's type, and the request id."""
-        kept = [(k, v) for k, v in self.headers if k in FORWARD_HEADERS]
-        if self.trace is not None:  # the node's span continues this request's trace
-            kept += self.trace.headers()
-        return [JSON_BODY, *kept, *self.id_headers()]
 
     async def send_start(self, status: int, headers: Headers) -> None:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
@@ -326,6 +332,6 @@ class Request:
     async def send_error(self, e: ApiError) -> None:
         """A refusal before the response started, in the API's shape."""
         self.refused(e.status, e.code)
-        r = render(e, self.api, self.id_headers())
+        r = render(e, self.api, self.id_headers)
         await self.send_start(r.status, r.headers)
         await self.send_last(r.body)

@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from appliance.hub.decide.control import Control
     from appliance.hub.decide.grace import StartupGrace
     from appliance.hub.decide.limits import Limiter
-    from appliance.hub.decide.place import Place
     from appliance.hub.fleet.nodes import NodeHandle
     from appliance.observe.trace import Tracing
 
@@ -298,6 +297,10 @@ async def _wait_grace(r: Routing, receive: Receive, name: str, scope: Scope) -> 
 async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
                  keep: float | None, ready: bool,
                  prompt: Prompt | None, way: Relaying, hold: str | None = None) -> None:
+    """Make the model servable, take a place, and send to the best node (affinity's first
+    choice where it has one); once more on another if it fails before the first byte. The
+    operator's log line says what happened to whom. A request answered tells its place (and
+    so affinity) where it was served."""
     if prep.load_only and keep == 0:
         # Ollama's unload request: the control loop unloads the model once it is idle,
         # and does not load it again until asked; no node needs to see this one. A key
@@ -307,7 +310,7 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
         body = unload_answer(model, req.path == "/api/chat")
         await req.send_start(200, [(b"content-type", b"application/json"),
                                    (b"content-length", str(len(body)).encode()),
-                                   *req.id_headers()])
+                                   *req.id_headers])
         await req.send_last(body)
         return
     t = time.perf_counter()
@@ -317,45 +320,36 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
     try:
         in_flight = r.recorder.metrics.in_flight_of(model)
         victim = req if way.preemptible else None
-        t = time.perf_counter()
+        t = time.perf_counter()  # admission's wait, then the slot's (audit `queue_ms`)
         if req.trace is not None:  # its place in the queue, for the span's admission event
             req.trace.ahead = r.admission.waiting(model)
         async with r.admission.place(model, req.cls, req.client, in_flight, req.lease.demand,
                                      prompt, victim) as place:
-            req.queued(since=t)  # admission's wait (audit `queue_ms`)
-            await _proxy(req, place, model, prep, way)
+            last = "no node has the model ready"
+            node = place.node
+            while node is not None:
+                await place.wait_slot()
+                node = place.node or node  # a home wait that ran out moves it (decide/home.py)
+                req.sent_to(node.name, place.tried, place.route, queued_since=t)
+                if req.trace is not None:
+                    req.trace.attempt(node.name)
+                plan = prep.for_engine(translate.engine_kind(node.state),
+                                       translate.context_length(node.state, model))
+                try:
+                    await way.relay(node, req, plan)
+                    if req.status == 200:
+                        place.served(req.t0 + req.ttfb if req.ttfb is not None else None,
+                                     req.usage.cache if req.usage is not None else None)
+                    return
+                except NotAnswered as e:
+                    last = f"node {node.name} {e}"
+                nxt = place.next(MAX_ATTEMPTS)
+                log.warning("%s: request for %s from %s %s", last, model, req.client,
+                            f"retried on {nxt.name}" if nxt is not None
+                            else "has no other node to go to")
+                node = nxt
+                t = time.perf_counter()  # the next node's slot wait
+            raise ApiError(503, "no_capacity", f"no node can serve {model!r} now ({last})",
+                           retry_after=NO_CAPACITY_RETRY_AFTER)
     finally:
         r.control.touch(model, keep, hold)  # idle time counts from the end of the work
-
-
-async def _proxy(req: Request, place: Place, model: str, prep: translate.Prepared,
-                 way: Relaying) -> None:
-    """Send to the best node (affinity's first choice where it has one); once more on
-    another if it fails before the first byte. The operator's log line says what happened
-    to whom. A request answered tells its place (and so affinity) where it was served."""
-    last = "no node has the model ready"
-    node = place.node
-    while node is not None:
-        t = time.perf_counter()
-        await place.wait_slot()
-        req.queued(since=t)
-        node = place.node or node  # a home wait that ran out moves it (decide/home.py)
-        req.sent_to(node.name, place.tried, place.route)
-        if req.trace is not None:
-            req.trace.attempt(node.name)
-        plan = prep.for_engine(translate.engine_kind(node.state),
-                               translate.context_length(node.state, model))
-        try:
-            await way.relay(node, req, plan)
-            if req.status == 200:
-                place.served(req.t0 + req.ttfb if req.ttfb is not None else None,
-                             req.usage.cache if req.usage is not None else None)
-            return
-        except NotAnswered as e:
-            last = f"node {node.name} {e}"
-        nxt = place.next(MAX_ATTEMPTS)
-        log.warning("%s: request for %s from %s %s", last, model, req.client,
-                    f"retried on {nxt.name}" if nxt is not None else "has no other node to go to")
-        node = nxt
-    raise ApiError(503, "no_capacity", f"no node can serve {model!r} now ({last})",
-                   retry_after=NO_CAPACITY_RETRY_AFTER)

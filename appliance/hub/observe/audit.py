@@ -1,32 +1,32 @@
-"""The audit trail: one JSON line per request and per node, model or admin event.
+"""What is kept of a finished request: its audit line, the page's recent rows, the hour's slowest.
 
-Theory of operation: a line is written (and flushed) before the response ends, so a
-client that saw an answer can find its line. Lines go to `Audit__Path` or, when empty,
-to stdout. The file is rotated by size (`Audit__MaxBytes`, `Audit__Backups` kept as
-PATH.1 ... PATH.N). Never the key itself: the client's name. Writes are small and
-synchronous -- a local append is faster than handing it to a thread.
-
-The path is opened at start (`check_path`: the hub exits 2 with one line when it cannot
-be). A write that fails later (disk full, file removed with its directory) never fails
-the request it describes: it is counted (`write_errors`, the hub's
-`appliance_audit_write_errors_total` through `on_error`), logged at most once per
-ERROR_LOG_SECONDS, and the file is reopened at the next write.
+Owns the three places a request record goes (request.py's `Recorder` builds it once and
+hands the same dict to each): `AuditLog`, one JSON line per request and per node, model or
+admin event, written and flushed before the response ends, to `Audit__Path` (rotated by
+`Audit__MaxBytes`, `Audit__Backups` kept as PATH.1 ... PATH.N) or stdout; `Recent`, the
+last RECENT_MAX records for the page; `SlowRequests`, the hour's slowest ("why slow").
+Never a key: the record holds the client's name. The path is opened at start
+(`check_path`: the hub exits 2 when it cannot be); a write that fails later never fails
+the request: it is counted (`appliance_audit_write_errors_total` through `on_error`),
+logged at most once per ERROR_LOG_SECONDS, and the file reopened at the next write.
+The page's rows keep a reference to the record; their named fields are picked, each
+string cut to FIELD_MAX, when a feed is read -- the request path pays one append.
+Plain synchronous code, no trio: writes are small local appends, time is passed in.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from appliance.http.lines import LineEncoder
-
-if TYPE_CHECKING:
-    from appliance.hub.observe.history import Recent
-    from appliance.hub.observe.slow import SlowRequests
 
 log = logging.getLogger(__name__)
 # Escaped line breaks (appliance/http/lines.py): a client picks the model name in its line.
@@ -65,9 +65,6 @@ class AuditLog:
         self.failing = False  # the last write failed (cleared by the next that succeeds)
         self.on_error: Callable[[], None] = lambda: None
         self._logged_at = float("-inf")
-        # Set by the hub: a bounded ring (history.Recent) that keeps the last request records.
-        self.recent: Recent | None = None
-        self.slow: SlowRequests | None = None  # the hour's slowest (slow.py)
 
     def _open(self) -> IO[bytes]:
         if not self.path:
@@ -96,7 +93,7 @@ class AuditLog:
     def write(self, record: dict[str, Any]) -> None:
         line = _enc.line(record)
         try:
-            fh = self._open()
+            fh = self._fh if self._fh is not None else self._open()
             fh.write(line)
             fh.flush()
             if self.path:
@@ -125,14 +122,85 @@ class AuditLog:
                 "audit line not written to %s: %s (%d lost so far; said at most once a minute)",
                       self.path or "stdout", self.last_error, self.write_errors)
 
-    def request(self, **fields: Any) -> None:
-        record = {"ts": round(time.time(), 3), "kind": "request", **fields}
-        self.write(record)
-        if self.recent is not None:
-            self.recent.add(record)
-        if self.slow is not None:
-            self.slow.add(record)
-
     def event(self, kind: str, **fields: Any) -> None:
         self.write({"ts": round(time.time(), 3), "kind": kind, **fields})
 
+
+# --- the page's feeds: the last requests, the hour's slowest -----------------------------
+
+# The page shows the last few dozen; 200 is a screenful of scrolling and ~60 kB at most.
+RECENT_MAX = 200
+# The fields a recent-requests row may carry; anything else in a record stays out.
+RECENT_FIELDS = ("ts", "client", "model", "path", "status", "node", "ms", "ttfb_ms", "error",
+                 "priority", "request_id")
+# The fields a slow row carries: who, where, and where its time went.
+SLOW_FIELDS = ("ts", "client", "model", "path", "status", "error", "node", "routing", "ms",
+               "ttfb_ms", "queue_ms", "load_ms", "node_wait_ms", "input_tokens",
+               "cached_tokens", "prefill_tokens", "output_tokens", "decode_tps", "request_id",
+               "trace_id")
+# Longer than any real model name, client name or error code.
+FIELD_MAX = 200
+# An hour in 5-minute buckets: a request leaves the view within 5 minutes of turning an
+# hour old. Each bucket keeps its PER_BUCKET slowest (a min-heap on `ms`): 12 x 20 records
+# whatever the traffic; the hour's top 20 is always among them.
+BUCKET_SECONDS = 300.0
+BUCKETS = 12
+WINDOW_SECONDS = BUCKET_SECONDS * BUCKETS
+PER_BUCKET = 20
+SLOW_MAX = PER_BUCKET
+
+
+def shown(record: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """A feed's row: the named fields of `record`, each string cut to FIELD_MAX (a client's
+    made-up model name may be as long as a body)."""
+    return {k: (record[k][:FIELD_MAX] if isinstance(record[k], str) else record[k])
+            for k in fields if k in record}
+
+
+class Recent(deque[dict[str, Any]]):
+    """The last RECENT_MAX request records, newest last: a bounded deque, so the request
+    path's whole cost is its `append`."""
+
+    def __init__(self, size: int = RECENT_MAX) -> None:
+        super().__init__(maxlen=size)
+
+    def payload(self, limit: int = RECENT_MAX) -> dict[str, Any]:
+        rows = list(self)[-limit:] if limit > 0 else []
+        return {"requests": [shown(r, RECENT_FIELDS) for r in reversed(rows)]}
+
+
+_Entry = tuple[float, int, dict[str, Any]]
+
+
+class SlowRequests:
+    """The slowest requests of the last hour, by 5-minute bucket (`slowest` merges them)."""
+
+    def __init__(self) -> None:
+        # bucket number (ts // BUCKET_SECONDS) -> min-heap of (ms, tie, record)
+        self._buckets: dict[int, list[_Entry]] = {}
+        self._tie = itertools.count()
+
+    def add(self, record: dict[str, Any]) -> None:
+        ms, ts = record.get("ms"), record.get("ts")
+        if not isinstance(ms, (int, float)) or not isinstance(ts, (int, float)):
+            return
+        n = int(ts // BUCKET_SECONDS)
+        heap = self._buckets.get(n)
+        if heap is None:
+            heap = self._buckets[n] = []
+            for old in [b for b in self._buckets if b <= n - BUCKETS]:
+                del self._buckets[old]
+        if len(heap) < PER_BUCKET:
+            heapq.heappush(heap, (float(ms), next(self._tie), record))
+        elif ms > heap[0][0]:
+            heapq.heapreplace(heap, (float(ms), next(self._tie), record))
+
+    def slowest(self, limit: int, now: float) -> list[dict[str, Any]]:
+        """The `limit` slowest requests that ended within the last hour, slowest first."""
+        since = now - WINDOW_SECONDS
+        rows = [e for heap in self._buckets.values() for e in heap if e[2]["ts"] >= since]
+        rows.sort(key=lambda e: (-e[0], e[1]))
+        return [shown(e[2], SLOW_FIELDS) for e in rows[:max(0, min(limit, SLOW_MAX))]]
+
+    def payload(self, limit: int, now: float) -> dict[str, Any]:
+        return {"window_seconds": WINDOW_SECONDS, "requests": self.slowest(limit, now)}

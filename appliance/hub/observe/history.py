@@ -1,8 +1,8 @@
-"""The hub's short memory for its own page: the last 15 minutes of its counters, and the
-last requests.
+"""The hub's short memory for its own page: the last 15 minutes of its counters.
 
 Theory of operation: the page at /ui/ should show how the fleet has been doing without a
-Prometheus, so the hub keeps two small, bounded, in-memory records of itself:
+Prometheus, so the hub keeps small, bounded, in-memory records of itself (the last
+requests and the hour's slowest are audit.py's, kept as their records are written):
 
 - `History`: every `STEP_SECONDS` a sampler task reads the hub's own Prometheus objects
   (the request counter by status, the time-to-first-byte histogram, the tokens by kind,
@@ -10,10 +10,6 @@ Prometheus, so the hub keeps two small, bounded, in-memory records of itself:
   step, computed from the difference to the previous reading. `POINTS` points: 15
   minutes. Reading the counters happens here, off the request path; the request path pays
   nothing for it.
-- `Recent`: the last `RECENT_MAX` request audit records (the audit log appends the dict
-  it has just written; `Recent.add` keeps a copy of the named, harmless fields only, each
-  string cut short -- never a header, never a key: the audit record holds the client's
-  name, not its key, and nothing else is kept).
 
 `History.sample` is synchronous and takes the time and the readings as arguments, so the
 arithmetic is tested without a clock; `run_sampler` is the thin trio loop around it.
@@ -41,15 +37,6 @@ if TYPE_CHECKING:
 STEP_SECONDS = 5.0
 WINDOW_SECONDS = 15 * 60
 POINTS = int(WINDOW_SECONDS / STEP_SECONDS)
-# The page shows the last few dozen; 200 is a screenful of scrolling and ~60 kB at most.
-RECENT_MAX = 200
-# The audit fields a recent-requests row may carry; anything else in a record stays out.
-RECENT_FIELDS = ("ts", "client", "model", "path", "status", "node", "ms", "ttfb_ms", "error",
-                 "priority",
-                 "request_id")
-_RECENT_SET = frozenset(RECENT_FIELDS)
-# Longer than any real model name, client name or error code.
-FIELD_MAX = 200
 CLASSES = ("essential", "normal", "background")
 
 
@@ -128,23 +115,6 @@ class History:
     def payload(self) -> dict[str, Any]:
         return {"step_seconds": STEP_SECONDS, "window_seconds": WINDOW_SECONDS,
                 "points": list(self.points)}
-
-
-class Recent:
-    """The last RECENT_MAX request audit records, newest last."""
-
-    def __init__(self, size: int = RECENT_MAX) -> None:
-        self.records: deque[dict[str, Any]] = deque(maxlen=size)
-
-    def add(self, record: dict[str, Any]) -> None:
-        """Keep the named fields only, each string cut to FIELD_MAX: a client's made-up
-        model name may be as long as a body, and 200 of them must stay small."""
-        self.records.append({k: (v[:FIELD_MAX] if isinstance(v, str) else v)
-                             for k, v in record.items() if k in _RECENT_SET})
-
-    def payload(self, limit: int = RECENT_MAX) -> dict[str, Any]:
-        rows = list(self.records)[-limit:] if limit > 0 else []
-        return {"requests": rows[::-1]}
 
 
 # --- reading the hub's own Prometheus objects --------------------------------------------

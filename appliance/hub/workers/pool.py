@@ -297,7 +297,6 @@ class LeaseRelay:
             self.relaying = False
 
     async def _relay(self, node: NodeHandle, req: Request) -> None:
-        req.sent_to(node.name, req.tried, req.route)
         # The worker sends these headers to the node beside its own: the per-node token,
         # and this request's trace context (the node's span a child of the hub's).
         extra = node.auth_raw + (req.trace.headers() if req.trace is not None else [])

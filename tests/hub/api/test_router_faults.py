@@ -256,9 +256,9 @@ def test_audit_write_failures_are_counted_and_said_once_a_minute(caplog, monkeyp
     seen = []
     log.on_error = lambda: seen.append(1)
     for _ in range(3):
-        log.request(client="c", status=200)  # never raises
+        log.write({"kind": "request", "client": "c", "status": 200})  # never raises
     clock[0] += 61
-    log.request(client="c", status=200)
+    log.write({"kind": "request", "client": "c", "status": 200})
     assert log.write_errors == 4 and len(seen) == 4 and "No space left" in log.last_error
     assert log.failing
     said = [r for r in caplog.records if "audit line not written" in r.getMessage()]

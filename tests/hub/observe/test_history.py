@@ -7,8 +7,9 @@ import math
 import trio
 from prometheus_client import CollectorRegistry
 
-from appliance.hub.observe import history
-from appliance.hub.observe.history import History, Reading, Recent, quantile, read_hub, run_sampler
+from appliance.hub.observe import audit, history
+from appliance.hub.observe.audit import Recent
+from appliance.hub.observe.history import History, Reading, quantile, read_hub, run_sampler
 from appliance.hub.observe.metrics import HubMetrics
 
 INF = math.inf
@@ -51,17 +52,17 @@ def test_points_are_rates_and_quantiles_over_the_step():
 def test_recent_is_bounded_newest_first_and_carries_only_named_fields():
     r = Recent(size=3)
     for i in range(5):
-        r.add({"ts": i, "kind": "request", "client": "c", "model": f"m{i}", "status": 200,
+        r.append({"ts": i, "kind": "request", "client": "c", "model": f"m{i}", "status": 200,
                "authorization": "Bearer sk-x", "headers": {"x-api-key": "k"}})
     rows = r.payload()["requests"]
     assert [x["model"] for x in rows] == ["m4", "m3", "m2"]
-    assert all(set(x) <= set(history.RECENT_FIELDS) for x in rows)
+    assert all(set(x) <= set(audit.RECENT_FIELDS) for x in rows)
     assert "sk-x" not in repr(rows)
     assert [x["model"] for x in r.payload(limit=1)["requests"]] == ["m4"]
     assert r.payload(limit=0)["requests"] == []
     # A made-up model name as long as a body is kept short.
-    r.add({"ts": 9, "model": "x" * 1_000_000, "status": 404, "error": "model_not_found"})
-    assert r.payload(limit=1)["requests"] == [{"ts": 9, "model": "x" * history.FIELD_MAX,
+    r.append({"ts": 9, "model": "x" * 1_000_000, "status": 404, "error": "model_not_found"})
+    assert r.payload(limit=1)["requests"] == [{"ts": 9, "model": "x" * audit.FIELD_MAX,
                                                "status": 404,
                                                "error": "model_not_found"}]
 

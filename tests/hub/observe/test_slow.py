@@ -1,11 +1,11 @@
 """'Why slow' without a tracing stack: the audit line's breakdown (hub/api/request.py) and
-the hour's slowest requests (hub/observe/slow.py), decided without sockets; `ctl slow`."""
+the hour's slowest requests (hub/observe/audit.py), decided without sockets; `ctl slow`."""
 
 from __future__ import annotations
 
 from appliance.ctl import render
 from appliance.hub.api.request import token_breakdown
-from appliance.hub.observe.slow import BUCKET_SECONDS, PER_BUCKET, SlowRequests
+from appliance.hub.observe.audit import BUCKET_SECONDS, PER_BUCKET, SlowRequests
 
 
 def test_the_hours_slowest_come_first_and_older_ones_leave():

@@ -6,8 +6,9 @@ from disk and served from memory. Only the names in `FILES` are served: a path i
 up, never joined onto the file system. The page reads what an operator reads:
 `/api/status`, `/admin/nodes`, and the feeds here, `/api/status/history` (15 minutes
 of the hub's own counters, history.py), `/api/requests/recent` (the last request audit
-records) and `/api/requests/slow` (the hour's slowest with their breakdown, slow.py, also
-`appliance ctl slow`); the feeds take the admin key when one is set, exactly like `/api/status`.
+records) and `/api/requests/slow` (the hour's slowest with their breakdown, both
+observe/audit.py; also `appliance ctl slow`); the feeds take the admin key when one is
+set, exactly like `/api/status`.
 Actions go through the existing admin API, so they are audited there. The page itself is
 open: it holds no data, and asks for the admin key (kept in the tab's sessionStorage)
 only when the hub answers 401.
@@ -28,7 +29,7 @@ from appliance.bounds import echo_path
 from appliance.http.asgi import Scope, Send, send_json
 from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
-from appliance.hub.observe.history import RECENT_MAX
+from appliance.hub.observe.audit import RECENT_MAX
 
 if TYPE_CHECKING:
     from appliance.hub.hub import Hub

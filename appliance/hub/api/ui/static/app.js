@@ -285,7 +285,7 @@ function drawRecent(recent) {
     ...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No requests yet." }))]));
 }
 
-// The hour's slowest requests and where their time went (hub/observe/slow.py).
+// The hour's slowest requests and where their time went (hub/observe/audit.py).
 function drawSlow(slow) {
   const n = (v) => (v == null ? "–" : v);
   const rows = slow.requests.map((r) => el("tr", { "data-status": r.status },
