@@ -224,8 +224,8 @@ class Request:
             return
         self.done = True
         self.status = self.status or 499
-        if self._usage_of is not None:
-            self.usage = self._usage_of()
+        if self._usage_of is not None:  # read_usage's, without a call more on every request
+            self.usage, self._usage_of = self._usage_of(), None
         if self.lease is not None:
             # Answered, or hung up mid-answer (what was relayed is counted and charged).
             served = bool(self.node) and (self.status < 400 or (
@@ -271,6 +271,13 @@ class Request:
         """The node's answer began: its status, the time to its first byte and what tells
         its tokens at the end (its converter's `usage`, read once in `finish`)."""
         self.node, self.status, self.ttfb, self._usage_of = node, status, ttfb, usage
+
+    def read_usage(self) -> Usage | None:
+        """The answer's tokens so far, read from its converter once (a hub worker reports
+        them when its client hung up mid-answer, before `finish`)."""
+        if self._usage_of is not None:
+            self.usage, self._usage_of = self._usage_of(), None
+        return self.usage
 
     def counted(self, usage: Usage | None) -> None:
         """The answer's tokens as a hub worker read them (workers/pool.py)."""

@@ -269,7 +269,8 @@ class Worker:
             done_sent = True
             with trio.move_on_after(ACK_SECONDS, shield=True):
                 try:
-                    await conn.send(Done(req.node, req.status, req.ttfb, req.error, req.usage))
+                    await conn.send(Done(req.node, req.status, req.ttfb, req.error,
+                                         req.read_usage()))
                 except GONE:
                     return
                 await acked.wait()
