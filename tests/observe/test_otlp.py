@@ -92,7 +92,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def test_the_exporter_reads_the_standard_variables_and_posts_to_the_collector():
     c = Collector()
-    threading.Thread(target=c.serve_forever, daemon=True).start()
+    # (a stop looks every 0.05 s, not the stdlib's 0.5 s)
+    threading.Thread(target=c.serve_forever, args=(0.05,), daemon=True).start()
     try:
         base = f"http://127.0.0.1:{c.server_address[1]}"
         e = otlp.Exporter({"OTEL_EXPORTER_OTLP_ENDPOINT": base + "/",
@@ -116,5 +117,6 @@ def test_the_exporter_reads_the_standard_variables_and_posts_to_the_collector():
         e.shutdown()
     finally:
         c.shutdown()
+        c.server_close()
     assert not otlp.Exporter({"OTEL_EXPORTER_OTLP_ENDPOINT": base, "OTEL_EXPORTER_OTLP_TIMEOUT":
                               "1"}).export(got)  # nobody listening: a failure, not a raise
