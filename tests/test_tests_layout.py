@@ -98,3 +98,52 @@ def test_the_fleet_check_sees_each_way_around_the_fleet():
            "Proc('hub', {})\nsubprocess.run([sys.executable, '-m', 'appliance', 'hub'])\n"
            "fleet.start_hub({})\nsubprocess.run(['mount', 'x'])\nfleet.run('hub', {})\n")
     assert [line for line, _ in starts_without_the_fleet(ast.parse(src))] == [1, 2, 3, 4, 5, 6]
+
+
+# Where a unit test may still poll on the wall clock: the kernel's sockets (no event tells a
+# CLOSE-WAIT gone).
+WALL_CLOCK_POLLS = {"tests/server/test_close_wait.py"}
+VIRTUAL_CLOCKS = {"autojump_clock", "mock_clock"}
+
+
+def real_sleep_polls(tree) -> list[tuple[int, str]]:
+    """`while` loops that sleep (trio.sleep or time.sleep) inside a test that runs on the
+    wall clock (no `autojump_clock` argument): a wait that should be an event, or virtual."""
+    import ast
+
+    found = []
+    for test in tree.body:
+        if not (isinstance(test, ast.FunctionDef | ast.AsyncFunctionDef)
+                and test.name.startswith("test_")):
+            continue
+        if VIRTUAL_CLOCKS & {a.arg for a in test.args.args}:
+            continue
+        for loop in ast.walk(test):
+            if isinstance(loop, ast.While) and any(
+                    isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                    and c.func.attr == "sleep" and isinstance(c.func.value, ast.Name)
+                    and c.func.value.id in ("trio", "time") for c in ast.walk(loop)):
+                found.append((loop.lineno, test.name))
+    return found
+
+
+def test_no_unit_test_polls_with_real_sleeps():
+    """A unit test waits on an event (an engine's on_change, a registry's wait_changed) or
+    runs on trio's autojump clock; end-to-end tests of real processes may poll, generously."""
+    import ast
+
+    polls = [f"{rel}:{line} {name}" for path in sorted(TESTS.rglob("test_*.py"))
+             if (rel := str(path.relative_to(ROOT))).split("/")[1] not in ("e2e", "harness")
+             and rel not in WALL_CLOCK_POLLS
+             for line, name in real_sleep_polls(ast.parse(path.read_text("utf-8")))]
+    assert not polls, f"wait on an event or the autojump clock: {polls}"
+
+
+def test_the_poll_check_sees_a_real_sleep_poll():
+    import ast
+
+    src = ("async def test_a():\n    while not done():\n        await trio.sleep(0.05)\n"
+           "async def test_b(autojump_clock):\n    while not done():\n        await trio.sleep(1)\n"
+           "def test_c():\n    def until():\n        while x:\n            time.sleep(0.01)\n"
+           "async def test_d():\n    while not done():\n        await changed.wait()\n")
+    assert real_sleep_polls(ast.parse(src)) == [(2, "test_a"), (9, "test_c")]
