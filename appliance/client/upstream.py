@@ -128,6 +128,8 @@ class Response:
         self._pool = pool
         self._key = key
         self._conn: _Conn | None = conn
+        # The exchange is over: the connection went back to the pool or was closed.
+        self.released = False
         self.read_timeout = read_timeout
         # trio time the read in progress (or the last one) began waiting: a relay's deadline.
         # A wait cancelled and taken up again (the relay's lazy deadline fired early) is the
@@ -203,11 +205,6 @@ class Response:
             return data
         return None
 
-    @property
-    def released(self) -> bool:
-        """The exchange is over: the connection went back to the pool or was closed."""
-        return self._conn is None
-
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives, each read bounded by `read_timeout`. Everything one
         read brought is yielded as one chunk: a node that is ahead of us costs one write
@@ -227,14 +224,14 @@ class Response:
         conn = self._conn
         if conn is None:
             return
-        self._conn = None
+        self._conn, self.released = None, True
         if body.leftover or self._early or not self._keep:
             conn.close_now()
         else:
             self._pool._put(self._key, conn)
 
     def _release(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self.released = self._conn, None, True
         if conn is not None:
             if self._keep:
                 self._pool._put(self._key, conn)
@@ -242,7 +239,7 @@ class Response:
                 conn.close_now()
 
     async def _discard(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self.released = self._conn, None, True
         if conn is not None:
             await conn.aclose()
 
@@ -272,16 +269,6 @@ class Pool:
             idle.append(conn)
         else:
             conn.close_now()
-
-    def _get(self, key: _Key) -> _Conn | None:
-        idle = self._idle.get(key)
-        now = time.monotonic()
-        while idle:
-            conn = idle.pop()
-            if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
-                return conn
-            conn.close_now()
-        return None
 
     def sweep(self) -> int:
         """Close idle connections that expired or whose peer closed them; how many."""
@@ -349,8 +336,18 @@ class Pool:
             given = {k for k, _ in headers}
             hdrs += [kv for kv in self._headers if kv[0] not in given]
         hdrs += headers
+        conn: _Conn | None = None
+        idle = self._idle.get(key)  # the newest idle connection still good, else a new one
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if now - conn.idle_since < IDLE_SECONDS and not conn.peer_closed():
+                break
+            conn.close_now()
+            conn = None
         for attempt in (0, 1):
-            conn = self._get(key) if attempt == 0 else None
+            if attempt == 1:
+                conn = None
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(key)

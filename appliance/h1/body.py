@@ -75,7 +75,7 @@ class ChunkedBody:
     """Incremental, strict reader of a `Transfer-Encoding: chunked` body."""
 
     __slots__ = ("_state", "_owed", "_buf", "_trailers", "leftover", "error", "_chunks",
-                 "_payload", "_min_average")
+                 "_payload", "_min_average", "done")
 
     def __init__(self, min_average: int = 0) -> None:
         self._min_average = min_average  # 0: no bound on the chunks' count
@@ -89,18 +89,14 @@ class ChunkedBody:
         # Broken framing after some payload in the same read: that payload is returned
         # first, the error is raised by the next `feed` (call it at once, with b"").
         self.error: BodyError | None = None
-
-    @property
-    def done(self) -> bool:
-        """The last chunk and the trailers' end were read."""
-        return self._state == _DONE
+        self.done = False  # the last chunk and the trailers' end were read
 
     def feed(self, data: bytes) -> bytes:
         """The payload in `data` (b"" when it held none); raises BodyError -- at once, or,
         when `data` held payload before the break, from the next call (see `error`)."""
         if self.error is not None:
             raise self.error
-        if self._state == _DONE:
+        if self.done:
             self.leftover += data
             return b""
         if self._buf:
@@ -180,6 +176,7 @@ class ChunkedBody:
                 pos = i + 2
                 if not line:
                     self._state = _DONE
+                    self.done = True
                     self.leftover = data[pos:]
                     break
                 name, colon, value = line.partition(b":")
@@ -220,16 +217,13 @@ def _chunk_size(line: bytes) -> int:
 class SizedBody:
     """A `Content-Length` body: payload until `length` bytes were read."""
 
-    __slots__ = ("_owed", "leftover", "error")
+    __slots__ = ("_owed", "leftover", "error", "done")
 
     def __init__(self, length: int) -> None:
         self._owed = length
         self.leftover = b""
         self.error: BodyError | None = None  # never set: a count cannot be broken
-
-    @property
-    def done(self) -> bool:
-        return self._owed == 0
+        self.done = length == 0  # all `length` bytes were read
 
     @property
     def remaining(self) -> int:
@@ -239,9 +233,11 @@ class SizedBody:
     def feed(self, data: bytes) -> bytes:
         if len(data) <= self._owed:
             self._owed -= len(data)
+            self.done = self._owed == 0
             return data
         out, self.leftover = data[:self._owed], self.leftover + data[self._owed:]
         self._owed = 0
+        self.done = True
         return out
 
 
@@ -249,22 +245,18 @@ class CloseBody:
     """A response body with no length and no chunking: everything until the connection's
     end (`end()`, called at EOF). Never reusable: the connection ends with it."""
 
-    __slots__ = ("_ended", "leftover", "error")
+    __slots__ = ("leftover", "error", "done")
 
     def __init__(self) -> None:
-        self._ended = False
         self.leftover = b""
         self.error: BodyError | None = None  # never set: an end cannot be broken
-
-    @property
-    def done(self) -> bool:
-        return self._ended
+        self.done = False  # the connection's end came (`end`)
 
     def feed(self, data: bytes) -> bytes:
         return data
 
     def end(self) -> None:
-        self._ended = True
+        self.done = True
 
 
 Body = ChunkedBody | SizedBody | CloseBody

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from operator import itemgetter
+from typing import NamedTuple
 
 from appliance.h1.errors import RemoteProtocolError
 from appliance.h1.state import CHUNKED, SIZED, UNTIL_CLOSE
@@ -55,21 +56,17 @@ class BadRequest(RemoteProtocolError):
         self.status = status
 
 
-class Head:
-    __slots__ = ("method", "target", "version", "headers", "length", "chunked", "keep_alive",
-                 "expect_continue")
+class Head(NamedTuple):
+    """A request head, as `parse_head` read it."""
 
-    def __init__(self, method: str, target: bytes, version: str,
-                 headers: list[tuple[bytes, bytes]], length: int, chunked: bool,
-                 keep_alive: bool, expect_continue: bool) -> None:
-        self.method = method
-        self.target = target
-        self.version = version
-        self.headers = headers
-        self.length = length  # Content-Length, else 0 (chunked: see `chunked`)
-        self.chunked = chunked
-        self.keep_alive = keep_alive
-        self.expect_continue = expect_continue
+    method: str
+    target: bytes
+    version: str  # "1.0" or "1.1"
+    headers: list[tuple[bytes, bytes]]  # (lower-case name, value) as received
+    length: int  # Content-Length, else 0 (chunked: see `chunked`)
+    chunked: bool
+    keep_alive: bool
+    expect_continue: bool
 
 
 def parse_head(head: bytes, max_headers: int = MAX_HEADERS) -> Head:
@@ -180,20 +177,15 @@ class BrokenResponse(RemoteProtocolError):
         super().__init__(message, 502)
 
 
-class ResponseHead:
-    __slots__ = ("status_code", "raw_headers", "headers", "framing", "length", "keep_alive")
+class ResponseHead(NamedTuple):
+    """A response head, as `parse_response_head` read it."""
 
-    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]],
-                 framing: str, length: int, keep_alive: bool) -> None:
-        self.status_code = status_code
-        self.raw_headers = raw_headers  # (lower-case name, value) as received
-        # name -> value (latin-1 text), the first of repeated names
-        self.headers: dict[str, str] = {}
-        for k, v in raw_headers:
-            self.headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
-        self.framing = framing
-        self.length = length  # the body's bytes when framing is SIZED
-        self.keep_alive = keep_alive
+    status_code: int
+    raw_headers: list[tuple[bytes, bytes]]  # (lower-case name, value) as received
+    headers: dict[str, str]  # name -> value (latin-1 text), the first of repeated names
+    framing: str  # SIZED, CHUNKED, UNTIL_CLOSE (appliance/h1/state.py)
+    length: int  # the body's bytes when framing is SIZED
+    keep_alive: bool
 
 
 def encode_request(method: str, target: str, headers: list[tuple[bytes, bytes]],
@@ -228,6 +220,7 @@ def parse_response_head(buf: bytes, head_request: bool = False
     minor, code = m.groups()
     status = int(code)
     headers: list[tuple[bytes, bytes]] = []
+    text: dict[str, str] = {}
     length = -1
     te: bytes | None = None
     close = minor == b"0"
@@ -243,6 +236,7 @@ def parse_response_head(buf: bytes, head_request: bool = False
             name = name.lower()
             value = value.strip(b" \t")
             headers.append((name, value))
+            text.setdefault(name.decode("latin-1"), value.decode("latin-1"))
             if name == b"content-length":
                 for one in value.split(b","):
                     one = one.strip(b" \t")
@@ -265,7 +259,7 @@ def parse_response_head(buf: bytes, head_request: bool = False
     else:
         framing, length = UNTIL_CLOSE, 0
     keep_alive = not close and framing != UNTIL_CLOSE
-    return ResponseHead(status, headers, framing, length, keep_alive), end + 4
+    return ResponseHead(status, headers, text, framing, length, keep_alive), end + 4
 
 
 def _bad_field(block: bytes) -> None:

@@ -244,25 +244,6 @@ class Shed:
         return False
 
 
-async def _accept(lsock: socket.socket) -> socket.socket:
-    """The next connection on a non-blocking listening socket (trio's accept rules)."""
-    while True:
-        await trio.lowlevel.wait_readable(lsock)
-        try:
-            sock, _ = lsock.accept()
-        except BlockingIOError:
-            continue
-        except OSError as e:
-            if e.errno in _ACCEPT_SKIP:
-                continue
-            if e.errno not in _ACCEPT_CAPACITY:
-                raise
-            log.error("accept failed (%s); pausing 100 ms", errno.errorcode.get(e.errno, e.errno))
-            await trio.sleep(0.1)
-            continue
-        return sock  # (TCP_NODELAY: the listening socket's, inherited on Linux)
-
-
 async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socket.socket],
                         tls: ssl.SSLContext | None, live: LiveLimits, settings: Settings, *,
                         shutdown_trigger: Callable[[], Awaitable[Any]],
@@ -305,10 +286,24 @@ async def serve_sockets(app: Callable[..., Awaitable[None]], sockets: list[socke
                 await transport.aclose()
 
     async def accept_loop(lsock: socket.socket, handlers: trio.Nursery) -> None:
+        """Accept on a non-blocking listening socket (trio's accept rules), within the bound."""
         nonlocal held
         while True:
-            sock = await _accept(lsock)
+            await trio.lowlevel.wait_readable(lsock)
             try:
+                sock, _ = lsock.accept()
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                if e.errno in _ACCEPT_SKIP:
+                    continue
+                if e.errno not in _ACCEPT_CAPACITY:
+                    raise
+                log.error("accept failed (%s); pausing 100 ms",
+                          errno.errorcode.get(e.errno, e.errno))
+                await trio.sleep(0.1)
+                continue
+            try:  # (TCP_NODELAY: the listening socket's, inherited on Linux)
                 if held >= live.now.max_connections:
                     shed.one(conns, live.now.max_connections)
                     while held >= live.now.max_connections:

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from appliance.http.asgi import read_body
-from appliance.http.stream import cancel_on_disconnect
+from appliance.http.stream import HANGUP, cancel_on_disconnect
 from appliance.server.limits import Limits
 from appliance.server.serve import serve
 from tests.harness.h11io import response, until_closed
@@ -433,3 +433,17 @@ async def test_an_answer_before_a_body_still_owed_says_close(wire, autojump_cloc
                              b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
                              b"Connection: close\r\n\r\n")
         assert raw.count(b"HTTP/1.1 401") == 2 and raw.lower().count(b"connection: close") == 1
+
+
+async def test_accepted_connections_send_small_writes_at_once(wire):
+    """TCP_NODELAY on every accepted connection (a token is a write): set once on the
+    listening socket, which the accepted ones inherit."""
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["extensions"][HANGUP].transport.sock.getsockopt(
+            socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        await echo(scope, receive, send)
+
+    out = await answer(wire, app, b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200") and seen == [1]
