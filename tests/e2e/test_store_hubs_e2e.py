@@ -4,7 +4,8 @@ turn continuing another hub's chain or conversation runs on that hub.
 
 Two hubs, each with its own store, the same client keys; no nodes (files need none).
 A file uploaded to hub-a is retrieved, read and deleted through hub-b; another key gets
-the same 404 through either; a batch is read and cancelled through hub-b; once hub-a
+the same 404 through either; a batch asked of hub-b over hub-a's file is made on hub-a,
+and read and cancelled through hub-b; once hub-a
 has stopped, hub-b answers its ids 503 with Retry-After, and its own objects as before.
 """
 
@@ -79,9 +80,10 @@ def test_any_hub_answers_for_another_hubs_objects(tmp_path):
         assert b.files.content(held.id).content == LINE
         with pytest.raises(openai.NotFoundError):  # another key: the same 404 via either hub
             f.openai("kb", hub="hub-b").files.retrieve(held.id)
-        batch = a.batches.create(input_file_id=held.id, endpoint="/v1/chat/completions",
+        # asked of hub-b, made on hub-a where its input file is
+        batch = b.batches.create(input_file_id=held.id, endpoint="/v1/chat/completions",
                                  completion_window="24h")
-        assert b.batches.retrieve(batch.id).id == batch.id
+        assert "hub-a" in batch.id and a.batches.retrieve(batch.id).id == batch.id
         # no node: its one line fails at once; hub-a answers the cancel of a finished batch
         wait_until(lambda: b.batches.retrieve(batch.id).status == "completed", timeout=30,
                    what="the batch completed, read through hub-b")

@@ -2,7 +2,8 @@
 
 Theory of operation: `POST /v1/batches` takes an uploaded `batch` file of the caller's and
 one of the endpoints lines may name; the batch is stored `validating` and its lines are
-checked by the runner, off the request. `POST /v1/messages/batches` takes its requests
+checked by the runner, off the request; one whose input file another hub holds is made on
+that hub (hub/store/peers.py). `POST /v1/messages/batches` takes its requests
 inline (bounded by Hub__MaxBodyBytes): their shape is checked here (a bad one is a 400
 for the whole batch, as Anthropic answers), their params by the router when each runs.
 Retrieve, list and cancel read the store; a running batch is read from the runner (its
@@ -22,7 +23,7 @@ from appliance.bounds import echo
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
 from appliance.http.errors import ApiError
 from appliance.hub.api.objects import Caller, find, listing, maker, page_ask, store_of
-from appliance.hub.store import ids, lines
+from appliance.hub.store import ids, lines, peers
 from appliance.hub.store.db import Obj
 from appliance.hub.store.runner import RUNNING, WINDOW_SECONDS
 
@@ -125,7 +126,13 @@ async def handle_openai(hub: Hub, scope: Scope, receive: Receive, send: Send, c:
     store = store_of(hub)
     method = scope["method"]
     if not rest and method == "POST":
-        req = _decode(await _body(hub, receive), _Create)
+        body = await _body(hub, receive)
+        req = _decode(body, _Create)
+        holder = peers.elsewhere(hub, scope, req.input_file_id, "file-")
+        if holder is not None:  # made where its input file is (hub/store/peers.py)
+            await peers.forward(hub, scope, peers.replay(body, receive), send,
+                                req.input_file_id, holder)
+            return
         owner = maker(c)
         if req.endpoint not in lines.ENDPOINTS:
             raise ApiError(400, "invalid_request", f"endpoint must be one of "

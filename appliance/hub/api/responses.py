@@ -32,6 +32,7 @@ from appliance.hub.api.router import handle_inference
 from appliance.hub.store import ids, peers
 from appliance.hub.store import items as itemsmod
 from appliance.hub.store.db import Obj
+from appliance.hub.store.peers import replay
 from appliance.hub.store.responses import history, record
 from appliance.hub.translate.responses import HUB_FIELDS
 
@@ -45,26 +46,13 @@ MAX_KEPT = 16 * 1024 * 1024
 FINAL_EVENTS = (b"response.completed", b"response.incomplete")
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    given = False
-
-    async def again() -> dict[str, Any]:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return again
-
-
 async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     """POST /v1/responses (with a store; without one the router answers it alone)."""
     try:
         body = await read_body(receive, hub.cfg.hub.max_body_bytes)
     except BodyTooLarge:
         # The router answers it in its own words (413) from what is left of the body.
-        await handle_inference(hub.routing, scope, _replay(b"x" * (hub.cfg.hub.max_body_bytes + 1),
+        await handle_inference(hub.routing, scope, replay(b"x" * (hub.cfg.hub.max_body_bytes + 1),
                                                    receive), send, "openai")
         return
     try:
@@ -72,7 +60,7 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     except (msgspec.DecodeError, RecursionError):
         obj = None
     if not isinstance(obj, dict):
-        await handle_inference(hub.routing, scope, _replay(body, receive), send, "openai")
+        await handle_inference(hub.routing, scope, replay(body, receive), send, "openai")
         return
     had_fields = obj.pop(HUB_FIELDS, None) is not None
     keep = obj.get("store", True) is not False
@@ -81,13 +69,13 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
     if not keep and prev is None and conv is None and not bg:
         if had_fields:
             body = msgspec.json.encode(obj)
-        await handle_inference(hub.routing, scope, _replay(body, receive), send, "openai")
+        await handle_inference(hub.routing, scope, replay(body, receive), send, "openai")
         return
     holder, oid = _chain_elsewhere(hub, scope, prev, conv)
     if holder is not None:  # the chain lives on another hub: that hub runs this turn
         try:
             caller(hub, scope)  # a caller this hub knows, before it asks another
-            await peers.forward(hub, scope, _replay(body, receive), send, oid, holder)
+            await peers.forward(hub, scope, replay(body, receive), send, oid, holder)
         except ApiError as e:
             await send_api_error(send, "openai", e)
         return
@@ -113,7 +101,7 @@ async def create(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
             log.warning("response %s answered but not stored: %s", plan.rid, e)
 
     tee.on_end = finish
-    await handle_inference(hub.routing, scope, _replay(msgspec.json.encode(plan.body), receive),
+    await handle_inference(hub.routing, scope, replay(msgspec.json.encode(plan.body), receive),
                            tee.send, "openai")
 
 

@@ -4,18 +4,19 @@ Theory of operation: an object's id names the hub that made it and holds it (ids
 A route over one object (`/v1/files/{id}...`, batches, message batches, responses,
 conversations) whose id names another hub is sent to that hub as it came -- method, path,
 query, the caller's headers (its key), the body -- and the answer relayed back as it
-arrives, so any hub answers for every object. The hubs' URLs are the cluster's (each
-hub's `hubs/NAME` key in etcd holds its Cluster__Url, else Hub__Listen as bound; kept a
-lease after the key went, so a hub whose renewal came late is still asked). A hub that
-is not running now (no key for a lease) or does not answer is 503 `held_elsewhere` with
-Retry-After. A request a hub sent on carries `x-appliance-from` and
-is answered where it lands, never sent on again (no loops).
+arrives, so any hub answers for every object; a batch whose input file another hub holds
+is made there, where its lines are (`replay` gives a body already read again). The hubs'
+URLs are the cluster's (each hub's `hubs/NAME` key in etcd holds its Cluster__Url, else
+Hub__Listen as bound; kept a lease after the key went, so a hub whose renewal came late
+is still asked). A hub that is not running now (no key for a lease) or does not answer
+is 503 `held_elsewhere` with Retry-After. A request a hub sent on carries
+`x-appliance-from` and is answered where it lands, never sent on again (no loops).
 """
 
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -59,6 +60,20 @@ def elsewhere(hub: Hub, scope: Scope, oid: str, prefix: str) -> str | None:
     if any(k == FROM for k, _ in scope["headers"]):
         return None
     return holder
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` with `body`, already read, given again first (to send it on whole)."""
+    given = False
+
+    async def again() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
 
 
 def _gone(oid: str, holder: str, why: str) -> ApiError:
