@@ -98,8 +98,10 @@ class Hub:
             self.grace, Recorder(self.audit, self.recent, self.slow, self.metrics,
                                  self.admission.enabled),
             self.relay, self.tracing)
-        # with Cluster__Etcd (run_hub sets it)
+        # with Cluster__Etcd (run_hub sets both): the member, and the one client that asks
+        # the other hubs for the objects they hold (hub/store/peers.py)
         self.cluster: Member | None = None
+        self.peer_client: httpx.AsyncClient | None = None
         # with Hub__Workers>1 (hub/workers.py sets it)
         self.workers: WorkerSet | None = None
         # with Store__Path (run_hub opens it; hub/store/): files, batches, stored responses

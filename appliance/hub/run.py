@@ -171,8 +171,10 @@ async def _cluster(hub: Hub, *,
     """Several hubs (Cluster__Etcd): this hub's election and shared state (hub/cluster/)."""
     from appliance.hub.cluster import etcd
     from appliance.hub.cluster.member import Member
+    from appliance.hub.store import peers
 
-    async with etcd.open_client(hub.cfg.cluster) as client:
+    async with etcd.open_client(hub.cfg.cluster) as client, \
+            peers.open_client(hub.cfg) as hub.peer_client:
         hub.cluster = Member(hub.cfg, etcd.make(hub.cfg.cluster, client), hub.control, hub.registry,
                              lambda name, url: hub.add_node(name, url, static=False))
         await hub.cluster.run(task_status=task_status)
