@@ -23,7 +23,7 @@ import json
 import socket
 import tempfile
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h11
@@ -72,15 +72,46 @@ async def app(scope, receive, send):
         raise
 
 
+class Settle(trio.abc.Instrument):
+    """How the machine's thread waits for the server's table: a condition looked at again
+    after every step of the server's tasks (the only code that changes a table), the
+    waiter woken once it holds -- no clock, whatever the box's load."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[Callable[[], bool], threading.Event]] = []
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        with self._lock:
+            for condition, held in self._waiting:
+                if not held.is_set() and condition():
+                    held.set()
+
+    def wait(self, condition: Callable[[], bool], seconds: float = 10) -> None:
+        """Until `condition()` holds, or `seconds` pass (the caller's asserts then say why)."""
+        held = threading.Event()
+        with self._lock:  # (a step that ends after this look is looked after)
+            if condition():
+                return
+            self._waiting.append((condition, held))
+        try:
+            held.wait(seconds)
+        finally:
+            with self._lock:
+                self._waiting.remove((condition, held))
+
+
 class _Server:
     """One listener in a thread of its own (the machine's steps are blocking calls)."""
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
         self.port = 0
+        self.settle = Settle()
         ready = threading.Event()
 
         async def main() -> None:
+            trio.lowlevel.add_instrument(self.settle)
             async with trio.open_nursery() as n:
                 _, self.port = await n.start(lambda task_status: serve(
                     app, "127.0.0.1:0", "fake", task_status=task_status, **wire.serve_kwargs))
@@ -186,7 +217,6 @@ class ConnectionMachine(RuleBasedStateMachine):
         port = self.sock.getsockname()[1]
         self.sock.close()
         if self.asked:  # the server notes the client's end (a FIN, or a reset)
-            wait_until(lambda: port in CYCLES)
             cycle = self._cycle(lambda t: t.eof, port)
             # (a body cut short and never read, an early answer's: SEND_BODY, never DONE)
             assert cycle.eof and cycle.their in (CLOSED, ERROR, SEND_BODY), vars_of(cycle)
@@ -223,11 +253,9 @@ class ConnectionMachine(RuleBasedStateMachine):
     def _cycle(self, settled, port: int | None = None):
         """This connection's (or the one from `port`'s) table once `settled(table)` holds
         (or after 10 s)."""
-        cycle = CYCLES[port if port is not None else self.sock.getsockname()[1]]
-        deadline = time.monotonic() + 10
-        while not settled(cycle) and time.monotonic() < deadline:
-            time.sleep(0.002)
-        return cycle
+        key = port if port is not None else self.sock.getsockname()[1]
+        self.srv.settle.wait(lambda: key in CYCLES and settled(CYCLES[key]))
+        return CYCLES[key]
 
     def _at_end(self) -> bool:
         if self.buf:
@@ -236,12 +264,6 @@ class ConnectionMachine(RuleBasedStateMachine):
             return self.sock.recv(65536) == b""
         except (ConnectionResetError, OSError):
             return True
-
-
-def wait_until(cond) -> None:
-    deadline = time.monotonic() + 10
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.002)
 
 
 def vars_of(cycle) -> dict[str, object]:
