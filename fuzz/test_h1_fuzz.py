@@ -23,30 +23,13 @@ from hypothesis import strategies as st
 
 from appliance.h1.body import BodyError, ChunkedBody
 from appliance.h1.parse import BrokenResponse, parse_response_head
-from tests.h1.test_h1parse import check, encode_chunked, header_lists, request_lines
+from tests.h1.test_h1parse import EDIT, check, encode_chunked, header_lists, mutate, request_lines
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "20000"))
 LONG = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 
-MUTATIONS = st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from(["set", "insert", "delete"]),
-                               st.sampled_from([0, 9, 10, 13, 32, 44, 58, 59, 127, 128, 255])
-                               | st.integers(0, 255)), max_size=6)
-
-
-def mutate(data: bytes, edits: list[tuple[int, str, int]]) -> bytes:
-    out = bytearray(data)
-    for i, op, byte in edits:
-        if not out:
-            break
-        i %= len(out)
-        if op == "set":
-            out[i] = byte
-        elif op == "insert":
-            out.insert(i, byte)
-        else:
-            del out[i]
-    return bytes(out)
+MUTATIONS = st.lists(EDIT, max_size=6)
 
 
 @LONG
