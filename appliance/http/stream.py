@@ -177,7 +177,7 @@ class HangupWatch(Protocol):
         ended first: `drained`)."""
         ...
 
-    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+    def watch(self, fn: Callable[[], None]) -> Callable[[], object] | None:
         """Call `fn()` once when the client hangs up; returns the function that stops
         watching, or None when this connection cannot be watched so."""
         ...

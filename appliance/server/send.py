@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import select
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -75,12 +76,15 @@ class Hangups:
         self._calls[fd] = fn
         return True
 
-    def remove(self, fd: int) -> None:
-        if self._calls.pop(fd, None) is not None:
+    def remove(self, fd: int) -> Callable[[], None] | None:
+        """Stop watching `fd`; the function it would have called (None: not watched)."""
+        fn = self._calls.pop(fd, None)
+        if fn is not None:
             try:
                 self._ep.unregister(fd)
             except OSError:  # closed meanwhile: the kernel dropped it from the set
                 pass
+        return fn
 
     def watching(self) -> int:
         return len(self._calls)
@@ -140,8 +144,7 @@ class Sender:
         self.lock = trio.Lock()
         self.stalled = False  # ... because the client read nothing for WriteStallSeconds
         self._drained = False  # ... or because the drain ended (the listener stops)
-        self._hangup: Callable[[], None] | None = None  # a HangupWatch watcher (watch)
-        self._watched = -1  # ... on this fd
+        self._watched = -1  # the fd a HangupWatch watcher waits on (`watch`)
         self.new_response("GET", "1.1")
 
     def new_response(self, method: str, version: str) -> None:
@@ -231,29 +234,26 @@ class Sender:
         self.abandon()
         return False
 
-    def watch(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+    def watch(self, fn: Callable[[], None]) -> Callable[[], object] | None:
         """HangupWatch: `fn()` once when the client hangs up -- or when a write to it fails
         (it stopped reading, or the connection broke); the function that stops watching."""
         h, fd = self.hangups, self.transport.sock.fileno()
         if h is None or not h.add(fd, fn):
             return None
-        self._hangup, self._watched = fn, fd
-        return self.unwatch
-
-    def unwatch(self) -> None:
-        self._hangup = None
-        if self._watched >= 0 and self.hangups is not None:
-            self.hangups.remove(self._watched)
-            self._watched = -1
+        self._watched = fd
+        return partial(h.remove, fd)  # (the socket stays open until the app returns)
 
     def abandon(self) -> None:
         """The answer is given up (a write failed, or was not worth waiting for): later
         writes are dropped and the receive side says `http.disconnect`."""
         if self.cycle.ours != ERROR:
             self.cycle.server(BROKEN)
-        if self._hangup is not None:  # a watcher waits on the socket alone: tell it
-            fn, self._hangup = self._hangup, None
-            fn()
+        fd, h = self._watched, self.hangups
+        if fd >= 0 and h is not None:  # a watcher waits on the socket alone: tell it
+            self._watched = -1
+            fn = h.remove(fd)
+            if fn is not None:
+                fn()
         self.answered()
 
     async def write(self, data: bytes, shield: bool = True) -> None:
