@@ -230,6 +230,7 @@ class Conn:
         """One request; whether the connection may serve another."""
         sh = self.shared
         self.rx.new_request(head)
+        self.tx.new_response(head.method, head.version)
         has_body = head.chunked or head.length > 0
         self.cycle.client(REQUEST if has_body else REQUEST_NO_BODY)
         if not head.keep_alive:

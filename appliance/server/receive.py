@@ -105,8 +105,6 @@ class Receiver:
         self.held = 0
         self.reads = 0
         self.continued = False
-        self.tx.new_response(head.method if head is not None else "GET",
-                             head.version if head is not None else "1.1")
 
     async def _wait(self, deadline: float) -> bytes | None:
         """The next bytes (b"" at the end), or None past `deadline`."""
