@@ -5,10 +5,10 @@ sees to that), but each costs the hub about as much CPU as a chat, and on a hub 
 few cores a batch's 80+ lines a second slow the essential and normal requests beside it.
 `Beside` watches admission's arrivals of requests that are not background (priority on;
 off: every arrival less the lines this hub started) and the ones waiting: while one came
-within QUIET_SECONDS, the runner keeps at most BESIDE_SHARE of Batch__MaxConcurrent lines
-in flight (at least one); with none about, all of them. A line waits in `room` before it
-goes, looking again as lines end or every CHECK_SECONDS. `background: true` responses are
-lines too.
+within QUIET_SECONDS, the runner keeps at most Batch__BesidePercent of
+Batch__MaxConcurrent lines in flight (at least one); with none about, all of them. A line
+waits in `room` before it goes, looking again as lines end or every CHECK_SECONDS.
+`background: true` responses are lines too.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import trio
 # Other work counts as about this long after it last arrived (a chatting client's next
 # turn comes within seconds; a batch alone runs at full width within one).
 QUIET_SECONDS = 1.0
-# The share of Batch__MaxConcurrent run at once while other work is about.
-BESIDE_SHARE = 0.25
 CHECK_SECONDS = 0.1
 
 
@@ -68,12 +66,14 @@ class Beside:
         self.seen = max(self.seen, others)
         return now - self.last < QUIET_SECONDS
 
-    def allowed(self, most: int) -> int:
-        return max(1, int(most * BESIDE_SHARE)) if self.about() else most
+    def allowed(self, most: int, percent: int = 25) -> int:
+        """Lines that may be in flight: `percent` of `most` (Batch__BesidePercent of
+        Batch__MaxConcurrent, at least one) while other work is about, else `most`."""
+        return max(1, most * percent // 100) if self.about() else most
 
-    async def room(self, most: int) -> None:
+    async def room(self, most: int, percent: int = 25) -> None:
         """Return when one more line may go."""
-        while self.running >= self.allowed(most):
+        while self.running >= self.allowed(most, percent):
             with trio.move_on_after(CHECK_SECONDS):
                 await self._ended.wait()
 

@@ -119,7 +119,8 @@ class Background:
         try:
             with cs:
                 await self.limiter.acquire_on_behalf_of(cs)
-                await self.beside.room(self.cfg().batch.max_concurrent)
+                bc = self.cfg().batch
+                await self.beside.room(bc.max_concurrent, bc.beside_percent)
                 self.beside.started()
                 going = True
                 o.state = resp["status"] = "in_progress"

@@ -217,7 +217,8 @@ class Batches:
                 for idx, _cid, request in pending:
                     token = object()
                     await self.limiter.acquire_on_behalf_of(token)
-                    await self.beside.room(self.cfg().batch.max_concurrent)
+                    bc = self.cfg().batch
+                    await self.beside.room(bc.max_concurrent, bc.beside_percent)
                     if stop.is_set() or self._expired(b):
                         self.limiter.release_on_behalf_of(token)
                         break

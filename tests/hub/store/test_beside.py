@@ -1,12 +1,14 @@
 """Batch lines stepping aside for other work (hub/store/beside.py), on a virtual clock:
-a quarter of Batch__MaxConcurrent while essential or normal requests arrive or wait, all
+Batch__BesidePercent (a quarter) of Batch__MaxConcurrent while essential or normal requests arrive or wait, all
 of it once they have been quiet for QUIET_SECONDS; with priority off, the hub's own lines
 are not other work."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 
+from appliance.config import ConfigError, load
 from appliance.hub.store import beside
 from appliance.hub.store.beside import Arrivals, Beside
 
@@ -66,3 +68,13 @@ async def test_priority_off_the_hubs_own_lines_are_not_other_work(autojump_clock
 
 def test_no_counts_never_steps_aside():
     assert Beside(None).allowed(8) == 8
+
+
+async def test_the_share_while_others_are_about_is_batch_besidepercent(autojump_clock):
+    assert load({}).batch.beside_percent == 25
+    assert load({"Batch__BesidePercent": "100"}).batch.beside_percent == 100
+    with pytest.raises(ConfigError):
+        load({"Batch__BesidePercent": "101"})
+    b = Beside(lambda: Arrivals(1, False, 1))  # others wait now
+    assert b.allowed(8, 100) == 8 and b.allowed(8, 50) == 4 and b.allowed(8, 0) == 1
+    assert b.allowed(8) == 2  # the default quarter
