@@ -4,6 +4,7 @@ on 127.0.0.1:0, no sleeps -- every wait is for a line, a change or an event, bou
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from urllib.parse import quote
@@ -17,7 +18,6 @@ from appliance.config import load
 from appliance.http.asgi import read_body
 from appliance.http.stream import wait_disconnect
 from appliance.node.app import NodeApp
-from appliance.node.changes import ChangeWaiter
 from appliance.node.engines.base import Engine, EngineError
 from appliance.node.metrics import NodeMetrics
 from appliance.node.state import NodeStateKeeper
@@ -39,6 +39,7 @@ class Upstream:
         self.seen: list[tuple[str, bytes, dict]] = []
         self.arrived = trio.Event()
         self.gone = 0
+        self.on_gone: Callable[[], None] = lambda: None
 
     async def __call__(self, scope, receive, send):
         body = await read_body(receive, 1 << 20)
@@ -61,6 +62,7 @@ class Upstream:
             async def disconnected():
                 await wait_disconnect(receive)
                 self.gone += 1
+                self.on_gone()
                 n.cancel_scope.cancel()
             n.start_soon(disconnected)
             await self.gate.wait()
@@ -111,19 +113,41 @@ class FakeEngine(Engine):
         return self.url if m is not None and m.state == "ready" else None
 
 
+class CountedKeeper(NodeStateKeeper):
+    """The node's keeper, telling `on_count` of each request it counts in or out (the node
+    publishes in-flight counts only with its heartbeats, no change is said for them)."""
+
+    on_count: Callable[[], None] = staticmethod(lambda: None)
+
+    def try_start(self, model: str) -> None:
+        super().try_start(model)
+        self.on_count()
+
+    def finish(self, model: str) -> None:
+        super().finish(model)
+        self.on_count()
+
+
 class Node:
     def __init__(self, url, keeper, engine, upstream, metrics):
         self.url, self.keeper, self.engine, self.upstream, self.metrics = url, keeper, engine, upstream, metrics
         self.http = httpx.AsyncClient(base_url=url, headers=AUTH, timeout=10)
-        self.changes = ChangeWaiter(keeper)
+        self._changed = trio.Event()
+        keeper.add_listener(self._wake)
+        keeper.on_count = upstream.on_gone = self._wake
+
+    def _wake(self) -> None:
+        self._changed.set()
 
     async def wait_until(self, pred):
-        # In-flight counts change without a state change (they ride on heartbeats), so
-        # this looks again every few ms, bounded.
+        """Until `pred()` holds: looked at again on each change of the node's state, of
+        its in-flight counts and of the engine's hang-ups; bounded."""
         with trio.fail_after(5):
-            while not pred():
-                with trio.move_on_after(0.005):
-                    await self.changes.wait_changed(self.keeper.version)
+            while True:
+                self._changed = trio.Event()
+                if pred():
+                    return
+                await self._changed.wait()
 
 
 @asynccontextmanager
@@ -135,7 +159,7 @@ async def running_node(**env):
     async with trio.open_nursery() as nursery:
         uhost, uport = await nursery.start(partial(serve, up, "127.0.0.1:0", "sim"))
         engine = FakeEngine(f"http://{uhost}:{uport}", lambda: keeper.changed())
-        keeper = NodeStateKeeper("gpu-a", cfg.node, engine)
+        keeper = CountedKeeper("gpu-a", cfg.node, engine)
         metrics = NodeMetrics(CollectorRegistry(), keeper)
         app = NodeApp(cfg, keeper, engine, metrics)
         host, port = await nursery.start(partial(serve, app, "127.0.0.1:0", "node"))
