@@ -210,14 +210,15 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
                            f"body over Hub__MaxBodyBytes ({limit} bytes)") from None
         hold_decoded(req.scope, body, len(wire))  # its decoded size counts against the budget
         asked, obj = decode_body(body)
-        model, known = r.control.resolve(asked.model)
+        model, known = translate.resolve(asked.model, r.control.known)
         ready = r.control.has_ready(model)
         if not ready and not r.grace.over():
             # Just (re)started: the nodes are still reporting what they have (grace.py).
             if not await _wait_grace(r, receive, asked.model, req.scope):
                 req.hung_up(*way.hangup())
                 return
-            model, known = r.control.resolve(asked.model)  # what the nodes said since
+            # what the nodes said since
+            model, known = translate.resolve(asked.model, r.control.known)
             ready = r.control.has_ready(model)
         served = known and allowed(client, model)
         # The model's metrics label is its name once the hub knows it, else OTHER_LABEL: a
@@ -290,7 +291,8 @@ async def _wait_grace(r: Routing, receive: Receive, name: str, scope: Scope) -> 
     """Wait out the start-up grace for `name`; False when the client went away meanwhile."""
     control = r.control
     async with cancel_on_disconnect(receive, scope=scope) as client:
-        await r.grace.wait_settled(lambda: control.has_ready(control.resolve(name)[0]))
+        await r.grace.wait_settled(
+            lambda: control.has_ready(translate.resolve(name, control.known)[0]))
     return not client.gone
 
 
@@ -323,7 +325,7 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
         t = time.perf_counter()  # admission's wait, then the slot's (audit `queue_ms`)
         if req.trace is not None:  # its place in the queue, for the span's admission event
             req.trace.ahead = r.admission.waiting(model)
-        async with r.admission.place(model, req.cls, req.client, in_flight, req.lease.demand,
+        async with r.admission.place(model, req.cls, req.client, in_flight, req.lease,
                                      prompt, victim) as place:
             last = "no node has the model ready"
             node = place.node

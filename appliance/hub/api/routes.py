@@ -43,6 +43,7 @@ from appliance.http.asgi import (
 )
 from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
+from appliance.hub import translate
 from appliance.hub.api import modelops, status
 from appliance.hub.api.anthropic_models import anthropic_model, is_anthropic
 from appliance.hub.api.request import request_id
@@ -205,7 +206,7 @@ async def _one_model(hub: Hub, scope: Scope, send: Send, model_id: str) -> None:
         if scope["method"] not in ("GET", "HEAD"):
             raise ApiError(405, "method_not_allowed", "/v1/models/{id} takes GET")
         client = _client(hub, scope)
-        resolved = hub.control.resolve(model_id)[0]
+        resolved = translate.resolve(model_id, hub.control.known)[0]
         for m in status.openai_models(hub, lambda name: allowed(client, name))["data"]:
             if m["id"] == resolved:
                 await send_json(send, 200, anthropic_model(m) if api == "anthropic" else m)
@@ -235,7 +236,7 @@ async def _show(hub: Hub, scope: Scope, receive: Receive, send: Send) -> None:
             raise ApiError(400, "invalid_json",
                            "body is not valid JSON: nested too deeply") from None
         given = req.model or req.name
-        model, known = hub.control.resolve(given)
+        model, known = translate.resolve(given, hub.control.known)
         if not given or not allowed(client, model) or not known:
             raise ApiError(404, "model_not_found", f"model '{echo(given)}' not found")
         body = await _show_from_node(hub, model)

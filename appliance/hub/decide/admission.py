@@ -45,7 +45,6 @@ from appliance.hub.decide.priority import (
     AdmissionCore,
     Fleet,
     count,
-    ready_nodes,
 )
 from appliance.hub.decide.share import Shares
 from appliance.hub.decide.shared import Fold
@@ -85,9 +84,8 @@ class Admission:
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
         self.victims = Victims()  # background requests holding a place (preempt.py)
         self.reserve_problem = ""  # Priority__ReserveSlots >= the fleet's places (status)
-        # The ready nodes per model, kept until the fleet's shape (a node's state, its
-        # connection, its cordon) changes -- not on every finished request.
-        self._ready: dict[str, list[NodeHandle]] = {}
+        # The fleet's shape (a node's state, its connection, its cordon) the reserve was
+        # last checked against.
         self._shape: list[tuple[NodeHandle, NodeState | None, bool, bool]] = []
         # Which of the nodes it may go to a request goes to (affinity.py, cost.py).
         self.affinity = Affinity(**_affinity(cfg))
@@ -123,7 +121,7 @@ class Admission:
     async def admit(self, model: str, cls: str, client: str, cost: int = 0,
                     weight: float = 1.0) -> Ticket:
         core = self.core
-        ready = self._ready_nodes(model)
+        ready = self.registry.ready_nodes(model)
         if self.core.share is not None:
             self.shares.arrive(model, cls if self.enabled else NORMAL, client, weight,
                                trio.current_time())
@@ -179,7 +177,7 @@ class Admission:
         if self.demand is not None and model in self.demand.follows:  # demand.py
             ms = self.core.models.get(model)
             self.demand.observe(model, self.cost.model_wait(
-                model, self._ready_nodes(model), ms.waiting if ms is not None else 0),
+                model, self.registry.ready_nodes(model), ms.waiting if ms is not None else 0),
                 trio.current_time())
         if p.home:  # it waits for its home node: the place it was granted goes on
             self._dispatch(model)
@@ -191,8 +189,19 @@ class Admission:
         finally:
             if held is not None:
                 self.victims.release(model, held)
-            if p.route is not None and p._served is not None:
-                self._learn(p, p.route, *p._served)
+            if p.route is not None and p._served is not None and p.node is not None:
+                # Its node answered: affinity's index and the cost's rates learn from it
+                # (`first_at`: time.perf_counter() of its first byte; `cache`: the engine's
+                # (prompt, cached) tokens, if it said).
+                route, (first_at, cache) = p.route, p._served
+                if cache is not None:
+                    route.prompt_tokens, route.cached_tokens = cache
+                self.affinity.served(model, route, p.node.name)
+                sent, now = p.sent_at, time.perf_counter()
+                self.cost.learn(model, route, p.node.name,
+                                service_s=now - sent if p.clean and sent else None,
+                                first_s=first_at - sent if first_at is not None and sent
+                                else None)
             took = p.node is not None
             p._give_back()  # a node given back wakes the waiters (Registry.finish)
             if self.shares.groups:
@@ -213,18 +222,22 @@ class Admission:
         if route is None or not self.affinity.enabled:
             self.affinity.spread(model)
             return registry.pick(model, exclude=set(tried)), 0.0
-        ready = [h for h in self._ready_nodes(model) if h.name not in tried and h.ready(model)]
+        ready = registry.ready_nodes(model)
+        if tried:
+            ready = [h for h in ready if h.name not in tried]
         choice = self.cost.choose(model, route, ready, self.affinity, may_wait)
         if choice is not None:
-            return next(h for h in ready if h.name == choice.node), choice.home_wait
+            for h in ready:
+                if h.name == choice.node:
+                    return h, choice.home_wait
         return self._affinity_pick(model, route, tried), 0.0
 
     def _affinity_pick(self, model: str, route: Route, tried: list[str]) -> NodeHandle | None:
         registry = self.registry
         # At its limit: no place left for the model (its slots or its concurrency). Such
         # a node still takes work from the pick when every node is (its engine queues it).
-        nodes = [h for h in self._ready_nodes(model)
-                 if h.name not in tried and h.ready(model) and h.has_concurrency()]
+        nodes = [h for h in registry.ready_nodes(model)
+                 if h.name not in tried and h.has_concurrency()]
         cands = []
         for h in nodes:
             left = h.places_left(model)
@@ -253,21 +266,15 @@ class Admission:
     def _share(self, model: str, cls: str, client: str) -> bool:
         """share.py's rule for the core: may `client` take one more place of `model`?"""
         total: int | None = 0
-        for h in self._ready_nodes(model):
+        for h in self.registry.ready_nodes(model):
             n = places_of(h.state, model)
             total = None if n is None or total is None else total + n
         q = self.core.queues.get(model)
         waiting = q.lanes[RANK[cls]].backlog() if q is not None else {}
         return self.shares.take(model, cls, client, total, trio.current_time(), waiting)
 
-    def _ready_nodes(self, model: str) -> list[NodeHandle]:
-        ready = self._ready.get(model)
-        if ready is None:
-            ready = self._ready[model] = ready_nodes(self.registry.nodes.values(), model)
-        return ready
-
     def fleet(self, model: str) -> Fleet:
-        return count(self._ready_nodes(model), model)
+        return count(self.registry.ready_nodes(model), model)
 
     def _dispatch(self, model: str) -> None:
         for w in self.core.dispatch(model, self.fleet(model)):
@@ -278,7 +285,6 @@ class Admission:
         shape = [(h, h.state, h.connected, h.cordoned) for h in self.registry.nodes.values()]
         if shape != self._shape:
             self._shape = shape
-            self._ready.clear()
             self._check_reserve()
         self._wake_waiters()
 
@@ -353,22 +359,6 @@ class Admission:
         for w in self.cost.queues.dispatch(name, model, free, routable):
             if w.event is not None:
                 w.event.set()
-
-    def _learn(self, p: Place, route: Route, first_at: float | None,
-               cache: tuple[int, int] | None) -> None:
-        """`p.node` answered `route` (`first_at`: time.perf_counter() of its first byte;
-        `cache`: the engine's word on its prompt cache): affinity's index and the cost's
-        rates learn from it."""
-        if p.node is None:
-            return
-        if cache is not None:
-            route.prompt_tokens, route.cached_tokens = cache
-        self.affinity.served(p.model, route, p.node.name)
-        now = time.perf_counter()
-        self.cost.learn(p.model, route, p.node.name,
-                        service_s=now - p.sent_at if p.clean and p.sent_at else None,
-                        first_s=first_at - p.sent_at if first_at is not None and p.sent_at
-                        else None)
 
     # --- slot waits ----------------------------------------------------------------------
 

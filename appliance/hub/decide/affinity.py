@@ -65,14 +65,8 @@ class Route:
     predicted: tuple[float, float] | None = None
     # A wait for its home node (home.py): (predicted s, waited s, outcome)
     home_wait: tuple[float, float, str] | None = None
-
-
-def route_key(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]], block: int) -> Route:
-    """The request's key: its session if it names one, else its prefix chain."""
-    session = session_of(obj, headers)
-    if session is not None:
-        return Route(session=session)
-    return Route(chain=chain_of(render(obj), block))
+    # Its model's counts, found where it was placed (`served` counts into them too)
+    stats: ModelStats | None = None
 
 
 def prompt_tokens(size: int) -> int:
@@ -224,7 +218,7 @@ class Affinity:
     """The hub's affinity: its settings, a prefix index per model, counts per model.
     `models` holds only models the router resolved (known ones): a bounded label set.
 
-    1. A key per request (`route_key`), first found wins: the body's `prompt_cache_key`;
+    1. A key per request (`key`), first found wins: the body's `prompt_cache_key`;
        the headers `x-session-id`, `x-claude-code-session-id`, `session_id`,
        `conversation_id`; Anthropic's `metadata.user_id` -- else the prefix-hash chain: the
        request rendered in chat-template order (tools, system, then the messages with role
@@ -274,9 +268,15 @@ class Affinity:
                 ix.entries.popitem(last=False)
 
     def key(self, obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> Route:
-        """The request's key; while off an empty one, so the engines' cache figures are
-        counted all the same (nothing is hashed)."""
-        return route_key(obj, headers, self.block) if self.enabled else Route()
+        """The request's key: its session if it names one, else its prefix chain; while
+        off an empty one, so the engines' cache figures are counted all the same (nothing
+        is hashed)."""
+        if not self.enabled:
+            return Route()
+        session = session_of(obj, headers)
+        if session is not None:
+            return Route(session=session)
+        return Route(chain=chain_of(render(obj), self.block))
 
     def stats(self, model: str) -> ModelStats:
         s = self.models.get(model)
@@ -293,7 +293,7 @@ class Affinity:
     def choose(self, model: str, route: Route, candidates: Sequence[Candidate]) -> str | None:
         """The node for `route` among `candidates` (None: none within the bound; the
         caller spreads). Fills `route.reason`, `node`, `matched`; counts the decision."""
-        s = self.stats(model)
+        s = route.stats = self.stats(model)
         route.matched = route.entry_seq = 0
         if not candidates:
             route.reason, route.node = SPREAD, ""
@@ -336,7 +336,7 @@ class Affinity:
         `cached_tokens`, from translate/usage.py's `Usage.cache`, when it gave one) is
         counted against the prediction, and the index learns that `node` holds this
         prompt now."""
-        s = self.stats(model)
+        s = route.stats if route.stats is not None else self.stats(model)
         prompt, cached = route.prompt_tokens, route.cached_tokens
         ix = self.index.get(model) if route.chain else None
         if prompt is not None and cached is not None:

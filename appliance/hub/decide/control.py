@@ -8,9 +8,9 @@ injectable; at most MAX_IDLE_UNLOADS idle unloads at once), and reports the node
 answer back. A load is bounded from `Engine__StartTimeoutSeconds`; the node's own
 502/504 normally ends it first.
 
-What the router and status call: `known(model)`; `await make_servable(model, keep)` (once
-a replica is ready, or ApiError: parked, unplaceable by a fresh decision, still loading);
-`touch(model)`; `models_status()`; `reload(cfg)`; `retry(model)`.
+What the router and status call: `known(model)` (translate.resolve asks it); `await
+make_servable(model, keep)` (once a replica is ready, or ApiError: parked, unplaceable by a
+fresh decision, still loading); `touch(model)`; `models_status()`; `reload(cfg)`; `retry(model)`.
 
 With `Cluster__Etcd`, `cluster` is this hub's member: only while it leads does the loop
 plan, every load and unload carrying its epoch; a node's 409 `stale_leader` marks the node
@@ -29,7 +29,6 @@ import trio
 from appliance.client.upstream import Pool, UpstreamError
 from appliance.config import Config
 from appliance.http.errors import ApiError
-from appliance.hub import translate
 from appliance.hub.decide import activation, capable
 from appliance.hub.decide.actions import Action, Load, Unload
 from appliance.hub.decide.placement import Models
@@ -157,7 +156,8 @@ class Control:
                     continue
                 self._unloading[(act.node, act.model)] = trio.Event()
                 if (h := self.registry.nodes.get(act.node)) is not None:
-                    h.unloading.add(act.model)  # from the decision on, no request goes there
+                    # from the decision on, no request goes there
+                    self.registry.unloading(h, act.model)
                 self._nursery.start_soon(self._idle_unload, act)
 
     def _audit_events(self) -> None:
@@ -185,14 +185,14 @@ class Control:
                 if self.audit is not None:
                     self.audit.event("model_unload", model=victim, node=act.node,
                                      why=f"room for {act.model}")
-                h.unloading.add(victim)
+                self.registry.unloading(h, victim)
                 try:
                     await self.ops.unload(h, victim)
                 except NodeRefused as e:  # still there: routable as before; the load may fail
-                    h.unloading.discard(victim)
+                    self.registry.unloading(h, victim, False)
                     log.warning("unload of %s on %s refused: %s", victim, act.node, e)
                 except BaseException:
-                    h.unloading.discard(victim)  # still there: routable as before
+                    self.registry.unloading(h, victim, False)  # still there: routable as before
                     raise
             error = None
             with trio.move_on_after(bound) as scope:
@@ -203,7 +203,8 @@ class Control:
             if scope.cancelled_caught:
                 error = f"node {act.node} did not answer the load within {bound:g} s"
             if error is None:
-                h.unloading.discard(act.model)  # loaded again: ready as the node says
+                # loaded again: ready as the node says
+                self.registry.unloading(h, act.model, False)
         except (UpstreamError, NodeGone) as e:
             self.core.load_lost(act.model, act.node, f"{type(e).__name__}: {e}", self.now())
         except StaleLeader as e:
@@ -228,7 +229,7 @@ class Control:
                 log.info("unloading %s from %s: %s", act.model, act.node, act.why)
                 if self.audit is not None:
                     self.audit.event("model_unload", model=act.model, node=act.node, why=act.why)
-                h.unloading.add(act.model)  # no new request goes there meanwhile
+                self.registry.unloading(h, act.model)  # no new request goes there meanwhile
                 await self.ops.unload(h, act.model)
                 done = True
         except NodeRefused as e:
@@ -237,7 +238,7 @@ class Control:
             log.warning("unload of %s on %s not done: %s", act.model, act.node, e)
         finally:
             if h is not None and not done:
-                h.unloading.discard(act.model)  # still there: routable as before
+                self.registry.unloading(h, act.model, False)  # still there: routable as before
             ev = self._unloading.pop((act.node, act.model), None)
             if ev is not None:
                 ev.set()
@@ -257,11 +258,6 @@ class Control:
             if h.state is not None and h.state.model(model) is not None:
                 return True
         return False
-
-    def resolve(self, name: str) -> tuple[str, bool]:
-        """The model a client's `name` means (Ollama's tag rule, translate.resolve) and
-        whether it is known."""
-        return translate.resolve(name, self.known)
 
     def capabilities(self, model: str) -> set[str] | None:
         """What `model`'s engines say it can do (capable.py); None: nothing is known."""

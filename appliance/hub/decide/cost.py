@@ -107,7 +107,9 @@ class Rates:
         first = r.answers == 0
         r.answers += 1
         if service_s is not None:
-            s = _bounded(service_s, SERVICE_S_BOUNDS, "service time (s)", self.warned)
+            s = service_s
+            if not SERVICE_S_BOUNDS[0] <= s <= SERVICE_S_BOUNDS[1]:
+                s = _bounded(s, SERVICE_S_BOUNDS, "service time (s)", self.warned)
             r.service = s if first else (1 - EWMA) * r.service + EWMA * s
         if first_s is not None and first_s > 0 and uncached is not None \
                 and uncached >= MIN_PREFILL_SAMPLE:
@@ -303,8 +305,12 @@ class CostRouter:
                 held[home[0]] = home[1]
         else:
             seqs = prefix_held(affinity.index.get(model), route.chain)
-            held = {n: b * affinity.block // BYTES_PER_TOKEN for n, (b, _) in seqs.items()}
-        if not any(held.get(h.name, 0) for h in nodes):
+            for n, (blocks, _) in seqs.items():
+                held[n] = blocks * affinity.block // BYTES_PER_TOKEN
+        for h in nodes:
+            if held.get(h.name, 0):
+                break
+        else:
             return None  # nothing cached anywhere: affinity's bounded rendezvous spreads it
         bound = 0.0
         if len(nodes) == 1:
@@ -318,7 +324,7 @@ class CostRouter:
                 return None
             name = best.name
             route.predicted = (best.wait, best.prefill)
-        stats = affinity.stats(model)
+        stats = route.stats = affinity.stats(model)
         top = max(held, key=held.__getitem__, default="")
         if top and held[top] > 0 and name != top:
             stats.moved += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 # The paper's w_q / w_p: an output token costs about twice an input token.
 OUTPUT_COST = 2
@@ -21,17 +21,15 @@ def cost(tokens_in: int, tokens_out: int) -> int:
     return tokens_in + OUTPUT_COST * tokens_out
 
 
-class Demand:
+class Demand(Protocol):
     """What fair queueing needs of one request: its charge at grant, its key's weight, and
     -- once it ended, as the engine said -- what it really cost (`used`; None: not known,
-    the charge stands). Made with the request's lease (limits.py), filled in when it
-    settles, read by admission when the request gives its place back."""
+    the charge stands). The request's lease (limits.Lease) carries it: made at admission,
+    `used` filled in when it settles, read by admission when the place is given back."""
 
-    __slots__ = ("cost", "weight", "used")
-
-    def __init__(self, cost: int, weight: float) -> None:
-        self.cost, self.weight = cost, weight
-        self.used: int | None = None
+    cost: int
+    weight: float
+    used: int | None
 
 
 class FairLane:

@@ -5,7 +5,8 @@ clients sets a model's idle time for everyone (`Health.keep`, counted from
 `Health.last_used`: the shared clock, which first sight, an operator's retry and a
 follower's ask also start). Any other key sets only its own hold (`Holds`): its keep_alive
 clipped to the model's configured idle time (`IdleUnloadSeconds`) -- shorter or longer
-within it, never past it, never pinned -- and `keep_alive: 0` releases that hold alone.
+within it, never past it, never pinned -- and `keep_alive: 0` releases that hold alone
+(placement.Models.touch).
 The model stays wanted until the latest of the shared clock's end and every hold
 (`until`). Bounded: one hold per key name, at most MAX_HOLDS per model; holds that ended
 are dropped when the table fills, then the soonest to end.
@@ -53,27 +54,11 @@ class Holds:
 
 
 class Health(Protocol):
-    """A model's health as holds read and write it (catalog.Health)."""
+    """A model's health as holds read it (catalog.Health)."""
 
     last_used: float | None
     keep: float | None
     holds: Holds
-
-
-def touch(h: Health, idle: float, now: float, keep: float | None, key: str | None) -> None:
-    """A request used the model of `h` (configured idle time `idle`, 0: none) with
-    keep_alive `keep`. `key` None: a managing request, whose keep_alive is everyone's (0
-    ends every hold); else that key's own hold."""
-    if key is None:
-        h.last_used, h.keep = now, keep
-        if keep == 0:
-            h.holds.clear()
-        return
-    own = own_seconds(keep, math.inf if idle == 0 else idle)
-    if own == math.inf:  # no idle unload configured: the shared clock's own rule
-        h.last_used = now
-    else:
-        h.holds.hold(key, now, own)
 
 
 def own_seconds(keep: float | None, idle: float) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from appliance.config import ClientConfig
@@ -29,7 +30,8 @@ BYTES_PER_TOKEN = 4
 # Output caps beyond this are absurd (no model has a 16M-token context): a 400.
 MAX_OUTPUT_CAP = 1 << 24
 # The output cap fields of the APIs, in the order they win (OpenAI, Responses, Ollama).
-CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+NUM_PREDICT = "options.num_predict"
+CAP_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens", NUM_PREDICT)
 # Retry-After of a refusal by MaxConcurrent: when a running request ends is not known; a
 # short answer takes about this long.
 CONCURRENT_RETRY_AFTER = 1.0
@@ -51,17 +53,17 @@ class Window:
         self.bins: OrderedDict[int, int] = OrderedDict()
         self.total = 0
 
-    def _index(self, now: float) -> int:
-        return math.floor(now / self.width + 1e-9)  # 90.1 / 0.1 is 900.999...
-
-    def _prune(self, now: float) -> None:
-        oldest = self._index(now) - self.nbins
+    def _prune(self, now: float) -> int:
+        """Drop the bins older than the window; returns the bin of `now`."""
+        now_bin = math.floor(now / self.width + 1e-9)  # 90.1 / 0.1 is 900.999...
+        oldest = now_bin - self.nbins
         while self.bins:
             b, n = next(iter(self.bins.items()))
             if b >= oldest:
                 break
             self.bins.popitem(last=False)
             self.total -= n
+        return now_bin
 
     def used(self, now: float) -> int:
         self._prune(now)
@@ -69,8 +71,7 @@ class Window:
 
     def add(self, now: float, n: int) -> int:
         """Add `n` now; returns the bin, for `adjust`."""
-        self._prune(now)
-        b = self._index(now)
+        b = self._prune(now)
         if self.bins and next(reversed(self.bins)) > b:
             b = next(reversed(self.bins))  # a clock that stepped back: the newest bin
         self.bins[b] = self.bins.get(b, 0) + n
@@ -128,14 +129,15 @@ NO_LIMITS = TenantLimits(None, None, None, None, 1.0)
 
 def output_cap(obj: dict[str, Any]) -> int | None:
     """The request's own output cap, or None; ApiError 400 for a negative or absurd one."""
-    fields: list[tuple[str, Any]] = [(f, obj.get(f)) for f in CAP_FIELDS]
     opts = obj.get("options")
-    if isinstance(opts, dict):
-        fields.append(("options.num_predict", opts.get("num_predict")))
-    for name, v in fields:
+    for name in CAP_FIELDS:
+        if name == NUM_PREDICT:
+            v = opts.get("num_predict") if isinstance(opts, dict) else None
+        else:
+            v = obj.get(name)
         if v is None or isinstance(v, bool) or not isinstance(v, int):
             continue  # a wrong type is the API checks' business (translate)
-        if name == "options.num_predict" and v < 0:
+        if name == NUM_PREDICT and v < 0:
             continue  # Ollama: -1 means "until the model stops"
         if v < 0 or v > MAX_OUTPUT_CAP:
             raise ApiError(400, "invalid_request",
@@ -179,19 +181,22 @@ class Tenant:
         self.limited = 0
 
 
+@dataclass(slots=True)
 class Lease:
-    """One admitted request's reservation; `settle` once when it ends."""
+    """One admitted request's reservation; `settle` once when it ends. It is also the
+    request's fair-queueing demand (fair.Demand), found with the same tenant: `cost`
+    charged at grant, the key's `weight`, `used` filled in by `settle`."""
 
-    __slots__ = ("tenant", "reserved", "input_bound", "cap", "minute_bin", "day_bin", "done",
-                 "demand")
-
-    def __init__(self, tenant: Tenant, reserved: int, input_bound: int, cap: int | None,
-                 minute_bin: int, day_bin: int, demand: fair.Demand | None = None) -> None:
-        self.tenant, self.reserved, self.input_bound, self.cap = tenant, reserved, input_bound, cap
-        self.minute_bin, self.day_bin = minute_bin, day_bin
-        self.done = False
-        # Fair queueing's charge, found with the same tenant; `used` filled in by `settle`.
-        self.demand = demand if demand is not None else fair.Demand(0, 1.0)
+    tenant: Tenant
+    reserved: int
+    input_bound: int
+    cap: int | None
+    minute_bin: int
+    day_bin: int
+    cost: int = 0
+    weight: float = 1.0
+    used: int | None = None
+    done: bool = False
 
     def settle(self, used: tuple[int, int] | None,
                counted: tuple[int, int] | None = None) -> Settled:
@@ -235,7 +240,7 @@ class Lease:
                 t.out_avg + RATIO_WEIGHT * (u.output - t.out_avg))
             t.tokens.adjust(self.minute_bin, delta)
             t.day.adjust(self.day_bin, delta)
-            self.demand.used = fair.cost(u.input, u.output)
+            self.used = u.input + fair.OUTPUT_COST * u.output
         t.served_in += u.input
         t.served_out += u.output
         return u
@@ -287,15 +292,13 @@ class Limiter:
         self.clients = {c.name: c for c in clients}
         self.reserve_output = reserve_output
 
-    def limits(self, name: str) -> TenantLimits:
+    def find(self, name: str) -> tuple[TenantLimits, Tenant]:
+        """Key `name`'s limits (this hub's share of them) and its windows, found once."""
         c = self.clients.get(name)
-        return NO_LIMITS if c is None else limits_of(c, max(1, self.hubs()))
-
-    def tenant(self, name: str) -> Tenant:
         t = self.tenants.get(name)
         if t is None:
             t = self.tenants[name] = Tenant()
-        return t
+        return NO_LIMITS if c is None else limits_of(c, max(1, self.hubs())), t
 
     def demand(self, name: str, body_bytes: int, cap: int | None) -> tuple[int, float]:
         """What fair queueing charges a request at grant, and its key's weight: its
@@ -303,33 +306,29 @@ class Limiter:
         the key's recent average (at most the cap) -- so that what the settlement corrects
         at the end is small either way. A cap charged whole and refunded at the end would
         lower a busy key's counter below a newcomer's after the newcomer was lifted to it."""
-        d = self._demand(self.tenant(name), self.limits(name), body_bytes, cap)
-        return d.cost, d.weight
+        lim, t = self.find(name)
+        return self._cost(t, body_bytes, cap), lim.weight
 
-    def _demand(self, t: Tenant, lim: TenantLimits, body_bytes: int,
-                cap: int | None) -> fair.Demand:
+    def _cost(self, t: Tenant, body_bytes: int, cap: int | None) -> int:
         out = cap if cap is not None else self.reserve_output
         if t.out_avg is not None:
             out = min(out, math.ceil(t.out_avg))
-        inp = max(1, math.ceil(body_bytes * t.in_per_byte))
-        return fair.Demand(fair.cost(inp, out), lim.weight)
+        return max(1, math.ceil(body_bytes * t.in_per_byte)) + fair.OUTPUT_COST * out
 
     def uncapped(self, name: str, now: float, body_bytes: int) -> int | None:
         """The output cap a request naming none (or a negative one) is sent with while key
         `name` has a token limit -- Auth__ReserveOutputTokens, lowered to what the key has
         left after the body -- so no request runs past its reservation; None: no token limit
         (the engine's own cap applies)."""
-        lim = self.limits(name)
-        t = self.tenant(name)
+        lim, t = self.find(name)
         left = [limit - window.used(now) - body_bytes
                 for limit, window in ((lim.tpm, t.tokens), (lim.tpd, t.day)) if limit is not None]
         return max(1, min(self.reserve_output, *left)) if left else None
 
     def admit(self, name: str, now: float, body_bytes: int, cap: int | None) -> Lease:
         """Reserve for one request of key `name`, or raise ApiError 429. The lease carries
-        the request's fair-queueing demand (`Lease.demand`), found with the same tenant."""
-        lim = self.limits(name)
-        t = self.tenant(name)
+        the request's fair-queueing demand (fair.Demand), found with the same tenant."""
+        lim, t = self.find(name)
         reserve = body_bytes + (cap if cap is not None else self.reserve_output)
         refusal = None if lim is NO_LIMITS else self._check(name, lim, t, now, reserve)
         if refusal is not None:
@@ -341,7 +340,8 @@ class Limiter:
         t.in_flight += 1
         t.pending += reserve
         t.admitted += 1
-        return Lease(t, reserve, body_bytes, cap, mb, db, self._demand(t, lim, body_bytes, cap))
+        return Lease(t, reserve, body_bytes, cap, mb, db, self._cost(t, body_bytes, cap),
+                     lim.weight)
 
     def _check(self, name: str, lim: TenantLimits, t: Tenant, now: float,
                reserve: int) -> ApiError | None:
@@ -401,8 +401,7 @@ class Limiter:
         names = list(self.clients) + [n for n in self.tenants if n not in self.clients]
         total = sum(t.served_in + t.served_out for t in self.tenants.values()) or 1
         for name in names:
-            lim = self.limits(name)
-            t = self.tenant(name)
+            lim, t = self.find(name)
             out[name] = {
                 "limits": {"rpm": lim.rpm, "tpm": lim.tpm, "tokens_per_day": lim.tpd,
                            "max_concurrent": lim.concurrent, "weight": lim.weight},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import trio
@@ -17,6 +18,7 @@ import trio
 from appliance.hub.decide.affinity import Route
 from appliance.hub.decide.demand import ReplicaDemand
 from appliance.hub.decide.fair import FairLane
+from appliance.hub.decide.priority import ESSENTIAL
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 
 
@@ -25,6 +27,7 @@ class Placer(Protocol):
 
     registry: Registry
     demand: ReplicaDemand | None
+    slot_wait: float  # Queue__SlotWaitSeconds (0: no slot waits)
 
     def pick(self, model: str, route: Route | None, tried: list[str],
              may_wait: bool = True) -> tuple[NodeHandle | None, float]: ...
@@ -101,7 +104,8 @@ class Place:
         if self.node is not None and self.home > 0:
             await self._admission.wait_home(self)
         if self.node is not None:
-            await self._admission.wait_slot(self.node, self.model, self.cls)
+            if self._admission.slot_wait > 0 and self.cls != ESSENTIAL:
+                await self._admission.wait_slot(self.node, self.model, self.cls)
             left = self.node.places_left(self.model)
             self.clean = left is None or left >= 0
         self.sent_at = time.perf_counter()
@@ -115,10 +119,12 @@ class Place:
         return self.node
 
 
+@dataclass(slots=True)
 class Ticket:
-    __slots__ = ("model", "cls", "client", "waited", "fair")
+    """The admission a request was granted."""
 
-    def __init__(self, model: str, cls: str, client: str, waited: bool = False,
-                 fair: tuple[FairLane, int] | None = None) -> None:
-        self.model, self.cls, self.client, self.waited = model, cls, client, waited
-        self.fair = fair  # the lane and episode a waiter was charged in (fair.py)
+    model: str
+    cls: str
+    client: str
+    waited: bool = False
+    fair: tuple[FairLane, int] | None = None  # the lane and episode it was charged in

@@ -16,7 +16,7 @@ from typing import Any
 from appliance.config import Config
 from appliance.hub.decide import capable, fit, holds
 from appliance.hub.decide.actions import Action, Load, Pending, Unload
-from appliance.hub.decide.catalog import Health, Spec, catalog, follows_demand
+from appliance.hub.decide.catalog import DISCOVERED_IDLE, Health, Spec, catalog, follows_demand
 from appliance.hub.decide.demand import ReplicaDemand
 from appliance.wire import LoadRequest
 
@@ -229,9 +229,24 @@ class Models:
 
     def touch(self, name: str, now: float, keep: float | None = None,
               key: str | None = None) -> None:
-        """A request used `name`; `keep`: its keep_alive in seconds (None: the default);
-        `key`: a key that may not manage models, holding it for itself (holds.py)."""
-        holds.touch(self._h(name), self.spec(name).idle_unload_seconds, now, keep, key)
+        """A request used `name`; `keep`: its keep_alive in seconds (None: the default).
+        `key` None: a managing request, whose keep_alive is everyone's (0 ends every hold);
+        else a key that may not manage models, holding it for itself (holds.py)."""
+        h = self.health.get(name)
+        if h is None:
+            h = self.health[name] = Health()
+        if key is None:
+            h.last_used, h.keep = now, keep
+            if keep == 0:
+                h.holds.clear()
+            return
+        spec = self.specs.get(name)
+        idle = spec.idle_unload_seconds if spec is not None else DISCOVERED_IDLE
+        own = holds.own_seconds(keep, math.inf if idle == 0 else idle)
+        if own == math.inf:  # no idle unload configured: the shared clock's own rule
+            h.last_used = now
+        else:
+            h.holds.hold(key, now, own)
 
     def requested(self, name: str, now: float) -> None:
         """A request for `name` was refused (parked, unplaceable): it is still wanted."""
@@ -240,7 +255,10 @@ class Models:
 
     def waiting_for_room(self) -> bool:
         """Some model found no place at its last decision (a busy victim may free one)."""
-        return any(h.unplaceable for h in self.health.values())
+        for h in self.health.values():
+            if h.unplaceable:
+                return True
+        return False
 
     def next_due(self, now: float) -> float | None:
         """The earliest end of a backoff still ahead (the loop wakes for it)."""

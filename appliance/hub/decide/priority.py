@@ -216,6 +216,10 @@ class AdmissionCore:
         self.max_depth = max_depth
         self.max_wait = max_wait
         self.background_max_wait = background_max_wait
+        # The classes that need the free places counted to go: background (the reserve),
+        # and normal while essential places are kept.
+        self.counts_places = frozenset(
+            () if not enabled else (BACKGROUND, NORMAL) if essential > 0 else (BACKGROUND,))
 
     # --- the decision --------------------------------------------------------------------
 
@@ -224,7 +228,7 @@ class AdmissionCore:
         room = fleet.room
         if room is not None and room - pending <= 0:
             return False
-        if self.counts_places(cls):
+        if cls in self.counts_places:
             return fleet.places is None or fleet.places - pending > self.held_back(cls)
         return True
 
@@ -235,10 +239,6 @@ class AdmissionCore:
         if not self.enabled or cls == ESSENTIAL:
             return 0
         return self.essential + (self.reserve if cls == BACKGROUND else 0)
-
-    def counts_places(self, cls: str) -> bool:
-        """Whether a request of `cls` needs the free places counted to go."""
-        return self.enabled and (cls == BACKGROUND or (cls == NORMAL and self.essential > 0))
 
     def held_by_reserve(self, cls: str) -> bool:
         return cls == BACKGROUND and self.enabled
@@ -259,7 +259,7 @@ class AdmissionCore:
         if ahead == 0:
             pending = q.pending if q is not None else 0
             if not isinstance(fleet, Fleet):
-                fleet = fleet(self.held_back(cls) + pending if self.counts_places(cls) else -1,
+                fleet = fleet(self.held_back(cls) + pending if cls in self.counts_places else -1,
                               pending)
             if self.may_go(cls, fleet, pending) and (
                     self.share is None or self.share(model, cls, client)):

@@ -83,7 +83,7 @@ class NodeHandle:
         self.url = url.rstrip("/")
         self.static = static
         # A per-node token (Auth__Nodes__N__Token) presented to this node; "": the shared one.
-        self.token = token
+        self.token = token  # sets auth_raw too
         # When the node was last seen going (or staying) unreachable; None while connected.
         self.lost_since: float | None = None
         self.cancel_scope = trio.CancelScope()
@@ -115,16 +115,26 @@ class NodeHandle:
         # does not show yet: not ready for routing, so a request right after an unload
         # (keep_alive 0) waits for a fresh load instead of meeting "not loaded" (503).
         self.unloading: set[str] = set()
+        # The models the node last said are ready and healthy (apply_state): what tells a
+        # heartbeat that changes readiness from one that does not.
+        self.ready_said: frozenset[str] = frozenset()
+
+    @property
+    def token(self) -> str:
+        return self._token
+
+    @token.setter
+    def token(self, token: str) -> None:
+        self._token = token
+        # The same for the proxy's pool (client/upstream.py), whose default it replaces:
+        # made once per token, not once per request.
+        self.auth_raw: list[tuple[bytes, bytes]] = (
+            [(b"authorization", f"Bearer {token}".encode())] if token else [])
 
     @property
     def auth(self) -> dict[str, str]:
         """Headers that override the node client's shared token for this node."""
         return {"authorization": f"Bearer {self.token}"} if self.token else {}
-
-    @property
-    def auth_raw(self) -> list[tuple[bytes, bytes]]:
-        """The same for the proxy's pool (client/upstream.py), whose default it replaces."""
-        return [(b"authorization", f"Bearer {self.token}".encode())] if self.token else []
 
     # --- decisions ---------------------------------------------------------------------
 
@@ -209,6 +219,10 @@ class Registry:
         self.shared = False
         self._changed = trio.Event()
         self._turn = 0  # rotates ties in pick
+        # The ready nodes per model (`ready_nodes`), made once per change of readiness --
+        # a node's ready models or status, its connection, a cordon, an unload (`changed`,
+        # `unloading`) -- not once per request: every part of a request reads one list.
+        self._ready: dict[str, list[NodeHandle]] = {}
         # Models__N__Slots: a model's places per node, written over what its engines say
         # (NodeState.model_slots reads it); empty: the engines' word, else Node__ModelSlots.
         self.slot_overrides: dict[str, int] = {}
@@ -226,13 +240,12 @@ class Registry:
         self._listeners.append((fn, on_finish or fn))
 
     def changed(self) -> None:
-        for fn, _ in self._listeners:
-            fn()
-        self._changed.set()
-        self._changed = trio.Event()
+        self._tell()
 
-    def _finished(self) -> None:
-        for _, fn in self._listeners:
+    def _tell(self, keep_ready: bool = False) -> None:
+        if not keep_ready:
+            self._ready.clear()
+        for fn, _ in self._listeners:
             fn()
         self._changed.set()
         self._changed = trio.Event()
@@ -263,7 +276,21 @@ class Registry:
                 override_slots(h.state, overrides)
 
     def ready_nodes(self, model: str) -> list[NodeHandle]:
-        return [h for h in self.nodes.values() if h.ready(model)]
+        """The nodes `model` can be routed to now (`NodeHandle.ready`), in registry order;
+        the same list until the fleet changes: callers must not change it."""
+        ready = self._ready.get(model)
+        if ready is None:
+            ready = self._ready[model] = [h for h in self.nodes.values() if h.ready(model)]
+        return ready
+
+    def unloading(self, h: NodeHandle, model: str, going: bool = True) -> None:
+        """The hub is unloading `model` from `h` (no request goes there from now), or (not
+        `going`) it stays: routable as the node says."""
+        if going:
+            h.unloading.add(model)
+        else:
+            h.unloading.discard(model)
+        self._ready.pop(model, None)
 
     def pick(self, model: str,
              exclude: set[str] | frozenset[str] = frozenset()) -> NodeHandle | None:
@@ -292,9 +319,14 @@ class Registry:
         h.in_flight_total += 1
 
     def finish(self, h: NodeHandle, model: str) -> None:
+        """A request on `h` ended: the finish listeners (admission's waiters, the control
+        loop while it waits for room) are told; readiness did not change."""
         h.in_flight[model] = max(0, h.in_flight.get(model, 0) - 1)
         h.in_flight_total = max(0, h.in_flight_total - 1)
-        self._finished()
+        for _, fn in self._listeners:
+            fn()
+        self._changed.set()
+        self._changed = trio.Event()
 
     def apply_state(self, h: NodeHandle, state: NodeState) -> None:
         if self.shared:
@@ -302,6 +334,7 @@ class Registry:
             for seen in self.state_listeners:
                 seen(h, state)
         turned = health_turns(h, state)
+        was = (h.status(), h.ready_said, len(h.unloading))
         h.state = state
         override_slots(state, self.slot_overrides)
         for name in list(h.unloading):  # the node shows the unload: its own word again
@@ -314,10 +347,13 @@ class Registry:
         h.lost_since = None
         h.answered = True
         h.lost_reason = ""
+        h.ready_said = frozenset(m.name for m in state.models
+                                 if m.state == "ready" and m.health != UNHEALTHY)
         for model, why in turned:
             for fn in self.health_listeners:
                 fn(h, model, why)
-        self.changed()
+        # A heartbeat that changes no readiness (the usual one) keeps the ready lists.
+        self._tell(keep_ready=(h.status(), h.ready_said, len(h.unloading)) == was)
 
     def forget(self, h: NodeHandle) -> None:
         """Drop the node: its supervisor is cancelled, nothing routes to it any more."""

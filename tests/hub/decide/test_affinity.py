@@ -21,9 +21,13 @@ from appliance.hub.decide.affinity import (
     first_within,
     load_limit,
     rendezvous,
-    route_key,
 )
 from appliance.hub.translate.prompt import MAX_BLOCKS, chain_of, render, session_of
+
+
+def route_key(obj, headers, block):  # type: ignore[no-untyped-def]
+    """A request's key as an affinity of `block`-byte blocks makes it."""
+    return Affinity(block=block).key(obj, headers)
 
 BLOCK = 256
 

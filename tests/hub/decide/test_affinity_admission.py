@@ -7,9 +7,14 @@ import trio
 import trio.testing
 
 from appliance.hub.decide.admission import Admission
-from appliance.hub.decide.affinity import SESSION, SPREAD, Route, rendezvous, route_key
+from appliance.hub.decide.affinity import SESSION, SPREAD, Affinity, Route, rendezvous
 from tests.harness.admission_fleet import MODEL, handle, registry
 from tests.hub.decide.test_admission import make
+
+
+def route_key(obj, headers, block):  # type: ignore[no-untyped-def]
+    """A request's key as an affinity of `block`-byte blocks makes it."""
+    return Affinity(block=block).key(obj, headers)
 
 HOT = b"one-hot-session!"
 
