@@ -44,8 +44,8 @@ from appliance.hub import translate
 from appliance.hub.api.relay import NotAnswered
 from appliance.hub.api.request import Recorder, Request
 from appliance.hub.decide import capable
+from appliance.hub.decide.admission import Prompt
 from appliance.hub.decide.limits import output_cap
-from appliance.hub.decide.place import Prompt
 from appliance.hub.decide.priority import effective_class
 from appliance.hub.observe.spans import RequestSpan
 from appliance.hub.translate.ollama import keep_alive_seconds, unload_answer
@@ -54,7 +54,7 @@ from appliance.hub.translate.prompt import needs
 from appliance.server.limits import ListenerRefusal
 
 if TYPE_CHECKING:
-    from appliance.hub.decide.admission import Admission
+    from appliance.hub.decide.admission import Admission, Place
     from appliance.hub.decide.control import Control
     from appliance.hub.decide.grace import StartupGrace
     from appliance.hub.decide.limits import Limiter

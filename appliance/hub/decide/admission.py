@@ -1,19 +1,18 @@
-"""Admission: may this request go now, or must it wait? The trio shell of `priority.py`.
+"""Admission: may this request go now, or must it wait -- and its place once it may.
 
-Owns the waiting: every decision is made by the synchronous cores (`AdmissionCore`,
-`SlotQueues`, `HomeQueues`, `Shares`); a request that must wait gets a `trio.Event`, set
-when the registry reports a change (`_on_change`; `_wake_waiters` alone when a request
-finishes) and the core says it may go -- no polling, each wait bounded from
-configuration at the call site. A waiter whose client hangs up leaves at once; a place it
-was granted goes to the next. Running work is never touched.
+Owns the capacity queue's waiting, the trio shell of priority.py: every decision is made
+by the synchronous cores (`AdmissionCore`, `Shares`); a request that must wait gets a
+`trio.Event`, set when the registry reports a change (`_on_change`; `_wake_waiters` alone
+when a request finishes) and the core says it may go -- no polling, each wait bounded from
+configuration. A waiter whose client hangs up leaves at once; a place it was granted goes
+to the next. Running work is never touched. Waits on one node (slot, home): waits.py.
 
-A request's place is one `async with admission.place(...) as p` (place.py): admitted on
+A request's place is one `async with admission.place(...) as p` (`Place`): admitted on
 entry (or ApiError: queue_full, queue_timeout, priority_wait_timeout), then on one node at
 a time, picked and counted in flight without a checkpoint after admission; affinity's key
 is made here from the request's `Prompt`, and what the node answered (`Place.served`)
-teaches affinity and the cost rates when the place is given back. Also: `wait_slot`
-(Queue__SlotWaitSeconds), `status_block()` for /api/status, `reload(cfg)`. Its series are
-read by hub/observe/queue_metrics.py: nothing here imports prometheus_client.
+teaches affinity and the cost rates when the place is given back. Its series are read by
+hub/observe/queue_metrics.py: nothing here imports prometheus_client.
 """
 
 from __future__ import annotations
@@ -21,10 +20,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import trio
 
@@ -33,10 +33,8 @@ from appliance.hub.decide import priority
 from appliance.hub.decide.affinity import Affinity, Candidate, Route
 from appliance.hub.decide.cost import CostRouter, places_of
 from appliance.hub.decide.demand import ReplicaDemand
-from appliance.hub.decide.fair import Demand
-from appliance.hub.decide.home import CANCELLED, HOME, MOVED, SENT
+from appliance.hub.decide.fair import Demand, FairLane
 from appliance.hub.decide.lanes import RANK
-from appliance.hub.decide.place import Gauge, Place, Prompt, Ticket
 from appliance.hub.decide.preempt import Preemptible, Victims
 from appliance.hub.decide.priority import (
     BACKGROUND,
@@ -48,7 +46,7 @@ from appliance.hub.decide.priority import (
 )
 from appliance.hub.decide.share import Shares
 from appliance.hub.decide.shared import Fold
-from appliance.hub.decide.slots import SlotQueues
+from appliance.hub.decide.waits import NodeWaits
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.wire import NodeState
 
@@ -73,14 +71,117 @@ def _affinity(cfg: Config) -> dict[str, Any]:
                 entries=r.affinity_index_entries, block=r.affinity_block_chars)
 
 
+class Prompt(NamedTuple):
+    """What affinity keys a request on: its decoded body, its headers, its size in bytes."""
+
+    body: dict[str, Any]
+    headers: Iterable[tuple[bytes, bytes]]
+    size: int
+
+
+class Gauge(Protocol):
+    """A gauge's child (prometheus_client): the in-flight count of one model."""
+
+    def inc(self, amount: float = 1) -> None: ...
+    def dec(self, amount: float = 1) -> None: ...
+
+
+class Place:
+    """A request's place: the node it is on now (`node`, counted in flight) and the
+    nodes it was on (`tried`). Made by `Admission.place`."""
+
+    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket",
+                 "route", "home", "sent_at", "clean", "_served")
+
+    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Gauge | None,
+                 ticket: Ticket, route: Route | None = None) -> None:
+        self._admission, self.model, self.cls = admission, model, cls
+        self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
+        self.node: NodeHandle | None = None
+        self.tried: list[str] = []
+        self.ticket = ticket
+        self.route = route  # the affinity key admission made (None: none)
+        self.home = 0.0  # seconds to wait on `node` for a place there (cost.py), 0: none
+        self.sent_at = 0.0  # time.perf_counter() when it went to its node
+        self.clean = False  # it went with a place (its time is the node's service time)
+        # (first byte's time.perf_counter(), the engine's (prompt, cached) tokens) once
+        # `node` answered (`served`)
+        self._served: tuple[float | None, tuple[int, int] | None] | None = None
+
+    def served(self, first_at: float | None, cache: tuple[int, int] | None) -> None:
+        """Its node answered (200): `first_at`, time.perf_counter() of the first byte;
+        `cache`, (prompt, cached) tokens as the engine reported them, if it did. Affinity's
+        index and the cost's rates learn it when the place is given back."""
+        self._served = (first_at, cache)
+
+    def take(self, may_wait: bool = True) -> None:
+        """Take the best node for it now (`node`; None: none can take it), counted there."""
+        registry = self._admission.registry
+        node, self.home = self._admission.pick(self.model, self.route, self.tried, may_wait)
+        if node is not None:
+            self.tried.append(node.name)
+            registry.start(node, self.model)
+            if self._in_flight is not None:
+                self._in_flight.inc()
+        self.node = node
+
+    def give_back(self) -> None:
+        """Give its node back (if any): uncounted there, the waiters told."""
+        node, self.node = self.node, None
+        if node is not None:
+            demand = self._admission.demand
+            if demand is not None and self.model in demand.follows:
+                demand.used(node.name, self.model, trio.current_time())
+            if self._in_flight is not None:
+                self._in_flight.dec()
+            self._admission.registry.finish(node, self.model)
+
+    def back_to(self, node: NodeHandle) -> None:
+        """Counted on `node` again: a home wait ran out with nowhere else to go."""
+        self._admission.registry.start(node, self.model)
+        if self._in_flight is not None:
+            self._in_flight.inc()
+        self.node = node
+
+    async def wait_slot(self) -> None:
+        """Hold it for a place on its home node while that pays (home.py); then hold a
+        non-essential request while its node's slots for the model are all sent."""
+        if self.node is not None and self.home > 0:
+            await self._admission.waits.wait_home(self)
+        if self.node is not None:
+            waits = self._admission.waits
+            if waits.slot_wait > 0 and self.cls != ESSENTIAL:
+                await waits.wait_slot(self.node, self.model, self.cls)
+            left = self.node.places_left(self.model)
+            self.clean = left is None or left >= 0
+        self.sent_at = time.perf_counter()
+
+    def next(self, max_attempts: int) -> NodeHandle | None:
+        """Give the current node back; take the next other (None: none left, or
+        `max_attempts` nodes tried)."""
+        self.give_back()
+        if len(self.tried) < max_attempts:
+            self.take()
+        return self.node
+
+
+@dataclass(slots=True)
+class Ticket:
+    """The admission a request was granted."""
+
+    model: str
+    cls: str
+    client: str
+    waited: bool = False
+    fair: tuple[FairLane, int] | None = None  # the lane and episode it was charged in
+
+
 class Admission:
     def __init__(self, cfg: Config, registry: Registry) -> None:
         self.cfg = cfg
         self.registry = registry
         self.core = AdmissionCore(**_settings(cfg))
-        self.slots = SlotQueues()
         self.enabled = cfg.priority.enabled
-        self.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
         self.victims = Victims()  # background requests holding a place (preempt.py)
         self.reserve_problem = ""  # Priority__ReserveSlots >= the fleet's places (status)
@@ -90,6 +191,9 @@ class Admission:
         # Which of the nodes it may go to a request goes to (affinity.py, cost.py).
         self.affinity = Affinity(**_affinity(cfg))
         self.cost = CostRouter(cfg.router.home_wait_seconds)
+        # Slot and home waits on one node (waits.py).
+        self.waits = NodeWaits(registry, self.cost.queues, cfg.queue.slot_wait_seconds)
+        self.slots = self.waits.slots
         registry.set_slot_overrides(slot_overrides(cfg))
         # Replicas that follow demand (demand.py): the control plane's, set by the hub.
         self.demand: ReplicaDemand | None = None
@@ -110,7 +214,7 @@ class Admission:
         self.cost.home_wait = cfg.router.home_wait_seconds
         self.registry.set_slot_overrides(slot_overrides(cfg))
         self.enabled = cfg.priority.enabled
-        self.slot_wait = cfg.queue.slot_wait_seconds
+        self.waits.slot_wait = cfg.queue.slot_wait_seconds
         self.preempt = cfg.priority.enabled and cfg.priority.preempt
         self._check_reserve()  # the reserve or the essential places may have changed
         self._share_keys(cfg)
@@ -173,7 +277,7 @@ class Admission:
             route = self.affinity.key(prompt.body, prompt.headers)
             route.size = prompt.size
         p = Place(self, model, cls, in_flight, ticket, route)
-        p._take()  # no checkpoint since admit returned: this place is ours
+        p.take()  # no checkpoint since admit returned: this place is ours
         if self.demand is not None and model in self.demand.follows:  # demand.py
             ms = self.core.models.get(model)
             self.demand.observe(model, self.cost.model_wait(
@@ -203,7 +307,7 @@ class Admission:
                                 first_s=first_at - sent if first_at is not None and sent
                                 else None)
             took = p.node is not None
-            p._give_back()  # a node given back wakes the waiters (Registry.finish)
+            p.give_back()  # a node given back wakes the waiters (Registry.finish)
             if self.shares.groups:
                 self.shares.release(model, cls if self.enabled else NORMAL, client,
                                     trio.current_time())
@@ -305,91 +409,8 @@ class Admission:
         if self.core.queues:
             for model in self.core.waiting_models():
                 self._dispatch(model)
-        if self.slots.queues:
-            for node, model in self.slots.keys():
-                self._dispatch_slots(node, model)
-        if self.cost.queues.queues:
-            for node, model in self.cost.queues.keys():
-                self._dispatch_home(node, model)
-
-    # --- home waits (home.py) ------------------------------------------------------------
-
-    async def wait_home(self, p: Place) -> None:
-        """Hold `p` on its node (counted in flight there) until a place frees, at most
-        `p.home` seconds; then it moves to the cheapest other node that can take it."""
-        node, bound, route = p.node, p.home, p.route
-        assert node is not None
-        p.home = 0.0
-        predicted = route.predicted[0] if route is not None and route.predicted else 0.0
-        queues = self.cost.queues
-        w = queues.enter(node.name, p.model, p.cls, predicted)
-        w.event = woken = trio.Event()
-        self._dispatch_home(node.name, p.model)
-        t0 = trio.current_time()
-        try:
-            with trio.move_on_after(bound):
-                await woken.wait()
-        except BaseException:
-            if not w.granted:
-                queues.leave(w)
-            queues.count(p.model, CANCELLED)
-            raise
-        outcome = HOME
-        if not w.granted:
-            queues.leave(w)
-            p._give_back()
-            p._take(may_wait=False)  # anywhere but home
-            if p.node is None:  # nowhere else: back home, sent anyway (its engine queues)
-                outcome = SENT
-                self.registry.start(node, p.model)
-                if p._in_flight is not None:
-                    p._in_flight.inc()
-                p.node = node
-            else:
-                outcome = MOVED
-                p.tried.remove(node.name)  # a move is not a failed attempt
-        queues.count(p.model, outcome)
-        if route is not None:
-            route.home_wait = (predicted, trio.current_time() - t0, outcome)
-
-    def _dispatch_home(self, name: str, model: str) -> None:
-        h = self.registry.nodes.get(name)
-        routable = h is not None and h.ready(model)
-        free = h.places_left(model) if h is not None else None
-        for w in self.cost.queues.dispatch(name, model, free, routable):
-            if w.event is not None:
-                w.event.set()
-
-    # --- slot waits ----------------------------------------------------------------------
-
-    async def wait_slot(self, node: NodeHandle, model: str, cls: str) -> None:
-        """Hold a non-essential request while its node's slots for `model` are all sent."""
-        if self.slot_wait <= 0 or cls == ESSENTIAL or node.state is None:
-            return
-        w = self.slots.enter(node.name, model, cls, node.in_flight.get(model, 0),
-                             node.state.model_slots(model))
-        if w is None:
-            return
-        w.event = woken = trio.Event()
-        self._dispatch_slots(node.name, model)
-        try:
-            with trio.move_on_after(self.slot_wait):
-                await woken.wait()
-        finally:
-            if not w.granted:
-                self.slots.leave(node.name, w)  # ran out: sent anyway; or cancelled
-
-    def _dispatch_slots(self, name: str, model: str) -> None:
-        h = self.registry.nodes.get(name)
-        if h is None or h.state is None:
-            woken = self.slots.dispatch(name, model, 0, None, False)
-        else:
-            woken = self.slots.dispatch(name, model, h.in_flight.get(model, 0),
-                                        h.state.model_slots(model),
-                                        h.routable())
-        for w in woken:
-            if w.event is not None:
-                w.event.set()
+        if self.slots.queues or self.cost.queues.queues:
+            self.waits.wake()
 
     # --- visibility ----------------------------------------------------------------------
 

@@ -222,9 +222,9 @@ async def test_essential_goes_past_the_slot_wait_and_normal_waits(autojump_clock
     r.start(a, MODEL)  # one sent, holding the only slot
     r.start(a, MODEL)  # this request
     t0 = trio.current_time()
-    await adm.wait_slot(a, MODEL, "essential")
+    await adm.waits.wait_slot(a, MODEL, "essential")
     assert trio.current_time() == t0
-    await adm.wait_slot(a, MODEL, "normal")  # nobody finishes: sent anyway after the wait
+    await adm.waits.wait_slot(a, MODEL, "normal")  # nobody finishes: sent anyway after the wait
     assert trio.current_time() == t0 + 20
     assert adm.slots.keys() == []
 
@@ -238,7 +238,7 @@ async def test_slot_wait_ends_when_the_slot_frees(autojump_clock):
     async with trio.open_nursery() as n:
         async def second():
             r.start(a, MODEL)
-            await adm.wait_slot(a, MODEL, "normal")
+            await adm.waits.wait_slot(a, MODEL, "normal")
             assert trio.current_time() == t0 + 3
 
         n.start_soon(second)
@@ -253,7 +253,7 @@ async def test_no_slot_wait_when_unset(autojump_clock):
     for _ in range(3):
         r.start(a, MODEL)
     t0 = trio.current_time()
-    await adm.wait_slot(a, MODEL, "background")
+    await adm.waits.wait_slot(a, MODEL, "background")
     assert trio.current_time() == t0
 
 
