@@ -54,7 +54,7 @@ from appliance.hub.translate.prompt import needs
 from appliance.server.limits import ListenerRefusal
 
 if TYPE_CHECKING:
-    from appliance.hub.decide.admission import Admission, Place
+    from appliance.hub.decide.admission import Admission
     from appliance.hub.decide.control import Control
     from appliance.hub.decide.grace import StartupGrace
     from appliance.hub.decide.limits import Limiter
