@@ -107,8 +107,9 @@ VIRTUAL_CLOCKS = {"autojump_clock", "mock_clock"}
 
 
 def real_sleep_polls(tree) -> list[tuple[int, str]]:
-    """`while` loops that sleep (trio.sleep or time.sleep) inside a test that runs on the
-    wall clock (no `autojump_clock` argument): a wait that should be an event, or virtual."""
+    """`while` loops that sleep (trio.sleep, time.sleep) or time out (trio.move_on_after)
+    inside a test on the wall clock (no `autojump_clock` argument): a wait that should be an
+    event, or virtual."""
     import ast
 
     found = []
@@ -121,7 +122,8 @@ def real_sleep_polls(tree) -> list[tuple[int, str]]:
         for loop in ast.walk(test):
             if isinstance(loop, ast.While) and any(
                     isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-                    and c.func.attr == "sleep" and isinstance(c.func.value, ast.Name)
+                    and c.func.attr in ("sleep", "move_on_after")
+                    and isinstance(c.func.value, ast.Name)
                     and c.func.value.id in ("trio", "time") for c in ast.walk(loop)):
                 found.append((loop.lineno, test.name))
     return found
@@ -145,5 +147,7 @@ def test_the_poll_check_sees_a_real_sleep_poll():
     src = ("async def test_a():\n    while not done():\n        await trio.sleep(0.05)\n"
            "async def test_b(autojump_clock):\n    while not done():\n        await trio.sleep(1)\n"
            "def test_c():\n    def until():\n        while x:\n            time.sleep(0.01)\n"
-           "async def test_d():\n    while not done():\n        await changed.wait()\n")
-    assert real_sleep_polls(ast.parse(src)) == [(2, "test_a"), (9, "test_c")]
+           "async def test_d():\n    while not done():\n        await changed.wait()\n"
+           "async def test_e():\n    while not done():\n        with trio.move_on_after(0.005):\n"
+           "            await changed.wait()\n")
+    assert real_sleep_polls(ast.parse(src)) == [(2, "test_a"), (9, "test_c"), (15, "test_e")]
