@@ -296,7 +296,7 @@ async def _wait_grace(r: Routing, receive: Receive, name: str, scope: Scope) -> 
     return not client.gone
 
 
-async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
+async def _route(r: Routing, req: Request, model: str, prep: translate.Plan,
                  keep: float | None, ready: bool,
                  prompt: Prompt | None, way: Relaying, hold: str | None = None) -> None:
     """Make the model servable, take a place, and send to the best node (affinity's first
@@ -335,8 +335,8 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Prepared,
                 req.sent_to(node.name, place.tried, place.route, queued_since=t)
                 if req.trace is not None:
                     req.trace.attempt(node.name)
-                plan = prep.for_engine(translate.engine_kind(node.state),
-                                       translate.context_length(node.state, model))
+                plan = prep.for_engine(translate.engine_kind(node.state), translate.context_length(
+                    node.state, model) if prep.need else 0)  # a context matters only then
                 try:
                     await way.relay(node, req, plan)
                     if req.status == 200:

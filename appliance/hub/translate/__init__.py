@@ -2,10 +2,11 @@
 
 Theory of operation: `prepare(path, body, model)` runs once per request, before any node
 is picked: it checks the body (a 400 in the client's shape, with `param`, instead of an
-engine's 500) and builds the chat-completions body a translation would send. Then, per
-node tried, `prepared.for_engine(kind)` answers a `Plan`: the path and body to send and,
-when the answer needs translating, a converter (`feed(chunk) -> bytes`, `end() -> bytes`,
-`content_type`) -- sync and pure, so tests call them with bytes.
+engine's 500) and answers one `Plan`, with the chat-completions plan a translation would
+send inside it. Per node tried, `plan.for_engine(kind)` picks one of the two (no new value
+per attempt): the path and body to send and, when the answer needs translating, a
+converter (`feed(chunk) -> bytes`, `end() -> bytes`, `content_type`) -- sync and pure, so
+tests call them with bytes.
 
 Who speaks what (docs/api.md's route table is this function):
 - OpenAI chat/completions/embeddings: every engine natively; bytes pass through, read by a
@@ -45,7 +46,13 @@ from appliance.hub.translate.common import (
     enc,
 )
 from appliance.hub.translate.errors import ErrorConverter
-from appliance.hub.translate.usage import Usage, meter, prompt_estimate
+from appliance.hub.translate.usage import (
+    JSONMeter,
+    NDJSONMeter,
+    SSEMeter,
+    Usage,
+    prompt_estimate,
+)
 from appliance.wire import NodeState
 
 # Engine kinds that speak only OpenAI's API (DESIGN 6); the others speak Ollama's too.
@@ -70,150 +77,122 @@ Make = Callable[[Start], Converter]
 
 
 class Plan:
-    """What to send to one node and how to read its answer; `convert` None: pass through.
-    An answer of status 400 or more is never passed through: it becomes the hub's own error
-    in the client's shape (translate/errors.py), whatever the engine wrote."""
+    """What to send to a node and how to read its answer; `convert` None: pass through, read
+    by a meter. `prepare` makes one per request: the plan for an engine that speaks the
+    client's API and, where the request has one, `translated`, the plan for an engine that
+    needs the translation; `for_engine` picks one of the two per node tried. An answer of
+    status 400 or more is never passed through: it becomes the hub's own error in the
+    client's shape (translate/errors.py), whatever the engine wrote."""
 
-    __slots__ = ("path", "body", "convert", "api", "prompt", "drop_usage", "whole")
+    __slots__ = ("path", "body", "api", "convert", "prompt", "drop_usage", "whole",
+                 "translated", "always", "refused", "load_only", "need")
 
     def __init__(self, path: str, body: bytes, api: str, convert: Make | None = None,
-                 prompt: int = 0, drop_usage: bool = False, whole: bool = False) -> None:
+                 prompt: int = 0, drop_usage: bool = False, whole: bool = False,
+                 translated: Plan | None = None, always: bool = False,
+                 refused: ApiError | None = None) -> None:
         self.path = path
-        self.body = body
+        self.body = body  # the client's bytes (its model name resolved), or what a plan sends
         self.api = api
         self.convert = convert
-        self.prompt = prompt  # the prompt's estimate in tokens (translate/usage.py)
-        self.drop_usage = drop_usage  # the hub asked for the stream's usage, the client not
-        # The engine's stream is only assembled here: the node may send it in one body
-        # (wire.WHOLE_HEADER, node/whole.py).
-        self.whole = whole
-
-    def converter(self, status: int, content_type: str = "",
-                  start: Start | None = None) -> Converter:
-        """How to read an answer of `status` and `content_type`: an error converter, the
-        translation, or (passed through) a meter."""
-        if status >= 400 or (self.convert is not None and status != 200):
-            return ErrorConverter(self.api, status)
-        if self.convert is None:
-            return meter(self.api, content_type, self.prompt, self.drop_usage)
-        return self.convert(start or Start(0, 0))
-
-
-class Prepared:
-    __slots__ = ("path", "api", "body", "translated", "make", "always", "refused", "load_only",
-                 "need", "prompt", "drop_usage", "assembled", "whole")
-
-    def __init__(self, path: str, api: str, body: bytes, translated: tuple[str,
-                                                                           bytes] | None = None,
-                 make: Make | None = None, always: bool = False,
-                 refused: ApiError | None = None, prompt: int = 0) -> None:
         self.prompt = prompt  # the prompt's estimate in tokens, for an engine that counts none
-        self.drop_usage = False  # include_usage was added by the hub
-        # Passed through, one answer asked for: the streamed body the engine is sent (its
-        # answer gathered by translate/assemble.py), else None.
-        self.assembled: bytes | None = None
-        # Translated, one answer asked for: the engine's stream is only assembled (no stop
-        # sequence of the hub's ends it early), so the node may send it whole.
-        self.whole = False
-        self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those only)
+        self.drop_usage = drop_usage  # the hub asked for the stream's usage, the client not
+        # The engine's stream is only assembled here (no stop sequence of the hub's ends it
+        # early): the node may send it in one body (wire.WHOLE_HEADER, node/whole.py).
+        self.whole = whole
+        self.translated = translated  # in chat completions / embeddings
+        self.always = always  # translate for every engine kind, not only OPENAI_ONLY
+        self.refused = refused  # what an OpenAI-only engine cannot be given (raised for those)
         self.load_only = False  # Ollama's load/unload request: no prompt, no messages
         self.need = 0  # the fewest context tokens a translated Ollama request takes
-        self.path = path
-        self.api = api
-        self.body = body  # the client's bytes (its model name resolved)
-        self.translated = translated  # (path, body) in chat completions / embeddings
-        self.make = make
-        self.always = always  # translate for every engine kind, not only OPENAI_ONLY
 
     def for_engine(self, kind: str, context: int = 0) -> Plan:
         """The plan for an engine of `kind` whose context for the model is `context` tokens
         (0: unknown)."""
-        if self.refused is not None and (self.always or kind in OPENAI_ONLY):
+        translates = self.always or kind in OPENAI_ONLY
+        if self.refused is not None and translates:
             raise self.refused
-        if self.translated is None or not (self.always or kind in OPENAI_ONLY):
-            if self.assembled is not None:
-                chat, prompt = self.path == CHAT, self.prompt
-                return Plan(self.path, self.assembled, self.api,
-                            lambda start: Assembler(prompt, chat), prompt, whole=True)
-            return Plan(self.path, self.body, self.api, prompt=self.prompt,
-                        drop_usage=self.drop_usage)
+        if self.translated is None or not translates:
+            return self
         if context and self.need > context:
             raise ollama.too_long(self.need, context)
-        path, body = self.translated
-        return Plan(path, body, self.api, self.make, self.prompt, whole=self.whole)
+        return self.translated
+
+    def converter(self, status: int, content_type: str = "",
+                  start: Start | None = None) -> Converter:
+        """How to read an answer of `status` and `content_type`: an error converter, the
+        translation, or (passed through) the meter for its content type; `drop_usage`:
+        the hub asked for the usage chunk, the client did not (translate/usage.py)."""
+        if status >= 400 or (self.convert is not None and status != 200):
+            return ErrorConverter(self.api, status)
+        if self.convert is not None:
+            return self.convert(start or Start(0, 0))
+        if "event-stream" in content_type:
+            return SSEMeter(self.prompt, self.drop_usage)
+        if "ndjson" in content_type:
+            return NDJSONMeter(self.prompt)
+        return JSONMeter(self.prompt, self.api)
 
 
-def _openai_check(check: Callable[[dict[str, Any]], None],
-                  required: str) -> Callable[[dict[str, Any]], ApiError | None]:
-    """Wrong types are a 400 at once, whatever the engine; a missing `required` field only
-    for OpenAI-only engines (llama.cpp answers a chat without messages with a 200, the
-    sim and Ollama with their own error)."""
-    def run(obj: dict[str, Any]) -> ApiError | None:
-        if obj.get(required) is None:
-            return bad(f"'{required}' is required", required)
-        check(obj)
-        return None
-    return run
-
-
-_OPENAI_CHECKS = {CHAT: _openai_check(check_openai_chat, "messages"),
-                  "/v1/completions": _openai_check(check_openai_completion, "prompt"),
-                  EMBEDDINGS: _openai_check(check_openai_embedding, "input")}
-
-
-def _with_model(body: bytes, obj: dict[str, Any], given: str, model: str) -> bytes:
-    if given == model:
-        return body
-    return enc.encode({**obj, "model": model})
-
-
+# The OpenAI routes checked before forwarding: the check, and the field an OpenAI-only
+# engine needs. Wrong types are a 400 at once, whatever the engine; a missing field only for
+# OpenAI-only engines (llama.cpp answers a chat without messages with a 200, the sim and
+# Ollama with their own error).
+_OPENAI_CHECKS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    CHAT: (check_openai_chat, "messages"),
+    "/v1/completions": (check_openai_completion, "prompt"),
+    EMBEDDINGS: (check_openai_embedding, "input")}
 # The OpenAI routes whose streams carry a usage chunk when asked (`stream_options`).
 _USAGE_STREAMS = frozenset({CHAT, "/v1/completions"})
 
 
-def _asks_usage(obj: dict[str, Any]) -> bool:
-    so = obj.get("stream_options")
-    return isinstance(so, dict) and so.get("include_usage") is True
-
-
-def _with_usage(obj: dict[str, Any], model: str) -> bytes:
-    """The body with the stream's usage asked for (the client's other stream options kept)."""
-    so = obj.get("stream_options")
-    return enc.encode({**obj, "model": model,
-                       "stream_options": {**(so if isinstance(so, dict) else {}),
-                                          "include_usage": True}})
-
-
 def prepare(path: str, api: str, body: bytes, given: str, model: str,
-            obj: dict[str, Any] | None = None) -> Prepared:
+            obj: dict[str, Any] | None = None) -> Plan:
     """Check and translate once; `given` is the body's model name, `model` the resolved one;
     `obj` the body already decoded (a JSON object), else it is decoded here."""
     if obj is None:
         obj = decode_object(body)
-    fwd = _with_model(body, obj, given, model)
+    fwd = body if given == model else enc.encode({**obj, "model": model})
     if path in _OPENAI_CHECKS:
-        refused = _OPENAI_CHECKS[path](obj)
-        ask = path in _USAGE_STREAMS and obj.get("stream") is True and not _asks_usage(obj)
-        prep = Prepared(path, api, _with_usage(obj, model) if ask else fwd, refused=refused,
-                        prompt=prompt_estimate(body))
-        prep.drop_usage = ask
-        if path in _USAGE_STREAMS and obj.get("stream") is not True:
+        check, required = _OPENAI_CHECKS[path]
+        refused = None
+        if obj.get(required) is None:
+            refused = bad(f"'{required}' is required", required)
+        else:
+            check(obj)
+        prompt = prompt_estimate(body)
+        if path not in _USAGE_STREAMS:
+            return Plan(path, fwd, api, prompt=prompt, refused=refused)
+        if obj.get("stream") is not True:
             # One answer asked for: the engine streams it (a client that leaves closes
             # the stream, which frees the engine's slot) and the hub assembles it.
-            prep.assembled = enc.encode(streamed({**obj, "model": model}))
-        return prep
+            chat = path == CHAT
+            return Plan(path, enc.encode(streamed({**obj, "model": model})), api,
+                        lambda start: Assembler(prompt, chat), prompt, whole=True,
+                        refused=refused)
+        so = obj.get("stream_options")
+        if isinstance(so, dict) and so.get("include_usage") is True:
+            return Plan(path, fwd, api, prompt=prompt, refused=refused)
+        # The stream's usage asked for (the client's other stream options kept); its chunk
+        # is dropped again on the way back.
+        asked = enc.encode({**obj, "model": model,
+                            "stream_options": {**(so if isinstance(so, dict) else {}),
+                                               "include_usage": True}})
+        return Plan(path, asked, api, prompt=prompt, drop_usage=True, refused=refused)
     try:
         return _translated(path, api, obj, fwd, given, model)
     except ApiError as e:
         if path.startswith("/api/"):
             # An engine that speaks Ollama natively judges the body itself (a bare
             # `/api/embed` may be its own business); only a translation needs it whole.
-            return Prepared(path, api, fwd, refused=e, prompt=prompt_estimate(body))
+            return Plan(path, fwd, api, refused=e, prompt=prompt_estimate(body))
         raise
 
 
 def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str,
-                model: str) -> Prepared:
+                model: str) -> Plan:
+    """The plan for a request only some engines (or none) speak: passed through to those
+    that do, translated onto chat completions or embeddings for the others."""
     prompt = prompt_estimate(fwd)
     if path in ("/api/chat", "/api/generate"):
         chat = path == "/api/chat"
@@ -225,44 +204,41 @@ def _translated(path: str, api: str, obj: dict[str, Any], fwd: bytes, given: str
                            "stream": False}, False
         else:
             req, stream = (ollama.chat_request if chat else ollama.generate_request)(obj, model)
-        prep = Prepared(path, api, fwd, (CHAT, enc.encode(req)),
-                        lambda start: ollama.ChatConverter(given, stream, chat, start,
-                                                           load_only=load_only, prompt=prompt),
-                        prompt=prompt)
-        prep.load_only = load_only
-        prep.need = 0 if load_only else ollama.context_floor(req)
-        return prep
+        plan = Plan(path, fwd, api, prompt=prompt, translated=Plan(
+            CHAT, enc.encode(req), api,
+            lambda start: ollama.ChatConverter(given, stream, chat, start, load_only=load_only,
+                                               prompt=prompt), prompt))
+        plan.load_only = load_only
+        plan.need = 0 if load_only else ollama.context_floor(req)
+        return plan
     if path in ("/api/embed", "/api/embeddings"):
         legacy = path == "/api/embeddings"
         req = ollama.embed_request(obj, model, legacy)
-        return Prepared(path, api, fwd, (EMBEDDINGS, enc.encode(req)),
-                        lambda start: ollama.EmbedConverter(given, legacy, start, prompt=prompt),
-                        prompt=prompt)
+        return Plan(path, fwd, api, prompt=prompt, translated=Plan(
+            EMBEDDINGS, enc.encode(req), api,
+            lambda start: ollama.EmbedConverter(given, legacy, start, prompt=prompt), prompt))
     if path == "/v1/messages":
         req, stream = anthropic.request(obj, model)
         # The hub matches the stop sequences itself, to name the one that ended the text
         # (translate/stops.py): the engine is not given them.
         got = req.pop("stop", None)
         stops = got if isinstance(got, list) else None
-        prep = Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
-                        lambda start: _assembled(stream, prompt, anthropic.MessagesConverter(
-                            given, stream, stops, prompt=prompt), stops),
-                        always=True, prompt=prompt)
-        prep.whole = not stream and not stops
-        return prep
+        return Plan(path, fwd, api, prompt=prompt, always=True, translated=Plan(
+            CHAT, enc.encode(req if stream else streamed(req)), api,
+            lambda start: _assembled(stream, prompt, anthropic.MessagesConverter(
+                given, stream, stops, prompt=prompt), stops),
+            prompt, whole=not stream and not stops))
     if path == "/v1/messages/count_tokens":
-        return Prepared(path, api, fwd, (CHAT, enc.encode(anthropic.count_request(obj, model))),
-                        lambda start: anthropic.CountConverter(prompt), always=True,
-                        prompt=prompt)
+        return Plan(path, fwd, api, prompt=prompt, always=True, translated=Plan(
+            CHAT, enc.encode(anthropic.count_request(obj, model)), api,
+            lambda start: anthropic.CountConverter(prompt), prompt))
     if path == "/v1/responses":
         req, stream, echo = responses.request(obj, model)
-        prep = Prepared(path, api, fwd, (CHAT, enc.encode(req if stream else streamed(req))),
-                        lambda start: _assembled(stream, prompt, responses.ResponsesConverter(
-                            given, stream, echo, prompt=prompt)),
-                        always=True, prompt=prompt)
-        prep.whole = not stream
-        return prep
-    return Prepared(path, api, fwd, prompt=prompt)
+        return Plan(path, fwd, api, prompt=prompt, always=True, translated=Plan(
+            CHAT, enc.encode(req if stream else streamed(req)), api,
+            lambda start: _assembled(stream, prompt, responses.ResponsesConverter(
+                given, stream, echo, prompt=prompt)), prompt, whole=not stream))
+    return Plan(path, fwd, api, prompt=prompt)
 
 
 def _assembled(stream: bool, prompt: int, conv: Converter,
@@ -286,8 +262,7 @@ def resolve(name: str, known: Callable[[str], bool]) -> tuple[str, bool]:
     return name, False
 
 
-__all__ = ["OPENAI_ONLY", "Converted", "Plan", "Prepared", "context_length", "decode_object",
-           "engine_kind",
+__all__ = ["OPENAI_ONLY", "Converted", "Plan", "context_length", "decode_object", "engine_kind",
            "prepare", "resolve"]
 
 
@@ -321,16 +296,13 @@ class Converted:
     converter's last bytes were handed out. Not an async generator: one loop reads it, and
     closing the upstream stays the caller's."""
 
-    __slots__ = ("_body", "_conv", "ended")
+    __slots__ = ("_body", "_conv", "ended", "read_timeout")
 
     def __init__(self, body: Body, conv: Converter) -> None:
         self._body = body
         self._conv = conv
         self.ended = False
-
-    @property
-    def read_timeout(self) -> float:
-        return self._body.read_timeout
+        self.read_timeout = body.read_timeout  # the body's, fixed when it was asked for
 
     @property
     def waited_at(self) -> float:

@@ -56,32 +56,32 @@ def session_of(obj: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> b
     return None
 
 
-def _part(v: Any, open_list: bool) -> bytes:
-    """One field as bytes: a string as it is, anything else as its JSON; a list without
-    its closing bracket (`open_list`), so one more item extends the bytes."""
-    if isinstance(v, str):
-        return _text(v)
-    data = _enc.encode(v)
-    return data[:-1] if open_list and isinstance(v, list) else data
+# What `render` writes, in a chat template's order: (its mark, the fields tried -- the first
+# present is written --, whether a list is left open). Tools, system (Anthropic, Ollama
+# generate) and instructions (Responses), then the conversation: messages, a Responses
+# `input`, or a prompt -- left open, so one more item extends the bytes.
+_RENDERED = ((b"\x1eT", ("tools",), False), (b"\x1eS", ("system",), False),
+             (b"\x1eS", ("instructions",), False),
+             (b"\x1eM", ("messages", "input", "prompt"), True))
 
 
 def render(obj: dict[str, Any]) -> bytes:
-    """The request in the order a chat template renders it: tools, system, then the
-    conversation (messages, a Responses `input`, or a prompt). A later turn of the same
-    conversation renders to these bytes followed by more."""
+    """The request in the order a chat template renders it: a string field as it is,
+    anything else as its JSON. A later turn of the same conversation renders to these bytes
+    followed by more."""
     out = bytearray()
-    tools = obj.get("tools")
-    if tools:
-        out += b"\x1eT" + _part(tools, False)
-    for name in ("system", "instructions"):  # Anthropic, Ollama generate; Responses
-        v = obj.get(name)
-        if v:
-            out += b"\x1eS" + _part(v, False)
-    for name in ("messages", "input", "prompt"):
-        v = obj.get(name)
-        if v:
-            out += b"\x1eM" + _part(v, True)
-            break
+    for mark, names, open_list in _RENDERED:
+        for name in names:
+            v = obj.get(name)
+            if v:
+                if isinstance(v, str):
+                    data = _text(v)
+                else:
+                    data = _enc.encode(v)
+                    if open_list and isinstance(v, list):
+                        data = data[:-1]  # without its closing bracket
+                out += mark + data
+                break
     return bytes(out)
 
 

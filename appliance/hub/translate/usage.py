@@ -75,10 +75,12 @@ MESSAGE_JSON_BYTES = 32
 _IMAGE_MARKS = (b"base64,", b'"data":"', b'"data": "')
 
 
-def _image_bytes(body: bytes) -> int:
-    """Bytes of base64 images in a client's body, found by their markers (no decode: a
-    30 MB body of a million messages is scanned in milliseconds)."""
-    n = 0
+def prompt_estimate(body: bytes) -> int:
+    """The prompt of a client's body (any API), in tokens at BYTES_PER_TOKEN: its bytes less
+    its images and the JSON around each message -- the hub has no tokenizer, and this is
+    only what an engine that counts nothing is charged. Images (base64) are found by their
+    markers, not decoded: a 30 MB body of a million messages is scanned in milliseconds."""
+    images = 0
     for mark in _IMAGE_MARKS:
         i = body.find(mark)
         while i >= 0:
@@ -86,53 +88,40 @@ def _image_bytes(body: bytes) -> int:
             if end < 0:
                 break
             if mark == b"base64," or end - i > 256:  # a short "data" field is text
-                n += end - i
+                images += end - i
             i = body.find(mark, end)
     i = body.find(b'"images"')
     while i >= 0:
         end = body.find(b"]", i)
         if end < 0:
             break
-        n += end - i
+        images += end - i
         i = body.find(b'"images"', end)
-    return n
-
-
-def prompt_estimate(body: bytes) -> int:
-    """The prompt of a client's body (any API), in tokens at BYTES_PER_TOKEN: its bytes less
-    its images and the JSON around each message -- the hub has no tokenizer, and this is
-    only what an engine that counts nothing is charged."""
-    text = len(body) - _image_bytes(body) - MESSAGE_JSON_BYTES * body.count(b'"role"')
-    return estimate(max(0, text))
+    text = len(body) - images - MESSAGE_JSON_BYTES * body.count(b'"role"')
+    return -(-text // BYTES_PER_TOKEN) if text > 0 else 0  # estimate(text)
 
 
 def openai_usage(obj: dict[str, Any]) -> Usage | None:
-    """The usage of an OpenAI body or chunk (chat, completion, embedding), None if absent."""
+    """The usage of an OpenAI body or chunk (chat, completion, embedding), None if absent;
+    its `cache` (prompt, cached tokens) where the engine spoke of its prompt cache:
+    llama-server's `timings.cache_n` + `prompt_n`, else the usage's own
+    `prompt_tokens_details.cached_tokens` (JSON numbers: `type(v) is int` leaves out bools)."""
     u = obj.get("usage")
     if not isinstance(u, dict):
         return None
     p, c = u.get("prompt_tokens"), u.get("completion_tokens")
     d = u.get("prompt_tokens_details")
-    cached = d.get("cached_tokens") if isinstance(d, dict) else None
+    hit = d.get("cached_tokens") if isinstance(d, dict) else None
+    cache = None
+    t = obj.get("timings")
+    if isinstance(t, dict):
+        n, tp = t.get("cache_n"), t.get("prompt_n")
+        if type(n) is int and type(tp) is int:
+            cache = max(0, n) + max(0, tp), max(0, n)
+    if cache is None and type(p) is int and type(hit) is int:
+        cache = max(0, p), min(max(0, p), max(0, hit))
     return Usage(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0,
-                 cached if isinstance(cached, int) else 0,
-                 cache=_cache(obj.get("timings"), p, cached))
-
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _cache(timings: Any, prompt: Any, cached: Any) -> tuple[int, int] | None:
-    """(prompt, cached) tokens as the engine reports its prompt cache; None: it does not."""
-    if isinstance(timings, dict):
-        n, p = _int(timings.get("cache_n")), _int(timings.get("prompt_n"))
-        if n is not None and p is not None:
-            return max(0, n) + max(0, p), max(0, n)
-    given, hit = _int(prompt), _int(cached)
-    if given is not None and hit is not None:
-        return max(0, given), min(max(0, given), max(0, hit))
-    return None
+                 hit if isinstance(hit, int) else 0, cache=cache)
 
 
 def ollama_usage(obj: dict[str, Any]) -> Usage | None:
@@ -219,14 +208,10 @@ class Meter(Tally):
 
 
 # A generated piece in a chunk, as engines encode it (compact, or with Python's spaces);
-# not an empty one (a role-only first chunk's `"content":""`).
+# not an empty one (a role-only first chunk's `"content":""`). Complete events are counted
+# on their bytes with one scan (no decode: this runs for every event of every stream
+# passed through, bench/streams.py).
 _PIECE = re.compile(rb'"(?:content|reasoning_content|text|arguments)": ?"(?!")')
-
-
-def _count_pieces(events: bytes) -> int:
-    """Generated pieces in complete events, counted on the bytes with one scan (no decode:
-    this runs for every event of every stream passed through, bench/streams.py)."""
-    return len(_PIECE.findall(events))
 
 
 class SSEMeter(Meter):
@@ -254,7 +239,7 @@ class SSEMeter(Meter):
         if b'"usage"' in whole:
             kept = self._with_usage(whole, sep)
         else:
-            self.chunks += _count_pieces(whole)
+            self.chunks += len(_PIECE.findall(whole))
             kept = whole
         if not self.drop:
             return chunk
@@ -269,7 +254,7 @@ class SSEMeter(Meter):
             payload = event[i + 5:].strip() if i >= 0 and b'"usage"' in event else b""
             obj = _decode(payload) if payload else None
             if obj is None:
-                self.chunks += _count_pieces(event)
+                self.chunks += len(_PIECE.findall(event))
                 kept.append(event + sep)
                 continue
             self.see(obj)
@@ -343,13 +328,3 @@ class JSONMeter(Meter):
                 self.found = openai_usage(u)
                 break
         return b""
-
-
-def meter(api: str, content_type: str, prompt: int, drop: bool) -> Meter:
-    """The meter for a passed-through answer of `content_type`; `drop`: the hub asked for
-    the usage chunk, the client did not."""
-    if "event-stream" in content_type:
-        return SSEMeter(prompt, drop)
-    if "ndjson" in content_type:
-        return NDJSONMeter(prompt)
-    return JSONMeter(prompt, api)
