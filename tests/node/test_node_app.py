@@ -253,15 +253,17 @@ async def test_load_unload_percent_encoded(model):
         assert (await n.http.get(f"{path}/load")).status_code == 405
 
 
-async def test_load_failure_and_timeout_published():
+async def test_load_failure_and_timeout_published(autojump_clock):
     async with running_node(Engine__StartTimeoutSeconds="0.2") as n:
         r = await n.http.post("/node/v1/models/broken/load")
         assert r.status_code == 502 and r.json() == {"error": "unknown model architecture: 'kev'"}
         m = n.keeper.snapshot().model("broken")
         assert (m.state, m.last_error) == ("failed", "unknown model architecture: 'kev'")
         n.engine.hang.add("qwen2.5:0.5b")
+        t0 = trio.current_time()
         r = await n.http.post(f"/node/v1/models/{quote('qwen2.5:0.5b', safe='')}/load")
         assert r.status_code == 504 and r.json() == {"error": "health never came in 0.2 s"}
+        assert trio.current_time() - t0 == pytest.approx(0.2)  # Engine__StartTimeoutSeconds
         assert n.keeper.snapshot().model("qwen2.5:0.5b").state == "failed"
         r = await n.http.post("/node/v1/models/broken/load", content=b"{nope")
         assert r.status_code == 400
@@ -312,7 +314,7 @@ async def test_max_concurrency_enforced():
         assert (await n.http.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 
-async def test_an_engine_silent_mid_stream_is_ended_by_the_read_deadline():
+async def test_an_engine_silent_mid_stream_is_ended_by_the_read_deadline(autojump_clock):
     # Node__UpstreamReadSeconds bounds every read of a relayed stream (relay_body keeps it
     # lazily, one scope per relay): the engine sends a token, then nothing.
     async with running_node(Node__UpstreamReadSeconds="0.5") as n:
