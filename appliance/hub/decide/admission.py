@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
@@ -86,27 +86,25 @@ class Gauge(Protocol):
     def dec(self, amount: float = 1) -> None: ...
 
 
+@dataclass(slots=True, eq=False)
 class Place:
     """A request's place: the node it is on now (`node`, counted in flight) and the
     nodes it was on (`tried`). Made by `Admission.place`."""
 
-    __slots__ = ("_admission", "model", "cls", "_in_flight", "node", "tried", "ticket",
-                 "route", "home", "sent_at", "clean", "_served")
-
-    def __init__(self, admission: Admission, model: str, cls: str, in_flight: Gauge | None,
-                 ticket: Ticket, route: Route | None = None) -> None:
-        self._admission, self.model, self.cls = admission, model, cls
-        self._in_flight = in_flight  # the appliance_in_flight gauge's child for `model`
-        self.node: NodeHandle | None = None
-        self.tried: list[str] = []
-        self.ticket = ticket
-        self.route = route  # the affinity key admission made (None: none)
-        self.home = 0.0  # seconds to wait on `node` for a place there (cost.py), 0: none
-        self.sent_at = 0.0  # time.perf_counter() when it went to its node
-        self.clean = False  # it went with a place (its time is the node's service time)
-        # (first byte's time.perf_counter(), the engine's (prompt, cached) tokens) once
-        # `node` answered (`served`)
-        self._served: tuple[float | None, tuple[int, int] | None] | None = None
+    _admission: Admission
+    model: str
+    cls: str
+    _in_flight: Gauge | None  # the appliance_in_flight gauge's child for `model`
+    ticket: Ticket
+    route: Route | None = None  # the affinity key admission made (None: none)
+    node: NodeHandle | None = None
+    tried: list[str] = field(default_factory=list)
+    home: float = 0.0  # seconds to wait on `node` for a place there (cost.py), 0: none
+    sent_at: float = 0.0  # time.perf_counter() when it went to its node
+    clean: bool = False  # it went with a place (its time is the node's service time)
+    # (first byte's time.perf_counter(), the engine's (prompt, cached) tokens) once
+    # `node` answered (`served`)
+    _served: tuple[float | None, tuple[int, int] | None] | None = None
 
     def served(self, first_at: float | None, cache: tuple[int, int] | None) -> None:
         """Its node answered (200): `first_at`, time.perf_counter() of the first byte;
