@@ -1,20 +1,23 @@
 """Two source trees side by side, interleaved in one run, so both see the same load.
 
-Run: .venv/bin/python bench/ab_trees.py TREE_A TREE_B [ROUNDS] [stream]
+Run: .venv/bin/python bench/ab_trees.py TREE_A TREE_B [ROUNDS] [--stream] [--rate N]
 
 TREE_A and TREE_B are checkouts of this repository (e.g. `git worktree add /tmp/a main~3`,
 or `git archive COMMIT | tar -x -C /tmp/a`). Starts one sim engine and, per tree,
 a node and a hub in front of it (the processes import that tree's `appliance`), then for
 ROUNDS rounds (default 10) sends 100 short chats at concurrency 1 to the engine, each
 node and each hub, alternating A and B, and prints p50, the added p50 and the CPU per
-request of each process, read from /proc. `stream`: the chats are streamed (else each is
-one answer, which the hub assembles from the engine's stream). On a box with other work
+request of each process, read from /proc. `--stream`: the chats are streamed (else each is
+one answer, which the hub assembles from the engine's stream); `--rate`: the sim's tokens
+per second (default 0: at once, the whole stream in one read; a real engine's come one
+per read, each a wake-up on every hop that relays them). On a box with other work
 the figures swing from run to run; the difference between A and B, measured in the same
 minutes, does not.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -35,13 +38,19 @@ CHAT = "/v1/chat/completions"
 
 
 def main() -> None:
-    trees = {"A": sys.argv[1], "B": sys.argv[2]}
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 10
-    stream = sys.argv[4:5] == ["stream"]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tree_a")
+    ap.add_argument("tree_b")
+    ap.add_argument("rounds", nargs="?", type=int, default=10)
+    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--rate", type=float, default=0.0)
+    args = ap.parse_args()
+    trees = {"A": args.tree_a, "B": args.tree_b}
+    rounds, stream = args.rounds, args.stream
     body = {**SHORT, "stream": True} if stream else SHORT
     procs = Procs()
     try:
-        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": str(args.rate),
                                   "Sim__Parallel": "64"}, tree=trees["A"])
         stacks = {}
         for name, tree in trees.items():
@@ -75,6 +84,7 @@ def main() -> None:
                     for k in ("hub", "node", "eng"):
                         x[k] += after[k] - before[k]
         print(f"{rounds} rounds x {PER_ROUND} short {'streamed ' if stream else ''}requests "
+              f"(sim {args.rate:g} tokens/s) "
               "at concurrency 1, interleaved; "
               f"A={trees['A']} B={trees['B']}")
         for name in stacks:
