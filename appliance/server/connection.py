@@ -129,7 +129,7 @@ class Conn:
         head, sh = self.rx.head, self.shared
         return (head is None or not head.keep_alive or sh.terminating
                 or self.requests >= sh.max_requests
-                or (self.cycle.their == SEND_BODY and self.rx.body_owed()))
+                or (self.cycle.their == SEND_BODY and self.rx.body_to_come()))
 
     # --- the connection ----------------------------------------------------------------------
 

@@ -217,7 +217,7 @@ class Receiver:
             self.cycle.end_given = True
         return {"type": "http.request", "body": data, "more_body": more}
 
-    def body_owed(self) -> bool:
+    def body_to_come(self) -> bool:
         """The request's body is neither read nor here whole (one here whole is skipped
         after the answer: `_skip_unread_body`). Asked as an answer begins while the client
         is still in SEND_BODY: a chunked body is tried on a copy of its reader, the app may
