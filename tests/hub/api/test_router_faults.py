@@ -200,7 +200,8 @@ async def test_request_not_yet_answered_by_a_lost_node_goes_to_another(tmp_path)
         nursery.cancel_scope.cancel()
 
 
-async def test_drain_deadline_ends_streams_with_shutting_down_and_a_proper_end(tmp_path):
+async def test_drain_deadline_ends_streams_with_shutting_down_and_a_proper_end(tmp_path,
+                                                                              autojump_clock):
     node = StallNode("gpu-a", chunks=1)
     async with trio.open_nursery() as nursery:
         hub, url, stop = await _hub(nursery, tmp_path, {"Hub__DrainSeconds": "0.5"})
