@@ -89,6 +89,26 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
+def replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` giving `body` (already read, whole) first, then what `receive` gives."""
+    given = False
+
+    async def again() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def never() -> dict[str, Any]:
+    """A `receive` after the body of a request no client holds: it never disconnects."""
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
 def decode_json(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     """`body` decoded into the decoder's type; ApiError 400 in the API's words otherwise:
     `invalid_request` for the wrong shape, `invalid_json` for no JSON (nested too deeply

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from appliance.bounds import echo
-from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
+from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, replay, send_json
 from appliance.http.errors import ApiError
 from appliance.hub.api.objects import Caller, find, listing, maker, page_ask, store_of
 from appliance.hub.store import ids, lines, peers
@@ -130,7 +130,7 @@ async def handle_openai(hub: Hub, scope: Scope, receive: Receive, send: Send, c:
         req = _decode(body, _Create)
         holder = peers.elsewhere(hub, scope, req.input_file_id, "file-")
         if holder is not None:  # made where its input file is (hub/store/peers.py)
-            await peers.forward(hub, scope, peers.replay(body, receive), send,
+            await peers.forward(hub, scope, replay(body, receive), send,
                                 req.input_file_id, holder)
             return
         owner = maker(c)

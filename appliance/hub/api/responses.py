@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from appliance.bounds import echo
-from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, send_json
+from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, replay, send_json
 from appliance.http.errors import ApiError
 from appliance.http.respond import send_api_error
 from appliance.hub.api.objects import Caller, caller, find, listing, maker, page_ask, store_of
@@ -32,7 +32,6 @@ from appliance.hub.api.router import handle_inference
 from appliance.hub.store import ids, peers
 from appliance.hub.store import items as itemsmod
 from appliance.hub.store.db import Obj
-from appliance.hub.store.peers import replay
 from appliance.hub.store.responses import history, record
 from appliance.hub.translate.responses import HUB_FIELDS
 

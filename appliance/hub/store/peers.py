@@ -5,7 +5,7 @@ A route over one object (`/v1/files/{id}...`, batches, message batches, response
 conversations) whose id names another hub is sent to that hub as it came -- method, path,
 query, the caller's headers (its key), the body -- and the answer relayed back as it
 arrives, so any hub answers for every object; a batch whose input file another hub holds
-is made there, where its lines are (`replay` gives a body already read again). The hubs'
+is made there, where its lines are. The hubs'
 URLs are the cluster's (each hub's `hubs/NAME` key in etcd holds its Cluster__Url, else
 Hub__Listen as bound; kept a lease after the key went, so a hub whose renewal came late
 is still asked). A hub that is not running now (no key for a lease) or does not answer
@@ -16,7 +16,7 @@ is 503 `held_elsewhere` with Retry-After. A request a hub sent on carries
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -66,20 +66,6 @@ def elsewhere(hub: Hub, scope: Scope, oid: str, prefix: str) -> str | None:
     if any(k == FROM for k, _ in scope["headers"]):
         return None
     return holder
-
-
-def replay(body: bytes, receive: Receive) -> Receive:
-    """`receive` with `body`, already read, given again first (to send it on whole)."""
-    given = False
-
-    async def again() -> dict[str, Any]:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return again
 
 
 def _gone(oid: str, holder: str, why: str) -> ApiError:

@@ -29,7 +29,7 @@ import msgspec
 import trio
 
 from appliance.config import Config
-from appliance.http.asgi import Receive, Scope, Send
+from appliance.http.asgi import Receive, Scope, Send, never, replay
 from appliance.http.errors import api_of, error_body
 from appliance.hub.api.request import BATCH_SCOPE
 from appliance.hub.store import lines
@@ -329,16 +329,6 @@ async def run_line(serve: Serve, cfg: Config, owner: str, url: str, body: bytes,
     scope: dict[str, Any] = {"type": "http", "method": "POST", "path": url, "headers": headers,
                              "query_string": b"", "extensions": {}, "client": ("batch", 0),
                              BATCH_SCOPE: batch_id}
-    given = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
     status, final = 0, False
     parts: list[bytes] = []
     size = 0
@@ -355,5 +345,5 @@ async def run_line(serve: Serve, cfg: Config, owner: str, url: str, body: bytes,
                 raise trio.BrokenResourceError("a batch line's answer is over its bound")
             parts.append(chunk)
 
-    await serve(scope, receive, send, api_of(url))
+    await serve(scope, replay(body, never), send, api_of(url))
     return status, b"".join(parts), final
