@@ -39,11 +39,9 @@ from appliance.hub.translate.assemble import Assembler, streamed
 from appliance.hub.translate.common import (
     Start,
     bad,
-    check_openai_chat,
-    check_openai_completion,
-    check_openai_embedding,
     decode_object,
     enc,
+    stop_list,
 )
 from appliance.hub.translate.errors import ErrorConverter
 from appliance.hub.translate.usage import (
@@ -132,6 +130,63 @@ class Plan:
         if "ndjson" in content_type:
             return NDJSONMeter(self.prompt)
         return JSONMeter(self.prompt, self.api)
+
+
+# --- the checks a forwarded (not translated) OpenAI body gets ----------------------------
+
+
+def check_openai_chat(obj: dict[str, Any]) -> None:
+    """What an engine answers with a 500 (llama.cpp on `messages: "x"`, `temperature:
+    "hot"`) or, worse, a 200: a 400 naming the field instead."""
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise bad(f"'messages[{i}].content' must be a string or an array",
+                      f"messages[{i}].content")
+    check_sampling(obj)
+
+
+# The OpenAI fields a forwarded body's types are checked for: (field, types, the 400's word).
+NUMBER: tuple[type, ...] = (int, float)
+SAMPLING_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    *((k, NUMBER, "a number") for k in ("temperature", "top_p", "frequency_penalty",
+                                        "presence_penalty")),
+    *((k, (int,), "an integer") for k in ("max_tokens", "max_completion_tokens", "n", "seed")),
+    ("stream", (bool,), "a boolean"))
+
+
+def check_sampling(obj: dict[str, Any]) -> None:
+    """`common.opt`'s rule over SAMPLING_TYPES in one pass: absent or None passes, a bool is
+    a number or an integer only where bool is named."""
+    for k, types, what in SAMPLING_TYPES:
+        v = obj.get(k)
+        if v is not None and (not isinstance(v, types) or (
+                isinstance(v, bool) and bool not in types)):
+            raise bad(f"'{k}' must be {what}", k)
+    stop = obj.get("stop")
+    if stop is not None:
+        stop_list(stop, "stop")
+    tools = obj.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("'tools' must be an array", "tools")
+
+
+def check_openai_completion(obj: dict[str, Any]) -> None:
+    p = obj.get("prompt")
+    if not isinstance(p, (str, list)):
+        raise bad("'prompt' must be a string or an array", "prompt")
+    check_sampling(obj)
+
+
+def check_openai_embedding(obj: dict[str, Any]) -> None:
+    x = obj.get("input")
+    if not isinstance(x, (str, list)) or (isinstance(x, list) and not x):
+        raise bad("'input' must be a string or a non-empty array", "input")
 
 
 # The OpenAI routes checked before forwarding: the check, and the field an OpenAI-only

@@ -3,9 +3,10 @@
 Theory of operation: a translation turns a client's body (already decoded to plain JSON
 values) into an OpenAI chat-completions body, and the engine's answer back, chunk by
 chunk. The checks here raise `ApiError(400, "invalid_request", ..., param=...)` so a bad
-field is the client's 400 in its own API's shape, never the engine's 500. `SSEReader`
-cuts an engine's `text/event-stream` into `data:` payloads whatever the chunking;
-an engine's refusal is translate/errors.py's. Nothing here does I/O.
+field is the client's 400 in its own API's shape, never the engine's 500 (a forwarded
+OpenAI body's own checks are translate/__init__.py's). `SSEReader` cuts an engine's
+`text/event-stream` into `data:` payloads whatever the chunking; an engine's refusal is
+translate/errors.py's. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -101,58 +102,6 @@ def image_url(b64: str) -> str:
         if b64.startswith(prefix):
             return f"data:{mime};base64,{b64}"
     return f"data:image/jpeg;base64,{b64}"
-
-
-def check_openai_chat(obj: dict[str, Any]) -> None:
-    """The checks a forwarded (not translated) chat-completions body gets: what an engine
-    answers with a 500 (llama.cpp on `messages: "x"`, `temperature: "hot"`) or, worse, a 200."""
-    msgs = obj.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("'messages' must be a non-empty array", "messages")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
-        c = m.get("content")
-        if c is not None and not isinstance(c, (str, list)):
-            raise bad(f"'messages[{i}].content' must be a string or an array",
-                      f"messages[{i}].content")
-    check_sampling(obj)
-
-
-# The OpenAI fields a forwarded body's types are checked for: (field, types, the 400's word).
-NUMBER: tuple[type, ...] = (int, float)
-SAMPLING_TYPES: tuple[tuple[str, tuple[type, ...], str], ...] = (
-    *((k, NUMBER, "a number") for k in ("temperature", "top_p", "frequency_penalty",
-                                        "presence_penalty")),
-    *((k, (int,), "an integer") for k in ("max_tokens", "max_completion_tokens", "n", "seed")),
-    ("stream", (bool,), "a boolean"))
-
-
-def check_sampling(obj: dict[str, Any]) -> None:
-    """`opt`'s rule over SAMPLING_TYPES in one pass: absent or None passes, a bool is a
-    number or an integer only where bool is named."""
-    for k, types, what in SAMPLING_TYPES:
-        v = obj.get(k)
-        if v is not None and (not isinstance(v, types) or (
-                isinstance(v, bool) and bool not in types)):
-            raise bad(f"'{k}' must be {what}", k)
-    stop_list(obj.get("stop"), "stop")
-    tools = obj.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("'tools' must be an array", "tools")
-
-
-def check_openai_completion(obj: dict[str, Any]) -> None:
-    p = obj.get("prompt")
-    if not isinstance(p, (str, list)):
-        raise bad("'prompt' must be a string or an array", "prompt")
-    check_sampling(obj)
-
-
-def check_openai_embedding(obj: dict[str, Any]) -> None:
-    x = obj.get("input")
-    if not isinstance(x, (str, list)) or (isinstance(x, list) and not x):
-        raise bad("'input' must be a string or a non-empty array", "input")
 
 
 def engine_object(body: bytes) -> dict[str, Any]:
