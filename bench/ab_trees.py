@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import httpx
 import trio
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harne
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import run_load  # noqa: E402
 from procfs import cpu_seconds  # noqa: E402
-from procs import Procs  # noqa: E402
+from procs import Procs, wait_until  # noqa: E402
 
 PER_ROUND = 100
 SHORT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -63,10 +62,9 @@ def main() -> None:
                                       "Nodes__0__Url": node.url}, tree=tree)
             stacks[name] = (node, hub)
         for node, hub in stacks.values():  # the model loaded, both paths warm
-            deadline = time.monotonic() + 60
-            while httpx.post(hub.url + CHAT, json=SHORT, timeout=60).status_code != 200:
-                assert time.monotonic() < deadline, "the hub never answered 200"
-                time.sleep(0.2)
+            wait_until(lambda hub=hub: httpx.post(hub.url + CHAT, json=SHORT,
+                                                  timeout=60).status_code == 200,
+                       60, "a 200 from the hub", interval=0.2)
             for url in (hub.url, node.url):
                 trio.run(run_load, url + CHAT, body, PER_ROUND, 1, stream)
         res = {(n, t): {"lat": [], "hub": 0.0, "node": 0.0, "eng": 0.0, "n": 0}

@@ -47,7 +47,7 @@ import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 from procfs import cpu_seconds  # noqa: E402
-from procs import Proc, Procs  # noqa: E402
+from procs import Proc, Procs, wait_until  # noqa: E402
 
 STREAM_CHUNKS = 200
 
@@ -165,15 +165,10 @@ def main() -> None:
                                   "Nodes__1__Name": "bench-oai", "Nodes__1__Url": node2.url},
                           wait=("hub",))
         # Warm the model through the hub (activation loads it on the node).
-        deadline = time.monotonic() + 60
-        while True:
-            r = httpx.post(hub.url + "/v1/chat/completions", timeout=60,
-                           json={"model": "sim-small", "messages": [{"role": "user",
-                                                                     "content": "warm"}]})
-            if r.status_code == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert r.status_code == 200, r.text
+        warm = {"model": "sim-small", "messages": [{"role": "user", "content": "warm"}]}
+        wait_until(lambda: httpx.post(hub.url + "/v1/chat/completions", json=warm,
+                                      timeout=60).status_code == 200,
+                   60, "a 200 from the hub", interval=0.2)
         poll_cpu = page_poll_cpu(hub.url, hub.pid) if args.ui_polling else 0.0
         if args.ui_polling:
             threading.Thread(target=poll_like_the_page, args=(hub.url, stop_polling, polls),

@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import threading
-import time
 
 import httpx
 import trio
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 from overhead import run_load  # noqa: E402
 from procfs import cpu_seconds  # noqa: E402
-from procs import Proc  # noqa: E402
+from procs import Procs, wait_until  # noqa: E402
 from tracing_cost import Receiver  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -41,32 +40,25 @@ def main() -> None:
     receiver = Receiver()
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
-    procs: list[Proc] = []
-
-    def start(role: str, env: dict[str, str], tree: str, wait: tuple[str, ...] = ()) -> Proc:
-        p = Proc(role, dict(env, PYTHONPATH=tree), cwd=tree)
-        procs.append(p)
-        p.wait_listening(*(wait or (role,)))
-        return p
-
+    procs = Procs()
     try:
-        sim = start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                            "Sim__Parallel": "64"}, trees[0])
-        node = start("node", {"Node__Name": "n", "Node__Listen": "127.0.0.1:0",
-                              "Metrics__Listen": "", "Engine__Kind": "ollama",
-                              "Engine__Url": sim.url, "Node__ModelSlots": "64"}, trees[0])
+        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                  "Sim__Parallel": "64"}, tree=trees[0])
+        node = procs.start("node", {"Node__Name": "n", "Node__Listen": "127.0.0.1:0",
+                                    "Metrics__Listen": "", "Engine__Kind": "ollama",
+                                    "Engine__Url": sim.url, "Node__ModelSlots": "64"},
+                           tree=trees[0])
         common = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": os.devnull,
                   "Nodes__0__Name": "n", "Nodes__0__Url": node.url}
         on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
         hubs = {}
         for t in trees:
-            hubs[(t, "off")] = start("hub", common, t, wait=("hub",))
-            hubs[(t, "on")] = start("hub", {**common, **on}, t, wait=("hub",))
+            hubs[(t, "off")] = procs.start("hub", common, tree=t)
+            hubs[(t, "on")] = procs.start("hub", {**common, **on}, tree=t)
         for h in hubs.values():
-            deadline = time.monotonic() + 60
-            while httpx.post(h.url + CHAT, json=SHORT, timeout=60).status_code != 200:
-                assert time.monotonic() < deadline, "the hub never answered 200"
-                time.sleep(0.2)
+            wait_until(lambda h=h: httpx.post(h.url + CHAT, json=SHORT,
+                                              timeout=60).status_code == 200,
+                       60, "a 200 from the hub", interval=0.2)
             trio.run(run_load, h.url + CHAT, SHORT, 200, conc, False)
         per: dict[tuple[str, str], list[float]] = {k: [] for k in hubs}
         for _ in range(rounds):
@@ -80,11 +72,7 @@ def main() -> None:
             print(f"{t}: off {off:.0f} {[round(x) for x in per[(t, 'off')]]}  "
                   f"on {got:.0f} {[round(x) for x in per[(t, 'on')]]}  on/off {got / off:.2f}")
     finally:
-        for p in procs:
-            try:
-                os.kill(p.pid, 15)
-            except ProcessLookupError:
-                pass
+        procs.close()
         receiver.shutdown()
 
 

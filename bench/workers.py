@@ -25,7 +25,7 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
 import procfs  # noqa: E402
 from procfs import children  # noqa: E402
-from procs import Procs  # noqa: E402
+from procs import Procs, wait_until  # noqa: E402
 
 SHORT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STREAM = {"model": "sim-small", "messages": [{"role": "user", "content": "tell"}],
@@ -114,11 +114,9 @@ def main() -> None:
                                       "Audit__Path": os.devnull, "Hub__Workers": str(workers),
                                       "Nodes__0__Name": "bench", "Nodes__0__Url": node.url},
                               wait=("hub",))
-            deadline = time.monotonic() + 60
-            while httpx.post(hub.url + "/v1/chat/completions", json=SHORT,
-                             timeout=60).status_code != 200:
-                assert time.monotonic() < deadline, "the hub never served sim-small"
-                time.sleep(0.2)
+            wait_until(lambda hub=hub: httpx.post(hub.url + "/v1/chat/completions", json=SHORT,
+                                                  timeout=60).status_code == 200,
+                       60, "the hub serving sim-small", interval=0.2)
             while len(tree(hub.pid)) < workers:
                 time.sleep(0.1)
             pids = tree(hub.pid)
