@@ -1,31 +1,21 @@
 """The proxy's HTTP/1.1 client (hub -> node, node -> engine): our wire code, our sockets, pooled.
 
-Theory of operation: the request path is the one place where CPU per request matters
-(DESIGN 3: bytes in, bytes out), and a general client spends most of its time on
-features a proxy to a known peer never uses (redirects, cookies, auth flows, decoding).
-This module sends one request on a kept-alive connection and yields the response body
-as raw chunks as they arrive -- nothing is buffered or decoded. It owns the connection
-pool and one decision: may a connection be reused? Only when both sides finished the
-exchange cleanly. A pooled connection the node closed while idle fails before any byte
-of a response: that (and only that) is retried once on a fresh connection. Connections
-the pool no longer needs are closed at once, never left to the garbage collector: the
-extra over MAX_IDLE_PER_PEER, the expired, and those whose peer hung up (seen by a
-non-blocking peek when taken from the pool, and every SWEEP_SECONDS by `sweep_every`)
--- otherwise each sits in CLOSE-WAIT holding an fd. The connection is a `Transport`
-(appliance/net/transport.py), on a socket this module connects itself, and every byte is
-read and written through it (on plain TCP a read waits once, then reads; trio's socket
-calls would add a scheduler round trip to each); TLS peers go through trio's SSLStream
-over the same socket. The request head is written and the response head
-read by appliance/h1/parse.py, and every response body -- sized, chunked or
-close-delimited -- by appliance/h1/body.py's one reader (plain functions: h11's events
-and state machine cost ~40 us per exchange); a short answer whose body came with its head
-is handed over whole (`Response.whole`: no read, no deadline).
-
-Timeouts belong to the caller's configuration: connecting is bounded by
-CONNECT_SECONDS, each read by the `read_timeout` given (Hub__UpstreamReadSeconds).
-The hub's control calls to its nodes (hub/fleet/ops.py) take the same pool: one set of
-connections and one TLS setup per node. httpx stays for the rest (the watch stream, ctl,
-etcd, engines), where its features pay.
+Owns the request path's client and its connection pool. A general client spends most of
+its time on features a proxy to a known peer never uses (redirects, cookies, decoding);
+this one sends a request on a kept-alive connection and yields the body as raw chunks as
+they arrive, nothing buffered or decoded. One decision is its own: a connection is reused
+only when both sides finished the exchange cleanly. A pooled connection the peer closed
+while idle fails before any byte of an answer: that alone is retried, once, on a fresh
+one. Connections no longer needed are closed at once, never left to the garbage
+collector (CLOSE-WAIT holds an fd): the extra over MAX_IDLE_PER_PEER, the expired, those
+whose peer hung up (a peek when taken, and every SWEEP_SECONDS by `sweep_every`).
+Every byte goes through a `Transport` (appliance/net/transport.py) on a socket connected
+here (TLS: trio's SSLStream over it); heads are appliance/h1/parse.py's, bodies
+appliance/h1/body.py's; a short answer whose body came with its head is handed over
+whole (`Response.whole`: no read, no deadline). Connecting is bounded by CONNECT_SECONDS,
+each read by the caller's `read_timeout` (Hub__UpstreamReadSeconds). The hub's control
+calls to its nodes (hub/fleet/ops.py) take the same pool: one set of connections and one
+TLS setup per node; httpx stays for the watch stream, ctl, etcd and engines.
 """
 
 from __future__ import annotations

@@ -1,40 +1,22 @@
 """The one body reader of HTTP/1.1 messages, sized, chunked or close-delimited: strict, bounded.
 
-Theory of operation: a relayed stream is passed through unchanged (hub from node, node
-from engine), so the relay only needs the body's payload bytes, not h11's events. h11's
-chunked reader costs a few microseconds per event (a regex per size line, an event object
-per chunk, a receive buffer that copies); at a 50 us budget per event per hop that is
-~8% (docs/streams-profile.md). `ChunkedBody.feed(data)` returns the payload in `data`
-(the chunk frames' contents, joined) and keeps only what it must between reads: an
-incomplete size line or trailer (bounded), the count of payload bytes still owed by the
-chunk in progress and the CRLF after it. It is a sync decision core: no I/O, no time.
+Owns the framing of every body this project reads (a client every response body, the
+server every request body): `ChunkedBody`, `SizedBody` (Content-Length), `CloseBody` (up to
+the connection's end, `end()`), with one interface -- `feed(data)` returns the payload in
+`data`, plus `done`, `leftover` (bytes after the body's end: a peer that said more than it
+framed) and `error`. Sync, no I/O, no time; a relayed stream passes through unchanged, so
+only payload bytes come out, not h11's events (~8% of a hop's budget per event:
+docs/streams-profile.md). A chunk's data is never buffered: what a read brought is returned.
 
-Strict on purpose -- every byte a peer sends is untrusted:
-- a size line is 1-16 hex digits, then optionally whitespace, `;` and extensions of
-  visible bytes (ignored), then CRLF; anything else (a sign, `0x`, a bare LF, no digits,
-  whitespace without `;`) is `BodyError`;
-- a size line or a trailer line longer than MAX_LINE without its CRLF is `BodyError`
-  (never an unbounded buffer), so are trailers over MAX_TRAILERS bytes in all;
-- the CRLF after a chunk's data must be exactly that;
-- trailer lines must be header fields (a token, `:`, a value of visible bytes) and are
-  dropped (the relay does not forward them);
-- bytes after the last chunk are `leftover`: a response that says more than it framed.
-A chunk's data is never buffered: what part of it a read brought is returned at once, so
-a chunk of any size costs no memory beyond the read itself.
-
-`SizedBody` is the same for a Content-Length body: payload until the count is reached;
-`CloseBody` for a response with neither (its end is the connection's: `end()`). All three
-have the same interface (`feed`, `done`, `leftover`, `error`), so a client reads every
-response body, and the server every request body, through this module.
-
-A request body's framing costs CPU per chunk, not per byte (~1.5-3.5 us a chunk on a busy
-2-core box, whatever its size: 1 MB in 1-byte chunks took 3.6 s, in 512-byte chunks 3 ms),
-so the server bounds the CPU per payload byte: a reader made with `min_average` refuses a
-body whose chunks, past the first FREE_CHUNKS, average fewer payload bytes than that. The
-server's is MIN_AVERAGE_CHUNK, CHUNK_COST_NS / MAX_NS_PER_BYTE: ordinary streamed uploads
-(curl, httpx, fetch: 512 bytes to 64 KiB a chunk) pass, a body of tiny chunks costs at most
-~16 ns of framing per byte. A relayed stream from a peer we dialled has one chunk per token
-and no such bound.
+Strict on purpose -- every byte a peer sends is untrusted, and each of these is `BodyError`:
+- a size line other than 1-16 hex digits, then `;` and extensions of visible bytes
+  (ignored; no white space before the `;`: h11 refuses it), then CRLF -- a sign, `0x`, a
+  bare LF, no digits;
+- a size or trailer line over MAX_LINE without its CRLF, trailers over MAX_TRAILERS;
+- anything but CRLF after a chunk's data; a trailer line that is not a header field
+  (trailers are dropped: the relay does not forward them);
+- a request body whose chunks, past FREE_CHUNKS, average under `min_average` payload bytes
+  (the server's CPU bound per payload byte: below).
 """
 
 from __future__ import annotations
@@ -56,6 +38,11 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _SIZE_DIGITS = re.compile(rb"[0-9A-Fa-f]{1,%d}" % MAX_SIZE_DIGITS)
 # Extensions: `;` right after the digits (h11 refuses white space before it; so do we).
 _CHUNK_EXT = re.compile(rb"(?:;[\t\x20-\x7e\x80-\xff]*)?")
+# A request body's framing costs CPU per chunk, not per byte (~1.5-3.5 us a chunk on a busy
+# 2-core box: 1 MB in 1-byte chunks took 3.6 s, in 512-byte chunks 3 ms), so the server
+# bounds it per payload byte: ordinary streamed uploads (curl, httpx, fetch: 512 bytes to
+# 64 KiB a chunk) pass, tiny chunks cost at most ~16 ns of framing per byte. A relayed
+# stream from a peer we dialled (a chunk per token) has no such bound.
 # Chunks a body may have before `min_average` applies.
 FREE_CHUNKS = 1024
 # What one chunk costs the reader beyond its payload, about (see the docstring), and the

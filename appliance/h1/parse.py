@@ -1,31 +1,22 @@
 """Strict HTTP/1.1 heads, both ways: plain functions over bytes, no I/O, no state.
 
-Theory of operation: the server (appliance/server/connection.py) reads bytes and asks
-`parse_head` what a request head says; the upstream client (appliance/client/upstream.py)
-writes its request head with `encode_request` and reads the answer's with
-`parse_response_head`. A head is whatever precedes the first CRLF CRLF. Each accepts
-less than h11 does, never more (tests/h1/test_h1parse.py, test_h1client.py against h11).
-
-Request heads (`parse_head` -> `Head`, or `BadRequest` with the status to answer; the
-server then closes, nothing behind the head is read):
-- CRLF line ends only; a request line of exactly `TOKEN SP TARGET SP HTTP/1.x` (a target
-  of visible ASCII, at most MAX_TARGET bytes, else 414); HTTP/1.x with x above 1 is
-  served as HTTP/1.1 (RFC 9110 2.5); other versions get 505. An absolute-form target
-  (`http://host/path`, RFC 9112 3.2.2) is read as its path and query.
-- Header names are tokens (no space before the colon); values are visible bytes, spaces
-  and tabs; obs-fold is refused; at most `max_headers` fields (431).
-- Content-Length: digits only, one field; Transfer-Encoding: `chunked` only (501), one
-  field, not on HTTP/1.0; both together: 400 (RFC 9112 6.1). One Host at most (HTTP/1.1:
-  exactly one); one Authorization and one X-Api-Key at most (a proxy in front may read
+Owns the reading and writing of heads: `parse_head` (the server: a request head in),
+`encode_request` and `parse_response_head` (appliance/client/upstream.py: a request head
+out, the answer's head in). A head is what precedes the first CRLF CRLF. Each accepts
+less than h11, never more (tests/h1/test_h1parse.py and test_h1client.py check it).
+- Request heads (`Head`, or `BadRequest` with the status to answer; the server then
+  closes): a request line of exactly `TOKEN SP TARGET SP HTTP/1.x` (visible ASCII, at most
+  MAX_TARGET bytes, else 414; x above 1 served as 1.1, other majors 505; an absolute-form
+  target read as its path); CRLF only; token names, visible values, no obs-fold; at most
+  `max_headers` fields (431); one Content-Length of digits; Transfer-Encoding `chunked`
+  only (501), not on HTTP/1.0, never with Content-Length (400, RFC 9112 6.1); one Host
+  (HTTP/1.1: exactly one), one Authorization, one X-Api-Key (a proxy in front may read
   the other one than we do).
-
-Response heads (`parse_response_head`: None while incomplete, up to MAX_HEAD bytes, else
-`(ResponseHead, used)` or `BrokenResponse`): a status line `HTTP/1.x DDD ...`, CRLF line
-ends, token names, no obs-fold, one Content-Length value (equal repeats allowed),
-Transfer-Encoding `chunked` only and before Content-Length (RFC 9112 6.3). Framing: SIZED
-(0 for HEAD, 1xx, 204, 304), CHUNKED, or UNTIL_CLOSE; HTTP/1.0 and `connection: close`
-are never kept alive. A request head out refuses CR, LF or NUL in a value (ValueError).
-Bodies are appliance/h1/body.py's (its trailers checked with TOKEN and VALUE).
+- Response heads (`ResponseHead`, None while incomplete up to MAX_HEAD, or
+  `BrokenResponse`): `HTTP/1.x DDD ...`; one Content-Length value (equal repeats allowed),
+  `chunked` only and before Content-Length (RFC 9112 6.3); framing SIZED (0 for HEAD,
+  1xx, 204, 304), CHUNKED or UNTIL_CLOSE; HTTP/1.0 and `connection: close` not kept alive.
+- A request head out refuses CR, LF or NUL in a value (ValueError).
 """
 
 from __future__ import annotations

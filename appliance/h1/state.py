@@ -1,41 +1,23 @@
 """One HTTP/1.1 connection's request/response cycle, as a table (after h11's `_state.py`).
 
-Theory of operation: a connection carries one request and one response at a time, each
-side moving through its own states; the server's code (appliance/server/connection.py)
-tells this table what happened (`client(event)`, `server(event)`) and asks it what may
-happen next (`reusable`, `must_close`). Nothing else decides whether a connection lives
-on, so the rules are in one place and testable without sockets:
-
-- The client (our peer, sending the request): IDLE -> SEND_BODY on its head (DONE at
-  once when it has no body) -> DONE at the body's end. Its close before DONE is an ERROR
-  (a body ended early); after DONE, CLOSED.
+Owns whether a connection lives on, and nothing else decides it: the server's code
+(appliance/server/connection.py) tells the table what happened (`client(event)`,
+`server(event)`, `close()`) and asks what may come next (`reusable`). No sockets, no trio.
+- The client (our peer): IDLE -> SEND_BODY on its head (DONE at once without a body) ->
+  DONE at the body's end; its close before DONE is an ERROR, after it CLOSED.
 - The server (us): IDLE -> SEND_RESPONSE once a request came -> SEND_BODY when the
-  response's head is decided -> DONE at the response's end. A write that failed, or a
-  response cut short (fewer or more bytes than it said), is an ERROR.
-- Keep-alive is off when either side said `close`, the request was HTTP/1.0 without
-  keep-alive, the server drains or ran out of requests (`close()`); a side that is DONE
-  on such a connection is MUST_CLOSE.
-- The next cycle starts only when both sides are DONE and keep-alive is on (`reusable`);
-  an answer that ended while its request's body is still owed leaves the client in
-  SEND_BODY: the server may read what the client already sent to get it to DONE (a body
-  already buffered whole), and otherwise closes.
-- ERROR and CLOSED never change again; MUST_CLOSE only to CLOSED or ERROR.
-
-Beside the two states, the table holds the cycle's facts the sides act on, so a connection's
-whole state is here (and a test reads it): the response's framing (`respond`: SIZED with
-the bytes it still owes, CHUNKED, UNTIL_CLOSE, NO_BODY -- the same words for a response
-received, appliance/h1/parse.py) and whether its last message was taken (`sent_end`);
-whether the app was given the request's last message (`end_given`); the client's end of
-the stream (`eof`, `peer_closed`); a refusal's close that drains the read side first
-(`linger`). `next_cycle` starts the next request's facts afresh.
-
-The response's framing is decided here too (`response_head`, with its first body message):
-HEAD, 1xx, 204, 304 carry no body (a HEAD keeps the content-length a GET would say); the
-app's content-length, or one body message, is SIZED (more or fewer bytes than said: cut
-and closed); a streamed body is CHUNKED on HTTP/1.1, UNTIL_CLOSE on 1.0; `connection:
-close` when either side or HTTP/1.0 asks, or the server is about to close. Header names go
-out in lower case; CR, LF (or a colon in a name) is an app bug (RuntimeError). Every head
-carries `date` (made once a second), no `server`.
+  response's head is decided -> DONE at its end; a failed write, or a response with more
+  or fewer bytes than it said, is an ERROR.
+- Keep-alive off (either side said `close`, HTTP/1.0, a drain, `max_requests`): a DONE
+  side is MUST_CLOSE. The next cycle needs both sides DONE (`reusable`); an answer that
+  ended while the request's body is still owed leaves the client in SEND_BODY (the server
+  skips a body already here whole, else closes). ERROR and CLOSED never change again.
+Beside the states, the cycle's facts the sides act on, so a test reads the whole state
+here: the response's framing (`respond`: SIZED with the bytes it owes, CHUNKED,
+UNTIL_CLOSE, NO_BODY -- the words appliance/h1/parse.py uses for a response received),
+`sent_end`, `end_given` (the app has the body's last message), `eof`, `linger` (a
+refusal's close drains the read side first). The response's head and framing are decided
+here too (`response_head`).
 """
 
 from __future__ import annotations
@@ -207,7 +189,14 @@ class Framed(NamedTuple):
 
 def response_head(status: int, headers: list[tuple[bytes, bytes]], *, method: str,
                   version: str, close: bool, body: bytes, more: bool) -> Framed:
-    """The head of a response whose first body message is `body` (`more`: more follow)."""
+    """The head of a response whose first body message is `body` (`more`: more follow).
+
+    HEAD, 1xx, 204, 304 carry no body (a HEAD keeps the content-length a GET would say);
+    the app's content-length, or one body message, is SIZED (more or fewer bytes than said:
+    cut and closed); a streamed body is CHUNKED on HTTP/1.1, UNTIL_CLOSE on 1.0;
+    `connection: close` when either side or HTTP/1.0 asks, or the server is about to close.
+    Names go out in lower case; CR, LF (or a colon in a name) is an app bug (RuntimeError).
+    Every head carries `date` (made once a second), no `server`."""
     lines = [STATUS_LINES.get(status) or status_line(status), date_header()]
     sized = -1
     for k, v in headers:

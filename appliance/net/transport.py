@@ -1,31 +1,22 @@
 """One connection's bytes, plain or TLS, behind one interface (`Transport`).
 
-Theory of operation: a relayed token costs a proxy one read and one write per hop, and
-trio's socket calls pay a scheduler round trip around each (a checkpoint before, a
-shielded one after a success; docs/streams-profile.md). A plain connection here is the
-stdlib socket itself, which this module made or accepted (so no library's private socket
-is ever reached for): a read waits until the socket is readable (the one checkpoint:
-cancellation and deadlines work as usual), then `recv`s; a write `send`s at once and waits
-only while the kernel's buffer is full. A TLS connection is a `trio.SSLStream` over a
-trio socket stream made from that same socket: the same interface, trio's TLS underneath.
-
-Rules every caller relies on:
-- `receive` returns b"" at the end of the stream *and* when the connection broke (a reset,
-  a TLS error): either way nothing more will come.
+Owns the socket calls of the server and the client. A relayed token costs one read and one
+write per hop, and trio's socket calls add a scheduler round trip to each
+(docs/streams-profile.md), so a plain connection is the stdlib socket itself, made or
+accepted here: a read waits until readable (the one checkpoint) then `recv`s; a write
+`send`s at once and waits only while the kernel's buffer is full. TLS is a
+`trio.SSLStream` over a trio socket stream on that same socket: the same interface.
+- `receive` returns b"" at the end of the stream and when the connection broke.
 - `send_all` writes everything or raises `OSError`; its waits are shielded unless told
-  otherwise (a write cut half-way leaves the peer's framing unknown), but never longer
-  than `stall` seconds without progress (then `WriteStalled`: a peer that stopped reading
-  holds nothing), nor, with a `min_rate`, lets a peer that is behind read slower than that
-  (below), and none waits past `abort_by`'s deadline (the drain's end). The caller holds a
-  lock around it if two tasks could write (trio's SSLStream refuses concurrent sends).
-- The read rate: while the writer waits (the peer is behind: the kernel's buffers are full),
-  the waits are summed; once they reach `stall` seconds, the bytes written since the first of
-  them (read by the peer: the buffers were full at both ends of the span) over that waited time
-  must reach `min_rate`, or the write fails `WriteStalled` (a slow, steady reader holds a place
-  no longer than a stopped one, roughly). Time the writer did not wait is not counted, so an
-  answer that pauses is never taken for a slow reader; per write it costs one addition.
-- `shutdown_write` sends our end (a TCP FIN; on TLS under the TLS records, without a
-  close_notify: the peer has what it was owed) so a closing server can drain the read side.
+  otherwise (a write cut half-way leaves the peer's framing unknown) but never `stall`
+  seconds without progress (`WriteStalled`), never past `abort_by` (the drain's end), and
+  with a `min_rate`: while the writer waits (the peer is behind), once the waits sum to
+  `stall` seconds the bytes written since the first of them over that time must reach
+  `min_rate` (a slow steady reader holds a place no longer than a stopped one; time not
+  waited is not counted, so a pausing answer is never a slow reader). The caller holds a
+  lock if two tasks could write (trio's SSLStream refuses concurrent sends).
+- `shutdown_write` sends our end (a TCP FIN; on TLS under the records, without a
+  close_notify) so a closing server can drain the read side.
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """One HTTP/1.1 connection of a listener, plain or TLS: every listener rule, written once.
 
-Theory of operation: the accept loop (appliance/server/serve.py) runs `Conn.run` for each
-connection it accepts: one task per connection, the app called in it, request after
-request. The bytes move through a `Transport` (appliance/net/transport.py: the plain
-socket itself, or trio's SSLStream over it), so plain and TLS connections run this same
-code. Heads are parsed by appliance/h1/parse.py, bodies read by the receive side
-(appliance/server/receive.py), answers written by the send side (send.py), and whether
-the connection lives on is appliance/h1/state.py's table (`self.cycle`). A refusal is
-answered in the API's shape (appliance/server/refuse.py) and the connection closed, its
-read side drained a moment first so the answer is not lost to a reset.
-
-The rules (numbers from `Limits`, appliance/server/limits.py, read per request: a reload
-reaches kept-alive connections):
-- Head deadline: `header_read_seconds` from the connection's start (the TLS handshake
-  included), or from the first byte of a later request; a partial head is answered 408
-  `request_timeout`, an idle connection closed. Between requests the connection waits
-  `keep_alive` seconds at most; a drain (`Shared.terminating`) closes it, and an
-  in-flight response ends with `connection: close`.
-- A head over `max_head` bytes: 414 when its request line alone is too long, else 431.
-- A declared Content-Length over `max_body_bytes`: 413 `body_too_large` at once (no
-  `100 Continue`, nothing read).
-- Body and the wait for the client to go: appliance/server/receive.py (`Receiver`, the
-  connection's `rx`; answers go out by send.py's `Sender`, its `tx`); a refusal it raises
-  (`Busy` 503, `RequestTimeout` 408) or notes (a broken body: 400) is answered here.
-- The connection serves the next request when `cycle.reusable`: both sides done, nobody
-  said `close`, it was not HTTP/1.0, the server does not drain, fewer than
-  `max_requests` were served. A body the app did not read but that is already here
-  whole is skipped; one still owed closes the connection (its answer says so).
+Owns a connection's life: the accept loop (appliance/server/serve.py) runs `Conn.run`,
+one task per connection, request after request; bytes move through a `Transport`
+(appliance/net/transport.py: the socket, or trio's SSLStream over it), heads are parsed
+by appliance/h1/parse.py, bodies read by the receive side (`rx`, receive.py), answers
+written by the send side (`tx`, send.py), and whether the connection lives on is
+appliance/h1/state.py's table (`cycle`). Refusals are answered in the API's shape
+(refuse.py), then the connection closes, its read side drained a moment first.
+The rules (`Limits`, limits.py, read per request: a reload reaches kept-alive ones):
+- Head deadline `header_read_seconds` from the connection's start (TLS handshake
+  included) or a later request's first byte: a partial head is 408, an idle connection
+  closed; `keep_alive` seconds between requests; a drain closes idle connections, and an
+  answer in flight ends with `connection: close`.
+- A head over `max_head`: 414 when its request line alone is too long, else 431; a
+  declared Content-Length over `max_body_bytes`: 413 at once (no `100 Continue`).
+- What the receive side raises (`Busy` 503, `RequestTimeout` 408) or notes (a broken
+  body: 400) is answered here.
+- The next request is served when `cycle.reusable`; a body the app did not read but that
+  is already here whole is skipped, one still owed closes (its answer says so).
 """
 
 from __future__ import annotations

@@ -1,30 +1,21 @@
 """The receive side of one HTTP/1.1 connection (appliance/server/connection.py): the
 request's body to the app's `receive`, and the wait for its client to go.
 
-Theory of operation: the connection (connection.py, `Conn`) composes a `Receiver` with
-the send side (appliance/server/send.py, `Sender`) over one table, and calls
-`new_request` with each head. Bodies are framed by appliance/h1/body.py (chunked) or
-counted down here (Content-Length); the client's side of `self.cycle`
-(appliance/h1/state.py) moves as they end, break or are skipped, and the table holds this
-side's facts too (`eof`, `linger`, `end_given`). Nothing here writes but
-the `100 Continue`; a refusal is raised (`Busy`, `RequestTimeout`) or noted (`bad`) and
-the connection answers it.
-
-The rules:
-- Body: read only when the app asks (`receive`), each read bounded by the body deadline
-  (`body_deadline`, set by the connection per request: 408 `request_timeout`); the bytes
-  the apps hold count against the listener's `Budget` (503 `busy`), decoded estimates
-  too (`hold`, the ASGI extension BODY_BUDGET). `Expect: 100-continue` is answered on the
-  first body read, unless the response began or body bytes are already here.
+Owns the reading after the head: the connection composes a `Receiver` with the send side
+(send.py, `Sender`) over one table and calls `new_request` with each head. Bodies are
+framed by appliance/h1/body.py (chunked) or counted down here (Content-Length); the
+client's side of the table (appliance/h1/state.py) moves as they end, break or are
+skipped. Nothing here writes but the `100 Continue`; a refusal is raised (`Busy`,
+`RequestTimeout`) or noted (`bad`) and the connection answers it.
+- A body is read only when the app asks, each read bounded by `body_deadline` (408); the
+  bytes the apps hold count against the listener's `Budget` (503 `busy`), decoded
+  estimates too (`hold`: the ASGI extension BODY_BUDGET). `Expect: 100-continue` is
+  answered on the first body read, unless the answer began or body bytes are here.
 - Broken framing, or a client gone before the body's end, is a 400 (`bad`): the app is
-  told `http.disconnect` and the connection refuses and closes.
-- Once the body is read, `receive` waits for the client to go (EOF, an error, a write
-  that failed) or for the response to end, and says `http.disconnect`, so a hub relaying a
-  stream cancels the upstream when its client leaves. Pipelined bytes read meanwhile are
-  kept for the next request (up to a bound). The ASGI extension HANGUP (the send side's
-  `watch`, appliance/server/send.py) tells the same without a waiting task.
-- A body the app did not read but that is already here whole is skipped
-  (`_skip_unread_body`), so the connection may serve the next request.
+  told `http.disconnect`, the connection refuses and closes.
+- Once the body is read, `receive` waits for the client to go or the answer to end and
+  says `http.disconnect` (pipelined bytes read meanwhile are kept, up to a bound).
+- A body the app did not read but that is here whole is skipped (`_skip_unread_body`).
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """The send side of one HTTP/1.1 connection (appliance/server/connection.py): ASGI response
 messages to bytes on the client's transport -- the one path every response byte takes.
 
-Theory of operation: `http.response.start` is only noted; the head is built with the
-first body message (appliance/h1/state.py, `response_head`), so a small answer is one write of
-head + body with a content-length, and a streamed one (`more_body`) is chunked (HTTP/1.1)
-or delimited by the close (HTTP/1.0); HEAD, 1xx, 204 and 304 carry no body. Writes go
-straight to the transport (appliance/net/transport.py: on a plain socket a `send`, a wait
-only while the kernel's buffer is full), under the connection's lock.
+Owns the writing: `http.response.start` is only noted; the head is decided with the first
+body message (appliance/h1/state.py `response_head`: one write of head + body for a small
+answer, chunked or close-delimited for a stream), and the framing, what a sized answer
+still owes and `sent_end` are the table's. Writes go straight to the transport
+(appliance/net/transport.py), under the connection's lock. `send` never leaves a write
+half-way: its only cancellable wait comes before the message's first byte (the lock), so
+a relay may call it inside a scope a `Cut` or a read deadline cancels
+(appliance/http/stream.py). A failed write makes the server side ERROR: later writes are
+dropped and the receive side says `http.disconnect` (`answered`).
 
-What a relay may rely on (appliance/http/stream.py calls `send` inside the scope that a
-`Cut` or a read deadline cancels): `send` never leaves a write half-way. Its only
-cancellable wait comes before any byte of the message is written (the lock); every wait
-once bytes are going out is shielded. A write that fails marks the connection's server
-side BROKEN (appliance/h1/state.py): later writes are dropped and the receive side says
-`http.disconnect` (`stop_waiting`). The response's framing, what a sized one still owes
-and whether its last message was taken are the table's (`cycle.framing`, `owed`,
-`sent_end`); this side keeps only the head it has not written yet.
-
-The send side is also the app's `HangupWatch` (appliance/http/stream.py, the ASGI
-extension HANGUP): what was delivered (`delivered`, `stalled`, `drained`), and the
-client's hang-up (`watch`) -- told without a task per request: a watcher task costs a
-nursery and a task (~35 us of CPU, a third of the hub's own share of a short request), so
-one task per process holds one epoll set (`Hangups`, found once per listener and
-given to each connection) of the sockets whose requests wait
-now, each registered for the peer's close (EPOLLRDHUP, and the always-reported HUP/ERR:
-never for readable bytes, so a pipelined request is no hang-up); a request pays two
-epoll_ctl calls. A write that fails tells the watcher too. A socket the set cannot take
-(no epoll, one already watched) gets None, and the app falls back to a watcher task.
+It is also the app's `HangupWatch` (the ASGI extension HANGUP): what was delivered
+(`delivered`, `stalled`, `drained`), and the client's hang-up (`watch`) without a task per
+request (a watcher task cost ~35 us of CPU, a third of the hub's share of a short
+request): one task per process holds one epoll set (`Hangups`, found once per listener)
+of the sockets whose requests wait now, registered for the peer's close (EPOLLRDHUP,
+HUP, ERR; never readable bytes: a pipelined request is no hang-up). A failed write tells
+the watcher too; a socket the set cannot take gets None (the app then runs a task).
 """
 
 from __future__ import annotations
