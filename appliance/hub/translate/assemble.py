@@ -127,11 +127,14 @@ class Assembler:
     # --- gathering ---------------------------------------------------------------------
 
     def _take(self, obj: dict[str, Any]) -> None:
-        """One chunk gathered, and counted on the way as `Tally.see` counts one."""
+        """One chunk gathered, and counted on the way as `Tally.see` counts one. Most chunks
+        are one choice whose delta is only `content`: that one is read with the fewest
+        look-ups (the delta's other keys only where it has some)."""
         if not self._meta:
             self._meta = {k: v for k, v in obj.items() if k not in _NOT_KEPT}
-        if isinstance(obj.get("usage"), dict):
-            self._usage = obj["usage"]  # the engine's, as it said it (cached tokens too)
+        usage = obj.get("usage")
+        if usage is not None and isinstance(usage, dict):
+            self._usage = usage  # the engine's, as it said it (cached tokens too)
             self._tally.found = openai_usage(obj)
         if obj.get("timings") is not None:
             self._timings = obj["timings"]  # llama-server's, on its last chunk
@@ -148,21 +151,25 @@ class Assembler:
             if c is None:
                 c = self._choices[at] = _Choice()
             text = ch.get("text")
-            if isinstance(text, str) and text:
+            if text and isinstance(text, str):
                 generated = True
             d = ch.get("delta")
             content = None
-            if isinstance(d, dict):
-                content, reasoning, calls = (d.get("content"), d.get("reasoning_content"),
-                                             d.get("tool_calls"))
-                if content or reasoning or calls:
+            if d is not None and isinstance(d, dict):
+                content = d.get("content")
+                if content:
                     generated = True
-                if isinstance(reasoning, str):
-                    c.reasoning.append(reasoning)
-                if isinstance(d.get("role"), str):
-                    c.role = d["role"]
-                if calls:
-                    c.tools.add(calls)
+                if content is None or len(d) > 1:
+                    reasoning, calls, role = (d.get("reasoning_content"), d.get("tool_calls"),
+                                              d.get("role"))
+                    if reasoning or calls:
+                        generated = True
+                    if isinstance(reasoning, str):
+                        c.reasoning.append(reasoning)
+                    if isinstance(role, str):
+                        c.role = role
+                    if calls:
+                        c.tools.add(calls)
             piece = content if self.chat else text
             if isinstance(piece, str):
                 c.text.append(piece)
@@ -170,15 +177,16 @@ class Assembler:
                     self._watch.feed(piece)
                     self.finished = self._watch.matched is not None
             lp = ch.get("logprobs")
-            if isinstance(lp, dict):
+            if lp is not None and isinstance(lp, dict):
                 if isinstance(lp.get("content"), list):
                     if c.logprobs is None:
                         c.logprobs = []
                     c.logprobs += lp["content"]
                 elif isinstance(lp.get("tokens"), list):
                     c.legacy = _joined(c.legacy, lp)  # a text completion's lists, joined
-            if ch.get("finish_reason") is not None:
-                c.finish = ch["finish_reason"]
+            finish = ch.get("finish_reason")
+            if finish is not None:
+                c.finish = finish
             if not ch.keys() <= _GATHERED:
                 for k, v in ch.items():
                     if k not in _GATHERED and v is not None:

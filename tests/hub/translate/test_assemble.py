@@ -76,3 +76,19 @@ def test_a_stop_sequence_finishes_the_answer() -> None:
 def test_the_engine_is_asked_to_stream_with_its_usage() -> None:
     assert streamed({"model": "m", "stream_options": {"x": 1}}) == {
         "model": "m", "stream": True, "stream_options": {"x": 1, "include_usage": True}}
+
+
+def test_a_delta_with_more_than_its_content_is_read_whole() -> None:
+    # The common delta (content only) is read with one look-up; one that also names a
+    # role, reasoning or tool calls beside its content loses none of them.
+    a = Assembler(10, chat=True)
+    a.feed(_sse(_chunk({"delta": {"role": "assistant", "content": "A",
+                                  "reasoning_content": "think"}}),
+                _chunk({"delta": {"content": "B", "tool_calls": [{"index": 0, "id": "c9",
+                        "function": {"name": "f", "arguments": "{}"}}]}}),
+                _chunk({"delta": {"reasoning_content": "more"}}),
+                _chunk({"delta": {"content": "C"}, "finish_reason": "stop"})))
+    got = json.loads(a.end())
+    msg = got["choices"][0]["message"]
+    assert msg["content"] == "ABC" and msg["reasoning_content"] == "thinkmore"
+    assert msg["tool_calls"][0]["id"] == "c9" and a.usage().output == 4
