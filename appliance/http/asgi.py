@@ -140,30 +140,6 @@ async def send_text(send: Send, status: int, text: str | bytes,
     await send({"type": "http.response.body", "body": body})
 
 
-async def handle_lifespan(receive: Receive, send: Send) -> None:
-    """Answer hypercorn's lifespan messages; our apps do their setup in the nursery."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-def http_only(app: App) -> App:
-    """Our apps see only `http` scopes: lifespan is answered here (setup happens in the
-    nursery), anything else (websocket) is ignored."""
-
-    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await app(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await handle_lifespan(receive, send)
-
-    return wrapped
-
-
 # --- a body's coding and its decoded cost ---------------------------------------------
 
 # zlib's window bits for the gzip container (16 + the largest window).
