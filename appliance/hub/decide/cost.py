@@ -25,7 +25,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from appliance.hub.decide.affinity import (
     BYTES_PER_TOKEN,
@@ -38,6 +38,7 @@ from appliance.hub.decide.affinity import (
     prompt_tokens,
     rendezvous,
 )
+from appliance.hub.decide.fit import Node
 from appliance.hub.decide.home import HomeQueues
 from appliance.wire import NodeState
 
@@ -229,21 +230,6 @@ def names(options: Iterable[Option]) -> list[str]:
 
 
 # --- the pick over the hub's node handles ------------------------------------------------
-
-
-class Node(Protocol):
-    """A node handle as the pick reads it (hub/fleet/nodes.NodeHandle)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def state(self) -> NodeState | None: ...
-    @property
-    def in_flight_total(self) -> int: ...
-    @property
-    def others_total(self) -> int: ...
-    def places_left(self, model: str) -> int | None: ...
-    def has_concurrency(self) -> bool: ...
 
 
 def places_of(st: NodeState | None, model: str) -> int | None:

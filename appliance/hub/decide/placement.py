@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from appliance.config import Config
@@ -18,6 +18,7 @@ from appliance.hub.decide import capable, fit, holds
 from appliance.hub.decide.actions import Action, Load, Pending, Unload
 from appliance.hub.decide.catalog import DISCOVERED_IDLE, Health, Spec, catalog, follows_demand
 from appliance.hub.decide.demand import ReplicaDemand
+from appliance.hub.decide.fit import Node
 from appliance.wire import LoadRequest
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class Models:
     def spec(self, name: str) -> Spec:
         return self.specs.get(name) or Spec(name)
 
-    def names(self, nodes: Iterable[Any]) -> list[str]:
+    def names(self, nodes: Iterable[Node]) -> list[str]:
         listed: set[str] = set()
         for h in nodes:
             if h.state is not None:
@@ -148,13 +149,14 @@ class Models:
         idle = self.spec(name).idle_unload_seconds
         return math.inf if idle == 0 else idle
 
-    def replicas(self, name: str, nodes: Iterable[Any]) -> tuple[list[str], list[str]]:
+    def replicas(self, name: str, nodes: Iterable[Node]) -> tuple[list[str], list[str]]:
         """(ready node names, loading node names) counted for `name` now."""
         ready, loading = [], []
         for h in nodes:
             if h.ready(name):
                 ready.append(h.name)
-            elif h.routable() and (m := h.state.model(name)) is not None and m.state == "loading":
+            elif (h.routable() and h.state is not None and (m := h.state.model(name)) is not None
+                  and m.state == "loading"):
                 loading.append(h.name)
         for p in self.pending:
             if p.model == name and p.node not in ready and p.node not in loading:
@@ -163,7 +165,7 @@ class Models:
 
     # --- placement ---------------------------------------------------------------------
 
-    def place(self, name: str, nodes: list[Any]) -> Load | str:
+    def place(self, name: str, nodes: Sequence[Node]) -> Load | str:
         """One replica of `name`: a Load (reserving its memory), or why it fits nowhere."""
         spec = self.spec(name)
         ready, loading = self.replicas(name, nodes)
@@ -181,7 +183,7 @@ class Models:
         self.pending.append(Pending(name, h.name, fit.need_on(spec, h), victims=tuple(victims)))
         return Load(name, h.name, LoadRequest(source=spec.source, args=spec.args), victims)
 
-    def _place_needed(self, name: str, nodes: list[Any], now: float) -> list[Action]:
+    def _place_needed(self, name: str, nodes: Sequence[Node], now: float) -> list[Action]:
         """Place replicas up to what `name` should have now; record the decision."""
         h = self._h(name)
         if h.parked or now < h.next_attempt:
@@ -212,7 +214,7 @@ class Models:
 
     # --- what the shell calls ----------------------------------------------------------
 
-    def ask(self, name: str, nodes: list[Any], now: float,
+    def ask(self, name: str, nodes: Sequence[Node], now: float,
             held: bool = False) -> tuple[int, list[Action]]:
         """A request wants `name`: clear the previous result and decide afresh, now.
         `held`: its touch counted the use (a key's own hold: no shared clock, holds.py)."""
@@ -266,7 +268,7 @@ class Models:
                and not h.parked]
         return min(due) if due else None
 
-    def plan(self, nodes: list[Any], now: float) -> list[Action]:
+    def plan(self, nodes: Sequence[Node], now: float) -> list[Action]:
         """One pass of the control loop: settle loads, place what is missing, unload idle."""
         self._settle(nodes, now)
         acts: list[Action] = []
@@ -283,7 +285,7 @@ class Models:
                 acts += self._place_needed(name, nodes, now)
         return acts
 
-    def _follow_demand(self, name: str, nodes: list[Any], now: float) -> list[Action]:
+    def _follow_demand(self, name: str, nodes: Sequence[Node], now: float) -> list[Action]:
         """An on-demand model's count up one while its wait stays long (demand.py), or
         down one by unloading an idle replica beyond the first once it has fallen."""
         spec = self.spec(name)
@@ -298,14 +300,15 @@ class Models:
             return []
         by = {h.name: h for h in nodes}
         idle = [n for n in ready if not by[n].in_flight.get(name, 0)
-                and not getattr(by[n].state.model(name), "in_flight", 0)]
+                and not getattr(st.model(name) if (st := by[n].state) is not None else None,
+                                "in_flight", 0)]
         victim = self.demand.surplus(name, idle, self._idle_limit(name), now)
         if victim is None:
             return []
         self.demand.shrunk(name)
         return [Unload(name, victim, "demand fell: a replica beyond the first, idle")]
 
-    def _settle(self, nodes: list[Any], now: float) -> None:
+    def _settle(self, nodes: Sequence[Node], now: float) -> None:
         """Loads the node answered stop counting once its state shows them (or after a while)."""
         by_name = {h.name: h for h in nodes}
         for p in list(self.pending):
@@ -316,7 +319,7 @@ class Models:
             if now >= p.settle_until or (m is not None and m.state in ("ready", "failed")):
                 self.pending.remove(p)
 
-    def _idle_unloads(self, name: str, nodes: list[Any], now: float) -> list[Action]:
+    def _idle_unloads(self, name: str, nodes: Sequence[Node], now: float) -> list[Action]:
         spec = self.spec(name)
         limit = self._idle_limit(name)
         if spec.replicas or limit == math.inf:
@@ -328,13 +331,14 @@ class Models:
             return []
         out: list[Action] = []
         for h in nodes:
-            if (h.ready(name) and capable.unloads(h) and (m := h.state.model(name)) is not None
+            if (h.ready(name) and capable.unloads(h) and h.state is not None
+                    and (m := h.state.model(name)) is not None
                     and not m.in_flight and not h.in_flight.get(name, 0)):
                 out.append(Unload(name, h.name, f"idle for {limit:g} s"))
         return out
 
     def load_done(self, model: str, node: str, error: str | None, now: float,
-                  nodes: list[Any] | None = None) -> None:
+                  nodes: Sequence[Node] | None = None) -> None:
         """The node answered a load: None is success, else its words (a start failure).
         `nodes`: the fleet now; a failure is tried on another capable node of it first."""
         p = next((p for p in self.pending if p.model == model and p.node == node), None)
@@ -387,12 +391,13 @@ class Models:
                     model, h.failures, park, node, error, delay)
         self.events.append(("model_start_failed", {**fields, "retry_in": delay}))
 
-    def _untried(self, model: str, nodes: list[Any]) -> list[str]:
+    def _untried(self, model: str, nodes: Sequence[Node]) -> list[str]:
         """Capable nodes that are up and have not failed `model` in this round."""
         spec, tried = self.spec(model), self._h(model).tried
         return sorted(n.name for n in nodes
                       if n.routable() and n.name not in tried and capable.serves(spec, n)
-                      and (spec.source or n.state.model(model) is not None))
+                      and (spec.source or (n.state is not None
+                                           and n.state.model(model) is not None)))
 
     def load_lost(self, model: str, node: str, reason: str, now: float) -> None:
         """The node could not be reached: not the model's fault, so nothing is counted."""
@@ -428,7 +433,7 @@ class Models:
             return f"start failed {h.failures} time(s); next attempt in {wait:.0f} s"
         return ""
 
-    def status(self, name: str, nodes: list[Any], now: float) -> dict[str, Any]:
+    def status(self, name: str, nodes: Sequence[Node], now: float) -> dict[str, Any]:
         h = self.health.get(name) or Health()
         ready, loading = self.replicas(name, nodes)
         return {"name": name, "desired": self.desired(name, now), "ready": len(ready),

@@ -8,12 +8,12 @@ not wait nor pick a node. The rules: `AdmissionCore`'s docstring; slot waits: sl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple, Protocol, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, TypeVar
 
 from appliance.http.errors import ApiError
+from appliance.hub.decide.fit import Node
 from appliance.hub.decide.lanes import CLASSES, RANK, Lanes, Waiter
-from appliance.wire import NodeState
 
 ESSENTIAL, NORMAL, BACKGROUND = CLASSES
 # The request headers a client lowers its own class with (ASGI names are lower case).
@@ -40,19 +40,6 @@ def effective_class(enabled: bool, client_cls: str | None, headers: Iterable[tup
 class Fleet(NamedTuple):
     places: int | None
     room: int | None
-
-
-class Node(Protocol):
-    """A node as admission counts it (hub/fleet/nodes.NodeHandle)."""
-
-    @property
-    def state(self) -> NodeState | None: ...
-    @property
-    def in_flight(self) -> Mapping[str, int]: ...
-    @property
-    def in_flight_total(self) -> int: ...
-    def ready(self, model: str) -> bool: ...
-    def places_left(self, model: str) -> int | None: ...
 
 
 N = TypeVar("N", bound=Node)
