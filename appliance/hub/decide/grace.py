@@ -22,7 +22,7 @@ import trio
 
 from appliance.hub.fleet.nodes import MISSED_HEARTBEATS, Registry
 
-# "Two heartbeat timeouts" (issue 11): one for the node's dial, one for its first state.
+# "Two heartbeat timeouts": one for the node's dial, one for its first state.
 GRACE_TIMEOUTS = 2
 
 

@@ -1,25 +1,22 @@
-"""Routing memory shared by several hubs through their nodes (HA).
+"""Routing memory shared by several hubs through their nodes (HA), plain synchronous code.
 
-Theory of operation. Plain synchronous code. Each hub learns where a session's or a
-prompt's last request went only from its own answers (cost.py's `Homes`, affinity.py's
-`PrefixIndex`), so with two hubs taking a conversation's turns in turn, each sees half of
-them and sends the other half elsewhere once a node is full. Every request with a routing
-key carries it to its node (`x-appliance-route`, `affinity.note`); a node that several hubs watch
-says the keys it took in its state (node/routed.py, `NodeState.routed`), and each hub folds
-the ones it has not seen into its own memory (`Fold.state`) as they arrive:
+Each hub learns where a session's or a prompt's last request went only from its own
+answers (cost.py's `Homes`, affinity.py's `PrefixIndex`): with two hubs taking a
+conversation's turns in turn, each would send half of them elsewhere once a node is full.
+So every request with a routing key carries it to its node (`x-appliance-route`,
+`affinity.note`); a node that several hubs watch says the keys it took in its state
+(node/routed.py, `NodeState.routed`), and each hub folds the ones it has not seen into its
+own memory (`Fold.state`):
 
 - `s<32 hex>,<tokens>`: a session (its 16-byte digest) and its prompt tokens, predicted: the
   session's home is that node now (`Homes.record`), as if this hub had sent it.
-- `p<16 hex>`: the last block digest of a prompt's prefix chain: that node holds the
-  prompt through it (`PrefixIndex.record` of that one block; a later turn's chain holds
-  it, so `cost.prefix_held` finds it).
+- `p<16 hex>`: the last block digest of a prompt's prefix chain: that node holds the prompt
+  through it (`PrefixIndex.record` of that block: `cost.prefix_held` finds it later).
 
-The node's mean time per answer (`ModelState.service_ms`) is this hub's service time
-there until it has an answer of its own from that node (`Rates.hint`): a hub whose first
-requests are a conversation's later turns does not price a busy home at the defaults.
-
-A key from another node is a peer's word: parsed strictly, tokens bounded, anything else
-skipped. Folding the keys of this hub's own requests changes nothing (it sent them there).
+The node's mean time per answer (`ModelState.service_ms`) is this hub's service time there
+until it has an answer of its own from that node (`Rates.hint`). A key from another node
+is a peer's word: parsed strictly, tokens bounded, anything else skipped; folding this
+hub's own keys changes nothing (it sent them there).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Who may announce which node, and where the hub may dial it.
 
-Theory of operation: `POST /api/nodes/announce` is the one door through which a box
-outside the configuration makes the hub open connections -- and send it prompts. So an
-announcement passes, in order:
+`POST /api/nodes/announce` is the one door through which a box outside the configuration
+makes the hub open connections -- and send it prompts. An announcement passes, in order:
 
 1. a token: the shared `Auth__NodeToken`, or a per-node `Auth__Nodes__N__Token`, which
    may announce only its own name (and a name that has a per-node token cannot be
