@@ -99,6 +99,17 @@ def test_fair_queueing_charges_what_the_key_recently_used() -> None:
     assert lim.demand("team", 400, 10)[0] <= 40 + 2 * 10 + 3  # never more than the cap
 
 
+def test_the_lease_is_the_requests_fair_queueing_demand() -> None:
+    # Found with the same tenant at admission: the charge and the weight, and once settled
+    # what the request really cost (fair.py's Demand, read when the place is given back).
+    lim = Limiter([client(weight=2.0)], 1000)
+    lease = lim.admit("team", 0.0, 400, 500)
+    assert (lease.cost, lease.weight, lease.used) == (*lim.demand("team", 400, 500), None)
+    lease.settle((40, 60))
+    assert lease.used == 40 + 2 * 60
+    assert lim.admit("team", 0.0, 400, 500).cost == lim.demand("team", 400, 500)[0]
+
+
 def test_no_usage_keeps_the_reservation() -> None:
     lim = Limiter([client(tpm=1000)], 300)
     lease = lim.admit("team", 0.0, 40, None)  # 40 bytes in + 300 reserved for the answer
