@@ -1,12 +1,13 @@
 """One inference request as the hub carries it: who, what, where, and what happened.
 
 Owns the record of one inference POST and the way back to its client (`send`). The router
-makes it, the relay (or a worker's lease) fills it in -- only through its methods:
-`identified`, `resolved`, `admitted`, `sent_to`, `answered`, `counted`, `failed`, `refused`,
-`hung_up`, and its waits' clocks --
-and `finish()` writes the audit line and the metrics, exactly once, whatever ends the
-request: through `send_last` just before the last byte goes out (a client that reads its
-answer finds the audit line already there), or in the router's outermost `finally` for a
+makes it (its id and the headers the node sees read once), the relay (or a worker's lease)
+fills it in -- only through its methods: `identified`, `resolved`, `admitted`,
+`activated`, `sent_to`, `answered`, `failed`, `refused`, `hung_up` -- and `finish()` reads
+the answer's usage once and has the `Recorder` write it, exactly once, whatever ends the
+request: one record for the audit line, the page's feeds and the metrics. `finish` runs
+through `send_last` just before the last byte goes out (a client that reads its answer
+finds the audit line already there), or in the router's outermost `finally` for a
 request that never got that far. It decides nothing.
 """
 
