@@ -1,8 +1,8 @@
 """The Prometheus scrape as an ASGI app, for the metrics listener of hub and node.
 
 Theory of operation: `prometheus-client` renders; we only serve. The metrics listener is
-its own hypercorn server in the role's nursery (so a scrape never waits behind client
-traffic), open without a key: bind it where Prometheus reaches it. `before_scrape`
+its own listener (appliance/server/serve.py) in the role's nursery (a scrape never waits
+behind client traffic), open without a key: bind it where Prometheus reaches it. `before_scrape`
 callbacks run first, so values read from disk or derived from live state (certificate
 expiry, seconds since a heartbeat) are fresh at each scrape rather than polled.
 """

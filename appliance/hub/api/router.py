@@ -257,8 +257,8 @@ async def _handle(r: Routing, req: Request, receive: Receive, way: Relaying) -> 
 
     prompt = None if prep.load_only or "embed" in req.path else Prompt(obj, req.headers,
                                                                         len(body))
-    # hypercorn says "disconnect" as the last byte goes out; cancelling then would
-    # interrupt its recycling of the connection (then it never reads as idle).
+    # Our server says "disconnect" as the answer's last byte goes out; cancelling then
+    # would cut a finished request (`req.done` keeps it).
     async with cancel_on_disconnect(receive, lambda: req.done, req.scope) as gone:
         try:
             await _route(r, req, model, prep, keep, ready, prompt, way, hold)
