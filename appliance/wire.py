@@ -175,9 +175,10 @@ HUB_HEADER = "x-appliance-hub"
 # a node watched by several hubs publishes it in `NodeState.routed`.
 ROUTE_HEADER = "x-appliance-route"
 
-# "1" on a request whose answer the hub only assembles (a generation its client wants
-# whole, asked of the engine as a stream): the node sends the engine's stream in one body
-# (node/whole.py) instead of event by event.
+# On a request whose answer the hub only assembles (a generation its client wants whole,
+# asked of the engine as a stream), the hub's read bound in seconds: the node sends the
+# engine's stream in one body, or in pieces well within that bound (node/whole.py), instead
+# of event by event.
 WHOLE_HEADER = "x-appliance-whole"
 
 # Fencing (HA): the leading hub's epoch rides on every load and unload it sends; a node

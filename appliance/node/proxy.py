@@ -38,7 +38,7 @@ from appliance.node.metrics import NodeMetrics
 from appliance.node.request import NodeRequest
 from appliance.node.routed import note_route
 from appliance.node.state import NodeStateKeeper, NoPlace
-from appliance.node.whole import Gather, asks_whole
+from appliance.node.whole import Gather, hold_for
 from appliance.observe.trace import Tracing, operation, passthrough
 from appliance.wire import UNHEALTHY
 
@@ -164,8 +164,9 @@ class EngineProxy:
                     "appliance.node": self.keeper.name, "url.path": scope["path"]})
             streamed = head.stream is True or (head.stream is None
                                                and scope["path"] in STREAM_BY_DEFAULT)
-            if streamed and asks_whole(scope["headers"]):  # the hub only assembles it
-                send = Gather(send)
+            hold = hold_for(scope["headers"]) if streamed else None
+            if hold is not None:  # the hub only assembles it: gathered (node/whole.py)
+                send = Gather(send, hold)
             # After the last byte a disconnect is just the end (the status is set then).
             async with cancel_on_disconnect(receive, lambda: req.status is not None,
                                             scope) as client:

@@ -480,7 +480,7 @@ async def test_fencing_refuses_an_older_epoch_with_stale_leader():
         assert (await n.http.post(f"{path}/load")).status_code == 200  # one hub alone sends none
 
 
-WHOLE = {"x-appliance-whole": "1"}
+WHOLE = {"x-appliance-whole": "600"}  # the hub's read bound, Hub__UpstreamReadSeconds
 
 
 async def test_a_stream_the_hub_only_assembles_comes_in_one_body():
@@ -515,3 +515,12 @@ async def test_a_hub_that_leaves_while_the_node_gathers_stops_the_engine():
         await n.wait_until(lambda: n.keeper.in_flight_total == 0)
         scrape = (await n.http.get("/metrics")).text
         assert 'appliance_node_requests_total{model="sim-small",status="client_gone"} 1.0' in scrape
+
+
+async def test_a_hub_that_names_no_read_bound_gets_the_stream_as_it_comes():
+    async with running_node() as n:
+        for bad in ("0", "-1", "nan", "inf", "soon", "1" * 17):
+            r = await n.http.post("/v1/chat/completions", json=CHAT,
+                                  headers={"x-appliance-whole": bad})
+            assert r.headers.get("transfer-encoding") == "chunked", bad
+            assert r.content == b'data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n'

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 SHUTTING_DOWN_RETRY_AFTER = 5.0
 # Retry-After of a preempted background request: about one short essential answer.
 PREEMPTED_RETRY_AFTER = 5.0
-WHOLE = (WHOLE_HEADER.encode(), b"1")
 
 
 class NotAnswered(Exception):
@@ -88,6 +87,8 @@ class LocalRelay:
 
     def __init__(self, upstream: Pool, read_seconds: float, drain: Flag) -> None:
         self.upstream, self.read_seconds, self.drain = upstream, read_seconds, drain
+        # What a node that gathers an answer for us is told: our read bound (node/whole.py).
+        self.whole = (WHOLE_HEADER.encode(), b"%g" % read_seconds)
 
     def hangup(self) -> tuple[int, str]:
         return 499, "client_disconnected"
@@ -110,7 +111,7 @@ class LocalRelay:
         headers: Headers = [*req.forwarded, *req.id_headers, *node.auth_raw,
                             *affinity.note(req.route)]
         if plan.whole:  # only assembled here: the node sends the engine's stream in one body
-            headers.append(WHOLE)
+            headers.append(self.whole)
         start = Start(int(req.t0 * 1e9), time.perf_counter_ns())  # Ollama's durations' clock
         try:
             with cut.reading():
