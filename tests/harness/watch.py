@@ -25,7 +25,8 @@ class Supervised:
 
 
 @asynccontextmanager
-async def supervising(handler: Callable[[httpx.Request], Awaitable[httpx.Response]], *,
+async def supervising(handler: Callable[[httpx.Request],
+                                        httpx.Response | Awaitable[httpx.Response]], *,
                       name: str = "a", static: bool = True, connected: bool = False,
                       backoff_max: float = 30.0) -> AsyncIterator[Supervised]:
     """Node `name` (at http://NAME:1, heartbeat 2 s) supervised while the block runs."""
