@@ -134,3 +134,37 @@ def test_one_decode_answers_what_two_did():
             assert not isinstance(got, ApiError), body[:40]
             assert (got[0].model, got[0].stream, got[0].keep_alive, got[1]) == (
                 want[0].model, want[0].stream, want[0].keep_alive, want[1])
+
+
+def test_one_record_for_the_audit_line_the_recent_rows_and_the_slowest(tmp_path):
+    import json
+    import time
+
+    from appliance.hub.api.request import JSON_BODY, Recorder, Request
+    from appliance.hub.observe.audit import AuditLog, Recent, SlowRequests
+    from appliance.hub.observe.metrics import HubMetrics
+
+    async def send(msg):
+        pass
+
+    recent, slow = Recent(), SlowRequests()
+    rec = Recorder(AuditLog(str(tmp_path / "audit.log")), recent, slow,
+                   HubMetrics(CollectorRegistry(), Registry()), False)
+    headers = [(b"authorization", b"Bearer sk-secret"), (b"user-agent", b"t/1"),
+               (b"x-request-id", b"rid-1"), (b"accept", b"text/event-stream")]
+    req = Request({"type": "http", "path": "/v1/chat/completions", "headers": headers}, send,
+                  "openai", rec)
+    # The headers are read once: the id and the ones the node sees (never the key).
+    assert req.id_headers == [(b"x-request-id", b"rid-1")]
+    assert req.forwarded == [JSON_BODY, (b"user-agent", b"t/1"),
+                             (b"accept", b"text/event-stream")]
+    req.identified("team")
+    req.resolved("m" * 300, "other", "normal")
+    req.refused(404, "model_not_found")
+    req.finish()
+    line = json.loads((tmp_path / "audit.log").read_text())
+    assert line["request_id"] == "rid-1" and line["client"] == "team"
+    # The same record, not a copy per feed; each feed picks its fields when read.
+    assert list(recent) == [line] and "kind" not in recent.payload()["requests"][0]
+    row = slow.slowest(1, time.time())[0]
+    assert row["status"] == 404 and len(row["model"]) == 200 and "kind" not in row

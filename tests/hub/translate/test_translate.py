@@ -571,3 +571,15 @@ def test_a_plan_says_whole_where_the_hub_only_assembles_the_engines_stream(path,
         assert plan.whole is whole
         if whole:  # the engine is asked to stream: a client that leaves still stops it
             assert json.loads(plan.body)["stream"] is True
+
+
+def test_one_plan_per_request_and_for_engine_picks_it_or_its_translation():
+    plan = prepare("/api/chat", "ollama", _chat("hi"), "m", "m")
+    assert plan.for_engine("ollama") is plan and plan.for_engine("sim") is plan
+    chat = plan.for_engine("llamacpp")
+    assert chat is plan.translated and chat.path == "/v1/chat/completions"
+    assert plan.for_engine("openai") is chat  # the same value on every attempt
+    openai = prepare("/v1/chat/completions", "openai",
+                     b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}',
+                     "m", "m")
+    assert openai.for_engine("llamacpp") is openai and openai.drop_usage
