@@ -25,6 +25,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # etcd_proc's tests.harness
 from etcd_proc import EtcdProc  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 

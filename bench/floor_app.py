@@ -10,11 +10,16 @@ from functools import partial
 
 import trio
 
-from appliance.http.asgi import http_only, read_body
+from appliance.http.asgi import read_body
 from appliance.server.serve import serve
 
 
 async def app(scope, receive, send):
+    if scope["type"] == "lifespan":  # hypercorn's (our listener sends none): answered
+        while (await receive())["type"] != "lifespan.shutdown":  # startup, then shutdown
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
     await read_body(receive, 1 << 20)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})
@@ -31,7 +36,7 @@ async def main(server: str, certfile: str = "", keyfile: str = "") -> None:
             cfg.bind = ["127.0.0.1:0"]
             cfg.accesslog = None
             cfg.loglevel = "WARNING"  # (its "Running on" line: ours follows)
-            binds = await nursery.start(partial(hyper_serve, http_only(app), cfg,
+            binds = await nursery.start(partial(hyper_serve, app, cfg,
                                                 mode="asgi"))
             print(f"floor ({server}) listening on {binds[0]}", file=sys.stderr, flush=True)
         else:  # its own line: `appliance floor listening on http://HOST:PORT`
