@@ -257,8 +257,15 @@ class SSEMeter(Meter):
                 self.chunks += len(_PIECE.findall(event))
                 kept.append(event + sep)
                 continue
-            self.see(obj)
-            if not (self.drop and obj.get("choices") == [] and "usage" in obj):
+            # `Tally.see`, where the usage-only chunk (its choices empty) is decoded for its
+            # usage alone: nothing in it was generated.
+            u = openai_usage(obj)
+            if u is not None:
+                self.found = u
+            choices = obj.get("choices")
+            if choices and _generated(obj):
+                self.chunks += 1
+            if not (self.drop and choices == [] and "usage" in obj):
                 kept.append(event + sep)
         return b"".join(kept)
 
