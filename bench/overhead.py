@@ -60,6 +60,19 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def fronted(procs: Procs, name: str, kind: str, tree: str | None = None,
+            sim: dict[str, str] | None = None,
+            node: dict[str, str] | None = None) -> tuple[Proc, Proc]:
+    """A sim (no delay, 64 in parallel) and node `name` before it as a `kind` engine (64
+    slots), `sim` and `node` added to their settings; from `tree` (Procs.start)."""
+    engine = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
+                                 "Sim__Parallel": "64", **(sim or {})}, tree=tree)
+    return engine, procs.start("node", {
+        "Node__Name": name, "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
+        "Engine__Kind": kind, "Engine__Url": engine.url, "Node__ModelSlots": "64",
+        **(node or {})}, tree=tree)
+
+
 async def run_load(url: str, body: dict, n: int, conc: int, stream: bool,
                    verify: ssl.SSLContext | bool = True) -> tuple[list[float], float, int]:
     lat: list[float] = []
@@ -149,16 +162,8 @@ def main() -> None:
     stop_polling = threading.Event()
     polls = [0]
     try:
-        def fronted(name: str, kind: str, **sim: str) -> tuple[Proc, Proc]:
-            """A sim (no delay, 64 in parallel) and node `name` before it as a `kind` engine."""
-            engine = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                         "Sim__Parallel": "64", **sim})
-            return engine, procs.start("node", {
-                "Node__Name": name, "Node__Listen": "127.0.0.1:0", "Metrics__Listen": "",
-                "Engine__Kind": kind, "Engine__Url": engine.url, "Node__ModelSlots": "64"})
-
-        sim, node = fronted("bench", "ollama")
-        _, node2 = fronted("bench-oai", "openai", Sim__Models__0__Name="sim-oai")
+        sim, node = fronted(procs, "bench", "ollama")
+        _, node2 = fronted(procs, "bench-oai", "openai", sim={"Sim__Models__0__Name": "sim-oai"})
         hub = procs.start("hub", {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
                                   "Audit__Path": os.devnull, "Router__Affinity": args.affinity,
                                   "Nodes__0__Name": "bench", "Nodes__0__Url": node.url,

@@ -16,14 +16,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import threading
 
 import httpx
 import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
-from overhead import run_load  # noqa: E402
+from overhead import fronted, run_load  # noqa: E402
 from procfs import cpu_seconds  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 from tracing_cost import Receiver  # noqa: E402
@@ -38,16 +37,10 @@ def main() -> None:
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     conc = int(sys.argv[4]) if len(sys.argv) > 4 else 8
     receiver = Receiver()
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
+    endpoint = receiver.serve()
     procs = Procs()
     try:
-        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                  "Sim__Parallel": "64"}, tree=trees[0])
-        node = procs.start("node", {"Node__Name": "n", "Node__Listen": "127.0.0.1:0",
-                                    "Metrics__Listen": "", "Engine__Kind": "ollama",
-                                    "Engine__Url": sim.url, "Node__ModelSlots": "64"},
-                           tree=trees[0])
+        _, node = fronted(procs, "n", "ollama", tree=trees[0])
         common = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": os.devnull,
                   "Nodes__0__Name": "n", "Nodes__0__Url": node.url}
         on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_SAMPLER": "always_on"}

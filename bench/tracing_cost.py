@@ -30,7 +30,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "harness"))
-from overhead import run_load  # noqa: E402
+from overhead import fronted, run_load  # noqa: E402
 from procfs import cpu_seconds, loop_and_rest, thread_cpu  # noqa: E402
 from procs import Procs, wait_until  # noqa: E402
 
@@ -44,6 +44,11 @@ class Receiver(ThreadingHTTPServer):
         self.posts = 0
         self.bytes = 0
         super().__init__(("127.0.0.1", 0), _Handler)
+
+    def serve(self) -> str:
+        """Serving in a thread of its own: its OTLP/HTTP endpoint."""
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server_address[1]}"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -71,16 +76,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="streamed chats (200 chunks) per round")
     args, _ = ap.parse_known_args(argv)
     receiver = Receiver()
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
+    endpoint = receiver.serve()
     procs = Procs()
     try:
-        sim = procs.start("sim", {"Sim__Listen": "127.0.0.1:0", "Sim__TokensPerSecond": "0",
-                                  "Sim__Parallel": "64"})
-        node = procs.start("node", {"Node__Name": "bench", "Node__Listen": "127.0.0.1:0",
-                                    "Metrics__Listen": "", "Engine__Kind": "ollama",
-                                    "Engine__Url": sim.url, "Node__ModelSlots": "64",
-                                    "Node__ProbeSeconds": "0"})
+        _, node = fronted(procs, "bench", "ollama", node={"Node__ProbeSeconds": "0"})
         common = {"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "", "Audit__Path": os.devnull,
                   "Nodes__0__Name": "bench", "Nodes__0__Url": node.url}
         hubs = {"off": procs.start("hub", common, wait=("hub",)),
