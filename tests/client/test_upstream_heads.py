@@ -54,6 +54,19 @@ async def _one(url: str, pool: Pool, method: str = "POST") -> tuple[int, dict, b
         await resp.aclose()
 
 
+async def _twice(answer: bytes) -> tuple[list[tuple[bytes, int]], list[bytes]]:
+    """Two requests on one pool to a peer that answers `answer` to each: each body with the
+    pool's idle connections after it, and what the peer read."""
+    async with trio.open_nursery() as nursery:
+        url, seen = await _start(nursery, [answer, answer])
+        pool = Pool()
+        got = []
+        for _ in range(2):
+            got.append(((await _one(url, pool))[2], pool.idle_count()))
+        nursery.cancel_scope.cancel()
+    return got, seen
+
+
 async def test_a_short_answer_is_whole_and_its_connection_serves_the_next_request():
     ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
     async with trio.open_nursery() as nursery:
@@ -78,14 +91,8 @@ async def test_a_short_answer_is_whole_and_its_connection_serves_the_next_reques
     (b"HTTP/1.1 204 No Content\r\n\r\n", b""),
 ])
 async def test_framings_read_the_same_body_and_keep_the_connection(answer, body):
-    async with trio.open_nursery() as nursery:
-        url, seen = await _start(nursery, [answer, answer])
-        pool = Pool()
-        for _ in range(2):
-            assert (await _one(url, pool))[2] == body
-            assert pool.idle_count() == 1
-        assert len(seen) == 2
-        nursery.cancel_scope.cancel()
+    got, seen = await _twice(answer)
+    assert got == [(body, 1)] * 2 and len(seen) == 2  # one connection, both requests
 
 
 async def test_a_close_delimited_answer_is_read_to_the_end_and_its_connection_closed():
@@ -102,14 +109,8 @@ async def test_a_close_delimited_answer_is_read_to_the_end_and_its_connection_cl
 
 
 async def test_connection_close_is_honoured():
-    ans = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\nconnection: close\r\n\r\nz"
-    async with trio.open_nursery() as nursery:
-        url, seen = await _start(nursery, [ans, ans])
-        pool = Pool()
-        for _ in range(2):
-            assert (await _one(url, pool))[2] == b"z"
-            assert pool.idle_count() == 0
-        nursery.cancel_scope.cancel()
+    got, _ = await _twice(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\nconnection: close\r\n\r\nz")
+    assert got == [(b"z", 0)] * 2
 
 
 @pytest.mark.parametrize("answer", [
