@@ -5,7 +5,7 @@ turn continuing another hub's chain or conversation runs on that hub.
 Two hubs, each with its own store, the same client keys; no nodes (files need none).
 A file uploaded to hub-a is retrieved, read and deleted through hub-b; another key gets
 the same 404 through either; a batch asked of hub-b over hub-a's file is made on hub-a,
-and read and cancelled through hub-b; once hub-a
+and read and cancelled through hub-b; either hub lists both hubs' files and batches; once hub-a
 has stopped, hub-b answers its ids 503 with Retry-After, and its own objects as before.
 """
 
@@ -94,6 +94,14 @@ def test_any_hub_answers_for_another_hubs_objects(tmp_path):
             a.files.retrieve(held.id)
         ours = b.files.create(file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
         kept = a.files.create(file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        # hub-a learns hub-b's URL from etcd too (nothing waited for it so far)
+        _until(lambda: _retrieve(a, ours.id), "hub-a answering for hub-b's file")
+        # a list asked of either hub holds both hubs' files, paged (after=) across them
+        for client in (a, b):
+            listed = [x.id for x in client.files.list(limit=1, purpose="batch")]
+            assert {ours.id, kept.id} <= set(listed) and len(listed) == len(set(listed))
+        assert [x.id for x in b.batches.list(limit=1)] == [batch.id]
+        assert [x.id for x in f.openai("kb", hub="hub-b").files.list()] == []  # another key
         assert f.stop(f.hubs["hub-a"], signal.SIGTERM) == 0
         r = wait_until(lambda: _refused(f, kept.id), timeout=20, what="hub-a's id refused")
         assert r.json()["error"]["code"] == "held_elsewhere"

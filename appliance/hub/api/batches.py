@@ -22,6 +22,7 @@ import msgspec
 from appliance.bounds import echo
 from appliance.http.asgi import BodyTooLarge, Receive, Scope, Send, read_body, replay, send_json
 from appliance.http.errors import ApiError
+from appliance.hub.api import peerlists
 from appliance.hub.api.objects import Caller, find, listing, maker, page_ask, store_of
 from appliance.hub.store import ids, lines, peers
 from appliance.hub.store.db import Obj
@@ -158,9 +159,12 @@ async def handle_openai(hub: Hub, scope: Scope, receive: Receive, send: Send, c:
         await send_json(send, 200, openai_batch(o))
     elif not rest and method == "GET":
         ask = page_ask(scope)
+        at = await peerlists.cursor_at(hub, scope, ask, store, "batch", "batch_", c.owner)
         objs, more = await store.run(store.db.page, "batch", c.owner, ask.after, ask.limit,
-                                     ask.newest_first)
-        await send_json(send, 200, listing([openai_batch(_fresh(hub, o)) for o in objs], more))
+                                     ask.newest_first, "", (), at)
+        data, more = await peerlists.merged(hub, scope, ask, at,
+                                            [openai_batch(_fresh(hub, o)) for o in objs], more)
+        await send_json(send, 200, listing(data, more))
     elif len(rest) == 1 and method == "GET":
         o = await find(hub, store, c, "batch", "batch_", rest[0])
         await send_json(send, 200, openai_batch(_fresh(hub, o)))

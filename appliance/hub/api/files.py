@@ -24,6 +24,7 @@ from appliance.bounds import echo
 from appliance.http.asgi import Receive, Scope, Send, header, release, send_json
 from appliance.http.errors import ApiError
 from appliance.http.multipart import Done, MultipartError, Part, PartEnd, Reader, boundary_of
+from appliance.hub.api import peerlists
 from appliance.hub.api.objects import Caller, find, listing, maker, page_ask, store_of
 from appliance.hub.store import ids
 from appliance.hub.store.db import Obj
@@ -62,9 +63,12 @@ async def handle(hub: Hub, scope: Scope, receive: Receive, send: Send, c: Caller
             ask = page_ask(scope)
             extra, args = ("", ()) if "purpose" not in ask.query else (" AND state=?",
                                                                           (ask.query["purpose"],))
+            at = await peerlists.cursor_at(hub, scope, ask, store, "file", "file-", c.owner)
             objs, more = await store.run(store.db.page, "file", c.owner, ask.after, ask.limit,
-                                         ask.newest_first, extra, args)
-            await send_json(send, 200, listing([file_object(o) for o in objs], more))
+                                         ask.newest_first, extra, args, at)
+            data, more = await peerlists.merged(hub, scope, ask, at,
+                                                [file_object(o) for o in objs], more)
+            await send_json(send, 200, listing(data, more))
         else:
             raise ApiError(405, "method_not_allowed", "/v1/files takes GET or POST")
         return

@@ -88,6 +88,11 @@ class PageAsk:
     limit: int
     newest_first: bool
     query: dict[str, str]
+    after_at: int | None = None  # the cursor's creation time, sent by a hub merging a list
+
+
+# Sent with a list a hub asks of the others (peers.py): its cursor's creation time.
+AFTER_AT = b"x-appliance-after-at"
 
 
 def page_ask(scope: Scope, default_newest: bool = True) -> PageAsk:
@@ -102,7 +107,18 @@ def page_ask(scope: Scope, default_newest: bool = True) -> PageAsk:
     order = q.get("order", "desc" if default_newest else "asc")
     if order not in ("asc", "desc"):
         raise ApiError(400, "invalid_request", "order must be asc or desc")
-    return PageAsk(q.get("after") or q.get("after_id") or None, limit, order == "desc", q)
+    after_at = next((v for k, v in scope["headers"] if k == AFTER_AT), b"")
+    return PageAsk(q.get("after") or q.get("after_id") or None, limit, order == "desc", q,
+                   int(after_at) if after_at.isdigit() and len(after_at) < 16 else None)
+
+
+def merge(pages: list[tuple[list[dict[str, Any]], bool]], limit: int,
+          newest_first: bool) -> tuple[list[dict[str, Any]], bool]:
+    """One page of a list from each hub's page after the same cursor: by (created_at, id)
+    as each store orders them, the first `limit`, and whether any hub has more."""
+    rows = sorted((d for data, _ in pages for d in data),
+                  key=lambda d: (d["created_at"], d["id"]), reverse=newest_first)
+    return rows[:limit], len(rows) > limit or any(more for _, more in pages)
 
 
 def listing(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:

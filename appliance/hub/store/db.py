@@ -118,13 +118,17 @@ class Db:
 
     def page(self, kind: str, owner: str | None, after: str | None, limit: int,
              newest_first: bool = True, extra: str = "",
-             extra_args: tuple[Any, ...] = ()) -> tuple[list[Obj], bool]:
-        """Up to `limit` objects after the one with id `after`, and whether there are more."""
+             extra_args: tuple[Any, ...] = (), after_at: int | None = None,
+             ) -> tuple[list[Obj], bool]:
+        """Up to `limit` objects after the one with id `after`, and whether there are more.
+        `after_at`: the cursor's creation time, for one another hub holds (a merged list)."""
         where, args = _owned(owner)
         cmp, order = ("<", "DESC") if newest_first else (">", "ASC")
         if after:
             row = self.conn.execute("SELECT created_at, id FROM objects WHERE id=?",
                                     (after,)).fetchone()
+            if row is None and after_at is not None:
+                row = (after_at, after)
             if row:
                 where += f" AND (created_at, id) {cmp} (?, ?)"
                 args = (*args, row[0], row[1])

@@ -68,7 +68,21 @@ def elsewhere(hub: Hub, scope: Scope, oid: str, prefix: str) -> str | None:
     return holder
 
 
-def _gone(oid: str, holder: str, why: str) -> ApiError:
+def url_of(hub: Hub, holder: str) -> str | None:
+    """Hub `holder`'s URL (a name as ids give it), or None while it is not running."""
+    assert hub.cluster is not None
+    return next((u for name, u in hub.cluster.hub_urls().items()
+                 if ids.safe_name(name) == holder), None)
+
+
+def sent_headers(hub: Hub, scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The caller's headers (its key) as another hub is asked, saying who sends them on."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
+    headers.append((FROM, ids.safe_name(hub.cfg.hub_name()).encode()))
+    return headers
+
+
+def gone(oid: str, holder: str, why: str) -> ApiError:
     return ApiError(503, "held_elsewhere", f"{echo(oid)} is held by hub {echo(holder)}, "
                     f"which {why}; ask again later", retry_after=RETRY_AFTER)
 
@@ -76,11 +90,10 @@ def _gone(oid: str, holder: str, why: str) -> ApiError:
 async def forward(hub: Hub, scope: Scope, receive: Receive, send: Send, oid: str,
                   holder: str) -> None:
     """Send the request to hub `holder` and relay its answer."""
-    assert hub.cluster is not None and hub.peer_client is not None
-    url = next((u for name, u in hub.cluster.hub_urls().items()
-                if ids.safe_name(name) == holder), None)
+    assert hub.peer_client is not None
+    url = url_of(hub, holder)
     if url is None:
-        raise _gone(oid, holder, "is not running now")
+        raise gone(oid, holder, "is not running now")
     try:
         body = await read_body(receive, hub.cfg.hub.max_body_bytes)
     except BodyTooLarge:
@@ -89,8 +102,7 @@ async def forward(hub: Hub, scope: Scope, receive: Receive, send: Send, oid: str
     qs = scope.get("query_string") or b""
     if qs:
         target += "?" + qs.decode("latin-1")
-    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
-    headers.append((FROM, ids.safe_name(hub.cfg.hub_name()).encode()))
+    headers = sent_headers(hub, scope)
     started = False
     try:
         async with hub.peer_client.stream(scope["method"], target, headers=headers,
@@ -105,4 +117,4 @@ async def forward(hub: Hub, scope: Scope, receive: Receive, send: Send, oid: str
     except httpx.HTTPError as e:
         if started:  # the answer broke off: the client sees a cut answer, as from any hub
             raise
-        raise _gone(oid, holder, f"does not answer ({type(e).__name__})") from None
+        raise gone(oid, holder, f"does not answer ({type(e).__name__})") from None
