@@ -47,7 +47,7 @@ class FairLane:
       served), then to the oldest waiter. With one key it is plain FIFO.
     - Granting a waiter charges its key the request's expected cost: input tokens + 2 x
       output tokens (the paper's weights: an output token costs the engine about twice an
-      input token), as the key's recent requests went (limits.Limiter.demand; the paper
+      input token), as the key's recent requests went (limits.Limiter.admit; the paper
       counts output as it is generated, which a byte relay does not see). When the request
       ends `settle` charges the difference to what it really used.
     - A key that arrives (or returns) while others are backlogged starts at the lowest counter

@@ -267,7 +267,7 @@ class Limiter:
       token limit (`uncapped`: Auth__ReserveOutputTokens, lowered to what the key has left),
       so none runs past its reservation. No usage at all (an engine that reports none): the
       reservation stands. (Fair queueing charges a request its expected cost instead,
-      `Limiter.demand`: the key's recent tokens per byte and output; `input_estimate`, bytes
+      `Limiter.admit`: the key's recent tokens per byte and output; `input_estimate`, bytes
       / 4, is no bound.)
     - A refusal is a 429 `rate_limit_exceeded` whose Retry-After is the time at which the
       window would have room for this request as its old reservations expire (rounded up to
@@ -300,21 +300,6 @@ class Limiter:
             t = self.tenants[name] = Tenant()
         return NO_LIMITS if c is None else limits_of(c, max(1, self.hubs())), t
 
-    def demand(self, name: str, body_bytes: int, cap: int | None) -> tuple[int, float]:
-        """What fair queueing charges a request at grant, and its key's weight: its
-        expected cost -- the input at the key's recent tokens per body byte, the output at
-        the key's recent average (at most the cap) -- so that what the settlement corrects
-        at the end is small either way. A cap charged whole and refunded at the end would
-        lower a busy key's counter below a newcomer's after the newcomer was lifted to it."""
-        lim, t = self.find(name)
-        return self._cost(t, body_bytes, cap), lim.weight
-
-    def _cost(self, t: Tenant, body_bytes: int, cap: int | None) -> int:
-        out = cap if cap is not None else self.reserve_output
-        if t.out_avg is not None:
-            out = min(out, math.ceil(t.out_avg))
-        return max(1, math.ceil(body_bytes * t.in_per_byte)) + fair.OUTPUT_COST * out
-
     def uncapped(self, name: str, now: float, body_bytes: int) -> int | None:
         """The output cap a request naming none (or a negative one) is sent with while key
         `name` has a token limit -- Auth__ReserveOutputTokens, lowered to what the key has
@@ -340,8 +325,16 @@ class Limiter:
         t.in_flight += 1
         t.pending += reserve
         t.admitted += 1
-        return Lease(t, reserve, body_bytes, cap, mb, db, self._cost(t, body_bytes, cap),
-                     lim.weight)
+        # Fair queueing's charge at grant: the request's expected cost -- the input at the
+        # key's recent tokens per body byte, the output at the key's recent average (at most
+        # the cap) -- so that what the settlement corrects at the end is small either way. A
+        # cap charged whole and refunded at the end would lower a busy key's counter below
+        # a newcomer's after the newcomer was lifted to it.
+        out = cap if cap is not None else self.reserve_output
+        if t.out_avg is not None:
+            out = min(out, math.ceil(t.out_avg))
+        cost = max(1, math.ceil(body_bytes * t.in_per_byte)) + fair.OUTPUT_COST * out
+        return Lease(t, reserve, body_bytes, cap, mb, db, cost, lim.weight)
 
     def _check(self, name: str, lim: TenantLimits, t: Tenant, now: float,
                reserve: int) -> ApiError | None:

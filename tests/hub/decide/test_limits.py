@@ -90,24 +90,19 @@ def test_running_requests_that_will_settle_make_retry_after_a_second() -> None:
 
 
 def test_fair_queueing_charges_what_the_key_recently_used() -> None:
+    # The lease is the request's fair-queueing demand, found with the same tenant at
+    # admission: the charge and the key's weight, and once settled what it really cost
+    # (fair.py's Demand, read when the place is given back).
     lim = Limiter([client(weight=2.0)], 1000)
-    assert lim.demand("team", 400, 500) == (100 + 2 * 500, 2.0)  # nothing known: the cap
+    first = lim.admit("team", 0.0, 400, 500)
+    assert (first.cost, first.weight, first.used) == (100 + 2 * 500, 2.0, None)  # the cap
+    first.settle((40, 60))
+    assert first.used == 40 + 2 * 60
     for _ in range(30):
         lim.admit("team", 0.0, 400, 500).settle((40, 60))
-    cost, weight = lim.demand("team", 400, 500)
-    assert abs(cost - (40 + 2 * 60)) <= 3 and weight == 2.0
-    assert lim.demand("team", 400, 10)[0] <= 40 + 2 * 10 + 3  # never more than the cap
-
-
-def test_the_lease_is_the_requests_fair_queueing_demand() -> None:
-    # Found with the same tenant at admission: the charge and the weight, and once settled
-    # what the request really cost (fair.py's Demand, read when the place is given back).
-    lim = Limiter([client(weight=2.0)], 1000)
     lease = lim.admit("team", 0.0, 400, 500)
-    assert (lease.cost, lease.weight, lease.used) == (*lim.demand("team", 400, 500), None)
-    lease.settle((40, 60))
-    assert lease.used == 40 + 2 * 60
-    assert lim.admit("team", 0.0, 400, 500).cost == lim.demand("team", 400, 500)[0]
+    assert abs(lease.cost - (40 + 2 * 60)) <= 3 and lease.weight == 2.0
+    assert lim.admit("team", 0.0, 400, 10).cost <= 40 + 2 * 10 + 3  # never more than the cap
 
 
 def test_no_usage_keeps_the_reservation() -> None:
