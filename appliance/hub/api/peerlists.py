@@ -95,11 +95,13 @@ async def merged(hub: Hub, scope: Scope, ask: PageAsk, at: int | None,
         except (httpx.HTTPError, ValueError) as e:
             log.warning("hub %s left out of a list: %s", name, e)
 
-    with trio.move_on_after(LIST_SECONDS):
+    with trio.move_on_after(LIST_SECONDS) as waited:
         async with trio.open_nursery() as nursery:
             for name, url in hub.cluster.hub_urls().items():
                 if ids.safe_name(name) != me:
                     nursery.start_soon(one, name, url)
+    if waited.cancelled_caught:
+        log.warning("a hub left out of a list: no answer within %g s", LIST_SECONDS)
     return merge(pages, ask.limit, ask.newest_first)
 
 

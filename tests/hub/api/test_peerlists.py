@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import trio
 
 from appliance.config import load
 from appliance.hub.api import peerlists
@@ -93,3 +94,28 @@ async def test_a_cursor_this_hub_holds_is_sent_on_with_its_time():
     alone = SimpleNamespace(cfg=hub.cfg, cluster=None)
     assert await peerlists.cursor_at(alone, plain, ask, Store(), "file", "file-",
                                      "alice") is None  # one hub: its store places it
+
+
+async def test_the_others_pages_are_merged_and_one_not_answering_is_left_out(autojump_clock):
+    class Answer:
+        status_code = 200
+
+        def json(self):
+            return {"data": [{"id": "file-hub-a-01", "created_at": 9}], "has_more": False}
+
+    class Client:
+        async def get(self, url, headers):
+            if url.startswith("http://c"):
+                await trio.sleep_forever()  # hub-c does not answer
+            assert (AFTER_AT, b"5") in headers and url == "http://a/v1/files?after=x&limit=2"
+            return Answer()
+
+    hub = SimpleNamespace(cfg=load({"Hub__Name": "hub-b"}), peer_client=Client(),
+                          cluster=SimpleNamespace(hub_urls=lambda: {
+                              "hub-a": "http://a", "hub-b": "http://b", "hub-c": "http://c"}))
+    scope = {"path": "/v1/files", "query_string": b"after=x&limit=2", "headers": []}
+    mine = [{"id": "file-hub-b-01", "created_at": 3}]
+    start = trio.current_time()
+    data, more = await peerlists.merged(hub, scope, page_ask(scope), 5, mine, False)
+    assert [d["id"] for d in data] == ["file-hub-a-01", "file-hub-b-01"] and not more
+    assert trio.current_time() == start + peerlists.LIST_SECONDS
