@@ -104,7 +104,7 @@ class Handler(BaseHTTPRequestHandler):
             if not ready:
                 return self._json(503, {"error": {"code": 503, "message": "Loading model"}})
             return self._json(200, {"object": "list", "data": [
-                {"id": self.state["model"], "object": "model", "owned_by": "fake-llama",
+                {"id": self.state["alias"] or self.state["model"], "object": "model", "owned_by": "fake-llama",
                  "pid": os.getpid()}]})
         self._json(404, {"error": {"code": 404, "message": "File Not Found"}})
 
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fake-total-slots", type=int, default=None)
     ap.add_argument("--fake-hold", type=float, default=0.0)
     ap.add_argument("--version", action="store_true")
+    ap.add_argument("-a", "--alias", default="")  # /v1/models lists it, as llama-server does
     opts, _rest = ap.parse_known_args(argv)
     if opts.version:
         sys.stderr.write("version: 0 (fake)\nbuilt with cc for x86_64-linux-gnu\n")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     if mode == "kev":
         time.sleep(0.1)
         fail_kev(path)
-    Handler.state = {"ready": False, "model": path, "mode": mode, "np": opts.parallel,
+    Handler.state = {"ready": False, "model": path, "alias": opts.alias, "mode": mode, "np": opts.parallel,
                      "total_slots": opts.parallel if opts.fake_total_slots is None
                      else opts.fake_total_slots, "busy": 0, "hold": opts.fake_hold}
     srv = ThreadingHTTPServer((opts.host, opts.port), Handler)

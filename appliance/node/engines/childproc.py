@@ -15,6 +15,9 @@ started); `wait()` sweeps the group with SIGKILL before reaping the leader, so n
 outlives it. On interpreter exit every live group gets SIGKILL (atexit); a SIGKILL of the
 node is left to the kernel (the parent-death signal reaches the leader; wrappers should
 `exec` the server so that the leader is the server).
+
+The command line is built here too: `Engine__Command` expanded with the model, a free
+loopback port and the profile's arguments, plus the model's name as the server's alias.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 
@@ -103,3 +108,36 @@ class Child:
                 pass
 
 
+def expand_command(template: str, model: str, port: int, args: str) -> list[str]:
+    """`Engine__Command` -> argv: `{args}` as a word becomes the profile's words."""
+    argv: list[str] = []
+    for word in shlex.split(template):
+        if word == "{args}":
+            argv.extend(shlex.split(args))
+            continue
+        word = word.replace("{model}", model).replace("{port}", str(port))
+        argv.append(word.replace("{args}", args))
+    return argv
+
+
+_ALIAS_FLAGS = ("-a", "--alias", "--model_alias", "--model-alias")
+
+
+def with_alias(argv: list[str], name: str) -> list[str]:
+    """`argv` with the model's name as the server's own: both servers otherwise answer
+    with the file path as `model` (a path in every client's answer). Only for the two
+    servers known by their command, and only where the operator named no alias."""
+    if any(a in _ALIAS_FLAGS or a.split("=", 1)[0] in _ALIAS_FLAGS for a in argv):
+        return argv
+    if argv[1:3] == ["-m", "llama_cpp.server"]:
+        return [*argv, "--model_alias", name]
+    if argv and os.path.basename(argv[0]).startswith("llama-server"):
+        return [*argv, "--alias", name]
+    return argv
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

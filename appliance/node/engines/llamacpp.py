@@ -37,14 +37,13 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 
 import httpx
 import trio
 
 from appliance.config import Config
 from appliance.node.engines.base import Changed, Engine, EngineError, unheard
-from appliance.node.engines.childproc import Child
+from appliance.node.engines.childproc import Child, expand_command, free_port, with_alias
 from appliance.node.engines.gguf import read_meta
 from appliance.node.engines.llamaslots import engine_slots, watch_slots
 from appliance.node.engines.params import LLAMA_CPP_PYTHON, OPENAI
@@ -105,41 +104,6 @@ def pick_error(tail: str) -> str:
     return " | ".join(before[-3:])[:500]
 
 
-def expand_command(template: str, model: str, port: int, args: str) -> list[str]:
-    """`Engine__Command` -> argv: `{args}` as a word becomes the profile's words."""
-    argv: list[str] = []
-    for word in shlex.split(template):
-        if word == "{args}":
-            argv.extend(shlex.split(args))
-            continue
-        word = word.replace("{model}", model).replace("{port}", str(port))
-        argv.append(word.replace("{args}", args))
-    return argv
-
-
-_ALIAS_FLAGS = ("-a", "--alias", "--model_alias", "--model-alias")
-
-
-def with_alias(argv: list[str], name: str) -> list[str]:
-    """`argv` with the model's name as the server's own: both servers otherwise answer
-    with the file path as `model` (a path in every client's answer). Only for the two
-    servers known by their command, and only where the operator named no alias."""
-    if any(a in _ALIAS_FLAGS or a.split("=", 1)[0] in _ALIAS_FLAGS for a in argv):
-        return argv
-    if argv[1:3] == ["-m", "llama_cpp.server"]:
-        return [*argv, "--model_alias", name]
-    if argv and os.path.basename(argv[0]).startswith("llama-server"):
-        return [*argv, "--alias", name]
-    return argv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def with_args(meta: ModelMeta | None, args: str) -> ModelMeta | None:
     """The file's capabilities plus what the server's arguments add: a vision projector
     (`--mmproj`), an embedding endpoint (`--embedding(s)`)."""
@@ -186,6 +150,8 @@ class _Model:
         self.unloading = False
         self.started = False  # load() has returned: it served
         self.dialect = OPENAI  # llama-server; LLAMA_CPP_PYTHON once the server shows it is
+        self.alias = ""  # the name we gave the server (with_alias): how it is told from another
+        self.foreign = False  # another process answered on our port (said once in the log)
         try:
             self.size_mb = math.ceil(os.path.getsize(self.source) / MiB)
         except OSError:
@@ -296,8 +262,9 @@ class LlamaCppEngine(Engine):
         with m.scope:
             try:
                 m.port = free_port()
-                argv = with_alias(expand_command(self.command, m.source, m.port, m.args),
-                                  m.name)
+                bare = expand_command(self.command, m.source, m.port, m.args)
+                argv = with_alias(bare, m.name)
+                m.alias = m.name if argv != bare else ""
                 if argv[1:3] == ["-m", "llama_cpp.server"]:
                     m.dialect = LLAMA_CPP_PYTHON
                 try:
@@ -362,7 +329,7 @@ class LlamaCppEngine(Engine):
         while not m.exited.is_set():
             try:
                 r = await self._client.get(base + paths[0])
-                if r.status_code == 200:
+                if r.status_code == 200 and await self._ours(m, base, r):
                     return True
                 if r.status_code == 404 and len(paths) > 1:
                     paths.pop(0)  # no /health here (llama_cpp.server): ask /v1/models
@@ -372,6 +339,29 @@ class LlamaCppEngine(Engine):
                 pass
             with trio.move_on_after(POLL_SECONDS):
                 await m.exited.wait()
+        return False
+
+    async def _ours(self, m: _Model, base: str, r: httpx.Response) -> bool:
+        """Whether the server that answered on the port is the one we started: another
+        process can take a free port between our pick and the child's bind (a busy box),
+        and its /health would pass for ours -- a model served by the wrong server. A
+        server we named (with_alias) must list that name in /v1/models; else it is not
+        ours, and the wait goes on until ours answers or exits with its own error."""
+        if not m.alias:
+            return True
+        assert self._client is not None
+        if not r.url.path.endswith("/v1/models"):
+            r = await self._client.get(base + "/v1/models")
+        try:
+            ids = [d.get("id") for d in r.json().get("data", [])[:64] if isinstance(d, dict)]
+        except (ValueError, AttributeError):
+            ids = []
+        if r.status_code == 200 and m.alias in ids:
+            return True
+        if not m.foreign:
+            m.foreign = True
+            log.warning("llamacpp: port %d answers, but not as %s: another process holds it",
+                        m.port, m.alias)
         return False
 
     async def _read_props(self, m: _Model) -> None:

@@ -109,7 +109,7 @@ async def test_llamacpp_adapter_knows_llama_cpp_python_by_its_missing_health(
 
 
 def test_the_servers_answer_with_the_models_name_not_its_file() -> None:
-    from appliance.node.engines.llamacpp import with_alias
+    from appliance.node.engines.childproc import with_alias
 
     server = ["/opt/llama/llama-server", "-m", "/models/x.gguf", "--port", "1"]
     assert with_alias(server, "tiny") == [*server, "--alias", "tiny"]

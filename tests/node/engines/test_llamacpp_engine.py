@@ -5,10 +5,12 @@ These start real (small) processes, so they run in real time; every wait is boun
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,8 +24,8 @@ import trio
 from appliance import config
 from appliance.node.engines import llamacpp
 from appliance.node.engines.base import EngineError, unheard
-from appliance.node.engines.childproc import Child
-from appliance.node.engines.llamacpp import LlamaCppEngine, expand_command, pick_error
+from appliance.node.engines.childproc import Child, expand_command
+from appliance.node.engines.llamacpp import LlamaCppEngine, pick_error
 from tests.harness import HARNESS
 from tests.harness.procs import wait_until
 
@@ -152,6 +154,39 @@ async def test_kev_fails_with_llamacpp_line(nursery, model_file):
     assert "Traceback" not in str(err.value)
     (m,) = eng.models()
     assert m.state == "failed" and KEV_LINE in m.last_error
+    assert eng.upstream("kev") is None
+
+
+async def test_a_foreign_server_on_the_port_is_not_taken_for_ours(nursery, model_file, tmp_path,
+                                                                 monkeypatch):
+    """Another process that took the free port before the child bound it answers /health
+    200: the engine must not call the model ready on its word (it did: a model served by
+    the wrong server, or here a kev file reported loaded) -- ours lists its alias."""
+    foreign = socket.socket()
+    foreign.bind(("127.0.0.1", 0))
+    foreign.listen(16)
+
+    async def answer_all() -> None:
+        sock = trio.socket.from_stdlib_socket(foreign)
+        while True:
+            conn, _ = await sock.accept()
+            with conn:
+                await conn.recv(65536)
+                body = json.dumps({"object": "list", "data": [{"id": "someone-else"}]}).encode()
+                await conn.send(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
+                                + body)
+
+    nursery.start_soon(answer_all)
+    monkeypatch.setattr(llamacpp, "free_port", lambda: foreign.getsockname()[1])
+    wrapper = tmp_path / "llama-server"  # named as the real one: the engine gives it --alias
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} \"$@\"\n")
+    wrapper.chmod(0o755)
+    eng = make_engine(f"{wrapper} -m {{model}} --port {{port}} {{args}}")
+    await nursery.start(eng.run)
+    with trio.fail_after(20), pytest.raises(EngineError) as err:
+        await eng.load("kev", model_file("tiny-kev.gguf"))
+    assert KEV_LINE in str(err.value)
     assert eng.upstream("kev") is None
 
 
