@@ -154,6 +154,8 @@ def test_priority_classes_live(fleet, workers):
     lines = f.audit()
     reqs = [x for x in lines if x.get("kind") == "request" and x.get("model") == MODEL]
     seen = {(x["client"], x["priority"], x["status"]) for x in reqs}
+    (timed_out,) = [x for x in reqs if x["status"] == 503]
+    assert timed_out["queue_ms"] >= 1500, timed_out  # why it was slow: the wait it gave up
     assert {("ops", "essential", 200), ("team", "normal", 200), ("batch", "background", 200),
             ("team", "background", 200), ("batch", "background", 503)} <= seen, seen
     bg = '{class="background"}'

@@ -267,6 +267,13 @@ class Request:
         if self.sent_at is None:
             self.sent_at = now
 
+    def gave_up(self, since: float) -> None:
+        """A wait for a place that began at `since` ended without a node (its client left,
+        the wait timed out): audited in `queue_ms` all the same -- why it was slow."""
+        if self.queue_at is None:
+            self.queue_at = since
+        self.queue_s = (self.queue_s or 0.0) + time.perf_counter() - since
+
     def answered(self, node: str, status: int, ttfb: float | None,
                  usage: Callable[[], Usage | None] | None = None) -> None:
         """The node's answer began: its status, the time to its first byte and what tells

@@ -319,10 +319,10 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Plan,
     await r.control.make_servable(model, keep, ready, hold)
     req.activated(since=t)  # the activation wait (audit `load_ms`)
     assert req.lease is not None  # admitted above
+    waiting: float | None = time.perf_counter()  # admission's, then the slot's (`queue_ms`)
     try:
         in_flight = r.recorder.metrics.in_flight_of(model)
         victim = req if way.preemptible else None
-        t = time.perf_counter()  # admission's wait, then the slot's (audit `queue_ms`)
         if req.trace is not None:  # its place in the queue, for the span's admission event
             req.trace.ahead = r.admission.waiting(model)
         async with r.admission.place(model, req.cls, req.client, in_flight, req.lease,
@@ -332,7 +332,9 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Plan,
             while node is not None:
                 await place.wait_slot()
                 node = place.node or node  # a home wait that ran out moves it (decide/home.py)
-                req.sent_to(node.name, place.tried, place.route, queued_since=t)
+                assert waiting is not None
+                req.sent_to(node.name, place.tried, place.route, queued_since=waiting)
+                waiting = None
                 if req.trace is not None:
                     req.trace.attempt(node.name)
                 plan = prep.for_engine(translate.engine_kind(node.state), translate.context_length(
@@ -350,8 +352,10 @@ async def _route(r: Routing, req: Request, model: str, prep: translate.Plan,
                             f"retried on {nxt.name}" if nxt is not None
                             else "has no other node to go to")
                 node = nxt
-                t = time.perf_counter()  # the next node's slot wait
+                waiting = time.perf_counter()  # the next node's slot wait
             raise ApiError(503, "no_capacity", f"no node can serve {model!r} now ({last})",
                            retry_after=NO_CAPACITY_RETRY_AFTER)
     finally:
+        if waiting is not None:  # a wait cut short (its client left, it timed out)
+            req.gave_up(since=waiting)
         r.control.touch(model, keep, hold)  # idle time counts from the end of the work
