@@ -124,9 +124,12 @@ class Control:
 
     def _finished(self) -> None:
         """A request finished: a plan can change only for a placement waiting for room
-        (an idle victim); idle unloads count from the touch that follows."""
-        if self.core.waiting_for_room():
-            self._wake.set()
+        (some model found no place at its last decision; a busy victim may be idle now);
+        idle unloads count from the touch that follows."""
+        for h in self.core.health.values():
+            if h.unplaceable:
+                self._wake.set()
+                return
 
     def leading(self) -> bool:
         return self.cluster is None or self.cluster.leading

@@ -255,13 +255,6 @@ class Models:
         h = self._h(name)
         h.asked, h.last_used = True, now
 
-    def waiting_for_room(self) -> bool:
-        """Some model found no place at its last decision (a busy victim may free one)."""
-        for h in self.health.values():
-            if h.unplaceable:
-                return True
-        return False
-
     def next_due(self, now: float) -> float | None:
         """The earliest end of a backoff still ahead (the loop wakes for it)."""
         due = [h.next_attempt for h in self.health.values() if h.next_attempt > now
