@@ -111,3 +111,16 @@ async def test_a_hub_whose_renewal_came_late_is_still_asked(nursery, autojump_cl
             b_saw_none = b_saw_none or "hub-a" not in b.member.snapshot.hubs
             assert b.member.hub_urls().get("hub-a") == "http://a:1"
     assert b_saw_none and store.kv[key].lease != lease
+
+
+async def test_a_url_advertised_is_written_at_once_not_at_the_next_tick(nursery, autojump_clock):
+    store, a, b = await _two_hubs(nursery)
+    await a.start(nursery)
+    await trio.sleep(0.1)  # its first write (no URL yet) done; the next tick is 0.4 s away
+    a.member.advertise("http://a:1")
+    await trio.sleep(0.1)
+    assert json.loads(store.kv["appliance/hubs/hub-a"].value)["url"] == "http://a:1"
+    written, renewals = store.kv["appliance/hubs/hub-a"].mod_revision, len(a.etcd.renewals)
+    await trio.sleep(10 * a.member.tick)  # then a tick apart again, the URL not rewritten
+    assert store.kv["appliance/hubs/hub-a"].mod_revision == written
+    assert len(a.etcd.renewals) - renewals <= 11
