@@ -131,7 +131,7 @@ def _retrieve(client, fid):
         return None
 
 
-# What hub-b last answered while it did not reach hub-a: said when a wait runs out (the
+# What a hub last answered while it did not reach the other: said when a wait runs out (the
 # 503's message tells "is not running now" from "does not answer (...)").
 REFUSED: list[str] = []
 
@@ -140,7 +140,7 @@ def _until(fn, what: str):
     try:
         return wait_until(fn, timeout=20, what=what)
     except AssertionError as e:
-        raise AssertionError(f"{e}; hub-b's last refusal: {REFUSED[-1:]}") from None
+        raise AssertionError(f"{e}; the last refusal: {REFUSED[-1:]}") from None
 
 
 def _refused(f: Fleet, fid: str) -> httpx.Response | None:
