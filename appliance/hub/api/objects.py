@@ -22,7 +22,7 @@ from appliance.bounds import echo
 from appliance.http.asgi import Scope, bearer
 from appliance.http.errors import ApiError
 from appliance.hub.api.router import authenticate
-from appliance.hub.store import ids
+from appliance.hub.store import ids, peers
 from appliance.hub.store.db import Obj
 
 if TYPE_CHECKING:
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 # The page bound of every list route (OpenAI's is 100 for batches, 10,000 for files).
 MAX_PAGE = 100
 DEFAULT_PAGE = 20
-# Another hub that holds an object is asked again after about one lease's time.
-ELSEWHERE_RETRY_AFTER = 10.0
 
 
 @dataclass
@@ -77,8 +75,7 @@ async def find(hub: Hub, store: Store, c: Caller, kind: str, prefix: str, oid: s
         return o
     holder = ids.holder(oid, prefix)
     if holder is not None and holder != ids.safe_name(hub.cfg.hub_name()):
-        raise ApiError(503, "held_elsewhere", f"{echo(oid)} is held by hub {echo(holder)}, "
-                       "which this hub cannot reach now", retry_after=ELSEWHERE_RETRY_AFTER)
+        raise peers.gone(oid, holder, "this hub cannot reach now")
     raise ApiError(404, "not_found", f"No such {kind}: {echo(oid)!r}")
 
 

@@ -83,6 +83,8 @@ def sent_headers(hub: Hub, scope: Scope) -> list[tuple[bytes, bytes]]:
 
 
 def gone(oid: str, holder: str, why: str) -> ApiError:
+    """503 `held_elsewhere`: another hub holds `oid` and cannot be asked now (`why`);
+    asked again after about one lease's time."""
     return ApiError(503, "held_elsewhere", f"{echo(oid)} is held by hub {echo(holder)}, "
                     f"which {why}; ask again later", retry_after=RETRY_AFTER)
 
