@@ -65,13 +65,14 @@ def ha_fleet(tmp, lease: int = LEASE) -> Fleet:
     return f
 
 
-def start_hub(f: Fleet, name: str) -> None:
+def start_hub(f: Fleet, name: str, **env: str) -> None:
     f.start_hub({"Hub__Name": name, "Cluster__Etcd": f.etcd.url,
-                 "Cluster__LeaseSeconds": str(f.lease), **CATALOG}, name=name)
+                 "Cluster__LeaseSeconds": str(f.lease), **CATALOG, **env}, name=name)
 
 
-def start_node(f: Fleet, name: str, hubs: list[str]) -> None:
-    f.start_node(name, {"Node__MemoryMb": "8000", "Node__AnnounceSeconds": "2", **SIM}, hubs=hubs)
+def start_node(f: Fleet, name: str, hubs: list[str], **env: str) -> None:
+    f.start_node(name, {"Node__MemoryMb": "8000", "Node__AnnounceSeconds": "2", **SIM, **env},
+                 hubs=hubs)
 
 
 def cluster(f: Fleet, hub: str) -> dict:
@@ -359,19 +360,22 @@ def test_sigterm_of_the_leader_hands_over_at_once(tmp_path):
     and the stopped hub exits 0."""
     f = ha_fleet(tmp_path, lease=LONG_LEASE)
     try:
-        start_hub(f, "hub-a")
-        start_hub(f, "hub-b")
-        start_node(f, "n1", ["hub-a", "hub-b"])
+        # The sim's most tokens (4096) at 300/s: ~14 s in flight on the leader (within the
+        # stopped hub's drain), so the handover (seconds on a loaded box) comes while it
+        # still drains -- at 1000/s it was 4 s, once too short at load 9.5.
+        start_hub(f, "hub-a", Hub__DrainSeconds="40")
+        start_hub(f, "hub-b", Hub__DrainSeconds="40")
+        start_node(f, "n1", ["hub-a", "hub-b"], Sim__TokensPerSecond="300")
         for h in f.hubs:
             wait_until(lambda h=h: ready(f, h, "ready-m") == 1, timeout=40,
                        what=f"ready-m ready on {h}")
         leader = agreed_leader(f)
         follower = other(f, leader)
         epoch = cluster(f, follower)["epoch"]
-        long: list[httpx.Response] = []  # 6000 tokens at 1000/s: 6 s, in flight on the leader
+        long: list[httpx.Response] = []
         slow = threading.Thread(target=lambda: long.append(httpx.post(
             f.hubs[leader].url + "/v1/chat/completions", timeout=60,
-            json={"model": "ready-m", "max_tokens": 6000,
+            json={"model": "ready-m", "max_tokens": 4096,
                   "messages": [{"role": "user", "content": "hi"}]})))
         slow.start()
         t = Hammer(f, follower)
