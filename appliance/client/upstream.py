@@ -14,16 +14,18 @@ here (TLS: trio's SSLStream over it); heads are appliance/h1/parse.py's, bodies
 appliance/h1/body.py's; a short answer whose body came with its head is handed over
 whole (`Response.whole`: no read, no deadline). Connecting is bounded by CONNECT_SECONDS,
 each read by the caller's `read_timeout` (Hub__UpstreamReadSeconds). The hub's control
-calls to its nodes (hub/fleet/ops.py) take the same pool: one set of connections and one
-TLS setup per node; httpx stays for the watch stream, ctl, etcd and engines.
+calls to its nodes (hub/fleet/ops.py) and their watch streams (hub/fleet/supervisor.py)
+take the same pool: one set of connections and one TLS setup per node; httpx stays for
+ctl, etcd and engines. `open_socket` (a test's in-memory peer) replaces the TCP connect.
 """
 
 from __future__ import annotations
 
 import select
+import socket
 import ssl
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import trio
@@ -247,10 +249,12 @@ class Response:
 
 class Pool:
     def __init__(self, headers: dict[str, str] | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None,
+                 open_socket: Callable[[str, int], Awaitable[socket.socket]] = connect) -> None:
         self._idle: dict[_Key, list[_Conn]] = {}
         self._headers = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         self._ssl = ssl_context
+        self._open = open_socket  # a connected socket to (host, port); bounded by the caller
 
     def _put(self, key: _Key, conn: _Conn) -> None:
         conn.idle_since = time.monotonic()
@@ -291,7 +295,7 @@ class Pool:
         scheme, host, port = key
         try:
             with trio.fail_after(CONNECT_SECONDS):
-                sock = await connect(host, port)
+                sock = await self._open(host, port)
                 if scheme != "https":
                     return _Conn(Transport(sock))
                 tls = TlsTransport(sock, self._ssl or ssl.create_default_context(),

@@ -1,11 +1,11 @@
 """The hub's parts in one object, as the request handlers, the workers and the entry
 point (hub/run.py) see them.
 
-Theory of operation: `Hub(cfg, node_client, nursery)` builds the registry, metrics, audit
+Theory of operation: `Hub(cfg, nursery)` builds the registry, metrics, audit
 log, admission, control plane, startup grace and the page's memory; `run_hub` (hub/run.py)
 makes one and starts its loops. The handlers in hub/api/ read it; nothing here runs a task
-but the per-node supervisors `add_node` starts. `hub_limits`, `auth_headers`,
-`client_ssl` and `node_client` are what every hub process (the main one and each worker)
+but the per-node supervisors `add_node` starts. `hub_limits`, `auth_headers`
+and `client_ssl` are what every hub process (the main one and each worker)
 derives from the configuration the same way.
 """
 
@@ -55,13 +55,12 @@ if TYPE_CHECKING:
 class Hub:
     """Everything a request handler needs, in one place."""
 
-    def __init__(self, cfg: Config, node_client: httpx.AsyncClient, nursery: trio.Nursery,
+    def __init__(self, cfg: Config, nursery: trio.Nursery,
                  beat: Callable[[], None] = lambda: None) -> None:
         """`beat`: called at every turn of the control loop (systemd's watchdog)."""
         self.cfg = cfg
         self.limits = LiveLimits(hub_limits(cfg))  # every listener of this process (reload)
-        self.node_client = node_client
-        # The request path's own lean client (same token, same TLS) -- see upstream.py.
+        # The one client to the nodes (token, TLS): requests, control calls, watch streams.
         self.upstream = Pool(headers=auth_headers(cfg), ssl_context=client_ssl(cfg))
         self.nursery = nursery
         self.registry = Registry()
@@ -121,7 +120,7 @@ class Hub:
         if new:
             self.audit.event("node_added", node=name, url=url, static=static)
             self.nursery.start_soon(partial(
-                supervise, self.node_client, h, self.registry,
+                supervise, self.upstream, h, self.registry,
                 heartbeat=self.cfg.node.heartbeat_seconds,
                 backoff_max=self.cfg.hub.reconnect_max_seconds,
                 on_event=self._node_event,
@@ -182,17 +181,3 @@ def client_ssl(cfg: Config) -> ssl.SSLContext | None:
     if cfg.hub.tls_cert:
         ctx.load_cert_chain(cfg.hub.tls_cert, cfg.hub.tls_key or None)
     return ctx
-
-
-def node_client(cfg: Config) -> httpx.AsyncClient:
-    """One client for every node's watch stream (hub/fleet/supervisor.py): the node token,
-    an explicit timeout, TLS. Control calls and requests go through `Hub.upstream`."""
-    return httpx.AsyncClient(
-        headers=auth_headers(cfg),
-        verify=client_ssl(cfg) or True,
-        # Connect fast or fail over; reads may wait a long time between tokens.
-        timeout=httpx.Timeout(connect=5.0, read=cfg.hub.upstream_read_seconds, write=30.0,
-                              pool=10.0),
-        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200,
-                            keepalive_expiry=60),
-    )

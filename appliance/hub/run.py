@@ -28,7 +28,7 @@ import trio
 from appliance import config as config_mod
 from appliance.config import Config
 from appliance.hub.api.app import make_app
-from appliance.hub.hub import Hub, node_client
+from appliance.hub.hub import Hub
 from appliance.hub.observe.audit import check_path
 from appliance.hub.observe.history import read_hub, run_sampler
 from appliance.hub.workers import pool as workers
@@ -56,8 +56,8 @@ async def run_hub(cfg: Config, stop: trio.Event, *, env_file: str | None = None,
                   beat: Callable[[], None] = lambda: None,
                   task_status: HubStarted = trio.TASK_STATUS_IGNORED) -> None:
     """`beat`: called at every turn of the control loop (feeds systemd's watchdog)."""
-    async with node_client(cfg) as client, trio.open_nursery() as nursery:
-        hub = Hub(cfg, client, nursery, beat)
+    async with trio.open_nursery() as nursery:
+        hub = Hub(cfg, nursery, beat)
         metrics_listen = HUB_METRICS_DEFAULT if cfg.metrics.listen is None else cfg.metrics.listen
         same_port(metrics_listen, cfg.hub.listen, "Hub__Listen")
         if not cfg.auth.node_token and not cfg.auth.nodes:

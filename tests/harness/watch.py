@@ -1,9 +1,14 @@
-"""The hub's supervisor of one node (appliance/hub/fleet/supervisor.py) in-process, its HTTP
-answered by a test's httpx MockTransport handler: what a node's watch stream says, or how
-it fails, on trio's virtual clock."""
+"""The hub's supervisor of one node (appliance/hub/fleet/supervisor.py) in-process, on trio's
+virtual clock: its `Pool` connects over a socket pair to a tiny HTTP/1.1 responder that
+answers with a test's handler (an httpx.Request in, an httpx.Response out, its body streamed
+chunked as the handler's stream yields it). A handler that raises, or a body that raises,
+is a node that closes the connection there. A socket pair's bytes are in its peer's buffer
+when `send` returns, so the autojump clock never jumps past an answer on its way."""
 
 from __future__ import annotations
 
+import inspect
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -12,8 +17,55 @@ from functools import partial
 import httpx
 import trio
 
+from appliance.client.upstream import Pool
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.fleet.supervisor import supervise
+
+Handler = Callable[[httpx.Request], httpx.Response | Awaitable[httpx.Response]]
+
+
+async def _respond(handler: Handler, host: str, port: int, sock: socket.socket) -> None:
+    """Answer one request on `sock` with `handler`, then close (no keep-alive)."""
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+    async with stream:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            head += data
+        lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        headers = [tuple(x.strip() for x in line.split(":", 1)) for line in lines[1:]]
+        request = httpx.Request(method, f"http://{host}:{port}{target}", headers=headers)
+        try:
+            got = handler(request)
+            response = await got if inspect.isawaitable(got) else got
+            out = [f"HTTP/1.1 {response.status_code} {response.reason_phrase}".encode()]
+            out += [k + b": " + v for k, v in response.headers.raw
+                    if k.lower() not in (b"content-length", b"transfer-encoding")]
+            out += [b"transfer-encoding: chunked", b"connection: close", b"", b""]
+            await stream.send_all(b"\r\n".join(out))
+            async for chunk in response.stream:  # type: ignore[union-attr]
+                if chunk:
+                    await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await stream.send_all(b"0\r\n\r\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the hub hung up
+        except Exception:
+            pass  # the node breaks off: the connection closes here
+
+
+def answering(handler: Handler, nursery: trio.Nursery) -> Pool:
+    """A Pool whose every connection is answered by `handler` (tasks in `nursery`)."""
+
+    async def open_socket(host: str, port: int) -> socket.socket:
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        nursery.start_soon(_respond, handler, host, port, theirs)
+        return ours
+
+    return Pool(open_socket=open_socket)
 
 
 @dataclass
@@ -25,9 +77,8 @@ class Supervised:
 
 
 @asynccontextmanager
-async def supervising(handler: Callable[[httpx.Request],
-                                        httpx.Response | Awaitable[httpx.Response]], *,
-                      name: str = "a", static: bool = True, connected: bool = False,
+async def supervising(handler: Handler, *, name: str = "a", static: bool = True,
+                      connected: bool = False,
                       backoff_max: float = 30.0) -> AsyncIterator[Supervised]:
     """Node `name` (at http://NAME:1, heartbeat 2 s) supervised while the block runs."""
     reg = Registry()
@@ -39,9 +90,9 @@ async def supervising(handler: Callable[[httpx.Request],
     def said(kind: str, node: NodeHandle, reason: str) -> None:
         s.events.append((kind, trio.current_time() - start, reason))
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(supervise, client, h, reg, heartbeat=2.0,
-                                       backoff_max=backoff_max, on_event=said))
-            yield s
-            nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        pool = answering(handler, nursery)
+        nursery.start_soon(partial(supervise, pool, h, reg, heartbeat=2.0,
+                                   backoff_max=backoff_max, on_event=said))
+        yield s
+        nursery.cancel_scope.cancel()

@@ -5,20 +5,20 @@ follow the node's watch stream, take every `NodeState` it sends as the truth, ma
 node lost when the stream ends or stays silent for 3 x heartbeat (MISSED_HEARTBEATS),
 back off (capped, jittered), reconnect -- until the node is forgotten (`ctl forget`
 cancels its handle's scope) or, announced, unreachable for long enough. It never catches
-`Cancelled`.
+`Cancelled`. The stream goes through the request path's `Pool` (appliance/client/upstream.py):
+one set of connections, one token and one TLS setup per node.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
-import httpx
 import msgspec
 import trio
 
-from appliance.http.errors import describe
+from appliance.client.upstream import Pool, Response, UpstreamError
 from appliance.http.lines import LineTooLong, aiter_lines
 from appliance.hub.fleet.nodes import MISSED_HEARTBEATS, NodeHandle, Registry
 from appliance.wire import (
@@ -36,20 +36,23 @@ log = logging.getLogger(__name__)
 BACKOFF_START = 0.5
 
 
-async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Registry,
-                      heartbeat: float,
+async def follow_once(pool: Pool, h: NodeHandle, registry: Registry, heartbeat: float,
                       on_event: Callable[[str, NodeHandle, str], None]) -> None:
     """Follow one watch stream until it ends; raise on transport errors and silences
     (MISSED_HEARTBEATS of the node's own interval, as its stream says: h.heartbeat)."""
-    async with client.stream("GET", f"{h.url}/node/v1/watch", headers=h.auth) as resp:
+    headers = [(k.encode(), v.encode()) for k, v in h.auth.items()]
+    resp = await pool.request("GET", f"{h.url}/node/v1/watch", headers, b"",
+                              MISSED_HEARTBEATS * heartbeat)
+    try:
         if resp.status_code != 200:
-            body = (await resp.aread())[:200].decode(errors="replace")
-            raise httpx.HTTPStatusError(f"watch answered {resp.status_code}: {body}",
-                                        request=resp.request, response=resp)
+            with trio.move_on_after(MISSED_HEARTBEATS * heartbeat):
+                body = await resp.receive()
+            raise WatchRefused(f"watch answered {resp.status_code}: "
+                               f"{body[:200].decode(errors='replace')}")
         h.heartbeat = heartbeat_of(resp.headers.get(HEARTBEAT_HEADER), heartbeat)
         silence = MISSED_HEARTBEATS * h.heartbeat
-        # Split on b"\n" only: httpx's aiter_lines also splits on U+2028 and its kin.
-        lines = aiter_lines(resp.aiter_bytes(), MAX_WATCH_LINE).__aiter__()
+        # Split on b"\n" only: U+2028 and its kin are inside a line (appliance/http/lines.py).
+        lines = aiter_lines(_body(resp), MAX_WATCH_LINE).__aiter__()
         while True:
             with trio.fail_after(silence):
                 try:
@@ -67,9 +70,21 @@ async def follow_once(client: httpx.AsyncClient, h: NodeHandle, registry: Regist
                     on_event("node_up", h, "")
             elif isinstance(ev, Heartbeat):
                 pass
+    finally:
+        await resp.aclose()
 
 
-async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry, *,
+class WatchRefused(Exception):
+    """The node answered the watch with a status other than 200."""
+
+
+async def _body(resp: Response) -> AsyncIterator[bytes]:
+    """The response's payload as it arrives (no deadline: the caller keeps one per line)."""
+    while chunk := await resp.receive():
+        yield chunk
+
+
+async def supervise(pool: Pool, h: NodeHandle, registry: Registry, *,
                     heartbeat: float,
                     backoff_max: float, on_event: Callable[[str, NodeHandle, str], None],
                     forget_after: float | None = None) -> None:
@@ -77,22 +92,22 @@ async def supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry
     (an operator's `ctl forget` cancels `h.cancel_scope`) or, for an announced node,
     unreachable for `forget_after` seconds: then it is forgotten (`node_forgotten`)."""
     with h.cancel_scope:
-        await _supervise(client, h, registry, heartbeat, backoff_max, on_event, forget_after)
+        await _supervise(pool, h, registry, heartbeat, backoff_max, on_event, forget_after)
 
 
-async def _supervise(client: httpx.AsyncClient, h: NodeHandle, registry: Registry,
+async def _supervise(pool: Pool, h: NodeHandle, registry: Registry,
                      heartbeat: float, backoff_max: float,
                      on_event: Callable[[str, NodeHandle, str], None],
                      forget_after: float | None) -> None:
     backoff = BACKOFF_START
     while not h.removed:
         try:
-            await follow_once(client, h, registry, heartbeat, on_event)
+            await follow_once(pool, h, registry, heartbeat, on_event)
             reason = "watch stream ended"
         except trio.TooSlowError:
             reason = f"no heartbeat for {MISSED_HEARTBEATS * (h.heartbeat or heartbeat):g} s"
-        except (httpx.TransportError, httpx.HTTPStatusError, httpx.StreamError) as e:
-            reason = describe(e)
+        except (UpstreamError, WatchRefused) as e:
+            reason = str(e)
         except (msgspec.DecodeError, msgspec.ValidationError, LineTooLong) as e:
             reason = f"bad watch line: {e}"
         if h.connected:

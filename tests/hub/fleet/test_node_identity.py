@@ -16,6 +16,7 @@ from appliance.http.errors import ApiError
 from appliance.hub.fleet import announce
 from appliance.hub.fleet.nodes import Registry
 from appliance.hub.fleet.supervisor import supervise
+from tests.harness.watch import answering
 
 
 def auth(**env):
@@ -138,19 +139,19 @@ async def test_an_announced_ghost_is_forgotten_after_forget_seconds(autojump_clo
     static, _ = reg.upsert("fixed", "http://10.9.9.8:1", static=True)
     events = []
     start = trio.current_time()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        async with trio.open_nursery() as nursery:
-            for h in (ghost, static):
-                nursery.start_soon(lambda h=h: supervise(
-                    client, h, reg, heartbeat=2.0, backoff_max=30.0, forget_after=600.0,
-                    on_event=lambda k, n, r: events.append((k, n.name,
-                                                            trio.current_time() - start))))
-            await trio.sleep(599)
-            assert "ghost" in reg.nodes
-            await trio.sleep(31)  # the next failed attempt after 600 s forgets it (backoff <= 30 s)
-            assert "ghost" not in reg.nodes and ghost.removed
-            assert "fixed" in reg.nodes  # static nodes are never forgotten
-            nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        client = answering(handler, nursery)
+        for h in (ghost, static):
+            nursery.start_soon(lambda h=h: supervise(
+                client, h, reg, heartbeat=2.0, backoff_max=30.0, forget_after=600.0,
+                on_event=lambda k, n, r: events.append((k, n.name,
+                                                        trio.current_time() - start))))
+        await trio.sleep(599)
+        assert "ghost" in reg.nodes
+        await trio.sleep(31)  # the next failed attempt after 600 s forgets it (backoff <= 30 s)
+        assert "ghost" not in reg.nodes and ghost.removed
+        assert "fixed" in reg.nodes  # static nodes are never forgotten
+        nursery.cancel_scope.cancel()
     forgotten = [e for e in events if e[0] == "node_forgotten"]
     assert [e[1] for e in forgotten] == ["ghost"] and 600 <= forgotten[0][2] <= 630
 
@@ -161,7 +162,8 @@ async def test_forget_cancels_a_connected_supervisor(autojump_clock):
 
     reg = Registry()
     h, _ = reg.upsert("a", "http://10.0.0.1:1", static=False)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+    async with trio.open_nursery() as node:  # the node's side, still answering
+        client = answering(handler, node)
         with trio.fail_after(5):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: supervise(client, h, reg, heartbeat=2.0,
@@ -169,4 +171,5 @@ async def test_forget_cancels_a_connected_supervisor(autojump_clock):
                                                      on_event=lambda *a: None))
                 await trio.sleep(1)
                 reg.forget(h)
+        node.cancel_scope.cancel()
     assert "a" not in reg.nodes

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import trio
 import trio.testing
@@ -77,7 +76,7 @@ class FakeWorker:
 async def make_hub(nursery: trio.Nursery, tmp_path, state: str = "ready") -> Hub:
     cfg = load({"Hub__Listen": "127.0.0.1:0", "Metrics__Listen": "",
                 "Audit__Path": str(tmp_path / "audit.jsonl")})
-    hub = Hub(cfg, httpx.AsyncClient(), nursery)
+    hub = Hub(cfg, nursery)
     h, _ = hub.registry.upsert("a", "http://127.0.0.1:1", static=True)
     h.connected = True
     h.state = NodeState(name="a", max_concurrency=1, slots=1,
