@@ -44,14 +44,18 @@ async def response(stream, conn: h11.Connection) -> tuple[int, dict, bytes]:
                 raise AssertionError(ev)
 
 
-async def request(stream, conn: h11.Connection) -> bool:
-    """Read one whole request on `stream` (a server's side); False: the client closed first."""
+async def request(stream, conn: h11.Connection) -> h11.Request | None:
+    """Read one whole request on `stream` (a server's side): its head; None: the client
+    closed first."""
+    head = None
     while True:
         ev = conn.next_event()
         if ev is h11.NEED_DATA:
             data = await stream.receive_some(65536)
             if not data:
-                return False
+                return None
             conn.receive_data(data)
+        elif isinstance(ev, h11.Request):
+            head = ev
         elif isinstance(ev, h11.EndOfMessage):
-            return True
+            return head

@@ -14,12 +14,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
+import h11
 import httpx
 import trio
 
 from appliance.client.upstream import Pool
 from appliance.hub.fleet.nodes import NodeHandle, Registry
 from appliance.hub.fleet.supervisor import supervise
+from tests.harness.h11io import request
 
 Handler = Callable[[httpx.Request], httpx.Response | Awaitable[httpx.Response]]
 
@@ -27,29 +29,23 @@ Handler = Callable[[httpx.Request], httpx.Response | Awaitable[httpx.Response]]
 async def _respond(handler: Handler, host: str, port: int, sock: socket.socket) -> None:
     """Answer one request on `sock` with `handler`, then close (no keep-alive)."""
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+    conn = h11.Connection(h11.SERVER)
     async with stream:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            head += data
-        lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
-        method, target, _ = lines[0].split(" ", 2)
-        headers = [tuple(x.strip() for x in line.split(":", 1)) for line in lines[1:]]
-        request = httpx.Request(method, f"http://{host}:{port}{target}", headers=headers)
+        asked = await request(stream, conn)
+        if asked is None:
+            return
+        url = f"http://{host}:{port}{asked.target.decode('latin-1')}"
         try:
-            got = handler(request)
+            got = handler(httpx.Request(asked.method.decode(), url, headers=asked.headers))
             response = await got if inspect.isawaitable(got) else got
-            out = [f"HTTP/1.1 {response.status_code} {response.reason_phrase}".encode()]
-            out += [k + b": " + v for k, v in response.headers.raw
-                    if k.lower() not in (b"content-length", b"transfer-encoding")]
-            out += [b"transfer-encoding: chunked", b"connection: close", b"", b""]
-            await stream.send_all(b"\r\n".join(out))
+            headers = [(k, v) for k, v in response.headers.raw
+                       if k.lower() not in (b"content-length", b"transfer-encoding")]
+            await stream.send_all(conn.send(h11.Response(  # chunked: h11 frames it
+                status_code=response.status_code, headers=[*headers, (b"connection", b"close")])))
             async for chunk in response.stream:  # type: ignore[union-attr]
                 if chunk:
-                    await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            await stream.send_all(b"0\r\n\r\n")
+                    await stream.send_all(conn.send(h11.Data(data=chunk)))
+            await stream.send_all(conn.send(h11.EndOfMessage()))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the hub hung up
         except Exception:
